@@ -1,0 +1,54 @@
+"""flashtune: autotuned Triton flash-attention kernels.
+
+``import flashtune`` is light: torch and triton are imported on first use of an op, so the
+CLI's ``--help`` and the database tools start fast.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from flashtune._version import __version__
+from flashtune.errors import (
+    ConfigError,
+    DeviceError,
+    FlashtuneError,
+    ImportRejected,
+    InputError,
+    InputTypeError,
+    SchemaError,
+    StoreError,
+    UnknownTemplateError,
+)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from flashtune.runtime.ops import attention
+
+__all__ = [
+    "__version__",
+    "attention",
+    "ConfigError",
+    "DeviceError",
+    "FlashtuneError",
+    "ImportRejected",
+    "InputError",
+    "InputTypeError",
+    "SchemaError",
+    "StoreError",
+    "UnknownTemplateError",
+]
+
+_LAZY = {
+    "attention": ("flashtune.runtime.ops", "attention"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        value = getattr(importlib.import_module(module), attr)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'flashtune' has no attribute {name!r}")
