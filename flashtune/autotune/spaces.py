@@ -1,0 +1,74 @@
+"""Search spaces as data: named discrete parameters plus a validity predicate.
+
+A template's ``space.py`` builds one :class:`SearchSpace`. The space knows nothing of
+Optuna: strategies read ``params`` to build their distributions, and call
+:meth:`SearchSpace.check` before anything is compiled.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Mapping
+
+from flashtune.errors import ConfigError
+
+Config = dict[str, int]
+# predicate(config, problem, device) -> None when valid, else the reason it is not
+Predicate = Callable[[Mapping[str, int], Any, Any], "str | None"]
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """Discrete parameters (name -> allowed values, in order) and a validity predicate."""
+
+    params: Mapping[str, tuple[int, ...]]
+    predicate: Predicate
+
+    @property
+    def size(self) -> int:
+        n = 1
+        for values in self.params.values():
+            n *= len(values)
+        return n
+
+    def validate(self, config: Mapping[str, Any], *, argname: str = "config") -> Config:
+        """Return ``config`` as a plain dict after checking keys and values against the space.
+
+        Raises :class:`ConfigError` naming every unknown or missing key and any value that
+        is not one of the allowed ones. Does not run the predicate (see :meth:`check`).
+        """
+        if not isinstance(config, Mapping):
+            raise ConfigError(f"{argname} must be a mapping of parameter names to ints, "
+                              f"got {type(config).__name__}")
+        unknown = sorted(set(config) - set(self.params))
+        missing = sorted(set(self.params) - set(config))
+        if unknown or missing:
+            parts = []
+            if unknown:
+                parts.append(f"unknown keys {unknown}")
+            if missing:
+                parts.append(f"missing keys {missing}")
+            raise ConfigError(f"{argname} has {' and '.join(parts)}; expected exactly "
+                              f"{sorted(self.params)}")
+        out: Config = {}
+        for name, allowed in self.params.items():
+            value = config[name]
+            if isinstance(value, bool) or not isinstance(value, int) or value not in allowed:
+                raise ConfigError(f"{argname}[{name!r}] = {value!r} is outside the search space; "
+                                  f"allowed values: {list(allowed)}")
+            out[name] = int(value)
+        return out
+
+    def check(self, config: Mapping[str, int], problem: Any, device: Any) -> str | None:
+        """The predicate's verdict: ``None`` if the config can run, else why not."""
+        return self.predicate(config, problem, device)
+
+    def __iter__(self) -> Iterator[Config]:
+        names = list(self.params)
+        for values in itertools.product(*(self.params[n] for n in names)):
+            yield dict(zip(names, values))
+
+    def valid_configs(self, problem: Any, device: Any) -> list[Config]:
+        """Every config of the grid that passes the predicate for this problem and device."""
+        return [c for c in self if self.check(c, problem, device) is None]

@@ -1,0 +1,16 @@
+"""Triton kernel templates, one folder per family, and their registry.
+
+Importing this package imports torch and triton and registers every template.
+"""
+
+from __future__ import annotations
+
+from flashtune.kernel_templates.registry import (
+    TemplateSpec,
+    get_template,
+    register_template,
+    template_names,
+)
+from flashtune.kernel_templates import attn_fwd  # noqa: F401  (registers "attn_fwd")
+
+__all__ = ["TemplateSpec", "get_template", "register_template", "template_names"]

@@ -1,0 +1,25 @@
+"""attn_fwd: exact attention forward with online-softmax tiling."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from flashtune.kernel_templates.attn_fwd.kernel import attn_fwd_kernel
+from flashtune.kernel_templates.attn_fwd.launcher import attn_fwd
+from flashtune.kernel_templates.attn_fwd.reference import attn_fwd_reference
+from flashtune.kernel_templates.attn_fwd.space import SPACE, default_config
+from flashtune.kernel_templates.registry import TemplateSpec, register_template, source_hash
+
+_HERE = Path(__file__).parent
+
+SPEC = register_template(TemplateSpec(
+    name="attn_fwd",
+    source_hash=source_hash(_HERE / "kernel.py", _HERE / "launcher.py"),
+    launcher=attn_fwd,
+    reference=attn_fwd_reference,
+    space=SPACE,
+    default_config=default_config,
+    kernel=attn_fwd_kernel,
+))
+
+__all__ = ["SPEC", "attn_fwd", "attn_fwd_reference", "attn_fwd_kernel", "default_config", "SPACE"]

@@ -1,0 +1,65 @@
+"""Input checks for the public ops: every error names the argument and what was expected.
+
+All checks read tensor metadata only (no device sync, no launch).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from flashtune.autotune.devices import interpreting
+from flashtune.errors import DeviceError, InputError, InputTypeError
+
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 96, 128, 192, 256)
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def check_attention_inputs(q: Any, k: Any, v: Any, scale: Any) -> None:
+    """Raise a clear ``InputError``/``InputTypeError``/``DeviceError`` for bad inputs."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise InputTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise InputError(f"{name} must have 4 dimensions (batch, heads, seqlen, head_dim), "
+                             f"got shape {tuple(t.shape)}")
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise InputTypeError(f"{name} must be float16 or bfloat16, got {t.dtype}")
+        if t.numel() == 0:
+            raise InputError(f"{name} is empty (shape {tuple(t.shape)}); every dimension must "
+                             f"be >= 1")
+        if t.stride(-1) != 1 and t.shape[-1] != 1:
+            raise InputError(f"{name} must be contiguous in its last dimension (stride 1), got "
+                             f"strides {tuple(t.stride())}; call .contiguous() first")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise InputTypeError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, "
+                             f"v {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise InputError(f"q, k and v must be on one device, got q {q.device}, k {k.device}, "
+                         f"v {v.device}")
+    if k.shape != v.shape:
+        raise InputError(f"k and v must have the same shape (batch, heads_kv, seqlen_k, "
+                         f"head_dim), got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    if q.shape[0] != k.shape[0]:
+        raise InputError(f"batch mismatch: q has batch {q.shape[0]}, k/v have {k.shape[0]}")
+    if q.shape[3] != k.shape[3]:
+        raise InputError(f"head_dim mismatch: q has {q.shape[3]}, k/v have {k.shape[3]}")
+    if q.shape[1] % k.shape[1]:
+        raise InputError(f"q's heads ({q.shape[1]}) must be a multiple of k/v's heads "
+                         f"({k.shape[1]}) for GQA/MQA")
+    if q.shape[3] not in SUPPORTED_HEAD_DIMS:
+        raise InputError(f"head_dim {q.shape[3]} is not supported; supported: "
+                         f"{list(SUPPORTED_HEAD_DIMS)}")
+    if scale is not None:
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+            raise InputError(f"scale must be a finite float or None, got {scale!r}")
+    if q.device.type == "cpu":
+        if not interpreting():
+            raise DeviceError("q, k and v are CPU tensors: flashtune runs on CPU only under the "
+                              "Triton interpreter; set TRITON_INTERPRET=1 before importing "
+                              "flashtune, or move the tensors to a CUDA device")
+    elif q.device.type != "cuda":
+        raise DeviceError(f"q, k and v are on {q.device}; flashtune needs CUDA tensors (or CPU "
+                          f"tensors under TRITON_INTERPRET=1)")

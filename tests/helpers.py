@@ -1,0 +1,45 @@
+"""Shared test helpers: the flash-attention tolerance rule."""
+
+from __future__ import annotations
+
+import torch
+
+from flashtune.kernel_templates.attn_fwd.reference import attn_fwd_reference
+
+
+def lowp_reference(q, k, v, *, causal, scale=None):
+    """PyTorch's own attention in the inputs' precision: scores and P@V in fp16/bf16.
+
+    On CPU torch's fp16 matmul accumulates in fp32 like the GPU, so this is the
+    'same low precision' baseline of the flash-attention tolerance rule.
+    """
+    out, _ = attn_fwd_reference(q, k, v, causal=causal, scale=scale, dtype=q.dtype)
+    return out
+
+
+def assert_close_to_reference(out, q, k, v, *, causal, scale=None, lse=None, factor=2.0):
+    """flash-attention's rule: max error vs fp64 <= factor x torch's low-precision error.
+
+    Plus an absolute floor of a few ulps of the output dtype, and a hard relative bound, so
+    neither a lucky-exact torch run nor a wrong kernel slips through.
+    """
+    ref, ref_lse = attn_fwd_reference(q, k, v, causal=causal, scale=scale, dtype=torch.float64)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert not torch.isnan(out).any(), "NaN in output"
+    err = (out.double() - ref).abs().max().item()
+    pt_err = (lowp_reference(q, k, v, causal=causal, scale=scale).double() - ref).abs().max().item()
+    eps = torch.finfo(q.dtype).eps
+    assert err <= factor * pt_err + 4 * eps * max(1.0, ref.abs().max().item()), (
+        f"kernel max error {err:.3e} > {factor} x torch low-precision error {pt_err:.3e}")
+    rel = ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+    assert rel < 2e-2, f"relative error {rel:.3e}"
+    if lse is not None:
+        assert lse.dtype == torch.float32 and lse.shape == q.shape[:3]
+        inf_ref = torch.isinf(ref_lse)
+        assert torch.equal(torch.isinf(lse), inf_ref), "LSE -inf pattern differs"
+        assert (lse[inf_ref] < 0).all()
+        finite = ~inf_ref
+        if finite.any():
+            lse_err = (lse.double()[finite] - ref_lse[finite]).abs().max().item()
+            assert lse_err < 1e-3 * max(1.0, ref_lse[finite].abs().max().item()), lse_err
+    return err

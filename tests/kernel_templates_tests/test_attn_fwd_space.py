@@ -1,0 +1,121 @@
+"""attn_fwd's space, predicate, default configs, registry and shared-memory model."""
+
+from __future__ import annotations
+
+import pytest
+
+from flashtune.autotune.devices import DeviceFingerprint
+from flashtune.autotune.problems import AttentionProblem
+from flashtune.errors import ConfigError, UnknownTemplateError
+from flashtune.kernel_templates import get_template, template_names
+from flashtune.kernel_templates.attn_fwd.space import shared_mem_bytes
+
+SPEC = get_template("attn_fwd")
+H100 = DeviceFingerprint("NVIDIA_H100_80GB_HBM3", "9.0", 132, 232448, 85 << 30)
+SMALL_SMEM = DeviceFingerprint("tiny_gpu", "8.6", 10, 101376, 8 << 30)
+
+
+def prob(d=128, n=4096, causal=False):
+    return AttentionProblem(4, 16, 16, n, n, d, causal, "bf16")
+
+
+def test_registry_lists_known_names_on_unknown():
+    assert "attn_fwd" in template_names()
+    with pytest.raises(UnknownTemplateError, match="known templates: .*attn_fwd"):
+        get_template("attn_nope")
+    assert len(SPEC.source_hash) == 16
+
+
+def test_validate_rejects_unknown_missing_and_out_of_space():
+    good = {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3}
+    assert SPEC.space.validate(good) == good
+    with pytest.raises(ConfigError, match="unknown keys \\['BLOCK_K'\\]"):
+        SPEC.space.validate({**good, "BLOCK_K": 32})
+    with pytest.raises(ConfigError, match="missing keys \\['num_stages'\\]"):
+        SPEC.space.validate({k: v for k, v in good.items() if k != "num_stages"})
+    with pytest.raises(ConfigError, match="BLOCK_M.*48.*allowed"):
+        SPEC.space.validate({**good, "BLOCK_M": 48})
+    with pytest.raises(ConfigError, match="num_warps"):
+        SPEC.space.validate({**good, "num_warps": 4.0})
+    with pytest.raises(ConfigError, match="mapping"):
+        SPEC.space.validate([("BLOCK_M", 64)])
+
+
+def test_predicate_reads_device_limits():
+    cfg = {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}
+    assert SPEC.space.check(cfg, prob(128), H100) is None  # 224 KiB fits 227 KiB
+    assert "shared memory" in SPEC.space.check(cfg, prob(128), SMALL_SMEM)
+    big = {"BLOCK_M": 256, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+    assert "spill" in SPEC.space.check(big, prob(256), H100)
+
+
+def test_pruning_matches_the_measured_out_of_resources_count():
+    # ANCHORS.md: of BM {64,128,256} x BN {32,64,128} x w {4,8} x s {2..5}, 14 of 72 configs
+    # ran out of resources at D=128 on the H100.
+    grid = [{"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": s}
+            for m in (64, 128, 256) for n in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4, 5)]
+    oor = [c for c in grid if shared_mem_bytes(c, 128) > H100.shared_mem_per_block]
+    assert len(oor) == 14
+
+
+@pytest.mark.parametrize("d", [16, 32, 64, 96, 128, 192, 256])
+@pytest.mark.parametrize("device", [H100, SMALL_SMEM], ids=["h100", "small"])
+def test_default_config_is_valid_everywhere(d, device):
+    p = prob(d)
+    cfg = SPEC.default_config(p, device)
+    assert SPEC.space.validate(cfg) == cfg
+    assert SPEC.space.check(cfg, p, device) is None
+
+
+def test_space_is_data():
+    assert SPEC.space.size == len(list(SPEC.space))
+    valid = SPEC.space.valid_configs(prob(128), H100)
+    assert 0 < len(valid) < SPEC.space.size
+
+
+_COMPILE_SCRIPT = r"""
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from flashtune.kernel_templates.attn_fwd.kernel import attn_fwd_kernel as kern
+from flashtune.kernel_templates.attn_fwd.space import block_d
+names = kern.arg_names
+aligned = {"Q", "K", "V", "Out", "Lse"} | {n for n in names if n.startswith("stride_")
+                                           and n not in ("stride_lb", "stride_lh")}
+attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in aligned}
+result = []
+for bm, bn, w, s, d in json.loads(sys.argv[1]):
+    const = dict(HEAD_DIM=d, BLOCK_D=block_d(d), BLOCK_M=bm, BLOCK_N=bn,
+                 IS_CAUSAL=False, STORE_LSE=True, UPCAST_DOT=False)
+    sig = {n: ("constexpr" if n in const else "*fp16" if n in ("Q", "K", "V", "Out")
+               else "*fp32" if n == "Lse" else "fp32" if n == "sm_scale" else "i32")
+           for n in names}
+    src = ASTSource(fn=kern, signature=sig, attrs=attrs,
+                    constexprs={(names.index(k),): v for k, v in const.items()})
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=w, num_stages=s))
+    result.append(compiled.metadata.shared)
+print(json.dumps(result))
+"""
+
+
+def test_shared_memory_model_matches_the_hopper_compiler():
+    """Compile for sm_90 on the CPU (no GPU needed) and compare the reported shared memory.
+
+    Runs in a subprocess because this process has the kernels wrapped by the interpreter.
+    """
+    import json
+    import os
+    import subprocess
+    import sys
+
+    cases = [(128, 64, 8, 3, 128), (64, 32, 4, 2, 64), (128, 128, 8, 3, 128), (64, 64, 4, 4, 96)]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, json.dumps(cases)],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    reported = json.loads(proc.stdout.strip().splitlines()[-1])
+    for (bm, bn, w, s, d), shared in zip(cases, reported):
+        est = shared_mem_bytes({"BLOCK_M": bm, "BLOCK_N": bn, "num_stages": s}, d)
+        assert est == shared, (bm, bn, w, s, d, est, shared)

@@ -1,0 +1,114 @@
+"""flashtune.attention: the public op, its defaults and every bad input."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import flashtune
+from flashtune.errors import ConfigError, DeviceError, InputError, InputTypeError
+from tests.conftest import DEVICE
+from tests.helpers import assert_close_to_reference
+
+
+def qkv(b=1, hq=2, hkv=2, nq=33, nk=47, d=64, dtype=torch.float16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda h, n: torch.randn(b, h, n, d, generator=g).to(dtype).to(DEVICE)  # noqa: E731
+    return mk(hq, nq), mk(hkv, nk), mk(hkv, nk)
+
+
+def test_default_config_call_matches_reference():
+    q, k, v = qkv(hq=6, hkv=2, nq=77, nk=133)
+    out = flashtune.attention(q, k, v, causal=True)
+    assert_close_to_reference(out, q, k, v, causal=True)
+    out2, lse = flashtune.attention(q, k, v, causal=True, return_lse=True)
+    assert torch.equal(out, out2) and lse.shape == (1, 6, 77)
+
+
+def test_explicit_config():
+    q, k, v = qkv()
+    cfg = {"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 2, "num_stages": 1}
+    out = flashtune.attention(q, k, v, config=cfg)
+    assert_close_to_reference(out, q, k, v, causal=False)
+
+
+def test_mqa_bf16_through_the_api():
+    q, k, v = qkv(hq=4, hkv=1, nq=1, nk=90, d=128, dtype=torch.bfloat16)
+    out = flashtune.attention(q, k, v)
+    assert_close_to_reference(out, q, k, v, causal=False)
+
+
+BAD = [
+    # (description, mutate(q, k, v) -> (q, k, v, kwargs), exception, message regex)
+    ("q not a tensor", lambda q, k, v: ([1.0], k, v, {}), InputTypeError, "q must be a torch.Tensor"),
+    ("wrong rank", lambda q, k, v: (q[0], k, v, {}), InputError, "q must have 4 dimensions"),
+    ("fp32", lambda q, k, v: (q.float(), k.float(), v.float(), {}), InputTypeError,
+     "q must be float16 or bfloat16"),
+    ("mixed dtypes", lambda q, k, v: (q, k.bfloat16(), v.bfloat16(), {}), InputTypeError,
+     "share one dtype"),
+    ("batch mismatch", lambda q, k, v: (q.expand(2, -1, -1, -1), k, v, {}), InputError,
+     "batch mismatch"),
+    ("head_dim mismatch", lambda q, k, v: (q, k[..., :32], v[..., :32], {}), InputError,
+     "head_dim mismatch|contiguous"),
+    ("k v shapes differ", lambda q, k, v: (q, k, v[:, :, :5], {}), InputError, "k and v must have"),
+    ("heads not a multiple", lambda q, k, v: (q[:, :1].expand(1, 3, -1, -1), k, v, {}), InputError,
+     "multiple of k/v's heads"),
+    ("unsupported head_dim", lambda q, k, v: (q[..., :48].contiguous(), k[..., :48].contiguous(),
+                                              v[..., :48].contiguous(), {}),
+     InputError, "head_dim 48 is not supported"),
+    ("last dim strided", lambda q, k, v: (q.transpose(2, 3).contiguous().transpose(2, 3)[:, :, :, :],
+                                          k, v, {}), InputError, "q must be contiguous in its last"),
+    ("empty", lambda q, k, v: (q[:, :, :0], k, v, {}), InputError, "q is empty"),
+    ("nan scale", lambda q, k, v: (q, k, v, {"scale": float("nan")}), InputError, "scale must be"),
+    ("unknown config key", lambda q, k, v: (q, k, v, {"config": {"BLOCK_M": 16, "BLOCK_N": 16,
+                                                                "num_warps": 4, "num_stages": 2,
+                                                                "BLOCK_K": 8}}),
+     ConfigError, "unknown keys \\['BLOCK_K'\\]"),
+    ("config value outside space", lambda q, k, v: (q, k, v, {"config": {
+        "BLOCK_M": 24, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2}}),
+     ConfigError, "BLOCK_M.*24"),
+]
+
+
+@pytest.mark.parametrize("name,mutate,exc,msg", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_is_a_clear_error(name, mutate, exc, msg):
+    q, k, v = qkv()
+    q2, k2, v2, kwargs = mutate(q, k, v)
+    with pytest.raises(exc, match=msg):
+        flashtune.attention(q2, k2, v2, **kwargs)
+
+
+def test_errors_are_builtin_subclasses():
+    assert issubclass(InputError, ValueError) and issubclass(InputTypeError, TypeError)
+    assert issubclass(ConfigError, ValueError)
+    assert issubclass(InputError, flashtune.FlashtuneError)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="CPU-device check")
+def test_mixed_devices_and_meta_device():
+    q, k, v = qkv()
+    with pytest.raises(InputError, match="one device"):
+        flashtune.attention(q, k.to("meta"), v.to("meta"))
+    with pytest.raises(DeviceError, match="needs CUDA tensors"):
+        flashtune.attention(q.to("meta"), k.to("meta"), v.to("meta"))
+
+
+def test_cpu_tensors_without_interpreter_are_refused():
+    code = ("import torch, flashtune\n"
+            "q = torch.randn(1, 1, 4, 16, dtype=torch.float16)\n"
+            "try:\n    flashtune.attention(q, q, q)\n"
+            "except flashtune.DeviceError as e:\n    print('REFUSED', e)\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert "REFUSED" in proc.stdout and "TRITON_INTERPRET=1" in proc.stdout, proc.stderr[-2000:]
+
+
+def test_import_is_light():
+    code = "import sys, flashtune; print('torch' in sys.modules, 'triton' in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.stdout.split() == ["False", "False"], proc.stdout + proc.stderr
