@@ -1,0 +1,60 @@
+"""The tuning database: SQLAlchemy models, the store, migrations.
+
+Light to import (SQLAlchemy and alembic only; never torch or triton)::
+
+    from flashtune.db import open_store
+    with open_store() as store:          # $FLASHTUNE_DB or ~/.cache/flashtune/flashtune.db
+        for best in store.list_best(device_name="NVIDIA_H100_80GB_HBM3"):
+            ...
+"""
+
+from __future__ import annotations
+
+from sqlalchemy.engine import URL
+
+from flashtune.db.engine import default_db_url, make_engine
+from flashtune.db.jsonutil import canonical_json, config_hash
+from flashtune.db.records import (
+    BestConfigRecord,
+    DeviceRecord,
+    ProblemRecord,
+    RunRecord,
+    RunStatus,
+    TemplateRecord,
+    TrialRecord,
+    TrialState,
+)
+from flashtune.db.schema import HEAD_REVISION, upgrade
+from flashtune.db.sqlalchemy_store import SQLAlchemyStore
+from flashtune.db.store import TuningStore
+
+__all__ = [
+    "HEAD_REVISION",
+    "BestConfigRecord",
+    "DeviceRecord",
+    "ProblemRecord",
+    "RunRecord",
+    "RunStatus",
+    "SQLAlchemyStore",
+    "TemplateRecord",
+    "TrialRecord",
+    "TrialState",
+    "TuningStore",
+    "canonical_json",
+    "config_hash",
+    "default_db_url",
+    "make_engine",
+    "open_store",
+    "upgrade",
+]
+
+
+def open_store(url: str | URL | None = None, *, read_only: bool = False,
+               create: bool = True) -> TuningStore:
+    """The store at ``url`` (default :func:`default_db_url`), schema checked on opening.
+
+    Raises ``SchemaError`` for a database at another schema revision (the message says
+    which command upgrades it) and ``StoreError`` when the database cannot be opened.
+    """
+    return SQLAlchemyStore(default_db_url() if url is None else url, read_only=read_only,
+                           create=create)

@@ -1,0 +1,200 @@
+"""Engines for the tuning database: where it lives and how SQLite is made safe to share.
+
+Any SQLAlchemy URL works (``postgresql+psycopg://user:pw@host/db``...). For SQLite,
+:func:`make_engine` sets up what several tuning processes on one file need:
+
+* ``busy_timeout`` (30 s) and ``foreign_keys=ON`` on every connection;
+* WAL journal mode for files (readers never block the writer), not for ``:memory:``;
+* SQLAlchemy emits ``BEGIN`` itself (the pysqlite recipe in SQLAlchemy's SQLite docs):
+  the driver's own implicit ``BEGIN`` is switched off and a ``begin`` event issues
+  ``BEGIN IMMEDIATE`` on connections flagged for writing (``write_engine(engine)``) and a
+  plain deferred ``BEGIN`` otherwise, so a write transaction takes the write lock before
+  it reads what it will update (no lost updates, no lock upgrade deadlocks);
+* ``:memory:`` databases use a ``StaticPool``: every session shares the one database;
+* ``read_only=True`` opens the file as ``file:...?mode=ro`` (SQLite itself refuses writes;
+  nothing, not even the WAL switch, is written).
+
+"database is locked" can still surface (a writer holding the lock past the timeout);
+:func:`is_locked_error` and :func:`lock_retry_delays` let callers retry with backoff.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any, Iterator
+from urllib.parse import unquote
+
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import OperationalError
+from sqlalchemy.pool import StaticPool
+
+from flashtune.errors import StoreError
+
+__all__ = [
+    "default_db_url",
+    "enable_wal",
+    "is_locked_error",
+    "is_memory_sqlite",
+    "lock_retry_delays",
+    "make_engine",
+    "safe_url",
+    "store_error",
+    "write_engine",
+]
+
+log = logging.getLogger(__name__)
+
+BUSY_TIMEOUT_MS = 30_000
+LOCK_RETRIES = 5
+_WRITE_OPTION = "flashtune_write"
+
+
+def default_db_url() -> str:
+    """``$FLASHTUNE_DB``, else ``sqlite:///<$XDG_CACHE_HOME or ~/.cache>/flashtune/flashtune.db``.
+
+    The cache folder is created when missing.
+    """
+    env = os.environ.get("FLASHTUNE_DB", "").strip()
+    if env:
+        return env
+    cache = os.environ.get("XDG_CACHE_HOME", "").strip() or str(Path.home() / ".cache")
+    folder = Path(cache) / "flashtune"
+    folder.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{folder / 'flashtune.db'}"
+
+
+def safe_url(url: str | URL) -> str:
+    """``url`` as text with any password replaced by ``***`` (for messages and logs)."""
+    try:
+        u = make_url(url)
+        text = u.render_as_string(hide_password=True)
+        # SQLite URLs hold no password; show their path as typed, not percent-escaped
+        return unquote(text) if u.get_backend_name() == "sqlite" else text
+    except Exception:  # not parseable: still never echo a password we cannot find
+        return "<unparseable database URL>"
+
+
+def is_memory_sqlite(url: str | URL) -> bool:
+    """True for ``sqlite://`` and ``sqlite:///:memory:`` (a private in-process database)."""
+    u = make_url(url)
+    if u.get_backend_name() != "sqlite":
+        return False
+    database = u.database or ""
+    return database in ("", ":memory:") or "mode=memory" in database or \
+        u.query.get("mode") == "memory"
+
+
+def _sqlite_file_url(u: URL, read_only: bool) -> URL:
+    if not read_only:
+        return u
+    database = u.database or ""
+    if database.startswith("file:"):  # already a URI: add mode=ro
+        sep = "&" if "?" in database else "?"
+        return u.set(database=f"{database}{sep}mode=ro", query={**u.query, "uri": "true"})
+    path = Path(database).expanduser().resolve().as_posix()
+    return u.set(database=f"file:{path}", query={**u.query, "mode": "ro", "uri": "true"})
+
+
+def make_engine(url: str | URL, read_only: bool = False, *, wal: bool = True,
+                **kwargs: Any) -> Engine:
+    """A SQLAlchemy engine for ``url`` with flashtune's SQLite settings (see module doc).
+
+    ``wal=False`` leaves the journal mode alone (the store checks the schema first and
+    switches to WAL afterwards with :func:`enable_wal`, so refusing a database never
+    writes to it). Extra ``kwargs`` go to :func:`sqlalchemy.create_engine`.
+    """
+    u = make_url(url)
+    if u.get_backend_name() != "sqlite":
+        kwargs.setdefault("pool_pre_ping", True)
+        return create_engine(u, **kwargs)
+
+    memory = is_memory_sqlite(u)
+    if memory:
+        kwargs.setdefault("poolclass", StaticPool)
+        connect_args = dict(kwargs.pop("connect_args", {}))
+        connect_args.setdefault("check_same_thread", False)
+        kwargs["connect_args"] = connect_args
+    else:
+        u = _sqlite_file_url(u, read_only)
+    engine = create_engine(u, **kwargs)
+    use_wal = wal and not memory and not read_only
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection: Any, connection_record: Any) -> None:
+        dbapi_connection.isolation_level = None  # SQLAlchemy emits BEGIN (see _on_begin)
+        cursor = dbapi_connection.cursor()
+        try:
+            cursor.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+            cursor.execute("PRAGMA foreign_keys = ON")
+            if use_wal:
+                _set_wal(cursor)
+        finally:
+            cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn: Any) -> None:
+        write = conn.get_execution_options().get(_WRITE_OPTION, False) and not read_only
+        conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
+
+    return engine
+
+
+def write_engine(engine: Engine) -> Engine:
+    """``engine`` whose transactions start with ``BEGIN IMMEDIATE`` on SQLite (same pool)."""
+    return engine.execution_options(**{_WRITE_OPTION: True})
+
+
+def _set_wal(cursor: Any) -> None:
+    cursor.execute("PRAGMA journal_mode = WAL")
+    mode = cursor.fetchone()
+    if mode and str(mode[0]).lower() != "wal":  # e.g. a file system without shared memory
+        log.warning("SQLite stayed in journal_mode=%s (WAL not available)", mode[0])
+
+
+def enable_wal(engine: Engine) -> None:
+    """Switch a writable SQLite file database to WAL (persistent; no-op elsewhere)."""
+    if engine.dialect.name != "sqlite" or is_memory_sqlite(engine.url):
+        return
+    if engine.url.query.get("mode") == "ro":
+        return
+    raw = engine.raw_connection()
+    try:
+        cursor = raw.cursor()
+        try:
+            _set_wal(cursor)
+        finally:
+            cursor.close()
+    finally:
+        raw.close()
+
+
+def is_locked_error(exc: BaseException) -> bool:
+    """True for SQLite's "database is locked" / "database is busy" operational errors."""
+    if not isinstance(exc, OperationalError):
+        return False
+    text = str(getattr(exc, "orig", exc)).lower()
+    return "database is locked" in text or "database is busy" in text or "database table is locked" in text
+
+
+def lock_retry_delays(retries: int = LOCK_RETRIES, first: float = 0.05) -> Iterator[float]:
+    """Backoff delays (seconds) between retries of a locked write: 0.05, 0.1, 0.2..."""
+    delay = first
+    for _ in range(retries):
+        yield delay
+        delay = min(delay * 2, 2.0)
+
+
+def store_error(exc: BaseException, url: str | URL, operation: str) -> StoreError:
+    """A one-line :class:`StoreError` naming the database (password hidden) and operation.
+
+    The driver's own message is kept (whitespace collapsed); SQLAlchemy's SQL text and
+    bound parameters are not, so values never leak into logs.
+    """
+    if isinstance(exc, ImportError):
+        detail = f"the database driver is not installed ({exc}); install it with pip"
+    else:
+        detail = " ".join(str(getattr(exc, "orig", None) or exc).split()) or type(exc).__name__
+    return StoreError(f"{operation} failed on database {safe_url(url)}: {detail}")

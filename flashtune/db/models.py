@@ -1,0 +1,180 @@
+"""SQLAlchemy 2.0 models of the tuning database (schema at ``HEAD_REVISION``).
+
+Every table is prefixed ``ft_`` so Optuna's tables can live in the same database. JSON is
+stored as canonical JSON ``TEXT`` (portable across SQLite and PostgreSQL; see
+:mod:`flashtune.db.jsonutil`). Timestamps are timezone-aware UTC in Python; SQLite keeps
+them as naive UTC text, PostgreSQL as ``timestamptz``.
+
+These classes are the head of the migration history in ``flashtune/db/migrations``; a
+change here needs a new revision there (tests compare the two).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Any
+
+from sqlalchemy import (
+    BigInteger,
+    DateTime,
+    Dialect,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    TypeDecorator,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+__all__ = ["Base", "BestConfig", "Device", "Problem", "Run", "Template", "Trial", "utcnow"]
+
+
+def utcnow() -> datetime:
+    """The current time, timezone-aware UTC."""
+    return datetime.now(timezone.utc)
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """Aware UTC datetimes in, aware UTC datetimes out, whatever the backend keeps."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError(f"naive datetime {value!r}: pass a timezone-aware UTC datetime")
+        value = value.astimezone(timezone.utc)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: Any, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            return value.replace(tzinfo=timezone.utc)
+        return value.astimezone(timezone.utc)
+
+
+class Base(DeclarativeBase):
+    """Declarative base of flashtune's tables (metadata used by the migrations' env.py)."""
+
+    type_annotation_map = {datetime: UTCDateTime()}
+
+
+class Device(Base):
+    __tablename__ = "ft_devices"
+    __table_args__ = (
+        UniqueConstraint("name", "compute_capability", "sm_count", "shared_mem_per_block",
+                         "total_memory", name="uq_ft_devices_hardware"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(200))
+    compute_capability: Mapped[str] = mapped_column(String(32))
+    sm_count: Mapped[int] = mapped_column(Integer)
+    shared_mem_per_block: Mapped[int] = mapped_column(BigInteger)
+    total_memory: Mapped[int] = mapped_column(BigInteger)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class Template(Base):
+    __tablename__ = "ft_templates"
+    __table_args__ = (
+        UniqueConstraint("name", "source_hash", name="uq_ft_templates_name_source_hash"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(200))
+    source_hash: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class Problem(Base):
+    __tablename__ = "ft_problems"
+    __table_args__ = (
+        UniqueConstraint("template_name", "key_json", name="uq_ft_problems_template_key"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    template_name: Mapped[str] = mapped_column(String(200))
+    key_json: Mapped[str] = mapped_column(Text)  # canonical JSON of the problem key
+    bucket: Mapped[str] = mapped_column(String(200), index=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class Run(Base):
+    __tablename__ = "ft_runs"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    device_id: Mapped[int] = mapped_column(ForeignKey("ft_devices.id"))
+    template_id: Mapped[int] = mapped_column(ForeignKey("ft_templates.id"))
+    problem_id: Mapped[int] = mapped_column(ForeignKey("ft_problems.id"))
+    study_name: Mapped[str] = mapped_column(String(300))
+    sampler: Mapped[str] = mapped_column(String(100))
+    seed: Mapped[int | None] = mapped_column(Integer)
+    params_json: Mapped[str] = mapped_column(Text, default="{}")
+    status: Mapped[str] = mapped_column(String(32), index=True)  # index since 0002
+    started_at: Mapped[datetime]
+    finished_at: Mapped[datetime | None]
+    flashtune_version: Mapped[str] = mapped_column(String(64), default="")
+    torch_version: Mapped[str] = mapped_column(String(64), default="")
+    triton_version: Mapped[str] = mapped_column(String(64), default="")
+    cuda_version: Mapped[str] = mapped_column(String(64), default="")
+    driver_version: Mapped[str] = mapped_column(String(64), default="",
+                                                server_default="")  # since 0002
+    host: Mapped[str] = mapped_column(String(255), default="", server_default="")  # since 0002
+
+
+class Trial(Base):
+    __tablename__ = "ft_trials"
+    __table_args__ = (
+        UniqueConstraint("run_id", "number", name="uq_ft_trials_run_number"),
+        # numbers count within the study, so concurrent runs of one study cannot collide
+        UniqueConstraint("device_id", "template_id", "problem_id", "number",
+                         name="uq_ft_trials_study_number"),
+        Index("ix_ft_trials_study_config", "device_id", "template_id", "problem_id",
+              "config_hash"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("ft_runs.id"))
+    device_id: Mapped[int] = mapped_column(ForeignKey("ft_devices.id"))
+    template_id: Mapped[int] = mapped_column(ForeignKey("ft_templates.id"))
+    problem_id: Mapped[int] = mapped_column(ForeignKey("ft_problems.id"))
+    number: Mapped[int] = mapped_column(Integer)
+    config_json: Mapped[str] = mapped_column(Text)
+    config_hash: Mapped[str] = mapped_column(String(16))
+    state: Mapped[str] = mapped_column(String(32))
+    message: Mapped[str | None] = mapped_column(Text)
+    median_ms: Mapped[float | None] = mapped_column(Float)
+    p20_ms: Mapped[float | None] = mapped_column(Float)  # since 0002
+    p80_ms: Mapped[float | None] = mapped_column(Float)  # since 0002
+    tflops: Mapped[float | None] = mapped_column(Float)
+    compile_s: Mapped[float | None] = mapped_column(Float)
+    started_at: Mapped[datetime]
+    finished_at: Mapped[datetime | None]
+
+
+class BestConfig(Base):
+    __tablename__ = "ft_best_configs"
+    __table_args__ = (
+        UniqueConstraint("device_id", "template_id", "problem_id", name="uq_ft_best_configs_study"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    device_id: Mapped[int] = mapped_column(ForeignKey("ft_devices.id"))
+    template_id: Mapped[int] = mapped_column(ForeignKey("ft_templates.id"))
+    problem_id: Mapped[int] = mapped_column(ForeignKey("ft_problems.id"))
+    config_json: Mapped[str] = mapped_column(Text)
+    median_ms: Mapped[float] = mapped_column(Float)
+    tflops: Mapped[float | None] = mapped_column(Float)
+    trial_id: Mapped[int | None] = mapped_column(ForeignKey("ft_trials.id", ondelete="SET NULL"))
+    trials_count: Mapped[int] = mapped_column(Integer, default=0)
+    tuned_at: Mapped[datetime]
+
+
+FT_TABLES: tuple[str, ...] = tuple(Base.metadata.tables)

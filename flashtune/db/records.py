@@ -1,0 +1,157 @@
+"""What the store returns: frozen dataclasses and the two state enums.
+
+Records are plain values, detached from any database session: safe to keep, pass between
+threads and compare. The dataclasses are frozen; the ``dict`` fields (``key``, ``params``,
+``config``) are fresh copies decoded for each record, and callers must treat them as
+read-only (mutating one changes nothing in the database and surprises other holders).
+Timestamps are timezone-aware UTC ``datetime`` objects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from enum import Enum
+from typing import Any
+
+__all__ = [
+    "BestConfigRecord",
+    "DeviceRecord",
+    "ProblemRecord",
+    "RunRecord",
+    "RunStatus",
+    "TemplateRecord",
+    "TrialRecord",
+    "TrialState",
+]
+
+
+class TrialState(str, Enum):
+    """How a trial ended (failures are data, not exceptions). ``RUNNING`` until finished."""
+
+    RUNNING = "RUNNING"
+    COMPLETE = "COMPLETE"
+    PRUNED_STATIC = "PRUNED_STATIC"  # rejected by the space's validity predicate, never built
+    OUT_OF_RESOURCES = "OUT_OF_RESOURCES"  # shared memory / registers exceeded at launch
+    COMPILE_ERROR = "COMPILE_ERROR"
+    RUNTIME_ERROR = "RUNTIME_ERROR"  # also what a trial of a dead job is marked as
+    WRONG_RESULT = "WRONG_RESULT"  # ran, but failed the reference comparison
+    TIMEOUT = "TIMEOUT"
+    DUPLICATE = "DUPLICATE"  # same config already measured in this study; not re-run
+
+    @property
+    def is_finished(self) -> bool:
+        return self is not TrialState.RUNNING
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class RunStatus(str, Enum):
+    """Status of one tuning run (one process working on one study)."""
+
+    RUNNING = "RUNNING"
+    COMPLETE = "COMPLETE"
+    FAILED = "FAILED"  # ended by an error, or found dead by ``fail_stale_runs``
+    INTERRUPTED = "INTERRUPTED"  # stopped on purpose (Ctrl-C, time budget)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class DeviceRecord:
+    """A device as identified by its hardware key (see ``DeviceFingerprint.hardware_key``)."""
+
+    id: int
+    name: str
+    compute_capability: str
+    sm_count: int
+    shared_mem_per_block: int
+    total_memory: int
+
+    def hardware_key(self) -> tuple[str, str, int, int, int]:
+        return (self.name, self.compute_capability, self.sm_count,
+                self.shared_mem_per_block, self.total_memory)
+
+
+@dataclass(frozen=True)
+class TemplateRecord:
+    """A kernel template at one version of its source (``source_hash``)."""
+
+    id: int
+    name: str
+    source_hash: str
+
+
+@dataclass(frozen=True)
+class ProblemRecord:
+    """A problem key of one template; ``key_json`` is its canonical JSON text."""
+
+    id: int
+    template_name: str
+    key: dict[str, Any]
+    key_json: str
+    bucket: str
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """One tuning run: which study, which search settings, which software versions."""
+
+    id: int
+    device_id: int
+    template_id: int
+    problem_id: int
+    study_name: str
+    sampler: str
+    seed: int | None
+    params: dict[str, Any]
+    status: RunStatus
+    started_at: datetime
+    finished_at: datetime | None
+    flashtune_version: str
+    torch_version: str
+    triton_version: str
+    cuda_version: str
+    driver_version: str
+    host: str
+
+
+@dataclass(frozen=True)
+class TrialRecord:
+    """One config tried in one run; ``number`` counts within the study (0, 1, 2...)."""
+
+    id: int
+    run_id: int
+    device_id: int
+    template_id: int
+    problem_id: int
+    number: int
+    config: dict[str, Any]
+    config_hash: str
+    state: TrialState
+    message: str | None
+    median_ms: float | None
+    p20_ms: float | None
+    p80_ms: float | None
+    tflops: float | None
+    compile_s: float | None
+    started_at: datetime
+    finished_at: datetime | None
+
+
+@dataclass(frozen=True)
+class BestConfigRecord:
+    """The fastest known config of a (device, template, problem) study, with its context."""
+
+    id: int
+    device: DeviceRecord
+    template: TemplateRecord
+    problem: ProblemRecord
+    config: dict[str, Any]
+    median_ms: float
+    tflops: float | None
+    trial_id: int | None  # None when imported from a file rather than measured here
+    trials_count: int
+    tuned_at: datetime

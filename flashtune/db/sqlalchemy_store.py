@@ -1,0 +1,515 @@
+""":class:`SQLAlchemyStore`: the tuning store on any SQLAlchemy database.
+
+Every public method is one short transaction run through :meth:`SQLAlchemyStore._run`,
+which opens it with :meth:`SQLAlchemyStore._transaction` (the one place that commits,
+rolls back and turns driver errors into ``StoreError``) and retries it when SQLite reports
+"database is locked" or when a unique constraint shows that a concurrent writer got there
+first (get-or-create, trial numbers, first best config).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import socket
+import threading
+import time
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, TypeVar
+
+from sqlalchemy import func, select, update
+from sqlalchemy.engine import URL
+from sqlalchemy.exc import IntegrityError, SQLAlchemyError
+from sqlalchemy.orm import Session, sessionmaker
+
+from flashtune._version import __version__
+from flashtune.db import convert, schema
+from flashtune.db.engine import (
+    enable_wal,
+    is_locked_error,
+    is_memory_sqlite,
+    lock_retry_delays,
+    make_engine,
+    safe_url,
+    store_error,
+    write_engine,
+)
+from flashtune.db.jsonutil import canonical_json, hash_canonical
+from flashtune.db.models import BestConfig, Device, Problem, Run, Template, Trial, utcnow
+from flashtune.db.records import (
+    BestConfigRecord,
+    DeviceRecord,
+    ProblemRecord,
+    RunRecord,
+    RunStatus,
+    TemplateRecord,
+    TrialRecord,
+    TrialState,
+)
+from flashtune.db.store import STALE_MESSAGE, TuningStore
+from flashtune.errors import StoreError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from flashtune.autotune.devices import DeviceFingerprint
+
+__all__ = ["SQLAlchemyStore"]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+CONFLICT_RETRIES = 20
+
+
+class _Conflict(StoreError):
+    """A unique constraint failed: a concurrent writer won; the operation may be retried."""
+
+
+class _Locked(StoreError):
+    """SQLite stayed locked past its busy timeout; the operation may be retried."""
+
+
+class SQLAlchemyStore(TuningStore):
+    """The store on the database at ``url`` (any SQLAlchemy URL). See :class:`TuningStore`.
+
+    Opening checks the schema (``flashtune.db.schema.check_schema``): an empty database is
+    created at head when ``create`` (and not ``read_only``); an older or newer one raises
+    ``SchemaError``. ``read_only=True`` never writes (SQLite opens the file ``mode=ro``).
+    """
+
+    def __init__(self, url: str | URL, *, read_only: bool = False, create: bool = True) -> None:
+        self.url = safe_url(url)
+        self.read_only = read_only
+        try:
+            self._engine = make_engine(url, read_only=read_only, wal=False)
+        except (SQLAlchemyError, ImportError) as exc:  # bad URL, driver not installed
+            raise store_error(exc, url, "opening the store") from exc
+        # one shared connection for :memory: (StaticPool): let one thread at a time use it
+        memory = is_memory_sqlite(self._engine.url)
+        self._lock: AbstractContextManager[Any] = threading.RLock() if memory else nullcontext()
+        try:
+            with self._lock:
+                self.revision = schema.check_schema(self._engine, create=create,
+                                                    read_only=read_only, shown_url=self.url)
+                if not read_only:
+                    enable_wal(self._engine)  # only once the schema is known to be ours
+        except SQLAlchemyError as exc:
+            self._engine.dispose()
+            raise store_error(exc, self.url, "opening the store") from exc
+        except BaseException:
+            self._engine.dispose()
+            raise
+        self._reader = sessionmaker(self._engine, expire_on_commit=False)
+        self._writer = sessionmaker(write_engine(self._engine), expire_on_commit=False)
+
+    def __repr__(self) -> str:
+        return f"SQLAlchemyStore({self.url!r}, read_only={self.read_only})"
+
+    def close(self) -> None:
+        self._engine.dispose()
+
+    # -- transactions -----------------------------------------------------------------------
+
+    @contextmanager
+    def _transaction(self, operation: str, *, write: bool = False) -> Iterator[Session]:
+        """One transaction: commit on success, roll back on any error; driver errors become
+        ``StoreError`` (``_Conflict`` / ``_Locked`` for the retryable ones)."""
+        if write and self.read_only:
+            raise StoreError(f"{operation} refused: database {self.url} was opened read-only")
+        with self._lock:
+            try:
+                with (self._writer if write else self._reader)() as session, session.begin():
+                    yield session
+            except IntegrityError as exc:
+                raise _Conflict(str(store_error(exc, self.url, operation))) from exc
+            except SQLAlchemyError as exc:
+                error = store_error(exc, self.url, operation)
+                if is_locked_error(exc):
+                    raise _Locked(str(error)) from exc
+                raise error from exc
+
+    def _run(self, operation: str, work: Callable[[Session], T], *, write: bool = False,
+             conflict_retries: int = 0) -> T:
+        """``work(session)`` in a transaction, retried on lock timeouts (with backoff) and
+        up to ``conflict_retries`` times on unique-constraint conflicts."""
+        delays = lock_retry_delays()
+        conflicts = 0
+        while True:
+            try:
+                with self._transaction(operation, write=write) as session:
+                    return work(session)
+            except _Locked:
+                delay = next(delays, None)
+                if delay is None:
+                    raise
+                log.debug("%s: database is locked, retrying in %.2fs", operation, delay)
+                time.sleep(delay * (1 + random.random()))
+            except _Conflict:
+                conflicts += 1
+                if conflicts > conflict_retries:
+                    raise
+                log.debug("%s: concurrent writer won, retrying (%d)", operation, conflicts)
+
+    def _get_or_create(self, operation: str, find: Callable[[Session], T | None],
+                       create: Callable[[Session], T]) -> T:
+        found = self._run(operation, find)
+        if found is not None:
+            return found
+        try:
+            return self._run(operation, lambda s: find(s) or create(s), write=True)
+        except _Conflict:  # created by a concurrent writer between our two transactions
+            found = self._run(operation, find)
+            if found is None:
+                raise
+            return found
+
+    # -- identities -------------------------------------------------------------------------
+
+    def ensure_device(self, fingerprint: DeviceFingerprint) -> DeviceRecord:
+        name, cc, sms, smem, mem = fingerprint.hardware_key()
+        where = (Device.name == name, Device.compute_capability == cc, Device.sm_count == sms,
+                 Device.shared_mem_per_block == smem, Device.total_memory == mem)
+
+        def find(s: Session) -> DeviceRecord | None:
+            row = s.scalars(select(Device).where(*where)).one_or_none()
+            return convert.device(row) if row else None
+
+        def create(s: Session) -> DeviceRecord:
+            row = Device(name=name, compute_capability=cc, sm_count=sms,
+                         shared_mem_per_block=smem, total_memory=mem)
+            s.add(row)
+            s.flush()
+            return convert.device(row)
+
+        return self._get_or_create(f"ensure_device({name})", find, create)
+
+    def ensure_template(self, name: str, source_hash: str) -> TemplateRecord:
+        where = (Template.name == name, Template.source_hash == source_hash)
+
+        def find(s: Session) -> TemplateRecord | None:
+            row = s.scalars(select(Template).where(*where)).one_or_none()
+            return convert.template(row) if row else None
+
+        def create(s: Session) -> TemplateRecord:
+            row = Template(name=name, source_hash=source_hash)
+            s.add(row)
+            s.flush()
+            return convert.template(row)
+
+        return self._get_or_create(f"ensure_template({name})", find, create)
+
+    def ensure_problem(self, template_name: str, key: Mapping[str, Any],
+                       bucket: str) -> ProblemRecord:
+        key_json = canonical_json(dict(key))
+        where = (Problem.template_name == template_name, Problem.key_json == key_json)
+
+        def find(s: Session) -> ProblemRecord | None:
+            row = s.scalars(select(Problem).where(*where)).one_or_none()
+            return convert.problem(row) if row else None
+
+        def create(s: Session) -> ProblemRecord:
+            row = Problem(template_name=template_name, key_json=key_json, bucket=str(bucket))
+            s.add(row)
+            s.flush()
+            return convert.problem(row)
+
+        return self._get_or_create(f"ensure_problem({template_name})", find, create)
+
+    def list_devices(self) -> list[DeviceRecord]:
+        return self._run("list_devices", lambda s: [
+            convert.device(r) for r in s.scalars(select(Device).order_by(Device.id))])
+
+    def list_templates(self) -> list[TemplateRecord]:
+        return self._run("list_templates", lambda s: [
+            convert.template(r) for r in s.scalars(select(Template).order_by(Template.id))])
+
+    def list_problems(self, template_name: str | None = None) -> list[ProblemRecord]:
+        stmt = select(Problem).order_by(Problem.id)
+        if template_name is not None:
+            stmt = stmt.where(Problem.template_name == template_name)
+        return self._run("list_problems", lambda s: [convert.problem(r) for r in s.scalars(stmt)])
+
+    # -- runs -------------------------------------------------------------------------------
+
+    def create_run(self, device_id: int, template_id: int, problem_id: int, *,
+                   study_name: str, sampler: str, seed: int | None = None,
+                   params: Mapping[str, Any] | None = None,
+                   flashtune_version: str = __version__, torch_version: str = "",
+                   triton_version: str = "", cuda_version: str = "",
+                   driver_version: str = "", host: str | None = None) -> RunRecord:
+        params_json = canonical_json(dict(params or {}))
+
+        def work(s: Session) -> RunRecord:
+            row = Run(device_id=device_id, template_id=template_id, problem_id=problem_id,
+                      study_name=study_name, sampler=sampler, seed=seed,
+                      params_json=params_json, status=RunStatus.RUNNING.value,
+                      started_at=utcnow(), finished_at=None,
+                      flashtune_version=flashtune_version, torch_version=torch_version,
+                      triton_version=triton_version, cuda_version=cuda_version,
+                      driver_version=driver_version,
+                      host=socket.gethostname() if host is None else host)
+            s.add(row)
+            s.flush()
+            return convert.run(row)
+
+        return self._run(f"create_run({study_name})", work, write=True)
+
+    def finish_run(self, run_id: int, status: RunStatus | str) -> RunRecord:
+        status = RunStatus(status)
+        if status is RunStatus.RUNNING:
+            raise ValueError("finish_run needs a final status, not RUNNING")
+
+        def work(s: Session) -> RunRecord:
+            row = _get(s, Run, run_id, self.url)
+            row.status, row.finished_at = status.value, utcnow()
+            s.flush()
+            return convert.run(row)
+
+        return self._run(f"finish_run({run_id})", work, write=True)
+
+    def get_run(self, run_id: int) -> RunRecord | None:
+        def work(s: Session) -> RunRecord | None:
+            row = s.get(Run, run_id)
+            return convert.run(row) if row else None
+
+        return self._run(f"get_run({run_id})", work)
+
+    def fail_stale_runs(self, device_id: int | None = None, template_id: int | None = None,
+                        problem_id: int | None = None, *, current_run_id: int | None = None,
+                        older_than: timedelta | None = None) -> int:
+        now = utcnow()
+        stmt = update(Run).where(Run.status == RunStatus.RUNNING.value)
+        for column, value in ((Run.device_id, device_id), (Run.template_id, template_id),
+                              (Run.problem_id, problem_id)):
+            if value is not None:
+                stmt = stmt.where(column == value)
+        if current_run_id is not None:
+            stmt = stmt.where(Run.id != current_run_id)
+        if older_than is not None:
+            stmt = stmt.where(Run.started_at < now - older_than)
+        stmt = stmt.values(status=RunStatus.FAILED.value, finished_at=now)
+        return self._run("fail_stale_runs", lambda s: _rowcount(s.execute(stmt)), write=True)
+
+    # -- trials -----------------------------------------------------------------------------
+
+    def _insert_trial(self, s: Session, run_id: int, config_json: str,
+                      state: TrialState) -> Trial:
+        run = _get(s, Run, run_id, self.url)
+        study = (Trial.device_id == run.device_id, Trial.template_id == run.template_id,
+                 Trial.problem_id == run.problem_id)
+        last = s.scalar(select(func.max(Trial.number)).where(*study))
+        row = Trial(run_id=run_id, device_id=run.device_id, template_id=run.template_id,
+                    problem_id=run.problem_id, number=0 if last is None else last + 1,
+                    config_json=config_json, config_hash=hash_canonical(config_json),
+                    state=state.value, started_at=utcnow())
+        s.add(row)
+        s.flush()
+        return row
+
+    def start_trial(self, run_id: int, config: Mapping[str, Any]) -> TrialRecord:
+        config_json = canonical_json(dict(config))
+        return self._run(
+            f"start_trial(run {run_id})",
+            lambda s: convert.trial(self._insert_trial(s, run_id, config_json,
+                                                       TrialState.RUNNING)),
+            write=True, conflict_retries=CONFLICT_RETRIES)
+
+    def finish_trial(self, trial_id: int, state: TrialState | str, *,
+                     message: str | None = None, median_ms: float | None = None,
+                     p20_ms: float | None = None, p80_ms: float | None = None,
+                     tflops: float | None = None,
+                     compile_s: float | None = None) -> TrialRecord:
+        outcome = _outcome(state, message, median_ms, p20_ms, p80_ms, tflops, compile_s)
+
+        def work(s: Session) -> TrialRecord:
+            row = _get(s, Trial, trial_id, self.url)
+            if row.state != TrialState.RUNNING.value:
+                log.warning("trial %d (number %d) was already %s; overwriting with %s",
+                            row.id, row.number, row.state, outcome["state"])
+            _apply(row, outcome)
+            s.flush()
+            return convert.trial(row)
+
+        return self._run(f"finish_trial({trial_id})", work, write=True)
+
+    def record_trial(self, run_id: int, config: Mapping[str, Any], state: TrialState | str,
+                     *, message: str | None = None, median_ms: float | None = None,
+                     p20_ms: float | None = None, p80_ms: float | None = None,
+                     tflops: float | None = None,
+                     compile_s: float | None = None) -> TrialRecord:
+        config_json = canonical_json(dict(config))
+        outcome = _outcome(state, message, median_ms, p20_ms, p80_ms, tflops, compile_s)
+
+        def work(s: Session) -> TrialRecord:
+            row = self._insert_trial(s, run_id, config_json, TrialState(outcome["state"]))
+            _apply(row, outcome)
+            s.flush()
+            return convert.trial(row)
+
+        return self._run(f"record_trial(run {run_id})", work, write=True,
+                         conflict_retries=CONFLICT_RETRIES)
+
+    def find_trial(self, device_id: int, template_id: int, problem_id: int,
+                   config: Mapping[str, Any]) -> TrialRecord | None:
+        config_json = canonical_json(dict(config))
+        stmt = (select(Trial)
+                .where(Trial.device_id == device_id, Trial.template_id == template_id,
+                       Trial.problem_id == problem_id,
+                       Trial.config_hash == hash_canonical(config_json),
+                       Trial.config_json == config_json,
+                       Trial.state.not_in([TrialState.RUNNING.value,
+                                           TrialState.DUPLICATE.value]))
+                .order_by(Trial.number.desc()).limit(1))
+
+        def work(s: Session) -> TrialRecord | None:
+            row = s.scalars(stmt).first()
+            return convert.trial(row) if row else None
+
+        return self._run("find_trial", work)
+
+    def list_trials(self, *, device_id: int | None = None, template_id: int | None = None,
+                    problem_id: int | None = None, run_id: int | None = None,
+                    state: TrialState | str | None = None) -> list[TrialRecord]:
+        stmt = select(Trial).order_by(Trial.id)
+        for column, value in ((Trial.device_id, device_id), (Trial.template_id, template_id),
+                              (Trial.problem_id, problem_id), (Trial.run_id, run_id)):
+            if value is not None:
+                stmt = stmt.where(column == value)
+        if state is not None:
+            stmt = stmt.where(Trial.state == TrialState(state).value)
+        return self._run("list_trials", lambda s: [convert.trial(r) for r in s.scalars(stmt)])
+
+    def fail_stale_trials(self, device_id: int, template_id: int, problem_id: int, *,
+                          current_run_id: int | None = None,
+                          older_than: timedelta | None = None,
+                          message: str = STALE_MESSAGE) -> int:
+        now = utcnow()
+        stmt = update(Trial).where(Trial.device_id == device_id,
+                                   Trial.template_id == template_id,
+                                   Trial.problem_id == problem_id,
+                                   Trial.state == TrialState.RUNNING.value)
+        if current_run_id is not None:
+            stmt = stmt.where(Trial.run_id != current_run_id)
+        if older_than is not None:
+            stmt = stmt.where(Trial.started_at < now - older_than)
+        stmt = stmt.values(state=TrialState.RUNTIME_ERROR.value, message=message,
+                           finished_at=now)
+        return self._run("fail_stale_trials", lambda s: _rowcount(s.execute(stmt)), write=True)
+
+    # -- best configs -----------------------------------------------------------------------
+
+    def offer_best(self, device_id: int, template_id: int, problem_id: int, *,
+                   config: Mapping[str, Any], median_ms: float, tflops: float | None,
+                   trial_id: int | None, trials_count: int) -> bool:
+        if not (isinstance(median_ms, (int, float)) and math.isfinite(median_ms)
+                and median_ms > 0):
+            raise ValueError(f"median_ms must be a finite positive number, got {median_ms!r}")
+        _check_finite("tflops", tflops)
+        median = float(median_ms)
+        values: dict[str, Any] = dict(
+            config_json=canonical_json(dict(config)), median_ms=median,
+            tflops=None if tflops is None else float(tflops), trial_id=trial_id,
+            trials_count=int(trials_count))
+
+        def work(s: Session) -> bool:
+            # FOR UPDATE locks the row on PostgreSQL; SQLite's BEGIN IMMEDIATE already
+            # holds the write lock, so the compare-and-set below cannot interleave.
+            row = s.scalars(select(BestConfig).where(
+                BestConfig.device_id == device_id, BestConfig.template_id == template_id,
+                BestConfig.problem_id == problem_id).with_for_update()).one_or_none()
+            if row is None:
+                s.add(BestConfig(device_id=device_id, template_id=template_id,
+                                 problem_id=problem_id, tuned_at=utcnow(), **values))
+                s.flush()  # a concurrent first offer fails here: retried as a comparison
+                return True
+            if not median < row.median_ms:
+                return False
+            for name, value in values.items():
+                setattr(row, name, value)
+            row.tuned_at = utcnow()
+            return True
+
+        return self._run("offer_best", work, write=True, conflict_retries=CONFLICT_RETRIES)
+
+    def _best_query(self) -> Any:
+        return (select(BestConfig, Device, Template, Problem)
+                .join(Device, BestConfig.device_id == Device.id)
+                .join(Template, BestConfig.template_id == Template.id)
+                .join(Problem, BestConfig.problem_id == Problem.id))
+
+    def get_best(self, device_id: int, template_id: int,
+                 problem_id: int) -> BestConfigRecord | None:
+        stmt = self._best_query().where(BestConfig.device_id == device_id,
+                                        BestConfig.template_id == template_id,
+                                        BestConfig.problem_id == problem_id)
+
+        def work(s: Session) -> BestConfigRecord | None:
+            row = s.execute(stmt).one_or_none()
+            return convert.best(*row) if row else None
+
+        return self._run("get_best", work)
+
+    def list_best(self, *, device_name: str | None = None, template_name: str | None = None,
+                  source_hash: str | None = None) -> list[BestConfigRecord]:
+        stmt = self._best_query().order_by(Device.name, Device.id, Template.name,
+                                           Template.id, Problem.bucket, Problem.key_json)
+        if device_name is not None:
+            stmt = stmt.where(Device.name == device_name)
+        if template_name is not None:
+            stmt = stmt.where(Template.name == template_name)
+        if source_hash is not None:
+            stmt = stmt.where(Template.source_hash == source_hash)
+        return self._run("list_best", lambda s: [convert.best(*r) for r in s.execute(stmt)])
+
+    # -- the database -----------------------------------------------------------------------
+
+    def info(self) -> dict[str, Any]:
+        models = (Device, Template, Problem, Run, Trial, BestConfig)
+
+        def work(s: Session) -> dict[str, Any]:
+            counts = {m.__tablename__: int(s.scalar(select(func.count()).select_from(m)) or 0)
+                      for m in models}
+            return {"url": self.url, "dialect": self._engine.dialect.name,
+                    "revision": schema.current_revision(s.connection()),
+                    "head": schema.HEAD_REVISION, "read_only": self.read_only,
+                    "counts": counts}
+
+        return self._run("info", work)
+
+
+def _get(s: Session, model: type[T], ident: int, url: str) -> T:
+    row = s.get(model, ident)
+    if row is None:
+        table = getattr(model, "__tablename__", model.__name__)
+        raise StoreError(f"no row {ident} in {table} of database {url}")
+    return row
+
+
+def _rowcount(result: Any) -> int:
+    return int(getattr(result, "rowcount", 0) or 0)
+
+
+def _check_finite(name: str, value: float | None) -> None:
+    if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value)):
+        raise ValueError(f"{name} must be a finite number or None, got {value!r}")
+
+
+def _outcome(state: TrialState | str, message: str | None, median_ms: float | None,
+             p20_ms: float | None, p80_ms: float | None, tflops: float | None,
+             compile_s: float | None) -> dict[str, Any]:
+    final = TrialState(state)
+    if final is TrialState.RUNNING:
+        raise ValueError("a finished trial needs a final state, not RUNNING")
+    metrics = dict(median_ms=median_ms, p20_ms=p20_ms, p80_ms=p80_ms, tflops=tflops,
+                   compile_s=compile_s)
+    for name, value in metrics.items():
+        _check_finite(name, value)
+        if value is not None:
+            metrics[name] = float(value)
+    return dict(state=final.value, message=message, **metrics)
+
+
+def _apply(row: Trial, outcome: Mapping[str, Any]) -> None:
+    for name, value in outcome.items():
+        setattr(row, name, value)
+    row.finished_at = utcnow()

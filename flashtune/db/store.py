@@ -1,0 +1,226 @@
+"""The tuning store's contract: what every backend provides, promises and raises.
+
+:class:`TuningStore` is the abstract base (the idea of Optuna's ``storages/_base.py``);
+:class:`flashtune.db.sqlalchemy_store.SQLAlchemyStore` implements it for any SQLAlchemy
+database, and the contract suite in ``tests/db_tests`` runs every backend through the same
+tests.
+"""
+
+from __future__ import annotations
+
+import abc
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Mapping
+
+from flashtune._version import __version__
+from flashtune.db.records import (
+    BestConfigRecord,
+    DeviceRecord,
+    ProblemRecord,
+    RunRecord,
+    RunStatus,
+    TemplateRecord,
+    TrialRecord,
+    TrialState,
+)
+
+if TYPE_CHECKING:  # pragma: no cover - only the hardware key is used at run time
+    from flashtune.autotune.devices import DeviceFingerprint
+
+__all__ = ["STALE_MESSAGE", "TuningStore"]
+
+STALE_MESSAGE = "stale: job died"
+
+
+class TuningStore(abc.ABC):
+    """Persistent record of tuning: devices, templates, problems, runs, trials, best configs.
+
+    **Studies.** A study is one (device, template, problem) triple. Runs are the processes
+    that worked on it; trial numbers count within the study (0, 1, 2... across all runs),
+    so several processes tuning the same study never reuse a number.
+
+    **Thread safety.** A store instance may be shared by threads: every method opens its
+    own short transaction and returns when it has committed; nothing is held between calls.
+    Several processes may use one database at once (SQLite in WAL mode with
+    ``BEGIN IMMEDIATE`` write transactions, or PostgreSQL): get-or-create methods, trial
+    numbering and :meth:`offer_best` are atomic. A store must not cross ``fork()``: open
+    one per process.
+
+    **Immutability.** Methods return frozen dataclasses from :mod:`flashtune.db.records`,
+    detached from the database, never ORM rows; their ``dict`` fields are fresh copies and
+    must be treated as read-only. A record is a snapshot: it does not change when the
+    database does.
+
+    **Errors.** Every driver error becomes :class:`flashtune.StoreError` (a
+    :class:`flashtune.FlashtuneError`) whose one-line message names the operation and the
+    database URL with its password hidden; the failed transaction is rolled back, so a
+    method either happens completely or not at all. A schema too old or too new raises
+    :class:`flashtune.SchemaError` when the store is opened. Bad arguments (an unknown
+    state, a NaN metric, a config that is not JSON) raise ``ValueError`` before anything
+    is written. Writes on a read-only store raise ``StoreError``.
+    """
+
+    url: str  # the database URL with any password hidden
+    read_only: bool
+
+    # -- identities (get-or-create, idempotent and safe under concurrency) ----------------
+
+    @abc.abstractmethod
+    def ensure_device(self, fingerprint: DeviceFingerprint) -> DeviceRecord:
+        """The device with ``fingerprint.hardware_key()``, created on first use."""
+
+    @abc.abstractmethod
+    def ensure_template(self, name: str, source_hash: str) -> TemplateRecord:
+        """The template ``name`` at source version ``source_hash``, created on first use."""
+
+    @abc.abstractmethod
+    def ensure_problem(self, template_name: str, key: Mapping[str, Any],
+                       bucket: str) -> ProblemRecord:
+        """The problem ``key`` of ``template_name``, created on first use.
+
+        ``key`` is stored as canonical JSON, so equal mappings are the same problem.
+        ``bucket`` is only written when the problem is created.
+        """
+
+    @abc.abstractmethod
+    def list_devices(self) -> list[DeviceRecord]:
+        """Every device, by id."""
+
+    @abc.abstractmethod
+    def list_templates(self) -> list[TemplateRecord]:
+        """Every (template, source hash), by id."""
+
+    @abc.abstractmethod
+    def list_problems(self, template_name: str | None = None) -> list[ProblemRecord]:
+        """Every problem (of ``template_name`` when given), by id."""
+
+    # -- runs -------------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def create_run(self, device_id: int, template_id: int, problem_id: int, *,
+                   study_name: str, sampler: str, seed: int | None = None,
+                   params: Mapping[str, Any] | None = None,
+                   flashtune_version: str = __version__, torch_version: str = "",
+                   triton_version: str = "", cuda_version: str = "",
+                   driver_version: str = "", host: str | None = None) -> RunRecord:
+        """Start a run (status RUNNING) of the study; ``host`` defaults to this host name.
+
+        ``params`` holds the search settings (budget, timeouts...) as JSON-able values.
+        """
+
+    @abc.abstractmethod
+    def finish_run(self, run_id: int, status: RunStatus | str) -> RunRecord:
+        """Set a run's final status (not RUNNING) and its finish time."""
+
+    @abc.abstractmethod
+    def get_run(self, run_id: int) -> RunRecord | None:
+        """The run ``run_id``, or None."""
+
+    @abc.abstractmethod
+    def fail_stale_runs(self, device_id: int | None = None, template_id: int | None = None,
+                        problem_id: int | None = None, *, current_run_id: int | None = None,
+                        older_than: timedelta | None = None) -> int:
+        """Mark RUNNING runs (of the study, when ids are given) FAILED; return how many.
+
+        ``current_run_id`` is never touched; ``older_than`` spares runs started more
+        recently (another live worker's). Their RUNNING trials are left alone: see
+        :meth:`fail_stale_trials`.
+        """
+
+    # -- trials -----------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def start_trial(self, run_id: int, config: Mapping[str, Any]) -> TrialRecord:
+        """Record that ``config`` is being tried in ``run_id``: state RUNNING, next number.
+
+        The number is the study's next one, unique even with concurrent processes.
+        """
+
+    @abc.abstractmethod
+    def finish_trial(self, trial_id: int, state: TrialState | str, *,
+                     message: str | None = None, median_ms: float | None = None,
+                     p20_ms: float | None = None, p80_ms: float | None = None,
+                     tflops: float | None = None,
+                     compile_s: float | None = None) -> TrialRecord:
+        """Set a trial's final ``state`` (not RUNNING), message, timings and finish time.
+
+        Finishing a trial that is no longer RUNNING (e.g. one :meth:`fail_stale_trials`
+        marked while its worker was in fact alive) overwrites it and logs a warning: the
+        measured result is worth more than the guess.
+        """
+
+    @abc.abstractmethod
+    def record_trial(self, run_id: int, config: Mapping[str, Any], state: TrialState | str,
+                     *, message: str | None = None, median_ms: float | None = None,
+                     p20_ms: float | None = None, p80_ms: float | None = None,
+                     tflops: float | None = None,
+                     compile_s: float | None = None) -> TrialRecord:
+        """:meth:`start_trial` + :meth:`finish_trial` in one transaction (e.g. a config the
+        validity predicate pruned, recorded as PRUNED_STATIC without ever running)."""
+
+    @abc.abstractmethod
+    def find_trial(self, device_id: int, template_id: int, problem_id: int,
+                   config: Mapping[str, Any]) -> TrialRecord | None:
+        """The latest finished trial of the study with this exact config, or None.
+
+        RUNNING and DUPLICATE trials are skipped: a resumed job uses this to avoid
+        measuring a config twice and to reuse the earlier outcome.
+        """
+
+    @abc.abstractmethod
+    def list_trials(self, *, device_id: int | None = None, template_id: int | None = None,
+                    problem_id: int | None = None, run_id: int | None = None,
+                    state: TrialState | str | None = None) -> list[TrialRecord]:
+        """Trials matching every filter given, in creation order."""
+
+    @abc.abstractmethod
+    def fail_stale_trials(self, device_id: int, template_id: int, problem_id: int, *,
+                          current_run_id: int | None = None,
+                          older_than: timedelta | None = None,
+                          message: str = STALE_MESSAGE) -> int:
+        """Mark the study's RUNNING trials RUNTIME_ERROR with ``message``; return how many.
+
+        Trials of ``current_run_id`` (the caller's run) are left alone. Without
+        ``older_than`` every other RUNNING trial counts as stale, which is right when no
+        other worker is tuning this study now; with concurrent workers pass ``older_than``
+        (longer than any trial can take) so live trials are spared.
+        """
+
+    # -- best configs -----------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def offer_best(self, device_id: int, template_id: int, problem_id: int, *,
+                   config: Mapping[str, Any], median_ms: float, tflops: float | None,
+                   trial_id: int | None, trials_count: int) -> bool:
+        """Make ``config`` the study's best if there is none or it is strictly faster.
+
+        Atomic: concurrent offers never lose the fastest. Returns whether it became the
+        best; a slower or equal offer returns False and changes nothing.
+        """
+
+    @abc.abstractmethod
+    def get_best(self, device_id: int, template_id: int,
+                 problem_id: int) -> BestConfigRecord | None:
+        """The study's best config with its device, template and problem, or None."""
+
+    @abc.abstractmethod
+    def list_best(self, *, device_name: str | None = None, template_name: str | None = None,
+                  source_hash: str | None = None) -> list[BestConfigRecord]:
+        """Best configs matching every filter given (one query), sorted by device name,
+        template name, problem bucket and key."""
+
+    # -- the database -----------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def info(self) -> dict[str, Any]:
+        """``url`` (password hidden), ``dialect``, ``revision``, ``head``, ``read_only`` and
+        ``counts`` (rows per table) as JSON-able values."""
+
+    def close(self) -> None:
+        """Release connections; the store must not be used afterwards."""
+
+    def __enter__(self) -> TuningStore:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
