@@ -1,0 +1,196 @@
+"""Store contract, part 1: identities, runs, records, errors, threads, info.
+
+Every test taking ``store`` runs on every backend (see conftest.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from dataclasses import replace
+from datetime import timezone
+from pathlib import Path
+
+import pytest
+
+from tests.db_tests.support import A100, BUCKET, H100, KEY, Study, make_study
+from flashtune import SchemaError, StoreError
+from flashtune.db import HEAD_REVISION, RunStatus, TrialState, open_store
+from flashtune.db.store import TuningStore
+
+
+def test_ensure_device_is_get_or_create_on_the_hardware_key(store: TuningStore) -> None:
+    first = store.ensure_device(H100)
+    assert store.ensure_device(H100) == first
+    # software versions are not part of the identity
+    assert store.ensure_device(replace(H100, torch_version="2.6.0", driver_version="560")) == first
+    assert first.hardware_key() == H100.hardware_key()
+    other = store.ensure_device(replace(H100, sm_count=114))  # an H100 PCIe
+    a100 = store.ensure_device(A100)
+    assert len({first.id, other.id, a100.id}) == 3
+    assert store.list_devices() == [first, other, a100]
+
+
+def test_ensure_template_is_get_or_create_on_name_and_hash(store: TuningStore) -> None:
+    t1 = store.ensure_template("attn_fwd", "aaaa")
+    assert store.ensure_template("attn_fwd", "aaaa") == t1
+    t2 = store.ensure_template("attn_fwd", "bbbb")
+    t3 = store.ensure_template("attn_bwd", "aaaa")
+    assert (t1.name, t1.source_hash) == ("attn_fwd", "aaaa")
+    assert len({t1.id, t2.id, t3.id}) == 3
+    assert store.list_templates() == [t1, t2, t3]
+
+
+def test_ensure_problem_keys_on_canonical_json(store: TuningStore) -> None:
+    p1 = store.ensure_problem("attn_fwd", KEY, BUCKET)
+    reordered = dict(reversed(list(KEY.items())))
+    assert store.ensure_problem("attn_fwd", reordered, BUCKET) == p1
+    assert p1.key == KEY and p1.bucket == BUCKET
+    assert p1.key_json == ('{"batch":4,"causal":true,"dtype":"fp16","head_dim":128,'
+                           '"heads_kv":8,"heads_q":32,"seqlen_k":4096,"seqlen_q":4096}')
+    p2 = store.ensure_problem("attn_fwd", {**KEY, "seqlen_q": 77}, "other")
+    p3 = store.ensure_problem("attn_bwd", KEY, BUCKET)
+    assert len({p1.id, p2.id, p3.id}) == 3
+    assert store.list_problems("attn_fwd") == [p1, p2]
+    assert store.list_problems() == [p1, p2, p3]
+
+
+def test_ensure_problem_rejects_nan_before_writing(store: TuningStore) -> None:
+    with pytest.raises(ValueError, match="NaN|JSON"):
+        store.ensure_problem("attn_fwd", {"x": float("nan")}, "b")
+    assert store.list_problems() == []
+
+
+def test_create_and_finish_run(store: TuningStore) -> None:
+    s = make_study(store)
+    run = store.create_run(*s.ids, study_name="attn_fwd/h100", sampler="TPESampler", seed=7,
+                           params={"n_trials": 50, "timeout_s": 600.0},
+                           torch_version="2.5.1", triton_version="3.1.0", cuda_version="12.4",
+                           driver_version="550.54.15", host="node-3")
+    assert run.status is RunStatus.RUNNING and run.finished_at is None
+    assert (run.device_id, run.template_id, run.problem_id) == s.ids
+    assert run.params == {"n_trials": 50, "timeout_s": 600.0}
+    assert (run.seed, run.host, run.driver_version) == (7, "node-3", "550.54.15")
+    assert run.started_at.tzinfo == timezone.utc
+    assert store.get_run(run.id) == run
+    assert s.run.host  # defaults to this host's name
+    done = store.finish_run(run.id, RunStatus.COMPLETE)
+    assert done.status is RunStatus.COMPLETE
+    assert done.finished_at is not None and done.finished_at >= done.started_at
+    assert store.get_run(run.id) == done
+    assert store.finish_run(s.run.id, "INTERRUPTED").status is RunStatus.INTERRUPTED
+    assert store.get_run(10_000) is None
+    with pytest.raises(ValueError):
+        store.finish_run(run.id, RunStatus.RUNNING)
+    with pytest.raises(StoreError, match="no row 10000 in ft_runs"):
+        store.finish_run(10_000, RunStatus.FAILED)
+
+
+def test_fail_stale_runs(store: TuningStore, study: Study) -> None:
+    mine = store.create_run(*study.ids, study_name="s", sampler="tpe")
+    other_study = make_study(store, device=A100)
+    assert store.fail_stale_runs(*study.ids, current_run_id=mine.id) == 1
+    assert store.get_run(study.run.id).status is RunStatus.FAILED
+    assert store.get_run(mine.id).status is RunStatus.RUNNING
+    assert store.get_run(other_study.run.id).status is RunStatus.RUNNING
+    from datetime import timedelta
+    assert store.fail_stale_runs(older_than=timedelta(hours=1)) == 0  # all started just now
+    assert store.fail_stale_runs() == 2
+
+
+def test_records_are_frozen(store: TuningStore, study: Study) -> None:
+    trial = store.start_trial(study.run.id, {"BLOCK_M": 64})
+    store.offer_best(*study.ids, config={"BLOCK_M": 64}, median_ms=1.0, tflops=None,
+                     trial_id=trial.id, trials_count=1)
+    best = store.get_best(*study.ids)
+    for record in (study.device, study.template, study.problem, study.run, trial, best):
+        assert dataclasses.is_dataclass(record)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            record.id = 99  # type: ignore[misc, union-attr]
+
+
+def test_writes_are_all_or_nothing(store: TuningStore, study: Study) -> None:
+    with pytest.raises(StoreError):
+        store.start_trial(10_000, {"BLOCK_M": 64})  # no such run
+    with pytest.raises(ValueError):
+        store.start_trial(study.run.id, {"BLOCK_M": float("inf")})
+    assert store.list_trials() == []
+
+
+def test_info_counts_rows(store: TuningStore, study: Study) -> None:
+    store.start_trial(study.run.id, {"BLOCK_M": 64})
+    info = store.info()
+    assert info["revision"] == info["head"] == HEAD_REVISION
+    assert info["counts"] == {"ft_devices": 1, "ft_templates": 1, "ft_problems": 1,
+                              "ft_runs": 1, "ft_trials": 1, "ft_best_configs": 0}
+    assert info["read_only"] is False and info["url"] == store.url
+
+
+def test_a_store_can_be_shared_by_threads(store: TuningStore, study: Study) -> None:
+    errors: list[BaseException] = []
+
+    def worker(w: int) -> None:
+        try:
+            for i in range(10):
+                t = store.start_trial(study.run.id, {"w": w, "i": i})
+                store.finish_trial(t.id, TrialState.COMPLETE, median_ms=1.0 + w + i / 100)
+                store.offer_best(*study.ids, config=t.config, median_ms=1.0 + w + i / 100,
+                                 tflops=None, trial_id=t.id, trials_count=i + 1)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    trials = store.list_trials(run_id=study.run.id)
+    assert sorted(t.number for t in trials) == list(range(60))
+    assert all(t.state is TrialState.COMPLETE for t in trials)
+    best = store.get_best(*study.ids)
+    assert best is not None and best.median_ms == 1.0 and best.config == {"w": 0, "i": 0}
+
+
+# -- errors and read-only (SQLite files: what a user points the store at by mistake) --------
+
+def test_a_file_that_is_not_a_database_raises_store_error_naming_it(tmp_path: Path) -> None:
+    path = tmp_path / "notes.db"
+    path.write_bytes(b"these are my notes, not a database\n" * 200)
+    with pytest.raises(StoreError, match=f"database sqlite:///{path}: file is not a database"):
+        open_store(f"sqlite:///{path}")
+
+
+def test_store_error_hides_the_password() -> None:
+    url = "postgresql+psycopg://tuner:hunter2@127.0.0.1:1/flashtune"
+    with pytest.raises(StoreError) as info:
+        open_store(url)  # no server there (or no driver): either way a StoreError
+    message = str(info.value)
+    assert "hunter2" not in message and "tuner:***@127.0.0.1:1/flashtune" in message
+    assert "\n" not in message
+
+
+def test_read_only_store_reads_and_refuses_writes(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'ft.db'}"
+    with open_store(url) as rw:
+        s = make_study(rw)
+        rw.start_trial(s.run.id, {"BLOCK_M": 64})
+    with open_store(url, read_only=True) as ro:
+        assert ro.list_devices() == [s.device]
+        assert len(ro.list_trials()) == 1 and ro.info()["read_only"] is True
+        with pytest.raises(StoreError, match="read-only"):
+            ro.ensure_template("attn_fwd", "new")
+        with pytest.raises(StoreError, match="read-only"):
+            ro.start_trial(s.run.id, {"BLOCK_M": 128})
+
+
+def test_read_only_store_on_an_empty_database_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "empty.db"
+    path.touch()
+    with pytest.raises(SchemaError, match="no flashtune schema.*read-only"):
+        open_store(f"sqlite:///{path}", read_only=True)
+    assert path.read_bytes() == b""
+    with pytest.raises(StoreError, match="unable to open"):
+        open_store(f"sqlite:///{tmp_path / 'missing.db'}", read_only=True)
+    with pytest.raises(SchemaError, match="flashtune db upgrade"):
+        open_store(f"sqlite:///{path}", create=False)
