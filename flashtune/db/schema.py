@@ -139,7 +139,7 @@ def check_schema(engine: Engine, *, create: bool = True, read_only: bool = False
             raise refusal
         if state.revision == HEAD_REVISION:
             return HEAD_REVISION
-        with write_engine(engine).begin() as conn:  # BEGIN IMMEDIATE: one creator at a time
+        with _migrating(engine) as conn:  # BEGIN IMMEDIATE: one creator at a time
             state = _read_state(conn)  # another process may have created it meanwhile
             if state.empty:
                 log.info("creating flashtune schema %s in %s", HEAD_REVISION, url)
@@ -161,7 +161,7 @@ def upgrade(url: str | URL) -> tuple[str | None, str]:
     shown = safe_url(engine.url)
     try:
         with _errors(engine.url, "upgrading the schema"):
-            with write_engine(engine).begin() as conn:
+            with _migrating(engine) as conn:
                 state = _read_state(conn)
                 refusal = _refusal(shown, state, read_only=False, create=True)
                 if refusal is not None and state.revision not in known_revisions():
@@ -183,10 +183,39 @@ def downgrade(url: str | URL, revision: str) -> None:
     engine = make_engine(url, wal=False)
     try:
         with _errors(engine.url, f"downgrading the schema to {revision}"):
-            with write_engine(engine).begin() as conn:
+            with _migrating(engine) as conn:
                 command.downgrade(alembic_config(conn), revision)
     finally:
         engine.dispose()
+
+
+@contextmanager
+def _migrating(engine: Engine) -> Iterator[Connection]:
+    """A connection in one write transaction (``BEGIN IMMEDIATE`` on SQLite) for migrations.
+
+    SQLite cannot alter most of a table in place: alembic's batch mode copies it, drops the
+    old one and renames the copy. With foreign keys enforced, dropping a referenced table
+    would fail or fire ``ON DELETE`` actions, so they are switched off for the migration
+    (SQLite ignores that pragma inside a transaction: it is set before ``BEGIN``) and the
+    result is verified with ``PRAGMA foreign_key_check`` before committing, as SQLite's
+    documentation of ALTER TABLE prescribes.
+    """
+    with write_engine(engine).connect() as conn:
+        raw = conn.connection.driver_connection if conn.dialect.name == "sqlite" else None
+        if raw is not None:
+            raw.execute("PRAGMA foreign_keys = OFF")
+        try:
+            with conn.begin():
+                yield conn
+                if raw is not None:
+                    broken = conn.exec_driver_sql("PRAGMA foreign_key_check").fetchall()
+                    if broken:
+                        raise SchemaError(
+                            f"migrating {safe_url(engine.url)} would break foreign keys "
+                            f"(table, rowid, parent, fk): {broken[:5]}; nothing was changed")
+        finally:
+            if raw is not None:
+                raw.execute("PRAGMA foreign_keys = ON")
 
 
 @contextmanager

@@ -117,6 +117,13 @@ def test_writes_are_all_or_nothing(store: TuningStore, study: Study) -> None:
     assert store.list_trials() == []
 
 
+def test_foreign_keys_are_enforced(store: TuningStore, study: Study) -> None:
+    with pytest.raises(StoreError, match="(?i)foreign key"):
+        store.create_run(10_000, study.template.id, study.problem.id, study_name="s",
+                         sampler="tpe")
+    assert store.get_run(study.run.id + 1) is None
+
+
 def test_info_counts_rows(store: TuningStore, study: Study) -> None:
     store.start_trial(study.run.id, {"BLOCK_M": 64})
     info = store.info()

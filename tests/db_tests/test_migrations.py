@@ -1,0 +1,211 @@
+"""Schema history: the frozen 0001 database, upgrades, refusals, and sharing with Optuna."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import sqlite3
+from pathlib import Path
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import create_engine
+
+from flashtune import SchemaError
+from flashtune.db import RunStatus, TrialState, open_store, upgrade
+from flashtune.db.models import Base
+from flashtune.db.schema import (
+    HEAD_REVISION,
+    VERSION_TABLE,
+    alembic_config,
+    current_revision,
+    downgrade,
+    known_revisions,
+)
+from tests.db_tests.support import ASSETS, PG_URL, wipe_postgres
+
+ASSET = ASSETS / "flashtune_0001.db"
+
+
+def fingerprint(path: Path) -> tuple[str, list[str]]:
+    """The file's bytes digest and the folder's file names (a -wal file is a write too)."""
+    return hashlib.sha256(path.read_bytes()).hexdigest(), sorted(p.name for p in path.parent.iterdir())
+
+
+def rows(path: Path, sql: str) -> list[tuple]:
+    con = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        return con.execute(sql).fetchall()
+    finally:
+        con.close()
+
+
+@pytest.fixture
+def old_db(tmp_path: Path) -> Path:
+    path = tmp_path / "flashtune_0001.db"
+    shutil.copyfile(ASSET, path)
+    return path
+
+
+def test_head_revision_matches_the_migration_scripts() -> None:
+    script = ScriptDirectory.from_config(alembic_config())
+    assert script.get_current_head() == HEAD_REVISION
+    assert known_revisions() == ("0001", "0002")
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_migrations_build_exactly_the_models(backend: str, tmp_path: Path) -> None:
+    if backend == "postgresql" and not PG_URL:
+        pytest.skip("PostgreSQL backend: set FLASHTUNE_TEST_PG_URL")
+    url = f"sqlite:///{tmp_path / 'm.db'}" if backend == "sqlite" else PG_URL
+    if backend == "postgresql":
+        wipe_postgres(url)
+    upgrade(url)
+    engine = create_engine(url)
+    try:
+        with engine.connect() as conn:
+            ctx = MigrationContext.configure(conn, opts={"compare_type": True})
+            diffs = [d for d in compare_metadata(ctx, Base.metadata)
+                     if "alembic_version" not in repr(d)]
+        assert diffs == []
+    finally:
+        engine.dispose()
+        if backend == "postgresql":
+            wipe_postgres(url)
+
+
+def test_the_0001_asset_is_refused_unchanged_with_the_upgrade_command(old_db: Path) -> None:
+    before = fingerprint(old_db)
+    url = f"sqlite:///{old_db}"
+    expected = (f"database {url} is at schema revision 0001, this flashtune needs "
+                f"{HEAD_REVISION}: run `flashtune db upgrade --db {url}`")
+    for read_only in (False, True):
+        with pytest.raises(SchemaError) as info:
+            open_store(url, read_only=read_only)
+        assert str(info.value) == expected
+        assert fingerprint(old_db) == before
+
+
+def test_upgrading_the_0001_asset_keeps_its_data(old_db: Path) -> None:
+    url = f"sqlite:///{old_db}"
+    assert upgrade(url) == ("0001", HEAD_REVISION)
+    assert upgrade(url) == (HEAD_REVISION, HEAD_REVISION)  # idempotent
+    with open_store(url) as store:
+        [device] = store.list_devices()
+        assert device.hardware_key() == ("NVIDIA_H100_80GB_HBM3", "9.0", 132, 232448,
+                                          85520809984)
+        [problem] = store.list_problems("attn_fwd")
+        assert problem.key["seqlen_q"] == 4096 and problem.key["causal"] is True
+        run = store.get_run(1)
+        assert run is not None and run.status is RunStatus.COMPLETE
+        assert (run.host, run.driver_version, run.torch_version) == ("", "", "2.5.1+cu124")
+        assert run.params == {"n_trials": 5, "timeout_s": 600}
+        trials = store.list_trials(run_id=1)
+        assert [t.state for t in trials] == [
+            TrialState.COMPLETE, TrialState.PRUNED_STATIC, TrialState.COMPLETE,
+            TrialState.OUT_OF_RESOURCES, TrialState.COMPLETE]
+        assert all(t.p20_ms is None and t.p80_ms is None for t in trials)  # never measured
+        assert "232448" in (trials[1].message or "")
+        [best] = store.list_best(device_name="NVIDIA_H100_80GB_HBM3")
+        assert (best.median_ms, best.trial_id, best.trials_count) == (1.397, 5, 5)
+        assert best.config == trials[4].config
+        ids = (device.id, best.template.id, problem.id)
+        # hashes written by 0001 code still find the same configs
+        assert store.find_trial(*ids, trials[2].config) == trials[2]
+        # the study goes on where it stopped, with the 0002 columns
+        new_run = store.create_run(*ids, study_name=run.study_name, sampler="TPESampler",
+                                   host="node-7", driver_version="550.54.15")
+        trial = store.record_trial(new_run.id, {"BLOCK_M": 64}, TrialState.COMPLETE,
+                                   median_ms=1.3, p20_ms=1.28, p80_ms=1.33)
+        assert trial.number == 5 and trial.p80_ms == 1.33
+    assert rows(old_db, "PRAGMA integrity_check") == [("ok",)]
+
+
+def test_downgrade_then_upgrade_round_trips(old_db: Path) -> None:
+    url = f"sqlite:///{old_db}"
+    upgrade(url)
+    downgrade(url, "0001")
+    assert rows(old_db, f"SELECT version_num FROM {VERSION_TABLE}") == [("0001",)]
+    assert "host" not in [r[1] for r in rows(old_db, "PRAGMA table_info(ft_runs)")]
+    assert rows(old_db, "SELECT count(*) FROM ft_trials") == [(5,)]
+    # ft_trials was rebuilt by batch mode: ON DELETE SET NULL must not have fired
+    assert rows(old_db, "SELECT trial_id FROM ft_best_configs") == [(5,)]
+    assert rows(old_db, "PRAGMA foreign_key_check") == []
+    upgrade(url)
+    with open_store(url) as store:
+        assert len(store.list_trials()) == 5
+
+
+def test_a_database_from_a_newer_flashtune_is_refused_unchanged(tmp_path: Path) -> None:
+    path = tmp_path / "future.db"
+    url = f"sqlite:///{path}"
+    open_store(url).close()
+    con = sqlite3.connect(path)
+    con.execute(f"UPDATE {VERSION_TABLE} SET version_num = '0099'")
+    con.execute("PRAGMA journal_mode = DELETE")  # one file, so the digest sees everything
+    con.commit()
+    con.close()
+    before = fingerprint(path)
+    for read_only in (False, True):
+        with pytest.raises(SchemaError, match="revision 0099.*newer flashtune; upgrade flashtune"):
+            open_store(url, read_only=read_only)
+    with pytest.raises(SchemaError, match="newer flashtune"):
+        upgrade(url)
+    assert fingerprint(path) == before
+
+
+def test_flashtune_tables_without_a_version_are_refused(tmp_path: Path) -> None:
+    path = tmp_path / "hand_made.db"
+    con = sqlite3.connect(path)
+    con.execute("CREATE TABLE ft_devices (id INTEGER PRIMARY KEY)")
+    con.close()
+    with pytest.raises(SchemaError, match="no flashtune_alembic_version table"):
+        open_store(f"sqlite:///{path}")
+    with pytest.raises(SchemaError, match="no flashtune_alembic_version table"):
+        upgrade(f"sqlite:///{path}")
+
+
+def test_a_fresh_database_is_created_at_head(tmp_path: Path) -> None:
+    path = tmp_path / "sub" / "fresh.db"
+    path.parent.mkdir()
+    with open_store(f"sqlite:///{path}") as store:
+        assert store.info()["revision"] == HEAD_REVISION
+    engine = create_engine(f"sqlite:///{path}")
+    try:
+        assert current_revision(engine) == HEAD_REVISION
+    finally:
+        engine.dispose()
+    assert rows(path, "PRAGMA journal_mode") == [("wal",)]
+
+
+@pytest.mark.parametrize("optuna_first", [True, False], ids=["optuna-first", "flashtune-first"])
+def test_optuna_can_share_the_database(tmp_path: Path, optuna_first: bool) -> None:
+    optuna = pytest.importorskip("optuna")
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    path = tmp_path / "shared.db"
+    url = f"sqlite:///{path}"
+
+    def use_optuna() -> None:
+        study = optuna.create_study(storage=url, study_name="attn_fwd-h100",
+                                    load_if_exists=True)
+        study.optimize(lambda t: (t.suggest_int("BLOCK_M", 16, 128) - 64) ** 2, n_trials=3)
+
+    def use_flashtune() -> None:
+        with open_store(url) as store:
+            d = store.ensure_device(__import__("tests.db_tests.support").db_tests.support.H100)
+            assert store.info()["revision"] == HEAD_REVISION
+            assert d.id == 1
+
+    for step in ((use_optuna, use_flashtune) if optuna_first else (use_flashtune, use_optuna)):
+        step()
+    use_flashtune()  # re-opening beside Optuna's tables is fine
+    tables = {r[0] for r in rows(path, "SELECT name FROM sqlite_master WHERE type='table'")}
+    assert {"alembic_version", VERSION_TABLE, "studies", "trials", "ft_trials",
+            "ft_best_configs"} <= tables
+    assert rows(path, f"SELECT version_num FROM {VERSION_TABLE}") == [(HEAD_REVISION,)]
+    [(optuna_revision,)] = rows(path, "SELECT version_num FROM alembic_version")
+    assert optuna_revision != HEAD_REVISION and optuna_revision.startswith("v")
+    loaded = optuna.load_study(storage=url, study_name="attn_fwd-h100")
+    assert len(loaded.trials) == 3
