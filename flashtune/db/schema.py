@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 HEAD_REVISION = "0002"
 VERSION_TABLE = "flashtune_alembic_version"
 MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
+_PG_LOCK_KEY = 0x666C_6173_6874_756E  # "flashtun": advisory lock held while migrating
 
 
 def alembic_config(connection: Connection | None = None) -> Config:
@@ -193,6 +194,9 @@ def downgrade(url: str | URL, revision: str) -> None:
 def _migrating(engine: Engine) -> Iterator[Connection]:
     """A connection in one write transaction (``BEGIN IMMEDIATE`` on SQLite) for migrations.
 
+    PostgreSQL serializes migrators with a transaction-scoped advisory lock (concurrent
+    ``CREATE TABLE`` of one name would otherwise fail in all but one process).
+
     SQLite cannot alter most of a table in place: alembic's batch mode copies it, drops the
     old one and renames the copy. With foreign keys enforced, dropping a referenced table
     would fail or fire ``ON DELETE`` actions, so they are switched off for the migration
@@ -206,6 +210,9 @@ def _migrating(engine: Engine) -> Iterator[Connection]:
             raw.execute("PRAGMA foreign_keys = OFF")
         try:
             with conn.begin():
+                if conn.dialect.name == "postgresql":  # one migrator at a time, per database
+                    conn.execute(text("SELECT pg_advisory_xact_lock(:key)"),
+                                 {"key": _PG_LOCK_KEY})
                 yield conn
                 if raw is not None:
                     broken = conn.exec_driver_sql("PRAGMA foreign_key_check").fetchall()
