@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sqlite3
 from pathlib import Path
 from typing import Any, Iterator
 from urllib.parse import unquote
@@ -50,6 +51,7 @@ log = logging.getLogger(__name__)
 BUSY_TIMEOUT_MS = 30_000
 LOCK_RETRIES = 5
 _WRITE_OPTION = "flashtune_write"
+_LEGACY_CONTROL = getattr(sqlite3, "LEGACY_TRANSACTION_CONTROL", None)  # Python >= 3.12
 
 
 def default_db_url() -> str:
@@ -124,7 +126,11 @@ def make_engine(url: str | URL, read_only: bool = False, *, wal: bool = True,
 
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_connection: Any, connection_record: Any) -> None:
-        dbapi_connection.isolation_level = None  # SQLAlchemy emits BEGIN (see _on_begin)
+        # SQLAlchemy emits BEGIN (see _on_begin): keep sqlite3's legacy transaction control
+        # (its default until Python 3.16) with its implicit BEGIN switched off
+        if _LEGACY_CONTROL is not None and hasattr(dbapi_connection, "autocommit"):
+            dbapi_connection.autocommit = _LEGACY_CONTROL
+        dbapi_connection.isolation_level = None
         cursor = dbapi_connection.cursor()
         try:
             cursor.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")

@@ -1,41 +1,23 @@
 """:class:`SQLAlchemyStore`: the tuning store on any SQLAlchemy database.
 
-Every public method is one short transaction run through :meth:`SQLAlchemyStore._run`,
-which opens it with :meth:`SQLAlchemyStore._transaction` (the one place that commits,
-rolls back and turns driver errors into ``StoreError``) and retries it when SQLite reports
-"database is locked" or when a unique constraint shows that a concurrent writer got there
-first (get-or-create, trial numbers, first best config).
+Each public method is one short transaction run through ``self._run`` (see
+:mod:`flashtune.db.transactions`, which holds the engine, the schema check and the one
+context manager that commits, rolls back and converts driver errors).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import random
 import socket
-import threading
-import time
-from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, TypeVar
+from typing import TYPE_CHECKING, Any, Mapping
 
 from sqlalchemy import func, select, update
-from sqlalchemy.engine import URL
-from sqlalchemy.exc import IntegrityError, SQLAlchemyError
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session
 
 from flashtune._version import __version__
 from flashtune.db import convert, schema
-from flashtune.db.engine import (
-    enable_wal,
-    is_locked_error,
-    is_memory_sqlite,
-    lock_retry_delays,
-    make_engine,
-    safe_url,
-    store_error,
-    write_engine,
-)
 from flashtune.db.jsonutil import canonical_json, hash_canonical
 from flashtune.db.models import BestConfig, Device, Problem, Run, Template, Trial, utcnow
 from flashtune.db.records import (
@@ -49,7 +31,7 @@ from flashtune.db.records import (
     TrialState,
 )
 from flashtune.db.store import STALE_MESSAGE, TuningStore
-from flashtune.errors import StoreError
+from flashtune.db.transactions import TransactionRunner, get_row, rowcount
 
 if TYPE_CHECKING:  # pragma: no cover
     from flashtune.autotune.devices import DeviceFingerprint
@@ -57,19 +39,10 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["SQLAlchemyStore"]
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 CONFLICT_RETRIES = 20
 
 
-class _Conflict(StoreError):
-    """A unique constraint failed: a concurrent writer won; the operation may be retried."""
-
-
-class _Locked(StoreError):
-    """SQLite stayed locked past its busy timeout; the operation may be retried."""
-
-
-class SQLAlchemyStore(TuningStore):
+class SQLAlchemyStore(TransactionRunner, TuningStore):
     """The store on the database at ``url`` (any SQLAlchemy URL). See :class:`TuningStore`.
 
     Opening checks the schema (``flashtune.db.schema.check_schema``): an empty database is
@@ -77,91 +50,8 @@ class SQLAlchemyStore(TuningStore):
     ``SchemaError``. ``read_only=True`` never writes (SQLite opens the file ``mode=ro``).
     """
 
-    def __init__(self, url: str | URL, *, read_only: bool = False, create: bool = True) -> None:
-        self.url = safe_url(url)
-        self.read_only = read_only
-        try:
-            self._engine = make_engine(url, read_only=read_only, wal=False)
-        except (SQLAlchemyError, ImportError) as exc:  # bad URL, driver not installed
-            raise store_error(exc, url, "opening the store") from exc
-        # one shared connection for :memory: (StaticPool): let one thread at a time use it
-        memory = is_memory_sqlite(self._engine.url)
-        self._lock: AbstractContextManager[Any] = threading.RLock() if memory else nullcontext()
-        try:
-            with self._lock:
-                self.revision = schema.check_schema(self._engine, create=create,
-                                                    read_only=read_only, shown_url=self.url)
-                if not read_only:
-                    enable_wal(self._engine)  # only once the schema is known to be ours
-        except SQLAlchemyError as exc:
-            self._engine.dispose()
-            raise store_error(exc, self.url, "opening the store") from exc
-        except BaseException:
-            self._engine.dispose()
-            raise
-        self._reader = sessionmaker(self._engine, expire_on_commit=False)
-        self._writer = sessionmaker(write_engine(self._engine), expire_on_commit=False)
-
     def __repr__(self) -> str:
         return f"SQLAlchemyStore({self.url!r}, read_only={self.read_only})"
-
-    def close(self) -> None:
-        self._engine.dispose()
-
-    # -- transactions -----------------------------------------------------------------------
-
-    @contextmanager
-    def _transaction(self, operation: str, *, write: bool = False) -> Iterator[Session]:
-        """One transaction: commit on success, roll back on any error; driver errors become
-        ``StoreError`` (``_Conflict`` / ``_Locked`` for the retryable ones)."""
-        if write and self.read_only:
-            raise StoreError(f"{operation} refused: database {self.url} was opened read-only")
-        with self._lock:
-            try:
-                with (self._writer if write else self._reader)() as session, session.begin():
-                    yield session
-            except IntegrityError as exc:
-                raise _Conflict(str(store_error(exc, self.url, operation))) from exc
-            except SQLAlchemyError as exc:
-                error = store_error(exc, self.url, operation)
-                if is_locked_error(exc):
-                    raise _Locked(str(error)) from exc
-                raise error from exc
-
-    def _run(self, operation: str, work: Callable[[Session], T], *, write: bool = False,
-             conflict_retries: int = 0) -> T:
-        """``work(session)`` in a transaction, retried on lock timeouts (with backoff) and
-        up to ``conflict_retries`` times on unique-constraint conflicts."""
-        delays = lock_retry_delays()
-        conflicts = 0
-        while True:
-            try:
-                with self._transaction(operation, write=write) as session:
-                    return work(session)
-            except _Locked:
-                delay = next(delays, None)
-                if delay is None:
-                    raise
-                log.debug("%s: database is locked, retrying in %.2fs", operation, delay)
-                time.sleep(delay * (1 + random.random()))
-            except _Conflict:
-                conflicts += 1
-                if conflicts > conflict_retries:
-                    raise
-                log.debug("%s: concurrent writer won, retrying (%d)", operation, conflicts)
-
-    def _get_or_create(self, operation: str, find: Callable[[Session], T | None],
-                       create: Callable[[Session], T]) -> T:
-        found = self._run(operation, find)
-        if found is not None:
-            return found
-        try:
-            return self._run(operation, lambda s: find(s) or create(s), write=True)
-        except _Conflict:  # created by a concurrent writer between our two transactions
-            found = self._run(operation, find)
-            if found is None:
-                raise
-            return found
 
     # -- identities -------------------------------------------------------------------------
 
@@ -260,7 +150,7 @@ class SQLAlchemyStore(TuningStore):
             raise ValueError("finish_run needs a final status, not RUNNING")
 
         def work(s: Session) -> RunRecord:
-            row = _get(s, Run, run_id, self.url)
+            row = get_row(s, Run, run_id, self.url)
             row.status, row.finished_at = status.value, utcnow()
             s.flush()
             return convert.run(row)
@@ -288,13 +178,13 @@ class SQLAlchemyStore(TuningStore):
         if older_than is not None:
             stmt = stmt.where(Run.started_at < now - older_than)
         stmt = stmt.values(status=RunStatus.FAILED.value, finished_at=now)
-        return self._run("fail_stale_runs", lambda s: _rowcount(s.execute(stmt)), write=True)
+        return self._run("fail_stale_runs", lambda s: rowcount(s.execute(stmt)), write=True)
 
     # -- trials -----------------------------------------------------------------------------
 
     def _insert_trial(self, s: Session, run_id: int, config_json: str,
                       state: TrialState) -> Trial:
-        run = _get(s, Run, run_id, self.url)
+        run = get_row(s, Run, run_id, self.url)
         study = (Trial.device_id == run.device_id, Trial.template_id == run.template_id,
                  Trial.problem_id == run.problem_id)
         last = s.scalar(select(func.max(Trial.number)).where(*study))
@@ -322,7 +212,7 @@ class SQLAlchemyStore(TuningStore):
         outcome = _outcome(state, message, median_ms, p20_ms, p80_ms, tflops, compile_s)
 
         def work(s: Session) -> TrialRecord:
-            row = _get(s, Trial, trial_id, self.url)
+            row = get_row(s, Trial, trial_id, self.url)
             if row.state != TrialState.RUNNING.value:
                 log.warning("trial %d (number %d) was already %s; overwriting with %s",
                             row.id, row.number, row.state, outcome["state"])
@@ -394,7 +284,7 @@ class SQLAlchemyStore(TuningStore):
             stmt = stmt.where(Trial.started_at < now - older_than)
         stmt = stmt.values(state=TrialState.RUNTIME_ERROR.value, message=message,
                            finished_at=now)
-        return self._run("fail_stale_trials", lambda s: _rowcount(s.execute(stmt)), write=True)
+        return self._run("fail_stale_trials", lambda s: rowcount(s.execute(stmt)), write=True)
 
     # -- best configs -----------------------------------------------------------------------
 
@@ -475,18 +365,6 @@ class SQLAlchemyStore(TuningStore):
                     "counts": counts}
 
         return self._run("info", work)
-
-
-def _get(s: Session, model: type[T], ident: int, url: str) -> T:
-    row = s.get(model, ident)
-    if row is None:
-        table = getattr(model, "__tablename__", model.__name__)
-        raise StoreError(f"no row {ident} in {table} of database {url}")
-    return row
-
-
-def _rowcount(result: Any) -> int:
-    return int(getattr(result, "rowcount", 0) or 0)
 
 
 def _check_finite(name: str, value: float | None) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from dataclasses import replace
-from datetime import timezone
+from datetime import timedelta, timezone
 from pathlib import Path
 
 import pytest
@@ -90,10 +90,12 @@ def test_fail_stale_runs(store: TuningStore, study: Study) -> None:
     mine = store.create_run(*study.ids, study_name="s", sampler="tpe")
     other_study = make_study(store, device=A100)
     assert store.fail_stale_runs(*study.ids, current_run_id=mine.id) == 1
-    assert store.get_run(study.run.id).status is RunStatus.FAILED
-    assert store.get_run(mine.id).status is RunStatus.RUNNING
-    assert store.get_run(other_study.run.id).status is RunStatus.RUNNING
-    from datetime import timedelta
+    status = {r.id: r.status for r in map(store.get_run, (study.run.id, mine.id,
+                                                           other_study.run.id)) if r}
+    assert status == {study.run.id: RunStatus.FAILED, mine.id: RunStatus.RUNNING,
+                      other_study.run.id: RunStatus.RUNNING}
+    failed = store.get_run(study.run.id)
+    assert failed is not None and failed.finished_at is not None
     assert store.fail_stale_runs(older_than=timedelta(hours=1)) == 0  # all started just now
     assert store.fail_stale_runs() == 2
 
