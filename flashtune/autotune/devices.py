@@ -57,7 +57,7 @@ def interpreter_device() -> DeviceFingerprint:
     try:
         import torch
 
-        torch_version = torch.__version__
+        torch_version = str(torch.__version__)
     except ImportError:  # pragma: no cover - torch is a dependency
         torch_version = ""
     return DeviceFingerprint(
@@ -95,7 +95,7 @@ def cuda_device(index: int | None = None) -> DeviceFingerprint:
         total_memory=int(props.total_memory),
         cuda_version=str(torch.version.cuda or ""),
         driver_version=driver,
-        torch_version=torch.__version__,
+        torch_version=str(torch.__version__),
         triton_version=triton.__version__,
     )
 

@@ -41,7 +41,7 @@ def test_matches_sdpa_within_the_tolerance_rule(shape, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def test_every_valid_config_of_a_slice_is_correct(dtype):
+def test_a_spread_of_valid_configs_is_correct(dtype):
     from flashtune.autotune.devices import cuda_device
     from flashtune.autotune.problems import AttentionProblem
 
@@ -49,9 +49,10 @@ def test_every_valid_config_of_a_slice_is_correct(dtype):
     q, k, v = (_rand(b, h, n, d, dtype=dtype) for _ in range(3))
     ref, _ = attn_fwd_reference(q, k, v, causal=True, dtype=torch.float32)
     problem = AttentionProblem(b, h, h, n, n, d, True, "fp16" if dtype == torch.float16 else "bf16")
-    configs = [c for c in SPEC.space.valid_configs(problem, cuda_device())
-               if c["num_stages"] in (2, 3) and c["num_warps"] in (4, 8)]
-    assert configs
+    valid = SPEC.space.valid_configs(problem, cuda_device())
+    # an even spread of 8 of the valid configs (compiling all of them takes minutes)
+    configs = valid[:: max(1, len(valid) // 8)][:8]
+    assert len(configs) >= 4
     for cfg in configs:
         out = SPEC.launcher(q, k, v, cfg, causal=True)
         rel = ((out.float() - ref).norm() / ref.norm()).item()
