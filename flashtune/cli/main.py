@@ -1,0 +1,44 @@
+"""The root ``flashtune`` group: global options, and the command groups added to it.
+
+``flashtune [--db URL] [-v] COMMAND ...``; ``--db`` (or ``$FLASHTUNE_DB``) lands in
+``ctx.obj["db_url"]`` for every command (None: the library's default database). Nothing here
+imports torch or triton, so ``--help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import click
+
+from flashtune._version import __version__
+from flashtune.cli.db_commands import db
+from flashtune.cli.show_commands import show_command
+from flashtune.cli.tune_commands import tune_command
+
+__all__ = ["cli"]
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--db", "db_url", envvar="FLASHTUNE_DB", default=None, metavar="URL",
+              help="Tuning database URL (SQLAlchemy); env FLASHTUNE_DB; "
+                   "default ~/.cache/flashtune/flashtune.db.")
+@click.option("-v", "--verbose", count=True, help="More logging (-v info, -vv debug).")
+@click.version_option(__version__, "--version", prog_name="flashtune")
+@click.pass_context
+def cli(ctx: click.Context, db_url: str | None, verbose: int) -> None:
+    """Autotune Triton flash-attention kernels and manage the tuned configs."""
+    level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("flashtune").setLevel(level)
+    ctx.ensure_object(dict)
+    ctx.obj["db_url"] = db_url or None
+
+
+cli.add_command(db)
+cli.add_command(tune_command)
+cli.add_command(show_command)
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,174 @@
+"""``flashtune tune``: tune one shape, a plan file's shapes or a named preset.
+
+Exactly one source of problems: the shape options (``--batch --heads ... --head-dim``),
+``--plan FILE`` (TOML, see :mod:`flashtune.autotune.plans`) or ``--preset NAME`` (see
+:mod:`flashtune.autotune.presets`; ``--dtype`` picks the preset's dtype). The work is done
+by :func:`flashtune.autotune.jobs.tune`; this module parses, decides the interpreter mode,
+and prints the closing table.
+
+Interpreter mode (``--interpret``, or automatic when torch sees no CUDA GPU) must be decided
+before triton or any ``flashtune.kernel_templates`` module is imported: ``TRITON_INTERPRET``
+is read when kernels are defined. So the order is: parse, decide, set the variable, then
+import the jobs module.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from typing import Any, Sequence
+
+import click
+
+from flashtune.cli.options import db_url, fail, search_options, shape_options, template_option
+
+__all__ = ["format_config", "render_results", "tune_command"]
+
+_SHAPE_NAMES = ("batch", "heads", "kv_heads", "seqlen", "kv_seqlen", "head_dim", "causal")
+_REQUIRED = ("batch", "heads", "seqlen", "head_dim")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _problems(shape: dict[str, Any], dtype: str | None, plan: str | None,
+              preset_name: str | None) -> list[Any]:
+    """The problems to tune from exactly one of shape options / --plan / --preset."""
+    from flashtune.autotune.problems import AttentionProblem
+
+    given = [name for name in _SHAPE_NAMES if shape[name] not in (None, False)]
+    sources = [label for label, used in (("shape options", bool(given)), ("--plan", plan),
+                                         ("--preset", preset_name)) if used]
+    if len(sources) != 1:
+        what = " and ".join(sources) if sources else "none was given"
+        raise click.UsageError("give exactly one of: shape options (--batch --heads --seqlen "
+                               f"--head-dim ...), --plan FILE, --preset NAME ({what})")
+    if plan is not None:
+        if dtype is not None:
+            raise click.UsageError("--dtype cannot be combined with --plan (set dtype per "
+                                   "[[shape]] in the plan)")
+        from flashtune.autotune.plans import PlanError, load_plan
+
+        try:
+            return load_plan(plan)
+        except PlanError as exc:
+            raise click.BadParameter(" ".join(str(exc).split()), param_hint="'--plan'") from exc
+    if preset_name is not None:
+        from flashtune.autotune.presets import UnknownPresetError, preset
+
+        try:
+            return preset(preset_name, dtype=dtype or "bf16")
+        except UnknownPresetError as exc:
+            raise click.BadParameter(str(exc), param_hint="'--preset'") from exc
+    missing = [_flag(name) for name in _REQUIRED if shape[name] is None]
+    if missing:
+        raise click.UsageError(f"missing shape option(s): {', '.join(missing)}")
+    try:
+        return [AttentionProblem(shape["batch"], shape["heads"],
+                                 shape["kv_heads"] or shape["heads"], shape["seqlen"],
+                                 shape["kv_seqlen"] or shape["seqlen"], shape["head_dim"],
+                                 bool(shape["causal"]), dtype or "bf16")]
+    except ValueError as exc:
+        raise click.UsageError(f"invalid shape: {exc}") from exc
+
+
+def _decide_interpret(requested: bool) -> bool:
+    """Whether to run under the Triton interpreter; sets ``TRITON_INTERPRET`` if so.
+
+    Must run before triton or a kernel template module is imported.
+    """
+    if requested:
+        reason = "--interpret"
+    else:
+        import torch  # torch alone does not import triton
+
+        if torch.cuda.is_available():
+            return False
+        reason = "no CUDA GPU found"
+    os.environ["TRITON_INTERPRET"] = "1"
+    if "triton" in sys.modules:
+        click.echo("warning: triton was imported before interpreter mode was set; kernels "
+                   "may not run interpreted", err=True)
+    click.echo(f"{reason}: running the whole pipeline on CPU under the Triton interpreter "
+               "(slow; for testing, timings are not meaningful)", err=True)
+    return True
+
+
+def format_config(config: dict[str, Any] | None) -> str:
+    """``BM,BN,w,s`` of an attn_fwd config (other templates: ``k=v`` pairs); ``-`` for None."""
+    if not config:
+        return "-"
+    keys = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
+    if all(k in config for k in keys):
+        rest = {k: v for k, v in config.items() if k not in keys}
+        text = ",".join(str(config[k]) for k in keys)
+        return text + "".join(f" {k}={v}" for k, v in sorted(rest.items()))
+    return " ".join(f"{k}={v}" for k, v in sorted(config.items()))
+
+
+def _num(value: float | None, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def _table(header: Sequence[str], rows: list[Sequence[str]], right: set[int]) -> str:
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
+    lines = []
+    for row in [header, *rows]:
+        cells = [str(c).rjust(w) if i in right else str(c).ljust(w)
+                 for i, (c, w) in enumerate(zip(row, widths))]
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)
+
+
+def render_results(results: Sequence[Any]) -> str:
+    """The closing table: one row per :class:`~flashtune.autotune.jobs.TuneResult`."""
+    header = ("shape", "best BM,BN,w,s", "best TFLOP/s", "default TFLOP/s", "speed-up",
+              "trials", "wall s", "stored best")
+    rows = [(r.problem.describe(), format_config(r.best_config), _num(r.best_tflops, ".1f"),
+             _num(r.default_tflops, ".1f"),
+             "-" if r.speedup is None else f"{r.speedup:.2f}x", str(r.trials),
+             f"{r.wall_s:.1f}", "yes" if r.became_best else "no") for r in results]
+    return _table(header, rows, right={2, 3, 4, 5, 6})
+
+
+@click.command("tune")
+@template_option
+@shape_options
+@click.option("--plan", type=click.Path(dir_okay=False), default=None, metavar="FILE",
+              help="TOML file of [[shape]] tables to tune.")
+@click.option("--preset", "preset_name", default=None, metavar="NAME",
+              help="Named problem set: llama3-8b, llama3-70b, mistral-7b, qwen2.5-7b, "
+                   "gemma2-9b, standard.")
+@search_options
+@click.pass_context
+def tune_command(ctx: click.Context, template: str, batch: int | None, heads: int | None,
+                 kv_heads: int | None, seqlen: int | None, kv_seqlen: int | None,
+                 head_dim: int | None, causal: bool, dtype: str | None, plan: str | None,
+                 preset_name: str | None, trials: int, timeout_s: float | None,
+                 patience: int | None, sampler: str, seed: int | None, workers: int | None,
+                 interpret: bool, progress: bool) -> None:
+    """Search kernel configs for attention shapes and store the best ones.
+
+    Give exactly one of: a shape (--batch --heads [--kv-heads] --seqlen [--kv-seqlen]
+    --head-dim [--causal] [--dtype]), --plan FILE, or --preset NAME.
+    """
+    shape = dict(batch=batch, heads=heads, kv_heads=kv_heads, seqlen=seqlen,
+                 kv_seqlen=kv_seqlen, head_dim=head_dim, causal=causal)
+    problems = _problems(shape, dtype, plan, preset_name)
+    interpret = _decide_interpret(interpret)
+
+    from flashtune.errors import FlashtuneError
+
+    try:
+        jobs = importlib.import_module("flashtune.autotune.jobs")
+        options = jobs.TuneOptions(template=template, trials=trials, timeout_s=timeout_s,
+                                   sampler=sampler, seed=seed, patience=patience,
+                                   interpret=interpret, workers=workers)
+        results = jobs.tune(problems, options, db_url=db_url(ctx), progress=progress)
+    except FlashtuneError as exc:
+        raise fail(exc) from exc
+    except KeyboardInterrupt:
+        raise click.Abort() from None
+    click.echo(render_results(results))
