@@ -1,0 +1,90 @@
+"""The root ``flashtune`` group: global options, commands, light ``--help``."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from flashtune._version import __version__
+from flashtune.cli.main import cli
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_commands_registered() -> None:
+    assert {"db", "tune", "show"} <= set(cli.commands)
+
+
+def test_version() -> None:
+    result = CliRunner().invoke(cli, ["--version"])
+    assert result.exit_code == 0
+    assert __version__ in result.output
+
+
+@pytest.mark.parametrize("args", [[], ["tune"], ["show"], ["db"], ["db", "info"]])
+def test_help(args: list[str]) -> None:
+    result = CliRunner().invoke(cli, [*args, "--help"])
+    assert result.exit_code == 0, result.output
+    assert "Usage:" in result.output
+
+
+def test_db_option_and_envvar(tmp_path: Path) -> None:
+    missing = tmp_path / "a.db"
+    result = CliRunner().invoke(cli, ["--db", f"sqlite:///{missing}", "show"])
+    assert result.exit_code == 0 and str(missing) in result.output
+    other = tmp_path / "b.db"
+    result = CliRunner().invoke(cli, ["show"], env={"FLASHTUNE_DB": f"sqlite:///{other}"})
+    assert result.exit_code == 0 and str(other) in result.output
+    assert not missing.exists() and not other.exists()
+
+
+def test_verbose_sets_logging_level() -> None:
+    import logging
+
+    before = logging.getLogger("flashtune").level
+    try:
+        result = CliRunner().invoke(cli, ["-vv", "db", "--help"])
+        assert result.exit_code == 0
+        assert logging.getLogger("flashtune").level == logging.DEBUG
+    finally:
+        logging.getLogger("flashtune").setLevel(before)
+
+
+def test_unknown_command_is_usage_error() -> None:
+    result = CliRunner().invoke(cli, ["frobnicate"])
+    assert result.exit_code == 2
+    assert "Traceback" not in result.output
+
+
+_PROBE = """
+import sys
+from click.testing import CliRunner
+from flashtune.cli.main import cli
+for args in ([], ["tune"], ["show"], ["db"], ["db", "info"], ["db", "upgrade"]):
+    result = CliRunner().invoke(cli, [*args, "--help"])
+    assert result.exit_code == 0, (args, result.output)
+heavy = sorted(m for m in ("torch", "triton") if m in sys.modules)
+print("HEAVY=" + ",".join(heavy))
+"""
+
+
+def test_help_imports_no_torch_or_triton() -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "HEAVY=\n" in proc.stdout or proc.stdout.strip() == "HEAVY=", proc.stdout
+
+
+def test_python_dash_m_works() -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run([sys.executable, "-m", "flashtune.cli.main", "--help"],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "tune" in proc.stdout and "show" in proc.stdout
+    assert "torch" not in proc.stderr
