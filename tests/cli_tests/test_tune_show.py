@@ -1,0 +1,422 @@
+"""``flashtune tune`` and ``flashtune show`` through click's CliRunner.
+
+``tune`` is tested against a stand-in ``flashtune.autotune.jobs`` module (same API) so the
+tests are fast and need no GPU; one slow test runs the real pipeline in interpreter mode.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner, Result
+
+from flashtune.autotune.devices import DeviceFingerprint
+from flashtune.autotune.presets import preset
+from flashtune.autotune.problems import AttentionProblem
+from flashtune.cli.main import cli
+from flashtune.db import TrialState, open_store
+from flashtune.errors import StoreError
+
+SHAPE = ["--batch", "2", "--heads", "8", "--kv-heads", "2", "--seqlen", "256",
+         "--head-dim", "64"]
+
+
+@dataclass(frozen=True)
+class FakeOptions:
+    template: str = "attn_fwd"
+    trials: int = 50
+    timeout_s: float | None = None
+    sampler: str = "tpe"
+    seed: int | None = None
+    patience: int | None = None
+    interpret: bool = False
+    workers: int | None = None
+    trial_timeout_s: float = 120.0
+    top_k_confirm: int = 3
+
+
+@dataclass(frozen=True)
+class FakeResult:
+    problem: AttentionProblem
+    device_name: str
+    template: str
+    best_config: dict | None
+    best_ms: float | None
+    best_tflops: float | None
+    default_config: dict
+    default_ms: float | None
+    default_tflops: float | None
+    speedup: float | None
+    trials: int
+    states: dict[str, int]
+    wall_s: float
+    became_best: bool
+    study_name: str
+
+
+@dataclass
+class Calls:
+    calls: list[dict[str, Any]] = field(default_factory=list)
+    error: Exception | None = None
+
+
+@pytest.fixture
+def jobs(monkeypatch: pytest.MonkeyPatch) -> Calls:
+    """A stand-in ``flashtune.autotune.jobs`` that records each ``tune`` call."""
+    record = Calls()
+
+    def tune(problems: list[AttentionProblem], options: FakeOptions, *,
+             db_url: str | None = None, progress: bool = True) -> list[FakeResult]:
+        record.calls.append(dict(problems=list(problems), options=options, db_url=db_url,
+                                 progress=progress))
+        if record.error is not None:
+            raise record.error
+        cfg = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+        return [FakeResult(p, "cpu", options.template, cfg if i == 0 else None,
+                           1.0 if i == 0 else None, 123.4 if i == 0 else None,
+                           {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
+                           1.5, 82.3, 1.5 if i == 0 else None, options.trials,
+                           {"COMPLETE": options.trials}, 3.25, i == 0, f"s{i}")
+                for i, p in enumerate(problems)]
+
+    fake = types.ModuleType("flashtune.autotune.jobs")
+    fake.TuneOptions = FakeOptions  # type: ignore[attr-defined]
+    fake.TuneResult = FakeResult  # type: ignore[attr-defined]
+    fake.tune = tune  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "flashtune.autotune.jobs", fake)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # restored after the test
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    return record
+
+
+def run(*args: str, env: dict[str, str] | None = None) -> Result:
+    result = CliRunner().invoke(cli, list(args), env=env)
+    assert result.exception is None or isinstance(result.exception, SystemExit), \
+        repr(result.exception)
+    assert "Traceback" not in result.output
+    return result
+
+
+def error_line(result: Result) -> str:
+    lines = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert len(lines) == 1, result.output
+    return lines[0]
+
+
+# -- tune: parsing --------------------------------------------------------------------------
+
+
+def test_tune_shape_and_search_options(jobs: Calls, tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 't.db'}"
+    result = run("--db", url, "tune", *SHAPE, "--kv-seqlen", "512", "--causal", "--dtype",
+                 "fp16", "--trials", "7", "--timeout", "30", "--patience", "3", "--sampler",
+                 "random", "--seed", "5", "--workers", "2", "--no-progress")
+    assert result.exit_code == 0, result.output
+    (call,) = jobs.calls
+    assert call["problems"] == [AttentionProblem(2, 8, 2, 256, 512, 64, True, "fp16")]
+    assert call["options"] == FakeOptions(trials=7, timeout_s=30.0, sampler="random", seed=5,
+                                          patience=3, interpret=False, workers=2)
+    assert call["db_url"] == url and call["progress"] is False
+
+
+def test_tune_defaults(jobs: Calls) -> None:
+    result = run("tune", "--batch", "1", "--heads", "4", "--seqlen", "128", "--head-dim", "32")
+    assert result.exit_code == 0, result.output
+    (call,) = jobs.calls
+    assert call["problems"] == [AttentionProblem(1, 4, 4, 128, 128, 32, False, "bf16")]
+    assert call["options"] == FakeOptions()
+    assert call["db_url"] is None and call["progress"] is True
+
+
+def test_tune_db_from_envvar(jobs: Calls) -> None:
+    result = run("tune", *SHAPE, env={"FLASHTUNE_DB": "sqlite:///x.db"})
+    assert result.exit_code == 0
+    assert jobs.calls[0]["db_url"] == "sqlite:///x.db"
+
+
+def test_tune_template_option(jobs: Calls) -> None:
+    assert run("tune", "--template", "other", *SHAPE).exit_code == 0
+    assert jobs.calls[0]["options"].template == "other"
+
+
+def test_tune_preset(jobs: Calls) -> None:
+    result = run("tune", "--preset", "llama3-8b", "--dtype", "fp16")
+    assert result.exit_code == 0, result.output
+    assert jobs.calls[0]["problems"] == preset("llama3-8b", dtype="fp16")
+
+
+def test_tune_unknown_preset_lists_known(jobs: Calls) -> None:
+    result = run("tune", "--preset", "gpt5")
+    assert result.exit_code == 2
+    line = error_line(result)
+    assert "gpt5" in line and "llama3-8b" in line and "standard" in line
+    assert not jobs.calls
+
+
+def test_tune_plan(jobs: Calls, tmp_path: Path) -> None:
+    plan = tmp_path / "plan.toml"
+    plan.write_text("[[shape]]\nbatch = 1\nheads = 4\nseqlen = 64\nhead_dim = 16\n"
+                    "[[shape]]\nbatch = 2\nheads = 8\nkv_heads = 2\nseqlen = 32\n"
+                    "kv_seqlen = 64\nhead_dim = 32\ncausal = true\ndtype = 'fp16'\n")
+    result = run("tune", "--plan", str(plan))
+    assert result.exit_code == 0, result.output
+    assert jobs.calls[0]["problems"] == [AttentionProblem(1, 4, 4, 64, 64, 16, False, "bf16"),
+                                         AttentionProblem(2, 8, 2, 32, 64, 32, True, "fp16")]
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("[[shape]]\nbatch = 1\nheads = 4\nseqlen = 64\n", "shape[1]: missing required field 'head_dim'"),
+    ("[[shape]]\nbatch = 1\nheads = 4\nseqlen = 'x'\nhead_dim = 16\n", "shape[1].seqlen: expected an integer"),
+    ("[[shape]]\nbatch = 1\nheads = 4\nseqlen = 64\nhead_dim = 16\nfoo = 1\n", "unknown field(s) foo"),
+    ("[[shape\n", "not valid TOML"),
+])
+def test_tune_plan_errors(jobs: Calls, tmp_path: Path, text: str, needle: str) -> None:
+    plan = tmp_path / "plan.toml"
+    plan.write_text(text)
+    result = run("tune", "--plan", str(plan))
+    assert result.exit_code == 2
+    assert needle in error_line(result)
+    assert not jobs.calls
+
+
+def test_tune_plan_missing_file(jobs: Calls, tmp_path: Path) -> None:
+    result = run("tune", "--plan", str(tmp_path / "nope.toml"))
+    assert result.exit_code == 2 and "cannot read plan" in error_line(result)
+
+
+@pytest.mark.parametrize("args", [
+    [],
+    [*SHAPE, "--preset", "llama3-8b"],
+    [*SHAPE, "--plan", "p.toml"],
+    ["--plan", "p.toml", "--preset", "llama3-8b"],
+    ["--causal", "--preset", "llama3-8b"],
+])
+def test_tune_sources_are_exclusive(jobs: Calls, args: list[str]) -> None:
+    result = run("tune", *args)
+    assert result.exit_code == 2
+    assert "exactly one of" in error_line(result)
+    assert not jobs.calls
+
+
+def test_tune_dtype_with_plan_is_refused(jobs: Calls, tmp_path: Path) -> None:
+    result = run("tune", "--plan", str(tmp_path / "p.toml"), "--dtype", "fp16")
+    assert result.exit_code == 2 and "--dtype" in error_line(result)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--batch", "1", "--heads", "4", "--seqlen", "64"], "--head-dim"),
+    ([*SHAPE, "--trials", "-1"], "--trials"),
+    ([*SHAPE, "--trials", "0"], "--trials"),
+    ([*SHAPE[:-1], "sixty"], "--head-dim"),
+    ([*SHAPE, "--dtype", "fp32"], "--dtype"),
+    ([*SHAPE, "--sampler", "bayes"], "--sampler"),
+    ([*SHAPE, "--timeout", "0"], "--timeout"),
+    ([*SHAPE, "--timeout", "soon"], "--timeout"),
+    ([*SHAPE, "--patience", "0"], "--patience"),
+    ([*SHAPE, "--workers", "0"], "--workers"),
+    ([*SHAPE, "--seed", "1.5"], "--seed"),
+    (["--batch", "0", "--heads", "4", "--seqlen", "64", "--head-dim", "16"], "--batch"),
+    (["--batch", "1", "--heads", "6", "--kv-heads", "4", "--seqlen", "64", "--head-dim", "16"],
+     "multiple of heads_kv"),
+])
+def test_tune_bad_values(jobs: Calls, args: list[str], needle: str) -> None:
+    result = run("tune", *args)
+    assert result.exit_code == 2
+    assert needle in error_line(result)
+    assert not jobs.calls
+
+
+def test_tune_library_error_is_one_line(jobs: Calls) -> None:
+    jobs.error = StoreError("cannot open sqlite:///x.db:\n  disk full")
+    result = run("tune", *SHAPE)
+    assert result.exit_code == 1
+    assert error_line(result) == "Error: cannot open sqlite:///x.db: disk full"
+
+
+def test_tune_table(jobs: Calls) -> None:
+    result = run("tune", "--preset", "gemma2-9b")
+    assert result.exit_code == 0, result.output
+    lines = result.output.strip().splitlines()
+    assert lines[0].split()[:3] == ["shape", "best", "BM,BN,w,s"]
+    assert "stored best" in lines[0]
+    first = lines[1]
+    assert "B=32 Hq=16 Hkv=8 Nq=512 Nk=512 D=256 bf16 causal" in first
+    for cell in ("128,64,4,3", "123.4", "82.3", "1.50x", "50", "3.2", "yes"):
+        assert cell in first
+    assert lines[2].rstrip().endswith("no") and " - " in lines[2]
+    assert len(lines) == 1 + len(preset("gemma2-9b"))
+
+
+# -- tune: interpreter mode -----------------------------------------------------------------
+
+
+def test_interpret_flag_sets_env_before_jobs(jobs: Calls,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET")
+    seen: list[str | None] = []
+    fake = sys.modules["flashtune.autotune.jobs"]
+    real_tune = fake.tune  # type: ignore[attr-defined]
+
+    def tune(*a: Any, **k: Any) -> Any:
+        import os
+
+        seen.append(os.environ.get("TRITON_INTERPRET"))
+        return real_tune(*a, **k)
+
+    monkeypatch.setattr(fake, "tune", tune)
+    result = run("tune", *SHAPE, "--interpret")
+    assert result.exit_code == 0
+    assert seen == ["1"] and jobs.calls[0]["options"].interpret is True
+    assert "Triton interpreter" in result.output
+
+
+def test_no_gpu_means_interpret(jobs: Calls, monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    import torch
+
+    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    result = run("tune", *SHAPE)
+    assert result.exit_code == 0
+    assert jobs.calls[0]["options"].interpret is True
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    notice = [line for line in result.output.splitlines() if "Triton interpreter" in line]
+    assert len(notice) == 1 and notice[0].startswith("no CUDA GPU found")
+
+
+def test_gpu_means_compiled(jobs: Calls, monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    monkeypatch.delenv("TRITON_INTERPRET")
+    result = run("tune", *SHAPE)
+    assert result.exit_code == 0
+    assert jobs.calls[0]["options"].interpret is False
+    assert "TRITON_INTERPRET" not in os.environ
+    assert "interpreter" not in result.output
+
+
+# -- show -----------------------------------------------------------------------------------
+
+CPU = DeviceFingerprint(name="cpu-interpreter", compute_capability="cpu", sm_count=1,
+                        shared_mem_per_block=1 << 20, total_memory=1 << 30)
+H100 = DeviceFingerprint(name="NVIDIA_H100_80GB_HBM3", compute_capability="9.0", sm_count=132,
+                         shared_mem_per_block=232448, total_memory=85520809984)
+CFG = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
+
+
+def _add_best(store: Any, device: DeviceFingerprint, template: str,
+              problem: AttentionProblem, ms: float, tflops: float) -> None:
+    d = store.ensure_device(device)
+    t = store.ensure_template(template, "0123456789abcdef")
+    p = store.ensure_problem(template, problem.key(), problem.bucket())
+    r = store.create_run(d.id, t.id, p.id, study_name="s", sampler="RandomSampler", seed=0)
+    trial = store.record_trial(r.id, CFG, TrialState.COMPLETE, median_ms=ms, tflops=tflops)
+    assert store.offer_best(d.id, t.id, p.id, config=CFG, median_ms=ms, tflops=tflops,
+                            trial_id=trial.id, trials_count=12)
+
+
+@pytest.fixture
+def populated(tmp_path: Path) -> str:
+    url = f"sqlite:///{tmp_path / 'tuned.db'}"
+    with open_store(url) as store:
+        _add_best(store, H100, "attn_fwd", AttentionProblem(4, 32, 8, 4096, 4096, 128, True,
+                                                            "bf16"), 1.25, 440.5)
+        _add_best(store, CPU, "attn_fwd", AttentionProblem(1, 2, 2, 64, 64, 16, False,
+                                                           "fp16"), 80.0, None)
+        _add_best(store, H100, "attn_bwd", AttentionProblem(1, 8, 8, 1024, 1024, 64, False,
+                                                            "fp16"), 0.5, 100.0)
+    return url
+
+
+def test_show_table(populated: str) -> None:
+    result = run("--db", populated, "show")
+    assert result.exit_code == 0, result.output
+    lines = result.output.strip().splitlines()
+    assert lines[0].split() == ["device", "template", "shape", "config", "median", "ms",
+                                "TFLOP/s", "trials", "tuned_at"]
+    assert len(lines) == 4
+    text = result.output
+    assert "B=4 Hq=32 Hkv=8 Nq=4096 Nk=4096 D=128 bf16 causal" in text
+    assert "128,64,8,3" in text and "1.2500" in text and "440.5" in text and "12" in text
+
+
+def test_show_filters(populated: str) -> None:
+    result = run("--db", populated, "show", "--device", "NVIDIA_H100_80GB_HBM3",
+                 "--template", "attn_fwd")
+    assert result.exit_code == 0
+    assert len(result.output.strip().splitlines()) == 2
+    result = run("--db", populated, "show", "--device", "nope")
+    assert result.exit_code == 0 and "no tuned configs" in result.output
+    assert "device=nope" in result.output
+
+
+def test_show_json_round_trip(populated: str) -> None:
+    result = run("--db", populated, "show", "--json")
+    assert result.exit_code == 0
+    rows = json.loads(result.output)
+    with open_store(populated, read_only=True) as store:
+        stored = store.list_best()
+    assert len(rows) == len(stored) == 3
+    for row, best in zip(rows, stored):
+        assert row["device"] == best.device.name and row["template"] == best.template.name
+        assert AttentionProblem.from_key(row["problem"]) == AttentionProblem.from_key(
+            best.problem.key)
+        assert row["config"] == best.config and row["median_ms"] == best.median_ms
+        assert row["tflops"] == best.tflops and row["trials"] == best.trials_count
+        assert row["tuned_at"] == best.tuned_at.isoformat()
+    only = json.loads(run("--db", populated, "show", "--json", "--template", "attn_bwd").output)
+    assert [r["template"] for r in only] == ["attn_bwd"]
+
+
+def test_show_missing_database(tmp_path: Path) -> None:
+    path = tmp_path / "none.db"
+    result = run("--db", f"sqlite:///{path}", "show")
+    assert result.exit_code == 0
+    assert result.output.strip().splitlines() == [
+        f"no tuned configs (database {path} does not exist yet; run `flashtune tune` first)"]
+    assert json.loads(run("--db", f"sqlite:///{path}", "show", "--json").output) == []
+    assert not path.exists()
+
+
+def test_show_store_error_is_one_line(tmp_path: Path) -> None:
+    bad = tmp_path / "junk.db"
+    bad.write_bytes(b"this is not a database" * 100)
+    result = run("--db", f"sqlite:///{bad}", "show")
+    assert result.exit_code == 1
+    error_line(result)
+
+
+# -- the real pipeline ----------------------------------------------------------------------
+
+
+def _real_jobs_available() -> bool:
+    try:
+        importlib.import_module("flashtune.autotune.jobs")
+    except Exception:  # noqa: BLE001 - not written yet, or broken: skip
+        return False
+    return True
+
+
+@pytest.mark.slow
+def test_tune_end_to_end_interpreter(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    if not _real_jobs_available():
+        pytest.skip("flashtune.autotune.jobs cannot be imported")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    url = f"sqlite:///{tmp_path / 'e2e.db'}"
+    result = run("--db", url, "tune", "--batch", "1", "--heads", "2", "--seqlen", "32",
+                 "--head-dim", "16", "--dtype", "fp16", "--trials", "2", "--sampler", "random",
+                 "--seed", "0", "--interpret", "--no-progress")
+    assert result.exit_code == 0, result.output
+    assert "B=1 Hq=2 Hkv=2 Nq=32 Nk=32 D=16 fp16" in result.output
+    rows = json.loads(run("--db", url, "show", "--json").output)
+    assert any(r["problem"]["seqlen_q"] == 32 for r in rows), result.output
