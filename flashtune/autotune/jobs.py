@@ -1,0 +1,362 @@
+"""Tuning jobs: one Optuna study per (device, template, problem), recorded in the store.
+
+:func:`tune` is the library entry point the CLI calls. Per problem it opens (or resumes)
+the study ``"{device}/{template}@{source_hash}/{canonical problem key}"``, warm-starts it
+with the template default and the best configs of the nearest tuned problems, then asks
+configs of the sampler until the budget is spent:
+
+* a config the space's predicate rejects: told PRUNED, recorded PRUNED_STATIC;
+* a config already measured in this study (this run or an earlier one, found with
+  ``store.find_trial``): told its stored value (or FAIL) and *not* re-run nor recorded
+  again, so a resumed job never duplicates a flashtune trial;
+* otherwise: ``start_trial``, runner ``evaluate``, ``finish_trial``; told ``median_ms``, or
+  FAIL for every failure state.
+
+``trials`` counts configs evaluated in this run; the same command run again continues the
+study with ``trials`` more. At the end the ``top_k_confirm`` fastest configs of the study
+are re-timed interleaved and the fastest is offered as the study's best.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable, Mapping, Sequence
+
+from flashtune.autotune.devices import DeviceFingerprint, cuda_device, interpreter_device
+from flashtune.autotune.problems import AttentionProblem
+from flashtune.autotune.spaces import SearchSpace
+from flashtune.db.jsonutil import canonical_json
+from flashtune.db.records import RunStatus, TrialState
+from flashtune.db.store import STALE_MESSAGE, TuningStore
+
+log = logging.getLogger(__name__)
+
+__all__ = ["TuneOptions", "TuneResult", "tune"]
+
+WARM_START_NEIGHBOURS = 3
+STALE_AFTER = timedelta(minutes=5)  # at least; see _stale_after
+FAILED_STATES = frozenset(s for s in TrialState
+                          if s not in (TrialState.COMPLETE, TrialState.RUNNING))
+
+
+@dataclass(frozen=True)
+class TuneOptions:
+    template: str = "attn_fwd"
+    trials: int = 50  # configs evaluated per run (duplicates and static prunes not counted)
+    timeout_s: float | None = None  # wall budget per problem
+    sampler: str = "tpe"
+    seed: int | None = None
+    patience: int | None = None  # early stop after K evaluated trials w/o improvement
+    interpret: bool = False
+    workers: int | None = None  # precompile processes (GPU); None = CPU count
+    trial_timeout_s: float = 120.0
+    top_k_confirm: int = 3
+
+
+@dataclass(frozen=True)
+class TuneResult:
+    problem: AttentionProblem
+    device_name: str
+    template: str
+    best_config: dict | None
+    best_ms: float | None
+    best_tflops: float | None
+    default_config: dict
+    default_ms: float | None
+    default_tflops: float | None
+    speedup: float | None  # default_ms / best_ms
+    trials: int  # evaluated in this run (not counting duplicates/static prunes)
+    states: dict[str, int]
+    wall_s: float
+    became_best: bool
+    study_name: str
+
+
+def _is_memory_url(url: str) -> bool:
+    u = url.strip()
+    return u in ("sqlite://", "sqlite:///:memory:", ":memory:") or u.endswith(":memory:")
+
+
+def _optuna_storage(url: str) -> Any:
+    import optuna
+
+    if _is_memory_url(url):
+        return optuna.storages.InMemoryStorage()
+    return optuna.storages.RDBStorage(url)
+
+
+def _stale_after(options: TuneOptions) -> timedelta:
+    return max(STALE_AFTER, timedelta(seconds=3 * options.trial_timeout_s))
+
+
+def _fail_dead_optuna_trials(study: Any, older_than: timedelta) -> int:
+    """Optuna trials left RUNNING by a dead job (started longer ago than ``older_than``)
+    become FAIL, so samplers stop treating them as pending."""
+    from datetime import datetime
+
+    import optuna
+
+    n = 0
+    for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+        start = t.datetime_start
+        if start is not None and datetime.now() - start < older_than:
+            continue
+        try:
+            study._storage.set_trial_state_values(t._trial_id, optuna.trial.TrialState.FAIL)
+            n += 1
+        except Exception as exc:  # noqa: BLE001 - another worker finished it meanwhile
+            log.debug("could not fail optuna trial %s: %s", t.number, exc)
+    return n
+
+
+def _warm_start(study: Any, store: TuningStore, space: SearchSpace, problem: AttentionProblem,
+                device: DeviceFingerprint, template: str, default: Mapping[str, int],
+                ids: tuple[int, int, int]) -> None:
+    from flashtune.autotune.strategies import enqueue
+
+    candidates = [dict(default)]
+    near = []
+    for best in store.list_best(device_name=device.name, template_name=template):
+        if best.device.hardware_key() != device.hardware_key():
+            continue
+        try:
+            other = AttentionProblem.from_key(best.problem.key)
+        except (KeyError, TypeError, ValueError):
+            continue
+        if other == problem:
+            candidates.append(dict(best.config))
+            continue
+        dist = problem.distance(other)
+        if dist != float("inf"):
+            near.append((dist, best.problem.id, dict(best.config)))
+    near.sort(key=lambda x: (x[0], x[1]))
+    candidates += [c for _, _, c in near[:WARM_START_NEIGHBOURS]]
+    seen = set()
+    for cfg in candidates:
+        key = canonical_json(cfg)
+        if key in seen:
+            continue
+        seen.add(key)
+        prior = store.find_trial(*ids, cfg)
+        if prior is not None and prior.message != STALE_MESSAGE:
+            continue
+        enqueue(study, cfg, space)
+
+
+def _default_runner(spec: Any, problem: AttentionProblem, device: DeviceFingerprint,
+                    options: TuneOptions) -> Any:
+    from flashtune.autotune.runners import LocalRunner
+
+    return LocalRunner(spec, problem, device, seed=options.seed or 0,
+                       timeout_s=options.trial_timeout_s)
+
+
+def tune(problems: Sequence[AttentionProblem], options: TuneOptions, *,
+         db_url: str | None = None, progress: bool = True,
+         _runner_factory: Callable[..., Any] | None = None,
+         _device: DeviceFingerprint | None = None,
+         _space: SearchSpace | None = None) -> list[TuneResult]:
+    """Tune each problem in turn; see the module docstring.
+
+    Private hooks for tests: ``_runner_factory(spec, problem, device, options)`` replaces
+    :class:`LocalRunner` (e.g. a :class:`ReplayRunner`), ``_device`` the device fingerprint
+    and ``_space`` the template's search space.
+    """
+    from flashtune.db import default_db_url, open_store
+    from flashtune.kernel_templates import get_template
+
+    url = default_db_url() if db_url is None else str(db_url)
+    spec = get_template(options.template)
+    device = _device or (interpreter_device() if options.interpret else cuda_device())
+    results = []
+    with open_store(url) as store:
+        for problem in problems:
+            results.append(_tune_one(problem, options, store, url, spec, device,
+                                     _runner_factory or _default_runner, _space or spec.space,
+                                     progress))
+    return results
+
+
+def _tune_one(problem: AttentionProblem, options: TuneOptions, store: TuningStore, url: str,
+              spec: Any, device: DeviceFingerprint, runner_factory: Callable[..., Any],
+              space: SearchSpace, progress: bool) -> TuneResult:
+    import optuna
+
+    from flashtune.autotune.precompile import precompile
+    from flashtune.autotune.runners import TrialResult, time_interleaved
+    from flashtune.autotune.strategies import config_from_trial, make_sampler
+
+    t_start = time.monotonic()
+    dev = store.ensure_device(device)
+    tpl = store.ensure_template(spec.name, spec.source_hash)
+    prob = store.ensure_problem(spec.name, problem.key(), problem.bucket())
+    ids = (dev.id, tpl.id, prob.id)
+    study_name = f"{device.name}/{spec.name}@{spec.source_hash}/{canonical_json(problem.key())}"
+    stale = _stale_after(options)
+    store.fail_stale_trials(*ids, older_than=stale)
+    store.fail_stale_runs(*ids, older_than=stale)
+    run = store.create_run(*ids, study_name=study_name, sampler=options.sampler,
+                           seed=options.seed,
+                           params={k: v for k, v in options.__dict__.items()},
+                           torch_version=device.torch_version,
+                           triton_version=device.triton_version,
+                           cuda_version=device.cuda_version,
+                           driver_version=device.driver_version)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(study_name=study_name, storage=_optuna_storage(url),
+                                load_if_exists=True, direction="minimize",
+                                sampler=make_sampler(options.sampler, options.seed, space))
+    _fail_dead_optuna_trials(study, stale)
+    default = dict(spec.default_config(problem, device))
+    _warm_start(study, store, space, problem, device, spec.name, default, ids)
+
+    runner = runner_factory(spec, problem, device, options)
+    states: dict[str, int] = {}
+    evaluated = 0
+    best_ms: float | None = None
+    since_best = 0
+    seen: set[str] = set()
+    asks = 0
+    max_asks = 20 * max(1, options.trials) + 2 * space.size
+    batch_size = 1 if device.is_interpreter else max(1, options.workers or 1)
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=options.trials, desc=problem.describe(), unit="trial")
+    status = RunStatus.COMPLETE
+
+    def out_of_budget() -> bool:
+        if evaluated >= options.trials or asks >= max_asks or len(seen) >= space.size:
+            return True
+        if options.timeout_s is not None and time.monotonic() - t_start > options.timeout_s:
+            return True
+        return options.patience is not None and since_best >= options.patience
+
+    try:
+        while not out_of_budget():
+            # ask a batch of fresh candidates (static prunes and duplicates are told at once)
+            batch: list[tuple[Any, dict[str, int]]] = []
+            while len(batch) < batch_size and evaluated + len(batch) < options.trials \
+                    and asks < max_asks and len(seen) < space.size:
+                trial = study.ask()
+                asks += 1
+                cfg = config_from_trial(trial, space)
+                key = canonical_json(cfg)
+                seen.add(key)
+                prior = store.find_trial(*ids, cfg)
+                if prior is not None and prior.message != STALE_MESSAGE:
+                    if prior.state is TrialState.COMPLETE and prior.median_ms is not None:
+                        study.tell(trial, prior.median_ms)
+                    elif prior.state is TrialState.PRUNED_STATIC:
+                        study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+                    else:
+                        study.tell(trial, state=optuna.trial.TrialState.FAIL)
+                    continue
+                if any(canonical_json(c) == key for _, c in batch):
+                    study.tell(trial, state=optuna.trial.TrialState.FAIL)
+                    continue
+                reason = space.check(cfg, problem, device)
+                if reason is not None:
+                    store.record_trial(run.id, cfg, TrialState.PRUNED_STATIC, message=reason)
+                    states[TrialState.PRUNED_STATIC.value] = \
+                        states.get(TrialState.PRUNED_STATIC.value, 0) + 1
+                    study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+                    continue
+                batch.append((trial, cfg))
+            if not batch:
+                continue
+            if len(batch) > 1:
+                errors = precompile(spec, problem, [c for _, c in batch], workers=batch_size)
+                for k, err in errors.items():
+                    if err:
+                        log.debug("precompile %s: %s", k, err)
+            for trial, cfg in batch:
+                rec = store.start_trial(run.id, cfg)
+                try:
+                    res = runner.evaluate(cfg)
+                except Exception as exc:  # a runner must not raise; record it anyway
+                    res = TrialResult(TrialState.RUNTIME_ERROR,
+                                      f"{type(exc).__name__}: {exc}"[:300])
+                store.finish_trial(rec.id, res.state, message=res.message,
+                                   median_ms=res.median_ms, p20_ms=res.p20_ms,
+                                   p80_ms=res.p80_ms, tflops=res.tflops,
+                                   compile_s=res.compile_s)
+                states[res.state.value] = states.get(res.state.value, 0) + 1
+                evaluated += 1
+                if res.state is TrialState.COMPLETE and res.median_ms is not None:
+                    study.tell(trial, res.median_ms)
+                    if best_ms is None or res.median_ms < best_ms:
+                        best_ms, since_best = res.median_ms, 0
+                    else:
+                        since_best += 1
+                else:
+                    study.tell(trial, state=optuna.trial.TrialState.FAIL)
+                    since_best += 1
+                if bar is not None:
+                    bar.update(1)
+                    if best_ms is not None:
+                        bar.set_postfix(best_ms=f"{best_ms:.4g}")
+                else:
+                    log.info("%s trial %d/%d %s: %s %s", problem.describe(), evaluated,
+                             options.trials, cfg, res.state.value,
+                             f"{res.median_ms:.4g} ms" if res.median_ms else (res.message or ""))
+    except KeyboardInterrupt:
+        status = RunStatus.INTERRUPTED
+        raise
+    except BaseException:
+        status = RunStatus.FAILED
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+        if status is not RunStatus.COMPLETE:
+            store.fail_stale_trials(*ids, older_than=timedelta(0))
+            store.finish_run(run.id, status)
+
+    # confirm: re-time the study's fastest configs interleaved; the fastest there wins
+    complete = [t for t in store.list_trials(device_id=dev.id, template_id=tpl.id,
+                                             problem_id=prob.id, state=TrialState.COMPLETE)
+                if t.median_ms is not None]
+    by_config: dict[str, Any] = {}
+    for t in sorted(complete, key=lambda t: t.median_ms):
+        by_config.setdefault(canonical_json(t.config), t)
+    top = list(by_config.values())[:max(1, options.top_k_confirm)]
+    retimed: dict[str, TrialResult] = {}
+    if len(top) > 1:
+        retimed = time_interleaved(runner, [t.config for t in top])
+    winner = None
+    win_ms = win_tf = None
+    for t in top:
+        r = retimed.get(canonical_json(t.config))
+        ms, tf = (r.median_ms, r.tflops) if r is not None and r.ok else (t.median_ms, t.tflops)
+        if ms is not None and (win_ms is None or ms < win_ms):
+            winner, win_ms, win_tf = t, ms, tf
+    became_best = False
+    if winner is not None and win_ms is not None:
+        n_trials = len(store.list_trials(device_id=dev.id, template_id=tpl.id,
+                                         problem_id=prob.id))
+        became_best = store.offer_best(*ids, config=winner.config, median_ms=win_ms,
+                                       tflops=win_tf, trial_id=winner.id, trials_count=n_trials)
+    store.finish_run(run.id, RunStatus.COMPLETE)
+
+    best = store.get_best(*ids)
+    default_rec = store.find_trial(*ids, default)
+    d_ms = d_tf = None
+    if default_rec is not None and default_rec.state is TrialState.COMPLETE:
+        d_ms, d_tf = default_rec.median_ms, default_rec.tflops
+        r = retimed.get(canonical_json(default))
+        if r is not None and r.ok:
+            d_ms, d_tf = r.median_ms, r.tflops
+    b_ms = best.median_ms if best else None
+    return TuneResult(
+        problem=problem, device_name=device.name, template=spec.name,
+        best_config=dict(best.config) if best else None, best_ms=b_ms,
+        best_tflops=best.tflops if best else None, default_config=default,
+        default_ms=d_ms, default_tflops=d_tf,
+        speedup=(d_ms / b_ms) if d_ms and b_ms else None,
+        trials=evaluated, states=states, wall_s=time.monotonic() - t_start,
+        became_best=became_best, study_name=study_name)

@@ -1,0 +1,106 @@
+"""Parallel precompilation of candidate configs (GPU only).
+
+Compiling a Triton kernel takes seconds of CPU; timing it takes milliseconds of GPU. A
+process pool (spawn context) compiles a batch of candidates with ``JITFunction.warmup``
+into a shared ``TRITON_CACHE_DIR``, so the runner's first launch of each is a cache hit.
+Errors are returned, never raised: the runner will meet (and record) them again anyway.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import tempfile
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from multiprocessing import get_context
+from typing import Any, Mapping, Sequence
+
+from flashtune.autotune.problems import AttentionProblem
+from flashtune.db.jsonutil import canonical_json
+
+log = logging.getLogger(__name__)
+
+__all__ = ["attn_fwd_warmup_args", "precompile"]
+
+
+def attn_fwd_warmup_args(problem: AttentionProblem, config: Mapping[str, int]
+                         ) -> tuple[tuple[Any, ...], dict[str, Any], tuple[int, int]]:
+    """``(args, kwargs, grid)`` for ``attn_fwd_kernel.warmup`` matching what
+    ``kernel_templates/attn_fwd/launcher.py`` passes for contiguous q/k/v and
+    ``return_lse=False`` (pointer args as dtypes; the ints are the real strides, so the
+    divisibility specialisation and hence the cache key are the same).
+
+    Keep in step with the launcher: if its argument list changes, this must too.
+    """
+    import torch
+
+    from flashtune.kernel_templates.attn_fwd.space import block_d
+
+    p = problem
+    dt = torch.float16 if p.dtype == "fp16" else torch.bfloat16
+    d = p.head_dim
+    q_str = (p.heads_q * p.seqlen_q * d, p.seqlen_q * d, d)
+    k_str = (p.heads_kv * p.seqlen_k * d, p.seqlen_k * d, d)
+    args = (dt, dt, dt, dt, dt,  # Q, K, V, Out, Lse (= Out when STORE_LSE is False)
+            *q_str, *k_str, *k_str, *q_str, 0, 0,
+            p.heads_q, p.heads_q // p.heads_kv, p.seqlen_q, p.seqlen_k, 1.0 / math.sqrt(d))
+    kwargs = dict(HEAD_DIM=d, BLOCK_D=block_d(d), BLOCK_M=config["BLOCK_M"],
+                  BLOCK_N=config["BLOCK_N"], IS_CAUSAL=bool(p.causal), STORE_LSE=False,
+                  UPCAST_DOT=False, num_warps=config["num_warps"],
+                  num_stages=config["num_stages"])
+    grid = (math.ceil(p.seqlen_q / config["BLOCK_M"]), p.batch * p.heads_q)
+    return args, kwargs, grid
+
+
+_WARMUP_ARGS = {"attn_fwd": attn_fwd_warmup_args}
+
+
+def _compile_one(template: str, problem_key: dict[str, Any], config: dict[str, int]) -> str | None:
+    """Worker: compile one config; the error's first line or None."""
+    try:
+        from flashtune.kernel_templates import get_template
+
+        spec = get_template(template)
+        problem = AttentionProblem.from_key(problem_key)
+        args, kwargs, grid = _WARMUP_ARGS[template](problem, config)
+        spec.kernel.warmup(*args, grid=grid, **kwargs)
+        return None
+    except BaseException as exc:  # noqa: BLE001 - returned, never raised
+        lines = [t for t in str(exc).splitlines() if t.strip()]
+        return f"{type(exc).__name__}: {lines[0].strip() if lines else ''}"[:300]
+
+
+def precompile(spec: Any, problem: AttentionProblem, configs: Sequence[Mapping[str, int]], *,
+               workers: int | None) -> dict[str, str | None]:
+    """Compile ``configs`` in a process pool; canonical config JSON -> error or None.
+
+    Returns ``{}`` under the Triton interpreter (nothing to compile), for templates without
+    a warmup-argument builder, and for ``workers`` <= 1 or an empty batch. Sets
+    ``TRITON_CACHE_DIR`` (inherited by the workers and used by this process) if unset.
+    """
+    from flashtune.autotune.devices import interpreting
+
+    if interpreting() or not configs or spec.name not in _WARMUP_ARGS:
+        return {}
+    workers = workers if workers is not None else min(len(configs), os.cpu_count() or 1)
+    if workers <= 1:
+        return {}
+    if not os.environ.get("TRITON_CACHE_DIR"):
+        os.environ["TRITON_CACHE_DIR"] = os.path.join(tempfile.gettempdir(),
+                                                      "flashtune-triton-cache")
+    results: dict[str, str | None] = {}
+    key = problem.key()
+    try:
+        with ProcessPoolExecutor(max_workers=min(workers, len(configs)),
+                                 mp_context=get_context("spawn")) as pool:
+            futures = {pool.submit(_compile_one, spec.name, key, dict(c)): canonical_json(dict(c))
+                       for c in configs}
+            for fut in as_completed(futures):
+                try:
+                    results[futures[fut]] = fut.result()
+                except BaseException as exc:  # noqa: BLE001 - a dead worker, say
+                    results[futures[fut]] = f"{type(exc).__name__}: {exc}"[:300]
+    except Exception as exc:  # noqa: BLE001 - the pool itself failed: compile lazily instead
+        log.warning("precompile pool failed (%s); configs compile on first launch", exc)
+    return results

@@ -1,0 +1,272 @@
+"""Runners: compile, check and time one config (Kernel Tuner's ``runners/``).
+
+A runner never raises for a bad config: every outcome is a :class:`TrialResult` whose
+``state`` says how the trial ended (failures are data). Strategies propose configs; runners
+evaluate them. :class:`ReplayRunner` serves recorded results so strategy tests run without
+a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Protocol
+
+from flashtune.autotune.devices import DeviceFingerprint
+from flashtune.autotune.problems import AttentionProblem
+from flashtune.db.jsonutil import canonical_json
+from flashtune.db.records import TrialState
+
+log = logging.getLogger(__name__)
+
+__all__ = ["LocalRunner", "ReplayRunner", "Runner", "TrialResult", "time_interleaved"]
+
+# relative Frobenius error allowed against the fp32 reference
+TOLERANCE = {"bf16": 2e-2, "fp16": 5e-3}
+# timed calls per config under the interpreter (timings there are recorded but meaningless)
+INTERPRETER_REPS = 2
+# above this many q elements the reference is computed on a slice (batch 0, 2 q heads)
+FULL_REFERENCE_MAX_ELEMS = 1 << 20
+MESSAGE_MAX = 300
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    line = next((t.strip() for t in text if t.strip()), "")
+    msg = f"{type(exc).__name__}: {line}" if line else type(exc).__name__
+    return msg[:MESSAGE_MAX]
+
+
+@dataclass(frozen=True)
+class TrialResult:
+    """How one config did. Timings are None unless ``state`` is COMPLETE."""
+
+    state: TrialState
+    message: str | None = None
+    median_ms: float | None = None
+    p20_ms: float | None = None
+    p80_ms: float | None = None
+    tflops: float | None = None
+    compile_s: float | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.state is TrialState.COMPLETE
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["state"] = self.state.value
+        return d
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> TrialResult:
+        fields = {k: data.get(k) for k in ("message", "median_ms", "p20_ms", "p80_ms",
+                                           "tflops", "compile_s")}
+        return cls(state=TrialState(data["state"]), **fields)
+
+
+class Runner(Protocol):
+    def evaluate(self, config: Mapping[str, int]) -> TrialResult: ...
+
+
+def _classify_launch_error(exc: BaseException) -> TrialState:
+    from triton.compiler.errors import CompilationError
+    from triton.runtime.errors import OutOfResources
+
+    try:
+        from triton.runtime.errors import PTXASError
+    except ImportError:  # pragma: no cover - older triton
+        PTXASError = CompilationError  # type: ignore[misc,assignment]  # noqa: N806
+    if isinstance(exc, OutOfResources):
+        return TrialState.OUT_OF_RESOURCES
+    if isinstance(exc, (CompilationError, PTXASError)):
+        return TrialState.COMPILE_ERROR
+    return TrialState.RUNTIME_ERROR
+
+
+class LocalRunner:
+    """Evaluates configs of ``spec`` on ``problem`` in this process.
+
+    Inputs are seeded ``randn`` tensors on the device (CPU under the interpreter, else
+    cuda). The fp32 reference is computed once; for big problems only batch 0 and the first
+    two q heads (and their kv heads) are compared, to bound memory.
+
+    Per config: the first launch compiles (timed as ``compile_s``; OutOfResources ->
+    OUT_OF_RESOURCES, CompilationError/PTXASError -> COMPILE_ERROR, anything else ->
+    RUNTIME_ERROR), its output is checked against the reference (relative Frobenius error
+    under ``TOLERANCE[dtype]`` and no NaN, else WRONG_RESULT), then it is timed (``bench``
+    on GPU; ``time.perf_counter`` over :data:`INTERPRETER_REPS` calls under the interpreter,
+    meaningless but recorded). ``timeout_s`` is checked *after the fact*: a trial whose
+    compile + check + timing took longer is recorded TIMEOUT; a hung kernel is not
+    interrupted. On GPU, a RUNTIME_ERROR such as an illegal memory access may leave the CUDA
+    context unusable; the job then keeps recording errors.
+    """
+
+    def __init__(self, spec: Any, problem: AttentionProblem, device: DeviceFingerprint, *,
+                 seed: int = 0, check_slice: bool = True, timeout_s: float | None = None,
+                 launcher: Any = None) -> None:
+        import torch
+
+        self.spec = spec
+        self.problem = problem
+        self.device = device
+        self.timeout_s = timeout_s
+        self.launcher = launcher if launcher is not None else spec.launcher
+        self.torch_device = "cpu" if device.is_interpreter else "cuda"
+        dtype = torch.float16 if problem.dtype == "fp16" else torch.bfloat16
+        gen = torch.Generator(device=self.torch_device).manual_seed(seed)
+        p = problem
+
+        def rand(h: int, n: int) -> torch.Tensor:
+            return torch.randn((p.batch, h, n, p.head_dim), generator=gen,
+                               device=self.torch_device, dtype=torch.float32).to(dtype)
+
+        self.q = rand(p.heads_q, p.seqlen_q)
+        self.k = rand(p.heads_kv, p.seqlen_k)
+        self.v = rand(p.heads_kv, p.seqlen_k)
+        big = self.q.numel() > FULL_REFERENCE_MAX_ELEMS
+        if check_slice and big:
+            hq = min(2, p.heads_q)
+            group = p.heads_q // p.heads_kv
+            hkv = (hq - 1) // group + 1
+            self._slice: tuple[slice, slice] = (slice(0, 1), slice(0, hq))
+            q, k, v = self.q[:1, :hq], self.k[:1, :hkv], self.v[:1, :hkv]
+        else:
+            self._slice = (slice(None), slice(None))
+            q, k, v = self.q, self.k, self.v
+        ref, _ = spec.reference(q, k, v, causal=p.causal, dtype=torch.float32)
+        self.ref = ref
+        self.ref_norm = float(torch.linalg.vector_norm(ref)) or 1.0
+        self.flops = p.flops()
+
+    def _launch(self) -> Any:
+        return self.launcher(self.q, self.k, self.v, self._config, causal=self.problem.causal)
+
+    def _error(self, out: Any) -> float:
+        import torch
+
+        got = out[self._slice].float()
+        if torch.isnan(got).any():
+            return float("nan")
+        return float(torch.linalg.vector_norm(got - self.ref)) / self.ref_norm
+
+    def _sync(self) -> None:
+        if self.torch_device == "cuda":
+            import torch
+
+            torch.cuda.synchronize()
+
+    def evaluate(self, config: Mapping[str, int]) -> TrialResult:
+        self._config = dict(config)
+        t0 = time.perf_counter()
+        try:
+            out = self._launch()
+            self._sync()
+        except Exception as exc:  # failures are data
+            return TrialResult(_classify_launch_error(exc), _first_line(exc),
+                               compile_s=time.perf_counter() - t0)
+        compile_s = time.perf_counter() - t0
+        try:
+            err = self._error(out)
+        except Exception as exc:
+            return TrialResult(TrialState.RUNTIME_ERROR, _first_line(exc), compile_s=compile_s)
+        tol = TOLERANCE[self.problem.dtype]
+        if not err < tol:  # also catches NaN
+            return TrialResult(TrialState.WRONG_RESULT,
+                               f"relative error {err:.3g} vs fp32 reference (tolerance {tol:g})",
+                               compile_s=compile_s)
+        try:
+            median, p20, p80 = self.time_config()
+        except Exception as exc:
+            return TrialResult(TrialState.RUNTIME_ERROR, _first_line(exc), compile_s=compile_s)
+        wall = time.perf_counter() - t0
+        if self.timeout_s is not None and wall > self.timeout_s:
+            return TrialResult(TrialState.TIMEOUT,
+                               f"took {wall:.1f} s (limit {self.timeout_s:g} s, checked after "
+                               f"the fact)", compile_s=compile_s)
+        from flashtune.autotune.timing import tflops
+
+        return TrialResult(TrialState.COMPLETE, None, median, p20, p80,
+                           tflops(self.flops, median) if median > 0 else None, compile_s)
+
+    def time_config(self, config: Mapping[str, int] | None = None) -> tuple[float, float, float]:
+        """(median, p20, p80) ms of the config (the last evaluated one by default)."""
+        if config is not None:
+            self._config = dict(config)
+        if self.device.is_interpreter:
+            times = []
+            for _ in range(INTERPRETER_REPS):
+                t = time.perf_counter()
+                self._launch()
+                times.append((time.perf_counter() - t) * 1e3)
+            times.sort()
+            return statistics.median(times), times[0], times[-1]
+        from flashtune.autotune.timing import bench
+
+        t = bench(self._launch)
+        return t.median_ms, t.p20_ms, t.p80_ms
+
+
+class ReplayRunner:
+    """Serves recorded results: ``records`` maps canonical config JSON to a result dict
+    (``state``, ``message``, ``median_ms``...). An unknown config is a RUNTIME_ERROR
+    "not in recording". ``calls`` lists the configs asked for, in order."""
+
+    def __init__(self, records: Mapping[str, Mapping[str, Any]],
+                 meta: Mapping[str, Any] | None = None) -> None:
+        self.records = {k: TrialResult.from_dict(v) for k, v in records.items()}
+        self.meta = dict(meta or {})
+        self.calls: list[dict[str, int]] = []
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> ReplayRunner:
+        """Read ``{"meta": {...}, "trials": [{"config": {...}, "state": ..., ...}]}``."""
+        data = json.loads(Path(path).read_text())
+        records = {canonical_json(t["config"]): t for t in data["trials"]}
+        return cls(records, data.get("meta"))
+
+    def evaluate(self, config: Mapping[str, int]) -> TrialResult:
+        self.calls.append(dict(config))
+        found = self.records.get(canonical_json(dict(config)))
+        if found is None:
+            return TrialResult(TrialState.RUNTIME_ERROR, "not in recording")
+        return found
+
+
+def time_interleaved(runner: Any, configs: Iterable[Mapping[str, int]],
+                     rounds: int = 3) -> dict[str, TrialResult]:
+    """Re-time ``configs`` round-robin (config A, B, C, A, B, C...) so clock and thermal
+    drift hit them alike; keyed by canonical config JSON. The median of the per-round
+    medians is reported. Runners without GPU timing (the interpreter, replay) are simply
+    evaluated once per config."""
+    configs = [dict(c) for c in configs]
+    keys = [canonical_json(c) for c in configs]
+    gpu = (isinstance(runner, LocalRunner) and not runner.device.is_interpreter)
+    if not gpu:
+        return {k: runner.evaluate(c) for k, c in zip(keys, configs)}
+    samples: dict[str, list[tuple[float, float, float]]] = {k: [] for k in keys}
+    failed: dict[str, TrialResult] = {}
+    for _ in range(max(1, rounds)):
+        for key, cfg in zip(keys, configs):
+            if key in failed:
+                continue
+            try:
+                samples[key].append(runner.time_config(cfg))
+            except Exception as exc:
+                failed[key] = TrialResult(TrialState.RUNTIME_ERROR, _first_line(exc))
+    from flashtune.autotune.timing import tflops
+
+    out: dict[str, TrialResult] = dict(failed)
+    for key, got in samples.items():
+        if key in failed or not got:
+            continue
+        med = statistics.median(g[0] for g in got)
+        out[key] = TrialResult(TrialState.COMPLETE, None, med,
+                               statistics.median(g[1] for g in got),
+                               statistics.median(g[2] for g in got),
+                               tflops(runner.flops, med) if med > 0 else None)
+    return out

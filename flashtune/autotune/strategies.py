@@ -1,0 +1,86 @@
+"""Strategies: Optuna samplers over a :class:`SearchSpace` (Kernel Tuner's ``strategies/``).
+
+Each parameter is suggested as an ordinal index, ``trial.suggest_int(name + "_idx", 0,
+len(values) - 1)``, into the space's ordered tuple of values, so TPE and CMA-ES see
+neighbouring block sizes as neighbours and the grid sampler walks the index grid.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Mapping
+
+from flashtune.autotune.spaces import Config, SearchSpace
+
+if TYPE_CHECKING:  # pragma: no cover
+    import optuna
+
+__all__ = ["SAMPLERS", "config_from_trial", "enqueue", "make_sampler", "params_of"]
+
+SAMPLERS = ("tpe", "random", "grid", "cmaes")
+
+
+def _idx(name: str) -> str:
+    return name + "_idx"
+
+
+def make_sampler(name: str, seed: int | None, space: SearchSpace) -> optuna.samplers.BaseSampler:
+    """The sampler ``name`` (one of :data:`SAMPLERS`) seeded with ``seed``."""
+    import optuna
+
+    if name == "tpe":
+        return optuna.samplers.TPESampler(seed=seed, multivariate=True, constant_liar=True)
+    if name == "random":
+        return optuna.samplers.RandomSampler(seed=seed)
+    if name == "grid":
+        grid = {_idx(n): list(range(len(v))) for n, v in space.params.items()}
+        return _NoStopGridSampler(grid, seed=seed)
+    if name == "cmaes":
+        try:
+            import cmaes  # noqa: F401
+        except ImportError:
+            raise ValueError("sampler 'cmaes' needs the cmaes package: pip install cmaes") from None
+        return optuna.samplers.CmaEsSampler(seed=seed)
+    raise ValueError(f"unknown sampler {name!r}; expected one of {list(SAMPLERS)}")
+
+
+def _grid_sampler_class() -> type:
+    import optuna
+
+    class NoStopGridSampler(optuna.samplers.GridSampler):
+        """GridSampler that does not call ``study.stop()`` when the grid is exhausted (that
+        only works inside ``study.optimize``; the job loop uses ask/tell and stops itself
+        once every distinct config has been seen)."""
+
+        def after_trial(self, study, trial, state, values):  # type: ignore[no-untyped-def]
+            return None
+
+    return NoStopGridSampler
+
+
+def _NoStopGridSampler(grid: dict[str, list[int]], seed: int | None) -> Any:  # noqa: N802
+    return _grid_sampler_class()(grid, seed=seed)
+
+
+def config_from_trial(trial: optuna.Trial, space: SearchSpace) -> Config:
+    """Ask ``trial`` for every parameter of ``space`` and return the config."""
+    return {n: int(v[trial.suggest_int(_idx(n), 0, len(v) - 1)]) for n, v in space.params.items()}
+
+
+def params_of(config: Mapping[str, int], space: SearchSpace) -> dict[str, int]:
+    """The Optuna params (indices) of ``config``; ValueError if a value is outside the space."""
+    out = {}
+    for n, values in space.params.items():
+        if config[n] not in values:
+            raise ValueError(f"{n}={config[n]!r} is not one of {list(values)}")
+        out[_idx(n)] = values.index(config[n])
+    return out
+
+
+def enqueue(study: optuna.Study, config: Mapping[str, Any], space: SearchSpace) -> bool:
+    """Queue ``config`` as the study's next trial (warm start); False if outside the space."""
+    try:
+        params = params_of(config, space)
+    except (KeyError, ValueError):
+        return False
+    study.enqueue_trial(params, skip_if_exists=True)
+    return True

@@ -1,0 +1,90 @@
+"""Strategies through the whole job loop, with recorded (synthetic) results: no GPU."""
+
+from __future__ import annotations
+
+import pytest
+
+from flashtune.autotune.jobs import TuneOptions, tune
+from flashtune.autotune.runners import ReplayRunner
+from flashtune.autotune.strategies import config_from_trial, enqueue, make_sampler
+from flashtune.kernel_templates.attn_fwd.space import SPACE
+
+from tests.autotune_tests.synthetic import FIXTURE, H100, PROBLEM
+
+
+def _replay_tune(tmp_path, name, **opts):
+    runners = []
+
+    def factory(spec, problem, device, options):
+        runners.append(ReplayRunner.from_json(FIXTURE))
+        return runners[-1]
+
+    url = "sqlite://"  # in memory: flashtune store and Optuna InMemoryStorage
+    options = TuneOptions(**{"top_k_confirm": 3, **opts})
+    [res] = tune([PROBLEM], options, db_url=url, progress=False, _runner_factory=factory,
+                 _device=H100)
+    return res, runners[0], url
+
+
+def _optimum_ms():
+    runner = ReplayRunner.from_json(FIXTURE)
+    return min(r.median_ms for r in runner.records.values() if r.ok)
+
+
+def test_fixture_is_marked_synthetic():
+    runner = ReplayRunner.from_json(FIXTURE)
+    assert runner.meta["synthetic"] is True
+    assert runner.evaluate({"BLOCK_M": 1, "BLOCK_N": 1, "num_warps": 1,
+                            "num_stages": 1}).message == "not in recording"
+
+
+def test_seeded_tpe_is_reproducible(tmp_path):
+    a, ra, _ = _replay_tune(tmp_path, "a.db", sampler="tpe", seed=7, trials=15)
+    b, rb, _ = _replay_tune(tmp_path, "b.db", sampler="tpe", seed=7, trials=15)
+    assert ra.calls == rb.calls
+    assert a.best_config == b.best_config and a.trials == b.trials == 15
+
+
+def test_grid_visits_every_valid_config(tmp_path):
+    res, runner, url = _replay_tune(tmp_path, "g.db", sampler="grid", seed=0, trials=10_000,
+                                  top_k_confirm=1)
+    valid = SPACE.valid_configs(PROBLEM, H100)
+    visited = [c for c in runner.calls]
+    assert len(visited) == len(valid)  # each valid config evaluated exactly once
+    assert sorted(map(sorted, (c.items() for c in visited))) == \
+        sorted(map(sorted, (c.items() for c in valid)))
+    assert res.states["PRUNED_STATIC"] == SPACE.size - len(valid)
+    assert res.best_ms == pytest.approx(_optimum_ms())
+
+
+def test_tpe_beats_grid_budget(tmp_path):
+    valid = SPACE.valid_configs(PROBLEM, H100)
+    res, runner, _ = _replay_tune(tmp_path, "t.db", sampler="tpe", seed=0, trials=80)
+    assert res.trials <= 80 < len(valid)
+    assert res.best_ms <= 1.02 * _optimum_ms()
+    assert res.speedup is not None and res.speedup > 1.0
+
+
+def test_patience_stops_early(tmp_path):
+    res, _, _ = _replay_tune(tmp_path, "p.db", sampler="random", seed=0, trials=200, patience=5)
+    assert res.trials < 200
+
+
+def test_sampler_errors():
+    with pytest.raises(ValueError, match="unknown sampler"):
+        make_sampler("nope", 0, SPACE)
+    try:
+        import cmaes  # noqa: F401
+    except ImportError:
+        with pytest.raises(ValueError, match="pip install cmaes"):
+            make_sampler("cmaes", 0, SPACE)
+
+
+def test_enqueue_and_config_from_trial():
+    import optuna
+
+    study = optuna.create_study(sampler=make_sampler("random", 0, SPACE))
+    cfg = {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3}
+    assert enqueue(study, cfg, SPACE)
+    assert not enqueue(study, {**cfg, "BLOCK_M": 48}, SPACE)
+    assert config_from_trial(study.ask(), SPACE) == cfg
