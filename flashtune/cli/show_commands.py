@@ -13,7 +13,7 @@ from typing import Any
 import click
 
 from flashtune.cli.options import db_url, fail, json_option
-from flashtune.cli.tune_commands import format_config
+from flashtune.cli.tune_commands import format_config, format_tflops
 
 __all__ = ["best_to_dict", "show_command"]
 
@@ -52,7 +52,7 @@ def _render(rows: list[dict[str, Any]]) -> str:
     header = ("device", "template", "shape", "config", "median ms", "TFLOP/s", "trials",
               "tuned_at")
     body = [(r["device"], r["template"], _shape(r["problem"]), format_config(r["config"]),
-             f"{r['median_ms']:.4f}", "-" if r["tflops"] is None else f"{r['tflops']:.1f}",
+             f"{r['median_ms']:.4f}", format_tflops(r["tflops"]),
              str(r["trials"]), r["tuned_at"][:19].replace("T", " ")) for r in rows]
     widths = [max(len(c) for c in col) for col in zip(header, *body)]
     right = {4, 5, 6}

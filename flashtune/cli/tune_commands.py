@@ -23,7 +23,7 @@ import click
 
 from flashtune.cli.options import db_url, fail, search_options, shape_options, template_option
 
-__all__ = ["format_config", "render_results", "tune_command"]
+__all__ = ["format_config", "format_tflops", "render_results", "tune_command"]
 
 _SHAPE_NAMES = ("batch", "heads", "kv_heads", "seqlen", "kv_seqlen", "head_dim", "causal")
 _REQUIRED = ("batch", "heads", "seqlen", "head_dim")
@@ -108,8 +108,11 @@ def format_config(config: dict[str, Any] | None) -> str:
     return " ".join(f"{k}={v}" for k, v in sorted(config.items()))
 
 
-def _num(value: float | None, fmt: str) -> str:
-    return "-" if value is None else format(value, fmt)
+def format_tflops(value: float | None) -> str:
+    """TFLOP/s with one decimal; three significant digits below 1 (interpreter runs)."""
+    if value is None:
+        return "-"
+    return f"{value:.1f}" if value >= 1 else f"{value:.3g}"
 
 
 def _table(header: Sequence[str], rows: list[Sequence[str]], right: set[int]) -> str:
@@ -126,8 +129,8 @@ def render_results(results: Sequence[Any]) -> str:
     """The closing table: one row per :class:`~flashtune.autotune.jobs.TuneResult`."""
     header = ("shape", "best BM,BN,w,s", "best TFLOP/s", "default TFLOP/s", "speed-up",
               "trials", "wall s", "stored best")
-    rows = [(r.problem.describe(), format_config(r.best_config), _num(r.best_tflops, ".1f"),
-             _num(r.default_tflops, ".1f"),
+    rows = [(r.problem.describe(), format_config(r.best_config), format_tflops(r.best_tflops),
+             format_tflops(r.default_tflops),
              "-" if r.speedup is None else f"{r.speedup:.2f}x", str(r.trials),
              f"{r.wall_s:.1f}", "yes" if r.became_best else "no") for r in results]
     return _table(header, rows, right={2, 3, 4, 5, 6})
