@@ -116,7 +116,10 @@ class LocalRunner:
         self.device = device
         self.timeout_s = timeout_s
         self.launcher = launcher if launcher is not None else spec.launcher
-        self.torch_device = "cpu" if device.is_interpreter else "cuda"
+        from flashtune.autotune.devices import interpreting
+
+        self.interpreting = device.is_interpreter or interpreting()
+        self.torch_device = "cpu" if self.interpreting else "cuda"
         dtype = torch.float16 if problem.dtype == "fp16" else torch.bfloat16
         gen = torch.Generator(device=self.torch_device).manual_seed(seed)
         p = problem
@@ -197,7 +200,7 @@ class LocalRunner:
         """(median, p20, p80) ms of the config (the last evaluated one by default)."""
         if config is not None:
             self._config = dict(config)
-        if self.device.is_interpreter:
+        if self.interpreting:
             times = []
             for _ in range(INTERPRETER_REPS):
                 t = time.perf_counter()
@@ -245,7 +248,7 @@ def time_interleaved(runner: Any, configs: Iterable[Mapping[str, int]],
     evaluated once per config."""
     configs = [dict(c) for c in configs]
     keys = [canonical_json(c) for c in configs]
-    gpu = (isinstance(runner, LocalRunner) and not runner.device.is_interpreter)
+    gpu = isinstance(runner, LocalRunner) and not runner.interpreting
     if not gpu:
         return {k: runner.evaluate(c) for k, c in zip(keys, configs)}
     samples: dict[str, list[tuple[float, float, float]]] = {k: [] for k in keys}

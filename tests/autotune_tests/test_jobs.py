@@ -1,0 +1,120 @@
+"""The tuning pipeline end to end under the Triton interpreter on a tiny problem."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from flashtune.autotune import runners as runners_mod
+from flashtune.autotune.devices import interpreter_device
+from flashtune.autotune.jobs import TuneOptions, tune
+from flashtune.autotune.runners import LocalRunner, TrialResult
+from flashtune.autotune.spaces import SearchSpace
+from flashtune.db import TrialState, canonical_json, open_store
+from flashtune.kernel_templates import get_template
+
+PROBLEM_ARGS = (1, 2, 2, 64, 48, 32, True, "fp16")
+
+
+@pytest.fixture(autouse=True)
+def _one_timed_call(monkeypatch):
+    monkeypatch.setattr(runners_mod, "INTERPRETER_REPS", 1)
+
+
+@pytest.fixture
+def problem():
+    from flashtune.autotune.problems import AttentionProblem
+
+    return AttentionProblem(*PROBLEM_ARGS)
+
+
+OPTS = TuneOptions(trials=4, sampler="random", seed=0, interpret=True, top_k_confirm=2)
+
+
+def test_pipeline_records_and_resumes(tmp_path, problem):
+    url = f"sqlite:///{tmp_path / 'ft.db'}"
+    [res] = tune([problem], OPTS, db_url=url, progress=False)
+    assert res.trials == 4 and res.device_name == "cpu-interpreter"
+    assert res.states == {"COMPLETE": 4}
+    assert res.default_ms is not None and res.speedup is not None
+    spec = get_template("attn_fwd")
+    with open_store(url) as store:
+        trials = store.list_trials()
+        assert len(trials) == 4
+        assert {t.state for t in trials} <= set(TrialState) - {TrialState.RUNNING}
+        assert trials[0].config == res.default_config  # warm start: default first
+        [best] = store.list_best(device_name="cpu-interpreter")
+        assert spec.space.validate(best.config) == best.config
+        assert best.config == res.best_config
+    # same job again: continues the study, never re-runs or re-records a config
+    [res2] = tune([problem], OPTS, db_url=url, progress=True)
+    assert res2.trials == 4 and res2.study_name == res.study_name
+    with open_store(url) as store:
+        trials = store.list_trials()
+        assert len(trials) == 8
+        keys = [canonical_json(t.config) for t in trials]
+        assert len(set(keys)) == len(keys)
+        assert len({t.run_id for t in trials}) == 2
+
+
+def test_static_prune_and_failures_are_recorded(tmp_path, problem):
+    spec = get_template("attn_fwd")
+    # tiny space: half of it "needs too much shared memory" on this device
+    space = SearchSpace(
+        params={"BLOCK_M": (16, 32), "BLOCK_N": (16, 32), "num_warps": (2,), "num_stages": (1,)},
+        predicate=lambda c, p, d: "needs ~99999 B of shared memory" if c["BLOCK_N"] == 32
+        else None)
+    device = dataclasses.replace(interpreter_device(), name="fake-gpu-tiny-smem")
+
+    class Launchers:
+        """BLOCK_M 16 raises, BLOCK_M 32 returns garbage."""
+
+        def __call__(self, q, k, v, config, *, causal, **kw):
+            if config["BLOCK_M"] == 16:
+                raise RuntimeError("boom: illegal memory access\nsecond line")
+            return spec.launcher(q, k, v, config, causal=causal, **kw) * 2
+
+    def factory(spec_, problem_, device_, options):
+        return LocalRunner(spec_, problem_, device_, seed=0, launcher=Launchers())
+
+    url = f"sqlite:///{tmp_path / 'ft.db'}"
+    options = dataclasses.replace(OPTS, sampler="grid", trials=10)
+    [res] = tune([problem], options, db_url=url, progress=False, _runner_factory=factory,
+                 _device=device, _space=space)
+    assert res.states == {"PRUNED_STATIC": 2, "RUNTIME_ERROR": 1, "WRONG_RESULT": 1}
+    assert res.best_config is None and not res.became_best
+    with open_store(url) as store:
+        by_state = {t.state: t for t in store.list_trials()}
+    assert "shared memory" in by_state[TrialState.PRUNED_STATIC].message
+    assert by_state[TrialState.RUNTIME_ERROR].message == \
+        "RuntimeError: boom: illegal memory access"
+    assert "relative error" in by_state[TrialState.WRONG_RESULT].message
+
+
+def test_local_runner_states(problem):
+    spec = get_template("attn_fwd")
+    dev = interpreter_device()
+    runner = LocalRunner(spec, problem, dev, seed=0)
+    ok = runner.evaluate({"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 2, "num_stages": 1})
+    assert ok.state is TrialState.COMPLETE and ok.median_ms > 0 and ok.compile_s > 0
+    bad = runner.evaluate({"BLOCK_M": 8, "BLOCK_N": 16, "num_warps": 2, "num_stages": 1})
+    assert bad.state in (TrialState.COMPILE_ERROR, TrialState.RUNTIME_ERROR)
+    assert bad.message and "\n" not in bad.message
+    slow = LocalRunner(spec, problem, dev, seed=0, timeout_s=0.0)
+    res = slow.evaluate({"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 2, "num_stages": 1})
+    assert res.state is TrialState.TIMEOUT
+    assert TrialResult.from_dict(ok.to_dict()) == ok
+
+
+def test_precompile_is_skipped_under_interpreter(problem):
+    from flashtune.autotune.precompile import attn_fwd_warmup_args, precompile
+
+    spec = get_template("attn_fwd")
+    cfg = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 2, "num_stages": 1}
+    assert precompile(spec, problem, [cfg], workers=2) == {}
+    args, kwargs, grid = attn_fwd_warmup_args(problem, cfg)
+    # every kernel parameter is given exactly once, positionally or as a constexpr keyword
+    names = list(spec.kernel.arg_names)
+    assert names[len(args):] == [n for n in kwargs if n not in ("num_warps", "num_stages")]
+    assert grid == (4, 2) and kwargs["BLOCK_M"] == 16
