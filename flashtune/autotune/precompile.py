@@ -8,6 +8,7 @@ Errors are returned, never raised: the runner will meet (and record) them again 
 
 from __future__ import annotations
 
+import atexit
 import logging
 import math
 import os
@@ -92,15 +93,41 @@ def precompile(spec: Any, problem: AttentionProblem, configs: Sequence[Mapping[s
     results: dict[str, str | None] = {}
     key = problem.key()
     try:
-        with ProcessPoolExecutor(max_workers=min(workers, len(configs)),
-                                 mp_context=get_context("spawn")) as pool:
-            futures = {pool.submit(_compile_one, spec.name, key, dict(c)): canonical_json(dict(c))
-                       for c in configs}
-            for fut in as_completed(futures):
-                try:
-                    results[futures[fut]] = fut.result()
-                except BaseException as exc:  # noqa: BLE001 - a dead worker, say
-                    results[futures[fut]] = f"{type(exc).__name__}: {exc}"[:300]
+        pool = _pool(workers)
+        futures = {pool.submit(_compile_one, spec.name, key, dict(c)): canonical_json(dict(c))
+                   for c in configs}
+        for fut in as_completed(futures):
+            try:
+                results[futures[fut]] = fut.result()
+            except BaseException as exc:  # noqa: BLE001 - a dead worker, say
+                results[futures[fut]] = f"{type(exc).__name__}: {exc}"[:300]
     except Exception as exc:  # noqa: BLE001 - the pool itself failed: compile lazily instead
         log.warning("precompile pool failed (%s); configs compile on first launch", exc)
+        _shutdown_pool()
+    if any(r is not None and r.startswith("BrokenProcessPool") for r in results.values()):
+        _shutdown_pool()  # a worker died: start a fresh pool next time
     return results
+
+
+# One pool per process, kept across batches and problems: spawning workers (each importing
+# torch and triton and creating a CUDA context) costs seconds, far more than a batch's compile.
+_POOL: tuple[int, ProcessPoolExecutor] | None = None
+
+
+def _pool(workers: int) -> ProcessPoolExecutor:
+    global _POOL
+    if _POOL is None or _POOL[0] != workers:
+        _shutdown_pool()
+        _POOL = (workers, ProcessPoolExecutor(max_workers=workers,
+                                              mp_context=get_context("spawn")))
+    return _POOL[1]
+
+
+def _shutdown_pool() -> None:
+    global _POOL
+    if _POOL is not None:
+        _POOL[1].shutdown(wait=False, cancel_futures=True)
+        _POOL = None
+
+
+atexit.register(_shutdown_pool)
