@@ -93,6 +93,35 @@ def trials_to_within(db_url, p, best_ms, factor):
     return {"optuna_trials_to_2pct": None, "optuna_seconds_to_2pct": None}
 
 
+def best_single(prior_rows, dev, dtype):
+    """The one config a user would hard-code: best geomean over the grid among the winners.
+
+    Every winner and every shape's own winner are timed here, in this process, so the
+    tuned/single ratio compares like with like.
+    """
+    from flashtune.autotune.problems import AttentionProblem
+
+    problems = [AttentionProblem.from_key(r["problem"]) for r in prior_rows]
+    winners = [json.loads(w) for w in sorted({json.dumps(r["tuned_config"], sort_keys=True)
+                                              for r in prior_rows})]
+    table = {}  # (winner index, shape index) -> TFLOP/s
+    for j, p in enumerate(problems):
+        q, k, v = inputs(p, dtype)
+        for i, cfg in enumerate(winners):
+            if SPEC.space.check(cfg, p, dev) is None:
+                table[i, j] = tflops(p.flops(), bench(
+                    lambda: SPEC.launcher(q, k, v, cfg, causal=p.causal)).median_ms)
+        del q, k, v
+        torch.cuda.empty_cache()
+    usable = [i for i in range(len(winners)) if all((i, j) in table for j in range(len(problems)))]
+    best = max(usable, key=lambda i: geomean([table[i, j] for j in range(len(problems))]))
+    rows = []
+    for j, (p, r) in enumerate(zip(problems, prior_rows)):
+        own = winners.index(json.loads(json.dumps(r["tuned_config"], sort_keys=True)))
+        rows.append({"problem": p.key(), "tuned": table[own, j], "best_single": table[best, j]})
+    return winners[best], rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--db", required=True)
@@ -101,7 +130,9 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=40)
     ap.add_argument("--sampler", default="tpe")
     ap.add_argument("--exhaustive", type=int, default=0)
-    ap.add_argument("--single", action="store_true")
+    ap.add_argument("--single-from", default=None,
+                    help="results JSON of an earlier run: find the best single hard-coded config "
+                         "among its winners, re-timing every winner on every shape here")
     ap.add_argument("--triton-autotune", action="store_true")
     ap.add_argument("--out", default="benchmarks/results/tune_grid.json")
     args = ap.parse_args()
@@ -146,38 +177,23 @@ def main() -> None:
               flush=True)
         del q, k, v, ref
         torch.cuda.empty_cache()
-    if args.single:
-        winners = {json.dumps(r["tuned_config"], sort_keys=True) for r in rows}
-        per_cfg = {}
-        for w in winners:
-            cfg = json.loads(w)
-            vals = []
-            for r in rows:
-                from flashtune.autotune.problems import AttentionProblem
-                p = AttentionProblem.from_key(r["problem"])
-                if SPEC.space.check(cfg, p, dev) is not None:
-                    vals = None
-                    break
-                q, k, v = inputs(p, dtype)
-                vals.append(tflops(p.flops(), bench(
-                    lambda: SPEC.launcher(q, k, v, cfg, causal=p.causal)).median_ms))
-            if vals:
-                per_cfg[w] = vals
-        best = max(per_cfg, key=lambda w: geomean(per_cfg[w]))
-        for r, val in zip(rows, per_cfg[best]):
-            r["best_single"] = val
-        single_cfg = json.loads(best)
+    single_cfg = None
+    if args.single_from:  # the winners of an earlier run, re-timed here on every shape
+        prior = json.loads(Path(args.single_from).read_text())["rows"]
+        single_cfg, single_rows = best_single(prior, dev, dtype)
+        result_single = {"config": single_cfg, "rows": single_rows,
+                         "tuned_vs_best_single": geomean([r["tuned"] / r["best_single"]
+                                                          for r in single_rows])}
     else:
-        single_cfg = None
+        result_single = None
     summary = {
-        "tuned_vs_default": geomean([r["tuned"] / r["default"] for r in rows]),
-        "tuned_vs_fa2": geomean([r["tuned"] / r["sdpa_flash"] for r in rows]),
-        "tuned_vs_cudnn": geomean([r["tuned"] / r["sdpa_cudnn"] for r in rows]),
-        "tuned_vs_best_single": geomean([r["tuned"] / r["best_single"] for r in rows
-                                         if "best_single" in r]),
+        "tuned_vs_default": geomean([r["tuned"] / r["default"] for r in rows]) if rows else None,
+        "tuned_vs_fa2": geomean([r["tuned"] / r["sdpa_flash"] for r in rows]) if rows else None,
+        "tuned_vs_cudnn": geomean([r["tuned"] / r["sdpa_cudnn"] for r in rows]) if rows else None,
+        "best_single": result_single,
         "tuned_vs_triton_autotune": geomean([r["tuned"] / r["triton_autotune_36"] for r in rows
                                              if "triton_autotune_36" in r]),
-        "best_single_config": single_cfg, "wall_s": time.time() - t_all,
+        "wall_s": time.time() - t_all,
     }
     result = {"benchmark": "attn_fwd tuned standard grid", "dtype": "bf16",
               "device": dev.to_dict(), "torch": torch.__version__, "triton": triton.__version__,
@@ -199,6 +215,9 @@ def main() -> None:
               f"{r['trials']} | {r['tune_wall_s']:.0f} |")
         if "exhaustive" in r:
             print(f"|   exhaustive: {r['exhaustive']}")
+    if result_single:
+        print("best single config:", result_single["config"], "tuned/single geomean",
+              f"{result_single['tuned_vs_best_single']:.3f}")
     print(json.dumps(summary))
 
 
