@@ -172,9 +172,12 @@ def main() -> None:
                                  "tflops": tflops(p.flops(), bench(lambda: SPEC.launcher(
                                      q, k, v, ex.best_config, causal=p.causal)).median_ms)}
         rows.append(row)
-        print(json.dumps({k2: row[k2] for k2 in ("problem", "tuned", "default", "sdpa_flash",
-                                                 "sdpa_cudnn", "trials", "tune_wall_s")}),
-              flush=True)
+        print(json.dumps({k2: row.get(k2) for k2 in (
+            "problem", "tuned_config", "tuned", "default", "sdpa_flash", "sdpa_cudnn",
+            "triton_autotune_36", "trials", "tune_wall_s", "exhaustive")}), flush=True)
+        # partial results survive a run cut off at its time limit
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"partial": True, "rows": rows}, indent=1))
         del q, k, v, ref
         torch.cuda.empty_cache()
     single_cfg = None
