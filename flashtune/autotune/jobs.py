@@ -232,6 +232,11 @@ def _tune_one(problem: AttentionProblem, options: TuneOptions, store: TuningStor
     def out_of_budget() -> bool:
         if evaluated >= options.trials or asks >= max_asks or len(seen) >= space.size:
             return True
+        # a grid study that has asked every point (this run or an earlier one) is done;
+        # without this a re-run would spin on the sampler's random re-evaluations
+        is_exhausted = getattr(study.sampler, "is_exhausted", None)
+        if is_exhausted is not None and is_exhausted(study):
+            return True
         if options.timeout_s is not None and time.monotonic() - t_start > options.timeout_s:
             return True
         return options.patience is not None and since_best >= options.patience

@@ -88,3 +88,36 @@ def test_enqueue_and_config_from_trial():
     assert enqueue(study, cfg, SPACE)
     assert not enqueue(study, {**cfg, "BLOCK_M": 48}, SPACE)
     assert config_from_trial(study.ask(), SPACE) == cfg
+
+
+def test_rerunning_an_exhausted_grid_stops_at_once(tmp_path):
+    """A finished grid study resumed: no new evaluations and no spinning on re-asks."""
+    import time
+
+    url = f"sqlite:///{tmp_path / 'grid.db'}"
+
+    def run():
+        runners = []
+
+        def factory(spec, problem, device, options):
+            runners.append(ReplayRunner.from_json(FIXTURE))
+            return runners[-1]
+
+        t0 = time.monotonic()
+        [res] = tune([PROBLEM], TuneOptions(sampler="grid", seed=0, trials=10_000,
+                                            top_k_confirm=1),
+                     db_url=url, progress=False, _runner_factory=factory, _device=H100)
+        return res, runners[0], time.monotonic() - t0
+
+    import optuna
+
+    def asked():
+        return len(optuna.load_study(study_name=first.study_name, storage=url).trials)
+
+    first, r1, _ = run()
+    n_first = asked()
+    again, r2, wall = run()
+    assert asked() == n_first  # nothing asked of the exhausted grid
+    assert first.trials == len(SPACE.valid_configs(PROBLEM, H100))
+    assert again.trials == 0 and again.best_ms == pytest.approx(first.best_ms)
+    assert len([c for c in r2.calls]) <= 1  # at most the final confirmation
