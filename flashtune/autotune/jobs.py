@@ -210,7 +210,8 @@ def _tune_one(problem: AttentionProblem, options: TuneOptions, store: TuningStor
                                 load_if_exists=True, direction="minimize",
                                 sampler=make_sampler(options.sampler, options.seed, space))
     _fail_dead_optuna_trials(study, stale)
-    default = dict(spec.default_config(problem, device))
+    # the default in the study's own terms (a replayed recording may cover fewer knobs)
+    default = {n: v for n, v in spec.default_config(problem, device).items() if n in space.params}
     _warm_start(study, store, space, problem, device, spec.name, default, ids)
 
     runner = runner_factory(spec, problem, device, options)

@@ -25,33 +25,46 @@ log = logging.getLogger(__name__)
 __all__ = ["attn_fwd_warmup_args", "precompile"]
 
 
+class _Shaped:
+    """A shape-only stand-in for a contiguous tensor (what ``JITFunction.warmup`` needs):
+    dtype, shape, strides, a 16-byte aligned address."""
+
+    def __init__(self, dtype: Any, shape: tuple[int, ...]) -> None:
+        self.dtype, self.shape = dtype, tuple(shape)
+        strides, acc = [], 1
+        for size in reversed(self.shape):
+            strides.append(acc)
+            acc *= size
+        self._strides = tuple(reversed(strides))
+
+    def stride(self, dim: int | None = None) -> Any:
+        return self._strides if dim is None else self._strides[dim]
+
+    def element_size(self) -> int:
+        return int(self.dtype.itemsize)
+
+    @staticmethod
+    def data_ptr() -> int:
+        return 0
+
+
 def attn_fwd_warmup_args(problem: AttentionProblem, config: Mapping[str, int]
                          ) -> tuple[tuple[Any, ...], dict[str, Any], tuple[int, int]]:
-    """``(args, kwargs, grid)`` for ``attn_fwd_kernel.warmup`` matching what
-    ``kernel_templates/attn_fwd/launcher.py`` passes for contiguous q/k/v and
-    ``return_lse=False`` (pointer args as dtypes; the ints are the real strides, so the
-    divisibility specialisation and hence the cache key are the same).
-
-    Keep in step with the launcher: if its argument list changes, this must too.
-    """
+    """``(args, kwargs, grid)`` for ``attn_fwd_kernel.warmup``: what the launcher passes for
+    contiguous, aligned q/k/v and ``return_lse=False`` (built by the launcher's own
+    :func:`~flashtune.kernel_templates.attn_fwd.launcher.kernel_args`)."""
     import torch
 
-    from flashtune.kernel_templates.attn_fwd.space import block_d
+    from flashtune.kernel_templates.attn_fwd.launcher import kernel_args, tma_ok
 
     p = problem
     dt = torch.float16 if p.dtype == "fp16" else torch.bfloat16
-    d = p.head_dim
-    q_str = (p.heads_q * p.seqlen_q * d, p.seqlen_q * d, d)
-    k_str = (p.heads_kv * p.seqlen_k * d, p.seqlen_k * d, d)
-    args = (dt, dt, dt, dt, dt,  # Q, K, V, Out, Lse (= Out when STORE_LSE is False)
-            *q_str, *k_str, *k_str, *q_str, 0, 0,
-            p.heads_q, p.heads_q // p.heads_kv, p.seqlen_q, p.seqlen_k, 1.0 / math.sqrt(d))
-    kwargs = dict(HEAD_DIM=d, BLOCK_D=block_d(d), BLOCK_M=config["BLOCK_M"],
-                  BLOCK_N=config["BLOCK_N"], IS_CAUSAL=bool(p.causal), STORE_LSE=False,
-                  UPCAST_DOT=False, num_warps=config["num_warps"],
-                  num_stages=config["num_stages"])
-    grid = (math.ceil(p.seqlen_q / config["BLOCK_M"]), p.batch * p.heads_q)
-    return args, kwargs, grid
+    q = _Shaped(dt, (p.batch, p.heads_q, p.seqlen_q, p.head_dim))
+    k = _Shaped(dt, (p.batch, p.heads_kv, p.seqlen_k, p.head_dim))
+    out = _Shaped(dt, q.shape)
+    use_tma = bool(config.get("USE_TMA", 0)) and tma_ok(q, k, out)
+    return kernel_args(q, k, k, out, None, config, causal=p.causal,
+                       scale=1.0 / math.sqrt(p.head_dim), use_tma=use_tma, upcast_dot=False)
 
 
 _WARMUP_ARGS = {"attn_fwd": attn_fwd_warmup_args}

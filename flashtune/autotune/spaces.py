@@ -8,7 +8,7 @@ Optuna: strategies read ``params`` to build their distributions, and call
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping
 
 from flashtune.errors import ConfigError
@@ -20,10 +20,15 @@ Predicate = Callable[[Mapping[str, int], Any, Any], "str | None"]
 
 @dataclass(frozen=True)
 class SearchSpace:
-    """Discrete parameters (name -> allowed values, in order) and a validity predicate."""
+    """Discrete parameters (name -> allowed values, in order) and a validity predicate.
+
+    ``defaults`` names the parameters a config may leave out (optional knobs) and the value
+    they then take; :meth:`validate` fills them in.
+    """
 
     params: Mapping[str, tuple[int, ...]]
     predicate: Predicate
+    defaults: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def size(self) -> int:
@@ -42,18 +47,19 @@ class SearchSpace:
             raise ConfigError(f"{argname} must be a mapping of parameter names to ints, "
                               f"got {type(config).__name__}")
         unknown = sorted(set(config) - set(self.params))
-        missing = sorted(set(self.params) - set(config))
+        missing = sorted(set(self.params) - set(config) - set(self.defaults))
         if unknown or missing:
             parts = []
             if unknown:
                 parts.append(f"unknown keys {unknown}")
             if missing:
                 parts.append(f"missing keys {missing}")
-            raise ConfigError(f"{argname} has {' and '.join(parts)}; expected exactly "
-                              f"{sorted(self.params)}")
+            optional = f" (optional: {sorted(self.defaults)})" if self.defaults else ""
+            raise ConfigError(f"{argname} has {' and '.join(parts)}; expected the keys "
+                              f"{sorted(self.params)}{optional}")
         out: Config = {}
         for name, allowed in self.params.items():
-            value = config[name]
+            value = config[name] if name in config else self.defaults[name]
             if isinstance(value, bool) or not isinstance(value, int) or value not in allowed:
                 raise ConfigError(f"{argname}[{name!r}] = {value!r} is outside the search space; "
                                   f"allowed values: {list(allowed)}")

@@ -70,9 +70,10 @@ def params_of(config: Mapping[str, int], space: SearchSpace) -> dict[str, int]:
     """The Optuna params (indices) of ``config``; ValueError if a value is outside the space."""
     out = {}
     for n, values in space.params.items():
-        if config[n] not in values:
-            raise ValueError(f"{n}={config[n]!r} is not one of {list(values)}")
-        out[_idx(n)] = values.index(config[n])
+        value = config[n] if n in config else space.defaults[n]
+        if value not in values:
+            raise ValueError(f"{n}={value!r} is not one of {list(values)}")
+        out[_idx(n)] = values.index(value)
     return out
 
 

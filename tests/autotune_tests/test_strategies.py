@@ -7,9 +7,10 @@ import pytest
 from flashtune.autotune.jobs import TuneOptions, tune
 from flashtune.autotune.runners import ReplayRunner
 from flashtune.autotune.strategies import config_from_trial, enqueue, make_sampler
-from flashtune.kernel_templates.attn_fwd.space import SPACE
+from flashtune.kernel_templates.attn_fwd.space import SPACE as FULL_SPACE
 
 from tests.autotune_tests.synthetic import FIXTURE, H100, PROBLEM
+from tests.autotune_tests.synthetic import RECORDED_SPACE as SPACE
 
 
 def _replay_tune(tmp_path, name, **opts):
@@ -22,7 +23,7 @@ def _replay_tune(tmp_path, name, **opts):
     url = "sqlite://"  # in memory: flashtune store and Optuna InMemoryStorage
     options = TuneOptions(**{"top_k_confirm": 3, **opts})
     [res] = tune([PROBLEM], options, db_url=url, progress=False, _runner_factory=factory,
-                 _device=H100)
+                 _device=H100, _space=SPACE)
     return res, runners[0], url
 
 
@@ -83,11 +84,11 @@ def test_sampler_errors():
 def test_enqueue_and_config_from_trial():
     import optuna
 
-    study = optuna.create_study(sampler=make_sampler("random", 0, SPACE))
+    study = optuna.create_study(sampler=make_sampler("random", 0, FULL_SPACE))
     cfg = {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3}
-    assert enqueue(study, cfg, SPACE)
-    assert not enqueue(study, {**cfg, "BLOCK_M": 48}, SPACE)
-    assert config_from_trial(study.ask(), SPACE) == cfg
+    assert enqueue(study, cfg, FULL_SPACE)  # the optional knobs take their defaults
+    assert not enqueue(study, {**cfg, "BLOCK_M": 48}, FULL_SPACE)
+    assert config_from_trial(study.ask(), FULL_SPACE) == {**cfg, "USE_TMA": 0, "REVERSE_M": 0}
 
 
 def test_rerunning_an_exhausted_grid_stops_at_once(tmp_path):
@@ -106,7 +107,8 @@ def test_rerunning_an_exhausted_grid_stops_at_once(tmp_path):
         t0 = time.monotonic()
         [res] = tune([PROBLEM], TuneOptions(sampler="grid", seed=0, trials=10_000,
                                             top_k_confirm=1),
-                     db_url=url, progress=False, _runner_factory=factory, _device=H100)
+                     db_url=url, progress=False, _runner_factory=factory, _device=H100,
+                     _space=SPACE)
         return res, runners[0], time.monotonic() - t0
 
     import optuna

@@ -16,6 +16,7 @@ from flashtune.autotune.devices import DeviceFingerprint
 from flashtune.autotune.jobs import TuneOptions, tune
 from flashtune.autotune.problems import AttentionProblem
 from flashtune.autotune.runners import ReplayRunner
+from tests.autotune_tests.synthetic import RECORDED_SPACE
 
 RECORDINGS = sorted((Path(__file__).parent / "fixtures").glob("h100_*.json"))
 
@@ -26,7 +27,7 @@ def _run(path: Path, sampler: str, seed: int, trials: int) -> float:
     problem = AttentionProblem.from_key(meta["problem"])
     [res] = tune([problem], TuneOptions(sampler=sampler, seed=seed, trials=trials,
                                         top_k_confirm=1),
-                 db_url="sqlite://", progress=False, _device=device,
+                 db_url="sqlite://", progress=False, _device=device, _space=RECORDED_SPACE,
                  _runner_factory=lambda *a: ReplayRunner.from_json(path))
     optimum = min(r.median_ms for r in ReplayRunner.from_json(path).records.values() if r.ok)
     return res.best_ms / optimum

@@ -28,7 +28,11 @@ def test_registry_lists_known_names_on_unknown():
 
 def test_validate_rejects_unknown_missing_and_out_of_space():
     good = {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3}
-    assert SPEC.space.validate(good) == good
+    # the Hopper knobs are optional and default to off
+    assert SPEC.space.validate(good) == {**good, "USE_TMA": 0, "REVERSE_M": 0}
+    assert SPEC.space.validate({**good, "USE_TMA": 1})["USE_TMA"] == 1
+    with pytest.raises(ConfigError, match="USE_TMA.*allowed values: \\[0, 1\\]"):
+        SPEC.space.validate({**good, "USE_TMA": 2})
     with pytest.raises(ConfigError, match="unknown keys \\['BLOCK_K'\\]"):
         SPEC.space.validate({**good, "BLOCK_K": 32})
     with pytest.raises(ConfigError, match="missing keys \\['num_stages'\\]"):
@@ -47,6 +51,16 @@ def test_predicate_reads_device_limits():
     assert "shared memory" in SPEC.space.check(cfg, prob(128), SMALL_SMEM)
     big = {"BLOCK_M": 256, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
     assert "spill" in SPEC.space.check(big, prob(256), H100)
+
+
+def test_predicate_prunes_knobs_that_cannot_apply():
+    cfg = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "USE_TMA": 0,
+           "REVERSE_M": 1}
+    assert "causal" in SPEC.space.check(cfg, prob(64, causal=False), H100)
+    assert SPEC.space.check(cfg, prob(64, causal=True), H100) is None
+    tma = {**cfg, "REVERSE_M": 0, "USE_TMA": 1}
+    assert SPEC.space.check(tma, prob(64), H100) is None
+    assert "compute capability >= 9.0" in SPEC.space.check(tma, prob(64), SMALL_SMEM)
 
 
 def test_pruning_matches_the_measured_out_of_resources_count():
@@ -85,10 +99,16 @@ aligned = {"Q", "K", "V", "Out", "Lse"} | {n for n in names if n.startswith("str
                                            and n not in ("stride_lb", "stride_lh")}
 attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in aligned}
 result = []
-for bm, bn, w, s, d in json.loads(sys.argv[1]):
-    const = dict(HEAD_DIM=d, BLOCK_D=block_d(d), BLOCK_M=bm, BLOCK_N=bn,
-                 IS_CAUSAL=False, STORE_LSE=True, UPCAST_DOT=False)
+for bm, bn, w, s, d, tma in json.loads(sys.argv[1]):
+    bd = block_d(d)
+    const = dict(HEAD_DIM=d, BLOCK_D=bd, BLOCK_M=bm, BLOCK_N=bn, IS_CAUSAL=False,
+                 STORE_LSE=True, UPCAST_DOT=False, NEG_SCALE=False, USE_TMA=bool(tma),
+                 REVERSE_M=False)
+    descs = {"desc_q": bm, "desc_k": bn, "desc_v": bn, "desc_o": bm}
+    if not tma:
+        const.update({n: None for n in descs})
     sig = {n: ("constexpr" if n in const else "*fp16" if n in ("Q", "K", "V", "Out")
+               else f"tensordesc<fp16[1,1,{descs[n]},{bd}]>" if n in descs
                else "*fp32" if n == "Lse" else "fp32" if n == "sm_scale" else "i32")
            for n in names}
     src = ASTSource(fn=kern, signature=sig, attrs=attrs,
@@ -110,12 +130,17 @@ def test_shared_memory_model_matches_the_hopper_compiler():
     import subprocess
     import sys
 
-    cases = [(128, 64, 8, 3, 128), (64, 32, 4, 2, 64), (128, 128, 8, 3, 128), (64, 64, 4, 4, 96)]
+    cases = [(128, 64, 8, 3, 128, 0), (64, 32, 4, 2, 64, 0), (128, 128, 8, 3, 128, 0),
+             (64, 64, 4, 4, 96, 0), (128, 64, 8, 3, 128, 1), (64, 32, 4, 2, 64, 1),
+             (64, 64, 4, 4, 96, 1)]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, json.dumps(cases)],
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     reported = json.loads(proc.stdout.strip().splitlines()[-1])
-    for (bm, bn, w, s, d), shared in zip(cases, reported):
-        est = shared_mem_bytes({"BLOCK_M": bm, "BLOCK_N": bn, "num_stages": s}, d)
-        assert est == shared, (bm, bn, w, s, d, est, shared)
+    for (bm, bn, w, s, d, tma), shared in zip(cases, reported):
+        est = shared_mem_bytes({"BLOCK_M": bm, "BLOCK_N": bn, "num_stages": s, "USE_TMA": tma}, d)
+        if tma:  # an upper bound: barriers plus up to 1 KiB of swizzle alignment
+            assert est - 1024 < shared <= est, (bm, bn, w, s, d, est, shared)
+        else:
+            assert est == shared, (bm, bn, w, s, d, est, shared)

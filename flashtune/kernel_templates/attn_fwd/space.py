@@ -8,12 +8,24 @@ from flashtune.autotune.devices import DeviceFingerprint
 from flashtune.autotune.problems import AttentionProblem
 from flashtune.autotune.spaces import Config, SearchSpace
 
-PARAMS: dict[str, tuple[int, ...]] = {
+# tiles, warps and software-pipelining depth: every GPU
+BASE_PARAMS: dict[str, tuple[int, ...]] = {
     "BLOCK_M": (16, 32, 64, 128, 256),
     "BLOCK_N": (16, 32, 64, 128),
     "num_warps": (2, 4, 8),
     "num_stages": (1, 2, 3, 4, 5),
 }
+# Hopper knobs (see kernel.py); 0 = off, and off when left out of a config
+KNOBS: dict[str, tuple[int, ...]] = {
+    "USE_TMA": (0, 1),
+    "REVERSE_M": (0, 1),
+}
+PARAMS: dict[str, tuple[int, ...]] = {**BASE_PARAMS, **KNOBS}
+DEFAULTS: dict[str, int] = {name: 0 for name in KNOBS}
+# the tensor-copy engine (TMA) needs compute capability 9.0 or newer
+TMA_MIN_CC = (9, 0)
+# barrier and 1 KiB swizzle alignment the TMA path adds to shared memory (sm_90 compiler)
+TMA_SMEM_EXTRA = 1024
 
 # fp32 accumulator elements one thread may hold before the config is pruned as hopeless
 # (it would spill to local memory): BLOCK_M x BLOCK_D / (32 x num_warps).
@@ -29,12 +41,22 @@ def shared_mem_bytes(config: Mapping[str, int], head_dim: int, elem_size: int = 
     """Shared memory of one program, as ``triton.compile`` reports it for sm_90.
 
     The Q tile is staged in shared memory for the tensor cores, and the software pipeliner
-    keeps ``num_stages`` K and V tiles in flight (``tests/kernel_templates_tests`` checks
-    this formula against the compiler for several configs).
+    keeps ``num_stages`` K and V tiles in flight; the TMA path adds its barriers and a
+    swizzle alignment (an upper bound). ``tests/kernel_templates_tests`` checks this formula
+    against the compiler for several configs.
     """
     bd = block_d(head_dim)
     bm, bn, stages = config["BLOCK_M"], config["BLOCK_N"], config["num_stages"]
-    return (bm * bd + max(1, stages) * 2 * bn * bd) * elem_size
+    tiles = (bm * bd + max(1, stages) * 2 * bn * bd) * elem_size
+    return tiles + (TMA_SMEM_EXTRA if config.get("USE_TMA", 0) else 0)
+
+
+def _capability(device: DeviceFingerprint) -> tuple[int, int] | None:
+    try:
+        major, minor = device.compute_capability.split(".")
+        return int(major), int(minor)
+    except ValueError:
+        return None
 
 
 def check(config: Mapping[str, int], problem: AttentionProblem,
@@ -42,6 +64,13 @@ def check(config: Mapping[str, int], problem: AttentionProblem,
     """Why ``config`` cannot (or should not) run ``problem`` on ``device``; None if it can."""
     bd = block_d(problem.head_dim)
     bm, bn, warps = config["BLOCK_M"], config["BLOCK_N"], config["num_warps"]
+    if config.get("REVERSE_M", 0) and not problem.causal:
+        return "REVERSE_M only reorders causal problems (no-op here)"
+    if config.get("USE_TMA", 0) and not device.is_interpreter:
+        cc = _capability(device)
+        if cc is None or cc < TMA_MIN_CC:
+            return (f"USE_TMA needs compute capability >= {TMA_MIN_CC[0]}.{TMA_MIN_CC[1]}, "
+                    f"the device has {device.compute_capability}")
     acc_per_thread = bm * bd // (32 * warps)
     if acc_per_thread > MAX_ACC_PER_THREAD:
         return (f"BLOCK_M x BLOCK_D = {bm}x{bd} over {warps} warps holds {acc_per_thread} fp32 "
@@ -54,24 +83,30 @@ def check(config: Mapping[str, int], problem: AttentionProblem,
     return None
 
 
-SPACE = SearchSpace(params=PARAMS, predicate=check)
+SPACE = SearchSpace(params=PARAMS, predicate=check, defaults=DEFAULTS)
 
 _DEFAULTS: tuple[tuple[int, Config], ...] = (
-    # (max head_dim, config) in increasing head_dim
+    # (max head_dim, config) in increasing head_dim; measured on an H100 without TMA
     (64, {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}),
     (128, {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}),
     (256, {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}),
 )
+_DEFAULTS_TMA: tuple[tuple[int, Config], ...] = (
+    # with the tensor-copy engine (compute capability >= 9.0): the configs that were fastest
+    # or within 2% of it on most shapes of benchmarks/results/explore_fwd_knobs_h100.json
+    (64, {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3, "USE_TMA": 1}),
+    (128, {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3, "USE_TMA": 1}),
+    (256, {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "USE_TMA": 1}),
+)
 
 
 def default_config(problem: AttentionProblem, device: DeviceFingerprint) -> Config:
-    """A safe config for ``problem``: the head-dim default, shrunk until the device takes it."""
-    for max_d, cfg in _DEFAULTS:
-        if problem.head_dim <= max_d:
-            config = dict(cfg)
-            break
-    else:  # pragma: no cover - head dims are validated before this
-        config = dict(_DEFAULTS[-1][1])
+    """A safe config for ``problem``: the head-dim default for the device (TMA on Hopper and
+    newer, reversed tile order under a causal mask), shrunk until the device takes it."""
+    cc = _capability(device)
+    table = _DEFAULTS_TMA if cc is not None and cc >= TMA_MIN_CC else _DEFAULTS
+    cfg = next((c for max_d, c in table if problem.head_dim <= max_d), table[-1][1])
+    config = {**DEFAULTS, **cfg, "REVERSE_M": int(problem.causal)}
     while check(config, problem, device) is not None:
         if config["num_stages"] > 1:
             config["num_stages"] -= 1
