@@ -81,11 +81,23 @@ def _is_memory_url(url: str) -> bool:
 
 
 def _optuna_storage(url: str) -> Any:
+    """Optuna's storage at ``url``. Optuna creates its schema on first use without a lock,
+    so two processes opening a fresh database at once can collide ("table ... already
+    exists"): the loser retries, and then finds the schema made."""
     import optuna
+    import sqlalchemy.exc
 
     if _is_memory_url(url):
         return optuna.storages.InMemoryStorage()
-    return optuna.storages.RDBStorage(url)
+    for attempt in range(5):
+        try:
+            return optuna.storages.RDBStorage(url)
+        except sqlalchemy.exc.SQLAlchemyError as exc:
+            if attempt == 4:
+                raise
+            log.debug("opening Optuna's storage failed (%s); retrying", exc)
+            time.sleep(0.2 * (attempt + 1))
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def _stale_after(options: TuneOptions) -> timedelta:
@@ -146,6 +158,17 @@ def _warm_start(study: Any, store: TuningStore, space: SearchSpace, problem: Att
         enqueue(study, cfg, space)
 
 
+def _check_supported(problems: Sequence[AttentionProblem]) -> None:
+    """Refuse problems the runtime would refuse too, before any work starts."""
+    from flashtune.errors import InputError
+    from flashtune.runtime.checks import SUPPORTED_HEAD_DIMS
+
+    for p in problems:
+        if p.head_dim not in SUPPORTED_HEAD_DIMS:
+            raise InputError(f"head_dim {p.head_dim} is not supported ({p.describe()}); "
+                             f"supported: {list(SUPPORTED_HEAD_DIMS)}")
+
+
 def _default_runner(spec: Any, problem: AttentionProblem, device: DeviceFingerprint,
                     options: TuneOptions) -> Any:
     from flashtune.autotune.runners import LocalRunner
@@ -155,11 +178,16 @@ def _default_runner(spec: Any, problem: AttentionProblem, device: DeviceFingerpr
 
 
 def tune(problems: Sequence[AttentionProblem], options: TuneOptions, *,
-         db_url: str | None = None, progress: bool = True,
+         db_url: str | None = None, progress: bool = True, progress_position: int = 0,
+         gpus: Sequence[int] | None = None,
          _runner_factory: Callable[..., Any] | None = None,
          _device: DeviceFingerprint | None = None,
          _space: SearchSpace | None = None) -> list[TuneResult]:
     """Tune each problem in turn; see the module docstring.
+
+    ``gpus``: tune on these GPU indices, one worker process each, all writing to the same
+    database (:func:`flashtune.autotune.workers.tune_on_gpus`); None tunes here, on the
+    current GPU. ``progress_position`` places this process's progress bar (one per worker).
 
     Private hooks for tests: ``_runner_factory(spec, problem, device, options)`` replaces
     :class:`LocalRunner` (e.g. a :class:`ReplayRunner`), ``_device`` the device fingerprint
@@ -169,6 +197,14 @@ def tune(problems: Sequence[AttentionProblem], options: TuneOptions, *,
     from flashtune.kernel_templates import get_template
 
     url = default_db_url() if db_url is None else str(db_url)
+    _check_supported(problems)
+    if gpus is not None:
+        from flashtune.autotune.workers import tune_on_gpus
+
+        if _is_memory_url(url):
+            raise ValueError("several GPU workers need a database they can share; an "
+                             "in-memory database is private to one process")
+        return tune_on_gpus(problems, options, db_url=url, gpus=gpus, progress=progress)
     spec = get_template(options.template)
     device = _device or (interpreter_device() if options.interpret else cuda_device())
     results = []
@@ -176,13 +212,13 @@ def tune(problems: Sequence[AttentionProblem], options: TuneOptions, *,
         for problem in problems:
             results.append(_tune_one(problem, options, store, url, spec, device,
                                      _runner_factory or _default_runner, _space or spec.space,
-                                     progress))
+                                     progress, progress_position))
     return results
 
 
 def _tune_one(problem: AttentionProblem, options: TuneOptions, store: TuningStore, url: str,
               spec: Any, device: DeviceFingerprint, runner_factory: Callable[..., Any],
-              space: SearchSpace, progress: bool) -> TuneResult:
+              space: SearchSpace, progress: bool, progress_position: int = 0) -> TuneResult:
     import optuna
 
     from flashtune.autotune.precompile import precompile
@@ -227,7 +263,8 @@ def _tune_one(problem: AttentionProblem, options: TuneOptions, store: TuningStor
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=options.trials, desc=problem.describe(), unit="trial")
+        bar = tqdm(total=options.trials, desc=problem.describe(), unit="trial",
+                   position=progress_position)
     status = RunStatus.COMPLETE
 
     def out_of_budget() -> bool:

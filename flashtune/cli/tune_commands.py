@@ -96,6 +96,38 @@ def _decide_interpret(requested: bool) -> bool:
     return True
 
 
+def _parse_gpus(text: str | None) -> list[int] | None:
+    """``--gpus 0,1,3`` -> ``[0, 1, 3]``; BadParameter for anything else."""
+    if text is None:
+        return None
+    try:
+        gpus = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated GPU indices like 0,1, got {text!r}",
+                                 param_hint="'--gpus'") from None
+    if any(g < 0 for g in gpus) or len(set(gpus)) != len(gpus):
+        raise click.BadParameter(f"GPU indices must be distinct and >= 0, got {text!r}",
+                                 param_hint="'--gpus'")
+    return gpus
+
+
+def _check_gpus(gpus: list[int] | None, interpret: bool) -> None:
+    """The GPUs must exist (under the interpreter they are only worker slots)."""
+    if gpus is None:
+        return
+    if interpret:
+        click.echo(f"--gpus under the interpreter: {len(gpus)} worker processes on the CPU",
+                   err=True)
+        return
+    import torch
+
+    count = torch.cuda.device_count()
+    missing = [g for g in gpus if g >= count]
+    if missing:
+        raise click.BadParameter(f"GPU(s) {missing} do not exist; this machine has {count} "
+                                 f"(indices 0-{count - 1})", param_hint="'--gpus'")
+
+
 def format_config(config: dict[str, Any] | None) -> str:
     """``BM,BN,w,s`` of an attn_fwd config (other templates: ``k=v`` pairs); ``-`` for None."""
     if not config:
@@ -145,13 +177,16 @@ def render_results(results: Sequence[Any]) -> str:
               help="Named problem set: llama3-8b, llama3-70b, mistral-7b, qwen2.5-7b, "
                    "gemma2-9b, standard.")
 @search_options
+@click.option("--gpus", "gpus_text", default=None, metavar="LIST",
+              help="Tune on these GPUs, one worker process each (e.g. 0,1,2,3), all writing "
+                   "to the same database; default: the current GPU only.")
 @click.pass_context
 def tune_command(ctx: click.Context, template: str, batch: int | None, heads: int | None,
                  kv_heads: int | None, seqlen: int | None, kv_seqlen: int | None,
                  head_dim: int | None, causal: bool, dtype: str | None, plan: str | None,
                  preset_name: str | None, trials: int, timeout_s: float | None,
                  patience: int | None, sampler: str, seed: int | None, workers: int | None,
-                 interpret: bool, progress: bool) -> None:
+                 interpret: bool, progress: bool, gpus_text: str | None) -> None:
     """Search kernel configs for attention shapes and store the best ones.
 
     Give exactly one of: a shape (--batch --heads [--kv-heads] --seqlen [--kv-seqlen]
@@ -160,7 +195,9 @@ def tune_command(ctx: click.Context, template: str, batch: int | None, heads: in
     shape = dict(batch=batch, heads=heads, kv_heads=kv_heads, seqlen=seqlen,
                  kv_seqlen=kv_seqlen, head_dim=head_dim, causal=causal)
     problems = _problems(shape, dtype, plan, preset_name)
+    gpus = _parse_gpus(gpus_text)
     interpret = _decide_interpret(interpret)
+    _check_gpus(gpus, interpret)
 
     from flashtune.errors import FlashtuneError
 
@@ -169,8 +206,12 @@ def tune_command(ctx: click.Context, template: str, batch: int | None, heads: in
         options = jobs.TuneOptions(template=template, trials=trials, timeout_s=timeout_s,
                                    sampler=sampler, seed=seed, patience=patience,
                                    interpret=interpret, workers=workers)
-        results = jobs.tune(problems, options, db_url=db_url(ctx), progress=progress)
+        results = jobs.tune(problems, options, db_url=db_url(ctx), progress=progress,
+                            gpus=gpus)
     except FlashtuneError as exc:
+        finished = getattr(exc, "results", None)  # a worker died: show what the others did
+        if finished:
+            click.echo(render_results(finished))
         raise fail(exc) from exc
     except KeyboardInterrupt:
         raise click.Abort() from None

@@ -118,3 +118,13 @@ def test_precompile_is_skipped_under_interpreter(problem):
     names = list(spec.kernel.arg_names)
     assert names[len(args):] == [n for n in kwargs if n not in ("num_warps", "num_stages")]
     assert grid == (4, 2) and kwargs["BLOCK_M"] == 16
+
+
+def test_unsupported_head_dim_is_refused_before_any_work(tmp_path):
+    from flashtune.autotune.problems import AttentionProblem
+    from flashtune.errors import InputError
+
+    url = f"sqlite:///{tmp_path / 'ft.db'}"
+    with pytest.raises(InputError, match=r"head_dim 24 is not supported .*supported: \[16, 32"):
+        tune([AttentionProblem(1, 2, 2, 40, 40, 24, False, "fp16")], OPTS, db_url=url)
+    assert not (tmp_path / "ft.db").exists()

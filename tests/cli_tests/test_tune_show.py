@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import re
 import sys
 import types
 from dataclasses import dataclass, field
@@ -73,9 +74,10 @@ def jobs(monkeypatch: pytest.MonkeyPatch) -> Calls:
     record = Calls()
 
     def tune(problems: list[AttentionProblem], options: FakeOptions, *,
-             db_url: str | None = None, progress: bool = True) -> list[FakeResult]:
+             db_url: str | None = None, progress: bool = True,
+             gpus: list[int] | None = None) -> list[FakeResult]:
         record.calls.append(dict(problems=list(problems), options=options, db_url=db_url,
-                                 progress=progress))
+                                 progress=progress, gpus=gpus))
         if record.error is not None:
             raise record.error
         cfg = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
@@ -126,6 +128,39 @@ def test_tune_shape_and_search_options(jobs: Calls, tmp_path: Path) -> None:
     assert call["options"] == FakeOptions(trials=7, timeout_s=30.0, sampler="random", seed=5,
                                           patience=3, interpret=False, workers=2)
     assert call["db_url"] == url and call["progress"] is False
+
+
+def test_tune_gpus(jobs: Calls, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    result = run("tune", *SHAPE, "--gpus", "0,2,3")
+    assert result.exit_code == 0, result.output
+    assert jobs.calls[0]["gpus"] == [0, 2, 3]
+    for bad, needle in (("0,x", "comma-separated GPU indices"), ("1,1", "distinct"),
+                        ("-1", "distinct and >= 0"), ("0,4", r"GPU\(s\) \[4\] do not exist")):
+        result = run("tune", *SHAPE, "--gpus", bad)
+        assert result.exit_code == 2 and re.search(needle, result.output), result.output
+    assert len(jobs.calls) == 1
+
+
+def test_tune_gpus_worker_died_shows_the_rest(jobs: Calls,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from flashtune.autotune.workers import WorkerError
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    done = FakeResult(AttentionProblem(2, 8, 2, 256, 256, 64, False, "bf16"), "gpu",
+                      "attn_fwd", {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4,
+                                   "num_stages": 3}, 1.0, 99.0, {}, None, None, None, 5,
+                      {"COMPLETE": 5}, 1.0, True, "s")
+    jobs.error = WorkerError("worker on GPU 1 died (exit code -11) while tuning X. Run the "
+                             "same command again to resume.", [done])
+    result = run("tune", *SHAPE, "--gpus", "0,1")
+    assert result.exit_code == 1
+    assert "99.0" in result.output  # the finished problem's row
+    assert "died (exit code -11)" in error_line(result)
 
 
 def test_tune_defaults(jobs: Calls) -> None:
