@@ -8,6 +8,8 @@ here after the tuning (same process, same inputs), plus trials and tuning wall t
 ``--exhaustive K``: for the first K shapes also run the full grid sampler, and report how many
 Optuna trials and seconds it took to come within 2% of the exhaustive optimum.
 ``--single``: the best single hard-coded config over the grid (among all tuned winners).
+``--merge A.json,B.json``: tune nothing; merge earlier runs' rows (the grid split over two
+commands) and find the best single config among all their winners, re-timed in this run.
 ``--triton-autotune``: Triton's own @triton.autotune over the tutorial's 36 configs.
 """
 
@@ -66,12 +68,12 @@ def triton_autotuned(q, k, v, causal):
     b, hq, nq, d = q.shape
     out = torch.empty_like(q)
     grid = lambda meta: (triton.cdiv(nq, meta["BLOCK_M"]), b * hq)  # noqa: E731
-    _AUTOTUNED[grid](q, k, v, out, out, q.stride(0), q.stride(1), q.stride(2),
+    _AUTOTUNED[grid](q, k, v, out, out, None, None, None, None, q.stride(0), q.stride(1), q.stride(2),
                      k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
                      out.stride(0), out.stride(1), out.stride(2), 0, 0,
                      hq, hq // k.shape[1], nq, k.shape[2], 1.0 / math.sqrt(d),
                      HEAD_DIM=d, BLOCK_D=block_d(d), IS_CAUSAL=causal, STORE_LSE=False,
-                     UPCAST_DOT=False)
+                     UPCAST_DOT=False, NEG_SCALE=False, USE_TMA=False, REVERSE_M=False)
     return out
 
 
@@ -108,6 +110,8 @@ def best_single(prior_rows, dev, dtype):
     for j, p in enumerate(problems):
         q, k, v = inputs(p, dtype)
         for i, cfg in enumerate(winners):
+            if not p.causal:  # reversing the tile order is a no-op without a causal mask
+                cfg = {**cfg, "REVERSE_M": 0}
             if SPEC.space.check(cfg, p, dev) is None:
                 table[i, j] = tflops(p.flops(), bench(
                     lambda: SPEC.launcher(q, k, v, cfg, causal=p.causal)).median_ms)
@@ -122,6 +126,40 @@ def best_single(prior_rows, dev, dtype):
     return winners[best], rows
 
 
+def final_interleaved(rows, single_cfg, dtype, rounds=3):
+    """Every contender of every shape re-timed here, interleaved (tuned, default, best single,
+    SDPA flash, SDPA cuDNN, then again, ``rounds`` times; the median of the rounds), so clock
+    drift hits them alike and one config is one measurement even when it has two names."""
+    from flashtune.autotune.problems import AttentionProblem
+
+    for r in rows:
+        p = AttentionProblem.from_key(r["problem"])
+        q, k, v = inputs(p, dtype)
+        ref, _ = attn_fwd_reference(q[:1, :2], k[:1, :2], v[:1, :2], causal=p.causal,
+                                    dtype=torch.float32)
+        configs = {"tuned": r["tuned_config"], "default": r["default_config"]}
+        if single_cfg is not None:
+            configs["best_single"] = single_cfg if p.causal else {**single_cfg, "REVERSE_M": 0}
+        fns, alias, first = {}, {}, {}  # alias: name -> the name whose timing it shares
+        for name, cfg in configs.items():
+            alias[name] = first.setdefault(json.dumps(cfg, sort_keys=True), name)
+            if alias[name] == name:
+                fns[name] = (lambda c=cfg: SPEC.launcher(q, k, v, c, causal=p.causal))
+        for name in ("sdpa_flash", "sdpa_cudnn"):
+            fns[name], alias[name] = sdpa_fn(SDPA_BACKENDS[name], q, k, v, p.causal), name
+        for name, fn in fns.items():
+            check(name, fn()[:1, :2], ref, dtype)
+        samples = {name: [] for name in fns}
+        for _ in range(rounds):
+            for name, fn in fns.items():
+                samples[name].append(bench(fn).median_ms)
+        ms = {name: sorted(xs)[len(xs) // 2] for name, xs in samples.items()}
+        r["final"] = {name: tflops(p.flops(), ms[alias[name]])
+                      for name in [*configs, "sdpa_flash", "sdpa_cudnn"]}
+        del q, k, v, ref
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--db", required=True)
@@ -133,6 +171,12 @@ def main() -> None:
     ap.add_argument("--single-from", default=None,
                     help="results JSON of an earlier run: find the best single hard-coded config "
                          "among its winners, re-timing every winner on every shape here")
+    ap.add_argument("--single", action="store_true",
+                    help="also find the best single config among this run's winners")
+    ap.add_argument("--merge", default=None,
+                    help="comma-separated results JSONs of earlier runs: tune nothing, merge "
+                         "their rows (same device and source) and find the best single config "
+                         "among all their winners, re-timed here")
     ap.add_argument("--triton-autotune", action="store_true")
     ap.add_argument("--out", default="benchmarks/results/tune_grid.json")
     args = ap.parse_args()
@@ -143,6 +187,14 @@ def main() -> None:
     rows = []
     opts = TuneOptions(trials=args.trials, sampler=args.sampler, seed=0, workers=16)
     t_all = time.time()
+    if args.merge:
+        grid = []
+        for path in args.merge.split(","):
+            prior = json.loads(Path(path).read_text())
+            if prior["source_hash"] != SPEC.source_hash:
+                raise SystemExit(f"{path} was tuned for source {prior['source_hash']}, "
+                                 f"this is {SPEC.source_hash}")
+            rows += prior["rows"]
     for p in grid:
         t0 = time.time()
         [res] = tune([p], opts, db_url=args.db, progress=False)
@@ -181,18 +233,28 @@ def main() -> None:
         del q, k, v, ref
         torch.cuda.empty_cache()
     single_cfg = None
-    if args.single_from:  # the winners of an earlier run, re-timed here on every shape
-        prior = json.loads(Path(args.single_from).read_text())["rows"]
+    if args.single_from or args.single or args.merge:  # the winners, re-timed on every shape
+        prior = json.loads(Path(args.single_from).read_text())["rows"] if args.single_from \
+            else rows
         single_cfg, single_rows = best_single(prior, dev, dtype)
         result_single = {"config": single_cfg, "rows": single_rows,
                          "tuned_vs_best_single": geomean([r["tuned"] / r["best_single"]
                                                           for r in single_rows])}
     else:
         result_single = None
+    if args.merge:  # the final table: every contender re-timed interleaved in this run
+        final_interleaved(rows, single_cfg, dtype)
+        for r in rows:
+            r["tune_run"] = {n: r[n] for n in ("tuned", "default", "sdpa_flash", "sdpa_cudnn")}
+            r.update({n: r["final"][n] for n in ("tuned", "default", "sdpa_flash", "sdpa_cudnn")})
+        if result_single is not None:
+            result_single["tuned_vs_best_single_interleaved"] = geomean(
+                [r["final"]["tuned"] / r["final"]["best_single"] for r in rows])
     summary = {
         "tuned_vs_default": geomean([r["tuned"] / r["default"] for r in rows]) if rows else None,
         "tuned_vs_fa2": geomean([r["tuned"] / r["sdpa_flash"] for r in rows]) if rows else None,
         "tuned_vs_cudnn": geomean([r["tuned"] / r["sdpa_cudnn"] for r in rows]) if rows else None,
+        "min_tuned_vs_cudnn": min(r["tuned"] / r["sdpa_cudnn"] for r in rows) if rows else None,
         "best_single": result_single,
         "tuned_vs_triton_autotune": geomean([r["tuned"] / r["triton_autotune_36"] for r in rows
                                              if "triton_autotune_36" in r]),
@@ -211,7 +273,8 @@ def main() -> None:
     for r in rows:
         p, c = r["problem"], r["tuned_config"]
         print(f"| {p['head_dim']} | {p['seqlen_q']} | {'y' if p['causal'] else 'n'} | "
-              f"{c['BLOCK_M']},{c['BLOCK_N']},{c['num_warps']},{c['num_stages']} | "
+              f"{c['BLOCK_M']},{c['BLOCK_N']},{c['num_warps']},{c['num_stages']}"
+              f"{'T' if c.get('USE_TMA') else ''}{'R' if c.get('REVERSE_M') else ''} | "
               f"{r['tuned']:.0f} | {r['default']:.0f} | {r['sdpa_flash']:.0f} | "
               f"{r['sdpa_cudnn']:.0f} | {r['tuned'] / r['default']:.2f} | "
               f"{r['tuned'] / r['sdpa_flash']:.2f} | {r['tuned'] / r['sdpa_cudnn']:.2f} | "

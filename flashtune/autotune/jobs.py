@@ -13,8 +13,8 @@ configs of the sampler until the budget is spent:
   FAIL for every failure state.
 
 ``trials`` counts configs evaluated in this run; the same command run again continues the
-study with ``trials`` more. At the end the ``top_k_confirm`` fastest configs of the study
-are re-timed interleaved and the fastest is offered as the study's best.
+study with ``trials`` more. At the end the ``top_k_confirm`` fastest configs of the study and
+the template default are re-timed interleaved, and the fastest is offered as the study's best.
 """
 
 from __future__ import annotations
@@ -368,6 +368,11 @@ def _tune_one(problem: AttentionProblem, options: TuneOptions, store: TuningStor
     for t in sorted(complete, key=lambda t: t.median_ms):
         by_config.setdefault(canonical_json(t.config), t)
     top = list(by_config.values())[:max(1, options.top_k_confirm)]
+    # the default config takes part in the re-timing too, so a winner that does not beat
+    # it in the same interleaved measurement never replaces it
+    default_trial = by_config.get(canonical_json(default))
+    if default_trial is not None and default_trial not in top:
+        top.append(default_trial)
     retimed: dict[str, TrialResult] = {}
     if len(top) > 1:
         retimed = time_interleaved(runner, [t.config for t in top])

@@ -50,8 +50,10 @@ def test_grid_visits_every_valid_config(tmp_path):
     res, runner, url = _replay_tune(tmp_path, "g.db", sampler="grid", seed=0, trials=10_000,
                                   top_k_confirm=1)
     valid = SPACE.valid_configs(PROBLEM, H100)
-    visited = [c for c in runner.calls]
-    assert len(visited) == len(valid)  # each valid config evaluated exactly once
+    visited = runner.calls[:len(valid)]
+    confirm = runner.calls[len(valid):]  # the winner re-timed against the default
+    assert len(confirm) == 2 and res.default_config in confirm
+    assert len({str(sorted(c.items())) for c in visited}) == len(valid)  # each once
     assert sorted(map(sorted, (c.items() for c in visited))) == \
         sorted(map(sorted, (c.items() for c in valid)))
     assert res.states["PRUNED_STATIC"] == SPACE.size - len(valid)
@@ -122,4 +124,4 @@ def test_rerunning_an_exhausted_grid_stops_at_once(tmp_path):
     assert asked() == n_first  # nothing asked of the exhausted grid
     assert first.trials == len(SPACE.valid_configs(PROBLEM, H100))
     assert again.trials == 0 and again.best_ms == pytest.approx(first.best_ms)
-    assert len([c for c in r2.calls]) <= 1  # at most the final confirmation
+    assert len(r2.calls) <= 2  # at most the final confirmation: the best and the default
