@@ -9,8 +9,8 @@ from typing import Any, Callable, TypeVar
 
 import click
 
-__all__ = ["SAMPLERS", "DTYPE_CHOICES", "db_url", "fail", "json_option", "search_options",
-           "shape_options", "template_option"]
+__all__ = ["SAMPLERS", "DTYPE_CHOICES", "db_url", "device_filter_option", "fail", "json_option",
+           "search_options", "shape_options", "template_filter_option", "template_option"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -40,6 +40,12 @@ def _apply(decorators: list[Callable[[F], F]], func: F) -> F:
 template_option = click.option(
     "--template", default="attn_fwd", show_default=True, metavar="NAME",
     help="Kernel template to tune.")
+
+device_filter_option = click.option(
+    "--device", default=None, metavar="NAME", help="Only this device name.")
+
+template_filter_option = click.option(
+    "--template", default=None, metavar="NAME", help="Only this template.")
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 

@@ -61,24 +61,6 @@ def _render(rows: list[dict[str, Any]]) -> str:
                      for row in [header, *body])
 
 
-def _missing_sqlite_file(url: str) -> str | None:
-    """The path of a file-backed SQLite URL whose file does not exist, else None."""
-    from pathlib import Path
-
-    from sqlalchemy.engine import make_url
-
-    try:
-        parsed = make_url(url)
-    except Exception:  # noqa: BLE001 - let open_store report bad URLs
-        return None
-    if parsed.get_backend_name() != "sqlite":
-        return None
-    database = parsed.database or ""
-    if not database or database == ":memory:" or database.startswith("file:"):
-        return None
-    return None if Path(database).exists() else database
-
-
 @click.command("show")
 @click.option("--device", default=None, metavar="NAME", help="Only this device name.")
 @click.option("--template", default=None, metavar="NAME", help="Only this template.")
@@ -88,11 +70,11 @@ def show_command(ctx: click.Context, device: str | None, template: str | None,
                  as_json: bool) -> None:
     """List the stored best configs (database opened read-only)."""
     from flashtune.db import open_store
-    from flashtune.db.engine import default_db_url, safe_url
+    from flashtune.db.engine import default_db_url, missing_sqlite_file, safe_url
     from flashtune.errors import StoreError
 
     url = db_url(ctx) or default_db_url()
-    missing = _missing_sqlite_file(url)
+    missing = missing_sqlite_file(url)
     if missing is not None:
         if as_json:
             click.echo("[]")

@@ -41,6 +41,7 @@ __all__ = [
     "is_memory_sqlite",
     "lock_retry_delays",
     "make_engine",
+    "missing_sqlite_file",
     "safe_url",
     "store_error",
     "write_engine",
@@ -66,6 +67,21 @@ def default_db_url() -> str:
     folder = Path(cache) / "flashtune"
     folder.mkdir(parents=True, exist_ok=True)
     return f"sqlite:///{folder / 'flashtune.db'}"
+
+
+def missing_sqlite_file(url: str | URL) -> str | None:
+    """The path of a file-backed SQLite URL whose file does not exist, else None (other
+    backends, memory databases and unparseable URLs: None, for the opener to judge)."""
+    try:
+        parsed = make_url(url)
+    except Exception:  # noqa: BLE001 - let the opener report bad URLs
+        return None
+    if parsed.get_backend_name() != "sqlite":
+        return None
+    database = parsed.database or ""
+    if not database or database == ":memory:" or database.startswith("file:"):
+        return None
+    return None if Path(database).exists() else database
 
 
 def safe_url(url: str | URL) -> str:

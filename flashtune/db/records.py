@@ -17,6 +17,7 @@ from typing import Any
 __all__ = [
     "BestConfigRecord",
     "DeviceRecord",
+    "ImportedBest",
     "ProblemRecord",
     "RunRecord",
     "RunStatus",
@@ -155,3 +156,31 @@ class BestConfigRecord:
     trial_id: int | None  # None when imported from a file rather than measured here
     trials_count: int
     tuned_at: datetime
+
+
+@dataclass(frozen=True)
+class ImportedBest:
+    """A best config read from an exported file, to be written by ``TuningStore.import_best``.
+
+    Names its device by the hardware key fields and its template and problem by value (the
+    store finds or creates the rows); it has no trial in this database.
+    """
+
+    device_name: str
+    compute_capability: str
+    sm_count: int
+    shared_mem_per_block: int
+    total_memory: int
+    template_name: str
+    source_hash: str
+    problem_key: dict[str, Any]
+    bucket: str
+    config: dict[str, Any]
+    median_ms: float
+    tflops: float | None
+    trials_count: int
+    tuned_at: datetime  # timezone-aware
+
+    def hardware_key(self) -> tuple[str, str, int, int, int]:
+        return (self.device_name, self.compute_capability, self.sm_count,
+                self.shared_mem_per_block, self.total_memory)

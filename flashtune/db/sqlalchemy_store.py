@@ -11,18 +11,19 @@ import logging
 import math
 import socket
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence, TypeVar
 
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
 from flashtune._version import __version__
-from flashtune.db import convert, schema
+from flashtune.db import convert, rows, schema
 from flashtune.db.jsonutil import canonical_json, hash_canonical
 from flashtune.db.models import BestConfig, Device, Problem, Run, Template, Trial, utcnow
 from flashtune.db.records import (
     BestConfigRecord,
     DeviceRecord,
+    ImportedBest,
     ProblemRecord,
     RunRecord,
     RunStatus,
@@ -30,7 +31,7 @@ from flashtune.db.records import (
     TrialRecord,
     TrialState,
 )
-from flashtune.db.store import STALE_MESSAGE, TuningStore
+from flashtune.db.store import IMPORT_POLICIES, STALE_MESSAGE, TuningStore
 from flashtune.db.transactions import TransactionRunner, get_row, rowcount
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -40,6 +41,8 @@ __all__ = ["SQLAlchemyStore"]
 
 log = logging.getLogger(__name__)
 CONFLICT_RETRIES = 20
+R = TypeVar("R")
+T = TypeVar("T")
 
 
 class SQLAlchemyStore(TransactionRunner, TuningStore):
@@ -56,54 +59,25 @@ class SQLAlchemyStore(TransactionRunner, TuningStore):
     # -- identities -------------------------------------------------------------------------
 
     def ensure_device(self, fingerprint: DeviceFingerprint) -> DeviceRecord:
-        name, cc, sms, smem, mem = fingerprint.hardware_key()
-        where = (Device.name == name, Device.compute_capability == cc, Device.sm_count == sms,
-                 Device.shared_mem_per_block == smem, Device.total_memory == mem)
-
-        def find(s: Session) -> DeviceRecord | None:
-            row = s.scalars(select(Device).where(*where)).one_or_none()
-            return convert.device(row) if row else None
-
-        def create(s: Session) -> DeviceRecord:
-            row = Device(name=name, compute_capability=cc, sm_count=sms,
-                         shared_mem_per_block=smem, total_memory=mem)
-            s.add(row)
-            s.flush()
-            return convert.device(row)
-
-        return self._get_or_create(f"ensure_device({name})", find, create)
+        key = fingerprint.hardware_key()
+        return self._get_or_create(
+            f"ensure_device({key[0]})",
+            lambda s: _maybe(convert.device, rows.find_device(s, key)),
+            lambda s: convert.device(rows.add_device(s, key)))
 
     def ensure_template(self, name: str, source_hash: str) -> TemplateRecord:
-        where = (Template.name == name, Template.source_hash == source_hash)
-
-        def find(s: Session) -> TemplateRecord | None:
-            row = s.scalars(select(Template).where(*where)).one_or_none()
-            return convert.template(row) if row else None
-
-        def create(s: Session) -> TemplateRecord:
-            row = Template(name=name, source_hash=source_hash)
-            s.add(row)
-            s.flush()
-            return convert.template(row)
-
-        return self._get_or_create(f"ensure_template({name})", find, create)
+        return self._get_or_create(
+            f"ensure_template({name})",
+            lambda s: _maybe(convert.template, rows.find_template(s, name, source_hash)),
+            lambda s: convert.template(rows.add_template(s, name, source_hash)))
 
     def ensure_problem(self, template_name: str, key: Mapping[str, Any],
                        bucket: str) -> ProblemRecord:
         key_json = canonical_json(dict(key))
-        where = (Problem.template_name == template_name, Problem.key_json == key_json)
-
-        def find(s: Session) -> ProblemRecord | None:
-            row = s.scalars(select(Problem).where(*where)).one_or_none()
-            return convert.problem(row) if row else None
-
-        def create(s: Session) -> ProblemRecord:
-            row = Problem(template_name=template_name, key_json=key_json, bucket=str(bucket))
-            s.add(row)
-            s.flush()
-            return convert.problem(row)
-
-        return self._get_or_create(f"ensure_problem({template_name})", find, create)
+        return self._get_or_create(
+            f"ensure_problem({template_name})",
+            lambda s: _maybe(convert.problem, rows.find_problem(s, template_name, key_json)),
+            lambda s: convert.problem(rows.add_problem(s, template_name, key_json, bucket)))
 
     def list_devices(self) -> list[DeviceRecord]:
         return self._run("list_devices", lambda s: [
@@ -163,6 +137,16 @@ class SQLAlchemyStore(TransactionRunner, TuningStore):
             return convert.run(row) if row else None
 
         return self._run(f"get_run({run_id})", work)
+
+    def latest_run(self, device_id: int, template_id: int) -> RunRecord | None:
+        stmt = (select(Run).where(Run.device_id == device_id, Run.template_id == template_id)
+                .order_by(Run.started_at.desc(), Run.id.desc()).limit(1))
+
+        def work(s: Session) -> RunRecord | None:
+            row = s.scalars(stmt).first()
+            return convert.run(row) if row else None
+
+        return self._run("latest_run", work)
 
     def fail_stale_runs(self, device_id: int | None = None, template_id: int | None = None,
                         problem_id: int | None = None, *, current_run_id: int | None = None,
@@ -291,35 +275,45 @@ class SQLAlchemyStore(TransactionRunner, TuningStore):
     def offer_best(self, device_id: int, template_id: int, problem_id: int, *,
                    config: Mapping[str, Any], median_ms: float, tflops: float | None,
                    trial_id: int | None, trials_count: int) -> bool:
-        if not (isinstance(median_ms, (int, float)) and math.isfinite(median_ms)
-                and median_ms > 0):
-            raise ValueError(f"median_ms must be a finite positive number, got {median_ms!r}")
-        _check_finite("tflops", tflops)
-        median = float(median_ms)
-        values: dict[str, Any] = dict(
-            config_json=canonical_json(dict(config)), median_ms=median,
-            tflops=None if tflops is None else float(tflops), trial_id=trial_id,
-            trials_count=int(trials_count))
+        values = rows.best_values(config, median_ms, tflops, trial_id, trials_count)
 
         def work(s: Session) -> bool:
-            # FOR UPDATE locks the row on PostgreSQL; SQLite's BEGIN IMMEDIATE already
-            # holds the write lock, so the compare-and-set below cannot interleave.
-            row = s.scalars(select(BestConfig).where(
-                BestConfig.device_id == device_id, BestConfig.template_id == template_id,
-                BestConfig.problem_id == problem_id).with_for_update()).one_or_none()
-            if row is None:
-                s.add(BestConfig(device_id=device_id, template_id=template_id,
-                                 problem_id=problem_id, tuned_at=utcnow(), **values))
-                s.flush()  # a concurrent first offer fails here: retried as a comparison
-                return True
-            if not median < row.median_ms:
-                return False
-            for name, value in values.items():
-                setattr(row, name, value)
-            row.tuned_at = utcnow()
-            return True
+            # a concurrent first offer fails on the unique constraint: retried as a comparison
+            outcome = rows.put_best(s, (device_id, template_id, problem_id), values,
+                                    utcnow(), "keep-faster")
+            return outcome != "kept"
 
         return self._run("offer_best", work, write=True, conflict_retries=CONFLICT_RETRIES)
+
+    def import_best(self, entries: Sequence[ImportedBest], *,
+                    policy: str = "keep-faster") -> list[str]:
+        if policy not in IMPORT_POLICIES:
+            raise ValueError(f"unknown import policy {policy!r}; expected one of "
+                             f"{', '.join(IMPORT_POLICIES)}")
+        prepared = [(e, canonical_json(dict(e.problem_key)),
+                     rows.best_values(e.config, e.median_ms, e.tflops, None, e.trials_count),
+                     rows.aware_utc(e.tuned_at, "tuned_at")) for e in entries]
+
+        def work(s: Session) -> list[str]:
+            devices: dict[Any, int] = {}
+            templates: dict[Any, int] = {}
+            problems: dict[Any, int] = {}
+            outcomes = []
+            for e, key_json, values, tuned_at in prepared:
+                hw, tpl, prob = e.hardware_key(), (e.template_name, e.source_hash), \
+                    (e.template_name, key_json)
+                if hw not in devices:
+                    devices[hw] = rows.device_row(s, hw).id
+                if tpl not in templates:
+                    templates[tpl] = rows.template_row(s, *tpl).id
+                if prob not in problems:
+                    problems[prob] = rows.problem_row(s, *prob, e.bucket).id
+                outcomes.append(rows.put_best(s, (devices[hw], templates[tpl], problems[prob]),
+                                              values, tuned_at, policy))
+            return outcomes
+
+        return self._run(f"import_best({len(prepared)} entries)", work, write=True,
+                         conflict_retries=CONFLICT_RETRIES)
 
     def _best_query(self) -> Any:
         return (select(BestConfig, Device, Template, Problem)
@@ -365,6 +359,10 @@ class SQLAlchemyStore(TransactionRunner, TuningStore):
                     "counts": counts}
 
         return self._run("info", work)
+
+
+def _maybe(to_record: Callable[[R], T], row: R | None) -> T | None:
+    return None if row is None else to_record(row)
 
 
 def _check_finite(name: str, value: float | None) -> None:

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import abc
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from flashtune._version import __version__
 from flashtune.db.records import (
     BestConfigRecord,
     DeviceRecord,
+    ImportedBest,
     ProblemRecord,
     RunRecord,
     RunStatus,
@@ -27,9 +28,11 @@ from flashtune.db.records import (
 if TYPE_CHECKING:  # pragma: no cover - only the hardware key is used at run time
     from flashtune.autotune.devices import DeviceFingerprint
 
-__all__ = ["STALE_MESSAGE", "TuningStore"]
+__all__ = ["IMPORT_OUTCOMES", "IMPORT_POLICIES", "STALE_MESSAGE", "TuningStore"]
 
 STALE_MESSAGE = "stale: job died"
+IMPORT_POLICIES = ("keep-faster", "overwrite", "skip")
+IMPORT_OUTCOMES = ("added", "replaced", "kept", "skipped")
 
 
 class TuningStore(abc.ABC):
@@ -43,8 +46,8 @@ class TuningStore(abc.ABC):
     own short transaction and returns when it has committed; nothing is held between calls.
     Several processes may use one database at once (SQLite in WAL mode with
     ``BEGIN IMMEDIATE`` write transactions, or PostgreSQL): get-or-create methods, trial
-    numbering and :meth:`offer_best` are atomic. A store must not cross ``fork()``: open
-    one per process.
+    numbering, :meth:`offer_best` and :meth:`import_best` are atomic. A store must not
+    cross ``fork()``: open one per process.
 
     **Immutability.** Methods return frozen dataclasses from :mod:`flashtune.db.records`,
     detached from the database, never ORM rows; their ``dict`` fields are fresh copies and
@@ -115,6 +118,11 @@ class TuningStore(abc.ABC):
     @abc.abstractmethod
     def get_run(self, run_id: int) -> RunRecord | None:
         """The run ``run_id``, or None."""
+
+    @abc.abstractmethod
+    def latest_run(self, device_id: int, template_id: int) -> RunRecord | None:
+        """The run of ``device_id`` and ``template_id`` (any problem, any status) started
+        last, or None: where an export finds the software versions of its results."""
 
     @abc.abstractmethod
     def fail_stale_runs(self, device_id: int | None = None, template_id: int | None = None,
@@ -196,6 +204,26 @@ class TuningStore(abc.ABC):
 
         Atomic: concurrent offers never lose the fastest. Returns whether it became the
         best; a slower or equal offer returns False and changes nothing.
+        """
+
+    @abc.abstractmethod
+    def import_best(self, entries: Sequence[ImportedBest], *,
+                    policy: str = "keep-faster") -> list[str]:
+        """Write best configs read from files, all in ONE transaction: all or nothing.
+
+        Devices, templates and problems are found or created as by the ``ensure_*``
+        methods (a new problem gets the entry's bucket); each entry's best config gets
+        ``trial_id`` None and keeps its ``tuned_at``, ``trials_count`` and timings.
+        ``policy`` decides what happens where the study already has a best config:
+        ``"keep-faster"`` replaces it only with a strictly faster one (lower
+        ``median_ms``), ``"overwrite"`` always replaces it, ``"skip"`` never does. Entries
+        are applied in order, so a later entry for the same study sees the earlier one.
+
+        Returns one outcome per entry, in order: ``"added"`` (the study had none),
+        ``"replaced"``, ``"kept"`` (keep-faster, the stored one is as fast or faster) or
+        ``"skipped"`` (skip policy). An unknown policy or an impossible value (NaN,
+        ``median_ms`` <= 0, a naive ``tuned_at``, a config that is not JSON) raises
+        ``ValueError`` before anything is written; a read-only store raises ``StoreError``.
         """
 
     @abc.abstractmethod

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_commands_registered() -> None:
-    assert {"db", "tune", "show"} <= set(cli.commands)
+    assert {"db", "tune", "show", "export", "import"} <= set(cli.commands)
 
 
 def test_version() -> None:
@@ -26,7 +26,8 @@ def test_version() -> None:
     assert __version__ in result.output
 
 
-@pytest.mark.parametrize("args", [[], ["tune"], ["show"], ["db"], ["db", "info"]])
+@pytest.mark.parametrize("args", [[], ["tune"], ["show"], ["db"], ["db", "info"], ["export"],
+                                  ["import"]])
 def test_help(args: list[str]) -> None:
     result = CliRunner().invoke(cli, [*args, "--help"])
     assert result.exit_code == 0, result.output
@@ -65,7 +66,8 @@ _PROBE = """
 import sys
 from click.testing import CliRunner
 from flashtune.cli.main import cli
-for args in ([], ["tune"], ["show"], ["db"], ["db", "info"], ["db", "upgrade"]):
+for args in ([], ["tune"], ["show"], ["db"], ["db", "info"], ["db", "upgrade"], ["export"],
+             ["import"]):
     result = CliRunner().invoke(cli, [*args, "--help"])
     assert result.exit_code == 0, (args, result.output)
 heavy = sorted(m for m in ("torch", "triton") if m in sys.modules)

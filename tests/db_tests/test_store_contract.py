@@ -6,16 +6,20 @@ Every test taking ``store`` runs on every backend (see conftest.py).
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 from dataclasses import replace
-from datetime import timedelta, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tests.db_tests.support import A100, BUCKET, H100, KEY, Study, make_study
 from flashtune import SchemaError, StoreError
+from flashtune.autotune.devices import DeviceFingerprint
 from flashtune.db import HEAD_REVISION, RunStatus, TrialState, open_store
+from flashtune.db.records import ImportedBest
 from flashtune.db.store import TuningStore
 
 
@@ -203,3 +207,110 @@ def test_read_only_store_on_an_empty_database_is_refused(tmp_path: Path) -> None
         open_store(f"sqlite:///{tmp_path / 'missing.db'}", read_only=True)
     with pytest.raises(SchemaError, match="flashtune db upgrade"):
         open_store(f"sqlite:///{path}", create=False)
+
+
+# -- latest_run and import_best (what export and import of config files rely on) ------------
+
+KEY_SMALL = {**KEY, "seqlen_q": 77, "seqlen_k": 133}
+BUCKET_SMALL = "fp16-d128-causal-hq32-hkv8-b4-nq128-nk256"
+TUNED_AT = datetime(2025, 1, 31, 12, 0, 0, 123456, tzinfo=timezone(timedelta(hours=2)))
+
+
+def imported(*, device: DeviceFingerprint = H100, key: dict | None = None,
+             bucket: str = BUCKET, ms: float = 1.0, source_hash: str = "5f0c2a9e41d7b3c8",
+             **changes: Any) -> ImportedBest:
+    entry = ImportedBest(*device.hardware_key(), template_name="attn_fwd",
+                         source_hash=source_hash, problem_key=key or KEY, bucket=bucket,
+                         config={"BLOCK_M": 64, "ms": ms}, median_ms=ms, tflops=300.0,
+                         trials_count=40, tuned_at=TUNED_AT)
+    return replace(entry, **changes)
+
+
+def test_latest_run_is_the_last_started_of_device_and_template(store: TuningStore,
+                                                               study: Study) -> None:
+    assert store.latest_run(study.device.id, study.template.id) == study.run
+    later = make_study(store, key=KEY_SMALL, bucket=BUCKET_SMALL)  # another problem counts
+    a100 = make_study(store, device=A100)  # another device does not
+    assert store.latest_run(study.device.id, study.template.id) == later.run
+    assert store.latest_run(a100.device.id, study.template.id) == a100.run
+    assert store.latest_run(study.device.id, 10_000) is None
+
+
+def test_import_best_finds_or_creates_identities(store: TuningStore) -> None:
+    h100 = store.ensure_device(H100)
+    outcomes = store.import_best([imported(), imported(device=A100),
+                                  imported(key=KEY_SMALL, bucket=BUCKET_SMALL, ms=2.0)])
+    assert outcomes == ["added", "added", "added"]
+    devices = store.list_devices()
+    assert devices[0] == h100 and [d.hardware_key() for d in devices] == \
+        [H100.hardware_key(), A100.hardware_key()]
+    assert [(t.name, t.source_hash) for t in store.list_templates()] == \
+        [("attn_fwd", "5f0c2a9e41d7b3c8")]
+    assert [(p.key, p.bucket) for p in store.list_problems()] == \
+        [(KEY, BUCKET), (KEY_SMALL, BUCKET_SMALL)]
+    best = store.list_best(device_name=H100.name)
+    assert [(b.problem.key, b.config, b.median_ms, b.tflops, b.trial_id, b.trials_count)
+            for b in best] == [(KEY_SMALL, {"BLOCK_M": 64, "ms": 2.0}, 2.0, 300.0, None, 40),
+                               (KEY, {"BLOCK_M": 64, "ms": 1.0}, 1.0, 300.0, None, 40)]
+    assert best[0].tuned_at == TUNED_AT and best[0].tuned_at.tzinfo == timezone.utc
+    assert store.import_best([]) == []
+
+
+@pytest.mark.parametrize("policy, ms, outcome, stored_ms", [
+    ("keep-faster", 0.5, "replaced", 0.5),
+    ("keep-faster", 1.0, "kept", 1.0),  # equal is not faster
+    ("keep-faster", 3.0, "kept", 1.0),
+    ("overwrite", 3.0, "replaced", 3.0),
+    ("skip", 0.5, "skipped", 1.0),
+])
+def test_import_best_policies(store: TuningStore, study: Study, policy: str, ms: float,
+                              outcome: str, stored_ms: float) -> None:
+    trial = store.record_trial(study.run.id, {"BLOCK_M": 64}, TrialState.COMPLETE, median_ms=1.0)
+    store.offer_best(*study.ids, config={"BLOCK_M": 64}, median_ms=1.0, tflops=None,
+                     trial_id=trial.id, trials_count=3)
+    assert store.import_best([imported(ms=ms)], policy=policy) == [outcome]
+    best = store.get_best(*study.ids)
+    assert best is not None and best.median_ms == stored_ms
+    replaced = outcome == "replaced"
+    assert best.trial_id == (None if replaced else trial.id)
+    assert best.trials_count == (40 if replaced else 3)
+
+
+def test_import_best_applies_entries_in_order(store: TuningStore) -> None:
+    batch = [imported(ms=2.0), imported(ms=1.0), imported(ms=1.5)]
+    assert store.import_best(batch) == ["added", "replaced", "kept"]
+    assert [b.median_ms for b in store.list_best()] == [1.0]
+    assert store.import_best(batch, policy="overwrite") == ["replaced"] * 3
+    assert [b.median_ms for b in store.list_best()] == [1.5]
+    assert store.import_best(batch, policy="skip") == ["skipped"] * 3
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(median_ms=math.nan), "median_ms"),
+    (dict(median_ms=0.0), "median_ms"),
+    (dict(tflops=math.inf), "tflops"),
+    (dict(trials_count=-1), "trials_count"),
+    (dict(tuned_at=datetime(2025, 1, 1)), "tuned_at"),
+    (dict(config={"BLOCK_M": math.nan}), "JSON"),
+])
+def test_import_best_checks_every_entry_before_writing(store: TuningStore, bad: dict,
+                                                       match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        store.import_best([imported(device=A100), imported(**bad)])
+    assert (store.list_devices(), store.list_problems(), store.list_best()) == ([], [], [])
+
+
+def test_import_best_rejects_an_unknown_policy(store: TuningStore) -> None:
+    with pytest.raises(ValueError, match="keep-faster, overwrite, skip"):
+        store.import_best([imported()], policy="newest")
+    assert store.list_best() == []
+
+
+def test_import_best_on_a_read_only_store_raises_store_error(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'ft.db'}"
+    open_store(url).close()
+    with open_store(url, read_only=True) as ro:
+        with pytest.raises(StoreError, match="read-only"):
+            ro.import_best([imported()])
+        with pytest.raises(StoreError, match="read-only"):
+            ro.import_best([])

@@ -1,0 +1,158 @@
+"""``flashtune export`` / ``flashtune import``: tuned best configs as per-device JSON files.
+
+``export`` opens the store read-only and never creates it (a database file that does not
+exist has nothing to export: a message, exit 0). ``-o DIR`` (an existing directory, or a
+path not ending in ``.json``) writes one file per device and template, named by
+:func:`flashtune.db.exchange.config_file_name`; ``-o FILE.json`` takes exactly one.
+
+``import`` reads and validates EVERY file before it opens the database: one rejection is
+a one-line error, exit 1, and nothing is written. Then all documents go in one
+transaction, and the per-file report is printed. See :mod:`flashtune.db.exchange`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+import click
+
+from flashtune.cli.options import db_url, device_filter_option, fail, template_filter_option
+
+__all__ = ["POLICIES", "export_command", "import_command"]
+
+# flashtune.db.store.IMPORT_POLICIES, spelled out so --help imports no database code
+# (tests/cli_tests/test_exchange_commands.py checks that the two agree)
+POLICIES = ("keep-faster", "overwrite", "skip")
+
+
+def _to_single_file(output: Path) -> bool:
+    """Whether ``-o`` names one ``.json`` file (else a directory, created when missing)."""
+    if output.is_dir():
+        return False
+    if output.suffix.lower() == ".json":
+        return True
+    if output.exists():
+        raise click.BadParameter(f"{output} exists and is not a directory; expected a "
+                                 "directory or a path ending in .json", param_hint="'-o'")
+    return False
+
+
+def _write(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file, so a reader never sees half."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _entries(n: int) -> str:
+    return f"{n} entr{'y' if n == 1 else 'ies'}"
+
+
+@click.command("export")
+@device_filter_option
+@template_filter_option
+@click.option("-o", "--output", required=True, metavar="PATH",
+              type=click.Path(dir_okay=True, file_okay=True, path_type=Path),
+              help="A directory (one file per device and template) or one FILE.json.")
+@click.pass_context
+def export_command(ctx: click.Context, device: str | None, template: str | None,
+                   output: Path) -> None:
+    """Export best configs as per-device JSON files (database opened read-only).
+
+    Only configs tuned for the current template sources are written (older ones would
+    never be served). -o DIR writes one file per device and template; -o FILE.json needs
+    exactly one.
+    """
+    from flashtune.db import open_store
+    from flashtune.db.engine import default_db_url, missing_sqlite_file, safe_url
+    from flashtune.db.exchange import document_to_json, export_documents
+    from flashtune.errors import FlashtuneError
+
+    single = _to_single_file(output)
+    url = db_url(ctx) or default_db_url()
+    missing = missing_sqlite_file(url)
+    if missing is not None:
+        click.echo(f"nothing to export (database {missing} does not exist yet)")
+        return
+    try:
+        with open_store(url, read_only=True, create=False) as store:
+            docs = export_documents(store, device_name=device, template_name=template)
+    except (FlashtuneError, ValueError) as exc:
+        raise fail(exc) from exc
+    if not docs:
+        filters = "".join(f" {k}={v}" for k, v in (("device", device), ("template", template))
+                          if v)
+        click.echo(f"nothing to export from {safe_url(url)}: no best configs tuned for the "
+                   f"current template sources{filters and ' matching' + filters}")
+        return
+    if single and len(docs) != 1:
+        names = ", ".join(d.file_name() for d in docs)
+        raise click.UsageError(f"-o {output} names one .json file but there are {len(docs)} "
+                               f"documents ({names}); pass a directory to write one file each")
+    try:
+        if single:
+            output.parent.mkdir(parents=True, exist_ok=True)
+            targets = [(output, docs[0])]
+        else:
+            output.mkdir(parents=True, exist_ok=True)
+            targets = [(output / d.file_name(), d) for d in docs]
+        for path, doc in targets:
+            _write(path, document_to_json(doc))
+            click.echo(f"wrote {path} ({_entries(len(doc.entries))})")
+    except OSError as exc:
+        raise fail(exc) from exc
+
+
+def _json_files(paths: Sequence[Path]) -> list[Path]:
+    """The files named, a directory standing for its ``*.json`` files (sorted); each once."""
+    files: list[Path] = []
+    for path in paths:
+        if path.is_dir():
+            found = sorted(p for p in path.glob("*.json") if p.is_file())
+            if not found:
+                raise click.BadParameter(f"directory {path} holds no *.json files",
+                                         param_hint="'PATH...'")
+            files.extend(found)
+        else:
+            files.append(path)
+    seen: set[Path] = set()
+    unique = []
+    for path in files:
+        if path.resolve() not in seen:
+            seen.add(path.resolve())
+            unique.append(path)
+    return unique
+
+
+@click.command("import")
+@click.argument("paths", nargs=-1, required=True, metavar="PATH...",
+                type=click.Path(exists=True, path_type=Path))
+@click.option("--policy", type=click.Choice(POLICIES), default="keep-faster",
+              show_default=True,
+              help="Where a problem already has a best config: keep the faster one, "
+                   "overwrite it, or skip the imported one.")
+@click.pass_context
+def import_command(ctx: click.Context, paths: tuple[Path, ...], policy: str) -> None:
+    """Import exported config files, all or nothing.
+
+    A directory stands for its *.json files. Every file is validated first: one bad file
+    writes nothing. Then all are written in one transaction.
+    """
+    from flashtune.db import open_store
+    from flashtune.db.exchange import import_documents, read_document
+    from flashtune.errors import FlashtuneError
+
+    files = _json_files(paths)
+    try:
+        docs: list[tuple[str, Any]] = [(str(p), read_document(p)) for p in files]
+        with open_store(db_url(ctx)) as store:
+            report = import_documents(store, docs, policy=policy)
+    except (FlashtuneError, ValueError) as exc:
+        raise fail(exc) from exc
+    for line in report.lines():
+        click.echo(line)

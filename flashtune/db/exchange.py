@@ -1,0 +1,367 @@
+"""Per-hardware export and import of tuned best configs as strictly validated JSON files.
+
+One file holds the best configs of one device and one template (a :class:`ConfigDocument`)
+and is named by :func:`config_file_name`, the one naming function: the exporter writes
+files under it and the runtime loader finds a device's file with it. A name read from a
+file is never used as a path except through that validated function.
+
+The format (``schema_version`` 1), written by :func:`document_to_json` with sorted keys::
+
+    {"format": "flashtune-configs", "schema_version": 1,
+     "device": {"name", "compute_capability", "sm_count", "shared_mem_per_block",
+                "total_memory"},
+     "software": {"flashtune", "torch", "triton", "cuda", "driver"},   (strings)
+     "template": {"name", "source_hash"},
+     "exported_at": "2025-01-31T12:00:00+00:00",
+     "entries": [{"problem", "bucket", "config", "median_ms", "tflops", "trials",
+                  "tuned_at"}, ...]}
+
+:func:`parse_document` trusts nothing in a file: every key, type, range, name and config
+is checked (the checks live in :mod:`flashtune.db.exchange_checks`), and a rejection is
+one :class:`flashtune.errors.ImportRejected` line naming the file, what was wrong and what
+was expected. :func:`import_documents` writes every document in one transaction.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections import Counter
+from dataclasses import dataclass, fields
+from functools import partial
+from datetime import datetime, timezone
+from typing import Any, Callable, Sequence
+
+from flashtune.db import exchange_checks as checks
+from flashtune.db.exchange_checks import FORMAT, SCHEMA_VERSION, SOFTWARE_KEYS
+from flashtune.db.jsonutil import canonical_json
+from flashtune.db.records import BestConfigRecord, ImportedBest, RunRecord
+from flashtune.db.store import IMPORT_OUTCOMES, IMPORT_POLICIES, TuningStore
+from flashtune.errors import ImportRejected
+
+__all__ = [
+    "FORMAT",
+    "MAX_DEPTH",
+    "MAX_ENTRIES",
+    "MAX_FILE_BYTES",
+    "SCHEMA_VERSION",
+    "ConfigDocument",
+    "ConfigEntry",
+    "DeviceInfo",
+    "FileReport",
+    "ImportReport",
+    "config_file_name",
+    "document_to_json",
+    "export_documents",
+    "import_documents",
+    "parse_document",
+    "read_document",
+]
+
+MAX_FILE_BYTES = 8 << 20  # a bigger file is refused before it is read
+MAX_ENTRIES = 100_000  # entries per document
+MAX_DEPTH = 16  # nesting of arrays and objects (a valid document needs 4)
+
+_COUNTS = (*IMPORT_OUTCOMES, "stale")  # the counts of a FileReport, in order
+
+
+def config_file_name(device_name: str, template: str) -> str:
+    """``"device_name=<device_name>,template=<template>.json"``: THE name of a config file,
+    used by the exporter to write and by the runtime loader to find a device's file.
+
+    Both names must be 1-200 characters of ``0-9 A-Z a-z . _ + -`` starting with a letter
+    or digit, without ``..`` (so no path separators, NUL or parent references ever reach
+    a path); otherwise ``ValueError``.
+    """
+    for what, name in (("device name", device_name), ("template name", template)):
+        if not checks.is_name(name):
+            raise ValueError(f"{what} {checks.show(name)} cannot be part of a config file "
+                             f"name; expected {checks.NAME_RULE}")
+    return f"device_name={device_name},template={template}.json"
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """The hardware key of the device a document's configs were tuned on."""
+
+    name: str
+    compute_capability: str
+    sm_count: int
+    shared_mem_per_block: int
+    total_memory: int
+
+    def hardware_key(self) -> tuple[str, str, int, int, int]:
+        """Same fields, same order as ``DeviceFingerprint.hardware_key()``."""
+        return (self.name, self.compute_capability, self.sm_count,
+                self.shared_mem_per_block, self.total_memory)
+
+
+@dataclass(frozen=True)
+class ConfigEntry:
+    """One tuned problem: its key, bucket, validated config and timings."""
+
+    problem: dict[str, Any]
+    bucket: str
+    config: dict[str, int]
+    median_ms: float
+    tflops: float | None
+    trials: int
+    tuned_at: datetime  # timezone-aware UTC
+
+
+@dataclass(frozen=True)
+class ConfigDocument:
+    """The best configs of one device and one template, as one file holds them."""
+
+    device: DeviceInfo
+    software: dict[str, str]
+    template: str
+    source_hash: str
+    entries: tuple[ConfigEntry, ...]
+    exported_at: datetime  # timezone-aware UTC
+
+    def file_name(self) -> str:
+        """``config_file_name(device.name, template)``."""
+        return config_file_name(self.device.name, self.template)
+
+
+# -- writing and reading --------------------------------------------------------------------
+
+def document_to_json(doc: ConfigDocument) -> str:
+    """``doc`` as deterministic JSON text: sorted keys, entries sorted by canonical problem
+    key, indent 1, a trailing newline. Raises ``ValueError`` for NaN, a naive timestamp or
+    unknown ``software`` keys (missing ones are written as empty strings)."""
+    unknown = sorted(set(doc.software) - set(SOFTWARE_KEYS))
+    if unknown:
+        raise ValueError(f"unknown software keys {unknown}; expected some of {SOFTWARE_KEYS}")
+    entries = sorted(doc.entries, key=lambda e: canonical_json(e.problem))
+    data = {
+        "format": FORMAT,
+        "schema_version": SCHEMA_VERSION,
+        "device": {f.name: getattr(doc.device, f.name) for f in fields(DeviceInfo)},
+        "software": {k: str(doc.software.get(k, "")) for k in SOFTWARE_KEYS},
+        "template": {"name": doc.template, "source_hash": doc.source_hash},
+        "exported_at": _iso(doc.exported_at),
+        "entries": [{"problem": dict(e.problem), "bucket": e.bucket, "config": dict(e.config),
+                     "median_ms": e.median_ms, "tflops": e.tflops, "trials": e.trials,
+                     "tuned_at": _iso(e.tuned_at)} for e in entries],
+    }
+    return checks.dumps(data)
+
+
+def parse_document(data: str | bytes, *, origin: str = "<input>") -> ConfigDocument:
+    """Validate ``data`` (a whole file) strictly and return its document.
+
+    Raises :class:`ImportRejected` with one line ``"<origin>: <what is wrong>; expected
+    <what>"`` for anything but a well-formed ``schema_version`` 1 document of a registered
+    template (see the module docstring and :mod:`flashtune.db.exchange_checks`). Configs
+    come back validated by the template's space, optional knobs filled in.
+    """
+    try:
+        return _document(checks.load(data, max_bytes=MAX_FILE_BYTES, max_depth=MAX_DEPTH))
+    except checks.Bad as exc:
+        raise ImportRejected(f"{checks.printable(origin)}: {exc}") from None
+
+
+def read_document(path: str | os.PathLike[str]) -> ConfigDocument:
+    """:func:`parse_document` of the file at ``path`` (the origin in messages).
+
+    A file over ``MAX_FILE_BYTES``, or not a regular file, is refused before it is read;
+    an unreadable one raises :class:`ImportRejected` too.
+    """
+    origin = os.fspath(path)
+    shown = checks.printable(origin)
+    limit = MAX_FILE_BYTES
+    try:
+        info = os.stat(path)
+        if not stat.S_ISREG(info.st_mode):
+            raise ImportRejected(f"{shown}: is not a regular file; expected a JSON file")
+        if info.st_size > limit:
+            raise ImportRejected(f"{shown}: is {info.st_size} bytes; expected at most "
+                                 f"{limit} bytes (MAX_FILE_BYTES)")
+        with open(path, "rb") as f:
+            data = f.read(limit + 1)
+    except OSError as exc:
+        raise ImportRejected(f"{shown}: cannot be read ({exc.strerror or exc}); expected a "
+                             "readable JSON file") from None
+    return parse_document(data, origin=origin)
+
+
+def _document(obj: Any) -> ConfigDocument:
+    checks.header(obj)
+    device = DeviceInfo(*checks.device(obj["device"]))
+    software = checks.software(obj["software"])
+    template, source_hash, spec, problem_type = checks.template(obj["template"])
+    exported_at = checks.timestamp(obj["exported_at"], "exported_at")
+    items = checks.entry_list(obj["entries"], MAX_ENTRIES)
+    entries, seen = [], set()
+    for i, item in enumerate(items):
+        where = f"entries[{i}]"
+        values = checks.entry(item, where, spec, problem_type)
+        key = canonical_json(values["problem"])
+        if key in seen:
+            raise checks.Bad(f"{where}.problem repeats the problem of an earlier entry; "
+                             "expected each problem once per document")
+        seen.add(key)
+        entries.append(ConfigEntry(**values))
+    return ConfigDocument(device, software, template, source_hash, tuple(entries), exported_at)
+
+
+def _iso(when: datetime) -> str:
+    if not isinstance(when, datetime) or when.tzinfo is None:
+        raise ValueError(f"expected a timezone-aware datetime, got {when!r}")
+    return when.astimezone(timezone.utc).isoformat()
+
+
+# -- export ---------------------------------------------------------------------------------
+
+def export_documents(store: TuningStore, *, device_name: str | None = None,
+                     template_name: str | None = None) -> list[ConfigDocument]:
+    """One document per (device name, template) of the store's best configs, sorted by
+    file name; only configs tuned for the registered template's current ``source_hash``
+    (older ones are stale and would never be served).
+
+    ``software`` holds the versions of the latest run of that device and template (empty
+    strings when there is none: e.g. configs that were themselves imported). Each
+    document is checked by :func:`parse_document` before it is returned, so an export is
+    always importable: a stored entry that would be refused raises ``ImportRejected``; an
+    unknown ``template_name`` raises ``UnknownTemplateError``; devices sharing a name but
+    differing in more than total memory raise ``ValueError`` (one file holds one device).
+    """
+    from flashtune.kernel_templates import get_template, template_names
+
+    docs: list[ConfigDocument] = []
+    for name in [template_name] if template_name is not None else template_names():
+        spec = get_template(name)
+        groups: dict[str, list[BestConfigRecord]] = {}
+        for best in store.list_best(device_name=device_name, template_name=name,
+                                    source_hash=spec.source_hash):
+            groups.setdefault(best.device.name, []).append(best)
+        docs.extend(_export_group(store, records) for records in groups.values())
+    return sorted(docs, key=lambda d: d.file_name())
+
+
+def _export_group(store: TuningStore, records: list[BestConfigRecord]) -> ConfigDocument:
+    """The document of one device name (rows that differ only in total memory, which moves
+    by a few MiB between drivers, are merged: the fastest entry per problem wins)."""
+    devices = {r.device.id: r.device for r in records}
+    if len({d.hardware_key()[:4] for d in devices.values()}) > 1:
+        keys = ", ".join(str(d.hardware_key()) for d in devices.values())
+        raise ValueError(f"device name {records[0].device.name!r} has several hardware keys "
+                         f"in {store.url} ({keys}); expected one per name, since one file "
+                         "holds one device: export with --device from separate databases")
+    device = devices[max(devices)]  # the most recently added row
+    fastest: dict[str, BestConfigRecord] = {}
+    for r in records:
+        held = fastest.get(r.problem.key_json)
+        if held is None or r.median_ms < held.median_ms:
+            fastest[r.problem.key_json] = r
+    runs = [run for d in devices for run in [store.latest_run(d, records[0].template.id)]
+            if run is not None]
+    latest = max(runs, key=lambda run: (run.started_at, run.id)) if runs else None
+    raw = ConfigDocument(
+        device=DeviceInfo(*device.hardware_key()),
+        software=_software(latest),
+        template=records[0].template.name,
+        source_hash=records[0].template.source_hash,
+        entries=tuple(ConfigEntry(problem=dict(r.problem.key), bucket=r.problem.bucket,
+                                  config=dict(r.config), median_ms=r.median_ms,
+                                  tflops=r.tflops, trials=r.trials_count, tuned_at=r.tuned_at)
+                      for r in fastest.values()),
+        exported_at=datetime.now(timezone.utc))
+    return parse_document(document_to_json(raw), origin=f"export of {raw.file_name()}")
+
+
+def _software(run: RunRecord | None) -> dict[str, str]:
+    if run is None:
+        return {k: "" for k in SOFTWARE_KEYS}
+    return {"flashtune": run.flashtune_version, "torch": run.torch_version,
+            "triton": run.triton_version, "cuda": run.cuda_version,
+            "driver": run.driver_version}
+
+
+# -- import ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class FileReport:
+    """What the import did with one document's entries."""
+
+    origin: str
+    device: str
+    template: str
+    added: int = 0
+    replaced: int = 0
+    kept: int = 0  # keep-faster: the stored config was as fast or faster
+    skipped: int = 0  # skip policy: the problem already had a best config
+    stale: int = 0  # tuned for another source_hash of the template: not imported
+
+
+@dataclass(frozen=True)
+class ImportReport:
+    """Per-file counts of one :func:`import_documents` call (one transaction)."""
+
+    policy: str
+    files: tuple[FileReport, ...]
+
+    def total(self, count: str) -> int:
+        """The sum of one count (``"added"``, ``"replaced"``...) over the files."""
+        if count not in _COUNTS:
+            raise ValueError(f"unknown count {count!r}; expected one of {', '.join(_COUNTS)}")
+        return sum(getattr(f, count) for f in self.files)
+
+    def lines(self) -> list[str]:
+        """One line per file and a total line, for printing."""
+        out = [f"{checks.printable(f.origin)}: {f.device} {f.template}: "
+               f"{_tally(partial(getattr, f))}" for f in self.files]
+        n = len(self.files)
+        out.append(f"imported {n} file{'' if n == 1 else 's'} (policy {self.policy}): "
+                   f"{_tally(self.total)}")
+        if self.total("stale"):
+            out.append("stale entries were tuned for another version of their template's "
+                       "source and were not imported")
+        return out
+
+
+def _tally(count: Callable[[str], Any]) -> str:
+    return ", ".join(f"{count(c)} {c}" for c in _COUNTS)
+
+
+def import_documents(store: TuningStore, docs: Sequence[tuple[str, ConfigDocument]], *,
+                     policy: str = "keep-faster") -> ImportReport:
+    """Write the entries of ``docs`` (``(origin, document)`` pairs) under ``policy``, ALL in
+    one transaction (:meth:`TuningStore.import_best`): all or nothing.
+
+    ``"keep-faster"`` replaces a stored best config only with a strictly faster one (so
+    merging several machines' exports keeps the fastest), ``"overwrite"`` always replaces,
+    ``"skip"`` never does. Entries whose document was tuned for another ``source_hash``
+    than the registered template's are counted as stale and not written. Entries of
+    several documents for one problem are applied in order.
+    """
+    if policy not in IMPORT_POLICIES:
+        raise ValueError(f"unknown import policy {policy!r}; expected one of "
+                         f"{', '.join(IMPORT_POLICIES)}")
+    from flashtune.kernel_templates import get_template
+
+    batch: list[ImportedBest] = []
+    spans: list[tuple[str, ConfigDocument, int, int, bool]] = []
+    for origin, doc in docs:
+        fresh = doc.source_hash == get_template(doc.template).source_hash
+        start = len(batch)
+        if fresh:
+            batch.extend(_imported(doc, e) for e in doc.entries)
+        spans.append((origin, doc, start, len(batch), fresh))
+    outcomes = store.import_best(batch, policy=policy)
+    files = []
+    for origin, doc, start, end, fresh in spans:
+        tally = Counter(outcomes[start:end])
+        files.append(FileReport(origin, doc.device.name, doc.template,
+                                stale=0 if fresh else len(doc.entries),
+                                **{c: tally[c] for c in IMPORT_OUTCOMES}))
+    return ImportReport(policy, tuple(files))
+
+
+def _imported(doc: ConfigDocument, e: ConfigEntry) -> ImportedBest:
+    return ImportedBest(*doc.device.hardware_key(), template_name=doc.template,
+                        source_hash=doc.source_hash, problem_key=dict(e.problem),
+                        bucket=e.bucket, config=dict(e.config), median_ms=e.median_ms,
+                        tflops=e.tflops, trials_count=e.trials, tuned_at=e.tuned_at)

@@ -1,0 +1,352 @@
+"""The validation half of :mod:`flashtune.db.exchange`: strict JSON loading and field checks.
+
+Every check raises :class:`Bad` with ``"<where> <what is wrong>; expected <what>"``, one
+line (values are shown with ``repr``, clipped); ``exchange.parse_document`` prefixes the
+origin and raises ``ImportRejected``. Nothing here trusts its input: sizes and nesting are
+bounded before ``json.loads`` runs, NaN/Infinity, over-long integers and duplicate keys are
+refused while it runs, and every key, type and range is checked afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from datetime import datetime, timezone
+from itertools import accumulate
+from typing import Any, Callable
+
+from flashtune._version import __version__
+from flashtune.autotune.problems import AttentionProblem
+
+__all__ = ["FORMAT", "NAME_RULE", "SCHEMA_VERSION", "SOFTWARE_KEYS", "Bad", "device",
+           "dumps", "entry", "entry_list", "fields", "header", "integer", "is_name", "kind",
+           "load", "number", "printable", "show", "software", "string", "template",
+           "timestamp"]
+
+FORMAT = "flashtune-configs"
+SCHEMA_VERSION = 1
+SOFTWARE_KEYS = ("cuda", "driver", "flashtune", "torch", "triton")
+MAX_STRING = 200
+NAME_RULE = ("1-200 characters of 0-9 A-Z a-z . _ + - starting with a letter or digit, "
+             "without '..'")
+
+TOP_KEYS = ("format", "schema_version", "device", "software", "template", "exported_at",
+            "entries")
+DEVICE_KEYS = ("name", "compute_capability", "sm_count", "shared_mem_per_block",
+               "total_memory")
+TEMPLATE_KEYS = ("name", "source_hash")
+ENTRY_KEYS = ("problem", "bucket", "config", "median_ms", "tflops", "trials", "tuned_at")
+# the problem type of each template (the registry's TemplateSpec does not name one)
+PROBLEM_TYPES: dict[str, type[AttentionProblem]] = {"attn_fwd": AttentionProblem}
+
+_NAME = re.compile(r"[0-9A-Za-z][0-9A-Za-z._+-]{0,199}")
+_CC = re.compile(r"[0-9]{1,3}\.[0-9]{1,3}")
+_HEX16 = re.compile(r"[0-9a-f]{16}")
+_ISO = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}(?:\.[0-9]{1,6})?"
+                  r"(Z|[+-][0-9]{2}:[0-9]{2})?")
+# a JSON string (an unterminated one runs to the end, keeping the scan linear), or a bracket
+_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"?', re.S)
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+_STEP = {"[": 1, "{": 1, "]": -1, "}": -1}
+_MAX_INT_DIGITS = 100  # far past any valid field; int() of more is slow
+
+
+class Bad(Exception):
+    """One validation failure (the message, without the origin)."""
+
+
+def printable(text: object) -> str:
+    """``text`` with control characters escaped, so a message stays one line."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
+
+
+def show(value: Any, limit: int = 60) -> str:
+    """``repr(value)``, clipped to ``limit`` characters."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int past Python's str conversion limit
+        return f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def kind(value: Any) -> str:
+    """What a JSON value is, for messages: ``"the integer 7"``, ``"a list"``, ``"null"``."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"the bool {str(value).lower()}"
+    for t, name in ((int, "integer"), (float, "number"), (str, "string")):
+        if isinstance(value, t):
+            return f"the {name} {show(value)}"
+    if isinstance(value, list):
+        return "a list"
+    return "an object" if isinstance(value, dict) else f"a {type(value).__name__}"
+
+
+def is_name(text: object) -> bool:
+    """Whether ``text`` is a safe device or template name (see ``NAME_RULE``)."""
+    return isinstance(text, str) and _NAME.fullmatch(text) is not None and ".." not in text
+
+
+def dumps(data: Any) -> str:
+    return json.dumps(data, sort_keys=True, indent=1, allow_nan=False) + "\n"
+
+
+# -- loading --------------------------------------------------------------------------------
+
+def load(data: str | bytes, *, max_bytes: int, max_depth: int) -> Any:
+    """The JSON value of ``data``, refusing what is too big, not UTF-8, nested deeper than
+    ``max_depth``, not JSON, or holding NaN/Infinity, over-long integers or repeated keys."""
+    if isinstance(data, str):
+        if len(data) > max_bytes:
+            raise Bad(f"is over {max_bytes} bytes; expected at most {max_bytes} bytes "
+                      "(MAX_FILE_BYTES)")
+        try:
+            data = data.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise Bad(f"is not valid Unicode ({exc.reason} at character {exc.start}); "
+                      "expected UTF-8 text") from None
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise TypeError(f"data must be str or bytes, got {type(data).__name__}")
+    raw = bytes(data)
+    if len(raw) > max_bytes:
+        raise Bad(f"is {len(raw)} bytes; expected at most {max_bytes} bytes (MAX_FILE_BYTES)")
+    if not raw.strip():
+        raise Bad(f"is empty; expected a JSON object (a {FORMAT} document)")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise Bad(f"is not UTF-8 (byte {exc.start} is {raw[exc.start]:#04x}); expected "
+                  "UTF-8 JSON text") from None
+    _check_depth(text, max_depth)
+    try:
+        return json.loads(text, parse_constant=_constant, parse_int=_int_literal,
+                          parse_float=_float_literal, object_pairs_hook=_object)
+    except json.JSONDecodeError as exc:
+        raise Bad(f"is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno}); "
+                  "expected one complete JSON document") from None
+    except RecursionError:
+        raise Bad(f"is nested too deeply; expected at most {max_depth} levels") from None
+
+
+def _check_depth(text: str, max_depth: int) -> None:
+    brackets = _NOT_BRACKET.sub("", _STRING.sub("", text))
+    if len(brackets) > max_depth and max(accumulate(map(_STEP.__getitem__, brackets))) \
+            > max_depth:
+        raise Bad(f"nests arrays/objects deeper than {max_depth} levels; expected at most "
+                  f"{max_depth} (MAX_DEPTH)")
+
+
+def _constant(name: str) -> Any:
+    raise Bad(f"holds {name}, which is not JSON; expected finite numbers")
+
+
+def _int_literal(text: str) -> int:
+    if len(text.lstrip("-")) > _MAX_INT_DIGITS:
+        raise Bad(f"holds an integer of {len(text.lstrip('-'))} digits; expected at most "
+                  f"{_MAX_INT_DIGITS}")
+    return int(text)
+
+
+def _float_literal(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise Bad(f"holds the number {show(text, 40)}, beyond the float range; expected "
+                  "finite numbers")
+    return value
+
+
+def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise Bad(f"repeats the key {show(key)} in one object; expected each key once")
+        out[key] = value
+    return out
+
+
+# -- fields ---------------------------------------------------------------------------------
+
+def fields(value: Any, where: str, keys: tuple[str, ...]) -> dict[str, Any]:
+    """``value`` as an object with exactly ``keys``."""
+    label = where or "the document"
+    expected = f"an object with exactly the keys {', '.join(keys)}"
+    if not isinstance(value, dict):
+        raise Bad(f"{where or 'the top level'} is {kind(value)}; expected {expected}")
+    unknown = [k for k in value if k not in keys]
+    if unknown:
+        more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
+        raise Bad(f"{label} has the unknown key {show(unknown[0])}{more}; expected {expected}")
+    missing = [k for k in keys if k not in value]
+    if missing:
+        raise Bad(f"{label} lacks the key {missing[0]!r}; expected {expected}")
+    return value
+
+
+def integer(value: Any, where: str, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise Bad(f"{where} is {kind(value)}; expected an integer from {low} to {high}")
+    return value
+
+
+def number(value: Any, where: str, ok: Callable[[float], bool], expected: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not math.isfinite(value) or not ok(value):
+        raise Bad(f"{where} is {kind(value)}; expected {expected}")
+    return float(value)
+
+
+def string(value: Any, where: str, pattern: re.Pattern[str] | None = None,
+           rule: str = "") -> str:
+    if not isinstance(value, str):
+        raise Bad(f"{where} is {kind(value)}; expected a string{rule and ' of ' + rule}")
+    if len(value) > MAX_STRING:
+        raise Bad(f"{where} is a string of {len(value)} characters; expected at most "
+                  f"{MAX_STRING}")
+    if pattern is not None and pattern.fullmatch(value) is None:
+        raise Bad(f"{where} is {show(value)}; expected {rule}")
+    return value
+
+
+def timestamp(value: Any, where: str) -> datetime:
+    """An ISO 8601 timestamp with a timezone, as aware UTC."""
+    rule = "an ISO 8601 time with a timezone, like '2025-01-31T12:00:00+00:00'"
+    text = string(value, where, rule=rule)
+    match = _ISO.fullmatch(text)
+    if match is None:
+        raise Bad(f"{where} is {show(text)}; expected {rule}")
+    if match.group(1) is None:
+        raise Bad(f"{where} is {show(text)}, without a timezone; expected {rule}")
+    try:
+        return datetime.fromisoformat(text.replace("Z", "+00:00")).astimezone(timezone.utc)
+    except (ValueError, OverflowError) as exc:  # no such date; past year 9999 in UTC
+        raise Bad(f"{where} is {show(text)} ({exc}); expected {rule}") from None
+
+
+# -- the document's parts -------------------------------------------------------------------
+
+def header(obj: Any) -> None:
+    """The top level: an object of this format and schema version, with exactly its keys."""
+    if not isinstance(obj, dict):
+        raise Bad(f"the top level is {kind(obj)}; expected a JSON object (a {FORMAT} "
+                  "document)")
+    if obj.get("format") != FORMAT:
+        got = kind(obj["format"]) if "format" in obj else "missing"
+        raise Bad(f"format is {got}; expected {FORMAT!r} (not a flashtune configs file)")
+    version = obj.get("schema_version")
+    if not isinstance(version, bool) and isinstance(version, int) and version > SCHEMA_VERSION:
+        raise Bad(f"schema_version is {version}: written by a newer flashtune (this is "
+                  f"{__version__}, which reads schema_version {SCHEMA_VERSION}); expected "
+                  f"{SCHEMA_VERSION}: upgrade flashtune to import it")
+    integer(version, "schema_version", SCHEMA_VERSION, SCHEMA_VERSION)
+    fields(obj, "", TOP_KEYS)
+
+
+def device(value: Any) -> tuple[str, str, int, int, int]:
+    d = fields(value, "device", DEVICE_KEYS)
+    cc = string(d["compute_capability"], "device.compute_capability",
+                rule="a compute capability like '9.0', or 'cpu'")
+    if cc != "cpu" and _CC.fullmatch(cc) is None:
+        raise Bad(f"device.compute_capability is {show(cc)}; expected a compute capability "
+                  "like '9.0' (digits.digits), or 'cpu'")
+    name = string(d["name"], "device.name", _NAME, NAME_RULE)
+    if ".." in name:
+        raise Bad(f"device.name is {show(name)}; expected {NAME_RULE}")
+    return (name, cc, integer(d["sm_count"], "device.sm_count", 1, 100_000),
+            integer(d["shared_mem_per_block"], "device.shared_mem_per_block", 1, 2**31),
+            integer(d["total_memory"], "device.total_memory", 0, 2**52))
+
+
+def software(value: Any) -> dict[str, str]:
+    s = fields(value, "software", SOFTWARE_KEYS)
+    return {k: string(s[k], f"software.{k}") for k in SOFTWARE_KEYS}
+
+
+def template(value: Any) -> tuple[str, str, Any, type[AttentionProblem]]:
+    """``(name, source_hash, spec, problem type)`` of a registered template."""
+    from flashtune.errors import UnknownTemplateError
+    from flashtune.kernel_templates import get_template, template_names
+
+    t = fields(value, "template", TEMPLATE_KEYS)
+    name = string(t["name"], "template.name", _NAME, NAME_RULE)
+    try:
+        spec = get_template(name)
+    except UnknownTemplateError:
+        raise Bad(f"template.name is {name!r}, an unknown template; expected one of "
+                  f"{', '.join(template_names())}") from None
+    problem_type = PROBLEM_TYPES.get(name)
+    if problem_type is None:
+        raise Bad(f"template.name {name!r} has no known problem type; expected one of "
+                  f"{', '.join(sorted(PROBLEM_TYPES))}")
+    source_hash = string(t["source_hash"], "template.source_hash", _HEX16,
+                         "16 lowercase hex digits")
+    return name, source_hash, spec, problem_type
+
+
+def entry_list(value: Any, max_entries: int) -> list[Any]:
+    if not isinstance(value, list):
+        raise Bad(f"entries is {kind(value)}; expected a list of entries")
+    if len(value) > max_entries:
+        raise Bad(f"entries holds {len(value)} entries; expected at most {max_entries} "
+                  "(MAX_ENTRIES)")
+    return value
+
+
+def entry(value: Any, where: str, spec: Any, problem_type: type[AttentionProblem]
+          ) -> dict[str, Any]:
+    """The ``ConfigEntry`` fields of one entry; the config validated by ``spec.space``."""
+    from flashtune.errors import ConfigError
+
+    e = fields(value, where, ENTRY_KEYS)
+    problem = _problem(e["problem"], f"{where}.problem", problem_type)
+    bucket = string(e["bucket"], f"{where}.bucket")
+    if bucket != problem.bucket():
+        raise Bad(f"{where}.bucket is {show(bucket)}; expected {problem.bucket()!r} (the "
+                  "problem's bucket)")
+    config = e["config"]
+    params = tuple(spec.space.params)
+    if not isinstance(config, dict):
+        raise Bad(f"{where}.config is {kind(config)}; expected an object with the keys "
+                  f"{', '.join(params)}")
+    unknown = [k for k in config if k not in params]
+    if unknown:
+        raise Bad(f"{where}.config has the unknown key {show(unknown[0])}; expected keys "
+                  f"among {', '.join(params)}")
+    for name, v in config.items():
+        allowed = spec.space.params[name]
+        if isinstance(v, bool) or not isinstance(v, int) or v not in allowed:
+            raise Bad(f"{where}.config.{name} is {kind(v)}, outside the search space; "
+                      f"expected one of {', '.join(map(str, allowed))}")
+    try:
+        config = spec.space.validate(config, argname=f"{where}.config")
+    except ConfigError as exc:
+        raise Bad(str(exc)) from None
+    tflops = e["tflops"]
+    return dict(
+        problem=problem.key(), bucket=bucket, config=config,
+        median_ms=number(e["median_ms"], f"{where}.median_ms", lambda v: 0 < v < 1e7,
+                         "a finite number of milliseconds > 0 and < 1e7"),
+        tflops=None if tflops is None else number(
+            tflops, f"{where}.tflops", lambda v: 0 <= v <= 1e5,
+            "null or a finite number from 0 to 1e5"),
+        trials=integer(e["trials"], f"{where}.trials", 0, 10**9),
+        tuned_at=timestamp(e["tuned_at"], f"{where}.tuned_at"))
+
+
+def _problem(value: Any, where: str, problem_type: type[AttentionProblem]) -> AttentionProblem:
+    names = tuple(problem_type.__dataclass_fields__)
+    p = fields(value, where, names)
+    for name, f in problem_type.__dataclass_fields__.items():
+        declared = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
+        if declared == "int":
+            integer(p[name], f"{where}.{name}", 1, 2**31)
+        elif declared == "bool" and not isinstance(p[name], bool):
+            raise Bad(f"{where}.{name} is {kind(p[name])}; expected true or false")
+        elif declared == "str":
+            string(p[name], f"{where}.{name}")
+    try:
+        return problem_type.from_key(p)
+    except ValueError as exc:
+        raise Bad(f"{where} is not a valid problem ({exc}); expected the key of a valid "
+                  f"{problem_type.__name__}") from None

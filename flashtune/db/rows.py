@@ -1,0 +1,140 @@
+"""Row-level helpers of :class:`flashtune.db.sqlalchemy_store.SQLAlchemyStore`.
+
+Each function taking a session works inside a transaction the caller already holds
+(``s``) and never commits: the store's ``ensure_*`` methods run ``find_*`` first and
+``add_*`` when nothing was found (see ``TransactionRunner._get_or_create``);
+``import_best`` runs ``*_row`` (find or add) for many entries in one transaction.
+``offer_best`` and ``import_best`` share :func:`best_values` (checks, before anything is
+written) and :func:`put_best` (the compare-and-set on the locked best-config row).
+"""
+
+from __future__ import annotations
+
+import math
+from datetime import datetime, timezone
+from typing import Any, Mapping
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from flashtune.db.jsonutil import canonical_json
+from flashtune.db.models import BestConfig, Device, Problem, Template
+
+__all__ = ["add_device", "add_problem", "add_template", "aware_utc", "best_row", "best_values",
+           "device_row", "find_device", "find_problem", "find_template", "problem_row",
+           "put_best", "template_row"]
+
+HardwareKey = tuple[str, str, int, int, int]
+
+
+def find_device(s: Session, key: HardwareKey) -> Device | None:
+    """The device with hardware key ``key`` (name, cc, SMs, shared memory, memory)."""
+    name, cc, sms, smem, mem = key
+    return s.scalars(select(Device).where(
+        Device.name == name, Device.compute_capability == cc, Device.sm_count == sms,
+        Device.shared_mem_per_block == smem, Device.total_memory == mem)).one_or_none()
+
+
+def add_device(s: Session, key: HardwareKey) -> Device:
+    name, cc, sms, smem, mem = key
+    row = Device(name=name, compute_capability=cc, sm_count=sms, shared_mem_per_block=smem,
+                 total_memory=mem)
+    s.add(row)
+    s.flush()
+    return row
+
+
+def device_row(s: Session, key: HardwareKey) -> Device:
+    return find_device(s, key) or add_device(s, key)
+
+
+def find_template(s: Session, name: str, source_hash: str) -> Template | None:
+    return s.scalars(select(Template).where(Template.name == name,
+                                            Template.source_hash == source_hash)).one_or_none()
+
+
+def add_template(s: Session, name: str, source_hash: str) -> Template:
+    row = Template(name=name, source_hash=source_hash)
+    s.add(row)
+    s.flush()
+    return row
+
+
+def template_row(s: Session, name: str, source_hash: str) -> Template:
+    return find_template(s, name, source_hash) or add_template(s, name, source_hash)
+
+
+def find_problem(s: Session, template_name: str, key_json: str) -> Problem | None:
+    """The problem whose canonical key JSON is ``key_json``."""
+    return s.scalars(select(Problem).where(Problem.template_name == template_name,
+                                           Problem.key_json == key_json)).one_or_none()
+
+
+def add_problem(s: Session, template_name: str, key_json: str, bucket: str) -> Problem:
+    row = Problem(template_name=template_name, key_json=key_json, bucket=str(bucket))
+    s.add(row)
+    s.flush()
+    return row
+
+
+def problem_row(s: Session, template_name: str, key_json: str, bucket: str) -> Problem:
+    """Find or add; ``bucket`` is only written when the problem is added."""
+    return (find_problem(s, template_name, key_json)
+            or add_problem(s, template_name, key_json, bucket))
+
+
+def best_row(s: Session, device_id: int, template_id: int, problem_id: int) -> BestConfig | None:
+    """The study's best-config row, locked for the rest of the transaction.
+
+    FOR UPDATE locks the row on PostgreSQL; SQLite's ``BEGIN IMMEDIATE`` already holds the
+    write lock, so a compare-and-set on the returned row cannot interleave with another.
+    """
+    return s.scalars(select(BestConfig).where(
+        BestConfig.device_id == device_id, BestConfig.template_id == template_id,
+        BestConfig.problem_id == problem_id).with_for_update()).one_or_none()
+
+
+def best_values(config: Mapping[str, Any], median_ms: float, tflops: float | None,
+                trial_id: int | None, trials_count: int) -> dict[str, Any]:
+    """A best-config row's values, checked before anything is written (``ValueError``)."""
+    if isinstance(median_ms, bool) or not (isinstance(median_ms, (int, float))
+                                           and math.isfinite(median_ms) and median_ms > 0):
+        raise ValueError(f"median_ms must be a finite positive number, got {median_ms!r}")
+    if tflops is not None and (isinstance(tflops, bool) or not (
+            isinstance(tflops, (int, float)) and math.isfinite(tflops))):
+        raise ValueError(f"tflops must be a finite number or None, got {tflops!r}")
+    count = int(trials_count)
+    if count < 0:
+        raise ValueError(f"trials_count must be >= 0, got {trials_count!r}")
+    return dict(config_json=canonical_json(dict(config)), median_ms=float(median_ms),
+                tflops=None if tflops is None else float(tflops), trial_id=trial_id,
+                trials_count=count)
+
+
+def put_best(s: Session, study: tuple[int, int, int], values: Mapping[str, Any],
+             tuned_at: datetime, policy: str) -> str:
+    """Write one best config of ``study`` (device, template, problem ids) under ``policy``
+    (see ``TuningStore.import_best``; ``offer_best`` is keep-faster); returns
+    ``"added"``, ``"replaced"``, ``"kept"`` (keep-faster, not faster) or ``"skipped"``."""
+    device_id, template_id, problem_id = study
+    row = best_row(s, device_id, template_id, problem_id)
+    if row is None:
+        s.add(BestConfig(device_id=device_id, template_id=template_id, problem_id=problem_id,
+                         tuned_at=tuned_at, **values))
+        s.flush()
+        return "added"
+    if policy == "skip":
+        return "skipped"
+    if policy == "keep-faster" and not values["median_ms"] < row.median_ms:
+        return "kept"
+    for name, value in values.items():
+        setattr(row, name, value)
+    row.tuned_at = tuned_at
+    return "replaced"
+
+
+def aware_utc(when: datetime, name: str) -> datetime:
+    """``when`` in UTC; ``ValueError`` naming ``name`` for a naive datetime."""
+    if not isinstance(when, datetime) or when.tzinfo is None:
+        raise ValueError(f"{name} must be a timezone-aware datetime, got {when!r}")
+    return when.astimezone(timezone.utc)

@@ -1,0 +1,291 @@
+"""Export/import of best configs (flashtune.db.exchange): naming, round trips, policies,
+stale sources, all-or-nothing imports. The hostile-file corpus is test_exchange_corpus.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import random
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from sqlalchemy.exc import OperationalError
+
+from flashtune.autotune.devices import DeviceFingerprint
+from flashtune.db import open_store, rows
+from flashtune.db.exchange import (
+    ConfigDocument,
+    DeviceInfo,
+    ImportReport,
+    config_file_name,
+    document_to_json,
+    export_documents,
+    import_documents,
+    parse_document,
+    read_document,
+)
+from flashtune.errors import ImportRejected, StoreError, UnknownTemplateError
+from tests.db_tests.exchange_support import (
+    OLD_SOURCE,
+    PROBLEMS,
+    SOURCE,
+    dump,
+    make_document,
+    normalised,
+    populate,
+)
+from tests.db_tests.support import A100, H100
+
+
+@pytest.fixture
+def url(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'a.db'}"
+
+
+def other_url(tmp_path: Path, name: str) -> str:
+    return f"sqlite:///{tmp_path / name}"
+
+
+def export(url: str, **filters: str) -> list[ConfigDocument]:
+    with open_store(url, read_only=True) as store:
+        return export_documents(store, **filters)
+
+
+def import_(url: str, docs: list[ConfigDocument], policy: str = "keep-faster") -> ImportReport:
+    with open_store(url) as store:
+        return import_documents(store, [(d.file_name(), d) for d in docs], policy=policy)
+
+
+def best_ms(url: str, device: str = H100.name) -> dict[int, float]:
+    """{index in PROBLEMS: stored median_ms} of one device."""
+    keys = [p.key() for p in PROBLEMS]
+    with open_store(url, read_only=True) as store:
+        return {keys.index(b.problem.key): b.median_ms for b in store.list_best(device_name=device)}
+
+
+# -- the naming function --------------------------------------------------------------------
+
+@pytest.mark.parametrize("device", ["NVIDIA_H100_80GB_HBM3", "NVIDIA_A100-SXM4-80GB",
+                                    "cpu-interpreter", "gfx90a+sramecc", "7", "a" * 200])
+def test_config_file_name_accepts_safe_names(device: str) -> None:
+    assert config_file_name(device, "attn_fwd") == f"device_name={device},template=attn_fwd.json"
+
+
+@pytest.mark.parametrize("device", ["..", "a..b", "../etc", "a/b", "/abs", "a\\b", "C:x",
+                                    "x\x00", "", "a" * 201, ".hidden", "-rf", "a b", "a\n",
+                                    "H100\u2028", "\u0661\u0662", "a,b", "a=b"])
+def test_config_file_name_refuses_unsafe_names(device: str) -> None:
+    with pytest.raises(ValueError, match="cannot be part of a config file name; expected 1-200"):
+        config_file_name(device, "attn_fwd")
+    with pytest.raises(ValueError, match="template name"):
+        config_file_name("NVIDIA_H100_80GB_HBM3", device)
+
+
+def test_config_file_name_refuses_non_strings() -> None:
+    with pytest.raises(ValueError):
+        config_file_name(None, "attn_fwd")  # type: ignore[arg-type]
+
+
+# -- documents ------------------------------------------------------------------------------
+
+def test_document_json_is_deterministic_and_parses_back() -> None:
+    doc = make_document(n=5)
+    shuffled = list(doc.entries)
+    random.Random(0).shuffle(shuffled)
+    text = document_to_json(doc)
+    assert document_to_json(replace(doc, entries=tuple(shuffled))) == text
+    assert text.endswith("}\n") and text.startswith('{\n "device": {\n  "compute_capability"')
+    data = json.loads(text)
+    assert list(data) == sorted(data)
+    assert data["format"] == "flashtune-configs" and data["schema_version"] == 1
+    assert data["template"] == {"name": "attn_fwd", "source_hash": SOURCE}
+    assert data["exported_at"] == "2025-01-31T12:00:00+00:00"
+    keys = [json.dumps(e["problem"], sort_keys=True, separators=(",", ":"))
+            for e in data["entries"]]
+    assert keys == sorted(keys)
+    parsed = parse_document(text)
+    assert parse_document(text.encode()) == parsed
+    assert parsed.file_name() == "device_name=NVIDIA_H100_80GB_HBM3,template=attn_fwd.json"
+    # optional knobs are filled in by the space's validation
+    assert all(set(e.config) >= {"USE_TMA", "REVERSE_M"} for e in parsed.entries)
+    assert document_to_json(parsed) == document_to_json(parse_document(document_to_json(parsed)))
+    assert dataclasses.is_dataclass(parsed) and parsed.device.hardware_key() == \
+        ("NVIDIA_H100_80GB_HBM3", "9.0", 132, 232448, 85520809984)
+
+
+def test_document_to_json_refuses_what_it_could_not_read_back() -> None:
+    doc = make_document()
+    with pytest.raises(ValueError, match="software"):
+        document_to_json(replace(doc, software={"python": "3.11"}))
+    bad = replace(doc.entries[0], median_ms=math.nan)
+    with pytest.raises(ValueError):
+        document_to_json(replace(doc, entries=(bad,)))
+
+
+def test_read_document_names_the_file_and_refuses_non_files(tmp_path: Path) -> None:
+    path = tmp_path / "x.json"
+    path.write_text(document_to_json(make_document()))
+    assert read_document(path) == read_document(str(path)) == parse_document(path.read_bytes())
+    with pytest.raises(ImportRejected, match=f"^{tmp_path}: is not a regular file"):
+        read_document(tmp_path)
+    with pytest.raises(ImportRejected, match="cannot be read"):
+        read_document(tmp_path / "missing.json")
+    if hasattr(os, "mkfifo"):
+        fifo = tmp_path / "fifo.json"
+        os.mkfifo(fifo)
+        with pytest.raises(ImportRejected, match="not a regular file"):
+            read_document(fifo)  # refused by stat, never opened (which would block)
+
+
+# -- round trips, merges, policies ----------------------------------------------------------
+
+def test_export_import_export_round_trip(tmp_path: Path, url: str) -> None:
+    populate(url, H100, {0: 1.5, 1: 0.25, 2: 4.0})
+    populate(url, A100, {0: 2.5, 3: 3.0})
+    populate(url, A100, {4: 9.0}, source=OLD_SOURCE)  # stale: never exported
+    docs = export(url)
+    assert [d.file_name() for d in docs] == [
+        "device_name=NVIDIA_A100-SXM4-80GB,template=attn_fwd.json",
+        "device_name=NVIDIA_H100_80GB_HBM3,template=attn_fwd.json"]
+    assert [len(d.entries) for d in docs] == [2, 3]
+    assert docs[1].device.hardware_key() == H100.hardware_key()
+    assert docs[1].software == {"flashtune": docs[1].software["flashtune"], "torch": "2.5.1",
+                                "triton": "3.1.0", "cuda": "12.4", "driver": "550.54.15"}
+    assert {d.source_hash for d in docs} == {SOURCE}
+
+    fresh = other_url(tmp_path, "b.db")
+    report = import_(fresh, docs)
+    assert [(f.added, f.replaced, f.kept, f.skipped, f.stale) for f in report.files] == \
+        [(2, 0, 0, 0, 0), (3, 0, 0, 0, 0)]
+    again = export(fresh)
+    assert [normalised(document_to_json(d)) for d in again] == \
+        [normalised(document_to_json(d)) for d in docs]
+    assert set(again[0].software.values()) == {""}  # no runs: imports record none
+    with open_store(fresh, read_only=True) as store:
+        assert {b.trial_id for b in store.list_best()} == {None}
+        assert store.list_trials() == []
+
+
+def test_export_filters(url: str) -> None:
+    populate(url, H100, {0: 1.0})
+    populate(url, A100, {1: 1.0})
+    assert [d.device.name for d in export(url, device_name=A100.name)] == [A100.name]
+    assert [d.template for d in export(url, template_name="attn_fwd")] == ["attn_fwd"] * 2
+    assert export(url, device_name="NVIDIA_B200") == []
+    with pytest.raises(UnknownTemplateError, match="unknown template 'attn_bwd'"):
+        export(url, template_name="attn_bwd")
+
+
+def test_export_merges_rows_that_differ_only_in_total_memory(url: str) -> None:
+    populate(url, H100, {0: 2.0, 1: 1.0})
+    populate(url, replace(H100, total_memory=H100.total_memory - (4 << 20)), {0: 1.0, 2: 3.0})
+    (doc,) = export(url)
+    assert doc.device.total_memory == H100.total_memory - (4 << 20)  # the newest row
+    assert sorted(e.median_ms for e in doc.entries) == [1.0, 1.0, 3.0]
+    populate(url, replace(H100, sm_count=114), {3: 1.0})
+    with pytest.raises(ValueError, match="several hardware keys"):
+        export(url)
+
+
+def test_merging_machines_with_keep_faster_keeps_the_fastest(tmp_path: Path) -> None:
+    a, b, merged = (other_url(tmp_path, n) for n in ("a.db", "b.db", "m.db"))
+    populate(a, H100, {0: 1.0, 1: 2.0, 2: 3.0})
+    populate(b, H100, {1: 1.5, 2: 3.5, 3: 4.0}, config=1)
+    (doc_a,), (doc_b,) = export(a), export(b)
+    report = import_(merged, [doc_a, doc_b])
+    assert [(f.added, f.replaced, f.kept) for f in report.files] == [(3, 0, 0), (1, 1, 1)]
+    assert best_ms(merged) == {0: 1.0, 1: 1.5, 2: 3.0, 3: 4.0}
+    reverse = other_url(tmp_path, "r.db")
+    import_(reverse, [doc_b, doc_a])
+    assert best_ms(reverse) == best_ms(merged)
+    lines = report.lines()
+    assert lines[0] == (f"{doc_a.file_name()}: {H100.name} attn_fwd: 3 added, 0 replaced, "
+                        "0 kept, 0 skipped, 0 stale")
+    assert lines[-1] == ("imported 2 files (policy keep-faster): 4 added, 1 replaced, 1 kept, "
+                         "0 skipped, 0 stale")
+    assert report.total("added") == 4
+
+
+@pytest.mark.parametrize("policy, expected, counts", [
+    ("overwrite", {0: 1.0, 1: 9.0, 2: 0.5, 3: 4.0}, (1, 2, 0, 0)),
+    ("skip", {0: 1.0, 1: 2.0, 2: 3.0, 3: 4.0}, (1, 0, 0, 2)),
+    ("keep-faster", {0: 1.0, 1: 2.0, 2: 0.5, 3: 4.0}, (1, 1, 1, 0)),
+])
+def test_policies(tmp_path: Path, policy: str, expected: dict, counts: tuple) -> None:
+    a, b = other_url(tmp_path, "a.db"), other_url(tmp_path, "b.db")
+    populate(a, H100, {0: 1.0, 1: 2.0, 2: 3.0})
+    populate(b, H100, {1: 9.0, 2: 0.5, 3: 4.0})
+    (doc_b,) = export(b)
+    report = import_(a, [doc_b], policy=policy)
+    f = report.files[0]
+    assert (f.added, f.replaced, f.kept, f.skipped) == counts
+    assert best_ms(a) == expected
+    assert f"(policy {policy})" in report.lines()[-1]
+
+
+def test_unknown_policy_is_a_value_error_naming_the_three(url: str) -> None:
+    with open_store(url) as store, pytest.raises(ValueError, match="keep-faster, overwrite, skip"):
+        import_documents(store, [], policy="fastest")
+
+
+def test_stale_entries_are_counted_and_not_written(url: str) -> None:
+    populate(url, A100, {0: 1.0})
+    before = dump(url)
+    stale = parse_document(document_to_json(make_document(source=OLD_SOURCE)))
+    report = import_(url, [stale])
+    assert [(f.added, f.stale) for f in report.files] == [(0, 3)]
+    assert "not imported" in report.lines()[-1]
+    assert dump(url) == before
+
+
+def test_a_read_only_store_refuses_an_import(url: str) -> None:
+    populate(url, H100, {0: 1.0})
+    with open_store(url, read_only=True) as store, pytest.raises(StoreError, match="read-only"):
+        import_documents(store, [("x", make_document())])
+
+
+# -- all or nothing -------------------------------------------------------------------------
+
+def test_a_bad_document_in_a_batch_writes_nothing(url: str) -> None:
+    populate(url, H100, {0: 1.0, 1: 1.0})
+    before = dump(url)
+    good = make_document(DeviceInfo("NVIDIA_B200", "10.0", 148, 232448, 1 << 37), ms=0.1)
+    nan = replace(good, entries=(replace(good.entries[0], median_ms=math.nan),))
+    unknown = replace(good, template="attn_bwd")
+    for bad, error in ((nan, ValueError), (unknown, UnknownTemplateError)):
+        with pytest.raises(error):
+            import_(url, [good, bad])
+        assert dump(url) == before
+
+
+def test_a_failure_midway_through_the_transaction_writes_nothing(
+        url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    populate(url, H100, {0: 1.0, 1: 1.0})
+    before = dump(url)
+    real, calls = rows.best_row, []
+
+    def failing(*args: object) -> object:
+        calls.append(args)
+        if len(calls) == 4:
+            raise OperationalError("UPDATE ft_best_configs", {}, Exception("disk I/O error"))
+        return real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(rows, "best_row", failing)
+    docs = [make_document(ms=0.1),
+            make_document(DeviceInfo("NVIDIA_B200", "10.0", 148, 232448, 1 << 37))]
+    with pytest.raises(StoreError, match="disk I/O error"):
+        import_(url, docs)
+    assert len(calls) == 4  # three entries applied, then the failure
+    assert dump(url) == before
+    monkeypatch.undo()
+    report = import_(url, docs)
+    assert [report.total(c) for c in ("added", "replaced", "kept")] == [4, 1, 1]
+
+
+def test_device_fingerprints_and_device_info_share_the_key_order() -> None:
+    fp = DeviceFingerprint("X", "8.9", 1, 2, 3, torch_version="2.5")
+    assert DeviceInfo(*fp.hardware_key()).hardware_key() == fp.hardware_key()
