@@ -22,11 +22,16 @@ from flashtune.errors import (
 )
 
 if TYPE_CHECKING:  # pragma: no cover
-    from flashtune.runtime.ops import attention
+    from flashtune.runtime.lookup import ConfigChoice
+    from flashtune.runtime.ops import attention, lookup_config, reload_configs, warmup
 
 __all__ = [
     "__version__",
     "attention",
+    "lookup_config",
+    "reload_configs",
+    "warmup",
+    "ConfigChoice",
     "ConfigError",
     "DeviceError",
     "FlashtuneError",
@@ -40,6 +45,10 @@ __all__ = [
 
 _LAZY = {
     "attention": ("flashtune.runtime.ops", "attention"),
+    "lookup_config": ("flashtune.runtime.ops", "lookup_config"),
+    "reload_configs": ("flashtune.runtime.ops", "reload_configs"),
+    "warmup": ("flashtune.runtime.ops", "warmup"),
+    "ConfigChoice": ("flashtune.runtime.lookup", "ConfigChoice"),
 }
 
 

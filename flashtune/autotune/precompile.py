@@ -48,10 +48,11 @@ class _Shaped:
         return 0
 
 
-def attn_fwd_warmup_args(problem: AttentionProblem, config: Mapping[str, int]
+def attn_fwd_warmup_args(problem: AttentionProblem, config: Mapping[str, int], *,
+                         return_lse: bool = False
                          ) -> tuple[tuple[Any, ...], dict[str, Any], tuple[int, int]]:
     """``(args, kwargs, grid)`` for ``attn_fwd_kernel.warmup``: what the launcher passes for
-    contiguous, aligned q/k/v and ``return_lse=False`` (built by the launcher's own
+    contiguous, aligned q/k/v (built by the launcher's own
     :func:`~flashtune.kernel_templates.attn_fwd.launcher.kernel_args`)."""
     import torch
 
@@ -62,8 +63,9 @@ def attn_fwd_warmup_args(problem: AttentionProblem, config: Mapping[str, int]
     q = _Shaped(dt, (p.batch, p.heads_q, p.seqlen_q, p.head_dim))
     k = _Shaped(dt, (p.batch, p.heads_kv, p.seqlen_k, p.head_dim))
     out = _Shaped(dt, q.shape)
+    lse = _Shaped(torch.float32, q.shape[:3]) if return_lse else None
     use_tma = bool(config.get("USE_TMA", 0)) and tma_ok(q, k, out)
-    return kernel_args(q, k, k, out, None, config, causal=p.causal,
+    return kernel_args(q, k, k, out, lse, config, causal=p.causal,
                        scale=1.0 / math.sqrt(p.head_dim), use_tma=use_tma, upcast_dot=False)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
-from flashtune.runtime.ops import attention
+from flashtune.runtime.lookup import ConfigChoice
+from flashtune.runtime.ops import attention, lookup_config, reload_configs, warmup
 
-__all__ = ["attention"]
+__all__ = ["ConfigChoice", "attention", "lookup_config", "reload_configs", "warmup"]

@@ -17,8 +17,34 @@ SUPPORTED_HEAD_DIMS = (16, 32, 64, 96, 128, 192, 256)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 
 
+_HEAD_DIMS = frozenset(SUPPORTED_HEAD_DIMS)
+
+
+def _plainly_fine(q: Any, k: Any, v: Any, scale: Any) -> bool:
+    """The common case, cheaply: plain CUDA tensors of one device and dtype, shapes and
+    strides as required. False means "look closer", not "bad"."""
+    if not (type(q) is type(k) is type(v) is torch.Tensor):
+        return False
+    if not (q.is_cuda and k.is_cuda and v.is_cuda
+            and q.get_device() == k.get_device() == v.get_device()):
+        return False
+    dt = q.dtype
+    if not (dt is k.dtype is v.dtype) or dt not in SUPPORTED_DTYPES:
+        return False
+    qs, ks = q.shape, k.shape
+    if len(qs) != 4 or ks != v.shape or len(ks) != 4 or qs[0] != ks[0] or qs[3] != ks[3]:
+        return False
+    if qs[3] not in _HEAD_DIMS or min(qs) < 1 or min(ks) < 1 or qs[1] % ks[1]:
+        return False
+    if q.stride(3) != 1 or k.stride(3) != 1 or v.stride(3) != 1:
+        return False
+    return scale is None or (type(scale) is float and math.isfinite(scale))
+
+
 def check_attention_inputs(q: Any, k: Any, v: Any, scale: Any) -> None:
     """Raise a clear ``InputError``/``InputTypeError``/``DeviceError`` for bad inputs."""
+    if _plainly_fine(q, k, v, scale):
+        return
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise InputTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")

@@ -1,20 +1,56 @@
-"""Public ops: ``flashtune.attention``."""
+"""Public ops: ``flashtune.attention`` and what it resolves configs with.
+
+The hot path of :func:`attention` on CUDA after the first call of a call signature: one dict
+read keyed by the tensors' metadata (shapes, strides, dtypes, devices, 16-byte alignment) and
+``causal``/``scale``/``return_lse``, which finds an
+:class:`~flashtune.kernel_templates.attn_fwd.plan.AttnFwdPlan` -- the resolved config's
+compiled kernel with its fixed arguments -- then the output allocation and the launch. The
+key holds everything the input checks and Triton's specialisation depend on, so a hit needs
+neither again. No database query, file read or recompile per call; configs come from
+:class:`flashtune.runtime.lookup.Dispatcher`, loaded once per process and device. Without
+plans (the interpreter, a Triton without the internals :mod:`~flashtune.kernel_templates.direct`
+uses, a launch hook installed) calls check their inputs and go through the launcher.
+
+Under ``torch.compile`` the call goes through the custom op ``flashtune::attention_fwd``
+(registered with :mod:`torch.library`, with a fake implementation), so a compiled model
+traces it without a graph break; eager calls skip the op dispatcher's overhead.
+"""
 
 from __future__ import annotations
 
+import json
+import logging
+import os
+import threading
 from functools import lru_cache
-from typing import Any, Mapping
+from typing import Any, Callable, Iterable, Mapping, Optional
 
 import torch
 
-from flashtune.autotune.devices import DeviceFingerprint, current_device
+from flashtune.autotune.devices import DeviceFingerprint, current_device, interpreting
 from flashtune.autotune.problems import AttentionProblem
 from flashtune.autotune.spaces import Config
 from flashtune.errors import ConfigError
-from flashtune.kernel_templates import get_template
+from flashtune.kernel_templates import direct, get_template
+from flashtune.kernel_templates.attn_fwd.plan import AttnFwdPlan
 from flashtune.runtime.checks import check_attention_inputs
+from flashtune.runtime.lookup import ConfigChoice, Dispatcher
+
+log = logging.getLogger(__name__)
+
+__all__ = ["attention", "lookup_config", "reload_configs", "warmup"]
 
 _FWD = get_template("attn_fwd")
+_DISPATCH = Dispatcher(_FWD)
+# (q.shape, k.shape, dtype, device index, causal) -> config: the per-call lookup
+_FAST: dict[tuple[Any, ...], Config] = {}
+# the plan key (see _plan_key) -> the launch plan of a CUDA call signature
+_PLANS: dict[tuple[Any, ...], AttnFwdPlan] = {}
+_DIRECT = direct.supported()
+_Tensor = torch.Tensor
+_AUTOTUNED: set[AttentionProblem] = set()
+_AUTOTUNE_LOCK = threading.Lock()
+AUTOTUNE_TRIALS = 30
 
 
 @lru_cache(maxsize=None)
@@ -23,9 +59,8 @@ def _device(device_type: str, index: int | None) -> DeviceFingerprint:
                           else torch.device(device_type))
 
 
-@lru_cache(maxsize=4096)
-def _default_for(problem: AttentionProblem, device: DeviceFingerprint) -> Config:
-    return _FWD.default_config(problem, device)
+def _device_of(q: torch.Tensor) -> DeviceFingerprint:
+    return _device(q.device.type, q.device.index)
 
 
 def _explicit_config(config: Mapping[str, Any], problem: AttentionProblem,
@@ -35,6 +70,106 @@ def _explicit_config(config: Mapping[str, Any], problem: AttentionProblem,
     if reason is not None:
         raise ConfigError(f"config {cfg} cannot run {problem.describe()} on {device.name}: {reason}")
     return cfg
+
+
+def _autotune_enabled() -> bool:
+    return os.environ.get("FLASHTUNE_AUTOTUNE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _autotune(problem: AttentionProblem, device: DeviceFingerprint) -> None:
+    """Opt-in (``FLASHTUNE_AUTOTUNE=1``): tune ``problem`` now, once per process, into the
+    tuning database, then reload. Failures are logged, never raised."""
+    with _AUTOTUNE_LOCK:
+        if problem in _AUTOTUNED:
+            return
+        _AUTOTUNED.add(problem)
+        from flashtune.autotune.jobs import TuneOptions, tune
+
+        trials = int(os.environ.get("FLASHTUNE_AUTOTUNE_TRIALS", AUTOTUNE_TRIALS))
+        log.warning("flashtune: FLASHTUNE_AUTOTUNE=1: tuning %s now (%d trials)",
+                    problem.describe(), trials)
+        try:
+            tune([problem], TuneOptions(trials=trials, interpret=device.is_interpreter),
+                 progress=False)
+        except Exception as exc:  # noqa: BLE001 - a failed tuning must not fail the call
+            log.warning("flashtune: tuning %s failed: %s", problem.describe(), exc)
+        reload_configs()
+
+
+def _choose(problem: AttentionProblem, device: DeviceFingerprint) -> ConfigChoice:
+    choice = _DISPATCH.choose(problem, device)
+    if choice.source != "exact" and _autotune_enabled() and problem not in _AUTOTUNED:
+        _autotune(problem, device)
+        choice = _DISPATCH.choose(problem, device)
+    return choice
+
+
+def _resolve(q: torch.Tensor, k: torch.Tensor, causal: bool, key: tuple[Any, ...]) -> Config:
+    problem = AttentionProblem.from_tensors(q, k, causal=causal)
+    cfg = _choose(problem, _device_of(q)).config
+    _FAST[key] = cfg
+    return cfg
+
+
+def _plan_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+              scale: Any, return_lse: bool) -> tuple[Any, ...]:
+    """Everything the input checks, the config choice and Triton's specialisation read."""
+    return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(),
+            q.dtype, k.dtype, v.dtype, q.get_device(), k.get_device(), v.get_device(),
+            causal, scale, return_lse, (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15 == 0)
+
+
+def _new_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: Config, causal: bool,
+              scale: float | None, return_lse: bool, key: tuple[Any, ...]) -> AttnFwdPlan | None:
+    global _DIRECT
+    try:
+        plan = AttnFwdPlan(q, k, v, cfg, causal=causal, scale=scale, return_lse=return_lse)
+    except Exception as exc:  # noqa: BLE001 - Triton internals moved: launch the normal way
+        _DIRECT = False
+        log.warning("flashtune: direct launches disabled (%s: %s); calls go through "
+                    "Triton's launcher", type(exc).__name__, exc)
+        return None
+    _PLANS[key] = plan
+    return plan
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+               scale: float | None, return_lse: bool,
+               config: Mapping[str, int] | None) -> Any:
+    key = None
+    if config is None and _DIRECT and type(q) is _Tensor and type(k) is _Tensor \
+            and type(v) is _Tensor and q.is_cuda:
+        key = _plan_key(q, k, v, causal, scale, return_lse)
+        plan = _PLANS.get(key)
+        if plan is not None and _current_device() == plan.device_index \
+                and not direct.hooks_installed():
+            return plan(q, k, v, _current_stream(plan.device_index))
+    check_attention_inputs(q, k, v, scale)
+    if config is None:
+        fast_key = (q.shape, k.shape, q.dtype, q.get_device(), causal)
+        cfg = _FAST.get(fast_key)
+        if cfg is None:
+            cfg = _resolve(q, k, causal, fast_key)
+        if key is not None and _current_device() == q.get_device() \
+                and not direct.hooks_installed():
+            plan = _new_plan(q, k, v, cfg, causal, scale, return_lse, key)
+            if plan is not None:
+                return plan(q, k, v, _current_stream(plan.device_index))
+    else:
+        cfg = _explicit_config(config, AttentionProblem.from_tensors(q, k, causal=causal),
+                               _device_of(q))
+    return _FWD.launcher(q, k, v, cfg, causal=causal, scale=scale, return_lse=return_lse)
+
+
+def _torch_current_stream(index: int) -> int:
+    return int(torch.cuda.current_stream(index).cuda_stream)
+
+
+# what Triton's own launch path calls (CUDA builds of torch; CPU builds build no plans)
+_current_device: Callable[[], int] = getattr(torch._C, "_cuda_getDevice",
+                                             torch.cuda.current_device)
+_current_stream: Callable[[int], int] = getattr(torch._C, "_cuda_getCurrentRawStream",
+                                                _torch_current_stream)
 
 
 def attention(
@@ -63,8 +198,9 @@ def attention(
             zeros (and LSE ``-inf``).
         scale: softmax scale; default ``1 / sqrt(head_dim)``.
         return_lse: also return the float32 log-sum-exp ``(batch, heads_q, seqlen_q)``.
-        config: explicit kernel config (keys of the ``attn_fwd`` space); default: the
-            template's default for this problem and device.
+        config: explicit kernel config (keys of the ``attn_fwd`` space; ``USE_TMA`` and
+            ``REVERSE_M`` optional). Default: the tuned config for this device and shape,
+            found as :func:`lookup_config` describes.
     Returns:
         ``out`` of ``q``'s shape and dtype (contiguous), or ``(out, lse)``.
     Raises:
@@ -72,11 +208,89 @@ def attention(
         ConfigError (``ValueError``) for a config outside the space, DeviceError for CPU
         tensors without the interpreter. All before any launch.
     """
-    check_attention_inputs(q, k, v, scale)
-    problem = AttentionProblem.from_tensors(q, k, causal=causal)
-    device = _device(q.device.type, q.device.index)
-    if config is None:
-        cfg = _default_for(problem, device)
-    else:
-        cfg = _explicit_config(config, problem, device)
-    return _FWD.launcher(q, k, v, cfg, causal=causal, scale=scale, return_lse=return_lse)
+    if torch.compiler.is_compiling():
+        out, lse = torch.ops.flashtune.attention_fwd(
+            q, k, v, bool(causal), scale, bool(return_lse),
+            None if config is None else json.dumps(dict(config), sort_keys=True))
+        return (out, lse) if return_lse else out
+    return _attention(q, k, v, causal, scale, return_lse, config)
+
+
+def lookup_config(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                  causal: bool = False) -> ConfigChoice:
+    """Which config :func:`attention` runs these inputs with, and why.
+
+    The chain: tuned for this exact problem on this device (``source="exact"``), else for
+    a problem of the same bucket (``"bucket"``), else the nearest tuned problem
+    (``"nearest"``), else one tuned on a similar device when ``FLASHTUNE_DEVICE_ALIAS=1``
+    (``"device-alias"``), else the template default (``"default"``). Sources: the tuning
+    database (``$FLASHTUNE_DB``, read-only), JSON files in ``$FLASHTUNE_CONFIG_DIR``, and
+    the configs shipped in ``flashtune/configs/``. The returned
+    :class:`~flashtune.runtime.lookup.ConfigChoice` carries the config, its source, the
+    measured TFLOP/s when known and where the config came from.
+    """
+    check_attention_inputs(q, k, v, None)
+    return _choose(AttentionProblem.from_tensors(q, k, causal=causal), _device_of(q))
+
+
+def reload_configs(*, device_alias: bool | None = None, db_url: str | None = None) -> None:
+    """Drop the loaded configs; the next call reads the sources again.
+
+    ``device_alias``: also serve configs tuned on another device of the same compute
+    capability and shared-memory size (None: ``$FLASHTUNE_DEVICE_ALIAS``). ``db_url``: read
+    this database instead of ``$FLASHTUNE_DB`` / the default one.
+    """
+    _DISPATCH.reload(device_alias=device_alias, db_url=db_url)
+    _FAST.clear()
+    _PLANS.clear()
+
+
+def warmup(problems: Iterable[AttentionProblem] | None = None, *,
+           device: torch.device | str | None = None,
+           return_lse: bool = False) -> list[tuple[AttentionProblem, ConfigChoice]]:
+    """Compile, in this process, the kernels :func:`attention` will launch for ``problems``
+    (default: every problem tuned exactly for this device), so their first calls do not
+    compile. Returns each problem with the config it resolved to. Kernels are specialised
+    for contiguous inputs; ``return_lse`` selects the variant that also stores the LSE.
+    Under the Triton interpreter nothing is compiled.
+    """
+    from flashtune.autotune.precompile import attn_fwd_warmup_args
+
+    torch_device = torch.device(device) if device is not None else (
+        torch.device("cpu") if interpreting() else torch.device("cuda", torch.cuda.current_device()))
+    dev = _device(torch_device.type, torch_device.index)
+    todo = list(problems) if problems is not None else _DISPATCH.tuned_problems(dev)
+    done = []
+    for problem in todo:
+        choice = _choose(problem, dev)
+        if not dev.is_interpreter:
+            args, kwargs, grid = attn_fwd_warmup_args(problem, choice.config,
+                                                      return_lse=return_lse)
+            with torch.cuda.device(torch_device):
+                _FWD.kernel.warmup(*args, grid=grid, **kwargs)
+        done.append((problem, choice))
+    return done
+
+
+# -- torch.library: the op torch.compile sees -------------------------------------------------
+
+
+@torch.library.custom_op("flashtune::attention_fwd", mutates_args=())
+def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                  scale: Optional[float], return_lse: bool,
+                  config_json: Optional[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    config = json.loads(config_json) if config_json else None
+    if return_lse:
+        out, lse = _attention(q, k, v, causal, scale, True, config)
+        return out, lse
+    out = _attention(q, k, v, causal, scale, False, config)
+    return out, q.new_empty((0,), dtype=torch.float32)
+
+
+@_attention_op.register_fake
+def _attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                    scale: Optional[float], return_lse: bool,
+                    config_json: Optional[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse_shape = tuple(q.shape[:3]) if return_lse else (0,)
+    return out, q.new_empty(lse_shape, dtype=torch.float32)

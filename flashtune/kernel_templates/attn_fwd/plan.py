@@ -1,0 +1,80 @@
+"""A launch plan for one attn_fwd call signature: what the runtime replays after a shape's
+first call.
+
+:class:`AttnFwdPlan` is built from one real call (tensors, config, causal, scale,
+return_lse) and launches the same compiled kernel for later calls whose tensors have the same
+shapes, strides, dtypes, device and 16-byte alignment (the caller's key), allocating the
+output and building the host TMA descriptors per call and nothing else. Arguments come from
+:func:`~flashtune.kernel_templates.attn_fwd.launcher.kernel_args`, the function the launcher
+and the precompiler use, so the plan runs exactly the kernel ``attn_fwd`` would.
+
+Not part of the template's source hash: it changes how a kernel is launched, not which code
+is generated.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+import torch
+
+from flashtune.kernel_templates.attn_fwd.kernel import attn_fwd_kernel
+from flashtune.kernel_templates.attn_fwd.launcher import kernel_args, tma_ok
+from flashtune.kernel_templates.direct import DirectLaunch, HostDesc
+
+__all__ = ["AttnFwdPlan"]
+
+_VARYING = 9  # Q, K, V, Out, Lse, desc_q, desc_k, desc_v, desc_o
+
+
+class AttnFwdPlan:
+    """Replays ``attn_fwd(q, k, v, config, causal=, scale=, return_lse=)`` for CUDA tensors
+    like the ones it was built from; call it as ``plan(q, k, v, stream)``.
+
+    Building compiles the kernel if Triton's cache lacks it; do it with the tensors' device
+    current (``device_index``), and call the plan only while that device is current.
+    """
+
+    __slots__ = ("device_index", "_launch", "_out_shape", "_lse_shape", "_dtype", "_device",
+                 "_tma", "_return_lse")
+
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 config: Mapping[str, int], *, causal: bool, scale: float | None,
+                 return_lse: bool) -> None:
+        if q.device.type != "cuda":
+            raise ValueError("launch plans are for CUDA tensors")
+        batch, heads_q, seqlen_q, head_dim = q.shape
+        if scale is None:
+            scale = 1.0 / math.sqrt(head_dim)
+        self.device_index = q.get_device()
+        self._device, self._dtype, self._return_lse = q.device, q.dtype, bool(return_lse)
+        self._out_shape = (batch, heads_q, seqlen_q, head_dim)
+        self._lse_shape = (batch, heads_q, seqlen_q)
+        out = torch.empty(self._out_shape, dtype=q.dtype, device=q.device)
+        lse = (torch.empty(self._lse_shape, dtype=torch.float32, device=q.device)
+               if return_lse else None)
+        use_tma = bool(config.get("USE_TMA", 0)) and tma_ok(q, k, v, out)
+        args, kwargs, grid = kernel_args(q, k, v, out, lse, config, causal=causal, scale=scale,
+                                         use_tma=use_tma, upcast_dot=False)
+        # (shape, strides) per descriptor, validated by kernel_args' TensorDescriptors above
+        self._tma = tuple((list(t.shape), list(t.stride())) for t in (q, k, v, out)) \
+            if use_tma else None
+        with torch.cuda.device(self.device_index):
+            self._launch = DirectLaunch(attn_fwd_kernel, args, kwargs, grid, _VARYING)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 stream: int) -> Any:
+        out = torch.empty(self._out_shape, dtype=self._dtype, device=self._device)
+        lse = (torch.empty(self._lse_shape, dtype=torch.float32, device=self._device)
+               if self._return_lse else None)
+        tma = self._tma
+        if tma is not None:
+            (qs, qt), (ks, kt), (vs, vt), (os_, ot) = tma
+            self._launch(stream, q, k, v, out, out if lse is None else lse,
+                         HostDesc(q, qs, qt), HostDesc(k, ks, kt), HostDesc(v, vs, vt),
+                         HostDesc(out, os_, ot))
+        else:
+            self._launch(stream, q, k, v, out, out if lse is None else lse,
+                         None, None, None, None)
+        return (out, lse) if lse is not None else out

@@ -1,0 +1,201 @@
+"""The lookup chain: which config a call runs with, and why.
+
+For a problem on a device, :meth:`Dispatcher.choose` walks one chain and stops at the first
+step that yields a config the template's validity predicate accepts for *this* problem and
+device:
+
+1. ``exact``: a config tuned for this very problem on this device;
+2. ``bucket``: one tuned for a problem of the same bucket
+   (:meth:`AttentionProblem.bucket`: sequence lengths and batch rounded up to powers of
+   two), the nearest of them;
+3. ``nearest``: the nearest tuned problem on this device by :meth:`AttentionProblem.distance`
+   (finite only when dtype, head_dim, causal and the GQA group agree; otherwise the sum of
+   ``|log2|`` ratios of the sequence lengths plus half that of batch x heads);
+4. ``device-alias`` (opt-in: ``FLASHTUNE_DEVICE_ALIAS=1`` or ``reload_configs(
+   device_alias=True)``): the same three steps over configs tuned on another device of
+   the same compute capability and shared-memory size;
+5. ``default``: the template's default config for the problem and device (logged once per
+   problem, never per call).
+
+Ties are broken by the faster measured config. Entries are loaded lazily, once per process
+and device, from :mod:`flashtune.runtime.sources`; :meth:`Dispatcher.reload` drops them.
+Choices are memoised per (device, problem): after the first call a lookup is one dict read.
+Thread-safe: loading and memoising happen under a lock; reads of the memo need none.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from flashtune.autotune.problems import AttentionProblem
+from flashtune.runtime.sources import DeviceKey, TunedEntry, device_key, load_entries
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ConfigChoice", "Dispatcher", "SOURCES"]
+
+SOURCES = ("explicit", "exact", "bucket", "nearest", "device-alias", "default")
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+@dataclass(frozen=True)
+class ConfigChoice:
+    """The config a call runs with and why.
+
+    Attributes:
+        config: the kernel config (every key of the template's space).
+        source: one of :data:`SOURCES`.
+        tflops: measured TFLOP/s of ``config`` on ``tuned_problem`` (None if unknown).
+        median_ms: measured time of ``config`` on ``tuned_problem`` (None if unknown).
+        tuned_problem: the problem the config was tuned for (None for default/explicit).
+        origin: where the config came from (``db <url>``, ``dir <path>``,
+            ``package <path>``, ``template default``, ``argument``).
+    """
+
+    config: dict[str, int]
+    source: str
+    tflops: float | None = None
+    median_ms: float | None = None
+    tuned_problem: AttentionProblem | None = None
+    origin: str = ""
+
+
+class _Table:
+    """The entries usable on one device: own (by device key) and aliases."""
+
+    def __init__(self, own: list[TunedEntry], alias: list[TunedEntry]) -> None:
+        self.own = own
+        self.alias = alias
+        self.exact = {}
+        for e in own:  # first wins: sources come in precedence order
+            self.exact.setdefault(e.problem, e)
+
+
+class Dispatcher:
+    """Per-process config resolution for one template (see the module docstring)."""
+
+    def __init__(self, spec: Any) -> None:
+        self.spec = spec
+        self._lock = threading.RLock()
+        self._tables: dict[DeviceKey, _Table] = {}
+        self._memo: dict[tuple[DeviceKey, AttentionProblem], ConfigChoice] = {}
+        self._warned: set[Any] = set()
+        self._aliases: bool | None = None  # None: read FLASHTUNE_DEVICE_ALIAS
+        self._db_url: str | None = None
+
+    # -- loading ----------------------------------------------------------------------------
+
+    def reload(self, *, device_alias: bool | None = None, db_url: str | None = None) -> None:
+        """Forget loaded entries and memoised choices; the next lookup reads the sources."""
+        with self._lock:
+            self._tables.clear()
+            self._memo.clear()
+            self._warned.clear()
+            self._aliases = device_alias
+            self._db_url = db_url
+
+    def _aliases_on(self) -> bool:
+        return _env_flag("FLASHTUNE_DEVICE_ALIAS") if self._aliases is None else self._aliases
+
+    def _table(self, device: Any) -> _Table:
+        key = device_key(device)
+        table = self._tables.get(key)
+        if table is not None:
+            return table
+        with self._lock:
+            table = self._tables.get(key)
+            if table is not None:
+                return table
+            aliases = self._aliases_on()
+            entries, problems = load_entries(self.spec.name, self.spec.source_hash,
+                                             device.name, aliases=aliases,
+                                             db_url=self._db_url)
+            for reason in problems:
+                self._warn_once(("source", reason), "flashtune: %s; serving what the other "
+                                "sources have (else defaults)", reason)
+            own = [e for e in entries if e.device == key]
+            alias = [e for e in entries if aliases and e.device != key
+                     and (e.device[1], e.device[3]) == (key[1], key[3])]
+            table = self._tables[key] = _Table(own, alias)
+            log.debug("%s on %s: %d tuned configs, %d from similar devices", self.spec.name,
+                      device.name, len(own), len(alias))
+            return table
+
+    def tuned_problems(self, device: Any) -> list[AttentionProblem]:
+        """Every problem with a config tuned on ``device`` itself, in source order."""
+        return list(self._table(device).exact)
+
+    # -- choosing ---------------------------------------------------------------------------
+
+    def cached(self, device: Any, problem: AttentionProblem) -> ConfigChoice | None:
+        return self._memo.get((device_key(device), problem))
+
+    def choose(self, problem: AttentionProblem, device: Any) -> ConfigChoice:
+        """The config for ``problem`` on ``device`` (memoised)."""
+        memo_key = (device_key(device), problem)
+        found = self._memo.get(memo_key)
+        if found is not None:
+            return found
+        with self._lock:
+            found = self._memo.get(memo_key)
+            if found is None:
+                found = self._memo[memo_key] = self._walk(problem, device)
+        return found
+
+    def _usable(self, entry: TunedEntry, problem: AttentionProblem, device: Any) -> bool:
+        return self.spec.space.check(entry.config, problem, device) is None
+
+    def _pick(self, entries: list[TunedEntry], problem: AttentionProblem, device: Any,
+              same_bucket: bool) -> TunedEntry | None:
+        bucket = problem.bucket()
+        best: tuple[float, float, int] | None = None
+        pick = None
+        for i, e in enumerate(entries):
+            if same_bucket and e.problem.bucket() != bucket:
+                continue
+            dist = problem.distance(e.problem)
+            if not math.isfinite(dist) or not self._usable(e, problem, device):
+                continue
+            rank = (dist, e.median_ms / max(e.problem.flops(), 1.0), i)
+            if best is None or rank < best:
+                best, pick = rank, e
+        return pick
+
+    def _walk(self, problem: AttentionProblem, device: Any) -> ConfigChoice:
+        table = self._table(device)
+        exact = table.exact.get(problem)
+        if exact is not None and self._usable(exact, problem, device):
+            return _choice(exact, "exact")
+        for source, entries, same_bucket in (("bucket", table.own, True),
+                                             ("nearest", table.own, False),
+                                             ("device-alias", table.alias, False)):
+            entry = self._pick(entries, problem, device, same_bucket)
+            if entry is not None:
+                log.info("%s: using the config tuned for %s (%s, %s)", problem.describe(),
+                         entry.problem.describe(), source, entry.origin)
+                return _choice(entry, source)
+        self._warn_once(("default", problem), "flashtune: no tuned %s config for %s on %s; "
+                        "using the template default (run `flashtune tune` for this shape)",
+                        self.spec.name, problem.describe(), device.name)
+        return ConfigChoice(dict(self.spec.default_config(problem, device)), "default",
+                            origin="template default")
+
+    def _warn_once(self, key: Any, msg: str, *args: Any) -> None:
+        with self._lock:
+            if key in self._warned:
+                return
+            self._warned.add(key)
+        log.warning(msg, *args)
+
+
+def _choice(entry: TunedEntry, source: str) -> ConfigChoice:
+    return ConfigChoice(dict(entry.config), source, entry.tflops, entry.median_ms,
+                        entry.problem, entry.origin)

@@ -1,0 +1,335 @@
+"""The dispatcher: every step of the lookup chain, every source, failures, threads, the hot
+path, opt-in autotuning, torch.compile (CPU: the interpreter device)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pytest
+import torch
+
+import flashtune
+from flashtune.autotune.devices import DeviceFingerprint, interpreter_device
+from flashtune.autotune.problems import AttentionProblem
+from flashtune.db import open_store
+from flashtune.db.exchange import (
+    ConfigDocument,
+    ConfigEntry,
+    DeviceInfo,
+    config_file_name,
+    document_to_json,
+)
+from flashtune.kernel_templates import get_template
+from flashtune.runtime import lookup as lookup_mod
+from flashtune.runtime import ops, sources
+from tests.conftest import DEVICE
+
+pytestmark = pytest.mark.skipif(DEVICE != "cpu", reason="the interpreter device's own tables")
+
+SPEC = get_template("attn_fwd")
+HERE = interpreter_device()
+# another device of the same compute capability and shared memory: a candidate alias
+TWIN = DeviceFingerprint("cpu-twin", HERE.compute_capability, HERE.sm_count + 1,
+                         HERE.shared_mem_per_block, 0)
+BASE = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 2, "num_stages": 1, "USE_TMA": 0,
+        "REVERSE_M": 0}
+
+
+def cfg(bm: int = 16, bn: int = 16) -> dict[str, int]:
+    return {**BASE, "BLOCK_M": bm, "BLOCK_N": bn}
+
+
+def prob(nq: int = 64, nk: int | None = None, b: int = 1, d: int = 32, causal: bool = False,
+         hq: int = 2, hkv: int = 2) -> AttentionProblem:
+    return AttentionProblem(b, hq, hkv, nq, nk or nq, d, causal, "fp16")
+
+
+def tensors(p: AttentionProblem):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(p.batch, p.heads_q, p.seqlen_q, p.head_dim, generator=g).half()
+    k = torch.randn(p.batch, p.heads_kv, p.seqlen_k, p.head_dim, generator=g).half()
+    return q, k, torch.randn_like(k)
+
+
+def populate(url: str, entries: list[tuple[DeviceFingerprint, AttentionProblem, dict, float]],
+             source_hash: str = SPEC.source_hash) -> None:
+    with open_store(url) as store:
+        for dev, p, config, ms in entries:
+            d = store.ensure_device(dev)
+            t = store.ensure_template("attn_fwd", source_hash)
+            pr = store.ensure_problem("attn_fwd", p.key(), p.bucket())
+            store.offer_best(d.id, t.id, pr.id, config=config, median_ms=ms, tflops=1.0,
+                             trial_id=None, trials_count=1)
+
+
+def write_doc(folder: Path, dev: DeviceFingerprint,
+              entries: list[tuple[AttentionProblem, dict, float]],
+              source_hash: str = SPEC.source_hash) -> Path:
+    now = datetime.now(timezone.utc)
+    doc = ConfigDocument(
+        device=DeviceInfo(dev.name, dev.compute_capability, dev.sm_count,
+                          dev.shared_mem_per_block, dev.total_memory),
+        software={}, template="attn_fwd", source_hash=source_hash,
+        entries=tuple(ConfigEntry(p.key(), p.bucket(), SPEC.space.validate(c), ms, 2.0, 5, now)
+                      for p, c, ms in entries),
+        exported_at=now)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / config_file_name(dev.name, "attn_fwd")
+    path.write_text(document_to_json(doc))
+    return path
+
+
+@pytest.fixture
+def env(tmp_path, monkeypatch):
+    """Isolated sources: a database URL, a config dir, a package dir; fresh dispatcher."""
+    db = f"sqlite:///{tmp_path / 'ft.db'}"
+    cdir, pdir = tmp_path / "configs", tmp_path / "package"
+    monkeypatch.setenv("FLASHTUNE_DB", db)
+    monkeypatch.setenv("FLASHTUNE_CONFIG_DIR", str(cdir))
+    monkeypatch.delenv("FLASHTUNE_DEVICE_ALIAS", raising=False)
+    monkeypatch.delenv("FLASHTUNE_AUTOTUNE", raising=False)
+    real_dirs = sources.source_dirs
+    monkeypatch.setattr(sources, "source_dirs",
+                        lambda: [d for d in real_dirs() if d[0] == "dir"] + [("package", pdir)])
+    flashtune.reload_configs()
+    yield {"db": db, "dir": cdir, "package": pdir}
+    flashtune.reload_configs()
+
+
+def choice(p: AttentionProblem) -> flashtune.ConfigChoice:
+    q, k, v = tensors(p)
+    return flashtune.lookup_config(q, k, v, causal=p.causal)
+
+
+# -- the chain ----------------------------------------------------------------------------------
+
+
+def test_exact_bucket_nearest_default(env):
+    tuned = prob(64)
+    populate(env["db"], [(HERE, tuned, cfg(32, 16), 1.0)])
+    exact = choice(tuned)
+    assert (exact.source, exact.config, exact.tuned_problem) == ("exact", cfg(32, 16), tuned)
+    assert exact.tflops == 1.0 and exact.origin.startswith("db ")
+    assert choice(prob(60)).source == "bucket"  # 60 and 64 share the power-of-two bucket
+    near = choice(prob(200))
+    assert near.source == "nearest" and near.config == cfg(32, 16)
+    assert near.tuned_problem == tuned
+    other_d = choice(prob(64, d=64))  # another head_dim never borrows a config
+    assert other_d.source == "default" and other_d.tflops is None
+    assert other_d.config == SPEC.default_config(prob(64, d=64), HERE)
+
+
+def test_nearest_prefers_the_closest_then_the_faster(env):
+    populate(env["db"], [(HERE, prob(64), cfg(32, 16), 1.0), (HERE, prob(512), cfg(64, 16), 1.0),
+                         (HERE, prob(1024), cfg(16, 32), 1.0)])
+    assert choice(prob(400)).config == cfg(64, 16)   # log2 distance: 512 is closest
+    assert choice(prob(100)).config == cfg(32, 16)
+
+
+def test_a_config_that_cannot_run_the_problem_is_skipped(env):
+    # REVERSE_M is pruned for non-causal problems: the causal entry cannot serve them
+    populate(env["db"], [(HERE, prob(64, causal=True), {**cfg(), "REVERSE_M": 1}, 1.0)])
+    assert choice(prob(64, causal=True)).source == "exact"
+    assert choice(prob(64, causal=False)).source == "default"
+
+
+def test_device_alias_is_opt_in(env, tmp_path):
+    populate(env["db"], [(TWIN, prob(64), cfg(32, 32), 1.0)])
+    assert choice(prob(64)).source == "default"
+    flashtune.reload_configs(device_alias=True)
+    alias = choice(prob(64))
+    assert alias.source == "device-alias" and alias.config == cfg(32, 32)
+
+
+def test_device_alias_from_files_of_other_devices(env, monkeypatch):
+    write_doc(env["dir"], TWIN, [(prob(64), cfg(16, 32), 1.0)])
+    assert choice(prob(64)).source == "default"  # other devices' files are not even read
+    monkeypatch.setenv("FLASHTUNE_DEVICE_ALIAS", "1")
+    flashtune.reload_configs()
+    assert choice(prob(64)).source == "device-alias"
+
+
+# -- sources ------------------------------------------------------------------------------------
+
+
+def test_each_source_alone(env):
+    write_doc(env["package"], HERE, [(prob(64), cfg(16, 32), 1.0)])
+    got = choice(prob(64))
+    assert got.source == "exact" and got.origin.startswith("package ")
+    write_doc(env["dir"], HERE, [(prob(64), cfg(32, 32), 1.0)])
+    flashtune.reload_configs()
+    got = choice(prob(64))
+    assert got.config == cfg(32, 32) and got.origin.startswith("dir ")
+    populate(env["db"], [(HERE, prob(64), cfg(64, 16), 1.0)])
+    flashtune.reload_configs()
+    assert choice(prob(64)).config == cfg(64, 16)  # database > config dir > package
+
+
+def test_the_file_name_is_the_exporters(env):
+    path = write_doc(env["dir"], HERE, [(prob(64), cfg(16, 32), 1.0)])
+    assert path.name == f"device_name={HERE.name},template=attn_fwd.json"
+    path.rename(path.with_name("renamed.json"))
+    flashtune.reload_configs()
+    assert choice(prob(64)).source == "default"
+
+
+def test_stale_configs_are_never_served(env):
+    populate(env["db"], [(HERE, prob(64), cfg(32, 16), 1.0)], source_hash="0" * 16)
+    write_doc(env["dir"], HERE, [(prob(64), cfg(16, 32), 1.0)], source_hash="1" * 16)
+    assert choice(prob(64)).source == "default"
+
+
+@pytest.mark.parametrize("damage", ["garbage-db", "newer-schema-db", "corrupt-json",
+                                    "hostile-json", "dir-is-a-file"])
+def test_a_bad_source_serves_defaults_with_one_warning(env, damage, caplog):
+    db_path = Path(env["db"].removeprefix("sqlite:///"))
+    good = prob(128, d=16)  # another head_dim: never "nearest" for prob(64)
+    write_doc(env["package"], HERE, [(good, cfg(32, 32), 1.0)])  # a good source too
+    if damage == "garbage-db":
+        db_path.write_bytes(b"this is not a database" * 100)
+    elif damage == "newer-schema-db":
+        populate(env["db"], [(HERE, prob(64), cfg(), 1.0)])
+        import sqlite3
+
+        from flashtune.db.schema import VERSION_TABLE
+        with sqlite3.connect(db_path) as conn:
+            conn.execute(f"UPDATE {VERSION_TABLE} SET version_num = '9999'")
+    elif damage == "corrupt-json":
+        path = write_doc(env["dir"], HERE, [(prob(64), cfg(), 1.0)])
+        path.write_text(path.read_text()[:-40])
+    elif damage == "hostile-json":
+        path = write_doc(env["dir"], HERE, [(prob(64), cfg(), 1.0)])
+        path.write_text(path.read_text().replace('"median_ms": 1.0', '"median_ms": NaN'))
+    else:
+        env["dir"].parent.mkdir(parents=True, exist_ok=True)
+        env["dir"].write_text("a file where a folder should be")
+    with caplog.at_level(logging.WARNING, logger="flashtune"):
+        for _ in range(3):
+            got = choice(prob(64))
+            assert got.source == "default"
+        assert choice(good).source == "exact"  # the good source still serves
+        q, k, v = tensors(prob(64))
+        flashtune.attention(q, k, v)  # and calls run
+    skipped = [r for r in caplog.records if "skipped" in r.getMessage()]
+    assert len(skipped) == (0 if damage == "dir-is-a-file" else 1), caplog.text
+
+
+def test_a_missing_database_is_silent(env, caplog):
+    with caplog.at_level(logging.WARNING, logger="flashtune"):
+        choice(prob(128))
+    assert "skipped" not in caplog.text
+    assert not Path(env["db"].removeprefix("sqlite:///")).exists()  # never created
+
+
+def test_default_fallback_is_logged_once_per_shape(env, caplog):
+    with caplog.at_level(logging.WARNING, logger="flashtune"):
+        for n in (64, 64, 64, 80, 80):
+            q, k, v = tensors(prob(n))
+            flashtune.attention(q, k, v)
+    lines = [r.getMessage() for r in caplog.records if "template default" in r.getMessage()]
+    assert len(lines) == 2 and "Nq=64" in lines[0] and "Nq=80" in lines[1]
+
+
+# -- the hot path ---------------------------------------------------------------------------------
+
+
+def test_sources_are_read_once_and_calls_do_one_dict_read(env, monkeypatch):
+    populate(env["db"], [(HERE, prob(64), cfg(32, 16), 1.0)])
+    loads, resolves = [], []
+    real_load, real_resolve = lookup_mod.load_entries, ops._resolve
+    monkeypatch.setattr(lookup_mod, "load_entries", lambda *a, **k: (loads.append(a),
+                                                                     real_load(*a, **k))[1])
+    monkeypatch.setattr(ops, "_resolve", lambda *a: (resolves.append(a), real_resolve(*a))[1])
+    q, k, v = tensors(prob(64))
+    for _ in range(5):
+        flashtune.attention(q, k, v)
+    q2, k2, v2 = tensors(prob(40))
+    flashtune.attention(q2, k2, v2)
+    assert len(loads) == 1 and len(resolves) == 2
+    flashtune.reload_configs()
+    flashtune.attention(q, k, v)
+    assert len(loads) == 2
+
+
+def test_concurrent_lookups_from_threads(env, monkeypatch):
+    populate(env["db"], [(HERE, prob(64), cfg(32, 16), 1.0), (HERE, prob(256), cfg(64, 16), 1.0)])
+    loads = []
+    real_load = lookup_mod.load_entries
+    monkeypatch.setattr(lookup_mod, "load_entries", lambda *a, **k: (loads.append(a),
+                                                                     real_load(*a, **k))[1])
+    shapes = [prob(n) for n in (64, 60, 256, 200, 1000, 48)]
+    expected = {}
+    errors = []
+    barrier = threading.Barrier(8)
+
+    def worker(i: int) -> None:
+        try:
+            barrier.wait()
+            for j in range(30):
+                p = shapes[(i + j) % len(shapes)]
+                got = choice(p)
+                prior = expected.setdefault(p, got)
+                assert got == prior
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(loads) == 1
+    assert expected[prob(64)].source == "exact" and expected[prob(1000)].source == "nearest"
+
+
+def test_explicit_config_still_wins(env):
+    populate(env["db"], [(HERE, prob(64), cfg(32, 16), 1.0)])
+    q, k, v = tensors(prob(64))
+    out = flashtune.attention(q, k, v, config=cfg(16, 32))
+    assert torch.equal(out, SPEC.launcher(q, k, v, cfg(16, 32)))
+
+
+def test_warmup_resolves_every_tuned_problem(env):
+    populate(env["db"], [(HERE, prob(64), cfg(32, 16), 1.0), (HERE, prob(96), cfg(16, 16), 1.0)])
+    done = flashtune.warmup()
+    assert {p: c.source for p, c in done} == {prob(64): "exact", prob(96): "exact"}
+    [(p, c)] = flashtune.warmup([prob(200)])
+    assert c.source == "nearest"
+
+
+# -- opt-in autotuning and torch.compile ----------------------------------------------------------
+
+
+def test_autotune_is_opt_in_and_runs_once(env, monkeypatch):
+    from flashtune.autotune import runners
+
+    monkeypatch.setattr(runners, "INTERPRETER_REPS", 1)
+    monkeypatch.setenv("FLASHTUNE_AUTOTUNE", "1")
+    monkeypatch.setenv("FLASHTUNE_AUTOTUNE_TRIALS", "2")
+    p = prob(48, causal=True)
+    q, k, v = tensors(p)
+    out = flashtune.attention(q, k, v, causal=True)
+    assert choice(p).source == "exact"  # tuned into $FLASHTUNE_DB, then served
+    with open_store(env["db"], read_only=True) as store:
+        assert len(store.list_trials()) == 2
+    flashtune.attention(q, k, v, causal=True)
+    with open_store(env["db"], read_only=True) as store:
+        assert len(store.list_trials()) == 2  # not tuned again
+    assert out.shape == q.shape
+
+
+def test_torch_compile_without_graph_breaks(env):
+    p = prob(40, causal=True)
+    q, k, v = tensors(p)
+
+    def block(q, k, v):
+        out, lse = flashtune.attention(q * 1.0, k, v, causal=True, return_lse=True)
+        return out.float().sum(-1) + lse
+
+    compiled = torch.compile(block, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(q, k, v), block(q, k, v))
+    explained = torch._dynamo.explain(block)(q, k, v)
+    assert explained.graph_break_count == 0

@@ -1,0 +1,131 @@
+"""GPU-only runtime checks: torch.compile (inductor) without graph breaks, CUDA-graph capture,
+and no recompiles after warmup."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flashtune
+from flashtune.autotune.problems import AttentionProblem
+from flashtune.kernel_templates import get_template
+from flashtune.kernel_templates.attn_fwd.reference import attn_fwd_reference
+from flashtune.runtime import ops
+
+pytestmark = pytest.mark.gpu
+SPEC = get_template("attn_fwd")
+
+
+def _qkv(b=2, hq=8, hkv=2, n=333, d=128, dtype=torch.bfloat16):
+    mk = lambda h: torch.randn(b, h, n, d, device="cuda", dtype=dtype)  # noqa: E731
+    return mk(hq), mk(hkv), mk(hkv)
+
+
+def _compiled_kernels() -> int:
+    return sum(len(cache[0]) for cache in SPEC.kernel.device_caches.values())
+
+
+def test_torch_compile_inductor_fullgraph():
+    q, k, v = _qkv()
+    proj = torch.nn.Linear(128, 128, device="cuda", dtype=torch.bfloat16)
+
+    def block(x, k, v):
+        out, lse = flashtune.attention(proj(x), k, v, causal=True, return_lse=True)
+        return proj(out) * lse.exp().unsqueeze(-1).clamp(max=1)
+
+    compiled = torch.compile(block, fullgraph=True)
+    with torch.no_grad():  # inference: the op's autograd formula comes with attn_bwd
+        torch.testing.assert_close(compiled(q, k, v), block(q, k, v), atol=2e-2, rtol=2e-2)
+        assert torch._dynamo.explain(block)(q, k, v).graph_break_count == 0
+
+
+def test_cuda_graph_capture_and_replay():
+    q, k, v = _qkv()
+    flashtune.attention(q, k, v, causal=True)  # resolve and compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = flashtune.attention(q, k, v, causal=True)
+    for _ in range(2):
+        q.copy_(torch.randn_like(q))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref, _ = attn_fwd_reference(q, k, v, causal=True, dtype=torch.float32)
+        rel = ((out.float() - ref).norm() / ref.norm()).item()
+        assert rel < 1e-2, rel
+
+
+def test_no_recompiles_after_warmup():
+    shapes = [AttentionProblem(1, 4, 4, n, n, 64, c, "bf16") for n in (384, 1000)
+              for c in (False, True)]
+    flashtune.warmup(shapes)
+    flashtune.warmup(shapes, return_lse=True)
+    before = _compiled_kernels()
+    for p in shapes:
+        q = torch.randn(p.batch, p.heads_q, p.seqlen_q, p.head_dim, device="cuda",
+                        dtype=torch.bfloat16)
+        flashtune.attention(q, q, q, causal=p.causal)
+        flashtune.attention(q, q, q, causal=p.causal, return_lse=True)
+    torch.cuda.synchronize()
+    assert _compiled_kernels() == before
+
+
+# -- launch plans: the hot path --------------------------------------------------------------
+
+
+def _views():
+    """(name, q, k, v): layouts whose plans must differ (strides, alignment, GQA)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    mk = lambda *s: torch.randn(*s, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: E731
+    bnhd = mk(2, 77, 6, 64)
+    shifted = mk(2 * 4 * 77 * 64 + 3)[3:].view(2, 4, 77, 64)  # 6-byte offset: no TMA
+    return [
+        ("contiguous", mk(2, 4, 77, 64), mk(2, 2, 133, 64), mk(2, 2, 133, 64)),
+        ("bnhd-view", *(bnhd[..., i * 2:(i + 1) * 2, :].transpose(1, 2) for i in range(3))),
+        ("misaligned", shifted, mk(2, 4, 77, 64), mk(2, 4, 77, 64)),
+        ("mqa-d128", mk(1, 8, 200, 128), mk(1, 1, 64, 128), mk(1, 1, 64, 128)),
+    ]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_planned_calls_match_the_launcher_bit_for_bit(causal, return_lse):
+    ops._PLANS.clear()
+    for name, q, k, v in _views():
+        cfg = flashtune.lookup_config(q, k, v, causal=causal).config
+        want = SPEC.launcher(q, k, v, cfg, causal=causal, return_lse=return_lse)
+        n_before = len(ops._PLANS)
+        for _ in range(3):  # first call builds the plan, the others replay it
+            got = flashtune.attention(q, k, v, causal=causal, return_lse=return_lse)
+            for a, b in zip(got if return_lse else (got,), want if return_lse else (want,)):
+                assert torch.equal(a, b), name
+        assert len(ops._PLANS) == n_before + 1, name
+        ref, _ = attn_fwd_reference(q, k, v, causal=causal, dtype=torch.float32)
+        out = got[0] if return_lse else got
+        assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2, name
+
+
+def test_a_plan_follows_new_tensors_of_the_same_layout():
+    q, k, v = _qkv(n=129, d=64)
+    flashtune.attention(q, k, v, causal=True)
+    for _ in range(2):
+        q2, k2, v2 = (torch.randn_like(t) for t in (q, k, v))
+        got = flashtune.attention(q2, k2, v2, causal=True)
+        ref, _ = attn_fwd_reference(q2, k2, v2, causal=True, dtype=torch.float32)
+        assert ((got.float() - ref).norm() / ref.norm()).item() < 1e-2
+
+
+def test_launch_hooks_bypass_plans():
+    from triton import knobs
+
+    q, k, v = _qkv(n=65, d=64)
+    flashtune.attention(q, k, v)
+    seen = []
+    hook = lambda meta: seen.append(meta.get()["name"])  # noqa: E731
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        out = flashtune.attention(q, k, v)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert seen == ["attn_fwd_kernel"]
+    torch.testing.assert_close(out, flashtune.attention(q, k, v), rtol=0, atol=0)
