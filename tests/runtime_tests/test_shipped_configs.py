@@ -1,0 +1,74 @@
+"""The configs shipped in ``flashtune/configs/``: valid, current, and what an H100 gets with
+no tuning database and no config folder (a fresh install)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import flashtune
+from flashtune.autotune.devices import DeviceFingerprint
+from flashtune.autotune.presets import preset
+from flashtune.autotune.problems import AttentionProblem
+from flashtune.db.exchange import config_file_name, parse_document
+from flashtune.kernel_templates import get_template
+from flashtune.runtime import sources
+from flashtune.runtime.lookup import Dispatcher
+
+PACKAGE = Path(flashtune.__file__).parent / "configs"
+FILES = sorted(PACKAGE.glob("*.json"))
+SPEC = get_template("attn_fwd")
+H100 = DeviceFingerprint("NVIDIA_H100_80GB_HBM3", "9.0", 132, 232448, 85 << 30)
+
+
+def test_an_h100_config_file_is_shipped():
+    assert PACKAGE / config_file_name(H100.name, "attn_fwd") in FILES
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
+def test_shipped_files_are_valid_current_and_named_by_the_loader(path):
+    doc = parse_document(path.read_text())  # the importer's strict validation
+    assert path.name == config_file_name(doc.device.name, doc.template)
+    spec = get_template(doc.template)
+    assert doc.source_hash == spec.source_hash, (
+        f"{path.name} was tuned for {doc.template}@{doc.source_hash}, the template is now "
+        f"@{spec.source_hash}: re-tune on the GPU (see flashtune/configs/README.md)")
+    assert doc.software["triton"] and doc.software["torch"]
+    for entry in doc.entries:
+        problem = AttentionProblem.from_key(entry.problem)
+        assert spec.space.check(spec.space.validate(entry.config), problem, H100) is None
+
+
+@pytest.fixture
+def fresh_install(tmp_path, monkeypatch):
+    """No database file, no config folder: only the package's configs."""
+    monkeypatch.setenv("FLASHTUNE_DB", f"sqlite:///{tmp_path / 'none.db'}")
+    monkeypatch.delenv("FLASHTUNE_CONFIG_DIR", raising=False)
+    monkeypatch.delenv("FLASHTUNE_DEVICE_ALIAS", raising=False)
+
+
+@pytest.mark.parametrize("model", ["llama3-8b", "mistral-7b", "qwen2.5-7b", "llama3-70b",
+                                   "gemma2-9b"])
+def test_a_fresh_h100_serves_the_model_presets_tuned(fresh_install, model):
+    dispatch = Dispatcher(SPEC)
+    shipped = json.loads((PACKAGE / config_file_name(H100.name, "attn_fwd")).read_text())
+    by_key = {json.dumps(e["problem"], sort_keys=True): e for e in shipped["entries"]}
+    for problem in preset(model):
+        choice = dispatch.choose(problem, H100)
+        assert choice.source == "exact", (model, problem.describe())
+        entry = by_key[json.dumps(problem.key(), sort_keys=True)]
+        assert choice.config == entry["config"] and choice.tflops == entry["tflops"]
+        assert choice.origin.startswith("package")
+
+
+def test_other_shapes_on_an_h100_get_the_nearest_shipped_config(fresh_install):
+    problem = preset("llama3-8b")[1]
+    off_grid = AttentionProblem(3, problem.heads_q, problem.heads_kv, 3000, 3000,
+                             problem.head_dim, True, "bf16")
+    assert Dispatcher(SPEC).choose(off_grid, H100).source in ("bucket", "nearest")
+
+
+def test_the_loader_finds_the_package_folder():
+    assert ("package", PACKAGE) in [(k, p.resolve()) for k, p in sources.source_dirs()]
