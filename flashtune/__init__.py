@@ -24,12 +24,14 @@ from flashtune.errors import (
 if TYPE_CHECKING:  # pragma: no cover
     from flashtune.runtime.lookup import ConfigChoice
     from flashtune.runtime.ops import attention, lookup_config, reload_configs, warmup
+    from flashtune.runtime.sdpa import scaled_dot_product_attention
 
 __all__ = [
     "__version__",
     "attention",
     "lookup_config",
     "reload_configs",
+    "scaled_dot_product_attention",
     "warmup",
     "ConfigChoice",
     "ConfigError",
@@ -48,6 +50,7 @@ _LAZY = {
     "lookup_config": ("flashtune.runtime.ops", "lookup_config"),
     "reload_configs": ("flashtune.runtime.ops", "reload_configs"),
     "warmup": ("flashtune.runtime.ops", "warmup"),
+    "scaled_dot_product_attention": ("flashtune.runtime.sdpa", "scaled_dot_product_attention"),
     "ConfigChoice": ("flashtune.runtime.lookup", "ConfigChoice"),
 }
 

@@ -15,7 +15,7 @@ device:
    device_alias=True)``): the same three steps over configs tuned on another device of
    the same compute capability and shared-memory size;
 5. ``default``: the template's default config for the problem and device (logged once per
-   problem, never per call).
+   bucket of problems, never per call).
 
 Ties are broken by the faster measured config. Entries are loaded lazily, once per process
 and device, from :mod:`flashtune.runtime.sources`; :meth:`Dispatcher.reload` drops them.
@@ -182,9 +182,13 @@ class Dispatcher:
                 log.info("%s: using the config tuned for %s (%s, %s)", problem.describe(),
                          entry.problem.describe(), source, entry.origin)
                 return _choice(entry, source)
-        self._warn_once(("default", problem), "flashtune: no tuned %s config for %s on %s; "
-                        "using the template default (run `flashtune tune` for this shape)",
-                        self.spec.name, problem.describe(), device.name)
+        # once per bucket: a decoding loop meets a new Nk every step, and would otherwise
+        # log a line per generated token
+        self._warn_once(("default", device.name, problem.bucket()),
+                        "flashtune: no tuned %s config for %s on %s; using the template "
+                        "default for it and the other shapes of its bucket %s (run `flashtune "
+                        "tune` for this shape)", self.spec.name, problem.describe(),
+                        device.name, problem.bucket())
         return ConfigChoice(dict(self.spec.default_config(problem, device)), "default",
                             origin="template default")
 

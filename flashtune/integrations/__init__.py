@@ -1,0 +1,1 @@
+"""Integrations with other libraries; each submodule registers flashtune on import."""

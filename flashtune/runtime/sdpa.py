@@ -1,0 +1,110 @@
+"""``flashtune.scaled_dot_product_attention``: torch's SDPA signature and semantics, served by
+flashtune where it can and by torch where it cannot.
+
+Semantics are torch's, not flashtune's: ``is_causal`` is aligned top-left (query ``i`` sees
+keys ``j <= i``, whatever the lengths), and ``enable_gqa`` must be set for
+``Hq != Hkv``. A call flashtune does not serve (a mask, dropout, an unsupported dtype or
+head_dim, ...) runs ``torch.nn.functional.scaled_dot_product_attention`` with the same
+arguments; the first fallback of each reason is logged once at DEBUG level on the
+``flashtune`` logger, so ``logging.getLogger("flashtune").setLevel("DEBUG")`` shows why a
+model does not run on flashtune.
+
+How top-left causal maps to flashtune's bottom-right kernel: with ``Lq <= Lk`` no query
+sees a key past ``Lq - 1``, so the call runs on the first ``Lq`` keys, where both alignments
+agree. ``Lq > Lk`` with ``is_causal`` (rows past ``Lk`` see every key) falls back.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from typing import Any
+
+import torch
+
+from flashtune.autotune.devices import interpreting
+from flashtune.runtime.checks import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS
+from flashtune.runtime.ops import attention
+
+log = logging.getLogger(__name__)
+
+__all__ = ["fallback_reason", "scaled_dot_product_attention"]
+
+_LOGGED: set[str] = set()
+_LOCK = threading.Lock()
+
+
+def fallback_reason(query: Any, key: Any, value: Any, attn_mask: Any = None,
+                    dropout_p: float = 0.0, is_causal: bool = False, scale: Any = None,
+                    enable_gqa: bool = False) -> str | None:
+    """Why :func:`scaled_dot_product_attention` would hand these arguments to torch, or None
+    when flashtune serves them. Reads metadata only."""
+    if attn_mask is not None:
+        return "attn_mask is given (flashtune takes causal or no mask)"
+    if dropout_p:
+        return "dropout_p > 0"
+    if not all(type(t) is torch.Tensor for t in (query, key, value)):
+        return "an input is not a plain torch.Tensor"
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+        return "inputs are not 4-D (batch, heads, seqlen, head_dim)"
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad
+                                    or value.requires_grad):
+        return "an input requires grad (flashtune's backward is not wired into SDPA yet)"
+    if not (query.dtype == key.dtype == value.dtype) or query.dtype not in SUPPORTED_DTYPES:
+        return f"dtype {query.dtype} (flashtune runs float16/bfloat16)"
+    if not (query.device == key.device == value.device):
+        return "inputs on several devices"
+    if query.device.type != "cuda" and not (query.device.type == "cpu" and interpreting()):
+        return f"device {query.device} (flashtune runs CUDA, or CPU under TRITON_INTERPRET=1)"
+    (b, hq, lq, e), (bk, hkv, lk, ek) = query.shape, key.shape
+    if tuple(value.shape) != (bk, hkv, lk, ek) or b != bk or e != ek:
+        return "shapes other than q (B, Hq, Lq, E), k and v (B, Hkv, Lk, E) (broadcast or Ev != E)"
+    if min(b, hq, lq, e, hkv, lk) == 0:
+        return "an empty input"
+    if hq != hkv and not enable_gqa:
+        return "Hq != Hkv without enable_gqa (torch raises)"
+    if hq % hkv:
+        return "Hq is not a multiple of Hkv"
+    if e not in SUPPORTED_HEAD_DIMS:
+        return f"head_dim {e} (flashtune supports {list(SUPPORTED_HEAD_DIMS)})"
+    if query.stride(-1) != 1 or key.stride(-1) != 1 or value.stride(-1) != 1:
+        return "a last dimension that is not contiguous"
+    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
+        return "a scale that is not a finite number"
+    if is_causal and lq > lk:
+        return "is_causal with more queries than keys (top-left rows past Lk see every key)"
+    return None
+
+
+def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                 attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
+                                 is_causal: bool = False, scale: float | None = None,
+                                 enable_gqa: bool = False) -> torch.Tensor:
+    """Drop-in for ``torch.nn.functional.scaled_dot_product_attention``.
+
+    Arguments, shapes and semantics are torch's: ``query`` ``(B, Hq, Lq, E)``, ``key`` and
+    ``value`` ``(B, Hkv, Lk, E)``; ``is_causal`` top-left aligned; ``enable_gqa`` allows
+    ``Hq`` a multiple of ``Hkv``; ``scale`` defaults to ``1 / sqrt(E)``. Returns
+    ``(B, Hq, Lq, E)``. flashtune runs fp16/bf16 CUDA tensors (CPU under the interpreter)
+    without ``attn_mask`` or dropout and with a supported head_dim, through
+    :func:`flashtune.attention` (tuned config lookup included); anything else goes to torch,
+    see :func:`fallback_reason`.
+    """
+    reason = fallback_reason(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                             enable_gqa)
+    if reason is not None:
+        if reason not in _LOGGED:
+            with _LOCK:
+                if reason not in _LOGGED:
+                    _LOGGED.add(reason)
+                    log.debug("flashtune SDPA: falling back to torch: %s", reason)
+        return torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+            scale=scale, enable_gqa=enable_gqa)
+    if is_causal and query.shape[2] < key.shape[2]:
+        lq = query.shape[2]
+        key, value = key[:, :, :lq], value[:, :, :lq]
+    out = attention(query, key, value, causal=bool(is_causal),
+                    scale=None if scale is None else float(scale))
+    return out  # type: ignore[return-value]

@@ -1,0 +1,84 @@
+"""flashtune.scaled_dot_product_attention: torch's semantics (top-left causal, enable_gqa),
+flashtune where it serves the call, torch with one debug line per reason where it does not."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import flashtune
+from flashtune.runtime import sdpa as sdpa_mod
+from tests.conftest import DEVICE
+
+
+def _t(b, h, n, d, dtype=torch.float16, seed=0):
+    g = torch.Generator().manual_seed(seed + 97 * n + h)
+    return torch.randn(b, h, n, d, generator=g).to(device=DEVICE, dtype=dtype)
+
+
+def _torch_fp32(q, k, v, **kw):
+    return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), **kw)
+
+
+def _close(got, want, ref):
+    """flash-attention's rule: at most 3x torch's own low-precision error (plus a floor)."""
+    err = (got.float() - ref).abs().max().item()
+    base = (want.float() - ref).abs().max().item()
+    assert err <= 3 * base + 2e-3, (err, base)
+
+
+@pytest.mark.parametrize("lq,lk", [(37, 37), (5, 70), (1, 33), (70, 129)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_matches_torch_including_top_left_causal(lq, lk, causal):
+    q, k, v = _t(2, 4, lq, 32), _t(2, 2, lk, 32), _t(2, 2, lk, 32, seed=1)
+    kw = dict(is_causal=causal, enable_gqa=True)
+    assert sdpa_mod.fallback_reason(q, k, v, **kw) is None  # flashtune serves all of these
+    got = flashtune.scaled_dot_product_attention(q, k, v, **kw)
+    ref = _torch_fp32(q, k, v, **kw)
+    want = F.scaled_dot_product_attention(q.cpu(), k.cpu(), v.cpu(), **kw) if DEVICE == "cpu" \
+        else F.scaled_dot_product_attention(q, k, v, **kw)
+    assert got.shape == want.shape and got.dtype == q.dtype
+    _close(got, want.to(got.device), ref)
+
+
+def test_custom_scale():
+    q, k, v = _t(1, 2, 20, 64), _t(1, 2, 30, 64), _t(1, 2, 30, 64, seed=2)
+    got = flashtune.scaled_dot_product_attention(q, k, v, scale=0.3)
+    ref = _torch_fp32(q, k, v, scale=0.3)
+    _close(got, F.scaled_dot_product_attention(q, k, v, scale=0.3), ref)
+
+
+def _fallback_cases():
+    q, k, v = _t(1, 2, 9, 32), _t(1, 2, 9, 32), _t(1, 2, 9, 32, seed=3)
+    mask = torch.ones(9, 9, dtype=torch.bool, device=DEVICE).tril()
+    return [
+        ("attn_mask", (q, k, v), dict(attn_mask=mask)),
+        ("more queries than keys", (_t(1, 2, 12, 32), k, v), dict(is_causal=True)),
+        ("head_dim", (_t(1, 2, 9, 24), _t(1, 2, 9, 24), _t(1, 2, 9, 24)), {}),
+        ("dtype", (q.float(), k.float(), v.float()), {}),
+        ("Ev != E", (q, k, _t(1, 2, 9, 16)), {}),
+    ]
+
+
+@pytest.mark.parametrize("name,args,kw", _fallback_cases(), ids=[c[0] for c in _fallback_cases()])
+def test_unsupported_calls_fall_back_to_torch_with_one_debug_line(name, args, kw, caplog):
+    sdpa_mod._LOGGED.clear()
+    with caplog.at_level(logging.DEBUG, logger="flashtune"):
+        for _ in range(3):
+            got = flashtune.scaled_dot_product_attention(*args, **kw)
+    want = F.scaled_dot_product_attention(*args, **kw)
+    assert torch.equal(got, want)  # torch ran it, with the same arguments
+    lines = [r.getMessage() for r in caplog.records if "falling back" in r.getMessage()]
+    assert len(lines) == 1, lines
+
+
+def test_dropout_falls_back_and_gqa_without_enable_gqa_raises_as_torch_does():
+    q, k, v = _t(1, 4, 9, 32), _t(1, 2, 9, 32), _t(1, 2, 9, 32, seed=4)
+    assert "dropout" in sdpa_mod.fallback_reason(q, q, q, dropout_p=0.1)
+    with pytest.raises(RuntimeError):
+        F.scaled_dot_product_attention(q, k, v)
+    with pytest.raises(RuntimeError):
+        flashtune.scaled_dot_product_attention(q, k, v)
