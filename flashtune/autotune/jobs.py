@@ -198,6 +198,11 @@ def tune(problems: Sequence[AttentionProblem], options: TuneOptions, *,
 
     url = default_db_url() if db_url is None else str(db_url)
     _check_supported(problems)
+    if _runner_factory is None and not get_template(options.template).tunable:
+        from flashtune.errors import ConfigError
+
+        raise ConfigError(f"template {options.template!r} cannot be tuned yet (no candidate "
+                          f"runner for it); it runs with its default config")
     if gpus is not None:
         from flashtune.autotune.workers import tune_on_gpus
 

@@ -12,5 +12,6 @@ from flashtune.kernel_templates.registry import (
     template_names,
 )
 from flashtune.kernel_templates import attn_fwd  # noqa: F401  (registers "attn_fwd")
+from flashtune.kernel_templates import attn_bwd  # noqa: F401  (registers "attn_bwd")
 
 __all__ = ["TemplateSpec", "get_template", "register_template", "template_names"]

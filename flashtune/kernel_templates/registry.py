@@ -29,6 +29,7 @@ class TemplateSpec:
         space: the search space and its validity predicate.
         default_config: ``default_config(problem, device) -> Config``.
         kernel: the ``@triton.jit`` entry point (for precompilation).
+        tunable: whether ``flashtune tune`` has a candidate runner for it.
     """
 
     name: str
@@ -38,6 +39,7 @@ class TemplateSpec:
     space: SearchSpace
     default_config: Callable[[Any, Any], Config]
     kernel: Any = None
+    tunable: bool = True
 
 
 _REGISTRY: dict[str, TemplateSpec] = {}

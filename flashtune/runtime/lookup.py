@@ -183,12 +183,13 @@ class Dispatcher:
                          entry.problem.describe(), source, entry.origin)
                 return _choice(entry, source)
         # once per bucket: a decoding loop meets a new Nk every step, and would otherwise
-        # log a line per generated token
-        self._warn_once(("default", device.name, problem.bucket()),
-                        "flashtune: no tuned %s config for %s on %s; using the template "
-                        "default for it and the other shapes of its bucket %s (run `flashtune "
-                        "tune` for this shape)", self.spec.name, problem.describe(),
-                        device.name, problem.bucket())
+        # log a line per generated token; templates the tuner cannot tune yet stay quiet
+        if getattr(self.spec, "tunable", True):
+            self._warn_once(("default", device.name, problem.bucket()),
+                            "flashtune: no tuned %s config for %s on %s; using the template "
+                            "default for it and the other shapes of its bucket %s (run "
+                            "`flashtune tune` for this shape)", self.spec.name,
+                            problem.describe(), device.name, problem.bucket())
         return ConfigChoice(dict(self.spec.default_config(problem, device)), "default",
                             origin="template default")
 

@@ -41,7 +41,9 @@ log = logging.getLogger(__name__)
 __all__ = ["attention", "lookup_config", "reload_configs", "warmup"]
 
 _FWD = get_template("attn_fwd")
+_BWD = get_template("attn_bwd")
 _DISPATCH = Dispatcher(_FWD)
+_DISPATCH_BWD = Dispatcher(_BWD)
 # (q.shape, k.shape, dtype, device index, causal) -> config: the per-call lookup
 _FAST: dict[tuple[Any, ...], Config] = {}
 # the plan key (see _plan_key) -> the launch plan of a CUDA call signature
@@ -213,7 +215,53 @@ def attention(
             q, k, v, bool(causal), scale, bool(return_lse),
             None if config is None else json.dumps(dict(config), sort_keys=True))
         return (out, lse) if return_lse else out
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        check_attention_inputs(q, k, v, scale)
+        out, lse = _AttentionFn.apply(q, k, v, bool(causal), scale, _forward_config(
+            q, k, causal, config))
+        return (out, lse) if return_lse else out
     return _attention(q, k, v, causal, scale, return_lse, config)
+
+
+def _forward_config(q: torch.Tensor, k: torch.Tensor, causal: bool,
+                    config: Mapping[str, int] | None) -> Config:
+    problem = AttentionProblem.from_tensors(q, k, causal=causal)
+    if config is not None:
+        return _explicit_config(config, problem, _device_of(q))
+    return _choose(problem, _device_of(q)).config
+
+
+def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+              lse: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None, causal: bool,
+              scale: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """attn_bwd with the config the dispatcher picks for the problem (tuned, else default)."""
+    problem = AttentionProblem.from_tensors(q, k, causal=causal)
+    cfg = _DISPATCH_BWD.choose(problem, _device_of(q)).config
+    if dout.stride(-1) != 1:
+        dout = dout.contiguous()
+    return _BWD.launcher(q, k, v, out, lse, dout, cfg, causal=causal, scale=scale, dlse=dlse)
+
+
+class _AttentionFn(torch.autograd.Function):
+    """Eager autograd: the forward saves q, k, v, out and the LSE, nothing N x N; the
+    backward recomputes P tile by tile (attn_bwd)."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                scale: float | None, cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
+        out, lse = _FWD.launcher(q, k, v, cfg, causal=causal, scale=scale, return_lse=True)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.causal, ctx.scale = causal, scale
+        ctx.set_materialize_grads(False)  # an unused LSE (or out) gets None, not zeros
+        return out, lse
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) -> Any:
+        q, k, v, out, lse = ctx.saved_tensors
+        if dout is None:
+            dout = torch.zeros_like(out)
+        dq, dk, dv = _backward(q, k, v, out, lse, dout, dlse, ctx.causal, ctx.scale)
+        return dq, dk, dv, None, None, None
 
 
 def lookup_config(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
@@ -279,12 +327,11 @@ def warmup(problems: Iterable[AttentionProblem] | None = None, *,
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                   scale: Optional[float], return_lse: bool,
                   config_json: Optional[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    # the LSE is always computed here: the backward needs it (return_lse only says what
+    # flashtune.attention hands back)
     config = json.loads(config_json) if config_json else None
-    if return_lse:
-        out, lse = _attention(q, k, v, causal, scale, True, config)
-        return out, lse
-    out = _attention(q, k, v, causal, scale, False, config)
-    return out, q.new_empty((0,), dtype=torch.float32)
+    out, lse = _attention(q, k, v, causal, scale, True, config)
+    return out, lse
 
 
 @_attention_op.register_fake
@@ -292,5 +339,39 @@ def _attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
                     scale: Optional[float], return_lse: bool,
                     config_json: Optional[str]) -> tuple[torch.Tensor, torch.Tensor]:
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    lse_shape = tuple(q.shape[:3]) if return_lse else (0,)
-    return out, q.new_empty(lse_shape, dtype=torch.float32)
+    return out, q.new_empty(tuple(q.shape[:3]), dtype=torch.float32)
+
+
+@torch.library.custom_op("flashtune::attention_bwd", mutates_args=())
+def _attention_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                      lse: torch.Tensor, dout: torch.Tensor, dlse: Optional[torch.Tensor],
+                      causal: bool, scale: Optional[float]
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _backward(q, k, v, out, lse, dout, dlse, causal, scale)
+
+
+@_attention_bwd_op.register_fake
+def _attention_bwd_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                        lse: torch.Tensor, dout: torch.Tensor, dlse: Optional[torch.Tensor],
+                        causal: bool, scale: Optional[float]
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            torch.empty_like(k, memory_format=torch.contiguous_format),
+            torch.empty_like(v, memory_format=torch.contiguous_format))
+
+
+def _op_setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    q, k, v, causal, scale, _, _ = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.causal, ctx.scale = causal, scale
+
+
+def _op_backward(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor) -> Any:
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = torch.ops.flashtune.attention_bwd(q, k, v, out, lse, dout.contiguous(),
+                                                   dlse, ctx.causal, ctx.scale)
+    return dq, dk, dv, None, None, None, None
+
+
+_attention_op.register_autograd(_op_backward, setup_context=_op_setup_context)

@@ -1,0 +1,26 @@
+"""attn_bwd: recompute-based flash-attention backward (dQ, dK, dV)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from flashtune.kernel_templates.attn_bwd.kernel import attn_bwd_dkdv
+from flashtune.kernel_templates.attn_bwd.launcher import attn_bwd
+from flashtune.kernel_templates.attn_bwd.reference import attn_bwd_reference
+from flashtune.kernel_templates.attn_bwd.space import SPACE, default_config
+from flashtune.kernel_templates.registry import TemplateSpec, register_template, source_hash
+
+_HERE = Path(__file__).parent
+
+SPEC = register_template(TemplateSpec(
+    name="attn_bwd",
+    source_hash=source_hash(_HERE / "kernel.py", _HERE / "launcher.py"),
+    launcher=attn_bwd,
+    reference=attn_bwd_reference,
+    space=SPACE,
+    default_config=default_config,
+    kernel=attn_bwd_dkdv,
+    tunable=False,  # the tuner's runner is forward-only for now; lookups still apply
+))
+
+__all__ = ["SPACE", "SPEC", "attn_bwd", "attn_bwd_reference", "default_config"]
