@@ -215,7 +215,9 @@ def attention(
             q, k, v, bool(causal), scale, bool(return_lse),
             None if config is None else json.dumps(dict(config), sort_keys=True))
         return (out, lse) if return_lse else out
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+    if torch.is_grad_enabled() and (getattr(q, "requires_grad", False)
+                                    or getattr(k, "requires_grad", False)
+                                    or getattr(v, "requires_grad", False)):
         check_attention_inputs(q, k, v, scale)
         out, lse = _AttentionFn.apply(q, k, v, bool(causal), scale, _forward_config(
             q, k, causal, config))

@@ -48,9 +48,6 @@ def fallback_reason(query: Any, key: Any, value: Any, attn_mask: Any = None,
         return "an input is not a plain torch.Tensor"
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
         return "inputs are not 4-D (batch, heads, seqlen, head_dim)"
-    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad
-                                    or value.requires_grad):
-        return "an input requires grad (flashtune's backward is not wired into SDPA yet)"
     if not (query.dtype == key.dtype == value.dtype) or query.dtype not in SUPPORTED_DTYPES:
         return f"dtype {query.dtype} (flashtune runs float16/bfloat16)"
     if not (query.device == key.device == value.device):

@@ -176,8 +176,8 @@ def test_export_filters(url: str) -> None:
     assert [d.device.name for d in export(url, device_name=A100.name)] == [A100.name]
     assert [d.template for d in export(url, template_name="attn_fwd")] == ["attn_fwd"] * 2
     assert export(url, device_name="NVIDIA_B200") == []
-    with pytest.raises(UnknownTemplateError, match="unknown template 'attn_bwd'"):
-        export(url, template_name="attn_bwd")
+    with pytest.raises(UnknownTemplateError, match="unknown template 'attn_nope'"):
+        export(url, template_name="attn_nope")
 
 
 def test_export_merges_rows_that_differ_only_in_total_memory(url: str) -> None:
@@ -255,7 +255,7 @@ def test_a_bad_document_in_a_batch_writes_nothing(url: str) -> None:
     before = dump(url)
     good = make_document(DeviceInfo("NVIDIA_B200", "10.0", 148, 232448, 1 << 37), ms=0.1)
     nan = replace(good, entries=(replace(good.entries[0], median_ms=math.nan),))
-    unknown = replace(good, template="attn_bwd")
+    unknown = replace(good, template="attn_nope")
     for bad, error in ((nan, ValueError), (unknown, UnknownTemplateError)):
         with pytest.raises(error):
             import_(url, [good, bad])

@@ -82,3 +82,15 @@ def test_dropout_falls_back_and_gqa_without_enable_gqa_raises_as_torch_does():
         F.scaled_dot_product_attention(q, k, v)
     with pytest.raises(RuntimeError):
         flashtune.scaled_dot_product_attention(q, k, v)
+
+
+def test_gradients_flow_through_flashtune():
+    q, k, v = (_t(1, 2, 21, 32, seed=s).requires_grad_(True) for s in (5, 6, 7))
+    assert sdpa_mod.fallback_reason(q, k, v, is_causal=True) is None
+    out = flashtune.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert out.grad_fn is not None
+    out.float().sum().backward()
+    ref = [t.detach().float().requires_grad_(True) for t in (q, k, v)]
+    F.scaled_dot_product_attention(*ref, is_causal=True).sum().backward()
+    for got, want in zip((q.grad, k.grad, v.grad), ref):
+        assert ((got.float() - want.grad).norm() / want.grad.norm()).item() < 1e-2
