@@ -1,16 +1,19 @@
-"""Backward pass on the standard grid: flashtune attn_bwd (the config the dispatcher picks:
-tuned if the database or shipped configs have one, else the template default) against torch
-SDPA's flash (FA2) and cuDNN backward, same run, bf16.
+"""Backward pass on the standard grid: flashtune attn_bwd with its template default (and, with
+``--db``, the config the lookup chain serves from that database when it holds a tuned one)
+against torch SDPA's flash (FA2) and cuDNN backward, one run, bf16 by default.
 
-    python benchmarks/bench_bwd.py [--out benchmarks/results/bwd.json] [--dtype bf16]
+    python benchmarks/bench_bwd.py [--head-dims 64,128] [--seqlens 512,...] [--db URL]
+        [--out benchmarks/results/bwd.json]
 
-Only the backward is timed: the forward runs once per shape, then
+Only the backward is timed: the forward runs once per shape and implementation, then
 * flashtune: ``attn_bwd(q, k, v, out, lse, dout, config)`` (preprocess, dK/dV, dQ);
 * SDPA: ``torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)`` under
   ``sdpa_kernel(backend)``.
 TFLOP/s use ANCHORS.md's count: backward = 2.5x forward (``4 B H N^2 D``, halved causal).
-Before timing, flashtune's gradients are checked against SDPA flash's (bf16) and an fp32
-reference on a slice (batch 0, 2 heads).
+Before timing, every implementation's gradients are checked against an fp32 autograd
+reference on a slice (batch 0, kv head 0 and its q heads): relative error under the
+tuner's tolerance, else the implementation is reported with its error and not timed.
+Prints a markdown table last; writes the full figures as JSON.
 """
 
 from __future__ import annotations
@@ -18,105 +21,178 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import platform
 import sys
 import time
 from pathlib import Path
 
-import torch
-import triton
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
-
-from flashtune.autotune.devices import current_device  # noqa: E402
-from flashtune.autotune.grids import standard_grid  # noqa: E402
-from flashtune.autotune.timing import bench, tflops  # noqa: E402
-from flashtune.kernel_templates import get_template  # noqa: E402
-from flashtune.kernel_templates.attn_bwd.reference import attn_bwd_reference  # noqa: E402
-from flashtune.runtime import ops  # noqa: E402
-
-FWD, BWD = get_template("attn_fwd"), get_template("attn_bwd")
-BACKENDS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}
+IMPLS = ("flashtune", "flashtune_tuned", "sdpa_flash", "sdpa_cudnn")
 
 
-def rel(a, b):
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--head-dims", default="64,128")
+    ap.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384")
+    ap.add_argument("--causal", choices=["both", "yes", "no"], default="both")
+    ap.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
+    ap.add_argument("--baselines", default="sdpa_flash,sdpa_cudnn")
+    ap.add_argument("--db", default=None, metavar="URL",
+                    help="also time the config the lookup chain serves from this database "
+                         "(when it is a tuned one, not the template default)")
+    ap.add_argument("--out", default="benchmarks/results/bwd.json")
+    ap.add_argument("--limit", type=int, default=0, help="only the first N shapes")
+    return ap.parse_args(argv)
+
+
+def rel(a, b) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--dtype", choices=["fp16", "bf16"], default="bf16")
-    ap.add_argument("--out", default="benchmarks/results/bwd.json")
-    ap.add_argument("--limit", type=int, default=0, help="only the first N shapes")
-    args = ap.parse_args()
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    import torch
+    import triton
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from flashtune.autotune.devices import cuda_device
+    from flashtune.autotune.grids import standard_grid
+    from flashtune.autotune.runners import TOLERANCE
+    from flashtune.autotune.timing import bench, tflops
+    from flashtune.kernel_templates import get_template
+    from flashtune.kernel_templates.attn_bwd.reference import attn_bwd_reference
+
+    backends = {"sdpa_flash": SDPBackend.FLASH_ATTENTION,
+                "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}
+    fwd, spec = get_template("attn_fwd"), get_template("attn_bwd")
     dt = torch.bfloat16 if args.dtype == "bf16" else torch.float16
-    dev = current_device(torch.device("cuda"))
-    problems = standard_grid(dtype=args.dtype)
+    tol = TOLERANCE[args.dtype]
+    dev = cuda_device()
+    dispatcher = None
+    if args.db:
+        from flashtune.runtime.lookup import Dispatcher
+
+        dispatcher = Dispatcher(spec)
+        dispatcher.reload(db_url=args.db)
+    causal = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
+    problems = standard_grid(tuple(int(x) for x in args.head_dims.split(",")), causal=causal,
+                             seqlens=tuple(int(x) for x in args.seqlens.split(",")),
+                             dtype=args.dtype)
     if args.limit:
         problems = problems[:args.limit]
     rows = []
+    t0 = time.time()
     for p in problems:
         g = torch.Generator(device="cuda").manual_seed(0)
-        mk = lambda h, n: torch.randn(p.batch, h, n, p.head_dim, device="cuda", dtype=dt,  # noqa: E731
-                                      generator=g)
+
+        def mk(h: int, n: int) -> torch.Tensor:
+            return torch.randn(p.batch, h, n, p.head_dim, device="cuda", dtype=dt, generator=g)
         q, k, v, do = mk(p.heads_q, p.seqlen_q), mk(p.heads_kv, p.seqlen_k), \
             mk(p.heads_kv, p.seqlen_k), mk(p.heads_q, p.seqlen_q)
-        fcfg = ops._DISPATCH.choose(p, dev).config
-        choice = ops._DISPATCH_BWD.choose(p, dev)
-        out, lse = FWD.launcher(q, k, v, fcfg, causal=p.causal, return_lse=True)
-        ours = BWD.launcher(q, k, v, out, lse, do, choice.config, causal=p.causal)
-        # correctness: fp32 reference on a slice, and SDPA flash's bf16 gradients
-        sl = (slice(0, 1), slice(0, 2))
-        ref = attn_bwd_reference(q[sl], k[sl], v[sl], do[sl], causal=p.causal,
+        group = p.heads_q // p.heads_kv
+        sq, skv = (slice(0, 1), slice(0, group)), (slice(0, 1), slice(0, 1))
+        ref = attn_bwd_reference(q[sq], k[skv], v[skv], do[sq], causal=p.causal,
                                  dtype=torch.float32)
-        errs = {n: rel(a[sl], r) for n, a, r in zip(("dq", "dk", "dv"), ours, ref)}
-        qs, ks, vs = (t.detach().requires_grad_(True) for t in (q, k, v))
-        with sdpa_kernel(BACKENDS["sdpa_flash"]):
-            o = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=p.causal)
-        flash_grads = torch.autograd.grad(o, (qs, ks, vs), do)
-        flash_errs = {n: rel(a[sl], r) for n, a, r in zip(("dq", "dk", "dv"), flash_grads, ref)}
-        ok = all(errs[n] <= 3 * flash_errs[n] + 2e-3 for n in errs)
+        out, lse = fwd.launcher(q, k, v, fwd.default_config(p, dev), causal=p.causal,
+                                return_lse=True)
         fl = p.flops(backward=True)
-        timings = {"flashtune": bench(lambda: BWD.launcher(q, k, v, out, lse, do, choice.config,
-                                                           causal=p.causal)).median_ms}
-        for name, backend in BACKENDS.items():
-            with sdpa_kernel(backend):
-                o = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs,
-                                                                     is_causal=p.causal)
-                timings[name] = bench(lambda o=o: torch.autograd.grad(
-                    o, (qs, ks, vs), do, retain_graph=True)).median_ms
-            del o
-        row = {"problem": p.key(), "config": choice.config, "config_source": choice.source,
-               "ms": timings, "tflops": {n: tflops(fl, ms) for n, ms in timings.items()},
-               "rel_err_vs_fp32": errs, "sdpa_flash_rel_err_vs_fp32": flash_errs,
-               "correct": ok}
-        row["vs_flash"] = timings["sdpa_flash"] / timings["flashtune"]
-        row["vs_cudnn"] = timings["sdpa_cudnn"] / timings["flashtune"]
+        row: dict = {"problem": p.key(), "flops": fl,
+                     "config": spec.default_config(p, dev)}
+        fns = {"flashtune": lambda c=row["config"]: spec.launcher(q, k, v, out, lse, do, c,
+                                                                causal=p.causal)}
+        if dispatcher is not None:
+            choice = dispatcher.choose(p, dev)
+            row["tuned"] = {"config": choice.config, "source": choice.source}
+            if choice.source != "default":
+                fns["flashtune_tuned"] = lambda c=choice.config: spec.launcher(
+                    q, k, v, out, lse, do, c, causal=p.causal)
+        leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+        for name in args.baselines.split(","):
+            try:
+                with sdpa_kernel(backends[name]):
+                    o = torch.nn.functional.scaled_dot_product_attention(
+                        *leaves, is_causal=p.causal, enable_gqa=group > 1)
+            except RuntimeError as exc:  # a backend that does not support the shape
+                row[name] = {"error": str(exc).splitlines()[0][:200]}
+                continue
+            fns[name] = lambda o=o: torch.autograd.grad(o, leaves, do, retain_graph=True)
+        for name, fn in fns.items():
+            try:
+                got = fn()
+                errs = {n: rel(a[s], r) for n, a, s, r in
+                        zip(("dq", "dk", "dv"), got, (sq, skv, skv), ref)}
+                del got
+                if not max(errs.values()) < tol:  # also catches NaN
+                    row[name] = {"error": f"relative error {errs} >= {tol}; not timed",
+                                 "rel_err_vs_fp32": errs}
+                    continue
+                t = bench(fn)
+            except RuntimeError as exc:
+                row[name] = {"error": str(exc).splitlines()[0][:200]}
+                continue
+            row[name] = {"median_ms": t.median_ms, "p20_ms": t.p20_ms, "p80_ms": t.p80_ms,
+                         "tflops": tflops(fl, t.median_ms), "rel_err_vs_fp32": errs}
         rows.append(row)
-        print(f"{p.describe():55s} {row['tflops']['flashtune']:6.1f} TFLOP/s  "
-              f"x{row['vs_flash']:.2f} flash  x{row['vs_cudnn']:.2f} cudnn  ok={ok}", flush=True)
-        del q, k, v, do, out, lse, ours, qs, ks, vs, flash_grads
+        print(f"{p.describe():55s} " + "  ".join(
+            f"{n} {row[n]['tflops']:.0f}" for n in IMPLS if "tflops" in row.get(n, {})),
+            flush=True)
+        fns.clear()  # the closures hold this shape's tensors
         torch.cuda.empty_cache()
-    geo = lambda xs: math.exp(sum(math.log(x) for x in xs) / len(xs))  # noqa: E731
-    summary = {"geomean_vs_flash": geo([r["vs_flash"] for r in rows]),
-               "geomean_vs_cudnn": geo([r["vs_cudnn"] for r in rows]),
-               "all_correct": all(r["correct"] for r in rows)}
-    result = {"benchmark": "attention backward, standard grid", "device": torch.cuda.get_device_name(),
-              "torch": torch.__version__, "triton": triton.__version__, "dtype": args.dtype,
-              "template_hash": BWD.source_hash, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-              "summary": summary, "rows": rows}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
-    print("| shape | config source | flashtune TFLOP/s | sdpa_flash | sdpa_cudnn | vs flash | vs cudnn |")
-    print("|---|---|---|---|---|---|---|")
+        summary = summarize(rows)
+        result = {"benchmark": "attn_bwd standard grid (backward only)", "dtype": args.dtype,
+                  "device": dev.to_dict(), "torch": torch.__version__,
+                  "triton": triton.__version__, "source_hash": spec.source_hash, "db": args.db,
+                  "host": platform.node(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+                  "wall_s": time.time() - t0, "summary": summary, "rows": rows}
+        path = Path(args.out)  # rewritten after every shape: a cut-off run keeps what it did
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=1))
+    print_table(rows, summarize(rows))
+
+
+def _tf(row: dict, name: str) -> float | None:
+    return row.get(name, {}).get("tflops")
+
+
+def _best(row: dict) -> float | None:
+    """flashtune's figure for a shape: the tuned config when there is one, else the default."""
+    return _tf(row, "flashtune_tuned") or _tf(row, "flashtune")
+
+
+def summarize(rows: list[dict]) -> dict:
+    def geo(xs: list[float]) -> float | None:
+        return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
+
+    out: dict = {}
+    for impl, label in (("flashtune", "default"), ("best", "best")):
+        for base in ("sdpa_flash", "sdpa_cudnn"):
+            ratios = [(_best(r) if impl == "best" else _tf(r, impl)) / _tf(r, base)
+                      for r in rows if _tf(r, base) and (_best(r) if impl == "best"
+                                                         else _tf(r, impl))]
+            out[f"{label}_vs_{base}_geomean"] = geo(ratios)
+    out["all_checked"] = all("error" not in r.get("flashtune", {"error": 1}) for r in rows)
+    return out
+
+
+def print_table(rows: list[dict], summary: dict) -> None:
+    print("| D | N | causal | flashtune default | tuned | sdpa_flash | sdpa_cudnn "
+          "| vs flash | vs cudnn |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        pk, t = r["problem"], r["tflops"]
-        print(f"| N{pk['seqlen_q']} D{pk['head_dim']}{' causal' if pk['causal'] else ''} | "
-              f"{r['config_source']} | {t['flashtune']:.0f} | {t['sdpa_flash']:.0f} | "
-              f"{t['sdpa_cudnn']:.0f} | {r['vs_flash']:.2f} | {r['vs_cudnn']:.2f} |")
-    print(f"geomean: x{summary['geomean_vs_flash']:.2f} vs flash, "
-          f"x{summary['geomean_vs_cudnn']:.2f} vs cudnn, all correct: {summary['all_correct']}")
+        p = r["problem"]
+        cells = [f"{_tf(r, n):.0f}" if _tf(r, n) else "-" for n in IMPLS]
+        best, fa2, cud = _best(r), _tf(r, "sdpa_flash"), _tf(r, "sdpa_cudnn")
+        print(f"| {p['head_dim']} | {p['seqlen_q']} | {'yes' if p['causal'] else 'no'} | "
+              + " | ".join(cells)
+              + f" | {best / fa2 if best and fa2 else 0:.2f} | {best / cud if best and cud else 0:.2f} |")
+    fmt = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
+    print(f"geomean: default {fmt(summary['default_vs_sdpa_flash_geomean'])}x flash, "
+          f"{fmt(summary['default_vs_sdpa_cudnn_geomean'])}x cudnn; best (tuned where there is "
+          f"one) {fmt(summary['best_vs_sdpa_flash_geomean'])}x flash, "
+          f"{fmt(summary['best_vs_sdpa_cudnn_geomean'])}x cudnn; "
+          f"all checked: {summary['all_checked']}")
 
 
 if __name__ == "__main__":

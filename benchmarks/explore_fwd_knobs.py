@@ -107,8 +107,9 @@ def main() -> None:
             "best_tma": best(lambda c: c["USE_TMA"] and not c["REVERSE_M"]),
             "best_any": ok[0]["config"] if ok else None,
         }
-        q, k, v = runner.q, runner.k, runner.v
-        ref_idx = runner._slice
+        inputs = runner.case.inputs
+        q, k, v = inputs["q"], inputs["k"], inputs["v"]
+        ref_idx = inputs["ref_slice"]
         fns = {name: (lambda c=c: SPEC.launcher(q, k, v, c, causal=p.causal))
                for name, c in picks.items() if c is not None}
         for name in ("sdpa_flash", "sdpa_cudnn"):
@@ -116,7 +117,7 @@ def main() -> None:
         final = {}
         for name, fn in fns.items():
             try:
-                check(name, fn()[ref_idx], runner.ref, dtype)
+                check(name, fn()[ref_idx], inputs["ref"], dtype)
             except (RuntimeError, SystemExit) as exc:
                 final[name] = {"error": str(exc).splitlines()[0][:200]}
         samples: dict[str, list[float]] = {n: [] for n in fns if n not in final}

@@ -43,3 +43,33 @@ def assert_close_to_reference(out, q, k, v, *, causal, scale=None, lse=None, fac
             lse_err = (lse.double()[finite] - ref_lse[finite]).abs().max().item()
             assert lse_err < 1e-3 * max(1.0, ref_lse[finite].abs().max().item()), lse_err
     return err
+
+
+def assert_grads_close(grads, q, k, v, dout, *, causal, scale=None, max_factor=3.0,
+                       fro_factor=2.0):
+    """The same rule for attn_bwd's ``(dq, dk, dv)``: each one's max error vs fp64 at most
+    ``max_factor`` x, and its relative Frobenius error at most ``fro_factor`` x, the error
+    of torch's own autograd through plain attention in the inputs' precision (plus a few
+    ulps), and under a hard relative bound. Returns the relative errors."""
+    from flashtune.kernel_templates.attn_bwd.reference import attn_bwd_reference
+
+    exact = attn_bwd_reference(q, k, v, dout, causal=causal, scale=scale, dtype=torch.float64)
+    low = attn_bwd_reference(q, k, v, dout, causal=causal, scale=scale, dtype=q.dtype)
+    eps = torch.finfo(q.dtype).eps
+    rels = []
+    for name, got, ref, base, like in zip(("dq", "dk", "dv"), grads, exact, low, (q, k, v)):
+        assert got.shape == like.shape and got.dtype == like.dtype, name
+        assert torch.isfinite(got).all(), f"{name}: NaN or inf"
+        scale_ = max(1.0, ref.abs().max().item())
+        err = (got.double() - ref).abs().max().item()
+        pt_err = (base.double() - ref).abs().max().item()
+        assert err <= max_factor * pt_err + 4 * eps * scale_, (
+            f"{name}: max error {err:.3e} > {max_factor} x torch low-precision {pt_err:.3e}")
+        norm = ref.norm().clamp_min(1e-30)
+        rel = ((got.double() - ref).norm() / norm).item()
+        pt_rel = ((base.double() - ref).norm() / norm).item()
+        assert rel <= fro_factor * pt_rel + eps, (
+            f"{name}: relative error {rel:.3e} > {fro_factor} x torch's {pt_rel:.3e}")
+        assert rel < 2e-2, f"{name}: relative error {rel:.3e}"
+        rels.append(rel)
+    return rels

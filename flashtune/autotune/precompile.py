@@ -22,7 +22,7 @@ from flashtune.db.jsonutil import canonical_json
 
 log = logging.getLogger(__name__)
 
-__all__ = ["attn_fwd_warmup_args", "precompile"]
+__all__ = ["attn_bwd_warmup_args", "attn_fwd_warmup_args", "precompile"]
 
 
 class _Shaped:
@@ -69,18 +69,41 @@ def attn_fwd_warmup_args(problem: AttentionProblem, config: Mapping[str, int], *
                        scale=1.0 / math.sqrt(p.head_dim), use_tma=use_tma, upcast_dot=False)
 
 
-_WARMUP_ARGS = {"attn_fwd": attn_fwd_warmup_args}
+def attn_bwd_warmup_args(problem: AttentionProblem, config: Mapping[str, int]
+                         ) -> list[tuple[Any, tuple[Any, ...], dict[str, Any], tuple[int, int]]]:
+    """``(kernel, args, kwargs, grid)`` of attn_bwd's three kernels for contiguous inputs
+    (built by the launcher's own
+    :func:`~flashtune.kernel_templates.attn_bwd.launcher.kernel_args`)."""
+    import torch
+
+    from flashtune.kernel_templates.attn_bwd.launcher import kernel_args
+
+    p = problem
+    dt = torch.float16 if p.dtype == "fp16" else torch.bfloat16
+    q = _Shaped(dt, (p.batch, p.heads_q, p.seqlen_q, p.head_dim))
+    k = _Shaped(dt, (p.batch, p.heads_kv, p.seqlen_k, p.head_dim))
+    lse = _Shaped(torch.float32, q.shape[:3])
+    launches = kernel_args(q, k, k, q, lse, q, lse, q, k, k, config, causal=p.causal,
+                           scale=1.0 / math.sqrt(p.head_dim), upcast_dot=False)
+    return list(launches.values())
+
+
+def _attn_fwd_warmups(problem: AttentionProblem, config: Mapping[str, int]) -> list[Any]:
+    from flashtune.kernel_templates.attn_fwd.kernel import attn_fwd_kernel
+
+    return [(attn_fwd_kernel, *attn_fwd_warmup_args(problem, config))]
+
+
+# template -> the (kernel, args, kwargs, grid) launches one config compiles
+_WARMUP_ARGS = {"attn_fwd": _attn_fwd_warmups, "attn_bwd": attn_bwd_warmup_args}
 
 
 def _compile_one(template: str, problem_key: dict[str, Any], config: dict[str, int]) -> str | None:
     """Worker: compile one config; the error's first line or None."""
     try:
-        from flashtune.kernel_templates import get_template
-
-        spec = get_template(template)
         problem = AttentionProblem.from_key(problem_key)
-        args, kwargs, grid = _WARMUP_ARGS[template](problem, config)
-        spec.kernel.warmup(*args, grid=grid, **kwargs)
+        for kernel, args, kwargs, grid in _WARMUP_ARGS[template](problem, config):
+            kernel.warmup(*args, grid=grid, **kwargs)
         return None
     except BaseException as exc:  # noqa: BLE001 - returned, never raised
         lines = [t for t in str(exc).splitlines() if t.strip()]

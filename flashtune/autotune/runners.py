@@ -8,13 +8,14 @@ a GPU.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Protocol
+from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
 
 from flashtune.autotune.devices import DeviceFingerprint
 from flashtune.autotune.problems import AttentionProblem
@@ -23,7 +24,8 @@ from flashtune.db.records import TrialState
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LocalRunner", "ReplayRunner", "Runner", "TrialResult", "time_interleaved"]
+__all__ = ["Case", "LocalRunner", "ReplayRunner", "Runner", "TrialResult", "forward_case",
+           "random_inputs", "relative_error", "time_interleaved"]
 
 # relative Frobenius error allowed against the fp32 reference
 TOLERANCE = {"bf16": 2e-2, "fp16": 5e-3}
@@ -88,12 +90,82 @@ def _classify_launch_error(exc: BaseException) -> TrialState:
     return TrialState.RUNTIME_ERROR
 
 
+@dataclass(frozen=True)
+class Case:
+    """One problem's inputs for one template, as :class:`LocalRunner` uses them.
+
+    ``launch(config)`` runs the template once and returns its outputs; ``error(outputs)``
+    is their relative Frobenius error against the fp32 reference (the worst of them when
+    there are several; NaN when any output holds a NaN); ``flops`` is the work of one
+    launch (ANCHORS.md's count). ``inputs`` names the tensors for scripts that reuse them.
+    A template builds its own with ``TemplateSpec.make_case``; :func:`forward_case` is the
+    one used otherwise.
+    """
+
+    launch: Callable[[Mapping[str, int]], Any]
+    error: Callable[[Any], float]
+    flops: float
+    inputs: Mapping[str, Any] = field(default_factory=dict)
+
+
+def relative_error(got: Any, ref: Any) -> float:
+    """``||got - ref|| / ||ref||`` in fp32 (NaN when ``got`` holds a NaN)."""
+    import torch
+
+    got = got.float()
+    if torch.isnan(got).any():
+        return float("nan")
+    return float(torch.linalg.vector_norm(got - ref)) / (float(torch.linalg.vector_norm(ref))
+                                                         or 1.0)
+
+
+def random_inputs(problem: AttentionProblem, torch_device: str, generator: Any,
+                  names: Sequence[str] = ("q", "k", "v")) -> dict[str, Any]:
+    """Seeded ``randn`` tensors ``(batch, heads, seqlen, head_dim)`` in the problem's dtype,
+    drawn in the order of ``names`` (``q``/``do``: q's shape; others: k's)."""
+    import torch
+
+    p = problem
+    dtype = torch.float16 if p.dtype == "fp16" else torch.bfloat16
+    out = {}
+    for name in names:
+        h, n = (p.heads_q, p.seqlen_q) if name in ("q", "do") else (p.heads_kv, p.seqlen_k)
+        out[name] = torch.randn((p.batch, h, n, p.head_dim), generator=generator,
+                                device=torch_device, dtype=torch.float32).to(dtype)
+    return out
+
+
+def forward_case(spec: Any, problem: AttentionProblem, device: DeviceFingerprint, *,
+                 torch_device: str, generator: Any, launcher: Any, check_slice: bool) -> Case:
+    """``launcher(q, k, v, config, causal=)`` on random q, k, v against ``spec.reference``'s
+    output. For big problems only batch 0 and the first two q heads (and their kv heads)
+    are compared, to bound memory."""
+    import torch
+
+    p = problem
+    t = random_inputs(p, torch_device, generator)
+    q, k, v = t["q"], t["k"], t["v"]
+    if check_slice and q.numel() > FULL_REFERENCE_MAX_ELEMS:
+        hq = min(2, p.heads_q)
+        hkv = (hq - 1) // (p.heads_q // p.heads_kv) + 1
+        sl: tuple[slice, slice] = (slice(0, 1), slice(0, hq))
+        ref, _ = spec.reference(q[:1, :hq], k[:1, :hkv], v[:1, :hkv], causal=p.causal,
+                                dtype=torch.float32)
+    else:
+        sl = (slice(None), slice(None))
+        ref, _ = spec.reference(q, k, v, causal=p.causal, dtype=torch.float32)
+    return Case(launch=lambda config: launcher(q, k, v, config, causal=p.causal),
+                error=lambda out: relative_error(out[sl], ref), flops=p.flops(),
+                inputs={"q": q, "k": k, "v": v, "ref": ref, "ref_slice": sl})
+
+
 class LocalRunner:
     """Evaluates configs of ``spec`` on ``problem`` in this process.
 
     Inputs are seeded ``randn`` tensors on the device (CPU under the interpreter, else
-    cuda). The fp32 reference is computed once; for big problems only batch 0 and the first
-    two q heads (and their kv heads) are compared, to bound memory.
+    cuda), built once by the template's ``make_case`` (see :class:`Case`), or by
+    :func:`forward_case` for templates without one; the fp32 reference is computed once,
+    for big problems on a slice.
 
     Per config: the first launch compiles (timed as ``compile_s``; OutOfResources ->
     OUT_OF_RESOURCES, CompilationError/PTXASError -> COMPILE_ERROR, anything else ->
@@ -120,42 +192,18 @@ class LocalRunner:
 
         self.interpreting = device.is_interpreter or interpreting()
         self.torch_device = "cpu" if self.interpreting else "cuda"
-        dtype = torch.float16 if problem.dtype == "fp16" else torch.bfloat16
         gen = torch.Generator(device=self.torch_device).manual_seed(seed)
-        p = problem
-
-        def rand(h: int, n: int) -> torch.Tensor:
-            return torch.randn((p.batch, h, n, p.head_dim), generator=gen,
-                               device=self.torch_device, dtype=torch.float32).to(dtype)
-
-        self.q = rand(p.heads_q, p.seqlen_q)
-        self.k = rand(p.heads_kv, p.seqlen_k)
-        self.v = rand(p.heads_kv, p.seqlen_k)
-        big = self.q.numel() > FULL_REFERENCE_MAX_ELEMS
-        if check_slice and big:
-            hq = min(2, p.heads_q)
-            group = p.heads_q // p.heads_kv
-            hkv = (hq - 1) // group + 1
-            self._slice: tuple[slice, slice] = (slice(0, 1), slice(0, hq))
-            q, k, v = self.q[:1, :hq], self.k[:1, :hkv], self.v[:1, :hkv]
-        else:
-            self._slice = (slice(None), slice(None))
-            q, k, v = self.q, self.k, self.v
-        ref, _ = spec.reference(q, k, v, causal=p.causal, dtype=torch.float32)
-        self.ref = ref
-        self.ref_norm = float(torch.linalg.vector_norm(ref)) or 1.0
-        self.flops = p.flops()
+        make_case = getattr(spec, "make_case", None) or functools.partial(forward_case, spec)
+        self.case: Case = make_case(problem, device, torch_device=self.torch_device,
+                                    generator=gen, launcher=self.launcher,
+                                    check_slice=check_slice)
+        self.flops = self.case.flops
 
     def _launch(self) -> Any:
-        return self.launcher(self.q, self.k, self.v, self._config, causal=self.problem.causal)
+        return self.case.launch(self._config)
 
     def _error(self, out: Any) -> float:
-        import torch
-
-        got = out[self._slice].float()
-        if torch.isnan(got).any():
-            return float("nan")
-        return float(torch.linalg.vector_norm(got - self.ref)) / self.ref_norm
+        return self.case.error(out)
 
     def _sync(self) -> None:
         if self.torch_device == "cuda":
@@ -210,8 +258,8 @@ class LocalRunner:
             return statistics.median(times), times[0], times[-1]
         from flashtune.autotune.timing import bench
 
-        t = bench(self._launch)
-        return t.median_ms, t.p20_ms, t.p80_ms
+        timing = bench(self._launch)
+        return timing.median_ms, timing.p20_ms, timing.p80_ms
 
 
 class ReplayRunner:

@@ -30,6 +30,10 @@ class TemplateSpec:
         default_config: ``default_config(problem, device) -> Config``.
         kernel: the ``@triton.jit`` entry point (for precompilation).
         tunable: whether ``flashtune tune`` has a candidate runner for it.
+        make_case: ``make_case(problem, device, *, torch_device, generator, launcher,
+            check_slice) -> flashtune.autotune.runners.Case``: the tuner's inputs, the check
+            of a launch against the reference and the FLOP count, for templates whose launch
+            is not the forward's ``launcher(q, k, v, config, causal=)`` (None: that one).
     """
 
     name: str
@@ -40,6 +44,7 @@ class TemplateSpec:
     default_config: Callable[[Any, Any], Config]
     kernel: Any = None
     tunable: bool = True
+    make_case: Callable[..., Any] | None = None
 
 
 _REGISTRY: dict[str, TemplateSpec] = {}

@@ -1,5 +1,5 @@
-"""attn_bwd gradients against float64 autograd on odd shapes (interpreter or GPU), and the
-autograd wiring of flashtune.attention."""
+"""attn_bwd gradients against float64 autograd on odd shapes (interpreter or GPU), the tuner's
+case for it, and the autograd wiring of flashtune.attention."""
 
 from __future__ import annotations
 
@@ -9,11 +9,14 @@ import torch
 import flashtune
 from flashtune.autotune.devices import interpreter_device
 from flashtune.autotune.problems import AttentionProblem
+from flashtune.db.records import TrialState
 from flashtune.errors import ConfigError
 from flashtune.kernel_templates import get_template
-from flashtune.kernel_templates.attn_bwd import attn_bwd, attn_bwd_reference
+from flashtune.kernel_templates.attn_bwd import attn_bwd
 from flashtune.kernel_templates.attn_fwd import attn_fwd
+from flashtune.kernel_templates.attn_fwd.reference import attn_fwd_reference
 from tests.conftest import DEVICE
+from tests.helpers import assert_grads_close
 
 SPEC = get_template("attn_bwd")
 FWD_CFG = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 2, "num_stages": 1}
@@ -26,35 +29,23 @@ def make(b, hq, hkv, nq, nk, d, dtype, seed=0, layout="bhnd"):
     g = torch.Generator().manual_seed(seed)
 
     def rand(h, n):
-        if layout == "bnhd":
+        if layout == "bnhd":  # (B, N, H, D) storage viewed as (B, H, N, D)
             return torch.randn(b, n, h, d, generator=g).to(dtype).to(DEVICE).transpose(1, 2)
         return torch.randn(b, h, n, d, generator=g).to(dtype).to(DEVICE)
     return rand(hq, nq), rand(hkv, nk), rand(hkv, nk), rand(hq, nq)
 
 
-def rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
-
-
-def assert_grads_close(got, q, k, v, do, causal):
-    """flash-attention's rule: at most 3x the error of torch's own computation in the input
-    dtype (autograd through plain attention), with a small floor."""
-    exact = attn_bwd_reference(q, k, v, do, causal=causal, dtype=torch.float64)
-    low = attn_bwd_reference(q.float(), k.float(), v.float(), do.float(), causal=causal,
-                             dtype=torch.float32)
-    for name, g, ref, base in zip(("dq", "dk", "dv"), got, exact, low):
-        assert g.shape == ref.shape and g.dtype == q.dtype, name
-        assert torch.isfinite(g).all(), name
-        torch_err = rel(base.to(q.dtype), ref)  # torch's error rounded to the input dtype
-        assert rel(g, ref) <= 3 * torch_err + 2e-3, (name, rel(g, ref), torch_err)
+def grads(q, k, v, do, cfg=CFG, *, causal, scale=None, **kw):
+    out, lse = attn_fwd(q, k, v, FWD_CFG, causal=causal, scale=scale, return_lse=True)
+    return attn_bwd(q, k, v, out, lse, do, cfg, causal=causal, scale=scale, **kw)
 
 
 SHAPES = [
     # (b, hq, hkv, nq, nk, d)
-    (2, 2, 2, 37, 53, 32),
-    (1, 2, 2, 53, 37, 64),   # Nq > Nk: causal leaves the first rows without keys
+    (2, 2, 2, 77, 133, 64),  # Nq < Nk
+    (1, 2, 2, 133, 77, 32),  # Nq > Nk: causal leaves the first 56 rows without keys
     (1, 2, 2, 1, 45, 32),    # one query row
-    (1, 6, 2, 33, 33, 32),   # GQA 6:2: dK/dV summed over the group
+    (1, 4, 2, 33, 33, 32),   # GQA 4:2: dK/dV summed over the group
     (1, 4, 1, 40, 29, 96),   # MQA, head_dim not a power of two
 ]
 
@@ -64,18 +55,87 @@ SHAPES = [
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}h{}:{}q{}k{}d{}".format(*s))
 def test_gradients_match_float64(shape, causal, dtype):
     q, k, v, do = make(*shape, dtype)
-    out, lse = attn_fwd(q, k, v, FWD_CFG, causal=causal, return_lse=True)
-    assert_grads_close(attn_bwd(q, k, v, out, lse, do, CFG, causal=causal), q, k, v, do, causal)
+    assert_grads_close(grads(q, k, v, do, causal=causal), q, k, v, do, causal=causal)
 
 
-def test_strided_inputs_and_custom_scale():
+# tiles larger and smaller than the sequences, so every loop phase (causal band, unmasked
+# blocks, ragged end; skipped blocks) is met with both orders of Nq and Nk
+CONFIGS = [
+    {"BLOCK_M1": 16, "BLOCK_N1": 16, "BLOCK_M2": 16, "BLOCK_N2": 16, "num_warps": 2,
+     "num_stages": 1},
+    {"BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32, "num_warps": 4,
+     "num_stages": 2},
+    {"BLOCK_M1": 64, "BLOCK_N1": 16, "BLOCK_M2": 16, "BLOCK_N2": 64, "num_warps": 4,
+     "num_stages": 3},
+]
+
+
+@pytest.mark.parametrize("split", [0, 1], ids=["one-loop", "split"])
+@pytest.mark.parametrize("nq,nk", [(45, 70), (70, 45)], ids=["q<k", "q>k"])
+@pytest.mark.parametrize("cfg", CONFIGS, ids=["16", "fa2", "transposed"])
+def test_configs_cover_every_loop_phase(cfg, nq, nk, split):
+    q, k, v, do = make(1, 4, 2, nq, nk, 32, torch.float16, seed=nq)
+    cfg = {**cfg, "SPLIT_LOOPS": split}
+    assert_grads_close(grads(q, k, v, do, cfg, causal=True), q, k, v, do, causal=True)
+
+
+def test_every_diagonal_offset_is_masked_exactly():
+    """Nk - Nq around the multiples of the 16-row tiles, Nq = 2 mod 16: a block boundary
+    off by one row in any loop split shows up in one of these."""
+    for split in (0, 1):
+        cfg = {"BLOCK_M1": 16, "BLOCK_N1": 16, "BLOCK_M2": 16, "BLOCK_N2": 16, "num_warps": 2,
+               "num_stages": 1, "SPLIT_LOOPS": split}
+        for off in (-17, -15, -2, -1, 0, 1, 2, 14, 15, 17):
+            q, k, v, do = make(1, 1, 1, 34, 34 + off, 16, torch.float16, seed=off + 20)
+            got = grads(q, k, v, do, cfg, causal=True)
+            assert_grads_close(got, q, k, v, do, causal=True)
+
+
+@pytest.mark.parametrize("d", [16, 128, 256])
+def test_small_and_large_head_dims(d):
+    q, k, v, do = make(1, 2, 1, 29, 40, d, torch.float16, seed=d)
+    assert_grads_close(grads(q, k, v, do, causal=True), q, k, v, do, causal=True)
+
+
+def test_rows_that_see_no_key_get_zero_gradients_not_nan():
+    # Nq > Nk, causal: the first 56 of 133 rows see no key (LSE = -inf)
+    q, k, v, do = make(1, 2, 2, 133, 77, 32, torch.float16, seed=5)
+    dq, dk, dv = grads(q, k, v, do, causal=True)
+    assert torch.all(dq[:, :, :56] == 0) and dq[:, :, 56:].abs().sum() > 0
+    assert torch.isfinite(dk).all() and torch.isfinite(dv).all()
+    # one key: only the last query sees it, with P = 1, so dS = dP - delta = 0 up to rounding
+    q, k, v, do = make(1, 2, 2, 20, 1, 32, torch.float16, seed=6)
+    dq, dk, dv = grads(q, k, v, do, causal=True)
+    assert torch.all(dq[:, :, :19] == 0)
+    assert dq.abs().max() < 1e-5 and dk.abs().max() < 1e-5
+    assert torch.equal(dv, do[:, :, 19:])
+
+
+def test_strided_inputs_outputs_and_custom_scale():
     q, k, v, do = make(2, 4, 2, 29, 41, 64, torch.float16, layout="bnhd")
-    assert not q.is_contiguous() and q.stride(-1) == 1
-    out, lse = attn_fwd(q, k, v, FWD_CFG, causal=True, scale=0.3, return_lse=True)
-    got = attn_bwd(q, k, v, out, lse, do, CFG, causal=True, scale=0.3)
-    exact = attn_bwd_reference(q, k, v, do, causal=True, scale=0.3)
-    for g, ref in zip(got, exact):
-        assert rel(g, ref) < 5e-3
+    assert not q.is_contiguous() and q.stride(-1) == 1 and not do.is_contiguous()
+    # preallocated outputs as transposed views too: written through their strides
+    dq = torch.full((2, 29, 4, 64), float("nan"), dtype=q.dtype, device=DEVICE).transpose(1, 2)
+    dk, dv = (torch.full((2, 41, 2, 64), float("nan"), dtype=q.dtype,
+                         device=DEVICE).transpose(1, 2) for _ in range(2))
+    got = grads(q, k, v, do, causal=True, scale=0.3, dq=dq, dk=dk, dv=dv)
+    assert got[0] is dq and got[1] is dk and got[2] is dv
+    assert_grads_close(got, q, k, v, do, causal=True, scale=0.3)
+    default = grads(q, k, v, do, causal=True)
+    assert not torch.allclose(default[0], dq)  # the scale really is used
+
+
+def test_lse_gradient_enters_through_delta():
+    q, k, v, do = make(1, 4, 2, 37, 50, 32, torch.float16, seed=7)
+    dlse = torch.randn(4, 37, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    dlse = dlse.expand(1, 4, 37)  # like autograd's gradient of a sum: any strides
+    got = grads(q, k, v, do, causal=True, dlse=dlse)
+    ref = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
+    out, lse = attn_fwd_reference(*ref, causal=True)
+    ((out * do.double()).sum() + (lse * dlse.double()).sum()).backward()
+    for g, r in zip(got, ref):
+        rel = ((g.double() - r.grad).norm() / r.grad.norm()).item()
+        assert rel < 2e-3, rel
 
 
 def test_configs_agree_and_runs_are_deterministic():
@@ -83,11 +143,74 @@ def test_configs_agree_and_runs_are_deterministic():
     out, lse = attn_fwd(q, k, v, FWD_CFG, causal=True, return_lse=True)
     a = attn_bwd(q, k, v, out, lse, do, CFG, causal=True)
     again = attn_bwd(q, k, v, out, lse, do, CFG, causal=True)
-    other = attn_bwd(q, k, v, out, lse, do, {**CFG, "BLOCK_M1": 32, "BLOCK_N1": 16,
-                                              "BLOCK_M2": 16, "BLOCK_N2": 32}, causal=True)
+    other = attn_bwd(q, k, v, out, lse, do, {**CONFIGS[2], "SPLIT_LOOPS": 1}, causal=True)
     for x, y, z in zip(a, again, other):
         assert torch.equal(x, y)  # no atomics: bit for bit
-        assert rel(x, z) < 5e-3
+        assert ((x.double() - z.double()).norm() / z.double().norm()).item() < 2e-3
+
+
+def test_bad_backward_configs_are_refused():
+    with pytest.raises(ConfigError, match=r"unknown keys \['BLOCK_M'\]"):
+        SPEC.space.validate({**CFG, "BLOCK_M": 16})
+    with pytest.raises(ConfigError, match=r"missing keys \['BLOCK_N2'\]"):
+        SPEC.space.validate({k: v for k, v in CFG.items() if k != "BLOCK_N2"})
+    with pytest.raises(ConfigError, match="BLOCK_M1.*24.*allowed"):
+        SPEC.space.validate({**CFG, "BLOCK_M1": 24})
+    with pytest.raises(ConfigError, match="num_stages"):
+        SPEC.space.validate({**CFG, "num_stages": 2.0})
+    p = AttentionProblem(1, 2, 2, 128, 128, 256, True, "bf16")
+    assert "spill" in SPEC.space.check({**CFG, "BLOCK_N1": 128, "num_warps": 2}, p,
+                                       interpreter_device())
+
+
+# -- the tuner -------------------------------------------------------------------------------
+
+
+def test_the_tuner_checks_times_and_stores_backward_configs(tmp_path):
+    from flashtune.autotune.jobs import TuneOptions, tune
+    from flashtune.db import open_store
+
+    p = AttentionProblem(1, 4, 2, 24, 37, 32, True, "fp16")
+    url = f"sqlite:///{tmp_path / 'bwd.db'}"
+    [res] = tune([p], TuneOptions(template="attn_bwd", trials=2, seed=0, interpret=True),
+                 db_url=url, progress=False)
+    assert res.template == "attn_bwd" and res.best_config is not None
+    assert SPEC.space.validate(res.best_config) == res.best_config
+    assert res.states.get("COMPLETE", 0) >= 1
+    with open_store(url) as store:
+        [best] = store.list_best(template_name="attn_bwd")
+    assert best.tflops > 0 and best.median_ms > 0
+
+
+def test_runner_case_flags_wrong_gradients_and_counts_backward_flops():
+    from flashtune.autotune.runners import LocalRunner
+
+    p = AttentionProblem(1, 2, 1, 20, 30, 32, False, "fp16")
+    runner = LocalRunner(SPEC, p, interpreter_device(), seed=0)
+    assert runner.flops == p.flops(backward=True) == 2.5 * p.flops()
+    assert runner.evaluate(CFG).state is TrialState.COMPLETE
+
+    def halve_dk(*args, **kwargs):
+        dq, dk, dv = attn_bwd(*args, **kwargs)
+        return dq, dk * 0.5, dv
+
+    bad = LocalRunner(SPEC, p, interpreter_device(), seed=0, launcher=halve_dk)
+    res = bad.evaluate(CFG)
+    assert res.state is TrialState.WRONG_RESULT and "relative error" in res.message
+
+
+def test_precompile_warms_every_backward_kernel_with_the_launchers_arguments():
+    from flashtune.autotune.precompile import attn_bwd_warmup_args
+
+    p = AttentionProblem(2, 4, 2, 100, 70, 96, True, "bf16")
+    launches = attn_bwd_warmup_args(p, SPEC.default_config(p, interpreter_device()))
+    assert [kern.fn.__name__ for kern, *_ in launches] == [
+        "attn_bwd_preprocess", "attn_bwd_dkdv", "attn_bwd_dq"]
+    for kern, args, kwargs, grid in launches:
+        names = list(kern.arg_names)  # every parameter given exactly once
+        assert names[len(args):] == [n for n in kwargs if n not in ("num_warps", "num_stages")]
+        assert kwargs["BLOCK_D"] == 128 and kwargs["HEAD_DIM"] == 96
+    assert launches[1][3] == (3, 4) and launches[2][3] == (4, 8)  # cdiv(70, 32), cdiv(100, 32)
 
 
 # -- flashtune.attention with autograd ---------------------------------------------------------
@@ -99,14 +222,14 @@ def test_attention_backward_and_lse_gradient():
     out, lse = flashtune.attention(q, k, v, causal=True, return_lse=True)
     assert out.grad_fn is not None
     (out.float() * do.float()).sum().backward(inputs=[q, k, v], retain_graph=True)
-    assert_grads_close((q.grad, k.grad, v.grad), q, k, v, do, True)
+    assert_grads_close((q.grad, k.grad, v.grad), q.detach(), k.detach(), v.detach(), do,
+                       causal=True)
     # the LSE is differentiable too: d lse_i / d s_ij = p_ij
     q.grad = k.grad = v.grad = None
     lse.sum().backward(inputs=[q, k, v])
-    from flashtune.kernel_templates.attn_fwd.reference import attn_fwd_reference
-
     ref = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
     attn_fwd_reference(*ref, causal=True)[1].sum().backward()
+    rel = lambda a, b: ((a.double() - b).norm() / b.norm()).item()  # noqa: E731
     assert rel(q.grad, ref[0].grad) < 5e-3 and rel(k.grad, ref[1].grad) < 5e-3
     assert ref[2].grad is None and not v.grad.any()  # the LSE does not depend on V
 
@@ -118,7 +241,6 @@ def test_the_graph_keeps_no_n_by_n_tensor():
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t,
                                                   lambda t: t):
         flashtune.attention(q, k, v, causal=True)
-    assert saved and all(64 * 96 not in (s[-2] * s[-1] if len(s) > 1 else 0,) for s in saved)
     assert sorted(tuple(s) for s in saved) == sorted(
         [(1, 2, 64, 32), (1, 2, 96, 32), (1, 2, 96, 32), (1, 2, 64, 32), (1, 2, 64)])
 
@@ -126,24 +248,3 @@ def test_the_graph_keeps_no_n_by_n_tensor():
 def test_no_grad_inputs_take_the_inference_path():
     q, k, v, _ = make(1, 2, 2, 16, 16, 32, torch.float16)
     assert flashtune.attention(q, k, v).grad_fn is None
-
-
-def test_bad_backward_configs_are_refused():
-    with pytest.raises(ConfigError, match="unknown keys"):
-        SPEC.space.validate({**CFG, "BLOCK_X": 16})
-    with pytest.raises(ConfigError):
-        SPEC.space.validate({**CFG, "BLOCK_M1": 24})
-    p = AttentionProblem(1, 2, 2, 128, 128, 256, True, "bf16")
-    assert "spill" in SPEC.space.check({**CFG, "BLOCK_N1": 128, "num_warps": 2}, p,
-                                       interpreter_device())
-    assert SPEC.space.check(SPEC.default_config(p, interpreter_device()), p,
-                            interpreter_device()) is None
-
-
-def test_attn_bwd_is_not_offered_to_the_tuner_yet(tmp_path):
-    from flashtune.autotune.jobs import TuneOptions, tune
-
-    p = AttentionProblem(1, 2, 2, 16, 16, 32, True, "fp16")
-    with pytest.raises(ConfigError, match="cannot be tuned yet"):
-        tune([p], TuneOptions(template="attn_bwd", trials=1, interpret=True),
-             db_url=f"sqlite:///{tmp_path / 'x.db'}", progress=False)

@@ -4,8 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from flashtune.kernel_templates.attn_bwd.kernel import attn_bwd_dkdv
-from flashtune.kernel_templates.attn_bwd.launcher import attn_bwd
+from flashtune.kernel_templates.attn_bwd.case import make_case
+from flashtune.kernel_templates.attn_bwd.kernel import (
+    attn_bwd_dkdv,
+    attn_bwd_dq,
+    attn_bwd_preprocess,
+)
+from flashtune.kernel_templates.attn_bwd.launcher import attn_bwd, kernel_args
 from flashtune.kernel_templates.attn_bwd.reference import attn_bwd_reference
 from flashtune.kernel_templates.attn_bwd.space import SPACE, default_config
 from flashtune.kernel_templates.registry import TemplateSpec, register_template, source_hash
@@ -19,8 +24,9 @@ SPEC = register_template(TemplateSpec(
     reference=attn_bwd_reference,
     space=SPACE,
     default_config=default_config,
-    kernel=attn_bwd_dkdv,
-    tunable=False,  # the tuner's runner is forward-only for now; lookups still apply
+    kernel=attn_bwd_dkdv,  # the main kernel; precompile warms all three (kernel_args)
+    make_case=make_case,
 ))
 
-__all__ = ["SPACE", "SPEC", "attn_bwd", "attn_bwd_reference", "default_config"]
+__all__ = ["SPACE", "SPEC", "attn_bwd", "attn_bwd_dkdv", "attn_bwd_dq", "attn_bwd_preprocess",
+           "attn_bwd_reference", "default_config", "kernel_args", "make_case"]

@@ -3,18 +3,28 @@ log-sum-exp; the Nq x Nk matrix is never stored.
 
 Three kernels:
 
-1. ``attn_bwd_preprocess``: ``delta = rowsum(dO * O)`` in fp32, ``(B, Hq, Nq)``.
+1. ``attn_bwd_preprocess``: ``delta = rowsum(dO * O) - dLSE`` in fp32, ``(B, Hq, Nq)``
+   (``dLSE``, the gradient of the LSE output, only when the caller has one).
 2. ``attn_bwd_dkdv``: grid ``(cdiv(Nk, BLOCK_N1), B * Hkv)``. A program owns BLOCK_N1 keys
-   of one K/V head and walks every query head of its GQA group and every query block that
-   can see those keys, accumulating ``dV += P^T dO`` and ``dK += dS^T Q`` in registers: the
-   group's dK/dV are summed inside one program, deterministic, no atomics.
+   of one K/V head and walks every query head of its GQA group and, per head, the query
+   blocks (BLOCK_M1) that can see those keys, accumulating ``dV += P^T dO`` and
+   ``dK += dS^T Q`` in registers: the group's dK/dV are summed inside one program,
+   deterministic, no atomics.
 3. ``attn_bwd_dq``: grid ``(cdiv(Nq, BLOCK_M2), B * Hq)``. A program owns BLOCK_M2 queries
-   and walks the key blocks they can see: ``dQ += dS K``.
+   and walks the key blocks (BLOCK_N2) they can see: ``dQ += dS K``.
 
-with ``P = exp(scale * Q K^T - LSE)`` and ``dS = P * (dO V^T - delta)``. Causal masking is
-bottom-right aligned (query ``i`` sees key ``j <= i + Nk - Nq``); under it the loops start
-or stop at the first or last block with a visible entry. Rows that see no key have
-``LSE = -inf``; every one of their entries is masked, so they contribute zero.
+with ``P = exp(scale * Q K^T - LSE)`` and ``dS = P * (dO V^T - delta)``; ``exp2`` with
+``log2(e)`` folded into the scale and the LSE.
+
+Causal masking is bottom-right aligned (query ``i`` sees key ``j <= i + Nk - Nq``); fully
+masked blocks are skipped. ``SPLIT_LOOPS`` (a knob) splits each walk like the forward's:
+blocks every entry of which is visible run in their own loop without any mask, and only the
+diagonal band and the ragged end of the walked axis are masked. Off, one loop masks every
+block: fewer registers (ptxas spills less in the dK/dV kernel, which holds two fp32
+accumulator tiles), more ALU work per block. The ragged end of the *owned* axis needs no mask inside the loop: a row of
+dK/dV (of dQ) depends only on its own key (query), and rows past the end are never stored;
+the zeros loaded for them keep their columns out of the other operand's sums. Rows that see
+no key have ``LSE = -inf``; they only ever meet masked entries, so they contribute zero.
 """
 
 import triton
@@ -24,17 +34,20 @@ LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
-def attn_bwd_preprocess(O, DO, Delta,
+def attn_bwd_preprocess(O, DO, DLse, Delta,
                         stride_ob, stride_oh, stride_om,
                         stride_dob, stride_doh, stride_dom,
+                        stride_dlb, stride_dlh, stride_dlm,
                         H_Q, N_Q,
-                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                        HAS_DLSE: tl.constexpr):
     off_bh = tl.program_id(1)
     off_b = off_bh // H_Q
     off_h = off_bh % H_Q
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    mask = (offs_m < N_Q)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    m_ok = offs_m < N_Q
+    mask = m_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
     o = tl.load(O + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
                 + offs_m[:, None].to(tl.int64) * stride_om + offs_d[None, :],
                 mask=mask, other=0.0).to(tl.float32)
@@ -42,7 +55,11 @@ def attn_bwd_preprocess(O, DO, Delta,
                  + offs_m[:, None].to(tl.int64) * stride_dom + offs_d[None, :],
                  mask=mask, other=0.0).to(tl.float32)
     delta = tl.sum(o * do, axis=1)
-    tl.store(Delta + off_bh.to(tl.int64) * N_Q + offs_m, delta, mask=offs_m < N_Q)
+    if HAS_DLSE:  # d lse_i / d s_ij = p_ij: enters as dS = P * (dP - (delta - dlse))
+        delta -= tl.load(DLse + off_b.to(tl.int64) * stride_dlb
+                         + off_h.to(tl.int64) * stride_dlh
+                         + offs_m.to(tl.int64) * stride_dlm, mask=m_ok, other=0.0)
+    tl.store(Delta + off_bh.to(tl.int64) * N_Q + offs_m, delta, mask=m_ok)
 
 
 @triton.jit
@@ -51,6 +68,52 @@ def _dot(a, b, UPCAST_DOT: tl.constexpr):
     if UPCAST_DOT:
         return tl.dot(a.to(tl.float32), b.to(tl.float32))
     return tl.dot(a, b)
+
+
+@triton.jit
+def _load_rows(base, offs, offs_d, stride, N, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+               MASKED: tl.constexpr):
+    """Rows ``offs`` of a ``(N, HEAD_DIM)`` matrix at ``base``, ``(len(offs), BLOCK_D)``;
+    zeros past ``N`` (when MASKED) and past ``HEAD_DIM``."""
+    ptrs = base + offs[:, None].to(tl.int64) * stride + offs_d[None, :]
+    if MASKED:
+        return tl.load(ptrs, mask=(offs < N)[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+    elif BLOCK_D != HEAD_DIM:
+        return tl.load(ptrs, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
+    else:
+        return tl.load(ptrs)
+
+
+@triton.jit
+def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom,
+                offs_n, offs_m0, offs_d, lo, hi, N_Q, CAUSAL_OFFSET, qk_scale,
+                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M1: tl.constexpr,
+                MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    """Query blocks ``[lo, hi)`` of one head against the program's keys; MASKED blocks get
+    the bounds and causal masks, the others every entry."""
+    for start_m in range(lo, hi, BLOCK_M1):
+        offs_m = start_m + offs_m0
+        q = _load_rows(q_base, offs_m, offs_d, stride_qm, N_Q, HEAD_DIM, BLOCK_D, MASKED)
+        do = _load_rows(do_base, offs_m, offs_d, stride_dom, N_Q, HEAD_DIM, BLOCK_D, MASKED)
+        if MASKED:
+            m_ok = offs_m < N_Q
+            lse = tl.load(lse_base + offs_m, mask=m_ok, other=0.0)
+            delta = tl.load(delta_base + offs_m, mask=m_ok, other=0.0)
+        else:
+            lse = tl.load(lse_base + offs_m)
+            delta = tl.load(delta_base + offs_m)
+        qkT = _dot(k, tl.trans(q), UPCAST_DOT)  # (BLOCK_N1, BLOCK_M1)
+        pT = tl.math.exp2(qkT * qk_scale - (lse * LOG2E)[None, :])
+        if MASKED:
+            keep = (offs_m < N_Q)[None, :]
+            if IS_CAUSAL:
+                keep = keep & (offs_n[:, None] <= offs_m[None, :] + CAUSAL_OFFSET)
+            pT = tl.where(keep, pT, 0.0)  # also drops the inf of rows with LSE = -inf
+        dv += _dot(pT.to(do.dtype), do, UPCAST_DOT)
+        dpT = _dot(v, tl.trans(do), UPCAST_DOT)
+        dsT = pT * (dpT - delta[None, :])
+        dk += _dot(dsT.to(q.dtype), q, UPCAST_DOT)
+    return dk, dv
 
 
 @triton.jit
@@ -64,8 +127,9 @@ def attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV,
                   H_Q, H_KV, GROUP, N_Q, N_K, sm_scale,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
-                  IS_CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr):
+                  IS_CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr, SPLIT_LOOPS: tl.constexpr):
     tl.static_assert(BLOCK_M1 >= 16 and BLOCK_N1 >= 16, "tl.dot needs tiles of at least 16")
+    tl.static_assert(BLOCK_D >= HEAD_DIM, "BLOCK_D must cover HEAD_DIM")
     start_n = tl.program_id(0) * BLOCK_N1
     off_bh = tl.program_id(1)
     off_b = off_bh // H_KV
@@ -73,56 +137,87 @@ def attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV,
     offs_n = start_n + tl.arange(0, BLOCK_N1)
     offs_m0 = tl.arange(0, BLOCK_M1)
     offs_d = tl.arange(0, BLOCK_D)
-    n_ok = offs_n < N_K
-    d_ok = offs_d < HEAD_DIM
-    kv_mask = n_ok[:, None] & d_ok[None, :]
-    k = tl.load(K + off_b.to(tl.int64) * stride_kb + off_hkv.to(tl.int64) * stride_kh
-                + offs_n[:, None].to(tl.int64) * stride_kn + offs_d[None, :],
-                mask=kv_mask, other=0.0)
-    v = tl.load(V + off_b.to(tl.int64) * stride_vb + off_hkv.to(tl.int64) * stride_vh
-                + offs_n[:, None].to(tl.int64) * stride_vn + offs_d[None, :],
-                mask=kv_mask, other=0.0)
+    k = _load_rows(K + off_b.to(tl.int64) * stride_kb + off_hkv.to(tl.int64) * stride_kh,
+                   offs_n, offs_d, stride_kn, N_K, HEAD_DIM, BLOCK_D, True)
+    v = _load_rows(V + off_b.to(tl.int64) * stride_vb + off_hkv.to(tl.int64) * stride_vh,
+                   offs_n, offs_d, stride_vn, N_K, HEAD_DIM, BLOCK_D, True)
     dk = tl.zeros([BLOCK_N1, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N1, BLOCK_D], dtype=tl.float32)
     qk_scale = sm_scale * LOG2E
+
+    # Query ranges, the same for every head of the group: [m_lo, m_mid) the causal band
+    # (masked), [m_mid, m_full) every entry visible, [m_full, N_Q) the ragged end (masked).
     causal_offset = N_K - N_Q
+    m_full = N_Q // BLOCK_M1 * BLOCK_M1
     if IS_CAUSAL:
-        # query i sees key j iff i >= j - offset: rows before the tile's first key's first
-        # viewer see none of the tile
+        # the first query that sees key start_n, and the first whose block sees every key
+        # of the tile (the last one that exists)
+        last_key = tl.minimum(start_n + BLOCK_N1, N_K) - 1
         m_lo = tl.maximum(start_n - causal_offset, 0) // BLOCK_M1 * BLOCK_M1
+        m_mid = tl.cdiv(tl.maximum(last_key - causal_offset, 0), BLOCK_M1) * BLOCK_M1
+        m_full = tl.maximum(m_full, m_lo)
+        m_mid = tl.minimum(tl.maximum(m_mid, m_lo), m_full)
     else:
         m_lo = 0
+        m_mid = 0
+
     for g in range(0, GROUP):
         off_h = off_hkv * GROUP + g
         q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
         do_base = DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
         row_base = (off_b * H_Q + off_h).to(tl.int64) * N_Q
-        for start_m in range(m_lo, N_Q, BLOCK_M1):
-            offs_m = start_m + offs_m0
-            m_ok = offs_m < N_Q
-            q_mask = m_ok[:, None] & d_ok[None, :]
-            q = tl.load(q_base + offs_m[:, None].to(tl.int64) * stride_qm + offs_d[None, :],
-                        mask=q_mask, other=0.0)
-            do = tl.load(do_base + offs_m[:, None].to(tl.int64) * stride_dom + offs_d[None, :],
-                         mask=q_mask, other=0.0)
-            lse = tl.load(Lse + row_base + offs_m, mask=m_ok, other=0.0)
-            delta = tl.load(Delta + row_base + offs_m, mask=m_ok, other=0.0)
-            qkT = _dot(k, tl.trans(q), UPCAST_DOT)  # (BLOCK_N1, BLOCK_M1)
-            keep = n_ok[:, None] & m_ok[None, :]
+        lse_base = Lse + row_base
+        delta_base = Delta + row_base
+        if SPLIT_LOOPS:
             if IS_CAUSAL:
-                keep = keep & (offs_n[:, None] <= offs_m[None, :] + causal_offset)
-            pT = tl.where(keep, tl.math.exp2(qkT * qk_scale - lse[None, :] * LOG2E), 0.0)
-            dv += _dot(pT.to(do.dtype), do, UPCAST_DOT)
-            dpT = _dot(v, tl.trans(do), UPCAST_DOT)
-            dsT = pT * (dpT - delta[None, :])
-            dk += _dot(dsT.to(q.dtype), q, UPCAST_DOT)
+                dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
+                                     stride_qm, stride_dom, offs_n, offs_m0, offs_d, m_lo,
+                                     m_mid, N_Q, causal_offset, qk_scale,
+                                     HEAD_DIM, BLOCK_D, BLOCK_M1, True, IS_CAUSAL, UPCAST_DOT)
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
+                                 stride_qm, stride_dom, offs_n, offs_m0, offs_d, m_mid, m_full,
+                                 N_Q, causal_offset, qk_scale,
+                                 HEAD_DIM, BLOCK_D, BLOCK_M1, False, IS_CAUSAL, UPCAST_DOT)
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
+                                 stride_qm, stride_dom, offs_n, offs_m0, offs_d, m_full, N_Q,
+                                 N_Q, causal_offset, qk_scale,
+                                 HEAD_DIM, BLOCK_D, BLOCK_M1, True, IS_CAUSAL, UPCAST_DOT)
+        else:  # one loop over every block with a visible entry, each one masked
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
+                                 stride_qm, stride_dom, offs_n, offs_m0, offs_d, m_lo, N_Q,
+                                 N_Q, causal_offset, qk_scale,
+                                 HEAD_DIM, BLOCK_D, BLOCK_M1, True, IS_CAUSAL, UPCAST_DOT)
     dk *= sm_scale
+    kv_mask = (offs_n < N_K)[:, None] & (offs_d < HEAD_DIM)[None, :]
     tl.store(DK + off_b.to(tl.int64) * stride_dkb + off_hkv.to(tl.int64) * stride_dkh
              + offs_n[:, None].to(tl.int64) * stride_dkn + offs_d[None, :],
              dk.to(DK.dtype.element_ty), mask=kv_mask)
     tl.store(DV + off_b.to(tl.int64) * stride_dvb + off_hkv.to(tl.int64) * stride_dvh
              + offs_n[:, None].to(tl.int64) * stride_dvn + offs_d[None, :],
              dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn,
+              offs_m, offs_n0, offs_d, lo, hi, N_K, CAUSAL_OFFSET, qk_scale,
+              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N2: tl.constexpr,
+              MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    """Key blocks ``[lo, hi)`` against the program's queries (``lse2``: LSE in log2 units)."""
+    for start_n in range(lo, hi, BLOCK_N2):
+        offs_n = start_n + offs_n0
+        k = _load_rows(k_base, offs_n, offs_d, stride_kn, N_K, HEAD_DIM, BLOCK_D, MASKED)
+        v = _load_rows(v_base, offs_n, offs_d, stride_vn, N_K, HEAD_DIM, BLOCK_D, MASKED)
+        qk = _dot(q, tl.trans(k), UPCAST_DOT)  # (BLOCK_M2, BLOCK_N2)
+        p = tl.math.exp2(qk * qk_scale - lse2[:, None])
+        if MASKED:
+            keep = (offs_n < N_K)[None, :]
+            if IS_CAUSAL:
+                keep = keep & (offs_n[None, :] <= offs_m[:, None] + CAUSAL_OFFSET)
+            p = tl.where(keep, p, 0.0)  # also drops the inf of rows with LSE = -inf
+        dp = _dot(do, tl.trans(v), UPCAST_DOT)
+        ds = p * (dp - delta[:, None])
+        dq += _dot(ds.to(k.dtype), k, UPCAST_DOT)
+    return dq
 
 
 @triton.jit
@@ -135,8 +230,9 @@ def attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ,
                 H_Q, GROUP, N_Q, N_K, sm_scale,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
-                IS_CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr):
+                IS_CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr, SPLIT_LOOPS: tl.constexpr):
     tl.static_assert(BLOCK_M2 >= 16 and BLOCK_N2 >= 16, "tl.dot needs tiles of at least 16")
+    tl.static_assert(BLOCK_D >= HEAD_DIM, "BLOCK_D must cover HEAD_DIM")
     start_m = tl.program_id(0) * BLOCK_M2
     off_bh = tl.program_id(1)
     off_b = off_bh // H_Q
@@ -146,43 +242,41 @@ def attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ,
     offs_n0 = tl.arange(0, BLOCK_N2)
     offs_d = tl.arange(0, BLOCK_D)
     m_ok = offs_m < N_Q
-    d_ok = offs_d < HEAD_DIM
-    q_mask = m_ok[:, None] & d_ok[None, :]
-    q = tl.load(Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
-                + offs_m[:, None].to(tl.int64) * stride_qm + offs_d[None, :],
-                mask=q_mask, other=0.0)
-    do = tl.load(DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
-                 + offs_m[:, None].to(tl.int64) * stride_dom + offs_d[None, :],
-                 mask=q_mask, other=0.0)
+    q = _load_rows(Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh,
+                   offs_m, offs_d, stride_qm, N_Q, HEAD_DIM, BLOCK_D, True)
+    do = _load_rows(DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh,
+                    offs_m, offs_d, stride_dom, N_Q, HEAD_DIM, BLOCK_D, True)
     row_base = off_bh.to(tl.int64) * N_Q
-    lse = tl.load(Lse + row_base + offs_m, mask=m_ok, other=0.0)
+    lse2 = tl.load(Lse + row_base + offs_m, mask=m_ok, other=0.0) * LOG2E
     delta = tl.load(Delta + row_base + offs_m, mask=m_ok, other=0.0)
     k_base = K + off_b.to(tl.int64) * stride_kb + off_hkv.to(tl.int64) * stride_kh
     v_base = V + off_b.to(tl.int64) * stride_vb + off_hkv.to(tl.int64) * stride_vh
     dq = tl.zeros([BLOCK_M2, BLOCK_D], dtype=tl.float32)
     qk_scale = sm_scale * LOG2E
+
+    # Key ranges: [0, n_full) seen in full by every row of the tile, [n_full, n_hi) the
+    # causal band and the ragged end (masked); keys past n_hi are seen by no row.
     causal_offset = N_K - N_Q
-    if IS_CAUSAL:  # keys past the tile's last row's last visible key are never seen
+    n_full = N_K // BLOCK_N2 * BLOCK_N2
+    if IS_CAUSAL:
+        first_row_sees = tl.maximum(start_m + causal_offset + 1, 0)  # keys [0, this)
+        n_full = tl.minimum(n_full, first_row_sees // BLOCK_N2 * BLOCK_N2)
         n_hi = tl.minimum(N_K, tl.maximum(start_m + BLOCK_M2 + causal_offset, 0))
+        n_hi = tl.maximum(n_hi, n_full)
     else:
         n_hi = N_K
-    for start_n in range(0, n_hi, BLOCK_N2):
-        offs_n = start_n + offs_n0
-        n_ok = offs_n < N_K
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_base + offs_n[:, None].to(tl.int64) * stride_kn + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
-        v = tl.load(v_base + offs_n[:, None].to(tl.int64) * stride_vn + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
-        qk = _dot(q, tl.trans(k), UPCAST_DOT)  # (BLOCK_M2, BLOCK_N2)
-        keep = m_ok[:, None] & n_ok[None, :]
-        if IS_CAUSAL:
-            keep = keep & (offs_n[None, :] <= offs_m[:, None] + causal_offset)
-        p = tl.where(keep, tl.math.exp2(qk * qk_scale - lse[:, None] * LOG2E), 0.0)
-        dp = _dot(do, tl.trans(v), UPCAST_DOT)
-        ds = p * (dp - delta[:, None])
-        dq += _dot(ds.to(k.dtype), k, UPCAST_DOT)
+    if SPLIT_LOOPS:
+        dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, offs_m,
+                       offs_n0, offs_d, 0, n_full, N_K, causal_offset, qk_scale,
+                       HEAD_DIM, BLOCK_D, BLOCK_N2, False, IS_CAUSAL, UPCAST_DOT)
+        dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, offs_m,
+                       offs_n0, offs_d, n_full, n_hi, N_K, causal_offset, qk_scale,
+                       HEAD_DIM, BLOCK_D, BLOCK_N2, True, IS_CAUSAL, UPCAST_DOT)
+    else:  # one loop over every block with a visible entry, each one masked
+        dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, offs_m,
+                       offs_n0, offs_d, 0, n_hi, N_K, causal_offset, qk_scale,
+                       HEAD_DIM, BLOCK_D, BLOCK_N2, True, IS_CAUSAL, UPCAST_DOT)
     dq *= sm_scale
     tl.store(DQ + off_b.to(tl.int64) * stride_dqb + off_h.to(tl.int64) * stride_dqh
              + offs_m[:, None].to(tl.int64) * stride_dqm + offs_d[None, :],
-             dq.to(DQ.dtype.element_ty), mask=q_mask)
+             dq.to(DQ.dtype.element_ty), mask=m_ok[:, None] & (offs_d < HEAD_DIM)[None, :])

@@ -1,5 +1,11 @@
 """attn_bwd launcher: takes an explicit config, allocates dQ/dK/dV and launches the three
-kernels (see kernel.py). Inputs are trusted (checked by the caller, as for attn_fwd)."""
+kernels (see kernel.py). Inputs are trusted (checked by the caller, as for attn_fwd).
+
+:func:`kernel_args` is the one place that maps tensors and a config to the kernels'
+arguments; the launcher and the precompiler (:mod:`flashtune.autotune.precompile`, which
+passes shape-only stand-ins) both use it, so a precompiled kernel is the one the launch
+looks up.
+"""
 
 from __future__ import annotations
 
@@ -14,17 +20,70 @@ from flashtune.kernel_templates.attn_bwd.kernel import (
     attn_bwd_dq,
     attn_bwd_preprocess,
 )
+from flashtune.kernel_templates.attn_bwd.space import DEFAULTS
 from flashtune.kernel_templates.attn_fwd.space import block_d
 
 PREPROCESS_BLOCK_M = 64
 
+# (kernel, positional args, keyword args, grid) of one launch
+Launch = tuple[Any, tuple[Any, ...], dict[str, Any], tuple[int, int]]
+
 
 def _upcast_dot(q: Any) -> bool:
+    # The Triton interpreter stores bf16 as raw uint16 and its tl.dot reads them as integers;
+    # under the interpreter the dots run in fp32 instead (same rounding of inputs, fp32 math).
     return q.device.type == "cpu" and q.dtype == torch.bfloat16
 
 
 def _s3(t: Any) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), t.stride(2)
+
+
+def kernel_args(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, delta: Any,
+                dq: Any, dk: Any, dv: Any, config: Mapping[str, int], *, causal: bool,
+                scale: float, upcast_dot: bool, dlse: Any = None) -> dict[str, Launch]:
+    """The three launches in order: ``{"preprocess", "dkdv", "dq"}`` -> ``(kernel, args,
+    kwargs, grid)``.
+
+    ``lse`` and ``delta`` must be contiguous ``(batch, heads_q, seqlen_q)`` float32; every
+    other tensor needs a contiguous last dim (any other strides). ``dlse`` None: no LSE
+    gradient (the preprocess kernel is compiled without it).
+    """
+    batch, heads_q, seqlen_q, head_dim = q.shape
+    heads_kv, seqlen_k = k.shape[1], k.shape[2]
+    bd = block_d(head_dim)
+    warps, stages = config["num_warps"], config["num_stages"]
+    group = heads_q // heads_kv
+    dl_strides = (0, 0, 0) if dlse is None else _s3(dlse)
+    split = bool(config.get("SPLIT_LOOPS", DEFAULTS["SPLIT_LOOPS"]))
+    pre: Launch = (
+        attn_bwd_preprocess,
+        (out, dout, delta if dlse is None else dlse, delta, *_s3(out), *_s3(dout), *dl_strides,
+         heads_q, seqlen_q),
+        dict(HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_M=PREPROCESS_BLOCK_M,
+             HAS_DLSE=dlse is not None),
+        (triton.cdiv(seqlen_q, PREPROCESS_BLOCK_M), batch * heads_q))
+    bm1, bn1 = config["BLOCK_M1"], config["BLOCK_N1"]
+    dkdv: Launch = (
+        attn_bwd_dkdv,
+        (q, k, v, dout, lse, delta, dk, dv,
+         *_s3(q), *_s3(k), *_s3(v), *_s3(dout), *_s3(dk), *_s3(dv),
+         heads_q, heads_kv, group, seqlen_q, seqlen_k, float(scale)),
+        dict(HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_M1=bm1, BLOCK_N1=bn1,
+             IS_CAUSAL=bool(causal), UPCAST_DOT=upcast_dot, SPLIT_LOOPS=split,
+             num_warps=warps, num_stages=stages),
+        (triton.cdiv(seqlen_k, bn1), batch * heads_kv))
+    bm2, bn2 = config["BLOCK_M2"], config["BLOCK_N2"]
+    dqk: Launch = (
+        attn_bwd_dq,
+        (q, k, v, dout, lse, delta, dq,
+         *_s3(q), *_s3(k), *_s3(v), *_s3(dout), *_s3(dq),
+         heads_q, group, seqlen_q, seqlen_k, float(scale)),
+        dict(HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_M2=bm2, BLOCK_N2=bn2,
+             IS_CAUSAL=bool(causal), UPCAST_DOT=upcast_dot, SPLIT_LOOPS=split,
+             num_warps=warps, num_stages=stages),
+        (triton.cdiv(seqlen_q, bm2), batch * heads_q))
+    return {"preprocess": pre, "dkdv": dkdv, "dq": dqk}
 
 
 def attn_bwd(
@@ -39,55 +98,52 @@ def attn_bwd(
     causal: bool = False,
     scale: float | None = None,
     dlse: torch.Tensor | None = None,
+    dq: torch.Tensor | None = None,
+    dk: torch.Tensor | None = None,
+    dv: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of flash-attention forward with an explicit config.
 
     Arguments:
-        q: ``(batch, heads_q, seqlen_q, head_dim)``; k, v: ``(batch, heads_kv, seqlen_k,
-            head_dim)``, the forward's inputs (fp16/bf16, last dim contiguous).
-        out: the forward's output, like ``q``; lse: its float32 log-sum-exp
-            ``(batch, heads_q, seqlen_q)`` (contiguous), natural log, ``-inf`` for rows
-            that see no key.
-        dout: the gradient of ``out`` (like ``q``, last dim contiguous).
-        config: ``BLOCK_M1``, ``BLOCK_N1`` (dK/dV kernel: query and key tiles),
-            ``BLOCK_M2``, ``BLOCK_N2`` (dQ kernel), ``num_warps``, ``num_stages``.
-        causal, scale: as in the forward.
-        dlse: optional gradient of ``lse`` (when the LSE output was used): since
-            ``d lse_i / d s_ij = p_ij`` it enters as ``dS = P * (dP - (delta - dlse))``.
+        q: ``(batch, heads_q, seqlen_q, head_dim)``, fp16 or bf16, last dim contiguous.
+        k, v: ``(batch, heads_kv, seqlen_k, head_dim)``, same dtype and device as ``q``;
+            ``heads_q`` must be a multiple of ``heads_kv`` (GQA/MQA, never expanded).
+        out: the forward's output, like ``q`` (last dim contiguous).
+        lse: the forward's float32 log-sum-exp ``(batch, heads_q, seqlen_q)``, natural log,
+            ``-inf`` for rows that see no key (``attn_fwd(..., return_lse=True)``).
+        dout: the gradient of ``out``, like ``q`` (last dim contiguous).
+        config: ``{"BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "num_warps",
+            "num_stages"}`` from the template's space: the dK/dV kernel's query step and key
+            tile, the dQ kernel's query tile and key step; optionally ``SPLIT_LOOPS`` (0/1:
+            unmasked blocks in loops of their own, see kernel.py).
+        causal: bottom-right aligned mask: query ``i`` sees key ``j`` iff
+            ``j <= i + seqlen_k - seqlen_q``.
+        scale: softmax scale, default ``1 / sqrt(head_dim)``.
+        dlse: optional gradient of ``lse`` ``(batch, heads_q, seqlen_q)`` (when the LSE output
+            was used): since ``d lse_i / d s_ij = p_ij`` it enters as
+            ``dS = P * (dP - (delta - dlse))``.
+        dq, dk, dv: optional preallocated outputs shaped like ``q``, ``k``, ``v`` in their
+            dtype (last dim contiguous); written in full.
     Returns:
         ``(dq, dk, dv)`` in the input dtype, shaped like ``q``, ``k``, ``v``; dK/dV summed
-        over the query heads of each GQA group, deterministically.
+        over the query heads of each GQA group inside one program (deterministic: the same
+        inputs and config give the same bits).
     """
     batch, heads_q, seqlen_q, head_dim = q.shape
-    heads_kv, seqlen_k = k.shape[1], k.shape[2]
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
-    bd = block_d(head_dim)
-    up = _upcast_dot(q)
-    warps, stages = config["num_warps"], config["num_stages"]
     delta = torch.empty((batch, heads_q, seqlen_q), device=q.device, dtype=torch.float32)
-    attn_bwd_preprocess[(triton.cdiv(seqlen_q, PREPROCESS_BLOCK_M), batch * heads_q)](
-        out, dout, delta, *_s3(out), *_s3(dout), heads_q, seqlen_q,
-        HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_M=PREPROCESS_BLOCK_M)
-    if dlse is not None:
-        delta -= dlse.to(torch.float32)
     lse = lse.contiguous()
-    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
-    dk = torch.empty_like(k, memory_format=torch.contiguous_format)
-    dv = torch.empty_like(v, memory_format=torch.contiguous_format)
-    group = heads_q // heads_kv
-    bn1 = config["BLOCK_N1"]
-    attn_bwd_dkdv[(triton.cdiv(seqlen_k, bn1), batch * heads_kv)](
-        q, k, v, dout, lse, delta, dk, dv,
-        *_s3(q), *_s3(k), *_s3(v), *_s3(dout), *_s3(dk), *_s3(dv),
-        heads_q, heads_kv, group, seqlen_q, seqlen_k, float(scale),
-        HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_M1=config["BLOCK_M1"], BLOCK_N1=bn1,
-        IS_CAUSAL=bool(causal), UPCAST_DOT=up, num_warps=warps, num_stages=stages)
-    bm2 = config["BLOCK_M2"]
-    attn_bwd_dq[(triton.cdiv(seqlen_q, bm2), batch * heads_q)](
-        q, k, v, dout, lse, delta, dq,
-        *_s3(q), *_s3(k), *_s3(v), *_s3(dout), *_s3(dq),
-        heads_q, group, seqlen_q, seqlen_k, float(scale),
-        HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_M2=bm2, BLOCK_N2=config["BLOCK_N2"],
-        IS_CAUSAL=bool(causal), UPCAST_DOT=up, num_warps=warps, num_stages=stages)
+    if dlse is not None and dlse.dtype != torch.float32:
+        dlse = dlse.to(torch.float32)
+    if dq is None:
+        dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if dk is None:
+        dk = torch.empty_like(k, memory_format=torch.contiguous_format)
+    if dv is None:
+        dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+    launches = kernel_args(q, k, v, out, lse, dout, delta, dq, dk, dv, config, causal=causal,
+                           scale=scale, upcast_dot=_upcast_dot(q), dlse=dlse)
+    for kernel, args, kwargs, grid in launches.values():
+        kernel[grid](*args, **kwargs)
     return dq, dk, dv

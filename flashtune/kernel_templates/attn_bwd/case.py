@@ -1,0 +1,57 @@
+"""attn_bwd's tuning case: what :class:`~flashtune.autotune.runners.LocalRunner` launches,
+checks and counts for one problem (``TemplateSpec.make_case``).
+
+Not part of the template's source hash: it decides how configs are checked, not which code
+is generated.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flashtune.autotune.devices import DeviceFingerprint
+from flashtune.autotune.problems import AttentionProblem
+
+# above this many q elements the reference covers batch 0 and kv head 0 with its q heads
+FULL_REFERENCE_MAX_ELEMS = 1 << 20
+
+
+def make_case(problem: AttentionProblem, device: DeviceFingerprint, *, torch_device: str,
+              generator: Any, launcher: Any, check_slice: bool = True) -> Any:
+    """Random q, k, v and dout; out and LSE from attn_fwd with its default config; the
+    gradients of ``launcher(q, k, v, out, lse, dout, config, causal=)`` checked against
+    fp32 autograd (the worst relative error of dq, dk, dv); backward FLOPs (2.5x forward).
+
+    For big problems the reference covers batch 0 and the first kv head with every q head
+    of its group (dK/dV sum over the group, so no smaller slice checks them).
+    """
+    import torch
+
+    from flashtune.autotune.runners import Case, random_inputs, relative_error
+    from flashtune.kernel_templates.attn_bwd.reference import attn_bwd_reference
+    from flashtune.kernel_templates.registry import get_template
+
+    p = problem
+    t = random_inputs(p, torch_device, generator, ("q", "k", "v", "do"))
+    q, k, v, do = t["q"], t["k"], t["v"], t["do"]
+    fwd = get_template("attn_fwd")
+    out, lse = fwd.launcher(q, k, v, fwd.default_config(p, device), causal=p.causal,
+                            return_lse=True)
+    if check_slice and q.numel() > FULL_REFERENCE_MAX_ELEMS:
+        group = p.heads_q // p.heads_kv
+        sq: tuple[slice, slice] = (slice(0, 1), slice(0, group))
+        skv: tuple[slice, slice] = (slice(0, 1), slice(0, 1))
+    else:
+        sq = skv = (slice(None), slice(None))
+    ref = attn_bwd_reference(q[sq], k[skv], v[skv], do[sq], causal=p.causal,
+                             dtype=torch.float32)
+
+    def launch(config: Any) -> Any:
+        return launcher(q, k, v, out, lse, do, config, causal=p.causal)
+
+    def error(grads: Any) -> float:
+        errs = [relative_error(g[s], r) for g, s, r in zip(grads, (sq, skv, skv), ref)]
+        return float("nan") if any(e != e for e in errs) else max(errs)
+
+    return Case(launch=launch, error=error, flops=p.flops(backward=True),
+                inputs={"q": q, "k": k, "v": v, "do": do, "out": out, "lse": lse})

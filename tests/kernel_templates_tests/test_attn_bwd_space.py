@@ -1,0 +1,156 @@
+"""attn_bwd's space, predicate, default configs, registry entry and shared-memory model."""
+
+from __future__ import annotations
+
+import pytest
+
+from flashtune.autotune.devices import DeviceFingerprint, interpreter_device
+from flashtune.autotune.problems import AttentionProblem
+from flashtune.errors import ConfigError
+from flashtune.kernel_templates import get_template, template_names
+from flashtune.kernel_templates.attn_bwd.space import shared_mem_bytes
+
+SPEC = get_template("attn_bwd")
+H100 = DeviceFingerprint("NVIDIA_H100_80GB_HBM3", "9.0", 132, 232448, 85 << 30)
+SMALL_SMEM = DeviceFingerprint("tiny_gpu", "8.6", 10, 101376, 8 << 30)
+TURING = DeviceFingerprint("NVIDIA_T4", "7.5", 40, 65536, 16 << 30)
+GOOD = {"BLOCK_M1": 32, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 32, "num_warps": 8,
+        "num_stages": 2}
+
+
+def prob(d=128, n=4096, causal=False, dtype="bf16"):
+    return AttentionProblem(4, 16, 16, n, n, d, causal, dtype)
+
+
+def test_registered_with_its_own_tuning_case():
+    assert "attn_bwd" in template_names()
+    assert len(SPEC.source_hash) == 16 and SPEC.source_hash != get_template("attn_fwd").source_hash
+    assert SPEC.tunable and SPEC.make_case is not None
+    assert SPEC.kernel.fn.__name__ == "attn_bwd_dkdv"
+
+
+def test_validate_rejects_unknown_missing_and_out_of_space():
+    # the knob is optional and defaults to off
+    assert SPEC.space.validate(GOOD) == {**GOOD, "SPLIT_LOOPS": 0}
+    assert SPEC.space.validate({**GOOD, "SPLIT_LOOPS": 1})["SPLIT_LOOPS"] == 1
+    with pytest.raises(ConfigError, match=r"SPLIT_LOOPS.*allowed values: \[0, 1\]"):
+        SPEC.space.validate({**GOOD, "SPLIT_LOOPS": 2})
+    with pytest.raises(ConfigError, match=r"unknown keys \['BLOCK_N'\]"):
+        SPEC.space.validate({**GOOD, "BLOCK_N": 32})
+    with pytest.raises(ConfigError, match=r"missing keys \['BLOCK_M1', 'num_warps'\]"):
+        SPEC.space.validate({k: v for k, v in GOOD.items() if k not in ("BLOCK_M1", "num_warps")})
+    with pytest.raises(ConfigError, match=r"BLOCK_N2.*8.*allowed values: \[16, 32, 64, 128\]"):
+        SPEC.space.validate({**GOOD, "BLOCK_N2": 8})
+    with pytest.raises(ConfigError, match="num_warps"):
+        SPEC.space.validate({**GOOD, "num_warps": True})
+    with pytest.raises(ConfigError, match="mapping"):
+        SPEC.space.validate([("BLOCK_M1", 32)])
+
+
+def test_predicate_reads_device_limits():
+    assert SPEC.space.check(GOOD, prob(128), H100) is None  # ~97 KiB
+    deep = {**GOOD, "num_stages": 5}  # ~145 KiB: fits the H100, not a 99 KiB device
+    assert SPEC.space.check(deep, prob(128), H100) is None
+    assert "shared memory" in SPEC.space.check(deep, prob(128), SMALL_SMEM)
+    too_deep = {**GOOD, "BLOCK_M1": 128, "num_stages": 3}  # ~258 KiB
+    assert "shared memory" in SPEC.space.check(too_deep, prob(128), H100)
+    # the interpreter has no shared-memory limit worth pruning on
+    assert SPEC.space.check(too_deep, prob(128), interpreter_device()) is None
+
+
+def test_predicate_prunes_spills_and_bf16_before_ampere():
+    wide = {**GOOD, "BLOCK_N1": 128, "num_warps": 4}  # dK + dV: 2 x 128 x 256 over 128 threads
+    assert "dK/dV kernel holds 512 fp32 accumulators" in SPEC.space.check(wide, prob(256), H100)
+    dq = {**GOOD, "BLOCK_N1": 32, "BLOCK_M2": 128, "num_warps": 2}
+    assert "dQ kernel" in SPEC.space.check(dq, prob(256), H100)
+    small = {**GOOD, "BLOCK_N1": 64, "BLOCK_M2": 64, "num_stages": 1, "num_warps": 4}
+    assert "compute capability >= 8.0" in SPEC.space.check(small, prob(64), TURING)
+    assert SPEC.space.check(small, prob(64, dtype="fp16"), TURING) is None
+
+
+@pytest.mark.parametrize("d", [16, 32, 64, 96, 128, 192, 256])
+@pytest.mark.parametrize("device", [H100, SMALL_SMEM, interpreter_device()],
+                         ids=["h100", "small", "interpreter"])
+def test_default_config_is_valid_everywhere(d, device):
+    for causal in (False, True):
+        p = prob(d, causal=causal)
+        cfg = SPEC.default_config(p, device)
+        assert SPEC.space.validate(cfg) == cfg
+        assert SPEC.space.check(cfg, p, device) is None
+
+
+def test_hopper_defaults_have_the_fa2_shape():
+    for d in (64, 128, 256):
+        cfg = SPEC.default_config(prob(d), H100)
+        # dK/dV: many owned keys against short query steps; dQ: the transpose
+        assert cfg["BLOCK_N1"] >= 64 and cfg["BLOCK_N1"] > cfg["BLOCK_M1"]
+        assert cfg["BLOCK_M2"] >= 64 and cfg["BLOCK_M2"] > cfg["BLOCK_N2"]
+    assert SPEC.default_config(prob(64), H100)["num_warps"] == 4
+    assert SPEC.default_config(prob(128), H100)["num_warps"] == 8
+
+
+def test_space_is_data():
+    assert SPEC.space.size == len(list(SPEC.space)) == 4 ** 4 * 3 * 5 * 2
+    valid = SPEC.space.valid_configs(prob(128), H100)
+    assert 0 < len(valid) < SPEC.space.size
+
+
+_COMPILE_SCRIPT = r"""
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from flashtune.kernel_templates.attn_bwd.kernel import attn_bwd_dkdv, attn_bwd_dq
+from flashtune.kernel_templates.attn_fwd.space import block_d
+result = []
+for which, bm, bn, w, s, d, split in json.loads(sys.argv[1]):
+    kern = attn_bwd_dkdv if which == "dkdv" else attn_bwd_dq
+    names = kern.arg_names
+    ptrs = {n: "*fp32" if n in ("Lse", "Delta") else "*fp16" for n in names
+            if n in ("Q", "K", "V", "DO", "Lse", "Delta", "DK", "DV", "DQ")}
+    aligned = set(ptrs) | {n for n in names if n.startswith("stride_")}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in aligned}
+    tiles = ({"BLOCK_M1": bm, "BLOCK_N1": bn} if which == "dkdv"
+             else {"BLOCK_M2": bm, "BLOCK_N2": bn})
+    const = dict(HEAD_DIM=d, BLOCK_D=block_d(d), IS_CAUSAL=True, UPCAST_DOT=False,
+                 SPLIT_LOOPS=bool(split), **tiles)
+    sig = {n: ("constexpr" if n in const else ptrs[n] if n in ptrs
+               else "fp32" if n == "sm_scale" else "i32") for n in names}
+    src = ASTSource(fn=kern, signature=sig, attrs=attrs,
+                    constexprs={(names.index(k),): v for k, v in const.items()})
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=w, num_stages=s))
+    result.append(compiled.metadata.shared)
+print(json.dumps(result))
+"""
+
+
+def test_shared_memory_model_matches_the_hopper_compiler():
+    """Compile both main kernels for sm_90 on the CPU (no GPU needed) and compare the
+    reported shared memory: the model is the compiler's figure or at most 1 KiB above it
+    for owned tiles of 64 rows and more (the wgmma path). In a subprocess: this process has
+    the kernels wrapped by the interpreter."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    # (kernel, BLOCK_M, BLOCK_N, warps, stages, head_dim, SPLIT_LOOPS); the owned tile is
+    # BLOCK_N1 / BLOCK_M2
+    cases = [("dkdv", 32, 128, 4, 3, 64, 0), ("dkdv", 64, 128, 8, 3, 128, 0),
+             ("dkdv", 32, 128, 8, 2, 128, 1), ("dkdv", 64, 64, 4, 4, 96, 1),
+             ("dkdv", 128, 64, 4, 1, 128, 0), ("dkdv", 16, 64, 8, 5, 64, 1),
+             ("dq", 128, 32, 4, 3, 64, 0), ("dq", 128, 64, 8, 3, 128, 0),
+             ("dq", 128, 32, 8, 2, 128, 1), ("dq", 64, 64, 4, 4, 96, 1)]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, json.dumps(cases)],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    reported = json.loads(proc.stdout.strip().splitlines()[-1])
+    for (which, bm, bn, w, s, d, _), shared in zip(cases, reported):
+        # the other kernel's tiles kept tiny so the model's max() picks this one
+        tiles = ({"BLOCK_M1": bm, "BLOCK_N1": bn, "BLOCK_M2": 16, "BLOCK_N2": 16}
+                 if which == "dkdv" else
+                 {"BLOCK_M1": 16, "BLOCK_N1": 16, "BLOCK_M2": bm, "BLOCK_N2": bn})
+        est = shared_mem_bytes({**tiles, "num_stages": s}, d)
+        assert shared <= est <= shared + 1024, (which, bm, bn, w, s, d, est, shared)
