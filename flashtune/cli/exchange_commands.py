@@ -5,6 +5,10 @@ exist has nothing to export: a message, exit 0). ``-o DIR`` (an existing directo
 path not ending in ``.json``) writes one file per device and template, named by
 :func:`flashtune.db.exchange.config_file_name`; ``-o FILE.json`` takes exactly one.
 
+``--format vllm`` writes vLLM-style files instead: one per device x template x (dtype,
+head_dim, causal), each a flat JSON object from a shape key to a config (see
+:mod:`flashtune.db.exchange_vllm`).
+
 ``import`` reads and validates EVERY file before it opens the database: one rejection is
 a one-line error, exit 1, and nothing is written. Then all documents go in one
 transaction, and the per-file report is printed. See :mod:`flashtune.db.exchange`.
@@ -20,11 +24,12 @@ import click
 
 from flashtune.cli.options import db_url, device_filter_option, fail, template_filter_option
 
-__all__ = ["POLICIES", "export_command", "import_command"]
+__all__ = ["FORMATS", "POLICIES", "export_command", "import_command"]
 
 # flashtune.db.store.IMPORT_POLICIES, spelled out so --help imports no database code
 # (tests/cli_tests/test_exchange_commands.py checks that the two agree)
 POLICIES = ("keep-faster", "overwrite", "skip")
+FORMATS = ("flashtune", "vllm")
 
 
 def _to_single_file(output: Path) -> bool:
@@ -59,18 +64,24 @@ def _entries(n: int) -> str:
 @click.option("-o", "--output", required=True, metavar="PATH",
               type=click.Path(dir_okay=True, file_okay=True, path_type=Path),
               help="A directory (one file per device and template) or one FILE.json.")
+@click.option("--format", "fmt", type=click.Choice(FORMATS), default="flashtune",
+              show_default=True,
+              help="flashtune: validated documents that `flashtune import` and "
+                   "$FLASHTUNE_CONFIG_DIR read; vllm: vLLM-style files, one per device, "
+                   "template, dtype, head_dim and causal, mapping shape keys to configs.")
 @click.pass_context
 def export_command(ctx: click.Context, device: str | None, template: str | None,
-                   output: Path) -> None:
+                   output: Path, fmt: str) -> None:
     """Export best configs as per-device JSON files (database opened read-only).
 
     Only configs tuned for the current template sources are written (older ones would
-    never be served). -o DIR writes one file per device and template; -o FILE.json needs
-    exactly one.
+    never be served). -o DIR writes one file per device and template (with --format vllm:
+    per device, template, dtype, head_dim and causal); -o FILE.json needs exactly one.
     """
     from flashtune.db import open_store
     from flashtune.db.engine import default_db_url, missing_sqlite_file, safe_url
     from flashtune.db.exchange import document_to_json, export_documents
+    from flashtune.db.exchange_vllm import vllm_files, vllm_to_json
     from flashtune.errors import FlashtuneError
 
     single = _to_single_file(output)
@@ -82,28 +93,31 @@ def export_command(ctx: click.Context, device: str | None, template: str | None,
     try:
         with open_store(url, read_only=True, create=False) as store:
             docs = export_documents(store, device_name=device, template_name=template)
+        # (file name, text, entries) per file to write
+        files = ([(d.file_name(), document_to_json(d), len(d.entries)) for d in docs]
+                 if fmt == "flashtune" else
+                 [(f.name, vllm_to_json(f), len(f.configs)) for f in vllm_files(docs)])
     except (FlashtuneError, ValueError) as exc:
         raise fail(exc) from exc
-    if not docs:
+    if not files:
         filters = "".join(f" {k}={v}" for k, v in (("device", device), ("template", template))
                           if v)
         click.echo(f"nothing to export from {safe_url(url)}: no best configs tuned for the "
                    f"current template sources{filters and ' matching' + filters}")
         return
-    if single and len(docs) != 1:
-        names = ", ".join(d.file_name() for d in docs)
-        raise click.UsageError(f"-o {output} names one .json file but there are {len(docs)} "
+    if single and len(files) != 1:
+        names = ", ".join(name for name, _, _ in files)
+        raise click.UsageError(f"-o {output} names one .json file but there are {len(files)} "
                                f"documents ({names}); pass a directory to write one file each")
     try:
         if single:
             output.parent.mkdir(parents=True, exist_ok=True)
-            targets = [(output, docs[0])]
         else:
             output.mkdir(parents=True, exist_ok=True)
-            targets = [(output / d.file_name(), d) for d in docs]
-        for path, doc in targets:
-            _write(path, document_to_json(doc))
-            click.echo(f"wrote {path} ({_entries(len(doc.entries))})")
+        for name, text, n in files:
+            path = output if single else output / name
+            _write(path, text)
+            click.echo(f"wrote {path} ({_entries(n)})")
     except OSError as exc:
         raise fail(exc) from exc
 

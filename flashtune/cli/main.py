@@ -14,6 +14,7 @@ import click
 from flashtune._version import __version__
 from flashtune.cli.db_commands import db
 from flashtune.cli.exchange_commands import export_command, import_command
+from flashtune.cli.report_commands import report_command
 from flashtune.cli.show_commands import show_command
 from flashtune.cli.tune_commands import tune_command
 
@@ -41,6 +42,7 @@ cli.add_command(tune_command)
 cli.add_command(show_command)
 cli.add_command(export_command)
 cli.add_command(import_command)
+cli.add_command(report_command)
 
 
 if __name__ == "__main__":

@@ -147,7 +147,7 @@ def format_tflops(value: float | None) -> str:
     return f"{value:.1f}" if value >= 1 else f"{value:.3g}"
 
 
-def _table(header: Sequence[str], rows: list[Sequence[str]], right: set[int]) -> str:
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]], right: set[int]) -> str:
     widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
     lines = []
     for row in [header, *rows]:

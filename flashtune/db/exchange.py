@@ -56,6 +56,7 @@ __all__ = [
     "import_documents",
     "parse_document",
     "read_document",
+    "vllm_config_file_name",
 ]
 
 MAX_FILE_BYTES = 8 << 20  # a bigger file is refused before it is read
@@ -78,6 +79,25 @@ def config_file_name(device_name: str, template: str) -> str:
             raise ValueError(f"{what} {checks.show(name)} cannot be part of a config file "
                              f"name; expected {checks.NAME_RULE}")
     return f"device_name={device_name},template={template}.json"
+
+
+def vllm_config_file_name(device_name: str, template: str, *, dtype: str, head_dim: int,
+                          causal: bool) -> str:
+    """``"template=<t>,dtype=<d>,head_dim=<h>,causal=<0|1>,device_name=<device>.json"``:
+    the name of a vLLM-style tuned-config file (``flashtune export --format vllm``), named
+    like vLLM's ``E=..,N=..,device_name=...json`` fused-MoE configs.
+
+    Names follow :func:`config_file_name`'s rule, ``dtype`` too; ``head_dim`` is a positive
+    int; otherwise ``ValueError``.
+    """
+    config_file_name(device_name, template)  # the same name checks
+    if not checks.is_name(dtype):
+        raise ValueError(f"dtype {checks.show(dtype)} cannot be part of a config file name; "
+                         f"expected {checks.NAME_RULE}")
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1:
+        raise ValueError(f"head_dim {checks.show(head_dim)} is not a positive int")
+    return (f"template={template},dtype={dtype},head_dim={head_dim},causal={int(bool(causal))},"
+            f"device_name={device_name}.json")
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_commands_registered() -> None:
-    assert {"db", "tune", "show", "export", "import"} <= set(cli.commands)
+    assert {"db", "tune", "show", "export", "import", "report"} <= set(cli.commands)
 
 
 def test_version() -> None:
@@ -27,7 +27,7 @@ def test_version() -> None:
 
 
 @pytest.mark.parametrize("args", [[], ["tune"], ["show"], ["db"], ["db", "info"], ["export"],
-                                  ["import"]])
+                                  ["import"], ["report"]])
 def test_help(args: list[str]) -> None:
     result = CliRunner().invoke(cli, [*args, "--help"])
     assert result.exit_code == 0, result.output
@@ -67,15 +67,15 @@ import sys
 from click.testing import CliRunner
 from flashtune.cli.main import cli
 for args in ([], ["tune"], ["show"], ["db"], ["db", "info"], ["db", "upgrade"], ["export"],
-             ["import"]):
+             ["import"], ["report"]):
     result = CliRunner().invoke(cli, [*args, "--help"])
     assert result.exit_code == 0, (args, result.output)
-heavy = sorted(m for m in ("torch", "triton") if m in sys.modules)
+heavy = sorted(m for m in ("torch", "triton", "matplotlib") if m in sys.modules)
 print("HEAVY=" + ",".join(heavy))
 """
 
 
-def test_help_imports_no_torch_or_triton() -> None:
+def test_help_imports_no_torch_triton_or_matplotlib() -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True,
                           env=env, cwd=ROOT, timeout=60)

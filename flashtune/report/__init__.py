@@ -1,0 +1,9 @@
+"""Plots and an HTML page of what the tuning database holds (``flashtune report``).
+
+:func:`~flashtune.report.studies.collect_studies` reads the studies from a store (no
+matplotlib needed); :func:`~flashtune.report.page.write_report` draws the PNGs with
+matplotlib's Agg backend and writes ``index.html`` beside them. matplotlib is optional:
+``pip install matplotlib`` (or the ``report`` extra).
+"""
+
+from __future__ import annotations
