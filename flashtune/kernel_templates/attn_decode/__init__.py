@@ -1,0 +1,27 @@
+"""attn_decode: split-KV flash-decoding over dense, ragged or paged KV caches."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from flashtune.kernel_templates.attn_decode.kernel import attn_decode_split_kernel
+from flashtune.kernel_templates.attn_decode.launcher import attn_decode, attn_decode_kvcache
+from flashtune.kernel_templates.attn_decode.reference import attn_decode_reference
+from flashtune.kernel_templates.attn_decode.space import SPACE, default_config
+from flashtune.kernel_templates.registry import TemplateSpec, register_template, source_hash
+
+_HERE = Path(__file__).parent
+
+SPEC = register_template(TemplateSpec(
+    name="attn_decode",
+    source_hash=source_hash(_HERE / "kernel.py", _HERE / "launcher.py"),
+    launcher=attn_decode,
+    reference=attn_decode_reference,
+    space=SPACE,
+    default_config=default_config,
+    kernel=attn_decode_split_kernel,
+    tunable=False,  # the tuner's runner is forward-only for now; lookups still apply
+))
+
+__all__ = ["SPACE", "SPEC", "attn_decode", "attn_decode_kvcache", "attn_decode_reference",
+           "attn_decode_split_kernel", "default_config"]

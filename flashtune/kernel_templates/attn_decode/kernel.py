@@ -1,0 +1,229 @@
+"""Split-KV flash-decoding: short queries (Nq <= 16) against a long, ragged or paged KV cache.
+
+Two kernels.
+
+``attn_decode_split_kernel``, grid ``(NUM_SPLITS, B * Hkv, row_blocks)``: one program owns
+one KV head of one sequence and one chunk of that sequence's keys. Its tile rows are every
+query head of the KV head's GQA group times every query: row ``r`` is query ``r % N_Q`` of
+query head ``h_kv * GROUP + r // N_Q`` (``GROUP * N_Q`` rows padded to ``BLOCK_M >= 16``
+for ``tl.dot``; ``row_blocks`` is 1 unless that exceeds ``BLOCK_M``), so each K/V tile is
+read once for the whole group. The sequence's length ``L`` (``Seqlens[b]``, or ``N_K`` for a
+dense K/V) is cut into ``NUM_SPLITS`` chunks of whole ``BLOCK_N`` blocks; a chunk past the
+end is empty. Each program runs the online softmax over its chunk in two phases (blocks
+every row sees in full, without masks; then the ragged end and the causal band), and
+stores either a partial output (normalised by its own row sum, fp32) and partial LSE, or,
+with ``NUM_SPLITS == 1``, the final output and LSE directly.
+
+``attn_decode_combine_kernel``, grid ``(B * Hq * N_Q,)``: merges one row's partials:
+``out = sum_s exp(lse_s - lse) o_s`` with ``lse = logsumexp_s lse_s``. Rows whose splits all
+saw no key give ``out = 0`` and ``lse = -inf``, never NaN.
+
+Causal masking is bottom-right aligned against each sequence's own length: query ``i`` sees
+keys ``j <= i + L - N_Q``.
+
+Paged caches (``PAGED``): K/V are ``(num_pages, Hkv, page_size, D)`` and key ``j`` of
+sequence ``b`` lives at page ``BlockTable[b, j // page_size]``, slot ``j % page_size``. With
+``PAGE_ALIGNED`` (``page_size % BLOCK_N == 0``: a tile never straddles pages) one page id is
+read per tile; otherwise one per key row (any page size works, as in vLLM's Triton kernels).
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _decode_inner(acc, l_i, m_i, q, k_base, v_base, BlockTable, bt_row, offs_n, offs_d,
+                  stride_kp, stride_kn, stride_vp, stride_vn, stride_btp,
+                  lo, hi, seqlen, page_size, causal_lim, qk_scale,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                  MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, PAGED: tl.constexpr,
+                  PAGE_ALIGNED: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    d_ok = offs_d < HEAD_DIM
+    for start_n in tl.range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n
+        if PAGED:
+            if PAGE_ALIGNED:
+                page = tl.load(BlockTable + bt_row + (start_n // page_size) * stride_btp)
+                page = page.to(tl.int64)
+                slot = (start_n % page_size + offs_n).to(tl.int64)
+                k_rows = page * stride_kp + slot * stride_kn
+                v_rows = page * stride_vp + slot * stride_vn
+            else:
+                bt_ptrs = BlockTable + bt_row + (cols // page_size).to(tl.int64) * stride_btp
+                if MASKED:
+                    pages = tl.load(bt_ptrs, mask=cols < seqlen, other=0).to(tl.int64)
+                else:
+                    pages = tl.load(bt_ptrs).to(tl.int64)
+                slot = (cols % page_size).to(tl.int64)
+                k_rows = pages * stride_kp + slot * stride_kn
+                v_rows = pages * stride_vp + slot * stride_vn
+        else:
+            k_rows = cols.to(tl.int64) * stride_kn
+            v_rows = cols.to(tl.int64) * stride_vn
+        kt_ptrs = k_base + k_rows[None, :] + offs_d[:, None]
+        v_ptrs = v_base + v_rows[:, None] + offs_d[None, :]
+        if MASKED:
+            n_ok = cols < seqlen
+            kt = tl.load(kt_ptrs, mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        elif BLOCK_D != HEAD_DIM:
+            kt = tl.load(kt_ptrs, mask=d_ok[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+        else:
+            kt = tl.load(kt_ptrs)
+            v = tl.load(v_ptrs)
+        if UPCAST_DOT:
+            qk = tl.dot(q.to(tl.float32), kt.to(tl.float32))
+        else:
+            qk = tl.dot(q, kt)
+        qk = qk * qk_scale
+        if MASKED:
+            keep = (cols < seqlen)[None, :]
+            if IS_CAUSAL:
+                keep = keep & (cols[None, :] <= causal_lim[:, None])
+            qk = tl.where(keep, qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            # rows with no visible key so far keep m = -inf; subtract 0 to avoid inf - inf
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_sub = m_new
+        p = tl.math.exp2(qk - m_sub[:, None])
+        alpha = tl.math.exp2(m_i - m_sub)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if UPCAST_DOT:
+            acc += tl.dot(p, v.to(tl.float32))
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def attn_decode_split_kernel(
+    Q, K, V, Out, Lse, Seqlens, BlockTable, OPart, LsePart,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_ob, stride_oh, stride_om,
+    stride_btb, stride_btp,
+    H_Q, H_KV, N_Q, N_K, page_size, sm_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_SEQLENS: tl.constexpr, PAGED: tl.constexpr,
+    PAGE_ALIGNED: tl.constexpr, STORE_LSE: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):
+    """K/V strides: ``stride_kb`` is the page stride when PAGED (K is ``(pages, Hkv,
+    page_size, D)``), the batch stride otherwise. OPart ``(B, Hq, N_Q, NUM_SPLITS, HEAD_DIM)``
+    and LsePart ``(B, Hq, N_Q, NUM_SPLITS)`` are contiguous fp32; Lse ``(B, Hq, N_Q)``
+    contiguous fp32."""
+    tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16, "tl.dot needs tiles of at least 16")
+    tl.static_assert(BLOCK_D >= HEAD_DIM, "BLOCK_D must cover HEAD_DIM")
+    split = tl.program_id(0)
+    off_bh = tl.program_id(1)
+    off_b = off_bh // H_KV
+    off_hkv = off_bh % H_KV
+
+    offs_r = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    r_ok = offs_r < GROUP * N_Q
+    offs_i = offs_r % N_Q  # the query within the sequence
+    offs_h = off_hkv * GROUP + tl.minimum(offs_r // N_Q, GROUP - 1)  # its query head
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+
+    if HAS_SEQLENS:
+        seqlen = tl.load(Seqlens + off_b)
+    else:
+        seqlen = N_K
+    if PAGED:
+        k_base = K + off_hkv.to(tl.int64) * stride_kh
+        v_base = V + off_hkv.to(tl.int64) * stride_vh
+    else:
+        k_base = K + off_b.to(tl.int64) * stride_kb + off_hkv.to(tl.int64) * stride_kh
+        v_base = V + off_b.to(tl.int64) * stride_vb + off_hkv.to(tl.int64) * stride_vh
+    bt_row = off_b.to(tl.int64) * stride_btb
+
+    q_ptrs = (Q + off_b.to(tl.int64) * stride_qb + offs_h[:, None].to(tl.int64) * stride_qh
+              + offs_i[:, None].to(tl.int64) * stride_qm + offs_d[None, :])
+    q = tl.load(q_ptrs, mask=r_ok[:, None] & d_ok[None, :], other=0.0)
+
+    # this split's keys: whole blocks, [lo, hi)
+    blocks_per_split = tl.cdiv(tl.cdiv(seqlen, BLOCK_N), NUM_SPLITS)
+    lo = split * blocks_per_split * BLOCK_N
+    hi = tl.minimum(seqlen, lo + blocks_per_split * BLOCK_N)
+    # keys every row sees: [0, full_end); blocks of [lo, mid) need no mask
+    causal_lim = offs_i + seqlen - N_Q
+    if IS_CAUSAL:
+        full_end = tl.maximum(seqlen - N_Q + 1, 0)
+    else:
+        full_end = seqlen
+    mid = lo + tl.maximum(tl.minimum(hi, full_end) - lo, 0) // BLOCK_N * BLOCK_N
+    hi = tl.maximum(hi, mid)
+
+    qk_scale = sm_scale * 1.4426950408889634  # log2(e)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc, l_i, m_i = _decode_inner(acc, l_i, m_i, q, k_base, v_base, BlockTable, bt_row,
+                                  offs_n, offs_d, stride_kb, stride_kn, stride_vb, stride_vn,
+                                  stride_btp, lo, mid, seqlen, page_size, causal_lim, qk_scale,
+                                  HEAD_DIM, BLOCK_D, BLOCK_N, False, IS_CAUSAL, PAGED,
+                                  PAGE_ALIGNED, UPCAST_DOT)
+    acc, l_i, m_i = _decode_inner(acc, l_i, m_i, q, k_base, v_base, BlockTable, bt_row,
+                                  offs_n, offs_d, stride_kb, stride_kn, stride_vb, stride_vn,
+                                  stride_btp, mid, hi, seqlen, page_size, causal_lim, qk_scale,
+                                  HEAD_DIM, BLOCK_D, BLOCK_N, True, IS_CAUSAL, PAGED,
+                                  PAGE_ALIGNED, UPCAST_DOT)
+
+    seen = l_i > 0.0
+    l_safe = tl.where(seen, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    lse = tl.where(seen, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    row_ids = (off_b * H_Q + offs_h).to(tl.int64) * N_Q + offs_i  # (b, hq, i) flattened
+    if NUM_SPLITS == 1:
+        o_ptrs = (Out + off_b.to(tl.int64) * stride_ob + offs_h[:, None].to(tl.int64) * stride_oh
+                  + offs_i[:, None].to(tl.int64) * stride_om + offs_d[None, :])
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
+        if STORE_LSE:
+            tl.store(Lse + row_ids, lse, mask=r_ok)
+    else:
+        part = row_ids * NUM_SPLITS + split
+        tl.store(OPart + part[:, None] * HEAD_DIM + offs_d[None, :], out,
+                 mask=r_ok[:, None] & d_ok[None, :])
+        tl.store(LsePart + part, lse, mask=r_ok)
+
+
+@triton.jit
+def attn_decode_combine_kernel(
+    OPart, LsePart, Out, Lse,
+    stride_ob, stride_oh, stride_om,
+    H_Q, N_Q,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr, STORE_LSE: tl.constexpr,
+):
+    """One program per (b, hq, i) row: merge its ``NUM_SPLITS`` partials by their LSEs."""
+    row = tl.program_id(0).to(tl.int64)
+    off_i = row % N_Q
+    off_h = (row // N_Q) % H_Q
+    off_b = row // (N_Q * H_Q)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_ok = offs_s < NUM_SPLITS
+    d_ok = offs_d < HEAD_DIM
+
+    lse_s = tl.load(LsePart + row * NUM_SPLITS + offs_s, mask=s_ok, other=float("-inf"))
+    m = tl.max(lse_s, 0)
+    m_sub = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse_s - m_sub)  # 0 for empty splits
+    total = tl.sum(w, 0)
+    o_s = tl.load(OPart + (row * NUM_SPLITS + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+                  mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    seen = total > 0.0
+    t_safe = tl.where(seen, total, 1.0)
+    out = tl.sum(o_s * (w / t_safe)[:, None], 0)
+    o_ptrs = Out + off_b * stride_ob + off_h * stride_oh + off_i * stride_om + offs_d
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=d_ok)
+    if STORE_LSE:
+        tl.store(Lse + row, tl.where(seen, m_sub + tl.log(t_safe), float("-inf")))

@@ -1,0 +1,148 @@
+"""attn_decode launchers: take an explicit, already-validated config, allocate and launch.
+
+Input checking lives in :mod:`flashtune.runtime.kvcache`; this layer trusts its arguments so
+the tuner and the dispatcher pay for checks once. :func:`attn_decode` is the dense entry
+point (K/V of one length, any strides), :func:`attn_decode_kvcache` the cache one
+(contiguous ``(B, Hkv, Nmax, D)`` with per-sequence lengths, or paged with a block table).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+import torch
+import triton
+
+from flashtune.kernel_templates.attn_decode.kernel import (
+    attn_decode_combine_kernel,
+    attn_decode_split_kernel,
+)
+from flashtune.kernel_templates.attn_decode.space import block_d, block_m, rows
+
+
+def _upcast_dot(q: Any) -> bool:
+    # The Triton interpreter stores bf16 as raw uint16 and its tl.dot reads them as integers;
+    # under the interpreter the dots run in fp32 instead (same rounding of inputs, fp32 math).
+    return q.device.type == "cpu" and q.dtype == torch.bfloat16
+
+
+def _launch(q: Any, k: Any, v: Any, config: Mapping[str, int], *, seqlens: Any,
+            block_table: Any, seqlen_k: int, causal: bool, scale: float | None,
+            return_lse: bool, out: Any) -> Any:
+    batch, heads_q, seqlen_q, head_dim = q.shape
+    heads_kv = k.shape[1]
+    group = heads_q // heads_kv
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    bd, bm, bn = block_d(head_dim), block_m(group, seqlen_q), config["BLOCK_N"]
+    splits = config["NUM_SPLITS"]
+    lse = (torch.empty((batch, heads_q, seqlen_q), device=q.device, dtype=torch.float32)
+           if return_lse else None)
+    if splits > 1:
+        o_part = torch.empty((batch, heads_q, seqlen_q, splits, head_dim), device=q.device,
+                             dtype=torch.float32)
+        lse_part = torch.empty((batch, heads_q, seqlen_q, splits), device=q.device,
+                               dtype=torch.float32)
+    else:
+        o_part = lse_part = out
+    paged = block_table is not None
+    page_size = k.shape[2] if paged else 1
+    bt_strides = (block_table.stride(0), block_table.stride(1)) if paged else (0, 0)
+    grid = (splits, batch * heads_kv, triton.cdiv(rows(group, seqlen_q), bm))
+    attn_decode_split_kernel[grid](
+        q, k, v, out, out if lse is None else lse,
+        q if seqlens is None else seqlens, q if block_table is None else block_table,
+        o_part, lse_part,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        bt_strides[0], bt_strides[1],
+        heads_q, heads_kv, seqlen_q, seqlen_k, page_size, float(scale),
+        HEAD_DIM=head_dim, BLOCK_D=bd, GROUP=group, BLOCK_M=bm, BLOCK_N=bn,
+        NUM_SPLITS=splits, IS_CAUSAL=bool(causal), HAS_SEQLENS=seqlens is not None,
+        PAGED=paged, PAGE_ALIGNED=paged and page_size % bn == 0,
+        STORE_LSE=lse is not None, UPCAST_DOT=_upcast_dot(q),
+        num_warps=config["num_warps"], num_stages=config["num_stages"],
+    )
+    if splits > 1:
+        attn_decode_combine_kernel[(batch * heads_q * seqlen_q,)](
+            o_part, lse_part, out, out if lse is None else lse,
+            out.stride(0), out.stride(1), out.stride(2),
+            heads_q, seqlen_q,
+            HEAD_DIM=head_dim, BLOCK_D=bd, NUM_SPLITS=splits,
+            BLOCK_S=triton.next_power_of_2(splits), STORE_LSE=lse is not None,
+            num_warps=4 if bd >= 128 else 2,
+        )
+    return (out, lse) if lse is not None else out
+
+
+def attn_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    config: Mapping[str, int],
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    return_lse: bool = False,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Split-KV attention of a few queries over dense K/V, with an explicit config.
+
+    Arguments:
+        q: ``(batch, heads_q, seqlen_q, head_dim)``, fp16 or bf16, last dim contiguous;
+            meant for ``seqlen_q <= 16`` (any length runs).
+        k, v: ``(batch, heads_kv, seqlen_k, head_dim)``, same dtype and device as ``q``, any
+            strides with a contiguous last dim; ``heads_q`` a multiple of ``heads_kv``.
+        config: ``{"BLOCK_N", "NUM_SPLITS", "num_warps", "num_stages"}`` from the
+            ``attn_decode`` space.
+        causal: bottom-right aligned: query ``i`` sees key ``j`` iff
+            ``j <= i + seqlen_k - seqlen_q``.
+        scale: softmax scale, default ``1 / sqrt(head_dim)``.
+        return_lse: also return the float32 log-sum-exp ``(batch, heads_q, seqlen_q)``
+            (natural log; ``-inf`` for rows that see no key).
+        out: optional preallocated output like ``q`` (last dim contiguous).
+    Returns:
+        ``out`` ``(batch, heads_q, seqlen_q, head_dim)`` in the input dtype, or ``(out, lse)``.
+    """
+    return _launch(q, k, v, config, seqlens=None, block_table=None, seqlen_k=k.shape[2],
+                   causal=causal, scale=scale, return_lse=return_lse, out=out)
+
+
+def attn_decode_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    config: Mapping[str, int],
+    *,
+    block_table: torch.Tensor | None = None,
+    causal: bool = True,
+    scale: float | None = None,
+    return_lse: bool = False,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Split-KV attention of a few queries over a KV cache, with an explicit config.
+
+    Arguments:
+        q: ``(batch, heads_q, seqlen_q, head_dim)``.
+        k_cache, v_cache: contiguous cache ``(batch, heads_kv, max_seqlen, head_dim)``, or,
+            with ``block_table``, paged ``(num_pages, heads_kv, page_size, head_dim)``; any
+            strides with a contiguous last dim.
+        cache_seqlens: int32 ``(batch,)``: sequence ``b`` attends to keys
+            ``[0, cache_seqlens[b])`` of its cache.
+        block_table: int32 ``(batch, max_pages)``: key ``j`` of sequence ``b`` is slot
+            ``j % page_size`` of page ``block_table[b, j // page_size]``.
+        causal: bottom-right aligned against each sequence's own length: query ``i`` sees
+            key ``j`` iff ``j <= i + cache_seqlens[b] - seqlen_q``.
+        Other arguments as in :func:`attn_decode`. Page ids and lengths are trusted.
+    """
+    capacity = (block_table.shape[1] * k_cache.shape[2] if block_table is not None
+                else k_cache.shape[2])
+    return _launch(q, k_cache, v_cache, config, seqlens=cache_seqlens,
+                   block_table=block_table, seqlen_k=capacity, causal=causal, scale=scale,
+                   return_lse=return_lse, out=out)

@@ -1,0 +1,136 @@
+"""attn_decode's search space as data, its validity predicate and its default config.
+
+The problem key is the plain :class:`~flashtune.autotune.problems.AttentionProblem` with
+``seqlen_k`` = the cache's capacity (``Nmax`` for a contiguous cache, ``max_pages x
+page_size`` for a paged one: metadata, no device sync). ``NUM_SPLITS`` is a split *count*:
+each sequence's own length is cut into that many chunks of whole ``BLOCK_N`` blocks, so a
+config tuned for a capacity stays sensible for the ragged lengths actually in the cache.
+
+Paged and contiguous caches share configs and the predicate: the kernel reads any page size
+with any ``BLOCK_N`` (one page id per tile when ``page_size % BLOCK_N == 0``, one per key row
+otherwise, see kernel.py), so no combination is invalid and the page size is not in the key.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from flashtune.autotune.devices import DeviceFingerprint
+from flashtune.autotune.problems import AttentionProblem
+from flashtune.autotune.spaces import Config, SearchSpace
+
+PARAMS: dict[str, tuple[int, ...]] = {
+    "BLOCK_N": (16, 32, 64, 128),
+    "NUM_SPLITS": (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128),
+    "num_warps": (1, 2, 4, 8),
+    "num_stages": (1, 2, 3, 4),
+}
+
+# query rows (GQA group x Nq) one program holds at most; more rows take more programs,
+# each reading the group's K/V again
+MAX_ROWS = 128
+# fp32 accumulator elements (and K or V tile elements) one thread may hold before the
+# config is pruned as hopeless (it would spill to local memory)
+MAX_PER_THREAD = 256
+# a split shorter than this many keys costs more in partials and the combine than it gains
+MIN_SPLIT_KEYS = 256
+
+
+def block_d(head_dim: int) -> int:
+    """Head dims that are not powers of two (96, 192) are padded to the next one in-kernel."""
+    return max(16, 1 << (head_dim - 1).bit_length())
+
+
+def rows(group: int, seqlen_q: int) -> int:
+    """Query rows of one KV head: every query head of its GQA group times every query."""
+    return group * seqlen_q
+
+
+def block_m(group: int, seqlen_q: int) -> int:
+    """Rows of one program's tile: all of a group's rows padded to a power of two >= 16
+    (``tl.dot``'s minimum), at most :data:`MAX_ROWS`."""
+    r = rows(group, seqlen_q)
+    return min(MAX_ROWS, max(16, 1 << (r - 1).bit_length()))
+
+
+def shared_mem_bytes(config: Mapping[str, int], bm: int, head_dim: int,
+                     elem_size: int = 2) -> int:
+    """Shared memory of one program: the Q tile plus ``num_stages`` K and V tiles in flight
+    (same model as attn_fwd's, an estimate)."""
+    bd = block_d(head_dim)
+    bn, stages = config["BLOCK_N"], config["num_stages"]
+    return (bm * bd + max(1, stages) * 2 * bn * bd) * elem_size
+
+
+def check(config: Mapping[str, int], problem: AttentionProblem,
+          device: DeviceFingerprint) -> str | None:
+    """Why ``config`` cannot (or should not) run ``problem`` on ``device``; None if it can."""
+    bd = block_d(problem.head_dim)
+    bm = block_m(problem.heads_q // problem.heads_kv, problem.seqlen_q)
+    bn, splits, warps = config["BLOCK_N"], config["NUM_SPLITS"], config["num_warps"]
+    threads = 32 * warps
+    if bm * bd // threads > MAX_PER_THREAD:
+        return (f"{bm} query rows x BLOCK_D {bd} over {warps} warps holds "
+                f"{bm * bd // threads} fp32 accumulators per thread (> {MAX_PER_THREAD}): "
+                f"would spill")
+    if bn * bd // threads > MAX_PER_THREAD:
+        return (f"BLOCK_N x BLOCK_D = {bn}x{bd} over {warps} warps holds {bn * bd // threads} "
+                f"K (and as many V) elements per thread (> {MAX_PER_THREAD}): would spill")
+    blocks = -(-problem.seqlen_k // bn)
+    if splits > 1 and splits > blocks:
+        return (f"NUM_SPLITS {splits} exceeds the {blocks} key blocks of BLOCK_N {bn} in "
+                f"seqlen_k {problem.seqlen_k}: programs would idle")
+    if not device.is_interpreter:
+        smem = shared_mem_bytes(config, bm, problem.head_dim)
+        if smem > device.shared_mem_per_block:
+            return (f"needs ~{smem} B of shared memory, the device allows "
+                    f"{device.shared_mem_per_block} B per block")
+    return None
+
+
+SPACE = SearchSpace(params=PARAMS, predicate=check)
+
+
+def default_splits(problem: AttentionProblem, sm_count: int, block_n: int = 64) -> int:
+    """The split count of the space nearest below ``round(sm_count / programs)`` (about one
+    program per SM, two resident a SM), but no split shorter than :data:`MIN_SPLIT_KEYS` keys
+    (or one ``block_n`` block); 1 once the unsplit grid fills the SMs."""
+    group = problem.heads_q // problem.heads_kv
+    row_blocks = -(-rows(group, problem.seqlen_q) // block_m(group, problem.seqlen_q))
+    programs = problem.batch * problem.heads_kv * row_blocks
+    want = round(max(1, sm_count) / programs)
+    cap = max(1, -(-problem.seqlen_k // max(MIN_SPLIT_KEYS, block_n)))
+    want = min(want, cap)
+    return max(s for s in PARAMS["NUM_SPLITS"] if s <= max(1, want))
+
+
+def default_config(problem: AttentionProblem, device: DeviceFingerprint) -> Config:
+    """BLOCK_N 128 with 2 stages (64 for head_dim > 128), 4 warps and
+    :func:`default_splits`; shrunk until the device takes it.
+
+    Measured on an H100 (bf16, Hq 32, Hkv 8, D 128, Nq 1, CUDA-graph timings): split
+    counts of half or twice this rule were 1-12% slower (B 1..64 x Nk 1k..128k). Of
+    BLOCK_N {32, 64, 128} x stages {2, 3, 4}, contiguous caches ran best with (128, 3) or
+    (64, 4) (geomean 3.03 / 3.01 TB/s over B 1/16/64), paged ones (page 16 and 64) with
+    (128, 2) (2.65 / 2.73 TB/s; 2.19-2.46 with 3 or 4 stages); (128, 2) gives contiguous
+    caches 2.99, so it is the one default for both (configs are shared, see above)."""
+    wide = problem.head_dim > 128
+    config: Config = {
+        "BLOCK_N": 64 if wide else 128,
+        "NUM_SPLITS": default_splits(problem, device.sm_count, 64 if wide else 128),
+        "num_warps": 4,
+        "num_stages": 2,
+    }
+    while (reason := check(config, problem, device)) is not None:
+        if "NUM_SPLITS" in reason and config["NUM_SPLITS"] > 1:
+            config["NUM_SPLITS"] = max(s for s in PARAMS["NUM_SPLITS"]
+                                       if s < config["NUM_SPLITS"])
+        elif "per thread" in reason and config["num_warps"] < 8:
+            config["num_warps"] *= 2
+        elif config["num_stages"] > 1:
+            config["num_stages"] -= 1
+        elif config["BLOCK_N"] > 16:
+            config["BLOCK_N"] //= 2
+        else:
+            break
+    return config

@@ -1,0 +1,260 @@
+"""``attention_with_kvcache``: decoding attention over a contiguous or paged KV cache.
+
+Like flash-attention's ``flash_attn_with_kvcache`` (without the in-place cache append):
+a few new queries per sequence attend to the first ``cache_seqlens[b]`` keys of their
+sequence's cache, which is either contiguous ``(batch, heads_kv, max_seqlen, head_dim)`` or
+paged ``(num_pages, heads_kv, page_size, head_dim)`` with a block table, as in vLLM.
+
+Checks: everything that metadata shows (types, dtypes, shapes, strides, devices, head
+counts, page size) is checked on every call, with no device sync. Values inside
+``cache_seqlens`` and ``block_table`` (negative lengths, lengths past the cache's capacity,
+page ids outside ``[0, num_pages)``) need the data: they are checked only with
+``check_tables=True``, which copies the tables to the host and so synchronises with the
+device, and always on CPU tensors (the Triton interpreter). Otherwise they are the caller's
+responsibility, as in flash-attention and vLLM: a bad page id reads the wrong memory.
+
+Configs: an explicit ``config`` (checked against the ``attn_decode`` space), else
+:func:`_decode_config`, which serves the template default for the problem (its key: an
+:class:`~flashtune.autotune.problems.AttentionProblem` with ``seqlen_k`` the cache's
+capacity), memoised per problem and device.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+from typing import Any, Mapping
+
+import torch
+
+from flashtune.autotune.devices import DeviceFingerprint, current_device, interpreting
+from flashtune.autotune.problems import AttentionProblem
+from flashtune.autotune.spaces import Config
+from flashtune.errors import ConfigError, DeviceError, InputError, InputTypeError
+from flashtune.kernel_templates import get_template
+from flashtune.kernel_templates.attn_decode.launcher import attn_decode_kvcache
+from flashtune.runtime.checks import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS
+
+__all__ = ["attention_with_kvcache"]
+
+_SPEC = get_template("attn_decode")
+_CONFIGS: dict[tuple[Any, ...], Config] = {}
+
+
+@lru_cache(maxsize=None)
+def _device(device_type: str, index: int | None) -> DeviceFingerprint:
+    return current_device(torch.device(device_type, index) if index is not None
+                          else torch.device(device_type))
+
+
+def _decode_config(problem: AttentionProblem, device: DeviceFingerprint) -> Config:
+    """The config a call without ``config`` runs with: for now the template default (the
+    tuned lookup will replace this)."""
+    return dict(_SPEC.default_config(problem, device))
+
+
+def _explicit_config(config: Mapping[str, Any], problem: AttentionProblem,
+                     device: DeviceFingerprint) -> Config:
+    cfg = _SPEC.space.validate(config)
+    reason = _SPEC.space.check(cfg, problem, device)
+    if reason is not None:
+        raise ConfigError(f"config {cfg} cannot run {problem.describe()} on {device.name}: "
+                          f"{reason}")
+    return cfg
+
+
+def _shape(t: torch.Tensor) -> tuple[int, ...]:
+    return tuple(t.shape)
+
+
+def _check_float(name: str, t: Any, dims: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise InputTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 4:
+        raise InputError(f"{name} must have 4 dimensions {dims}, got shape {_shape(t)}")
+    if t.dtype not in SUPPORTED_DTYPES:
+        raise InputTypeError(f"{name} must be float16 or bfloat16, got {t.dtype}")
+    if t.numel() == 0:
+        raise InputError(f"{name} is empty (shape {_shape(t)}); every dimension must be >= 1")
+    if t.stride(-1) != 1 and t.shape[-1] != 1:
+        raise InputError(f"{name} must be contiguous in its last dimension (stride 1), got "
+                         f"strides {tuple(t.stride())}; call .contiguous() first")
+
+
+def _check_int32(name: str, t: Any, shape: tuple[int | None, ...], dims: str) -> None:
+    """An int32 tensor of ``shape`` (None: any size)."""
+    if not isinstance(t, torch.Tensor):
+        raise InputTypeError(f"{name} must be an int32 torch.Tensor {dims}, got "
+                             f"{type(t).__name__}")
+    if t.dtype != torch.int32:
+        raise InputTypeError(f"{name} must have dtype torch.int32, got {t.dtype}; "
+                             f"convert it with .to(torch.int32)")
+    if t.dim() != len(shape) or any(want is not None and got != want
+                                    for got, want in zip(t.shape, shape)):
+        want_text = ", ".join("any" if w is None else str(w) for w in shape)
+        want_text += "," if len(shape) == 1 else ""
+        raise InputError(f"{name} must have shape {dims} = ({want_text}), got {_shape(t)}")
+
+
+def check_kvcache_inputs(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any,
+                         block_table: Any, scale: Any) -> None:
+    """Raise a clear ``InputError``/``InputTypeError``/``DeviceError`` for bad arguments;
+    metadata only (no device sync)."""
+    paged = block_table is not None
+    cache_dims = ("(num_pages, heads_kv, page_size, head_dim)" if paged
+                  else "(batch, heads_kv, max_seqlen, head_dim)")
+    _check_float("q", q, "(batch, heads_q, seqlen_q, head_dim)")
+    _check_float("k_cache", k_cache, cache_dims)
+    _check_float("v_cache", v_cache, cache_dims)
+    if not (q.dtype == k_cache.dtype == v_cache.dtype):
+        raise InputTypeError(f"q, k_cache and v_cache must share one dtype, got q {q.dtype}, "
+                             f"k_cache {k_cache.dtype}, v_cache {v_cache.dtype}")
+    if k_cache.shape != v_cache.shape:
+        raise InputError(f"k_cache and v_cache must have the same shape {cache_dims}, got "
+                         f"k_cache {_shape(k_cache)} and v_cache {_shape(v_cache)}")
+    batch, heads_q, _, head_dim = q.shape
+    if k_cache.shape[3] != head_dim:
+        raise InputError(f"head_dim mismatch: q has {head_dim}, k_cache/v_cache have "
+                         f"{k_cache.shape[3]}")
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise InputError(f"head_dim {head_dim} is not supported; supported: "
+                         f"{list(SUPPORTED_HEAD_DIMS)}")
+    if heads_q % k_cache.shape[1]:
+        raise InputError(f"q's heads ({heads_q}) must be a multiple of the cache's heads "
+                         f"({k_cache.shape[1]}) for GQA/MQA")
+    if not paged and k_cache.shape[0] != batch:
+        raise InputError(f"batch mismatch: q has batch {batch}, k_cache/v_cache have "
+                         f"{k_cache.shape[0]} (a contiguous cache is (batch, heads_kv, "
+                         f"max_seqlen, head_dim); pass block_table for a paged one)")
+    _check_int32("cache_seqlens", cache_seqlens, (batch,), "(batch,)")
+    if paged:
+        _check_int32("block_table", block_table, (batch, None), "(batch, max_pages)")
+        if block_table.shape[1] < 1:
+            raise InputError("block_table has no columns; it must be (batch, max_pages) "
+                             "with max_pages >= 1")
+    tensors = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache),
+               ("cache_seqlens", cache_seqlens)]
+    if paged:
+        tensors.append(("block_table", block_table))
+    for name, t in tensors[1:]:
+        if t.device != q.device:
+            raise InputError(f"{name} is on {t.device} but q is on {q.device}; every tensor "
+                             f"must be on one device")
+    if scale is not None:
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) \
+                or not math.isfinite(scale):
+            raise InputError(f"scale must be a finite float or None, got {scale!r}")
+    if q.device.type == "cpu":
+        if not interpreting():
+            raise DeviceError("the tensors are on the CPU: flashtune runs on CPU only under "
+                              "the Triton interpreter; set TRITON_INTERPRET=1 before importing "
+                              "flashtune, or move the tensors to a CUDA device")
+    elif q.device.type != "cuda":
+        raise DeviceError(f"the tensors are on {q.device}; flashtune needs CUDA tensors (or "
+                          f"CPU tensors under TRITON_INTERPRET=1)")
+
+
+def check_kvcache_tables(k_cache: torch.Tensor, cache_seqlens: torch.Tensor,
+                         block_table: torch.Tensor | None) -> None:
+    """Check the *values* of ``cache_seqlens`` and ``block_table``: copies them to the host
+    (a device sync on CUDA)."""
+    lens = cache_seqlens.detach().to("cpu", torch.int64)
+    page_size, num_pages = 1, 0
+    if block_table is not None:
+        page_size, num_pages = k_cache.shape[2], k_cache.shape[0]
+        capacity = block_table.shape[1] * page_size
+        what = f"block_table's capacity ({block_table.shape[1]} pages x page_size {page_size})"
+    else:
+        capacity = k_cache.shape[2]
+        what = f"k_cache's max_seqlen ({capacity})"
+    bad = torch.nonzero(lens < 0).flatten()
+    if bad.numel():
+        b = int(bad[0])
+        raise InputError(f"cache_seqlens[{b}] = {int(lens[b])} is negative; lengths must be "
+                         f">= 0")
+    bad = torch.nonzero(lens > capacity).flatten()
+    if bad.numel():
+        b = int(bad[0])
+        raise InputError(f"cache_seqlens[{b}] = {int(lens[b])} exceeds {what}")
+    if block_table is not None:
+        table = block_table.detach().to("cpu", torch.int64)
+        used = torch.arange(table.shape[1])[None, :] < (-(-lens // page_size))[:, None]
+        wrong = used & ((table < 0) | (table >= num_pages))
+        if wrong.any():
+            b, j = (int(x) for x in torch.nonzero(wrong)[0])
+            raise InputError(f"block_table[{b}, {j}] = {int(table[b, j])} is not a page of the "
+                             f"cache: page ids must be in [0, {num_pages}) (k_cache has "
+                             f"{num_pages} pages); sequence {b} of length {int(lens[b])} "
+                             f"uses its first {-(-int(lens[b]) // page_size)} entries")
+
+
+def attention_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    *,
+    block_table: torch.Tensor | None = None,
+    causal: bool = True,
+    scale: float | None = None,
+    return_lse: bool = False,
+    config: Mapping[str, int] | None = None,
+    check_tables: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention of a few new queries per sequence over that sequence's KV cache.
+
+    Arguments:
+        q: ``(batch, heads_q, seqlen_q, head_dim)``, the new queries (meant for
+            ``seqlen_q <= 16``: decoding, speculative verification; longer runs too).
+        k_cache, v_cache: without ``block_table``, ``(batch, heads_kv, max_seqlen,
+            head_dim)``; with it, ``(num_pages, heads_kv, page_size, head_dim)``. Any strides
+            with a contiguous last dim, so ``(batch, max_seqlen, heads_kv, head_dim)``
+            storage viewed with ``.transpose(1, 2)`` runs without a copy. ``heads_q`` a
+            multiple of ``heads_kv`` (GQA/MQA without copying K/V).
+            q and the caches: float16 or bfloat16, one dtype, one CUDA device (or CPU under
+            ``TRITON_INTERPRET=1``); head_dim in 16, 32, 64, 96, 128, 192, 256.
+        cache_seqlens: int32 ``(batch,)``: sequence ``b`` attends to its keys
+            ``[0, cache_seqlens[b])`` (the new tokens' keys included, if already written).
+            0 is allowed (the rows return zeros).
+        block_table: int32 ``(batch, max_pages)``: key ``j`` of sequence ``b`` is slot
+            ``j % page_size`` of page ``block_table[b, j // page_size]``. Entries past a
+            sequence's last page are never read. Any page size.
+        causal: bottom-right aligned against each sequence's own length: query ``i`` sees
+            key ``j`` iff ``j <= i + cache_seqlens[b] - seqlen_q``. Rows that see no key
+            return zeros (and LSE ``-inf``). Irrelevant for ``seqlen_q == 1``.
+        scale: softmax scale; default ``1 / sqrt(head_dim)``.
+        return_lse: also return the float32 log-sum-exp ``(batch, heads_q, seqlen_q)``.
+        config: explicit ``attn_decode`` config (``BLOCK_N``, ``NUM_SPLITS``,
+            ``num_warps``, ``num_stages``); default: the one :func:`_decode_config` serves.
+        check_tables: also check the *values* of ``cache_seqlens`` and ``block_table``
+            (lengths in ``[0, capacity]``, used page ids in ``[0, num_pages)``). This copies
+            them to the host and synchronises with the device; without it (the default on
+            CUDA) bad values are the caller's responsibility, as in flash-attention and vLLM.
+            On CPU (the interpreter) the values are always checked.
+    Returns:
+        ``out`` of ``q``'s shape and dtype (contiguous), or ``(out, lse)``.
+    Raises:
+        InputError / InputTypeError (``ValueError`` / ``TypeError``) for bad arguments,
+        ConfigError (``ValueError``) for a config outside the space or unfit for the
+        problem, DeviceError for CPU tensors without the interpreter. All before any launch.
+    """
+    check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, block_table, scale)
+    if check_tables or q.device.type == "cpu":
+        check_kvcache_tables(k_cache, cache_seqlens, block_table)
+    batch, heads_q, seqlen_q, head_dim = q.shape
+    capacity = (block_table.shape[1] * k_cache.shape[2] if block_table is not None
+                else k_cache.shape[2])
+    key = (q.shape, k_cache.shape[1], capacity, q.dtype, q.device, bool(causal))
+    cfg = _CONFIGS.get(key) if config is None else None
+    if cfg is None:
+        problem = AttentionProblem(int(batch), int(heads_q), int(k_cache.shape[1]),
+                                   int(seqlen_q), int(capacity), int(head_dim), bool(causal),
+                                   "fp16" if q.dtype == torch.float16 else "bf16")
+        device = _device(q.device.type, q.device.index)
+        if config is None:
+            cfg = _CONFIGS[key] = _decode_config(problem, device)
+        else:
+            cfg = _explicit_config(config, problem, device)
+    return attn_decode_kvcache(q, k_cache, v_cache, cache_seqlens, cfg,
+                               block_table=block_table, causal=causal, scale=scale,
+                               return_lse=return_lse)

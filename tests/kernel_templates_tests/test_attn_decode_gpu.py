@@ -1,0 +1,72 @@
+"""GPU-only decode checks: long ragged and paged caches, compiled kernels, fp16 and bf16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashtune.autotune.problems import AttentionProblem
+from flashtune.kernel_templates import get_template
+from flashtune.kernel_templates.attn_decode import attn_decode_kvcache
+from flashtune.kernel_templates.attn_decode.reference import attn_decode_reference
+from flashtune.runtime.kvcache import attention_with_kvcache
+from tests.decode_helpers import assert_decode_close, make_cache
+
+pytestmark = pytest.mark.gpu
+SPEC = get_template("attn_decode")
+DTYPES = [torch.float16, torch.bfloat16]
+# ragged: a long one, the capacity, a single key, an odd length, a page-boundary length
+LENS = [4096, 32768, 1, 12345, 8192]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("page_size", [None, 16, 64, 256], ids=["contig", "p16", "p64", "p256"])
+@pytest.mark.parametrize("nq", [1, 4])
+def test_long_caches_match_reference(nq, page_size, dtype):
+    """GQA 32:8, D 128, Nk up to 32k, shuffled pages; the default config (with splits)."""
+    q, k, v, lens, table = make_cache(LENS, 32, 8, nq, 128, dtype, "cuda",
+                                      page_size=page_size, capacity=32768, seed=nq)
+    out, lse = attention_with_kvcache(q, k, v, lens, block_table=table, return_lse=True,
+                                      check_tables=True)
+    assert_decode_close(out, q, k, v, cache_seqlens=lens, block_table=table, causal=True,
+                        lse=lse)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+def test_a_spread_of_valid_configs_is_correct(dtype):
+    from flashtune.autotune.devices import cuda_device
+
+    q, k, v, lens, table = make_cache([8000, 777, 6144], 32, 8, 2, 128, dtype, "cuda",
+                                      page_size=64, capacity=8192, seed=7)
+    ref, _ = attn_decode_reference(q, k, v, cache_seqlens=lens, block_table=table,
+                                   causal=True, dtype=torch.float32)
+    problem = AttentionProblem(3, 32, 8, 2, 8192, 128, True,
+                               "fp16" if dtype == torch.float16 else "bf16")
+    valid = SPEC.space.valid_configs(problem, cuda_device())
+    # an even spread of 10 of the valid configs (compiling all of them takes minutes)
+    configs = valid[:: max(1, len(valid) // 10)][:10]
+    assert len(configs) >= 5
+    for cfg in configs:
+        out = attn_decode_kvcache(q, k, v, lens, cfg, block_table=table, causal=True)
+        rel = ((out.float() - ref).norm() / ref.norm()).item()
+        assert rel < 1e-2, (cfg, rel)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+def test_dense_entry_against_sdpa(dtype):
+    """The dense entry on (B, N, H, D) storage: error vs fp32 at most 2x SDPA's (+eps)."""
+    from flashtune.kernel_templates.attn_decode import attn_decode
+
+    b, hq, hkv, nk, d = 4, 32, 8, 16384, 128
+    q = torch.randn(b, 1, hq, d, device="cuda", dtype=dtype).transpose(1, 2)
+    k = torch.randn(b, nk, hkv, d, device="cuda", dtype=dtype).transpose(1, 2)
+    v = torch.randn(b, nk, hkv, d, device="cuda", dtype=dtype).transpose(1, 2)
+    problem = AttentionProblem(b, hq, hkv, 1, nk, d, False, "bf16")
+    from flashtune.autotune.devices import cuda_device
+
+    out = attn_decode(q, k, v, SPEC.default_config(problem, cuda_device()))
+    ref, _ = attn_decode_reference(q, k, v, dtype=torch.float32)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    err = (out.float() - ref).abs().max().item()
+    sdpa_err = (sdpa.float() - ref).abs().max().item()
+    assert err <= 2 * sdpa_err + torch.finfo(dtype).eps, (err, sdpa_err)

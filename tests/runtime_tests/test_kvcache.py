@@ -1,0 +1,183 @@
+"""attention_with_kvcache: the public KV-cache op, its config choice and every bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashtune.errors import ConfigError, DeviceError, InputError, InputTypeError
+from flashtune.runtime import kvcache
+from flashtune.runtime.kvcache import attention_with_kvcache
+from tests.conftest import DEVICE
+from tests.decode_helpers import assert_decode_close, make_cache
+
+CFG = {"BLOCK_N": 16, "NUM_SPLITS": 3, "num_warps": 4, "num_stages": 2}
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_default_config_matches_reference(paged):
+    q, k, v, lens, table = make_cache([1, 61, 32], 8, 1, 1, 64, torch.float16, DEVICE,
+                                      page_size=16 if paged else None, capacity=64)
+    out, lse = attention_with_kvcache(q, k, v, lens, block_table=table, return_lse=True)
+    assert_decode_close(out, q, k, v, cache_seqlens=lens, block_table=table, causal=True,
+                        lse=lse)
+    assert torch.equal(out, attention_with_kvcache(q, k, v, lens, block_table=table))
+
+
+def test_explicit_config_causal_multi_query_gqa():
+    q, k, v, lens, table = make_cache([7, 48, 33], 4, 2, 4, 64, torch.float16, DEVICE,
+                                      page_size=16, capacity=48, seed=1)
+    for causal in (False, True):
+        out = attention_with_kvcache(q, k, v, lens, block_table=table, causal=causal,
+                                     config=CFG)
+        assert_decode_close(out, q, k, v, cache_seqlens=lens, block_table=table,
+                            causal=causal)
+
+
+def test_calls_without_config_use_decode_config(monkeypatch):
+    seen = []
+
+    def fake(problem, device):
+        seen.append(problem)
+        return dict(CFG)
+
+    monkeypatch.setattr(kvcache, "_decode_config", fake)
+    monkeypatch.setattr(kvcache, "_CONFIGS", {})
+    q, k, v, lens, table = make_cache([5, 40], 4, 2, 1, 64, torch.float16, DEVICE,
+                                      page_size=8, capacity=48, seed=2)
+    attention_with_kvcache(q, k, v, lens, block_table=table)
+    attention_with_kvcache(q, k, v, lens, block_table=table)  # memoised
+    assert len(seen) == 1
+    p = seen[0]
+    # the problem key: seqlen_k is the cache's capacity (max_pages x page_size)
+    assert (p.batch, p.heads_q, p.heads_kv, p.seqlen_q, p.seqlen_k, p.head_dim, p.causal,
+            p.dtype) == (2, 4, 2, 1, 48, 64, True, "fp16")
+
+
+def test_bad_configs_raise_config_error():
+    q, k, v, lens, _ = make_cache([5, 40], 4, 2, 1, 64, torch.float16, DEVICE, seed=3)
+    with pytest.raises(ConfigError, match="NUM_SPLITS.*allowed values"):
+        attention_with_kvcache(q, k, v, lens, config={**CFG, "NUM_SPLITS": 5})
+    with pytest.raises(ConfigError, match="missing keys \\['num_stages'\\]"):
+        attention_with_kvcache(q, k, v, lens, config={"BLOCK_N": 16, "NUM_SPLITS": 1,
+                                                      "num_warps": 4})
+    with pytest.raises(ConfigError, match="idle"):  # 40 keys are 3 blocks of 16, not 8
+        attention_with_kvcache(q, k, v, lens, config={**CFG, "NUM_SPLITS": 8})
+
+
+def _inputs(paged=True):
+    return make_cache([5, 40], 4, 2, 1, 64, torch.float16, DEVICE,
+                      page_size=16 if paged else None, capacity=48, seed=4)
+
+
+BAD = [
+    # (description, paged, mutate(q, k, v, lens, table) -> args, kwargs, exception, message)
+    ("q not a tensor", True, lambda q, k, v, s, t: (([1.0], k, v, s), {"block_table": t}),
+     InputTypeError, "q must be a torch.Tensor"),
+    ("q wrong rank", True, lambda q, k, v, s, t: ((q[0], k, v, s), {"block_table": t}),
+     InputError, "q must have 4 dimensions"),
+    ("fp32", True, lambda q, k, v, s, t: ((q.float(), k.float(), v.float(), s),
+                                          {"block_table": t}),
+     InputTypeError, "q must be float16 or bfloat16"),
+    ("mixed dtypes", True, lambda q, k, v, s, t: ((q, k.bfloat16(), v.bfloat16(), s),
+                                                  {"block_table": t}),
+     InputTypeError, "share one dtype"),
+    ("k v shapes differ", True, lambda q, k, v, s, t: ((q, k, v[:3], s), {"block_table": t}),
+     InputError, "k_cache and v_cache must have the same shape"),
+    ("head_dim mismatch", True, lambda q, k, v, s, t: ((q[..., :32].contiguous(),
+                                                        k, v, s), {"block_table": t}),
+     InputError, "head_dim mismatch"),
+    ("unsupported head_dim", True,
+     lambda q, k, v, s, t: ((q[..., :48].contiguous(), k[..., :48].contiguous(),
+                             v[..., :48].contiguous(), s), {"block_table": t}),
+     InputError, "head_dim 48 is not supported"),
+    ("heads not a multiple", True, lambda q, k, v, s, t: ((q[:, :3], k, v, s),
+                                                          {"block_table": t}),
+     InputError, "multiple of the cache's heads"),
+    ("last dim strided", True, lambda q, k, v, s, t: ((q, k.transpose(2, 3), v, s),
+                                                      {"block_table": t}),
+     InputError, "k_cache must be contiguous in its last dimension"),
+    ("contiguous batch mismatch", False, lambda q, k, v, s, t: ((q, k[:1], v[:1], s), {}),
+     InputError, "batch mismatch: q has batch 2, k_cache/v_cache have 1"),
+    ("seqlens int64", True, lambda q, k, v, s, t: ((q, k, v, s.long()), {"block_table": t}),
+     InputTypeError, "cache_seqlens must have dtype torch.int32"),
+    ("seqlens a list", True, lambda q, k, v, s, t: ((q, k, v, [5, 40]), {"block_table": t}),
+     InputTypeError, "cache_seqlens must be an int32 torch.Tensor"),
+    ("seqlens wrong shape", True, lambda q, k, v, s, t: ((q, k, v, s[:1]), {"block_table": t}),
+     InputError, "cache_seqlens must have shape \\(batch,\\) = \\(2,\\), got \\(1,\\)"),
+    ("table int64", True, lambda q, k, v, s, t: ((q, k, v, s), {"block_table": t.long()}),
+     InputTypeError, "block_table must have dtype torch.int32"),
+    ("table 1-D", True, lambda q, k, v, s, t: ((q, k, v, s), {"block_table": t[0]}),
+     InputError, "block_table must have shape \\(batch, max_pages\\)"),
+    ("table batch mismatch", True, lambda q, k, v, s, t: ((q, k, v, s),
+                                                          {"block_table": t[:1]}),
+     InputError, "block_table must have shape .* = \\(2, any\\), got \\(1, 3\\)"),
+    ("seqlens on another device", True,
+     lambda q, k, v, s, t: ((q, k, v, torch.empty(2, dtype=torch.int32, device="meta")),
+                            {"block_table": t}),
+     InputError, "cache_seqlens is on meta but q is on"),
+    ("bad scale", True, lambda q, k, v, s, t: ((q, k, v, s), {"block_table": t,
+                                                              "scale": float("nan")}),
+     InputError, "scale must be a finite float"),
+]
+
+
+@pytest.mark.parametrize("desc,paged,mutate,exc,msg", BAD, ids=[b[0] for b in BAD])
+def test_bad_inputs_raise_clear_errors(desc, paged, mutate, exc, msg):
+    q, k, v, lens, table = _inputs(paged)
+    args, kwargs = mutate(q, k, v, lens, table)
+    with pytest.raises(exc, match=msg):
+        attention_with_kvcache(*args, **kwargs)
+
+
+def _table_case(which):
+    q, k, v, lens, table = _inputs(paged=which != "contiguous-too-long")
+    if which == "negative-length":
+        lens = torch.tensor([5, -1], dtype=torch.int32, device=DEVICE)
+    elif which == "contiguous-too-long":
+        lens = torch.tensor([5, 49], dtype=torch.int32, device=DEVICE)
+    elif which == "paged-too-long":
+        lens = torch.tensor([49, 40], dtype=torch.int32, device=DEVICE)
+    elif which == "page-id-too-big":
+        table = table.clone()
+        table[1, 2] = k.shape[0]
+    elif which == "page-id-negative":
+        table = table.clone()
+        table[0, 0] = -3
+    return q, k, v, lens, table
+
+
+TABLE_ERRORS = dict([
+    ("negative-length", "cache_seqlens\\[1\\] = -1 is negative"),
+    ("contiguous-too-long", "cache_seqlens\\[1\\] = 49 exceeds k_cache's max_seqlen \\(48\\)"),
+    ("paged-too-long", "cache_seqlens\\[0\\] = 49 exceeds block_table's capacity "
+                       "\\(3 pages x page_size 16\\)"),
+    ("page-id-too-big", "block_table\\[1, 2\\] = 6 is not a page of the cache: page ids must "
+                        "be in \\[0, 6\\) \\(k_cache has 6 pages\\)"),
+    ("page-id-negative", "block_table\\[0, 0\\] = -3 is not a page"),
+])
+
+
+@pytest.mark.parametrize("which", list(TABLE_ERRORS))
+def test_bad_tables_raise_clear_errors(which):
+    """On CPU the values are always checked; check_tables=True asks for it on CUDA."""
+    q, k, v, lens, table = _table_case(which)
+    with pytest.raises(InputError, match=TABLE_ERRORS[which]):
+        attention_with_kvcache(q, k, v, lens, block_table=table, check_tables=True)
+
+
+def test_unused_table_entries_are_not_checked():
+    q, k, v, lens, table = _inputs()
+    table = table.clone()
+    table[0, 1:] = 10 ** 6  # sequence 0 (length 5) uses only its first page
+    out = attention_with_kvcache(q, k, v, lens, block_table=table, check_tables=True)
+    assert_decode_close(out, q, k, v, cache_seqlens=lens, block_table=table, causal=True)
+
+
+def test_cpu_tensors_without_the_interpreter(monkeypatch):
+    if DEVICE != "cpu":
+        pytest.skip("CPU-only check")
+    monkeypatch.setattr(kvcache, "interpreting", lambda: False)
+    q, k, v, lens, table = _inputs()
+    with pytest.raises(DeviceError, match="TRITON_INTERPRET=1"):
+        attention_with_kvcache(q, k, v, lens, block_table=table)
