@@ -39,7 +39,8 @@ TEMPLATE_KEYS = ("name", "source_hash")
 ENTRY_KEYS = ("problem", "bucket", "config", "median_ms", "tflops", "trials", "tuned_at")
 # the problem type of each template (the registry's TemplateSpec does not name one)
 PROBLEM_TYPES: dict[str, type[AttentionProblem]] = {"attn_fwd": AttentionProblem,
-                                                    "attn_bwd": AttentionProblem}
+                                                    "attn_bwd": AttentionProblem,
+                                                    "attn_decode": AttentionProblem}
 
 _NAME = re.compile(r"[0-9A-Za-z][0-9A-Za-z._+-]{0,199}")
 _CC = re.compile(r"[0-9]{1,3}\.[0-9]{1,3}")

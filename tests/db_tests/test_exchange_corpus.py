@@ -154,7 +154,7 @@ CASES = [
     Case("software-value-int", edit("software.torch", 2),
          r"^software\.torch is the integer 2; expected a string"),
     Case("unknown-template", edit("template.name", "attn_nope"),
-         r"^template\.name is 'attn_nope', an unknown template; expected one of attn_bwd, attn_fwd"),
+         r"^template\.name is 'attn_nope', an unknown template; expected one of (attn_\w+, )*attn_fwd\b"),
     Case("template-name-path", edit("template.name", "../attn_fwd"),
          rf"^template\.name is '\.\./attn_fwd'; {NAME_RULE}"),
     Case("unknown-template-key", edit("template.version", 2),
