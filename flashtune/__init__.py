@@ -23,12 +23,14 @@ from flashtune.errors import (
 
 if TYPE_CHECKING:  # pragma: no cover
     from flashtune.runtime.lookup import ConfigChoice
+    from flashtune.runtime.kvcache import attention_with_kvcache
     from flashtune.runtime.ops import attention, lookup_config, reload_configs, warmup
     from flashtune.runtime.sdpa import scaled_dot_product_attention
 
 __all__ = [
     "__version__",
     "attention",
+    "attention_with_kvcache",
     "lookup_config",
     "reload_configs",
     "scaled_dot_product_attention",
@@ -47,6 +49,7 @@ __all__ = [
 
 _LAZY = {
     "attention": ("flashtune.runtime.ops", "attention"),
+    "attention_with_kvcache": ("flashtune.runtime.kvcache", "attention_with_kvcache"),
     "lookup_config": ("flashtune.runtime.ops", "lookup_config"),
     "reload_configs": ("flashtune.runtime.ops", "reload_configs"),
     "warmup": ("flashtune.runtime.ops", "warmup"),

@@ -22,7 +22,8 @@ from flashtune.db.jsonutil import canonical_json
 
 log = logging.getLogger(__name__)
 
-__all__ = ["attn_bwd_warmup_args", "attn_fwd_warmup_args", "precompile"]
+__all__ = ["attn_bwd_warmup_args", "attn_decode_warmup_args", "attn_fwd_warmup_args",
+           "precompile", "warmup_launches"]
 
 
 class _Shaped:
@@ -88,14 +89,54 @@ def attn_bwd_warmup_args(problem: AttentionProblem, config: Mapping[str, int]
     return list(launches.values())
 
 
-def _attn_fwd_warmups(problem: AttentionProblem, config: Mapping[str, int]) -> list[Any]:
+def attn_decode_warmup_args(problem: AttentionProblem, config: Mapping[str, int], *,
+                            return_lse: bool = False
+                            ) -> list[tuple[Any, tuple[Any, ...], dict[str, Any], tuple[int, ...]]]:
+    """``(kernel, args, kwargs, grid)`` of attn_decode's split (and combine) kernels for
+    contiguous dense q/k/v, as the tuner and :func:`flashtune.attention`'s decode route launch
+    them (built by the launcher's own
+    :func:`~flashtune.kernel_templates.attn_decode.launcher.kernel_args`)."""
+    import torch
+
+    from flashtune.kernel_templates.attn_decode.launcher import kernel_args, partial_shapes
+
+    p = problem
+    dt = torch.float16 if p.dtype == "fp16" else torch.bfloat16
+    q = _Shaped(dt, (p.batch, p.heads_q, p.seqlen_q, p.head_dim))
+    k = _Shaped(dt, (p.batch, p.heads_kv, p.seqlen_k, p.head_dim))
+    lse = _Shaped(torch.float32, q.shape[:3]) if return_lse else None
+    o_part = lse_part = None
+    if config["NUM_SPLITS"] > 1:
+        o_shape, l_shape = partial_shapes(q, config["NUM_SPLITS"])
+        o_part, lse_part = _Shaped(torch.float32, o_shape), _Shaped(torch.float32, l_shape)
+    return kernel_args(q, k, k, _Shaped(dt, q.shape), lse, None, None, o_part, lse_part,
+                       config, seqlen_k=p.seqlen_k, causal=p.causal,
+                       scale=1.0 / math.sqrt(p.head_dim), upcast_dot=False)
+
+
+def _attn_fwd_warmups(problem: AttentionProblem, config: Mapping[str, int], *,
+                      return_lse: bool = False) -> list[Any]:
     from flashtune.kernel_templates.attn_fwd.kernel import attn_fwd_kernel
 
-    return [(attn_fwd_kernel, *attn_fwd_warmup_args(problem, config))]
+    return [(attn_fwd_kernel, *attn_fwd_warmup_args(problem, config, return_lse=return_lse))]
+
+
+def _attn_bwd_warmups(problem: AttentionProblem, config: Mapping[str, int], *,
+                      return_lse: bool = False) -> list[Any]:
+    return attn_bwd_warmup_args(problem, config)
 
 
 # template -> the (kernel, args, kwargs, grid) launches one config compiles
-_WARMUP_ARGS = {"attn_fwd": _attn_fwd_warmups, "attn_bwd": attn_bwd_warmup_args}
+_WARMUP_ARGS = {"attn_fwd": _attn_fwd_warmups, "attn_bwd": _attn_bwd_warmups,
+                "attn_decode": attn_decode_warmup_args}
+
+
+def warmup_launches(template: str, problem: AttentionProblem, config: Mapping[str, int], *,
+                    return_lse: bool = False) -> list[Any]:
+    """The ``(kernel, args, kwargs, grid)`` launches that compile ``config`` of
+    ``template`` for ``problem`` (contiguous inputs): ``kernel.warmup(*args, grid=grid,
+    **kwargs)`` each."""
+    return _WARMUP_ARGS[template](problem, config, return_lse=return_lse)
 
 
 def _compile_one(template: str, problem_key: dict[str, Any], config: dict[str, int]) -> str | None:

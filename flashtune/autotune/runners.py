@@ -138,14 +138,14 @@ def random_inputs(problem: AttentionProblem, torch_device: str, generator: Any,
 def forward_case(spec: Any, problem: AttentionProblem, device: DeviceFingerprint, *,
                  torch_device: str, generator: Any, launcher: Any, check_slice: bool) -> Case:
     """``launcher(q, k, v, config, causal=)`` on random q, k, v against ``spec.reference``'s
-    output. For big problems only batch 0 and the first two q heads (and their kv heads)
-    are compared, to bound memory."""
+    output. For big problems (q or k above ``FULL_REFERENCE_MAX_ELEMS`` elements) only batch
+    0 and the first two q heads (and their kv heads) are compared, to bound memory."""
     import torch
 
     p = problem
     t = random_inputs(p, torch_device, generator)
     q, k, v = t["q"], t["k"], t["v"]
-    if check_slice and q.numel() > FULL_REFERENCE_MAX_ELEMS:
+    if check_slice and max(q.numel(), k.numel()) > FULL_REFERENCE_MAX_ELEMS:
         hq = min(2, p.heads_q)
         hkv = (hq - 1) // (p.heads_q // p.heads_kv) + 1
         sl: tuple[slice, slice] = (slice(0, 1), slice(0, hq))

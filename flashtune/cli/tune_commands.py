@@ -159,8 +159,9 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]], right: set[int]
 
 def render_results(results: Sequence[Any]) -> str:
     """The closing table: one row per :class:`~flashtune.autotune.jobs.TuneResult`."""
-    header = ("shape", "best BM,BN,w,s", "best TFLOP/s", "default TFLOP/s", "speed-up",
-              "trials", "wall s", "stored best")
+    fwd = all("BLOCK_M" in r.best_config for r in results if r.best_config)
+    header = ("shape", "best BM,BN,w,s" if fwd else "best config", "best TFLOP/s",
+              "default TFLOP/s", "speed-up", "trials", "wall s", "stored best")
     rows = [(r.problem.describe(), format_config(r.best_config), format_tflops(r.best_tflops),
              format_tflops(r.default_tflops),
              "-" if r.speedup is None else f"{r.speedup:.2f}x", str(r.trials),

@@ -24,11 +24,24 @@ Triton has them, and the runtime falls back to ``kernel[grid]`` when not, or whe
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
+import torch
 from triton import knobs
 
-__all__ = ["DirectLaunch", "HostDesc", "hooks_installed", "supported"]
+__all__ = ["DirectLaunch", "HostDesc", "current_device", "current_stream", "hooks_installed",
+           "supported"]
+
+
+def _torch_current_stream(index: int) -> int:
+    return int(torch.cuda.current_stream(index).cuda_stream)
+
+
+# what Triton's own launch path calls (CUDA builds of torch; CPU builds build no plans)
+current_device: Callable[[], int] = getattr(torch._C, "_cuda_getDevice",
+                                            torch.cuda.current_device)
+current_stream: Callable[[int], int] = getattr(torch._C, "_cuda_getCurrentRawStream",
+                                               _torch_current_stream)
 
 
 class HostDesc:

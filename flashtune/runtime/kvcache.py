@@ -13,14 +13,25 @@ page ids outside ``[0, num_pages)``) need the data: they are checked only with
 device, and always on CPU tensors (the Triton interpreter). Otherwise they are the caller's
 responsibility, as in flash-attention and vLLM: a bad page id reads the wrong memory.
 
-Configs: an explicit ``config`` (checked against the ``attn_decode`` space), else
-:func:`_decode_config`, which serves the template default for the problem (its key: an
+Configs: an explicit ``config`` (checked against the ``attn_decode`` space), else the one
+the ``attn_decode`` :class:`~flashtune.runtime.lookup.Dispatcher` serves (tuned exact ->
+bucket -> nearest -> template default, as for ``attn_fwd``) for the problem, whose key is an
 :class:`~flashtune.autotune.problems.AttentionProblem` with ``seqlen_k`` the cache's
-capacity), memoised per problem and device.
+capacity (metadata: no device sync, and one key for every step of a decoding loop).
+
+Hot path on CUDA: after the first call of a call signature (shapes, strides, dtypes, device,
+16-byte alignment, paged or not, causal, scale, return_lse), a call checks nothing again and
+replays an :class:`~flashtune.kernel_templates.attn_decode.plan.AttnDecodePlan` (the compiled
+split and combine kernels with their fixed arguments): a dict read, the allocations and the
+launches.
+
+:func:`decode_route` is how :func:`flashtune.attention` decides whether a short-query call
+on dense K/V runs this template instead of ``attn_fwd``.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from functools import lru_cache
 from typing import Any, Mapping
@@ -31,14 +42,34 @@ from flashtune.autotune.devices import DeviceFingerprint, current_device, interp
 from flashtune.autotune.problems import AttentionProblem
 from flashtune.autotune.spaces import Config
 from flashtune.errors import ConfigError, DeviceError, InputError, InputTypeError
-from flashtune.kernel_templates import get_template
+from flashtune.kernel_templates import direct, get_template
+from flashtune.kernel_templates.direct import current_device as _current_device
+from flashtune.kernel_templates.direct import current_stream as _current_stream
 from flashtune.kernel_templates.attn_decode.launcher import attn_decode_kvcache
+from flashtune.kernel_templates.attn_decode.plan import AttnDecodePlan
 from flashtune.runtime.checks import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS
+from flashtune.runtime.lookup import ConfigChoice, Dispatcher
 
-__all__ = ["attention_with_kvcache"]
+log = logging.getLogger(__name__)
+
+__all__ = ["DECODE_MAX_QUERIES", "DECODE_MIN_KEYS", "attention_with_kvcache", "decode_route"]
 
 _SPEC = get_template("attn_decode")
-_CONFIGS: dict[tuple[Any, ...], Config] = {}
+DISPATCH = Dispatcher(_SPEC)
+# the plan key (see _plan_key) -> the launch plan of a CUDA call signature
+_PLANS: dict[tuple[Any, ...], AttnDecodePlan] = {}
+_DIRECT = direct.supported()
+_Tensor = torch.Tensor
+
+# flashtune.attention considers attn_decode for at most this many queries (the template's
+# design point: a GQA group's rows x Nq fit one tile)
+DECODE_MAX_QUERIES = 16
+# ... and, without tuned timings of both templates for the problem, routes to it from this
+# many keys on. H100, GQA 32:8, D 128, bf16, both templates' defaults, CUDA-graph timed
+# (benchmarks/results/decode_route_h100.json): attn_decode was faster at every measured
+# point, Nq 1/4/16 x Nk 64..4096 x B 1/16 (1.07x at B 1, Nq 16, Nk 128; 1.3-6.4x at Nq 1);
+# below 64 keys nothing was measured, so attn_fwd keeps those
+DECODE_MIN_KEYS = 64
 
 
 @lru_cache(maxsize=None)
@@ -47,10 +78,39 @@ def _device(device_type: str, index: int | None) -> DeviceFingerprint:
                           else torch.device(device_type))
 
 
-def _decode_config(problem: AttentionProblem, device: DeviceFingerprint) -> Config:
-    """The config a call without ``config`` runs with: for now the template default (the
-    tuned lookup will replace this)."""
-    return dict(_SPEC.default_config(problem, device))
+def decode_route(problem: AttentionProblem, device: DeviceFingerprint,
+                 fwd: Dispatcher) -> ConfigChoice | None:
+    """The attn_decode config :func:`flashtune.attention` runs ``problem`` (dense K/V) with,
+    or None to run it with attn_fwd (``fwd``'s dispatcher).
+
+    Only problems with at most :data:`DECODE_MAX_QUERIES` queries are candidates. When both
+    templates have a config tuned for exactly this problem on this device, the faster
+    measured one wins; otherwise (the heuristic, untuned) attn_decode runs problems with at
+    least :data:`DECODE_MIN_KEYS` keys, where splitting the keys over programs and reading
+    K/V once per GQA group pays.
+
+    Arguments:
+        problem: the call's problem (dense K/V: ``seqlen_k`` is the keys' length).
+        device: the device it runs on.
+        fwd: attn_fwd's dispatcher (for its tuned timing of the same problem).
+    Returns:
+        attn_decode's :class:`~flashtune.runtime.lookup.ConfigChoice`, or None for attn_fwd.
+    """
+    if problem.seqlen_q > DECODE_MAX_QUERIES:
+        return None
+    dec_exact = DISPATCH.exact(problem, device)
+    fwd_exact = fwd.exact(problem, device)
+    if dec_exact is not None and fwd_exact is not None:
+        if fwd_exact.median_ms <= dec_exact.median_ms:
+            return None
+    elif dec_exact is None and problem.seqlen_k < DECODE_MIN_KEYS:
+        return None
+    return DISPATCH.choose(problem, device)
+
+
+def reset() -> None:
+    """Drop memoised configs and launch plans (``flashtune.reload_configs`` calls this)."""
+    _PLANS.clear()
 
 
 def _explicit_config(config: Mapping[str, Any], problem: AttentionProblem,
@@ -225,7 +285,8 @@ def attention_with_kvcache(
         scale: softmax scale; default ``1 / sqrt(head_dim)``.
         return_lse: also return the float32 log-sum-exp ``(batch, heads_q, seqlen_q)``.
         config: explicit ``attn_decode`` config (``BLOCK_N``, ``NUM_SPLITS``,
-            ``num_warps``, ``num_stages``); default: the one :func:`_decode_config` serves.
+            ``num_warps``, ``num_stages``); default: the tuned one for this device and
+            problem (see the module docstring), else the template default.
         check_tables: also check the *values* of ``cache_seqlens`` and ``block_table``
             (lengths in ``[0, capacity]``, used page ids in ``[0, num_pages)``). This copies
             them to the host and synchronises with the device; without it (the default on
@@ -238,23 +299,77 @@ def attention_with_kvcache(
         ConfigError (``ValueError``) for a config outside the space or unfit for the
         problem, DeviceError for CPU tensors without the interpreter. All before any launch.
     """
+    key = None
+    if config is None and _DIRECT and not check_tables and type(q) is _Tensor \
+            and type(k_cache) is _Tensor and type(v_cache) is _Tensor and q.is_cuda \
+            and type(cache_seqlens) is _Tensor \
+            and (block_table is None or type(block_table) is _Tensor):
+        key = _plan_key(q, k_cache, v_cache, cache_seqlens, block_table, causal, scale,
+                        return_lse)
+        plan = _PLANS.get(key)
+        if plan is not None and _current_device() == plan.device_index \
+                and not direct.hooks_installed():
+            return plan(q, k_cache, v_cache, cache_seqlens, block_table,
+                        _current_stream(plan.device_index))
     check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, block_table, scale)
     if check_tables or q.device.type == "cpu":
         check_kvcache_tables(k_cache, cache_seqlens, block_table)
     batch, heads_q, seqlen_q, head_dim = q.shape
     capacity = (block_table.shape[1] * k_cache.shape[2] if block_table is not None
                 else k_cache.shape[2])
-    key = (q.shape, k_cache.shape[1], capacity, q.dtype, q.device, bool(causal))
-    cfg = _CONFIGS.get(key) if config is None else None
-    if cfg is None:
-        problem = AttentionProblem(int(batch), int(heads_q), int(k_cache.shape[1]),
-                                   int(seqlen_q), int(capacity), int(head_dim), bool(causal),
-                                   "fp16" if q.dtype == torch.float16 else "bf16")
-        device = _device(q.device.type, q.device.index)
-        if config is None:
-            cfg = _CONFIGS[key] = _decode_config(problem, device)
-        else:
-            cfg = _explicit_config(config, problem, device)
+    problem = AttentionProblem(int(batch), int(heads_q), int(k_cache.shape[1]), int(seqlen_q),
+                               int(capacity), int(head_dim), bool(causal),
+                               "fp16" if q.dtype == torch.float16 else "bf16")
+    device = _device(q.device.type, q.device.index)
+    if config is None:
+        cfg = DISPATCH.choose(problem, device).config
+    else:
+        cfg = _explicit_config(config, problem, device)
+    if key is not None and _current_device() == q.get_device() \
+            and not direct.hooks_installed():
+        plan = _new_plan(q, k_cache, v_cache, cache_seqlens, block_table, cfg, causal, scale,
+                         return_lse, key)
+        if plan is not None:
+            return plan(q, k_cache, v_cache, cache_seqlens, block_table,
+                        _current_stream(plan.device_index))
     return attn_decode_kvcache(q, k_cache, v_cache, cache_seqlens, cfg,
                                block_table=block_table, causal=causal, scale=scale,
                                return_lse=return_lse)
+
+
+def _plan_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: torch.Tensor,
+              block_table: torch.Tensor | None, causal: bool, scale: Any,
+              return_lse: bool) -> tuple[Any, ...]:
+    """Everything the input checks, the config choice and Triton's specialisation read."""
+    ptrs = q.data_ptr() | k.data_ptr() | v.data_ptr() | seqlens.data_ptr()
+    if block_table is None:
+        bt: Any = None
+    else:
+        bt = (block_table.shape, block_table.stride(), block_table.dtype,
+              block_table.get_device())
+        ptrs |= block_table.data_ptr()
+    return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(),
+            q.dtype, k.dtype, v.dtype, q.get_device(), k.get_device(), v.get_device(),
+            seqlens.shape, seqlens.dtype, seqlens.get_device(), bt,
+            causal, scale, return_lse, ptrs & 15 == 0)
+
+
+def _new_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: Any,
+              block_table: Any, cfg: Config, causal: bool, scale: float | None,
+              return_lse: bool, key: tuple[Any, ...] | None) -> AttnDecodePlan | None:
+    """Build (and, with a ``key``, keep) the launch plan of this call signature; None if
+    Triton's internals moved (then every call goes through the launcher)."""
+    global _DIRECT
+    try:
+        plan = AttnDecodePlan(q, k, v, cfg, seqlens=seqlens, block_table=block_table,
+                              causal=causal, scale=scale, return_lse=return_lse)
+    except Exception as exc:  # noqa: BLE001 - Triton internals moved: launch the normal way
+        _DIRECT = False
+        log.warning("flashtune: direct decode launches disabled (%s: %s); calls go through "
+                    "Triton's launcher", type(exc).__name__, exc)
+        return None
+    if key is not None:
+        _PLANS[key] = plan
+    return plan
+
+

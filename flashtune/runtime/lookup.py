@@ -58,6 +58,9 @@ class ConfigChoice:
         tuned_problem: the problem the config was tuned for (None for default/explicit).
         origin: where the config came from (``db <url>``, ``dir <path>``,
             ``package <path>``, ``template default``, ``argument``).
+        template: the kernel template the config is for (``attn_fwd``; ``attn_decode``
+            when :func:`flashtune.attention` routes a short-query call to the split-KV
+            decode kernel).
     """
 
     config: dict[str, int]
@@ -66,6 +69,7 @@ class ConfigChoice:
     median_ms: float | None = None
     tuned_problem: AttentionProblem | None = None
     origin: str = ""
+    template: str = "attn_fwd"
 
 
 class _Table:
@@ -74,7 +78,7 @@ class _Table:
     def __init__(self, own: list[TunedEntry], alias: list[TunedEntry]) -> None:
         self.own = own
         self.alias = alias
-        self.exact = {}
+        self.exact: dict[AttentionProblem, TunedEntry] = {}
         for e in own:  # first wins: sources come in precedence order
             self.exact.setdefault(e.problem, e)
 
@@ -129,6 +133,11 @@ class Dispatcher:
                       device.name, len(own), len(alias))
             return table
 
+    def exact(self, problem: AttentionProblem, device: Any) -> TunedEntry | None:
+        """The entry tuned for exactly ``problem`` on ``device`` (None if none); no warning,
+        no memo."""
+        return self._table(device).exact.get(problem)
+
     def tuned_problems(self, device: Any) -> list[AttentionProblem]:
         """Every problem with a config tuned on ``device`` itself, in source order."""
         return list(self._table(device).exact)
@@ -136,6 +145,7 @@ class Dispatcher:
     # -- choosing ---------------------------------------------------------------------------
 
     def cached(self, device: Any, problem: AttentionProblem) -> ConfigChoice | None:
+        """The choice already memoised for ``problem`` on ``device``, or None (no lookup)."""
         return self._memo.get((device_key(device), problem))
 
     def choose(self, problem: AttentionProblem, device: Any) -> ConfigChoice:
@@ -173,7 +183,7 @@ class Dispatcher:
         table = self._table(device)
         exact = table.exact.get(problem)
         if exact is not None and self._usable(exact, problem, device):
-            return _choice(exact, "exact")
+            return _choice(exact, "exact", self.spec.name)
         for source, entries, same_bucket in (("bucket", table.own, True),
                                              ("nearest", table.own, False),
                                              ("device-alias", table.alias, False)):
@@ -181,7 +191,7 @@ class Dispatcher:
             if entry is not None:
                 log.info("%s: using the config tuned for %s (%s, %s)", problem.describe(),
                          entry.problem.describe(), source, entry.origin)
-                return _choice(entry, source)
+                return _choice(entry, source, self.spec.name)
         # once per bucket: a decoding loop meets a new Nk every step, and would otherwise
         # log a line per generated token; templates the tuner cannot tune yet stay quiet
         if getattr(self.spec, "tunable", True):
@@ -191,7 +201,7 @@ class Dispatcher:
                             "`flashtune tune` for this shape)", self.spec.name,
                             problem.describe(), device.name, problem.bucket())
         return ConfigChoice(dict(self.spec.default_config(problem, device)), "default",
-                            origin="template default")
+                            origin="template default", template=self.spec.name)
 
     def _warn_once(self, key: Any, msg: str, *args: Any) -> None:
         with self._lock:
@@ -201,6 +211,6 @@ class Dispatcher:
         log.warning(msg, *args)
 
 
-def _choice(entry: TunedEntry, source: str) -> ConfigChoice:
+def _choice(entry: TunedEntry, source: str, template: str) -> ConfigChoice:
     return ConfigChoice(dict(entry.config), source, entry.tflops, entry.median_ms,
-                        entry.problem, entry.origin)
+                        entry.problem, entry.origin, template)

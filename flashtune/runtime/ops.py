@@ -23,7 +23,7 @@ import logging
 import os
 import threading
 from functools import lru_cache
-from typing import Any, Callable, Iterable, Mapping, Optional
+from typing import Any, Callable, Iterable, Literal, Mapping, Optional, overload
 
 import torch
 
@@ -32,7 +32,11 @@ from flashtune.autotune.problems import AttentionProblem
 from flashtune.autotune.spaces import Config
 from flashtune.errors import ConfigError
 from flashtune.kernel_templates import direct, get_template
+from flashtune.kernel_templates.direct import current_device as _current_device
+from flashtune.kernel_templates.direct import current_stream as _current_stream
+from flashtune.kernel_templates.attn_decode.plan import AttnDecodeDensePlan
 from flashtune.kernel_templates.attn_fwd.plan import AttnFwdPlan
+from flashtune.runtime import kvcache
 from flashtune.runtime.checks import check_attention_inputs
 from flashtune.runtime.lookup import ConfigChoice, Dispatcher
 
@@ -42,12 +46,14 @@ __all__ = ["attention", "lookup_config", "reload_configs", "warmup"]
 
 _FWD = get_template("attn_fwd")
 _BWD = get_template("attn_bwd")
+_DEC = get_template("attn_decode")
 _DISPATCH = Dispatcher(_FWD)
 _DISPATCH_BWD = Dispatcher(_BWD)
-# (q.shape, k.shape, dtype, device index, causal) -> config: the per-call lookup
-_FAST: dict[tuple[Any, ...], Config] = {}
+# (q.shape, k.shape, dtype, device index, causal) -> (routed to attn_decode?, config): the
+# per-call lookup
+_FAST: dict[tuple[Any, ...], tuple[bool, Config]] = {}
 # the plan key (see _plan_key) -> the launch plan of a CUDA call signature
-_PLANS: dict[tuple[Any, ...], AttnFwdPlan] = {}
+_PLANS: dict[tuple[Any, ...], AttnFwdPlan | AttnDecodeDensePlan] = {}
 _DIRECT = direct.supported()
 _Tensor = torch.Tensor
 _AUTOTUNED: set[AttentionProblem] = set()
@@ -106,11 +112,18 @@ def _choose(problem: AttentionProblem, device: DeviceFingerprint) -> ConfigChoic
     return choice
 
 
-def _resolve(q: torch.Tensor, k: torch.Tensor, causal: bool, key: tuple[Any, ...]) -> Config:
-    problem = AttentionProblem.from_tensors(q, k, causal=causal)
-    cfg = _choose(problem, _device_of(q)).config
-    _FAST[key] = cfg
-    return cfg
+def _route(problem: AttentionProblem, device: DeviceFingerprint) -> ConfigChoice:
+    """attn_decode's choice when :func:`~flashtune.runtime.kvcache.decode_route` takes the
+    problem (short queries), else attn_fwd's."""
+    choice = kvcache.decode_route(problem, device, _DISPATCH)
+    return choice if choice is not None else _choose(problem, device)
+
+
+def _resolve(q: torch.Tensor, k: torch.Tensor, causal: bool,
+             key: tuple[Any, ...]) -> tuple[bool, Config]:
+    choice = _route(AttentionProblem.from_tensors(q, k, causal=causal), _device_of(q))
+    route = _FAST[key] = (choice.template == _DEC.name, choice.config)
+    return route
 
 
 def _plan_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
@@ -122,10 +135,12 @@ def _plan_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
 
 
 def _new_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: Config, causal: bool,
-              scale: float | None, return_lse: bool, key: tuple[Any, ...]) -> AttnFwdPlan | None:
+              scale: float | None, return_lse: bool, key: tuple[Any, ...],
+              decode: bool) -> AttnFwdPlan | AttnDecodeDensePlan | None:
     global _DIRECT
+    plan_type = AttnDecodeDensePlan if decode else AttnFwdPlan
     try:
-        plan = AttnFwdPlan(q, k, v, cfg, causal=causal, scale=scale, return_lse=return_lse)
+        plan = plan_type(q, k, v, cfg, causal=causal, scale=scale, return_lse=return_lse)
     except Exception as exc:  # noqa: BLE001 - Triton internals moved: launch the normal way
         _DIRECT = False
         log.warning("flashtune: direct launches disabled (%s: %s); calls go through "
@@ -149,29 +164,36 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     check_attention_inputs(q, k, v, scale)
     if config is None:
         fast_key = (q.shape, k.shape, q.dtype, q.get_device(), causal)
-        cfg = _FAST.get(fast_key)
-        if cfg is None:
-            cfg = _resolve(q, k, causal, fast_key)
+        decode, cfg = _FAST.get(fast_key) or _resolve(q, k, causal, fast_key)
         if key is not None and _current_device() == q.get_device() \
                 and not direct.hooks_installed():
-            plan = _new_plan(q, k, v, cfg, causal, scale, return_lse, key)
+            plan = _new_plan(q, k, v, cfg, causal, scale, return_lse, key, decode)
             if plan is not None:
                 return plan(q, k, v, _current_stream(plan.device_index))
+        if decode:
+            return _DEC.launcher(q, k, v, cfg, causal=causal, scale=scale,
+                                 return_lse=return_lse)
     else:
         cfg = _explicit_config(config, AttentionProblem.from_tensors(q, k, causal=causal),
                                _device_of(q))
     return _FWD.launcher(q, k, v, cfg, causal=causal, scale=scale, return_lse=return_lse)
 
 
-def _torch_current_stream(index: int) -> int:
-    return int(torch.cuda.current_stream(index).cuda_stream)
 
 
-# what Triton's own launch path calls (CUDA builds of torch; CPU builds build no plans)
-_current_device: Callable[[], int] = getattr(torch._C, "_cuda_getDevice",
-                                             torch.cuda.current_device)
-_current_stream: Callable[[int], int] = getattr(torch._C, "_cuda_getCurrentRawStream",
-                                                _torch_current_stream)
+@overload
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = ...,
+              scale: float | None = ..., return_lse: Literal[False] = ...,
+              config: Mapping[str, int] | None = ...) -> torch.Tensor: ...
+@overload
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = ...,
+              scale: float | None = ..., return_lse: Literal[True],
+              config: Mapping[str, int] | None = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
+@overload
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = ...,
+              scale: float | None = ..., return_lse: bool = ...,
+              config: Mapping[str, int] | None = ...
+              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def attention(
@@ -219,10 +241,12 @@ def attention(
                                     or getattr(k, "requires_grad", False)
                                     or getattr(v, "requires_grad", False)):
         check_attention_inputs(q, k, v, scale)
-        out, lse = _AttentionFn.apply(q, k, v, bool(causal), scale, _forward_config(
+        out, lse = _attention_fn(q, k, v, bool(causal), scale, _forward_config(
             q, k, causal, config))
         return (out, lse) if return_lse else out
-    return _attention(q, k, v, causal, scale, return_lse, config)
+    result: torch.Tensor | tuple[torch.Tensor, torch.Tensor] = _attention(
+        q, k, v, causal, scale, return_lse, config)
+    return result
 
 
 def _forward_config(q: torch.Tensor, k: torch.Tensor, causal: bool,
@@ -241,7 +265,9 @@ def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tens
     cfg = _DISPATCH_BWD.choose(problem, _device_of(q)).config
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
-    return _BWD.launcher(q, k, v, out, lse, dout, cfg, causal=causal, scale=scale, dlse=dlse)
+    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = _BWD.launcher(
+        q, k, v, out, lse, dout, cfg, causal=causal, scale=scale, dlse=dlse)
+    return grads
 
 
 class _AttentionFn(torch.autograd.Function):
@@ -266,11 +292,20 @@ class _AttentionFn(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
+# torch leaves Function.apply unannotated; this is _AttentionFn.forward's signature
+_attention_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool, float | None, Config],
+                        tuple[torch.Tensor, torch.Tensor]] = _AttentionFn.apply
+
+
 def lookup_config(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                   causal: bool = False) -> ConfigChoice:
     """Which config :func:`attention` runs these inputs with, and why.
 
-    The chain: tuned for this exact problem on this device (``source="exact"``), else for
+    Short-query problems (at most 16 queries) may be routed to the split-KV decode template
+    (``choice.template == "attn_decode"``; see
+    :func:`~flashtune.runtime.kvcache.decode_route`); then the chain below runs over
+    attn_decode's tuned configs. The chain: tuned for this exact problem on this device
+    (``source="exact"``), else for
     a problem of the same bucket (``"bucket"``), else the nearest tuned problem
     (``"nearest"``), else one tuned on a similar device when ``FLASHTUNE_DEVICE_ALIAS=1``
     (``"device-alias"``), else the template default (``"default"``). Sources: the tuning
@@ -278,21 +313,40 @@ def lookup_config(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     the configs shipped in ``flashtune/configs/``. The returned
     :class:`~flashtune.runtime.lookup.ConfigChoice` carries the config, its source, the
     measured TFLOP/s when known and where the config came from.
+
+    Arguments:
+        q, k, v: the tensors :func:`attention` would get (same rules); only their metadata
+            is read, nothing is launched.
+        causal: as for :func:`attention`.
+    Returns:
+        The :class:`~flashtune.runtime.lookup.ConfigChoice` (``config``, ``source``,
+        ``template``, ``tflops``, ``median_ms``, ``tuned_problem``, ``origin``), memoised
+        per problem and device until :func:`reload_configs`.
+    Raises:
+        InputError / InputTypeError (``ValueError`` / ``TypeError``) for tensors
+        :func:`attention` would refuse, DeviceError for CPU tensors without the
+        interpreter.
     """
     check_attention_inputs(q, k, v, None)
-    return _choose(AttentionProblem.from_tensors(q, k, causal=causal), _device_of(q))
+    return _route(AttentionProblem.from_tensors(q, k, causal=causal), _device_of(q))
 
 
 def reload_configs(*, device_alias: bool | None = None, db_url: str | None = None) -> None:
     """Drop the loaded configs; the next call reads the sources again.
 
-    ``device_alias``: also serve configs tuned on another device of the same compute
-    capability and shared-memory size (None: ``$FLASHTUNE_DEVICE_ALIAS``). ``db_url``: read
-    this database instead of ``$FLASHTUNE_DB`` / the default one.
+    Arguments:
+        device_alias: also serve configs tuned on another device of the same compute
+            capability and shared-memory size (None: ``$FLASHTUNE_DEVICE_ALIAS``).
+        db_url: read this database instead of ``$FLASHTUNE_DB`` / the default one.
+    Returns:
+        None. Nothing is read here: the sources are read lazily, so a missing or broken
+        source shows up (as one warning) at the next call, never as an exception.
     """
-    _DISPATCH.reload(device_alias=device_alias, db_url=db_url)
+    for dispatcher in (_DISPATCH, _DISPATCH_BWD, kvcache.DISPATCH):
+        dispatcher.reload(device_alias=device_alias, db_url=db_url)
     _FAST.clear()
     _PLANS.clear()
+    kvcache.reset()
 
 
 def warmup(problems: Iterable[AttentionProblem] | None = None, *,
@@ -303,8 +357,21 @@ def warmup(problems: Iterable[AttentionProblem] | None = None, *,
     compile. Returns each problem with the config it resolved to. Kernels are specialised
     for contiguous inputs; ``return_lse`` selects the variant that also stores the LSE.
     Under the Triton interpreter nothing is compiled.
+
+    Arguments:
+        problems: the :class:`~flashtune.autotune.problems.AttentionProblem` shapes to
+            compile for; None: every problem tuned exactly for ``device``.
+        device: the CUDA device to compile for (default: the current one; the CPU under
+            ``TRITON_INTERPRET=1``).
+        return_lse: compile the variant of :func:`attention` that also returns the LSE.
+    Returns:
+        ``[(problem, choice), ...]``: each problem with the
+        :class:`~flashtune.runtime.lookup.ConfigChoice` it resolved to, in order.
+    Raises:
+        RuntimeError (torch's) when no CUDA device is available outside the interpreter;
+        a Triton compilation error if a config cannot compile for ``device``.
     """
-    from flashtune.autotune.precompile import attn_fwd_warmup_args
+    from flashtune.autotune.precompile import warmup_launches
 
     torch_device = torch.device(device) if device is not None else (
         torch.device("cpu") if interpreting() else torch.device("cuda", torch.cuda.current_device()))
@@ -312,12 +379,12 @@ def warmup(problems: Iterable[AttentionProblem] | None = None, *,
     todo = list(problems) if problems is not None else _DISPATCH.tuned_problems(dev)
     done = []
     for problem in todo:
-        choice = _choose(problem, dev)
+        choice = _route(problem, dev)
         if not dev.is_interpreter:
-            args, kwargs, grid = attn_fwd_warmup_args(problem, choice.config,
-                                                      return_lse=return_lse)
             with torch.cuda.device(torch_device):
-                _FWD.kernel.warmup(*args, grid=grid, **kwargs)
+                for kernel, args, kwargs, grid in warmup_launches(
+                        choice.template, problem, choice.config, return_lse=return_lse):
+                    kernel.warmup(*args, grid=grid, **kwargs)
         done.append((problem, choice))
     return done
 

@@ -128,3 +128,32 @@ def test_unsupported_head_dim_is_refused_before_any_work(tmp_path):
     with pytest.raises(InputError, match=r"head_dim 24 is not supported .*supported: \[16, 32"):
         tune([AttentionProblem(1, 2, 2, 40, 40, 24, False, "fp16")], OPTS, db_url=url)
     assert not (tmp_path / "ft.db").exists()
+
+
+def test_decode_template_is_tuned_and_served(tmp_path, monkeypatch):
+    """`flashtune tune --template attn_decode`: a short-query problem tuned under the
+    interpreter (every candidate checked against the reference), its best served to
+    flashtune.attention's decode route."""
+    import torch
+
+    import flashtune
+    from flashtune.autotune.problems import AttentionProblem
+
+    p = AttentionProblem(1, 4, 2, 1, 300, 32, True, "fp16")
+    url = f"sqlite:///{tmp_path / 'ft.db'}"
+    opts = dataclasses.replace(OPTS, template="attn_decode", trials=3)
+    [res] = tune([p], opts, db_url=url, progress=False)
+    # every candidate that ran was checked and correct (invalid ones pruned before running)
+    assert res.states.get("COMPLETE", 0) >= 1, res.states
+    assert set(res.states) <= {"COMPLETE", "PRUNED_STATIC"}, res.states
+    assert set(res.best_config) == {"BLOCK_N", "NUM_SPLITS", "num_warps", "num_stages"}
+    monkeypatch.setenv("FLASHTUNE_DB", url)
+    flashtune.reload_configs()
+    try:
+        q = torch.randn(1, 4, 1, 32).half()
+        k = torch.randn(1, 2, 300, 32).half()
+        choice = flashtune.lookup_config(q, k, k, causal=True)
+        assert (choice.template, choice.source, choice.config) == (
+            "attn_decode", "exact", res.best_config)
+    finally:
+        flashtune.reload_configs()

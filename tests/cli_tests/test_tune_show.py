@@ -41,6 +41,7 @@ class FakeOptions:
     workers: int | None = None
     trial_timeout_s: float = 120.0
     top_k_confirm: int = 3
+    isolate: bool | None = None
 
 
 @dataclass(frozen=True)

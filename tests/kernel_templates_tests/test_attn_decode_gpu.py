@@ -70,3 +70,63 @@ def test_dense_entry_against_sdpa(dtype):
     err = (out.float() - ref).abs().max().item()
     sdpa_err = (sdpa.float() - ref).abs().max().item()
     assert err <= 2 * sdpa_err + torch.finfo(dtype).eps, (err, sdpa_err)
+
+
+# -- launch plans and flashtune.attention's decode route (the hot path) ------------------------
+
+
+@pytest.mark.parametrize("page_size", [None, 16, 64], ids=["contig", "p16", "p64"])
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_planned_kvcache_calls_match_the_launcher_bit_for_bit(page_size, return_lse):
+    from flashtune.runtime import kvcache
+
+    q, k, v, lens, table = make_cache([3000, 1, 4096, 77], 32, 8, 1, 128, torch.bfloat16,
+                                      "cuda", page_size=page_size, capacity=4096, seed=3)
+    cfg = kvcache.DISPATCH.choose(
+        AttentionProblem(4, 32, 8, 1, 4096, 128, True, "bf16"),
+        kvcache._device("cuda", q.get_device())).config
+    want = attn_decode_kvcache(q, k, v, lens, cfg, block_table=table, causal=True,
+                               return_lse=return_lse)
+    kvcache.reset()
+    for _ in range(3):  # the first call builds the plan, the others replay it
+        got = attention_with_kvcache(q, k, v, lens, block_table=table, return_lse=return_lse)
+        for a, b in zip(got if return_lse else (got,), want if return_lse else (want,)):
+            assert torch.equal(a, b)
+    assert kvcache._PLANS, "no plan was built"
+    # a plan follows new tensors of the same layout (and new lengths, within the pages the
+    # table holds for each sequence)
+    lens2 = torch.tensor([2999, 1, 4000, 5], dtype=torch.int32, device="cuda")
+    q2 = torch.randn_like(q)
+    got = attention_with_kvcache(q2, k, v, lens2, block_table=table)
+    assert_decode_close(got, q2, k, v, cache_seqlens=lens2, block_table=table, causal=True)
+
+
+def test_kvcache_cuda_graph_capture_and_replay():
+    q, k, v, lens, table = make_cache([1000, 2048], 32, 8, 1, 128, torch.bfloat16, "cuda",
+                                      page_size=64, capacity=2048, seed=4)
+    attention_with_kvcache(q, k, v, lens, block_table=table)  # plan built outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = attention_with_kvcache(q, k, v, lens, block_table=table)
+    lens.copy_(torch.tensor([2048, 17], dtype=torch.int32))
+    q.copy_(torch.randn_like(q))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_decode_close(out, q, k, v, cache_seqlens=lens, block_table=table, causal=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("nq,causal", [(1, False), (4, True), (16, True)])
+def test_attention_routes_short_queries_to_decode(nq, causal, dtype):
+    import flashtune
+    from tests.helpers import assert_close_to_reference
+
+    b, hq, hkv, nk, d = 2, 32, 8, 5000, 128
+    q = torch.randn(b, nq, hq, d, device="cuda", dtype=dtype).transpose(1, 2)
+    k = torch.randn(b, nk, hkv, d, device="cuda", dtype=dtype).transpose(1, 2)
+    v = torch.randn(b, nk, hkv, d, device="cuda", dtype=dtype).transpose(1, 2)
+    assert flashtune.lookup_config(q, k, v, causal=causal).template == "attn_decode"
+    outs = [flashtune.attention(q, k, v, causal=causal, return_lse=True) for _ in range(3)]
+    for out, lse in outs:
+        assert_close_to_reference(out, q, k, v, causal=causal, lse=lse)
+    assert torch.equal(outs[0][0], outs[2][0])

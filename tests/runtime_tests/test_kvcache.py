@@ -34,19 +34,18 @@ def test_explicit_config_causal_multi_query_gqa():
                             causal=causal)
 
 
-def test_calls_without_config_use_decode_config(monkeypatch):
+def test_calls_without_config_ask_the_decode_dispatcher(monkeypatch):
     seen = []
+    real = kvcache.DISPATCH.choose
 
-    def fake(problem, device):
+    def spy(problem, device):
         seen.append(problem)
-        return dict(CFG)
+        return real(problem, device)
 
-    monkeypatch.setattr(kvcache, "_decode_config", fake)
-    monkeypatch.setattr(kvcache, "_CONFIGS", {})
+    monkeypatch.setattr(kvcache.DISPATCH, "choose", spy)
     q, k, v, lens, table = make_cache([5, 40], 4, 2, 1, 64, torch.float16, DEVICE,
                                       page_size=8, capacity=48, seed=2)
     attention_with_kvcache(q, k, v, lens, block_table=table)
-    attention_with_kvcache(q, k, v, lens, block_table=table)  # memoised
     assert len(seen) == 1
     p = seen[0]
     # the problem key: seqlen_k is the cache's capacity (max_pages x page_size)

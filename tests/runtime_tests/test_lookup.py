@@ -55,12 +55,14 @@ def tensors(p: AttentionProblem):
 
 
 def populate(url: str, entries: list[tuple[DeviceFingerprint, AttentionProblem, dict, float]],
-             source_hash: str = SPEC.source_hash) -> None:
+             source_hash: str = SPEC.source_hash, template: str = "attn_fwd") -> None:
+    if template != "attn_fwd" and source_hash == SPEC.source_hash:
+        source_hash = get_template(template).source_hash
     with open_store(url) as store:
         for dev, p, config, ms in entries:
             d = store.ensure_device(dev)
-            t = store.ensure_template("attn_fwd", source_hash)
-            pr = store.ensure_problem("attn_fwd", p.key(), p.bucket())
+            t = store.ensure_template(template, source_hash)
+            pr = store.ensure_problem(template, p.key(), p.bucket())
             store.offer_best(d.id, t.id, pr.id, config=config, median_ms=ms, tflops=1.0,
                              trial_id=None, trials_count=1)
 

@@ -19,8 +19,7 @@ SPEC = register_template(TemplateSpec(
     reference=attn_decode_reference,
     space=SPACE,
     default_config=default_config,
-    kernel=attn_decode_split_kernel,
-    tunable=False,  # the tuner's runner is forward-only for now; lookups still apply
+    kernel=attn_decode_split_kernel,  # precompile warms the combine kernel too
 ))
 
 __all__ = ["SPACE", "SPEC", "attn_decode", "attn_decode_kvcache", "attn_decode_reference",

@@ -21,62 +21,90 @@ from flashtune.kernel_templates.attn_decode.kernel import (
 from flashtune.kernel_templates.attn_decode.space import block_d, block_m, rows
 
 
-def _upcast_dot(q: Any) -> bool:
+def _upcast_dot(q: torch.Tensor) -> bool:
     # The Triton interpreter stores bf16 as raw uint16 and its tl.dot reads them as integers;
     # under the interpreter the dots run in fp32 instead (same rounding of inputs, fp32 math).
     return q.device.type == "cpu" and q.dtype == torch.bfloat16
 
 
-def _launch(q: Any, k: Any, v: Any, config: Mapping[str, int], *, seqlens: Any,
-            block_table: Any, seqlen_k: int, causal: bool, scale: float | None,
-            return_lse: bool, out: Any) -> Any:
+# the leading positional arguments of each kernel that change per call (tensors)
+SPLIT_VARYING = 9  # Q, K, V, Out, Lse, Seqlens, BlockTable, OPart, LsePart
+COMBINE_VARYING = 4  # OPart, LsePart, Out, Lse
+
+
+def partial_shapes(q: Any, splits: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Shapes of the fp32 partial outputs and partial LSEs of ``splits`` > 1 chunks."""
+    batch, heads_q, seqlen_q, head_dim = q.shape
+    return (batch, heads_q, seqlen_q, splits, head_dim), (batch, heads_q, seqlen_q, splits)
+
+
+def kernel_args(q: Any, k: Any, v: Any, out: Any, lse: Any, seqlens: Any, block_table: Any,
+                o_part: Any, lse_part: Any, config: Mapping[str, int], *, seqlen_k: int,
+                causal: bool, scale: float, upcast_dot: bool
+                ) -> list[tuple[Any, tuple[Any, ...], dict[str, Any], tuple[int, ...]]]:
+    """``(kernel, args, kwargs, grid)`` of the split kernel, then (``NUM_SPLITS`` > 1) the
+    combine kernel, for these tensors: what :func:`_launch`, the launch plan and the
+    precompiler all launch. ``lse``/``seqlens``/``block_table`` may be None;
+    ``o_part``/``lse_part`` are ignored (None allowed) with one split. Only ``.shape``,
+    ``.stride()`` and ``.dtype`` of the tensors are read."""
     batch, heads_q, seqlen_q, head_dim = q.shape
     heads_kv = k.shape[1]
     group = heads_q // heads_kv
-    if scale is None:
-        scale = 1.0 / math.sqrt(head_dim)
-    if out is None:
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
     bd, bm, bn = block_d(head_dim), block_m(group, seqlen_q), config["BLOCK_N"]
     splits = config["NUM_SPLITS"]
-    lse = (torch.empty((batch, heads_q, seqlen_q), device=q.device, dtype=torch.float32)
-           if return_lse else None)
-    if splits > 1:
-        o_part = torch.empty((batch, heads_q, seqlen_q, splits, head_dim), device=q.device,
-                             dtype=torch.float32)
-        lse_part = torch.empty((batch, heads_q, seqlen_q, splits), device=q.device,
-                               dtype=torch.float32)
-    else:
+    if splits == 1:
         o_part = lse_part = out
     paged = block_table is not None
     page_size = k.shape[2] if paged else 1
     bt_strides = (block_table.stride(0), block_table.stride(1)) if paged else (0, 0)
     grid = (splits, batch * heads_kv, triton.cdiv(rows(group, seqlen_q), bm))
-    attn_decode_split_kernel[grid](
-        q, k, v, out, out if lse is None else lse,
-        q if seqlens is None else seqlens, q if block_table is None else block_table,
-        o_part, lse_part,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
-        bt_strides[0], bt_strides[1],
-        heads_q, heads_kv, seqlen_q, seqlen_k, page_size, float(scale),
-        HEAD_DIM=head_dim, BLOCK_D=bd, GROUP=group, BLOCK_M=bm, BLOCK_N=bn,
-        NUM_SPLITS=splits, IS_CAUSAL=bool(causal), HAS_SEQLENS=seqlens is not None,
-        PAGED=paged, PAGE_ALIGNED=paged and page_size % bn == 0,
-        STORE_LSE=lse is not None, UPCAST_DOT=_upcast_dot(q),
-        num_warps=config["num_warps"], num_stages=config["num_stages"],
-    )
-    if splits > 1:
-        attn_decode_combine_kernel[(batch * heads_q * seqlen_q,)](
-            o_part, lse_part, out, out if lse is None else lse,
+    args = (q, k, v, out, out if lse is None else lse,
+            q if seqlens is None else seqlens, q if block_table is None else block_table,
+            o_part, lse_part,
+            q.stride(0), q.stride(1), q.stride(2),
+            k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2),
             out.stride(0), out.stride(1), out.stride(2),
-            heads_q, seqlen_q,
-            HEAD_DIM=head_dim, BLOCK_D=bd, NUM_SPLITS=splits,
-            BLOCK_S=triton.next_power_of_2(splits), STORE_LSE=lse is not None,
-            num_warps=4 if bd >= 128 else 2,
-        )
+            bt_strides[0], bt_strides[1],
+            heads_q, heads_kv, seqlen_q, seqlen_k, page_size, float(scale))
+    kwargs = dict(HEAD_DIM=head_dim, BLOCK_D=bd, GROUP=group, BLOCK_M=bm, BLOCK_N=bn,
+                  NUM_SPLITS=splits, IS_CAUSAL=bool(causal), HAS_SEQLENS=seqlens is not None,
+                  PAGED=paged, PAGE_ALIGNED=paged and page_size % bn == 0,
+                  STORE_LSE=lse is not None, UPCAST_DOT=upcast_dot,
+                  num_warps=config["num_warps"], num_stages=config["num_stages"])
+    launches: list[tuple[Any, tuple[Any, ...], dict[str, Any], tuple[int, ...]]] = [
+        (attn_decode_split_kernel, args, kwargs, grid)]
+    if splits > 1:
+        launches.append((
+            attn_decode_combine_kernel,
+            (o_part, lse_part, out, out if lse is None else lse,
+             out.stride(0), out.stride(1), out.stride(2), heads_q, seqlen_q),
+            dict(HEAD_DIM=head_dim, BLOCK_D=bd, NUM_SPLITS=splits,
+                 BLOCK_S=triton.next_power_of_2(splits), STORE_LSE=lse is not None,
+                 num_warps=4 if bd >= 128 else 2),
+            (batch * heads_q * seqlen_q,)))
+    return launches
+
+
+def _launch(q: Any, k: Any, v: Any, config: Mapping[str, int], *, seqlens: Any,
+            block_table: Any, seqlen_k: int, causal: bool, scale: float | None,
+            return_lse: bool, out: Any) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    batch, heads_q, seqlen_q, head_dim = q.shape
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = (torch.empty((batch, heads_q, seqlen_q), device=q.device, dtype=torch.float32)
+           if return_lse else None)
+    o_part = lse_part = None
+    if config["NUM_SPLITS"] > 1:
+        o_shape, l_shape = partial_shapes(q, config["NUM_SPLITS"])
+        o_part = torch.empty(o_shape, device=q.device, dtype=torch.float32)
+        lse_part = torch.empty(l_shape, device=q.device, dtype=torch.float32)
+    for kernel, args, kwargs, grid in kernel_args(
+            q, k, v, out, lse, seqlens, block_table, o_part, lse_part, config,
+            seqlen_k=seqlen_k, causal=causal, scale=scale, upcast_dot=_upcast_dot(q)):
+        kernel[grid](*args, **kwargs)
     return (out, lse) if lse is not None else out
 
 

@@ -1,0 +1,118 @@
+"""A launch plan for one attn_decode call signature: what the runtime replays after a
+shape's first call (the decode counterpart of
+:class:`~flashtune.kernel_templates.attn_fwd.plan.AttnFwdPlan`).
+
+Built from one real call (q, K/V or caches, optional ``cache_seqlens`` and ``block_table``,
+config, causal, scale, return_lse); later calls whose tensors have the same shapes, strides,
+dtypes, device and 16-byte alignment (the caller's key) allocate the output, the LSE and the
+split partials and launch the compiled split (and combine) kernels directly. Arguments come
+from :func:`~flashtune.kernel_templates.attn_decode.launcher.kernel_args`, the function the
+launcher and the precompiler use, so the plan runs exactly the kernels the launcher would.
+
+Not part of the template's source hash: it changes how the kernels are launched, not which
+code is generated.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+import torch
+
+from flashtune.kernel_templates.attn_decode.launcher import (
+    COMBINE_VARYING,
+    SPLIT_VARYING,
+    kernel_args,
+    partial_shapes,
+)
+from flashtune.kernel_templates.direct import DirectLaunch
+
+__all__ = ["AttnDecodeDensePlan", "AttnDecodePlan"]
+
+
+class AttnDecodePlan:
+    """Replays ``attn_decode_kvcache`` (``seqlens`` given) or ``attn_decode`` (dense K/V,
+    ``seqlens`` None) for CUDA tensors like the ones it was built from; call it as
+    ``plan(q, k, v, seqlens, block_table, stream)`` with the same kinds of arguments (None
+    where the build call had None).
+
+    Building compiles the kernels if Triton's cache lacks them; do it with the tensors'
+    device current (``device_index``), and call the plan only while that device is current.
+    """
+
+    __slots__ = ("device_index", "_split", "_combine", "_out_shape", "_lse_shape",
+                 "_part_shapes", "_dtype", "_device", "_return_lse")
+
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 config: Mapping[str, int], *, seqlens: torch.Tensor | None,
+                 block_table: torch.Tensor | None, causal: bool, scale: float | None,
+                 return_lse: bool) -> None:
+        if q.device.type != "cuda":
+            raise ValueError("launch plans are for CUDA tensors")
+        batch, heads_q, seqlen_q, head_dim = q.shape
+        if scale is None:
+            scale = 1.0 / math.sqrt(head_dim)
+        self.device_index = q.get_device()
+        self._device, self._dtype, self._return_lse = q.device, q.dtype, bool(return_lse)
+        self._out_shape = (batch, heads_q, seqlen_q, head_dim)
+        self._lse_shape = (batch, heads_q, seqlen_q)
+        splits = config["NUM_SPLITS"]
+        self._part_shapes = partial_shapes(q, splits) if splits > 1 else None
+        out, lse, o_part, lse_part = self._buffers()
+        seqlen_k = (block_table.shape[1] * k.shape[2] if block_table is not None
+                    else k.shape[2])
+        launches = kernel_args(q, k, v, out, lse, seqlens, block_table, o_part, lse_part,
+                               config, seqlen_k=seqlen_k, causal=causal, scale=scale,
+                               upcast_dot=False)
+        with torch.cuda.device(self.device_index):
+            kernel, args, kwargs, grid = launches[0]
+            self._split = DirectLaunch(kernel, args, kwargs, grid, SPLIT_VARYING)
+            self._combine = None
+            if len(launches) > 1:
+                kernel, args, kwargs, grid = launches[1]
+                self._combine = DirectLaunch(kernel, args, kwargs, grid, COMBINE_VARYING)
+
+    def _buffers(self) -> tuple[Any, Any, Any, Any]:
+        dev = self._device
+        out = torch.empty(self._out_shape, dtype=self._dtype, device=dev)
+        lse = (torch.empty(self._lse_shape, dtype=torch.float32, device=dev)
+               if self._return_lse else None)
+        if self._part_shapes is None:
+            return out, lse, None, None
+        o_shape, l_shape = self._part_shapes
+        return (out, lse, torch.empty(o_shape, dtype=torch.float32, device=dev),
+                torch.empty(l_shape, dtype=torch.float32, device=dev))
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 seqlens: torch.Tensor | None, block_table: torch.Tensor | None,
+                 stream: int) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        out, lse, o_part, lse_part = self._buffers()
+        lse_arg = out if lse is None else lse
+        if self._combine is None:
+            self._split(stream, q, k, v, out, lse_arg, q if seqlens is None else seqlens,
+                        q if block_table is None else block_table, out, out)
+        else:
+            self._split(stream, q, k, v, out, lse_arg, q if seqlens is None else seqlens,
+                        q if block_table is None else block_table, o_part, lse_part)
+            self._combine(stream, o_part, lse_part, out, lse_arg)
+        return (out, lse) if lse is not None else out
+
+
+class AttnDecodeDensePlan(AttnDecodePlan):
+    """:class:`AttnDecodePlan` of ``attn_decode(q, k, v, ...)`` on dense K/V (no lengths, no
+    block table), called like the forward's plan: ``plan(q, k, v, stream)``.
+    :func:`flashtune.attention` keeps these for the short-query calls it routes to
+    attn_decode."""
+
+    __slots__ = ()
+
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 config: Mapping[str, int], *, causal: bool, scale: float | None,
+                 return_lse: bool) -> None:
+        super().__init__(q, k, v, config, seqlens=None, block_table=None, causal=causal,
+                         scale=scale, return_lse=return_lse)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # type: ignore[override]
+                 stream: int) -> Any:
+        return AttnDecodePlan.__call__(self, q, k, v, None, None, stream)
