@@ -54,15 +54,18 @@ class AttentionProblem:
 
     @classmethod
     def from_tensors(cls, q: Any, k: Any, *, causal: bool) -> AttentionProblem:
+        """The problem of ``attention(q, k, v, causal=causal)`` (metadata only)."""
         b, hq, nq, d = q.shape
         return cls(int(b), int(hq), int(k.shape[1]), int(nq), int(k.shape[2]), int(d),
                    bool(causal), dtype_name(q.dtype))
 
     @classmethod
     def from_key(cls, key: Mapping[str, Any]) -> AttentionProblem:
+        """The problem whose :meth:`key` is ``key`` (extra keys are ignored)."""
         return cls(**{f: key[f] for f in cls.__dataclass_fields__})
 
     def key(self) -> dict[str, Any]:
+        """The problem as a dict of its fields: what the store and config files key on."""
         return asdict(self)
 
     def bucket(self) -> str:
@@ -83,7 +86,10 @@ class AttentionProblem:
             return math.inf
         if self.heads_q // self.heads_kv != other.heads_q // other.heads_kv:
             return math.inf
-        lg = lambda a, b: abs(math.log2(a) - math.log2(b))  # noqa: E731
+
+        def lg(a: float, b: float) -> float:
+            return abs(math.log2(a) - math.log2(b))
+
         return (lg(self.seqlen_q, other.seqlen_q) + lg(self.seqlen_k, other.seqlen_k)
                 + 0.5 * lg(self.batch * self.heads_q, other.batch * other.heads_q))
 
@@ -104,6 +110,7 @@ class AttentionProblem:
         return f * 2.5 if backward else f
 
     def describe(self) -> str:
+        """One line for messages: ``B=.. Hq=.. Hkv=.. Nq=.. Nk=.. D=.. dtype [causal]``."""
         causal = " causal" if self.causal else ""
         return (f"B={self.batch} Hq={self.heads_q} Hkv={self.heads_kv} Nq={self.seqlen_q} "
                 f"Nk={self.seqlen_k} D={self.head_dim} {self.dtype}{causal}")

@@ -70,9 +70,15 @@ def config_file_name(device_name: str, template: str) -> str:
     """``"device_name=<device_name>,template=<template>.json"``: THE name of a config file,
     used by the exporter to write and by the runtime loader to find a device's file.
 
-    Both names must be 1-200 characters of ``0-9 A-Z a-z . _ + -`` starting with a letter
-    or digit, without ``..`` (so no path separators, NUL or parent references ever reach
-    a path); otherwise ``ValueError``.
+    Arguments:
+        device_name: the device's name as the store keeps it (``NVIDIA_H100_80GB_HBM3``).
+        template: a template name (``attn_fwd``).
+    Returns:
+        The file name (no folder).
+    Raises:
+        ValueError unless both names are 1-200 characters of ``0-9 A-Z a-z . _ + -``
+        starting with a letter or digit, without ``..`` (so no path separators, NUL or
+        parent references ever reach a path).
     """
     for what, name in (("device name", device_name), ("template name", template)):
         if not checks.is_name(name):
@@ -87,8 +93,17 @@ def vllm_config_file_name(device_name: str, template: str, *, dtype: str, head_d
     the name of a vLLM-style tuned-config file (``flashtune export --format vllm``), named
     like vLLM's ``E=..,N=..,device_name=...json`` fused-MoE configs.
 
-    Names follow :func:`config_file_name`'s rule, ``dtype`` too; ``head_dim`` is a positive
-    int; otherwise ``ValueError``.
+    Arguments:
+        device_name: the device's name, as for :func:`config_file_name`.
+        template: a template name.
+        dtype: the problems' dtype (``bf16``, ``fp16``).
+        head_dim: the problems' head dimension.
+        causal: whether the problems are causal.
+    Returns:
+        The file name (no folder).
+    Raises:
+        ValueError when a name, or ``dtype``, breaks :func:`config_file_name`'s rule, or
+        ``head_dim`` is not a positive int.
     """
     config_file_name(device_name, template)  # the same name checks
     if not checks.is_name(dtype):
@@ -148,9 +163,16 @@ class ConfigDocument:
 # -- writing and reading --------------------------------------------------------------------
 
 def document_to_json(doc: ConfigDocument) -> str:
-    """``doc`` as deterministic JSON text: sorted keys, entries sorted by canonical problem
-    key, indent 1, a trailing newline. Raises ``ValueError`` for NaN, a naive timestamp or
-    unknown ``software`` keys (missing ones are written as empty strings)."""
+    """``doc`` as deterministic JSON text, what :func:`parse_document` reads back.
+
+    Arguments:
+        doc: the document (missing ``software`` keys are written as empty strings).
+    Returns:
+        JSON text: sorted keys, entries sorted by canonical problem key, indent 1, a
+        trailing newline.
+    Raises:
+        ValueError for NaN, a naive timestamp or unknown ``software`` keys.
+    """
     unknown = sorted(set(doc.software) - set(SOFTWARE_KEYS))
     if unknown:
         raise ValueError(f"unknown software keys {unknown}; expected some of {SOFTWARE_KEYS}")
@@ -172,10 +194,16 @@ def document_to_json(doc: ConfigDocument) -> str:
 def parse_document(data: str | bytes, *, origin: str = "<input>") -> ConfigDocument:
     """Validate ``data`` (a whole file) strictly and return its document.
 
-    Raises :class:`ImportRejected` with one line ``"<origin>: <what is wrong>; expected
-    <what>"`` for anything but a well-formed ``schema_version`` 1 document of a registered
-    template (see the module docstring and :mod:`flashtune.db.exchange_checks`). Configs
-    come back validated by the template's space, optional knobs filled in.
+    Arguments:
+        data: the file's whole content (at most ``MAX_FILE_BYTES``).
+        origin: what to call the input in messages (a path, a URL).
+    Returns:
+        The :class:`ConfigDocument`; configs come back validated by the template's space,
+        optional knobs filled in.
+    Raises:
+        ImportRejected with one line ``"<origin>: <what is wrong>; expected <what>"`` for
+        anything but a well-formed ``schema_version`` 1 document of a registered template
+        (see the module docstring and :mod:`flashtune.db.exchange_checks`).
     """
     try:
         return _document(checks.load(data, max_bytes=MAX_FILE_BYTES, max_depth=MAX_DEPTH))
@@ -186,8 +214,14 @@ def parse_document(data: str | bytes, *, origin: str = "<input>") -> ConfigDocum
 def read_document(path: str | os.PathLike[str]) -> ConfigDocument:
     """:func:`parse_document` of the file at ``path`` (the origin in messages).
 
-    A file over ``MAX_FILE_BYTES``, or not a regular file, is refused before it is read;
-    an unreadable one raises :class:`ImportRejected` too.
+    Arguments:
+        path: a JSON file written by :func:`document_to_json` (``flashtune export``).
+    Returns:
+        Its :class:`ConfigDocument`.
+    Raises:
+        ImportRejected as :func:`parse_document` does, and also for a file over
+        ``MAX_FILE_BYTES`` or not a regular file (refused before it is read) and for an
+        unreadable one.
     """
     origin = os.fspath(path)
     shown = checks.printable(origin)
@@ -244,9 +278,19 @@ def export_documents(store: TuningStore, *, device_name: str | None = None,
     ``software`` holds the versions of the latest run of that device and template (empty
     strings when there is none: e.g. configs that were themselves imported). Each
     document is checked by :func:`parse_document` before it is returned, so an export is
-    always importable: a stored entry that would be refused raises ``ImportRejected``; an
-    unknown ``template_name`` raises ``UnknownTemplateError``; devices sharing a name but
-    differing in more than total memory raise ``ValueError`` (one file holds one device).
+    always importable.
+
+    Arguments:
+        store: the tuning database to read.
+        device_name: only this device (None: every device).
+        template_name: only this template (None: every registered template).
+    Returns:
+        The documents; write each with :func:`document_to_json` under its
+        ``file_name()``.
+    Raises:
+        ImportRejected for a stored entry an import would refuse; UnknownTemplateError
+        for an unknown ``template_name``; ValueError for devices sharing a name but
+        differing in more than total memory (one file holds one device).
     """
     from flashtune.kernel_templates import get_template, template_names
 
@@ -356,6 +400,17 @@ def import_documents(store: TuningStore, docs: Sequence[tuple[str, ConfigDocumen
     ``"skip"`` never does. Entries whose document was tuned for another ``source_hash``
     than the registered template's are counted as stale and not written. Entries of
     several documents for one problem are applied in order.
+
+    Arguments:
+        store: the tuning database to write.
+        docs: ``(origin, document)`` pairs (origin: what the report calls each file).
+        policy: ``"keep-faster"``, ``"overwrite"`` or ``"skip"``.
+    Returns:
+        The :class:`ImportReport`: per file, how many entries were added, replaced, kept,
+        skipped or stale.
+    Raises:
+        ValueError for an unknown ``policy``; UnknownTemplateError for a document of an
+        unregistered template; StoreError when the transaction fails (nothing written).
     """
     if policy not in IMPORT_POLICIES:
         raise ValueError(f"unknown import policy {policy!r}; expected one of "

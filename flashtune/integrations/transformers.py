@@ -33,9 +33,25 @@ def flashtune_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
                                 dropout: float = 0.0, scaling: float | None = None,
                                 is_causal: bool | None = None, **kwargs: Any
                                 ) -> tuple[torch.Tensor, None]:
-    """transformers' attention-function contract: ``query`` ``(B, Hq, Lq, D)``, ``key`` and
-    ``value`` ``(B, Hkv, Lk, D)`` (the KV cache already updated), the model's mask or None;
-    returns ``((B, Lq, Hq, D), None)`` (no attention weights)."""
+    """The attention function transformers calls for ``attn_implementation="flashtune"``.
+
+    Arguments:
+        module: the attention layer (its ``training`` and ``is_causal`` are read).
+        query: ``(B, Hq, Lq, D)``.
+        key, value: ``(B, Hkv, Lk, D)`` (the KV cache already updated).
+        attention_mask: the model's mask (from transformers' SDPA mask builder) or None;
+            a mask sends the call to torch's SDPA.
+        dropout: attention dropout, applied in training only.
+        scaling: softmax scale (None: ``1 / sqrt(D)``).
+        is_causal: None: the module's ``is_causal`` (default True).
+        kwargs: the rest of transformers' contract; ``softcap`` and ``position_bias`` are
+            refused.
+    Returns:
+        ``(out, None)``: ``out`` of shape ``(B, Lq, Hq, D)``, no attention weights.
+    Raises:
+        ValueError for ``softcap`` or ``position_bias`` (the message names the
+        implementation to use instead).
+    """
     if kwargs.get("softcap") is not None:
         raise ValueError("flashtune attention does not support `softcap`; use "
                          "attn_implementation='eager' for this model")
@@ -72,7 +88,9 @@ def _skip_flash_package_import() -> None:
         return original(implementation, *args, **kwargs)
 
     lazy_import_flash_attention._flashtune_wrapped = True  # type: ignore[attr-defined]
-    mu.lazy_import_flash_attention = lazy_import_flash_attention
+    # setattr: modeling_utils imports the name from modeling_flash_attention_utils without
+    # re-exporting it, so to a type checker (no implicit re-exports) the module lacks it
+    setattr(mu, "lazy_import_flash_attention", lazy_import_flash_attention)  # noqa: B010
 
 
 AttentionInterface.register(NAME, flashtune_attention_forward)

@@ -51,7 +51,15 @@ _REGISTRY: dict[str, TemplateSpec] = {}
 
 
 def source_hash(*paths: str | Path) -> str:
-    """Hash of the given source files' bytes, in order; 16 hex characters."""
+    """Hash of the given source files' bytes, in order.
+
+    Arguments:
+        paths: the files that decide a template's generated code, in a fixed order.
+    Returns:
+        The first 16 hex characters of the sha256 of their bytes.
+    Raises:
+        OSError when a file cannot be read.
+    """
     h = hashlib.sha256()
     for path in paths:
         h.update(Path(path).read_bytes())
@@ -59,6 +67,17 @@ def source_hash(*paths: str | Path) -> str:
 
 
 def register_template(spec: TemplateSpec) -> TemplateSpec:
+    """Add ``spec`` to the registry under ``spec.name`` (a template package does this on
+    import).
+
+    Arguments:
+        spec: the template's frozen :class:`TemplateSpec`.
+    Returns:
+        ``spec``, so a module can keep it: ``SPEC = register_template(TemplateSpec(...))``.
+    Raises:
+        ValueError when another spec is already registered under that name (registering an
+        equal spec again is a no-op).
+    """
     existing = _REGISTRY.get(spec.name)
     if existing is not None and existing != spec:
         raise ValueError(f"template {spec.name!r} is already registered")
@@ -67,6 +86,15 @@ def register_template(spec: TemplateSpec) -> TemplateSpec:
 
 
 def get_template(name: str) -> TemplateSpec:
+    """The registered template ``name``.
+
+    Arguments:
+        name: a registry key such as ``"attn_fwd"``, ``"attn_bwd"`` or ``"attn_decode"``.
+    Returns:
+        Its :class:`TemplateSpec`.
+    Raises:
+        UnknownTemplateError (a ``KeyError``) naming the known templates.
+    """
     try:
         return _REGISTRY[name]
     except KeyError:
@@ -76,4 +104,9 @@ def get_template(name: str) -> TemplateSpec:
 
 
 def template_names() -> list[str]:
+    """The names of every registered template.
+
+    Returns:
+        The registry keys, sorted.
+    """
     return sorted(_REGISTRY)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from flashtune.db.records import TrialState
 from flashtune.report.studies import Importances, StudyReport, problem_label
@@ -114,10 +114,11 @@ def plot_summary(studies: Sequence[StudyReport], path: Path) -> Path:
     unit = studies[0].unit
     n = len(studies)
     fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * n + 2.0), 4.8))
-    series = (("tuned (stored best)", _COLORS["best"], lambda s: s.best_value),
-              ("template default", _COLORS["default"],
-               lambda s: s.value(s.default_trial) if s.default_trial else None),
-              ("median trial", _COLORS["median"], lambda s: s.median_value))
+    series: tuple[tuple[str, str, Callable[[StudyReport], float | None]], ...] = (
+        ("tuned (stored best)", _COLORS["best"], lambda s: s.best_value),
+        ("template default", _COLORS["default"],
+         lambda s: s.value(s.default_trial) if s.default_trial else None),
+        ("median trial", _COLORS["median"], lambda s: s.median_value))
     width = 0.8 / len(series)
     for i, (label, color, get) in enumerate(series):
         xs = [j + (i - 1) * width for j in range(n)]

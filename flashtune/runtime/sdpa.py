@@ -38,8 +38,16 @@ _LOCK = threading.Lock()
 def fallback_reason(query: Any, key: Any, value: Any, attn_mask: Any = None,
                     dropout_p: float = 0.0, is_causal: bool = False, scale: Any = None,
                     enable_gqa: bool = False) -> str | None:
-    """Why :func:`scaled_dot_product_attention` would hand these arguments to torch, or None
-    when flashtune serves them. Reads metadata only."""
+    """Why :func:`scaled_dot_product_attention` would hand these arguments to torch.
+
+    Arguments:
+        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa: the
+            arguments of :func:`scaled_dot_product_attention`, of any type (nothing is
+            assumed about them).
+    Returns:
+        One line saying why torch's SDPA runs the call (e.g. ``"dropout_p > 0"``), or None
+        when flashtune serves it. Reads metadata only: no device sync, no launch.
+    """
     if attn_mask is not None:
         return "attn_mask is given (flashtune takes causal or no mask)"
     if dropout_p:
@@ -80,13 +88,25 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
                                  enable_gqa: bool = False) -> torch.Tensor:
     """Drop-in for ``torch.nn.functional.scaled_dot_product_attention``.
 
-    Arguments, shapes and semantics are torch's: ``query`` ``(B, Hq, Lq, E)``, ``key`` and
-    ``value`` ``(B, Hkv, Lk, E)``; ``is_causal`` top-left aligned; ``enable_gqa`` allows
-    ``Hq`` a multiple of ``Hkv``; ``scale`` defaults to ``1 / sqrt(E)``. Returns
-    ``(B, Hq, Lq, E)``. flashtune runs fp16/bf16 CUDA tensors (CPU under the interpreter)
-    without ``attn_mask`` or dropout and with a supported head_dim, through
-    :func:`flashtune.attention` (tuned config lookup included); anything else goes to torch,
-    see :func:`fallback_reason`.
+    Arguments, shapes and semantics are torch's. flashtune runs fp16/bf16 CUDA tensors (CPU
+    under the interpreter) without ``attn_mask`` or dropout and with a supported head_dim,
+    through :func:`flashtune.attention` (tuned config lookup included); anything else goes
+    to torch, see :func:`fallback_reason`.
+
+    Arguments:
+        query: ``(B, Hq, Lq, E)``.
+        key, value: ``(B, Hkv, Lk, E)``.
+        attn_mask: torch's mask; any mask sends the call to torch.
+        dropout_p: dropout probability; above 0 sends the call to torch.
+        is_causal: top-left aligned causal mask (torch's convention).
+        scale: softmax scale; default ``1 / sqrt(E)``.
+        enable_gqa: allow ``Hq`` a multiple of ``Hkv`` (else they must be equal).
+    Returns:
+        The attention output ``(B, Hq, Lq, E)``, in ``query``'s dtype.
+    Raises:
+        Whatever torch's SDPA raises for the calls it runs (the first fallback of each
+        reason is logged at DEBUG level); flashtune's own checks pass for the calls it
+        runs, so it raises nothing of its own.
     """
     reason = fallback_reason(query, key, value, attn_mask, dropout_p, is_causal, scale,
                              enable_gqa)
@@ -102,6 +122,5 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     if is_causal and query.shape[2] < key.shape[2]:
         lq = query.shape[2]
         key, value = key[:, :, :lq], value[:, :, :lq]
-    out = attention(query, key, value, causal=bool(is_causal),
-                    scale=None if scale is None else float(scale))
-    return out  # type: ignore[return-value]
+    return attention(query, key, value, causal=bool(is_causal),
+                     scale=None if scale is None else float(scale))

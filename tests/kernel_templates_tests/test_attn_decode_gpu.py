@@ -108,7 +108,8 @@ def test_kvcache_cuda_graph_capture_and_replay():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = attention_with_kvcache(q, k, v, lens, block_table=table)
-    lens.copy_(torch.tensor([2048, 17], dtype=torch.int32))
+    # new lengths within the pages each sequence's table holds (1000 -> 16 pages of 64)
+    lens.copy_(torch.tensor([1024, 17], dtype=torch.int32))
     q.copy_(torch.randn_like(q))
     graph.replay()
     torch.cuda.synchronize()
