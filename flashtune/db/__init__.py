@@ -51,10 +51,17 @@ __all__ = [
 
 def open_store(url: str | URL | None = None, *, read_only: bool = False,
                create: bool = True) -> TuningStore:
-    """The store at ``url`` (default :func:`default_db_url`), schema checked on opening.
+    """The store at ``url``, schema checked on opening.
 
-    Raises ``SchemaError`` for a database at another schema revision (the message says
-    which command upgrades it) and ``StoreError`` when the database cannot be opened.
+    Arguments:
+        url: a SQLAlchemy URL or ``URL``; None: :func:`default_db_url`.
+        read_only: open without ever writing (no schema creation, no WAL switch).
+        create: create the schema in an empty database (ignored when ``read_only``).
+    Returns:
+        A :class:`TuningStore` (use it as a context manager, or call ``close()``).
+    Raises:
+        SchemaError for a database at another schema revision (the message says which
+        command upgrades it); StoreError when the database cannot be opened.
     """
     return SQLAlchemyStore(default_db_url() if url is None else url, read_only=read_only,
                            create=create)

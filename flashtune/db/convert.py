@@ -40,7 +40,7 @@ def run(row: Run) -> RunRecord:
         started_at=row.started_at, finished_at=row.finished_at,
         flashtune_version=row.flashtune_version, torch_version=row.torch_version,
         triton_version=row.triton_version, cuda_version=row.cuda_version,
-        driver_version=row.driver_version or "", host=row.host or "")
+        driver_version=row.driver_version or "", host=row.host or "", pid=row.pid)
 
 
 def trial(row: Trial) -> TrialRecord:

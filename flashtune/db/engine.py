@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import sqlite3
+import time
 from pathlib import Path
 from typing import Any, Iterator
 from urllib.parse import unquote
@@ -43,6 +44,7 @@ __all__ = [
     "make_engine",
     "missing_sqlite_file",
     "safe_url",
+    "serialize_sqlite_writes",
     "store_error",
     "write_engine",
 ]
@@ -56,9 +58,14 @@ _LEGACY_CONTROL = getattr(sqlite3, "LEGACY_TRANSACTION_CONTROL", None)  # Python
 
 
 def default_db_url() -> str:
-    """``$FLASHTUNE_DB``, else ``sqlite:///<$XDG_CACHE_HOME or ~/.cache>/flashtune/flashtune.db``.
+    """The database flashtune uses when given none.
 
-    The cache folder is created when missing.
+    Returns:
+        ``$FLASHTUNE_DB`` when set, else
+        ``sqlite:///<$XDG_CACHE_HOME or ~/.cache>/flashtune/flashtune.db`` (the cache
+        folder is created when missing).
+    Raises:
+        OSError when that cache folder cannot be created.
     """
     env = os.environ.get("FLASHTUNE_DB", "").strip()
     if env:
@@ -120,9 +127,18 @@ def make_engine(url: str | URL, read_only: bool = False, *, wal: bool = True,
                 **kwargs: Any) -> Engine:
     """A SQLAlchemy engine for ``url`` with flashtune's SQLite settings (see module doc).
 
-    ``wal=False`` leaves the journal mode alone (the store checks the schema first and
-    switches to WAL afterwards with :func:`enable_wal`, so refusing a database never
-    writes to it). Extra ``kwargs`` go to :func:`sqlalchemy.create_engine`.
+    Arguments:
+        url: a SQLAlchemy URL (``sqlite:///path``, ``postgresql+psycopg://...``).
+        read_only: open a SQLite file read-only (``mode=ro``); other backends ignore it.
+        wal: switch a SQLite file to WAL on connect; ``False`` leaves the journal mode
+            alone (the store checks the schema first and switches to WAL afterwards with
+            :func:`enable_wal`, so refusing a database never writes to it).
+        kwargs: passed on to :func:`sqlalchemy.create_engine`.
+    Returns:
+        The engine (connections are opened lazily, on first use).
+    Raises:
+        sqlalchemy.exc.ArgumentError for a malformed URL; ImportError when the URL's
+        driver is not installed.
     """
     u = make_url(url)
     if u.get_backend_name() != "sqlite":
@@ -164,13 +180,61 @@ def make_engine(url: str | URL, read_only: bool = False, *, wal: bool = True,
     return engine
 
 
+def serialize_sqlite_writes(engine: Engine) -> Engine:
+    """Make ``engine``, a SQLite engine made elsewhere (Optuna's ``RDBStorage``), start
+    every transaction with ``BEGIN IMMEDIATE`` and wait up to the busy timeout for the lock.
+
+    A transaction that reads what it then updates needs this on SQLite, where ``SELECT ...
+    FOR UPDATE`` locks nothing: Optuna pops a queued trial by reading it WAITING and setting
+    it RUNNING, which two processes in deferred transactions can both do (and a deferred
+    transaction that finds its snapshot stale when it starts writing fails at once with
+    "database is locked"). Other backends are left as they are. Returns ``engine``.
+    """
+    if engine.dialect.name != "sqlite":
+        return engine
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection: Any, connection_record: Any) -> None:
+        if _LEGACY_CONTROL is not None and hasattr(dbapi_connection, "autocommit"):
+            dbapi_connection.autocommit = _LEGACY_CONTROL
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        try:
+            cursor.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+        finally:
+            cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn: Any) -> None:
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+    engine.dispose()  # pooled connections were opened before the hooks
+    return engine
+
+
 def write_engine(engine: Engine) -> Engine:
     """``engine`` whose transactions start with ``BEGIN IMMEDIATE`` on SQLite (same pool)."""
     return engine.execution_options(**{_WRITE_OPTION: True})
 
 
 def _set_wal(cursor: Any) -> None:
-    cursor.execute("PRAGMA journal_mode = WAL")
+    # A file already in WAL is left alone: setting the mode takes a lock that SQLite does
+    # not always wait for (busy_timeout aside), so concurrent openers of one file would
+    # fail with "database is locked"; the first switch is retried with backoff.
+    delays = lock_retry_delays()
+    while True:
+        try:
+            cursor.execute("PRAGMA journal_mode")
+            mode = cursor.fetchone()
+            if mode and str(mode[0]).lower() == "wal":
+                return
+            cursor.execute("PRAGMA journal_mode = WAL")
+            break
+        except sqlite3.OperationalError as exc:
+            delay = next(delays, None)
+            if delay is None or "locked" not in str(exc).lower():
+                raise
+            time.sleep(delay)
     mode = cursor.fetchone()
     if mode and str(mode[0]).lower() != "wal":  # e.g. a file system without shared memory
         log.warning("SQLite stayed in journal_mode=%s (WAL not available)", mode[0])

@@ -20,8 +20,13 @@ CONFIG_HASH_LENGTH = 16  # hex characters of the sha256 digest kept
 def canonical_json(value: Any) -> str:
     """``value`` as canonical JSON text: sorted keys, ``(",", ":")`` separators, ASCII.
 
-    Raises ``ValueError`` naming the value when it holds NaN/Infinity or a type JSON cannot
-    represent (tuples become lists, as ``json`` always does).
+    Arguments:
+        value: JSON-representable data (tuples become lists, as ``json`` always does).
+    Returns:
+        The one text every equal value encodes to.
+    Raises:
+        ValueError naming the value when it holds NaN/Infinity or a type JSON cannot
+        represent.
     """
     try:
         return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False)
@@ -31,7 +36,15 @@ def canonical_json(value: Any) -> str:
 
 
 def config_hash(config: Mapping[str, Any]) -> str:
-    """sha256 of ``canonical_json(config)``, first 16 hex characters (64 bits)."""
+    """The hash a config is stored and deduplicated under.
+
+    Arguments:
+        config: a kernel config (parameter name -> value).
+    Returns:
+        The sha256 of ``canonical_json(config)``, first 16 hex characters (64 bits).
+    Raises:
+        ValueError as :func:`canonical_json` does.
+    """
     return hash_canonical(canonical_json(dict(config)))
 
 

@@ -12,7 +12,6 @@ change here needs a new revision there (tests compare the two).
 from __future__ import annotations
 
 from datetime import datetime, timezone
-from typing import Any
 
 from sqlalchemy import (
     BigInteger,
@@ -51,7 +50,7 @@ class UTCDateTime(TypeDecorator[datetime]):
         value = value.astimezone(timezone.utc)
         return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
 
-    def process_result_value(self, value: Any, dialect: Dialect) -> datetime | None:
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
         if value is None:
             return None
         if value.tzinfo is None:
@@ -127,6 +126,7 @@ class Run(Base):
     driver_version: Mapped[str] = mapped_column(String(64), default="",
                                                 server_default="")  # since 0002
     host: Mapped[str] = mapped_column(String(255), default="", server_default="")  # since 0002
+    pid: Mapped[int | None] = mapped_column(Integer)  # owner process on ``host``; since 0003
 
 
 class Trial(Base):

@@ -42,6 +42,7 @@ class TrialState(str, Enum):
 
     @property
     def is_finished(self) -> bool:
+        """Whether a trial in this state is over (every state but RUNNING)."""
         return self is not TrialState.RUNNING
 
     def __str__(self) -> str:
@@ -72,6 +73,8 @@ class DeviceRecord:
     total_memory: int
 
     def hardware_key(self) -> tuple[str, str, int, int, int]:
+        """``(name, compute_capability, sm_count, shared_mem_per_block, total_memory)``:
+        what identifies a device in the store."""
         return (self.name, self.compute_capability, self.sm_count,
                 self.shared_mem_per_block, self.total_memory)
 
@@ -117,6 +120,7 @@ class RunRecord:
     cuda_version: str
     driver_version: str
     host: str
+    pid: int | None = None  # the owner process on ``host`` (None before schema 0003)
 
 
 @dataclass(frozen=True)

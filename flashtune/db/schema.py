@@ -42,7 +42,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-HEAD_REVISION = "0002"
+HEAD_REVISION = "0003"
 VERSION_TABLE = "flashtune_alembic_version"
 MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
 _PG_LOCK_KEY = 0x666C_6173_6874_756E  # "flashtun": advisory lock held while migrating
@@ -153,10 +153,18 @@ def check_schema(engine: Engine, *, create: bool = True, read_only: bool = False
 def upgrade(url: str | URL) -> tuple[str | None, str]:
     """Migrate the database at ``url`` to :data:`HEAD_REVISION` (idempotent).
 
-    Returns ``(revision_before, HEAD_REVISION)``; ``revision_before`` is None for a database
-    that had no flashtune schema. Refuses (``SchemaError``, nothing written) a database at a
-    revision this code does not know. The whole upgrade is one transaction on SQLite and
-    PostgreSQL (both have transactional DDL).
+    The whole upgrade is one transaction on SQLite and PostgreSQL (both have transactional
+    DDL).
+
+    Arguments:
+        url: the database's SQLAlchemy URL (created when it does not exist).
+    Returns:
+        ``(revision_before, HEAD_REVISION)``; ``revision_before`` is None for a database
+        that had no flashtune schema.
+    Raises:
+        SchemaError (nothing written) for a database at a revision this code does not know
+        or with tables of unknown origin; StoreError when the database cannot be opened
+        or written.
     """
     engine = make_engine(url, wal=False)
     shown = safe_url(engine.url)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import socket
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence, TypeVar
@@ -100,8 +101,11 @@ class SQLAlchemyStore(TransactionRunner, TuningStore):
                    params: Mapping[str, Any] | None = None,
                    flashtune_version: str = __version__, torch_version: str = "",
                    triton_version: str = "", cuda_version: str = "",
-                   driver_version: str = "", host: str | None = None) -> RunRecord:
+                   driver_version: str = "", host: str | None = None,
+                   pid: int | None = None) -> RunRecord:
         params_json = canonical_json(dict(params or {}))
+        if host is None:
+            host, pid = socket.gethostname(), os.getpid() if pid is None else pid
 
         def work(s: Session) -> RunRecord:
             row = Run(device_id=device_id, template_id=template_id, problem_id=problem_id,
@@ -110,8 +114,7 @@ class SQLAlchemyStore(TransactionRunner, TuningStore):
                       started_at=utcnow(), finished_at=None,
                       flashtune_version=flashtune_version, torch_version=torch_version,
                       triton_version=triton_version, cuda_version=cuda_version,
-                      driver_version=driver_version,
-                      host=socket.gethostname() if host is None else host)
+                      driver_version=driver_version, host=host, pid=pid)
             s.add(row)
             s.flush()
             return convert.run(row)
@@ -148,11 +151,26 @@ class SQLAlchemyStore(TransactionRunner, TuningStore):
 
         return self._run("latest_run", work)
 
+    def list_runs(self, device_id: int | None = None, template_id: int | None = None,
+                  problem_id: int | None = None, *,
+                  status: RunStatus | str | None = None) -> list[RunRecord]:
+        stmt = select(Run).order_by(Run.id)
+        for column, value in ((Run.device_id, device_id), (Run.template_id, template_id),
+                              (Run.problem_id, problem_id)):
+            if value is not None:
+                stmt = stmt.where(column == value)
+        if status is not None:
+            stmt = stmt.where(Run.status == RunStatus(status).value)
+        return self._run("list_runs", lambda s: [convert.run(r) for r in s.scalars(stmt)])
+
     def fail_stale_runs(self, device_id: int | None = None, template_id: int | None = None,
                         problem_id: int | None = None, *, current_run_id: int | None = None,
-                        older_than: timedelta | None = None) -> int:
+                        older_than: timedelta | None = None,
+                        run_ids: Sequence[int] | None = None) -> int:
         now = utcnow()
         stmt = update(Run).where(Run.status == RunStatus.RUNNING.value)
+        if run_ids is not None:
+            stmt = stmt.where(Run.id.in_([int(i) for i in run_ids]))
         for column, value in ((Run.device_id, device_id), (Run.template_id, template_id),
                               (Run.problem_id, problem_id)):
             if value is not None:
@@ -169,6 +187,7 @@ class SQLAlchemyStore(TransactionRunner, TuningStore):
     def _insert_trial(self, s: Session, run_id: int, config_json: str,
                       state: TrialState) -> Trial:
         run = get_row(s, Run, run_id, self.url)
+        _lock_study(s, run)
         study = (Trial.device_id == run.device_id, Trial.template_id == run.template_id,
                  Trial.problem_id == run.problem_id)
         last = s.scalar(select(func.max(Trial.number)).where(*study))
@@ -187,6 +206,28 @@ class SQLAlchemyStore(TransactionRunner, TuningStore):
             lambda s: convert.trial(self._insert_trial(s, run_id, config_json,
                                                        TrialState.RUNNING)),
             write=True, conflict_retries=CONFLICT_RETRIES)
+
+    def claim_trial(self, run_id: int, config: Mapping[str, Any]) -> TrialRecord | None:
+        config_json = canonical_json(dict(config))
+
+        def work(s: Session) -> TrialRecord | None:
+            run = get_row(s, Run, run_id, self.url)
+            _lock_study(s, run)
+            taken = s.scalar(
+                select(Trial.id)
+                .where(Trial.device_id == run.device_id, Trial.template_id == run.template_id,
+                       Trial.problem_id == run.problem_id,
+                       Trial.config_hash == hash_canonical(config_json),
+                       Trial.config_json == config_json,
+                       Trial.state != TrialState.DUPLICATE.value,
+                       (Trial.message.is_(None)) | (Trial.message != STALE_MESSAGE))
+                .limit(1))
+            if taken is not None:
+                return None
+            return convert.trial(self._insert_trial(s, run_id, config_json, TrialState.RUNNING))
+
+        return self._run(f"claim_trial(run {run_id})", work, write=True,
+                         conflict_retries=CONFLICT_RETRIES)
 
     def finish_trial(self, trial_id: int, state: TrialState | str, *,
                      message: str | None = None, median_ms: float | None = None,
@@ -256,12 +297,15 @@ class SQLAlchemyStore(TransactionRunner, TuningStore):
     def fail_stale_trials(self, device_id: int, template_id: int, problem_id: int, *,
                           current_run_id: int | None = None,
                           older_than: timedelta | None = None,
-                          message: str = STALE_MESSAGE) -> int:
+                          message: str = STALE_MESSAGE,
+                          run_ids: Sequence[int] | None = None) -> int:
         now = utcnow()
         stmt = update(Trial).where(Trial.device_id == device_id,
                                    Trial.template_id == template_id,
                                    Trial.problem_id == problem_id,
                                    Trial.state == TrialState.RUNNING.value)
+        if run_ids is not None:
+            stmt = stmt.where(Trial.run_id.in_([int(i) for i in run_ids]))
         if current_run_id is not None:
             stmt = stmt.where(Trial.run_id != current_run_id)
         if older_than is not None:
@@ -359,6 +403,14 @@ class SQLAlchemyStore(TransactionRunner, TuningStore):
                     "counts": counts}
 
         return self._run("info", work)
+
+
+def _lock_study(s: Session, run: Run) -> None:
+    """Writers of one study's trials take turns until commit: on PostgreSQL a row lock on
+    the study's problem (numbering by max + 1 would otherwise collide under contention,
+    and a claim could miss a concurrent one); SQLite's ``BEGIN IMMEDIATE`` already
+    serializes every writer. Re-entrant within a transaction."""
+    s.execute(select(Problem.id).where(Problem.id == run.problem_id).with_for_update())
 
 
 def _maybe(to_record: Callable[[R], T], row: R | None) -> T | None:

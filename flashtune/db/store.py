@@ -105,8 +105,10 @@ class TuningStore(abc.ABC):
                    params: Mapping[str, Any] | None = None,
                    flashtune_version: str = __version__, torch_version: str = "",
                    triton_version: str = "", cuda_version: str = "",
-                   driver_version: str = "", host: str | None = None) -> RunRecord:
-        """Start a run (status RUNNING) of the study; ``host`` defaults to this host name.
+                   driver_version: str = "", host: str | None = None,
+                   pid: int | None = None) -> RunRecord:
+        """Start a run (status RUNNING) of the study; ``host`` defaults to this host name
+        and then ``pid`` to this process's id (the run's owner, see :meth:`list_runs`).
 
         ``params`` holds the search settings (budget, timeouts...) as JSON-able values.
         """
@@ -125,14 +127,22 @@ class TuningStore(abc.ABC):
         last, or None: where an export finds the software versions of its results."""
 
     @abc.abstractmethod
+    def list_runs(self, device_id: int | None = None, template_id: int | None = None,
+                  problem_id: int | None = None, *,
+                  status: RunStatus | str | None = None) -> list[RunRecord]:
+        """Runs matching every filter given, by id: e.g. the RUNNING runs of a study, whose
+        ``host`` and ``pid`` tell a resumed job which of them died."""
+
+    @abc.abstractmethod
     def fail_stale_runs(self, device_id: int | None = None, template_id: int | None = None,
                         problem_id: int | None = None, *, current_run_id: int | None = None,
-                        older_than: timedelta | None = None) -> int:
+                        older_than: timedelta | None = None,
+                        run_ids: Sequence[int] | None = None) -> int:
         """Mark RUNNING runs (of the study, when ids are given) FAILED; return how many.
 
         ``current_run_id`` is never touched; ``older_than`` spares runs started more
-        recently (another live worker's). Their RUNNING trials are left alone: see
-        :meth:`fail_stale_trials`.
+        recently (another live worker's); ``run_ids`` limits it to those runs (ones known
+        dead). Their RUNNING trials are left alone: see :meth:`fail_stale_trials`.
         """
 
     # -- trials -----------------------------------------------------------------------------
@@ -143,6 +153,13 @@ class TuningStore(abc.ABC):
 
         The number is the study's next one, unique even with concurrent processes.
         """
+
+    @abc.abstractmethod
+    def claim_trial(self, run_id: int, config: Mapping[str, Any]) -> TrialRecord | None:
+        """:meth:`start_trial`, unless the study already has a trial of ``config`` that is
+        RUNNING or finished (DUPLICATE trials and trials failed as stale do not count):
+        then None and nothing is written. Atomic, so concurrent workers of one study never
+        both measure a config."""
 
     @abc.abstractmethod
     def finish_trial(self, trial_id: int, state: TrialState | str, *,
@@ -185,13 +202,15 @@ class TuningStore(abc.ABC):
     def fail_stale_trials(self, device_id: int, template_id: int, problem_id: int, *,
                           current_run_id: int | None = None,
                           older_than: timedelta | None = None,
-                          message: str = STALE_MESSAGE) -> int:
+                          message: str = STALE_MESSAGE,
+                          run_ids: Sequence[int] | None = None) -> int:
         """Mark the study's RUNNING trials RUNTIME_ERROR with ``message``; return how many.
 
         Trials of ``current_run_id`` (the caller's run) are left alone. Without
         ``older_than`` every other RUNNING trial counts as stale, which is right when no
         other worker is tuning this study now; with concurrent workers pass ``older_than``
-        (longer than any trial can take) so live trials are spared.
+        (longer than any trial can take) so live trials are spared, or ``run_ids`` (runs
+        whose owner process is known to be dead) to fail only theirs, at once.
         """
 
     # -- best configs -----------------------------------------------------------------------

@@ -1,7 +1,10 @@
 """Backends for the store contract suite: every test taking ``store`` runs on each.
 
-SQLite file and SQLite in-memory always; PostgreSQL when ``FLASHTUNE_TEST_PG_URL`` names a
-database the tests may wipe (e.g. ``postgresql+psycopg://postgres@127.0.0.1/ft_test``).
+SQLite file and SQLite in-memory always; PostgreSQL on the database that
+``FLASHTUNE_TEST_PG_URL`` names (one the tests may wipe, e.g.
+``postgresql+psycopg://postgres@127.0.0.1/ft_test``), else on a throwaway server the
+session starts on loopback when PostgreSQL is installed (:mod:`tests.db_tests.pg_server`),
+else skipped with the reason.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import pytest
 
 from flashtune.db import open_store
 from flashtune.db.store import TuningStore
+from tests.db_tests import pg_server
 from tests.db_tests.support import PG_ENV, PG_URL, Study, make_study, wipe_postgres
 
 
@@ -23,12 +27,27 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     elif request.param == "sqlite-memory":
         yield "sqlite:///:memory:"
     else:
-        url = PG_URL
-        if not url:
-            pytest.skip(f"PostgreSQL backend: set {PG_ENV} to a database the tests may wipe")
+        url = request.getfixturevalue("pg_url")
         wipe_postgres(url)
         yield url
         wipe_postgres(url)
+
+
+@pytest.fixture(scope="session")
+def pg_url() -> Iterator[str]:
+    """A PostgreSQL database the tests may wipe: ``$FLASHTUNE_TEST_PG_URL``, or a throwaway
+    server started for this session; skips (with the reason) when neither is possible."""
+    if PG_URL:
+        yield PG_URL
+        return
+    try:
+        server = pg_server.start()
+    except pg_server.Unavailable as exc:
+        pytest.skip(f"PostgreSQL backend: {exc} (or set {PG_ENV})")
+    try:
+        yield server.url
+    finally:
+        server.stop()
 
 
 @pytest.fixture

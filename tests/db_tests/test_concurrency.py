@@ -1,18 +1,44 @@
-"""Several tuning processes on one SQLite file: nothing lost, numbers unique, best is min."""
+"""Eight processes on one database: nothing lost, numbers unique, the best is the fastest.
+
+Two levels, each on a SQLite file and on PostgreSQL (``pg_url``: a throwaway server on
+loopback when PostgreSQL is installed, else skipped with the reason):
+
+* store level: 8 processes start, finish and offer trials of one study as fast as they can;
+* job level: 8 ``tune`` jobs (the synthetic H100 recording replayed) on one study, and on
+  8 different shapes.
+"""
 
 from __future__ import annotations
 
-import multiprocessing
-import sqlite3
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
-from flashtune.db import TrialState, open_store
-from tests.db_tests.support import BUCKET, H100, KEY, PG_URL, wipe_postgres
+from flashtune.db import RunStatus, TrialState, open_store
+from tests.db_tests.concurrency_support import (
+    check_study,
+    fork_context,
+    fresh_pg_database,
+    sqlite_integrity,
+    tune_worker,
+)
+from tests.db_tests.support import BUCKET, H100, KEY
 
-WORKERS = 4
+WORKERS = 8
 TRIALS_PER_WORKER = 25
+JOB_TRIALS = 6
+SHAPE = {"batch": 4, "heads_q": 16, "heads_kv": 16, "seqlen_q": 4096, "seqlen_k": 4096,
+         "head_dim": 128, "causal": False, "dtype": "fp16"}
+
+
+@pytest.fixture(params=["sqlite-file", "postgresql"])
+def backend_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A database that does not exist yet (SQLite: the workers race to create the file)."""
+    if request.param == "sqlite-file":
+        yield f"sqlite:///{tmp_path / 'shared.db'}"
+    else:
+        yield from fresh_pg_database(request.getfixturevalue("pg_url"))
 
 
 def timing(worker: int, i: int) -> float:
@@ -41,36 +67,12 @@ def work(args: tuple[str, int]) -> list[tuple[int, int, float, bool]]:
     return out
 
 
-@pytest.mark.parametrize("backend", ["sqlite-file", "postgresql"])
-def test_four_processes_tune_one_study(tmp_path: Path, backend: str) -> None:
-    path = tmp_path / "shared.db"  # does not exist yet: the workers race to create it
-    url = f"sqlite:///{path}"
-    if backend == "postgresql":
-        if not PG_URL:
-            pytest.skip("PostgreSQL backend: set FLASHTUNE_TEST_PG_URL")
-        url = PG_URL
-        wipe_postgres(url)
-    try:
-        with multiprocessing.get_context("spawn").Pool(WORKERS) as pool:
-            results = pool.map(work, [(url, w) for w in range(WORKERS)])
-        check(url, results)
-        if backend == "sqlite-file":
-            con = sqlite3.connect(path)
-            try:
-                assert con.execute("PRAGMA integrity_check").fetchall() == [("ok",)]
-                assert con.execute("PRAGMA journal_mode").fetchall() == [("wal",)]
-            finally:
-                con.close()
-    finally:
-        if backend == "postgresql":
-            wipe_postgres(url)
-
-
-def check(url: str, results: list[list[tuple[int, int, float, bool]]]) -> None:
-
+def test_eight_processes_write_one_study(backend_url: str) -> None:
+    with fork_context().Pool(WORKERS) as pool:
+        results = pool.map(work, [(backend_url, w) for w in range(WORKERS)])
     reported = [r for per_worker in results for r in per_worker]
     assert len(reported) == WORKERS * TRIALS_PER_WORKER
-    with open_store(url, read_only=True) as store:
+    with open_store(backend_url, read_only=True) as store:
         trials = store.list_trials()
         assert len(trials) == WORKERS * TRIALS_PER_WORKER  # no trial lost
         assert sorted(t.number for t in trials) == list(range(WORKERS * TRIALS_PER_WORKER))
@@ -84,3 +86,40 @@ def check(url: str, results: list[list[tuple[int, int, float, bool]]]) -> None:
         fastest = min(reported, key=lambda r: r[2])
         assert best.median_ms == fastest[2] and best.trial_id == fastest[0]
         assert any(r[3] for r in reported if r[0] == fastest[0])  # its offer won
+    _check_file(backend_url)
+
+
+@pytest.mark.parametrize("shapes", ["identical", "different"])
+def test_eight_tuning_jobs(backend_url: str, shapes: str) -> None:
+    keys = [dict(SHAPE) if shapes == "identical" else {**SHAPE, "batch": 1 + w}
+            for w in range(WORKERS)]
+    with fork_context().Pool(WORKERS) as pool:
+        results = pool.map(tune_worker, [(backend_url, w, keys[w], JOB_TRIALS)
+                                         for w in range(WORKERS)])
+    assert all(r["trials"] == JOB_TRIALS for r in results)
+    assert len({r["study"] for r in results}) == (1 if shapes == "identical" else WORKERS)
+    with open_store(backend_url, read_only=True) as store:
+        problems = store.list_problems()
+        assert len(problems) == len({r["study"] for r in results})
+        [device], [template] = store.list_devices(), store.list_templates()
+        recorded = 0
+        for problem in problems:
+            study = check_study(store, (device.id, template.id, problem.id))
+            recorded += len(study["trials"])
+            assert study["best"] is not None  # confirmed and offered
+            assert not [t for t in study["trials"] if t.state is TrialState.RUNNING]
+        # every trial a job reported is in the database, and nothing else is
+        assert recorded == sum(sum(r["states"].values()) for r in results)
+        runs = store.list_runs()
+        assert len(runs) == WORKERS and all(r.status is RunStatus.COMPLETE for r in runs)
+        # the best of each study is the fastest of its confirmed configs: what the last
+        # job to finish reported
+        for r in results:
+            [best] = [b for b in store.list_best() if r["study"].endswith(b.problem.key_json)]
+            assert best.median_ms <= r["best_ms"]
+    _check_file(backend_url)
+
+
+def _check_file(url: str) -> None:
+    if url.startswith("sqlite:///"):
+        assert sqlite_integrity(url[len("sqlite:///"):]) == [("ok",)]

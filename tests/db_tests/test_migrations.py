@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
+import socket
 import sqlite3
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -24,9 +27,10 @@ from flashtune.db.schema import (
     downgrade,
     known_revisions,
 )
-from tests.db_tests.support import ASSETS, PG_URL, wipe_postgres
+from tests.db_tests.support import ASSETS, wipe_postgres
 
 ASSET = ASSETS / "flashtune_0001.db"
+ASSET_0002 = ASSETS / "flashtune_0002.db"
 
 
 def fingerprint(path: Path) -> tuple[str, list[str]]:
@@ -52,14 +56,14 @@ def old_db(tmp_path: Path) -> Path:
 def test_head_revision_matches_the_migration_scripts() -> None:
     script = ScriptDirectory.from_config(alembic_config())
     assert script.get_current_head() == HEAD_REVISION
-    assert known_revisions() == ("0001", "0002")
+    assert known_revisions() == ("0001", "0002", "0003")
 
 
 @pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
-def test_migrations_build_exactly_the_models(backend: str, tmp_path: Path) -> None:
-    if backend == "postgresql" and not PG_URL:
-        pytest.skip("PostgreSQL backend: set FLASHTUNE_TEST_PG_URL")
-    url = f"sqlite:///{tmp_path / 'm.db'}" if backend == "sqlite" else PG_URL
+def test_migrations_build_exactly_the_models(backend: str, tmp_path: Path,
+                                             request: pytest.FixtureRequest) -> None:
+    url = f"sqlite:///{tmp_path / 'm.db'}" if backend == "sqlite" else \
+        request.getfixturevalue("pg_url")
     if backend == "postgresql":
         wipe_postgres(url)
     upgrade(url)
@@ -121,6 +125,46 @@ def test_upgrading_the_0001_asset_keeps_its_data(old_db: Path) -> None:
                                    median_ms=1.3, p20_ms=1.28, p80_ms=1.33)
         assert trial.number == 5 and trial.p80_ms == 1.33
     assert rows(old_db, "PRAGMA integrity_check") == [("ok",)]
+
+
+@pytest.fixture
+def db_0002(tmp_path: Path) -> Path:
+    path = tmp_path / "flashtune_0002.db"
+    shutil.copyfile(ASSET_0002, path)
+    return path
+
+
+def test_the_0002_asset_is_refused_unchanged(db_0002: Path) -> None:
+    before = fingerprint(db_0002)
+    for read_only in (False, True):
+        with pytest.raises(SchemaError, match="at schema revision 0002.*flashtune db upgrade"):
+            open_store(f"sqlite:///{db_0002}", read_only=read_only)
+    assert fingerprint(db_0002) == before
+
+
+def test_upgrading_the_0002_asset_keeps_its_data_and_its_dead_run(db_0002: Path) -> None:
+    """0002 -> head: runs gain a NULL pid (owner unknown); the RUNNING run a killed job
+    left on another host is still there, and ages out as stale."""
+    url = f"sqlite:///{db_0002}"
+    assert upgrade(url) == ("0002", HEAD_REVISION)
+    with open_store(url) as store:
+        runs = store.list_runs()
+        assert [(r.id, r.status, r.host, r.pid) for r in runs] == [
+            (1, RunStatus.COMPLETE, "", None), (2, RunStatus.RUNNING, "node-7", None)]
+        assert store.list_runs(status="RUNNING") == [runs[1]]
+        assert runs[1].driver_version == "550.54.15"
+        [dead] = store.list_trials(state=TrialState.RUNNING)
+        assert (dead.run_id, dead.number) == (2, 5)
+        ids = (dead.device_id, dead.template_id, dead.problem_id)
+        assert store.fail_stale_trials(*ids, older_than=timedelta(minutes=5)) == 1
+        assert store.fail_stale_runs(*ids, older_than=timedelta(minutes=5)) == 1
+        [best] = store.list_best()
+        assert (best.median_ms, best.trial_id) == (1.397, 5)
+        run = store.create_run(*ids, study_name=runs[1].study_name, sampler="tpe")
+        assert run.pid == os.getpid() and run.host == socket.gethostname()
+        assert store.start_trial(run.id, {"BLOCK_M": 16}).number == 6
+    assert rows(db_0002, "PRAGMA integrity_check") == [("ok",)]
+    assert rows(db_0002, "PRAGMA foreign_key_check") == []
 
 
 def test_downgrade_then_upgrade_round_trips(old_db: Path) -> None:
