@@ -9,17 +9,33 @@ configs of the sampler until the budget is spent:
 * a config already measured in this study (this run or an earlier one, found with
   ``store.find_trial``): told its stored value (or FAIL) and *not* re-run nor recorded
   again, so a resumed job never duplicates a flashtune trial;
-* otherwise: ``start_trial``, runner ``evaluate``, ``finish_trial``; told ``median_ms``, or
-  FAIL for every failure state.
+* otherwise: ``claim_trial`` (None when a concurrent worker of the study has just taken
+  the same config: told FAIL, not counted), runner ``evaluate``, ``finish_trial``; told
+  ``median_ms``, or FAIL for every failure state.
 
 ``trials`` counts configs evaluated in this run; the same command run again continues the
 study with ``trials`` more. At the end the ``top_k_confirm`` fastest configs of the study and
 the template default are re-timed interleaved, and the fastest is offered as the study's best.
+
+A job killed mid-trial (``kill -9``, the OOM killer, a lost node) leaves its run and trial
+RUNNING. On resume, a RUNNING run of this host whose owner process (``RunRecord.pid``) is
+gone is dead at once: its trials become RUNTIME_ERROR "stale: job died" and its Optuna
+trials (tagged with the run id) FAIL, so the config is tried again. Runs of other hosts,
+or without a pid, are failed once older than :func:`_stale_after`. Optuna's grid sampler
+counts such a FAIL as a visited point: once it has visited every point, configs of the
+grid with no trial but stale ones are queued again (:func:`_requeue_lost`), so a rerun
+finishes the grid with every config measured once.
+
+Isolated mode (``TuneOptions.isolate``; default on for the real runner on a GPU) evaluates
+candidates in a worker process (:mod:`flashtune.autotune.isolation`): a candidate that
+crashes or hangs costs its worker, not the job.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -44,6 +60,12 @@ FAILED_STATES = frozenset(s for s in TrialState
 
 @dataclass(frozen=True)
 class TuneOptions:
+    """How :func:`tune` searches: the template, the sampler and the budgets (per problem).
+
+    ``sampler`` is one of :data:`flashtune.autotune.strategies.SAMPLERS`; ``interpret``
+    tunes under the Triton CPU interpreter (timings meaningless, pipeline checked).
+    """
+
     template: str = "attn_fwd"
     trials: int = 50  # configs evaluated per run (duplicates and static prunes not counted)
     timeout_s: float | None = None  # wall budget per problem
@@ -54,17 +76,24 @@ class TuneOptions:
     workers: int | None = None  # precompile processes (GPU); None = CPU count
     trial_timeout_s: float = 120.0
     top_k_confirm: int = 3
+    # evaluate candidates in a worker process (crash/hang isolation); None: on for the
+    # real runner on a GPU, off under the interpreter and for custom runner factories
+    isolate: bool | None = None
 
 
 @dataclass(frozen=True)
 class TuneResult:
+    """What :func:`tune` did for one problem: the best config found and stored (None when
+    no candidate completed), the template default's timing on the same device, the speedup
+    of one over the other, trial counts per final state, and the Optuna study's name."""
+
     problem: AttentionProblem
     device_name: str
     template: str
-    best_config: dict | None
+    best_config: dict[str, int] | None
     best_ms: float | None
     best_tflops: float | None
-    default_config: dict
+    default_config: dict[str, int]
     default_ms: float | None
     default_tflops: float | None
     speedup: float | None  # default_ms / best_ms
@@ -83,15 +112,21 @@ def _is_memory_url(url: str) -> bool:
 def _optuna_storage(url: str) -> Any:
     """Optuna's storage at ``url``. Optuna creates its schema on first use without a lock,
     so two processes opening a fresh database at once can collide ("table ... already
-    exists"): the loser retries, and then finds the schema made."""
+    exists"): the loser retries, and then finds the schema made. On SQLite its
+    transactions start with ``BEGIN IMMEDIATE`` (:func:`serialize_sqlite_writes`), so
+    concurrent jobs never pop the same queued trial."""
     import optuna
     import sqlalchemy.exc
+
+    from flashtune.db.engine import serialize_sqlite_writes
 
     if _is_memory_url(url):
         return optuna.storages.InMemoryStorage()
     for attempt in range(5):
         try:
-            return optuna.storages.RDBStorage(url)
+            storage = optuna.storages.RDBStorage(url)
+            serialize_sqlite_writes(storage.engine)
+            return storage
         except sqlalchemy.exc.SQLAlchemyError as exc:
             if attempt == 4:
                 raise
@@ -104,17 +139,48 @@ def _stale_after(options: TuneOptions) -> timedelta:
     return max(STALE_AFTER, timedelta(seconds=3 * options.trial_timeout_s))
 
 
-def _fail_dead_optuna_trials(study: Any, older_than: timedelta) -> int:
-    """Optuna trials left RUNNING by a dead job (started longer ago than ``older_than``)
-    become FAIL, so samplers stop treating them as pending."""
+RUN_ATTR = "flashtune_run_id"  # user attribute of each Optuna trial: the run that asked it
+
+
+def _owner_alive(pid: int) -> bool:
+    """Whether process ``pid`` of this host still runs (a zombie counts as dead)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+        return state not in (b"Z", b"X")
+    except (OSError, IndexError):
+        return True
+
+
+def _dead_runs(store: TuningStore, ids: tuple[int, int, int]) -> list[int]:
+    """RUNNING runs of the study whose owner process, on this host, is gone."""
+    host, me = socket.gethostname(), os.getpid()
+    return [r.id for r in store.list_runs(*ids, status=RunStatus.RUNNING)
+            if r.host == host and r.pid is not None and r.pid != me
+            and not _owner_alive(r.pid)]
+
+
+def _fail_dead_optuna_trials(study: Any, older_than: timedelta,
+                             dead_runs: Sequence[int] = ()) -> int:
+    """Optuna trials left RUNNING by a dead job (asked by one of ``dead_runs``, or started
+    longer ago than ``older_than``) become FAIL, so samplers stop treating them as
+    pending."""
     from datetime import datetime
 
     import optuna
 
     n = 0
+    dead = set(dead_runs)
     for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
         start = t.datetime_start
-        if start is not None and datetime.now() - start < older_than:
+        if t.user_attrs.get(RUN_ATTR) not in dead and start is not None \
+                and datetime.now() - start < older_than:
             continue
         try:
             study._storage.set_trial_state_values(t._trial_id, optuna.trial.TrialState.FAIL)
@@ -122,6 +188,41 @@ def _fail_dead_optuna_trials(study: Any, older_than: timedelta) -> int:
         except Exception as exc:  # noqa: BLE001 - another worker finished it meanwhile
             log.debug("could not fail optuna trial %s: %s", t.number, exc)
     return n
+
+
+def _requeue_lost(study: Any, store: TuningStore, ids: tuple[int, int, int],
+                  space: SearchSpace, requeued: set[str]) -> int:
+    """Queue again every config of ``space`` that has no trial in the study, trials failed
+    as stale aside: points a dead job lost after Optuna handed them out (killed before
+    its trial was recorded, or while measuring it). Optuna's grid sampler counts every
+    finished Optuna trial, FAIL included, as a visited point, so without this a resumed
+    grid study would end with those configs never measured. Each config is queued at most
+    once per run (``requeued``); returns how many were queued now."""
+    from flashtune.autotune.strategies import enqueue
+
+    dev, tpl, prob = ids
+    recorded = {canonical_json(t.config)
+                for t in store.list_trials(device_id=dev, template_id=tpl, problem_id=prob)
+                if t.state is not TrialState.DUPLICATE and t.message != STALE_MESSAGE}
+    n = 0
+    for cfg in space:
+        key = canonical_json(cfg)
+        if key in recorded or key in requeued:
+            continue
+        requeued.add(key)
+        n += enqueue(study, cfg, space, skip_if_exists=False)
+    return n
+
+
+def _tell(study: Any, trial: Any, value: float | None = None, *, state: Any = None) -> None:
+    """``study.tell``, except when the trial is finished already (a defence: two workers
+    that both got one trial, the first to tell it wins)."""
+    try:
+        study.tell(trial, value, state=state, skip_if_finished=True)
+    except (ValueError, RuntimeError) as exc:
+        if not study._storage.get_trial(trial._trial_id).state.is_finished():
+            raise
+        log.debug("optuna trial %d was told by another worker: %s", trial.number, exc)
 
 
 def _warm_start(study: Any, store: TuningStore, space: SearchSpace, problem: AttentionProblem,
@@ -177,6 +278,27 @@ def _default_runner(spec: Any, problem: AttentionProblem, device: DeviceFingerpr
                        timeout_s=options.trial_timeout_s)
 
 
+def _runner_factory_for(options: TuneOptions, custom: Callable[..., Any] | None,
+                        device: DeviceFingerprint) -> Callable[..., Any]:
+    """The runner factory a job uses: ``custom`` or the default one, wrapped in a worker
+    process when isolated (see ``TuneOptions.isolate``)."""
+    factory = custom or _default_runner
+    isolate = options.isolate
+    if isolate is None:
+        isolate = custom is None and not device.is_interpreter
+    if not isolate:
+        return factory
+    from flashtune.autotune.isolation import isolated
+
+    return isolated(factory)
+
+
+def _close(runner: Any) -> None:
+    close = getattr(runner, "close", None)
+    if callable(close):
+        close()
+
+
 def tune(problems: Sequence[AttentionProblem], options: TuneOptions, *,
          db_url: str | None = None, progress: bool = True, progress_position: int = 0,
          gpus: Sequence[int] | None = None,
@@ -185,13 +307,27 @@ def tune(problems: Sequence[AttentionProblem], options: TuneOptions, *,
          _space: SearchSpace | None = None) -> list[TuneResult]:
     """Tune each problem in turn; see the module docstring.
 
-    ``gpus``: tune on these GPU indices, one worker process each, all writing to the same
-    database (:func:`flashtune.autotune.workers.tune_on_gpus`); None tunes here, on the
-    current GPU. ``progress_position`` places this process's progress bar (one per worker).
-
     Private hooks for tests: ``_runner_factory(spec, problem, device, options)`` replaces
     :class:`LocalRunner` (e.g. a :class:`ReplayRunner`), ``_device`` the device fingerprint
     and ``_space`` the template's search space.
+
+    Arguments:
+        problems: the shapes to tune, in order.
+        options: the template, sampler and budgets (:class:`TuneOptions`).
+        db_url: the tuning database (None: ``$FLASHTUNE_DB`` or the default file).
+        progress: show a progress bar per problem.
+        progress_position: the bar's line (one per worker process).
+        gpus: tune on these GPU indices, one worker process each, all writing to the same
+            database (:func:`flashtune.autotune.workers.tune_on_gpus`); None tunes here, on
+            the current GPU.
+    Returns:
+        One :class:`TuneResult` per problem (every trial and the best config are also
+        in the database).
+    Raises:
+        InputError for a problem the runtime would refuse (e.g. its head_dim);
+        ConfigError for a template that cannot be tuned yet; ValueError for ``gpus`` with
+        an in-memory database; StoreError / SchemaError when the database cannot be
+        used; WorkerError when a GPU worker process dies.
     """
     from flashtune.db import default_db_url, open_store
     from flashtune.kernel_templates import get_template
@@ -212,11 +348,12 @@ def tune(problems: Sequence[AttentionProblem], options: TuneOptions, *,
         return tune_on_gpus(problems, options, db_url=url, gpus=gpus, progress=progress)
     spec = get_template(options.template)
     device = _device or (interpreter_device() if options.interpret else cuda_device())
+    factory = _runner_factory_for(options, _runner_factory, device)
     results = []
     with open_store(url) as store:
         for problem in problems:
             results.append(_tune_one(problem, options, store, url, spec, device,
-                                     _runner_factory or _default_runner, _space or spec.space,
+                                     factory, _space or spec.space,
                                      progress, progress_position))
     return results
 
@@ -237,6 +374,12 @@ def _tune_one(problem: AttentionProblem, options: TuneOptions, store: TuningStor
     ids = (dev.id, tpl.id, prob.id)
     study_name = f"{device.name}/{spec.name}@{spec.source_hash}/{canonical_json(problem.key())}"
     stale = _stale_after(options)
+    dead = _dead_runs(store, ids)
+    if dead:
+        log.info("%s: failing %d RUNNING run(s) whose process died: %s", problem.describe(),
+                 len(dead), dead)
+        store.fail_stale_trials(*ids, run_ids=dead)
+        store.fail_stale_runs(*ids, run_ids=dead)
     store.fail_stale_trials(*ids, older_than=stale)
     store.fail_stale_runs(*ids, older_than=stale)
     run = store.create_run(*ids, study_name=study_name, sampler=options.sampler,
@@ -250,7 +393,7 @@ def _tune_one(problem: AttentionProblem, options: TuneOptions, store: TuningStor
     study = optuna.create_study(study_name=study_name, storage=_optuna_storage(url),
                                 load_if_exists=True, direction="minimize",
                                 sampler=make_sampler(options.sampler, options.seed, space))
-    _fail_dead_optuna_trials(study, stale)
+    _fail_dead_optuna_trials(study, stale, dead)
     # the default in the study's own terms (a replayed recording may cover fewer knobs)
     default = {n: v for n, v in spec.default_config(problem, device).items() if n in space.params}
     _warm_start(study, store, space, problem, device, spec.name, default, ids)
@@ -271,14 +414,27 @@ def _tune_one(problem: AttentionProblem, options: TuneOptions, store: TuningStor
         bar = tqdm(total=options.trials, desc=problem.describe(), unit="trial",
                    position=progress_position)
     status = RunStatus.COMPLETE
+    requeued: set[str] = set()
+
+    def grid_done() -> bool:
+        # a grid study that has asked every point (this run or an earlier one) is done
+        # once queued points are asked and no point lost by a dead job is left; without
+        # this a re-run would spin on the sampler's random re-evaluations
+        is_exhausted = getattr(study.sampler, "is_exhausted", None)
+        if is_exhausted is None or not is_exhausted(study):
+            return False
+        if study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,)):
+            return False
+        lost = _requeue_lost(study, store, ids, space, requeued)
+        if lost:
+            log.info("%s: %d config(s) of the grid lost by a dead job, queued again",
+                     problem.describe(), lost)
+        return lost == 0
 
     def out_of_budget() -> bool:
         if evaluated >= options.trials or asks >= max_asks or len(seen) >= space.size:
             return True
-        # a grid study that has asked every point (this run or an earlier one) is done;
-        # without this a re-run would spin on the sampler's random re-evaluations
-        is_exhausted = getattr(study.sampler, "is_exhausted", None)
-        if is_exhausted is not None and is_exhausted(study):
+        if grid_done():
             return True
         if options.timeout_s is not None and time.monotonic() - t_start > options.timeout_s:
             return True
@@ -293,26 +449,27 @@ def _tune_one(problem: AttentionProblem, options: TuneOptions, store: TuningStor
                 trial = study.ask()
                 asks += 1
                 cfg = config_from_trial(trial, space)
+                trial.set_user_attr(RUN_ATTR, run.id)
                 key = canonical_json(cfg)
                 seen.add(key)
                 prior = store.find_trial(*ids, cfg)
                 if prior is not None and prior.message != STALE_MESSAGE:
                     if prior.state is TrialState.COMPLETE and prior.median_ms is not None:
-                        study.tell(trial, prior.median_ms)
+                        _tell(study, trial, prior.median_ms)
                     elif prior.state is TrialState.PRUNED_STATIC:
-                        study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+                        _tell(study, trial, state=optuna.trial.TrialState.PRUNED)
                     else:
-                        study.tell(trial, state=optuna.trial.TrialState.FAIL)
+                        _tell(study, trial, state=optuna.trial.TrialState.FAIL)
                     continue
                 if any(canonical_json(c) == key for _, c in batch):
-                    study.tell(trial, state=optuna.trial.TrialState.FAIL)
+                    _tell(study, trial, state=optuna.trial.TrialState.FAIL)
                     continue
                 reason = space.check(cfg, problem, device)
                 if reason is not None:
                     store.record_trial(run.id, cfg, TrialState.PRUNED_STATIC, message=reason)
                     states[TrialState.PRUNED_STATIC.value] = \
                         states.get(TrialState.PRUNED_STATIC.value, 0) + 1
-                    study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+                    _tell(study, trial, state=optuna.trial.TrialState.PRUNED)
                     continue
                 batch.append((trial, cfg))
             if not batch:
@@ -323,7 +480,10 @@ def _tune_one(problem: AttentionProblem, options: TuneOptions, store: TuningStor
                     if err:
                         log.debug("precompile %s: %s", k, err)
             for trial, cfg in batch:
-                rec = store.start_trial(run.id, cfg)
+                rec = store.claim_trial(run.id, cfg)
+                if rec is None:  # a concurrent worker of this study measures it
+                    _tell(study, trial, state=optuna.trial.TrialState.FAIL)
+                    continue
                 try:
                     res = runner.evaluate(cfg)
                 except Exception as exc:  # a runner must not raise; record it anyway
@@ -336,13 +496,13 @@ def _tune_one(problem: AttentionProblem, options: TuneOptions, store: TuningStor
                 states[res.state.value] = states.get(res.state.value, 0) + 1
                 evaluated += 1
                 if res.state is TrialState.COMPLETE and res.median_ms is not None:
-                    study.tell(trial, res.median_ms)
+                    _tell(study, trial, res.median_ms)
                     if best_ms is None or res.median_ms < best_ms:
                         best_ms, since_best = res.median_ms, 0
                     else:
                         since_best += 1
                 else:
-                    study.tell(trial, state=optuna.trial.TrialState.FAIL)
+                    _tell(study, trial, state=optuna.trial.TrialState.FAIL)
                     since_best += 1
                 if bar is not None:
                     bar.update(1)
@@ -362,15 +522,17 @@ def _tune_one(problem: AttentionProblem, options: TuneOptions, store: TuningStor
         if bar is not None:
             bar.close()
         if status is not RunStatus.COMPLETE:
-            store.fail_stale_trials(*ids, older_than=timedelta(0))
+            _close(runner)
+            store.fail_stale_trials(*ids, run_ids=[run.id])
+            _fail_dead_optuna_trials(study, stale, [run.id])
             store.finish_run(run.id, status)
 
     # confirm: re-time the study's fastest configs interleaved; the fastest there wins
-    complete = [t for t in store.list_trials(device_id=dev.id, template_id=tpl.id,
-                                             problem_id=prob.id, state=TrialState.COMPLETE)
-                if t.median_ms is not None]
+    complete = [(t.median_ms, t) for t in store.list_trials(
+                    device_id=dev.id, template_id=tpl.id, problem_id=prob.id,
+                    state=TrialState.COMPLETE) if t.median_ms is not None]
     by_config: dict[str, Any] = {}
-    for t in sorted(complete, key=lambda t: t.median_ms):
+    for _, t in sorted(complete, key=lambda mt: mt[0]):
         by_config.setdefault(canonical_json(t.config), t)
     top = list(by_config.values())[:max(1, options.top_k_confirm)]
     # the default config takes part in the re-timing too, so a winner that does not beat
@@ -379,13 +541,20 @@ def _tune_one(problem: AttentionProblem, options: TuneOptions, store: TuningStor
     if default_trial is not None and default_trial not in top:
         top.append(default_trial)
     retimed: dict[str, TrialResult] = {}
-    if len(top) > 1:
-        retimed = time_interleaved(runner, [t.config for t in top])
+    try:
+        if len(top) > 1:
+            retimed = time_interleaved(runner, [t.config for t in top])
+    finally:
+        _close(runner)
     winner = None
     win_ms = win_tf = None
     for t in top:
         r = retimed.get(canonical_json(t.config))
-        ms, tf = (r.median_ms, r.tflops) if r is not None and r.ok else (t.median_ms, t.tflops)
+        if r is not None and not r.ok:  # e.g. a measurement error that re-measuring kept
+            log.warning("%s: %s failed its confirmation (%s): it cannot be the best",
+                        problem.describe(), t.config, r.message)
+            continue
+        ms, tf = (r.median_ms, r.tflops) if r is not None else (t.median_ms, t.tflops)
         if ms is not None and (win_ms is None or ms < win_ms):
             winner, win_ms, win_tf = t, ms, tf
     became_best = False

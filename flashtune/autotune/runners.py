@@ -82,7 +82,7 @@ def _classify_launch_error(exc: BaseException) -> TrialState:
     try:
         from triton.runtime.errors import PTXASError
     except ImportError:  # pragma: no cover - older triton
-        PTXASError = CompilationError  # type: ignore[misc,assignment]  # noqa: N806
+        PTXASError = CompilationError  # type: ignore[misc,assignment,unused-ignore]  # noqa: N806
     if isinstance(exc, OutOfResources):
         return TrialState.OUT_OF_RESOURCES
     if isinstance(exc, (CompilationError, PTXASError)):
@@ -97,7 +97,9 @@ class Case:
     ``launch(config)`` runs the template once and returns its outputs; ``error(outputs)``
     is their relative Frobenius error against the fp32 reference (the worst of them when
     there are several; NaN when any output holds a NaN); ``flops`` is the work of one
-    launch (ANCHORS.md's count). ``inputs`` names the tensors for scripts that reuse them.
+    launch (ANCHORS.md's count) and ``min_bytes`` the memory traffic it cannot avoid (both
+    set the physical floor below which a timing is rejected). ``inputs`` names the tensors
+    for scripts that reuse them.
     A template builds its own with ``TemplateSpec.make_case``; :func:`forward_case` is the
     one used otherwise.
     """
@@ -106,6 +108,7 @@ class Case:
     error: Callable[[Any], float]
     flops: float
     inputs: Mapping[str, Any] = field(default_factory=dict)
+    min_bytes: float = 0.0  # bytes one launch must move at least (for the physical floor)
 
 
 def relative_error(got: Any, ref: Any) -> float:
@@ -154,9 +157,10 @@ def forward_case(spec: Any, problem: AttentionProblem, device: DeviceFingerprint
     else:
         sl = (slice(None), slice(None))
         ref, _ = spec.reference(q, k, v, causal=p.causal, dtype=torch.float32)
+    io = sum(t.numel() * t.element_size() for t in (q, k, v, q))  # q, k, v read; o written
     return Case(launch=lambda config: launcher(q, k, v, config, causal=p.causal),
                 error=lambda out: relative_error(out[sl], ref), flops=p.flops(),
-                inputs={"q": q, "k": k, "v": v, "ref": ref, "ref_slice": sl})
+                inputs={"q": q, "k": k, "v": v, "ref": ref, "ref_slice": sl}, min_bytes=io)
 
 
 class LocalRunner:
@@ -172,10 +176,14 @@ class LocalRunner:
     RUNTIME_ERROR), its output is checked against the reference (relative Frobenius error
     under ``TOLERANCE[dtype]`` and no NaN, else WRONG_RESULT), then it is timed (``bench``
     on GPU; ``time.perf_counter`` over :data:`INTERPRETER_REPS` calls under the interpreter,
-    meaningless but recorded). ``timeout_s`` is checked *after the fact*: a trial whose
-    compile + check + timing took longer is recorded TIMEOUT; a hung kernel is not
-    interrupted. On GPU, a RUNTIME_ERROR such as an illegal memory access may leave the CUDA
-    context unusable; the job then keeps recording errors.
+    meaningless but recorded). A median that is not positive or is below the physical
+    floor (``Case.flops`` over the device's peak, ``Case.min_bytes`` over its bandwidth) is
+    a measurement error: re-measured once, then recorded RUNTIME_ERROR. ``timeout_s`` is
+    checked *after the fact*: a trial whose compile + check + timing took longer is
+    recorded TIMEOUT; a hung kernel is not interrupted, and on GPU an illegal memory access
+    may leave the CUDA context unusable: isolated mode
+    (:class:`flashtune.autotune.isolation.IsolatedRunner`) runs this runner in a worker
+    process that can be killed and replaced.
     """
 
     def __init__(self, spec: Any, problem: AttentionProblem, device: DeviceFingerprint, *,
@@ -198,6 +206,9 @@ class LocalRunner:
                                     generator=gen, launcher=self.launcher,
                                     check_slice=check_slice)
         self.flops = self.case.flops
+        from flashtune.autotune.timing import physical_floor_ms
+
+        self.floor_ms = physical_floor_ms(device, self.case.flops, self.case.min_bytes)
 
     def _launch(self) -> Any:
         return self.case.launch(self._config)
@@ -245,9 +256,29 @@ class LocalRunner:
                            tflops(self.flops, median) if median > 0 else None, compile_s)
 
     def time_config(self, config: Mapping[str, int] | None = None) -> tuple[float, float, float]:
-        """(median, p20, p80) ms of the config (the last evaluated one by default)."""
+        """(median, p20, p80) ms of the config (the last evaluated one by default).
+
+        A median that cannot be real (see :func:`flashtune.autotune.timing.
+        measurement_problem`) is measured again once; ``MeasurementError`` if it still is.
+        """
+        from flashtune.autotune.timing import MeasurementError, measurement_problem
+
         if config is not None:
             self._config = dict(config)
+        timing = self._measure()
+        problem = measurement_problem(timing[0], self.floor_ms)
+        if problem is None:
+            return timing
+        log.warning("%s for %s: re-measuring", problem, self._config)
+        timing = self._measure()
+        again = measurement_problem(timing[0], self.floor_ms)
+        if again is None:
+            return timing
+        raise MeasurementError(f"{again} (first measurement: {problem.split(' is ')[0]}); "
+                               f"re-measured once")
+
+    def _measure(self) -> tuple[float, float, float]:
+        """One measurement of the current config: (median, p20, p80) ms."""
         if self.interpreting:
             times = []
             for _ in range(INTERPRETER_REPS):
@@ -292,11 +323,13 @@ def time_interleaved(runner: Any, configs: Iterable[Mapping[str, int]],
                      rounds: int = 3) -> dict[str, TrialResult]:
     """Re-time ``configs`` round-robin (config A, B, C, A, B, C...) so clock and thermal
     drift hit them alike; keyed by canonical config JSON. The median of the per-round
-    medians is reported. Runners without GPU timing (the interpreter, replay) are simply
-    evaluated once per config."""
+    medians is reported; a config whose timing fails (e.g. a measurement error that a
+    re-measurement did not cure) is a RUNTIME_ERROR. Runners without GPU timing (the
+    interpreter, replay) are simply evaluated once per config."""
     configs = [dict(c) for c in configs]
     keys = [canonical_json(c) for c in configs]
-    gpu = isinstance(runner, LocalRunner) and not runner.interpreting
+    gpu = callable(getattr(runner, "time_config", None)) and \
+        not getattr(runner, "interpreting", True)
     if not gpu:
         return {k: runner.evaluate(c) for k, c in zip(keys, configs)}
     samples: dict[str, list[tuple[float, float, float]]] = {k: [] for k in keys}
@@ -319,5 +352,5 @@ def time_interleaved(runner: Any, configs: Iterable[Mapping[str, int]],
         out[key] = TrialResult(TrialState.COMPLETE, None, med,
                                statistics.median(g[1] for g in got),
                                statistics.median(g[2] for g in got),
-                               tflops(runner.flops, med) if med > 0 else None)
+                               tflops(runner.flops, med) if med > 0 and runner.flops else None)
     return out

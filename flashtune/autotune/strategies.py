@@ -7,7 +7,7 @@ neighbouring block sizes as neighbours and the grid sampler walks the index grid
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from flashtune.autotune.spaces import Config, SearchSpace
 
@@ -17,6 +17,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["SAMPLERS", "config_from_trial", "enqueue", "make_sampler", "params_of"]
 
 SAMPLERS = ("tpe", "random", "grid", "cmaes")
+GRID_SEED = 0  # the one order of every grid study (see make_sampler)
 
 
 def _idx(name: str) -> str:
@@ -24,7 +25,14 @@ def _idx(name: str) -> str:
 
 
 def make_sampler(name: str, seed: int | None, space: SearchSpace) -> optuna.samplers.BaseSampler:
-    """The sampler ``name`` (one of :data:`SAMPLERS`) seeded with ``seed``."""
+    """The sampler ``name`` (one of :data:`SAMPLERS`) seeded with ``seed``.
+
+    The grid sampler ignores ``seed``: Optuna records a grid point in the study only as its
+    index in the grid's seeded shuffle, so every job of one study (a resumed one, the
+    workers of ``tune --gpus``, which get seeds of their own) must shuffle alike, or each
+    would read the others' visited points as different configs and stop with configs
+    never measured.
+    """
     import optuna
 
     if name == "tpe":
@@ -33,7 +41,7 @@ def make_sampler(name: str, seed: int | None, space: SearchSpace) -> optuna.samp
         return optuna.samplers.RandomSampler(seed=seed)
     if name == "grid":
         grid = {_idx(n): list(range(len(v))) for n, v in space.params.items()}
-        return _NoStopGridSampler(grid, seed=seed)
+        return _NoStopGridSampler(grid, seed=GRID_SEED)
     if name == "cmaes":
         try:
             import cmaes  # noqa: F401
@@ -43,7 +51,7 @@ def make_sampler(name: str, seed: int | None, space: SearchSpace) -> optuna.samp
     raise ValueError(f"unknown sampler {name!r}; expected one of {list(SAMPLERS)}")
 
 
-def _grid_sampler_class() -> type:
+def _grid_sampler_class() -> type[optuna.samplers.GridSampler]:
     import optuna
 
     class NoStopGridSampler(optuna.samplers.GridSampler):
@@ -51,13 +59,16 @@ def _grid_sampler_class() -> type:
         only works inside ``study.optimize``; the job loop uses ask/tell and stops itself
         once every distinct config has been seen)."""
 
-        def after_trial(self, study, trial, state, values):  # type: ignore[no-untyped-def]
+        def after_trial(self, study: optuna.Study, trial: optuna.trial.FrozenTrial,
+                        state: optuna.trial.TrialState, values: Sequence[float] | None
+                        ) -> None:
             return None
 
     return NoStopGridSampler
 
 
-def _NoStopGridSampler(grid: dict[str, list[int]], seed: int | None) -> Any:  # noqa: N802
+def _NoStopGridSampler(grid: dict[str, list[int]],  # noqa: N802
+                       seed: int | None) -> optuna.samplers.GridSampler:
     return _grid_sampler_class()(grid, seed=seed)
 
 
@@ -77,11 +88,16 @@ def params_of(config: Mapping[str, int], space: SearchSpace) -> dict[str, int]:
     return out
 
 
-def enqueue(study: optuna.Study, config: Mapping[str, Any], space: SearchSpace) -> bool:
-    """Queue ``config`` as the study's next trial (warm start); False if outside the space."""
+def enqueue(study: optuna.Study, config: Mapping[str, Any], space: SearchSpace, *,
+            skip_if_exists: bool = True) -> bool:
+    """Queue ``config`` as the study's next trial (warm start); False if outside the space.
+
+    ``skip_if_exists``: not when the study has a trial of these params already, in any
+    state (Optuna's rule); False queues it all the same (a point a dead job lost).
+    """
     try:
         params = params_of(config, space)
     except (KeyError, ValueError):
         return False
-    study.enqueue_trial(params, skip_if_exists=True)
+    study.enqueue_trial(params, skip_if_exists=skip_if_exists)
     return True

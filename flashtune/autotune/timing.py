@@ -1,9 +1,16 @@
-"""GPU timing: medians with L2 flushing (``triton.testing.do_bench``) and sanity floors."""
+"""GPU timing: medians with L2 flushing (``triton.testing.do_bench``) and sanity floors.
+
+A time that is not positive, or below the physical floor of the device (the problem's
+FLOPs over the tensor-core peak, its minimum bytes over the memory bandwidth), is a
+measurement error: :func:`measurement_problem` says why, and the runners re-measure once
+before recording the trial as a RUNTIME_ERROR.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 
 @dataclass(frozen=True)
@@ -83,3 +90,56 @@ def bench_queued(fn: Callable[[], object], *, reps: int = 100) -> Timing:
 
 def tflops(flops: float, ms: float) -> float:
     return flops / (ms * 1e-3) / 1e12
+
+
+# -- the physical floor -----------------------------------------------------------------------
+# Dense fp16/bf16 tensor-core peak (FLOP/s) and HBM bandwidth (bytes/s) per GPU family, from
+# the datasheets (ANCHORS.md: H100 SXM 989 TFLOP/s, 3.35 TB/s). Where a family has variants
+# the fastest of each figure is taken, so the floor stays a true lower bound. First match wins
+# (H200 before H20). An unknown GPU gets :data:`ANY_GPU`, above any GPU made so far.
+PEAKS: tuple[tuple[str, float, float], ...] = (
+    ("B200", 2.25e15, 8.0e12),
+    ("GB200", 2.5e15, 8.0e12),
+    ("H200", 989.4e12, 4.8e12),
+    ("H100", 989.4e12, 3.9e12),
+    ("H800", 989.4e12, 3.35e12),
+    ("A100", 312e12, 2.04e12),
+    ("L40S", 366e12, 0.864e12),
+)
+ANY_GPU = (10e15, 20e12)
+FLOOR_SLACK = 0.9  # a measurement must reach 90% of the floor (flop-count conventions vary)
+
+
+class MeasurementError(RuntimeError):
+    """A timing that cannot be right (not positive, or faster than the hardware can go)."""
+
+
+def device_peaks(device: Any) -> tuple[float, float] | None:
+    """(FLOP/s, bytes/s) ceilings of ``device`` (a DeviceFingerprint); None for the CPU
+    interpreter, where timings mean nothing."""
+    if getattr(device, "is_interpreter", False):
+        return None
+    name = str(getattr(device, "name", "")).upper()
+    for family, flops, bw in PEAKS:
+        if family in name:
+            return flops, bw
+    return ANY_GPU
+
+
+def physical_floor_ms(device: Any, flops: float, min_bytes: float = 0.0) -> float:
+    """The least time one launch can take: FLOPs over peak, bytes over bandwidth (0 when
+    the device has no known ceiling)."""
+    peaks = device_peaks(device)
+    if peaks is None:
+        return 0.0
+    return max(flops / peaks[0], min_bytes / peaks[1]) * 1e3
+
+
+def measurement_problem(median_ms: float, floor_ms: float) -> str | None:
+    """Why ``median_ms`` cannot be a real measurement, or None when it can."""
+    if not (isinstance(median_ms, (int, float)) and math.isfinite(median_ms) and median_ms > 0):
+        return f"a median of {median_ms!r} ms is not a positive time"
+    if median_ms < floor_ms * FLOOR_SLACK:
+        return (f"a median of {median_ms:.4g} ms is below the physical floor of {floor_ms:.4g} "
+                f"ms (FLOPs over peak, bytes over bandwidth)")
+    return None

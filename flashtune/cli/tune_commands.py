@@ -181,13 +181,18 @@ def render_results(results: Sequence[Any]) -> str:
 @click.option("--gpus", "gpus_text", default=None, metavar="LIST",
               help="Tune on these GPUs, one worker process each (e.g. 0,1,2,3), all writing "
                    "to the same database; default: the current GPU only.")
+@click.option("--isolate/--no-isolate", default=None,
+              help="Evaluate candidates in a worker process that a crash or a hang (past "
+                   "the trial timeout) kills instead of the job. Default: on with a GPU, off "
+                   "under the interpreter.")
 @click.pass_context
 def tune_command(ctx: click.Context, template: str, batch: int | None, heads: int | None,
                  kv_heads: int | None, seqlen: int | None, kv_seqlen: int | None,
                  head_dim: int | None, causal: bool, dtype: str | None, plan: str | None,
                  preset_name: str | None, trials: int, timeout_s: float | None,
                  patience: int | None, sampler: str, seed: int | None, workers: int | None,
-                 interpret: bool, progress: bool, gpus_text: str | None) -> None:
+                 interpret: bool, progress: bool, gpus_text: str | None,
+                 isolate: bool | None) -> None:
     """Search kernel configs for attention shapes and store the best ones.
 
     Give exactly one of: a shape (--batch --heads [--kv-heads] --seqlen [--kv-seqlen]
@@ -206,7 +211,7 @@ def tune_command(ctx: click.Context, template: str, batch: int | None, heads: in
         jobs = importlib.import_module("flashtune.autotune.jobs")
         options = jobs.TuneOptions(template=template, trials=trials, timeout_s=timeout_s,
                                    sampler=sampler, seed=seed, patience=patience,
-                                   interpret=interpret, workers=workers)
+                                   interpret=interpret, workers=workers, isolate=isolate)
         results = jobs.tune(problems, options, db_url=db_url(ctx), progress=progress,
                             gpus=gpus)
     except FlashtuneError as exc:

@@ -1,0 +1,112 @@
+"""Candidate isolation: a candidate that segfaults, aborts or hangs costs its worker, not
+the job (CPU; the GPU proof with a faulty kernel is test_isolation_gpu)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from flashtune.autotune import jobs
+from flashtune.autotune.devices import interpreter_device
+from flashtune.autotune.isolation import IsolatedRunner, IsolationError, factory_path
+from flashtune.autotune.jobs import TuneOptions, tune
+from flashtune.autotune.problems import AttentionProblem
+from flashtune.autotune.spaces import SearchSpace
+from flashtune.db import RunStatus, TrialState, open_store
+from flashtune.errors import ConfigError
+from flashtune.kernel_templates import get_template
+from tests.autotune_tests import faulty
+from tests.conftest import DEVICE
+
+PROBLEM = AttentionProblem(1, 2, 2, 64, 48, 32, True, "fp16")
+SPACE = SearchSpace(params={"BLOCK_M": (16, 32), "BLOCK_N": (16, 32, 64), "num_warps": (2,),
+                            "num_stages": (1,)}, predicate=lambda c, p, d: None)
+OPTS = TuneOptions(trials=10, sampler="grid", seed=0, interpret=True, top_k_confirm=2,
+                   isolate=True, trial_timeout_s=3.0)
+
+
+def test_crashes_and_hangs_are_recorded_and_the_job_goes_on(tmp_path):
+    url = f"sqlite:///{tmp_path / 'ft.db'}"
+    [res] = tune([PROBLEM], OPTS, db_url=url, progress=False,
+                 _runner_factory=faulty.crashing_runner, _space=SPACE)
+    assert res.states == {"COMPLETE": 3, "RUNTIME_ERROR": 2, "TIMEOUT": 1}
+    assert res.best_config == {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 2, "num_stages": 1}
+    assert res.best_ms == pytest.approx(faulty.synthetic_ms(res.best_config))
+    with open_store(url) as store:
+        trials = store.list_trials()
+        [run] = store.list_runs()
+    assert run.status is RunStatus.COMPLETE
+    by_mode = {(t.config["BLOCK_M"], t.config["BLOCK_N"]): t for t in trials}
+    assert len(by_mode) == len(trials) == 6
+    segv, abort, hang = by_mode[(16, 64)], by_mode[(32, 32)], by_mode[(32, 64)]
+    assert segv.state is TrialState.RUNTIME_ERROR and "killed by SIGSEGV" in segv.message
+    assert abort.state is TrialState.RUNTIME_ERROR and "killed by SIGABRT" in abort.message
+    assert hang.state is TrialState.TIMEOUT and hang.message.startswith("no result within 3 s")
+    assert all("\n" not in t.message for t in (segv, abort, hang))
+    assert sorted(t.number for t in trials) == list(range(6))
+
+
+def test_isolated_runner_restarts_its_worker(tmp_path):
+    spec = get_template("attn_fwd")
+    with IsolatedRunner(faulty.crashing_runner, spec, PROBLEM, interpreter_device(), OPTS,
+                        timeout_s=60) as runner:
+        first = runner.pid
+        good = {"BLOCK_M": 16, "BLOCK_N": 32}
+        assert runner.evaluate(good).state is TrialState.COMPLETE
+        assert runner.pid == first  # one worker serves many configs
+        bad = runner.evaluate(faulty.SEGFAULT)
+        assert bad.state is TrialState.RUNTIME_ERROR and runner.pid is None
+        again = runner.evaluate(good)
+        assert again.state is TrialState.COMPLETE and runner.pid not in (None, first)
+        assert again.median_ms == pytest.approx(faulty.synthetic_ms(good))
+        assert runner.restarts == 1
+    assert runner.pid is None  # closed
+
+
+def test_a_factory_that_fails_in_the_worker_is_a_clear_error():
+    with pytest.raises(IsolationError, match="did not start: RuntimeError: cannot build the "
+                                             "runner here"):
+        IsolatedRunner(faulty.failing_factory, get_template("attn_fwd"), PROBLEM,
+                       interpreter_device(), OPTS)
+
+
+def test_closures_cannot_be_isolated(tmp_path):
+    def local_factory(*args):  # not importable by the worker
+        raise AssertionError("never called")
+
+    with pytest.raises(ConfigError, match="import by name .*got tests.autotune_tests.test_isolation.test_closures"):
+        factory_path(local_factory)
+    with pytest.raises(ConfigError, match="isolate=False"):
+        tune([PROBLEM], OPTS, db_url=f"sqlite:///{tmp_path / 'ft.db'}", progress=False,
+             _runner_factory=local_factory, _space=SPACE)
+    assert not (tmp_path / "ft.db").exists()
+    assert factory_path(faulty.crashing_runner) == "tests.autotune_tests.faulty:crashing_runner"
+
+
+def test_when_isolation_is_on_by_default():
+    gpu = dataclasses.replace(interpreter_device(), name="NVIDIA_H100_80GB_HBM3")
+    auto = TuneOptions()
+    assert jobs._runner_factory_for(auto, None, gpu) is not jobs._default_runner  # GPU: on
+    assert jobs._runner_factory_for(auto, None, interpreter_device()) is jobs._default_runner
+    assert jobs._runner_factory_for(auto, faulty.crashing_runner, gpu) is \
+        faulty.crashing_runner  # custom factories: only when asked
+    off = dataclasses.replace(auto, isolate=False)
+    assert jobs._runner_factory_for(off, None, gpu) is jobs._default_runner
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="interpreter mode: the CPU run's TRITON_INTERPRET=1")
+def test_the_real_runner_works_isolated_under_the_interpreter(tmp_path, monkeypatch):
+    url = f"sqlite:///{tmp_path / 'ft.db'}"
+    options = dataclasses.replace(OPTS, trials=2, sampler="random", trial_timeout_s=300)
+    [res] = tune([PROBLEM], options, db_url=url, progress=False)
+    assert res.states == {"COMPLETE": 2} and res.best_config is not None
+
+
+def test_the_cli_has_the_switch():
+    from click.testing import CliRunner
+
+    from flashtune.cli.main import cli
+
+    out = CliRunner().invoke(cli, ["tune", "--help"]).output
+    assert "--isolate / --no-isolate" in out

@@ -1,0 +1,140 @@
+"""Measurement errors: a time that is not positive or beats the hardware is re-measured
+once, then recorded as a failure; the winner is the one confirmed by interleaved re-timing."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from flashtune.autotune import timing
+from flashtune.autotune.devices import interpreter_device
+from flashtune.autotune.jobs import TuneOptions, tune
+from flashtune.autotune.problems import AttentionProblem
+from flashtune.autotune.runners import LocalRunner, TrialResult, time_interleaved
+from flashtune.autotune.spaces import SearchSpace
+from flashtune.autotune.timing import MeasurementError, physical_floor_ms
+from flashtune.db import TrialState, canonical_json, open_store
+from flashtune.kernel_templates import get_template
+from tests.autotune_tests.synthetic import H100
+
+PROBLEM = AttentionProblem(1, 2, 2, 64, 48, 32, True, "fp16")
+CFG = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 2, "num_stages": 1}
+
+
+def exact(q, k, v, config, *, causal):
+    """A 'kernel' that returns the reference: every config is numerically right."""
+    out, _ = get_template("attn_fwd").reference(q, k, v, causal=causal)
+    return out.to(q.dtype)
+
+
+class FakeTimer(LocalRunner):
+    """LocalRunner on a fake H100 whose measurements come from ``script`` (per config key,
+    or one list for all), as a GPU runner (interleaved re-timing on)."""
+
+    def __init__(self, script):
+        super().__init__(get_template("attn_fwd"), PROBLEM, H100, launcher=exact)
+        self.interpreting = False
+        self.script = script
+        self.calls = 0
+
+    def _measure(self):
+        self.calls += 1
+        seq = self.script if isinstance(self.script, list) else \
+            self.script[canonical_json(self._config)]
+        ms = seq.pop(0) if len(seq) > 1 else seq[0]
+        return ms, ms, ms
+
+
+def test_the_physical_floor():
+    assert physical_floor_ms(H100, 989.4e9) == pytest.approx(1.0)  # 1 ms at 989 TFLOP/s
+    assert physical_floor_ms(H100, 0, 3.9e9) == pytest.approx(1.0)  # 1 ms at 3.9 TB/s
+    assert physical_floor_ms(interpreter_device(), 1e15, 1e12) == 0.0
+    unknown = type(H100)(name="Some_Future_GPU", compute_capability="12.0", sm_count=1,
+                         shared_mem_per_block=1, total_memory=1)
+    assert physical_floor_ms(unknown, 10e12) == pytest.approx(1.0)  # at 10 PFLOP/s
+    runner = FakeTimer([1.0])
+    # the tiny problem: its FLOPs on 989 TFLOP/s vs q, k, v and o over 3.9 TB/s
+    io = 2 * (2 * 2 * 64 * 32 + 2 * 2 * 48 * 32)
+    assert runner.floor_ms == pytest.approx(max(PROBLEM.flops() / 989.4e12,
+                                                io / 3.9e12) * 1e3)
+
+
+@pytest.mark.parametrize("first,second,state,message", [
+    (0.0, 0.02, TrialState.COMPLETE, None),
+    (-1.0, 0.02, TrialState.COMPLETE, None),
+    (float("nan"), 0.02, TrialState.COMPLETE, None),
+    (1e-9, 0.02, TrialState.COMPLETE, None),
+    (0.0, -1.0, TrialState.RUNTIME_ERROR,
+     r"^MeasurementError: a median of -1\.0 ms is not a positive time \(first measurement: "
+     r"a median of 0\.0 ms\); re-measured once$"),
+    (1e-9, 2e-9, TrialState.RUNTIME_ERROR,
+     r"^MeasurementError: a median of 2e-09 ms is below the physical floor of .* ms \(FLOPs "
+     r"over peak, bytes over bandwidth\)"),
+    (float("inf"), float("inf"), TrialState.RUNTIME_ERROR, "inf ms is not a positive time"),
+])
+def test_impossible_times_are_re_measured_then_rejected(first, second, state, message):
+    runner = FakeTimer([first, second])
+    res = runner.evaluate(CFG)
+    assert res.state is state and runner.calls == 2
+    if state is TrialState.COMPLETE:
+        assert res.median_ms == 0.02 and res.tflops == pytest.approx(PROBLEM.flops() / 2e-5 / 1e12)
+    else:
+        assert res.median_ms is None and res.message is not None
+        assert __import__("re").search(message, res.message), res.message
+
+
+def test_a_good_time_is_measured_once():
+    runner = FakeTimer([0.5])
+    assert runner.evaluate(CFG).median_ms == 0.5 and runner.calls == 1
+
+
+def test_interleaved_re_timing_rejects_impossible_times():
+    a, b = CFG, {**CFG, "BLOCK_M": 32}
+    runner = FakeTimer({canonical_json(a): [2.0], canonical_json(b): [0.0]})
+    got = time_interleaved(runner, [a, b], rounds=3)
+    assert got[canonical_json(a)].state is TrialState.COMPLETE
+    assert got[canonical_json(a)].median_ms == 2.0
+    bad = got[canonical_json(b)]
+    assert bad.state is TrialState.RUNTIME_ERROR and "MeasurementError" in bad.message
+
+
+class Retimed:
+    """Search timings say A (BLOCK_M 16) is fastest and C (64) even faster, but the
+    interleaved re-timing finds A slower than B and cannot measure C at all."""
+
+    interpreting = False
+    flops = PROBLEM.flops()
+    SEARCH = {16: 1.0, 32: 2.0, 64: 0.5}
+    RETIME = {16: 3.0, 32: 2.0}
+
+    def evaluate(self, config):
+        ms = self.SEARCH[config["BLOCK_M"]]
+        return TrialResult(TrialState.COMPLETE, None, ms, ms, ms, None, 0.0)
+
+    def time_config(self, config):
+        if config["BLOCK_M"] not in self.RETIME:
+            raise MeasurementError("a median of 0 ms is not a positive time; re-measured once")
+        ms = self.RETIME[config["BLOCK_M"]]
+        return ms, ms, ms
+
+
+def test_the_best_is_the_confirmed_fastest(tmp_path):
+    space = SearchSpace(params={"BLOCK_M": (16, 32, 64), "BLOCK_N": (16,), "num_warps": (2,),
+                                "num_stages": (1,)}, predicate=lambda c, p, d: None)
+    url = f"sqlite:///{tmp_path / 'ft.db'}"
+    options = TuneOptions(trials=3, sampler="grid", seed=0, top_k_confirm=3, isolate=False)
+    [res] = tune([PROBLEM], options, db_url=url, progress=False,
+                 _runner_factory=lambda *a: Retimed(), _device=H100, _space=space)
+    assert res.best_config["BLOCK_M"] == 32 and res.best_ms == 2.0
+    with open_store(url) as store:
+        [best] = store.list_best()
+        trial = next(t for t in store.list_trials() if t.id == best.trial_id)
+    assert trial.config["BLOCK_M"] == 32 and best.median_ms == 2.0
+    assert math.isclose(trial.median_ms, 2.0)
+
+
+def test_floor_constants_cover_anchors():
+    # ANCHORS.md: H100 datasheet 989 TFLOP/s dense, 3.35 TB/s; the floor may not exceed them
+    flops, bw = timing.device_peaks(H100)
+    assert flops >= 989e12 and bw >= 3.35e12
