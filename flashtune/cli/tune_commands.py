@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import signal
 import sys
 from typing import Any, Sequence
 
@@ -31,6 +32,24 @@ _REQUIRED = ("batch", "heads", "seqlen", "head_dim")
 
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
+
+
+_TERMINATED = "SIGTERM"
+
+
+def _sigterm_as_interrupt() -> Any:
+    """While a tune runs, SIGTERM (``kill``, ``timeout``, a batch scheduler's pre-emption)
+    stops it as Ctrl-C does: the trial in flight is failed, the run recorded INTERRUPTED,
+    and the command exits 143. Returns the previous handler (None when signals cannot be
+    set here, outside the main thread)."""
+
+    def handler(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(_TERMINATED)
+
+    try:
+        return signal.signal(signal.SIGTERM, handler)
+    except ValueError:
+        return None
 
 
 def _problems(shape: dict[str, Any], dtype: str | None, plan: str | None,
@@ -207,6 +226,7 @@ def tune_command(ctx: click.Context, template: str, batch: int | None, heads: in
 
     from flashtune.errors import FlashtuneError
 
+    previous = _sigterm_as_interrupt()
     try:
         jobs = importlib.import_module("flashtune.autotune.jobs")
         options = jobs.TuneOptions(template=template, trials=trials, timeout_s=timeout_s,
@@ -219,6 +239,13 @@ def tune_command(ctx: click.Context, template: str, batch: int | None, heads: in
         if finished:
             click.echo(render_results(finished))
         raise fail(exc) from exc
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
+        if str(exc) == _TERMINATED:
+            click.echo("flashtune: terminated (SIGTERM); the run is recorded as interrupted "
+                       "and the same command resumes it", err=True)
+            ctx.exit(128 + signal.SIGTERM)
         raise click.Abort() from None
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     click.echo(render_results(results))

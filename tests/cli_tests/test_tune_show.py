@@ -456,3 +456,65 @@ def test_tune_end_to_end_interpreter(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert "B=1 Hq=2 Hkv=2 Nq=32 Nk=32 D=16 fp16" in result.output
     rows = json.loads(run("--db", url, "show", "--json").output)
     assert any(r["problem"]["seqlen_q"] == 32 for r in rows), result.output
+
+
+@pytest.mark.slow
+def test_sigterm_interrupts_the_run_and_the_same_command_resumes(tmp_path: Path) -> None:
+    """``kill <pid>`` (what ``timeout`` and batch schedulers send) during a real interpreter
+    job: exit 143 with one line, the run INTERRUPTED, no trial left RUNNING; the same
+    command then resumes the study without repeating a measured config."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from flashtune.db import RunStatus, TrialState, canonical_json, open_store
+
+    if not _real_jobs_available():
+        pytest.skip("flashtune.autotune.jobs cannot be imported")
+    url = f"sqlite:///{tmp_path / 'term.db'}"
+    cmd = [sys.executable, "-m", "flashtune", "--db", url, "tune", "--batch", "1", "--heads",
+           "2", "--seqlen", "64", "--head-dim", "32", "--dtype", "fp16", "--trials", "40",
+           "--sampler", "random", "--seed", "0", "--interpret", "--no-progress",
+           "--no-isolate"]
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.monotonic() + 240
+    try:
+        while time.monotonic() < deadline:  # wait until a trial is being measured
+            time.sleep(0.5)
+            if (tmp_path / "term.db").exists():
+                try:
+                    with open_store(url, read_only=True) as store:
+                        if any(t.state is TrialState.RUNNING for t in store.list_trials()):
+                            break
+                except Exception:  # noqa: BLE001 - the schema is still being created
+                    continue
+        else:
+            pytest.fail("the job never started a trial")
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert "terminated (SIGTERM)" in err and "Traceback" not in err, err[-2000:]
+    with open_store(url, read_only=True) as store:
+        [run] = store.list_runs()
+        assert run.status is RunStatus.INTERRUPTED
+        trials = store.list_trials()
+        assert trials and not any(t.state is TrialState.RUNNING for t in trials)
+        before = {canonical_json(t.config) for t in trials if t.state is TrialState.COMPLETE}
+    resumed = subprocess.run([*cmd[:cmd.index("--trials") + 1], "2",
+                              *cmd[cmd.index("--trials") + 2:]],
+                             env=env, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    with open_store(url, read_only=True) as store:
+        runs = store.list_runs()
+        assert [r.status for r in runs] == [RunStatus.INTERRUPTED, RunStatus.COMPLETE]
+        complete = [canonical_json(t.config) for t in store.list_trials()
+                    if t.state is TrialState.COMPLETE]
+    assert len(complete) == len(set(complete)), "a config was measured twice"
+    assert before <= set(complete)
