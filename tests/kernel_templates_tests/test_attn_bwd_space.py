@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from flashtune.autotune.devices import DeviceFingerprint, interpreter_device
@@ -87,6 +89,38 @@ def test_hopper_defaults_have_the_fa2_shape():
         assert cfg["BLOCK_M2"] >= 64 and cfg["BLOCK_M2"] > cfg["BLOCK_N2"]
     assert SPEC.default_config(prob(64), H100)["num_warps"] == 4
     assert SPEC.default_config(prob(128), H100)["num_warps"] == 8
+
+
+def test_default_fills_the_gpu_on_low_parallelism_shapes():
+    """The owned tiles shrink while a kernel would leave SMs idle (H100: 12 -> 117 and 168
+    TFLOP/s on the two D64 shapes below), and only then: the standard grid keeps the
+    measured head-dim defaults, so do the GQA D128 shapes whose grids are big enough."""
+    from flashtune.autotune.grids import standard_grid
+    from flashtune.kernel_templates.attn_bwd.space import _DEFAULTS
+
+    base = {d: c for d, c in _DEFAULTS}
+    for p in standard_grid((64, 128), causal=(False, True),
+                           seqlens=(512, 1024, 2048, 4096, 8192, 16384), dtype="bf16"):
+        cfg = SPEC.default_config(p, H100)
+        assert (cfg["BLOCK_N1"], cfg["BLOCK_M2"]) == \
+            (base[p.head_dim]["BLOCK_N1"], base[p.head_dim]["BLOCK_M2"]), p.describe()
+    cases = [  # (B, Hq, Hkv, N, D) -> (BLOCK_N1, BLOCK_M2): dK/dV and dQ programs
+        ((2, 8, 2, 1000, 64), (32, 64)),     # 32 -> 128 and 128 -> 256 programs
+        ((1, 16, 1, 4096, 64), (32, 128)),   # 32 -> 128; dQ 512 already
+        ((1, 32, 8, 2048, 128), (128, 128)),  # 128 >= 66 and 512 >= 132: unchanged
+        ((1, 1, 1, 64, 64), (32, 64)),       # as small as allowed
+        ((1, 4, 4, 3000, 128), (128, 128)),  # 96 >= 66; D128 keeps BLOCK_M2 128
+        ((1, 32, 8, 1024, 128), (64, 128)),  # 64 -> 128 programs
+    ]
+    for (b, hq, hkv, n, d), want in cases:
+        p = AttentionProblem(b, hq, hkv, n, n, d, False, "bf16")
+        cfg = SPEC.default_config(p, H100)
+        assert (cfg["BLOCK_N1"], cfg["BLOCK_M2"]) == want, (p.describe(), cfg)
+        assert SPEC.space.check(cfg, p, H100) is None
+    # a GPU with more SMs shrinks sooner
+    p = AttentionProblem(1, 32, 8, 2048, 2048, 128, True, "bf16")
+    big = SPEC.default_config(p, dataclasses.replace(H100, sm_count=600))
+    assert (big["BLOCK_N1"], big["BLOCK_M2"]) == (32, 128)  # 512 programs; D128 keeps BM2
 
 
 def test_space_is_data():

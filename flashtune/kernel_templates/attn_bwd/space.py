@@ -105,13 +105,51 @@ _INTERPRETER: Config = {"BLOCK_M1": 16, "BLOCK_N1": 32, "BLOCK_M2": 32, "BLOCK_N
                         "num_warps": 2, "num_stages": 1}
 
 
+# Owned tiles shrink (down to these) while a kernel's grid would leave the GPU idle: the
+# dK/dV kernel runs cdiv(Nk, BLOCK_N1) * B * Hkv programs, the dQ kernel cdiv(Nq, BLOCK_M2)
+# * B * Hq. H100, every owned-tile pair timed on 11 low-parallelism shapes
+# (benchmarks/results/explore_bwd_occupancy_h100.json and ..._check_h100.json):
+# * dK/dV: B2 Hq8 Hkv2 N1000 D64 and B1 Hq16 Hkv1 N4096 D64 ran at 12 TFLOP/s with
+#   BLOCK_N1 128 (32 programs) and at 117 and 168 with BLOCK_N1 32 (128 programs); with 64
+#   programs BLOCK_N1 64 beat 128 by 3-4% (D128); from 96 programs up BLOCK_N1 128 was the
+#   fastest (D128, by 1.3-1.6x). So: at least half the SM count of programs.
+# * dQ: at D64, BLOCK_M2 64 beat 128 by 5% (128 -> 256 programs) and 19% (32 -> 64); at D128
+#   BLOCK_M2 128 won everywhere, by 36% with 96 programs against 64's 188. So: at D <= 64
+#   only, at least the SM count of programs.
+MIN_BLOCK_N1 = 32
+MIN_BLOCK_M2 = 64
+
+
+def fill_the_gpu(config: Config, problem: AttentionProblem, sm_count: int) -> Config:
+    """``config`` with BLOCK_N1 halved while the dK/dV kernel would run fewer programs than
+    half the SM count, and (head_dim <= 64) BLOCK_M2 while the dQ kernel would run fewer
+    than the SM count; see the measurements above."""
+    config = dict(config)
+    b = problem.batch
+
+    def dkdv_programs() -> int:
+        return -(-problem.seqlen_k // config["BLOCK_N1"]) * b * problem.heads_kv
+
+    def dq_programs() -> int:
+        return -(-problem.seqlen_q // config["BLOCK_M2"]) * b * problem.heads_q
+
+    while dkdv_programs() < sm_count // 2 and config["BLOCK_N1"] > MIN_BLOCK_N1:
+        config["BLOCK_N1"] //= 2
+    while problem.head_dim <= 64 and dq_programs() < sm_count \
+            and config["BLOCK_M2"] > MIN_BLOCK_M2:
+        config["BLOCK_M2"] //= 2
+    return config
+
+
 def default_config(problem: AttentionProblem, device: DeviceFingerprint) -> Config:
     """A safe config for ``problem`` on ``device``: the head-dim default (the interpreter's
-    small tiles under it), shrunk until the predicate accepts it."""
+    small tiles under it), its owned tiles shrunk while a kernel would leave SMs idle
+    (:func:`fill_the_gpu`), then shrunk until the predicate accepts it."""
     if device.is_interpreter:
         return {**DEFAULTS, **_INTERPRETER}
     config = {**DEFAULTS, **next((c for max_d, c in _DEFAULTS if problem.head_dim <= max_d),
                                  _DEFAULTS[-1][1])}
+    config = fill_the_gpu(config, problem, device.sm_count)
     while check(config, problem, device) is not None:
         if config["num_stages"] > 1:
             config["num_stages"] -= 1
