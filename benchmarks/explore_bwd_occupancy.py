@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import platform
 import time
 from pathlib import Path
@@ -41,6 +42,8 @@ def rel(a, b) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="benchmarks/results/explore_bwd_occupancy_h100.json")
+    ap.add_argument("--sweep", choices=("tiles", "kv_splits"), default="tiles",
+                    help="tiles: BLOCK_N1 x BLOCK_M2; kv_splits: BLOCK_N1 x KV_SPLITS (1-8)")
     ap.add_argument("--shapes", help="B,Hq,Hkv,N,D,causal(0/1) separated by ';' "
                                      "(default: the list in this file)")
     args = ap.parse_args()
@@ -89,10 +92,17 @@ def main() -> None:
             t = bench(fn)
             return {"median_ms": t.median_ms, "tflops": tflops(fl, t.median_ms), "errs": errs}
 
-        for bn1, bm2 in itertools.product(TILES, TILES):
-            cfg = {**default, "BLOCK_N1": bn1, "BLOCK_M2": bm2}
+        if args.sweep == "tiles":
+            grid = [{"BLOCK_N1": bn1, "BLOCK_M2": bm2} for bn1, bm2 in itertools.product(TILES, TILES)]
+        else:
+            grid = [{"BLOCK_N1": bn1, "KV_SPLITS": s} for bn1, s in itertools.product(TILES, (1, 2, 4, 8))
+                    if math.gcd(s, group) == s]
+        for knobs in grid:
+            cfg = {**default, **knobs}
+            bn1, bm2 = cfg["BLOCK_N1"], cfg["BLOCK_M2"]
             why = check(cfg, p, dev)
-            entry = {"config": cfg, "dkdv_programs": -(-n // bn1) * b * hkv,
+            entry = {"config": cfg,
+                     "dkdv_programs": -(-n // bn1) * b * hkv * math.gcd(cfg.get("KV_SPLITS", 1), group),
                      "dq_programs": -(-n // bm2) * b * hq}
             if why is not None:
                 entry["pruned"] = why
@@ -122,11 +132,13 @@ def main() -> None:
               f"(dkdv {dflt and dflt['dkdv_programs']} / dq {dflt and dflt['dq_programs']} "
               f"programs); best {best and round(best['tflops'])} TF at BN1 "
               f"{best and best['config']['BLOCK_N1']} BM2 {best and best['config']['BLOCK_M2']}"
+              f" S {best and best['config'].get('KV_SPLITS', 1)}"
               f" (dkdv {best and best['dkdv_programs']} / dq {best and best['dq_programs']});"
               f" FA2 {round(row['sdpa_flash'].get('tflops', 0))}"
               f" cuDNN {round(row['sdpa_cudnn'].get('tflops', 0))}", flush=True)
         for c in ok:
             print(f"    BN1 {c['config']['BLOCK_N1']:3d} BM2 {c['config']['BLOCK_M2']:3d} "
+                  f"S {c['config'].get('KV_SPLITS', 1)} "
                   f"{c['tflops']:6.1f} TF  dkdv {c['dkdv_programs']:5d} dq {c['dq_programs']:5d}")
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(

@@ -77,15 +77,22 @@ def attn_bwd_warmup_args(problem: AttentionProblem, config: Mapping[str, int]
     :func:`~flashtune.kernel_templates.attn_bwd.launcher.kernel_args`)."""
     import torch
 
-    from flashtune.kernel_templates.attn_bwd.launcher import kernel_args
+    from flashtune.kernel_templates.attn_bwd.launcher import (
+        kernel_args,
+        kv_splits,
+        partial_shape,
+    )
 
     p = problem
     dt = torch.float16 if p.dtype == "fp16" else torch.bfloat16
     q = _Shaped(dt, (p.batch, p.heads_q, p.seqlen_q, p.head_dim))
     k = _Shaped(dt, (p.batch, p.heads_kv, p.seqlen_k, p.head_dim))
     lse = _Shaped(torch.float32, q.shape[:3])
+    splits = kv_splits(config, p.heads_q // p.heads_kv)
+    part = _Shaped(torch.float32, partial_shape(k, splits)) if splits > 1 else None
     launches = kernel_args(q, k, k, q, lse, q, lse, q, k, k, config, causal=p.causal,
-                           scale=1.0 / math.sqrt(p.head_dim), upcast_dot=False)
+                           scale=1.0 / math.sqrt(p.head_dim), upcast_dot=False, part_k=part,
+                           part_v=part)
     return list(launches.values())
 
 

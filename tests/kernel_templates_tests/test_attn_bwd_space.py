@@ -32,9 +32,12 @@ def test_registered_with_its_own_tuning_case():
 
 
 def test_validate_rejects_unknown_missing_and_out_of_space():
-    # the knob is optional and defaults to off
-    assert SPEC.space.validate(GOOD) == {**GOOD, "SPLIT_LOOPS": 0}
+    # the knobs are optional and default to off
+    assert SPEC.space.validate(GOOD) == {**GOOD, "SPLIT_LOOPS": 0, "KV_SPLITS": 1}
     assert SPEC.space.validate({**GOOD, "SPLIT_LOOPS": 1})["SPLIT_LOOPS"] == 1
+    assert SPEC.space.validate({**GOOD, "KV_SPLITS": 4})["KV_SPLITS"] == 4
+    with pytest.raises(ConfigError, match=r"KV_SPLITS.*allowed values: \[1, 2, 4, 8\]"):
+        SPEC.space.validate({**GOOD, "KV_SPLITS": 3})
     with pytest.raises(ConfigError, match=r"SPLIT_LOOPS.*allowed values: \[0, 1\]"):
         SPEC.space.validate({**GOOD, "SPLIT_LOOPS": 2})
     with pytest.raises(ConfigError, match=r"unknown keys \['BLOCK_N'\]"):
@@ -92,39 +95,41 @@ def test_hopper_defaults_have_the_fa2_shape():
 
 
 def test_default_fills_the_gpu_on_low_parallelism_shapes():
-    """The owned tiles shrink while a kernel would leave SMs idle (H100: 12 -> 117 and 168
-    TFLOP/s on the two D64 shapes below), and only then: the standard grid keeps the
-    measured head-dim defaults, so do the GQA D128 shapes whose grids are big enough."""
+    """Small-batch GQA/MQA shapes get smaller owned tiles or split groups (H100: 12 -> 162
+    and 328 TFLOP/s on two D64 shapes, 1.5x on D128 ones), and only they: the standard grid
+    keeps the measured head-dim defaults, as do shapes whose grids are big enough."""
     from flashtune.autotune.grids import standard_grid
-    from flashtune.kernel_templates.attn_bwd.space import _DEFAULTS
+    from flashtune.kernel_templates.attn_bwd.space import DEFAULTS, _DEFAULTS
 
     base = {d: c for d, c in _DEFAULTS}
     for p in standard_grid((64, 128), causal=(False, True),
                            seqlens=(512, 1024, 2048, 4096, 8192, 16384), dtype="bf16"):
-        cfg = SPEC.default_config(p, H100)
-        assert (cfg["BLOCK_N1"], cfg["BLOCK_M2"]) == \
-            (base[p.head_dim]["BLOCK_N1"], base[p.head_dim]["BLOCK_M2"]), p.describe()
-    cases = [  # (B, Hq, Hkv, N, D) -> (BLOCK_N1, BLOCK_M2): dK/dV and dQ programs
-        ((2, 8, 2, 1000, 64), (32, 64)),     # 32 -> 128 and 128 -> 256 programs
-        ((1, 16, 1, 4096, 64), (32, 128)),   # 32 -> 128; dQ 512 already
-        ((1, 32, 8, 2048, 128), (128, 128)),  # 128 >= 66 and 512 >= 132: unchanged
-        ((1, 1, 1, 64, 64), (32, 64)),       # as small as allowed
-        ((1, 4, 4, 3000, 128), (128, 128)),  # 96 >= 66; D128 keeps BLOCK_M2 128
-        ((1, 32, 8, 1024, 128), (64, 128)),  # 64 -> 128 programs
+        assert SPEC.default_config(p, H100) == {**DEFAULTS, **base[p.head_dim]}, p.describe()
+    cases = [  # (B, Hq, Hkv, N, D) -> (BLOCK_N1, BLOCK_M2, KV_SPLITS)
+        ((2, 8, 2, 1000, 64), (64, 64, 4)),     # dK/dV 32 -> 256 programs, dQ 128 -> 256
+        ((1, 16, 1, 4096, 64), (64, 128, 4)),   # MQA: 32 -> 256; dQ 512 already
+        ((4, 8, 1, 2048, 64), (64, 128, 4)),    # 64 -> 512: under 2 x 132 until then
+        ((1, 32, 8, 2048, 128), (128, 128, 2)),  # D128: 128 -> 256, at most 2 splits
+        ((1, 32, 8, 4096, 128), (128, 128, 1)),  # 256 >= 132: unchanged
+        ((1, 8, 8, 512, 64), (32, 64, 1)),      # no group to split: smaller tiles
+        ((1, 4, 4, 3000, 128), (128, 128, 1)),  # 96 >= 66; D128 keeps BLOCK_M2 128
+        ((1, 1, 1, 64, 64), (32, 64, 1)),       # as small as allowed
+        ((1, 12, 4, 1536, 128), (64, 128, 1)),  # group 3: no even split; 48 -> 96 with BN1 64
     ]
     for (b, hq, hkv, n, d), want in cases:
         p = AttentionProblem(b, hq, hkv, n, n, d, False, "bf16")
         cfg = SPEC.default_config(p, H100)
-        assert (cfg["BLOCK_N1"], cfg["BLOCK_M2"]) == want, (p.describe(), cfg)
-        assert SPEC.space.check(cfg, p, H100) is None
-    # a GPU with more SMs shrinks sooner
+        got = (cfg["BLOCK_N1"], cfg["BLOCK_M2"], cfg["KV_SPLITS"])
+        assert got == want, (p.describe(), cfg)
+        assert SPEC.space.validate(cfg) == cfg and SPEC.space.check(cfg, p, H100) is None
+    # a GPU with more SMs reshapes sooner
     p = AttentionProblem(1, 32, 8, 2048, 2048, 128, True, "bf16")
     big = SPEC.default_config(p, dataclasses.replace(H100, sm_count=600))
-    assert (big["BLOCK_N1"], big["BLOCK_M2"]) == (32, 128)  # 512 programs; D128 keeps BM2
+    assert (big["BLOCK_N1"], big["BLOCK_M2"], big["KV_SPLITS"]) == (64, 128, 2)
 
 
 def test_space_is_data():
-    assert SPEC.space.size == len(list(SPEC.space)) == 4 ** 4 * 3 * 5 * 2
+    assert SPEC.space.size == len(list(SPEC.space)) == 4 ** 4 * 3 * 5 * 2 * 4
     valid = SPEC.space.valid_configs(prob(128), H100)
     assert 0 < len(valid) < SPEC.space.size
 
@@ -140,11 +145,11 @@ result = []
 for which, bm, bn, w, s, d, split in json.loads(sys.argv[1]):
     kern = attn_bwd_dkdv if which == "dkdv" else attn_bwd_dq
     names = kern.arg_names
-    ptrs = {n: "*fp32" if n in ("Lse", "Delta") else "*fp16" for n in names
-            if n in ("Q", "K", "V", "DO", "Lse", "Delta", "DK", "DV", "DQ")}
+    ptrs = {n: "*fp32" if n in ("Lse", "Delta", "PartK", "PartV") else "*fp16" for n in names
+            if n in ("Q", "K", "V", "DO", "Lse", "Delta", "DK", "DV", "DQ", "PartK", "PartV")}
     aligned = set(ptrs) | {n for n in names if n.startswith("stride_")}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in aligned}
-    tiles = ({"BLOCK_M1": bm, "BLOCK_N1": bn} if which == "dkdv"
+    tiles = ({"BLOCK_M1": bm, "BLOCK_N1": bn, "KV_SPLITS": 1} if which == "dkdv"
              else {"BLOCK_M2": bm, "BLOCK_N2": bn})
     const = dict(HEAD_DIM=d, BLOCK_D=block_d(d), IS_CAUSAL=True, UPCAST_DOT=False,
                  SPLIT_LOOPS=bool(split), **tiles)

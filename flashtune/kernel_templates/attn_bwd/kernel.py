@@ -5,11 +5,13 @@ Three kernels:
 
 1. ``attn_bwd_preprocess``: ``delta = rowsum(dO * O) - dLSE`` in fp32, ``(B, Hq, Nq)``
    (``dLSE``, the gradient of the LSE output, only when the caller has one).
-2. ``attn_bwd_dkdv``: grid ``(cdiv(Nk, BLOCK_N1), B * Hkv)``. A program owns BLOCK_N1 keys
-   of one K/V head and walks every query head of its GQA group and, per head, the query
-   blocks (BLOCK_M1) that can see those keys, accumulating ``dV += P^T dO`` and
-   ``dK += dS^T Q`` in registers: the group's dK/dV are summed inside one program,
-   deterministic, no atomics.
+2. ``attn_bwd_dkdv``: grid ``(cdiv(Nk, BLOCK_N1), B * Hkv * KV_SPLITS)``. A program owns
+   BLOCK_N1 keys of one K/V head and walks the query heads of its GQA group (all of them,
+   or its 1/KV_SPLITS slice) and, per head, the query blocks (BLOCK_M1) that can see those
+   keys, accumulating ``dV += P^T dO`` and ``dK += dS^T Q`` in registers. KV_SPLITS 1: the
+   group's dK/dV are summed inside one program and stored. KV_SPLITS > 1 (GQA/MQA shapes
+   whose grid would leave SMs idle): each program stores its fp32 partial sums and
+   ``attn_bwd_kv_reduce`` adds them up in slice order. Deterministic either way, no atomics.
 3. ``attn_bwd_dq``: grid ``(cdiv(Nq, BLOCK_M2), B * Hq)``. A program owns BLOCK_M2 queries
    and walks the key blocks (BLOCK_N2) they can see: ``dQ += dS K``.
 
@@ -117,7 +119,7 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, 
 
 
 @triton.jit
-def attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV,
+def attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, PartK, PartV,
                   stride_qb, stride_qh, stride_qm,
                   stride_kb, stride_kh, stride_kn,
                   stride_vb, stride_vh, stride_vn,
@@ -127,11 +129,14 @@ def attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV,
                   H_Q, H_KV, GROUP, N_Q, N_K, sm_scale,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
-                  IS_CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr, SPLIT_LOOPS: tl.constexpr):
+                  IS_CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr, SPLIT_LOOPS: tl.constexpr,
+                  KV_SPLITS: tl.constexpr):
     tl.static_assert(BLOCK_M1 >= 16 and BLOCK_N1 >= 16, "tl.dot needs tiles of at least 16")
     tl.static_assert(BLOCK_D >= HEAD_DIM, "BLOCK_D must cover HEAD_DIM")
     start_n = tl.program_id(0) * BLOCK_N1
-    off_bh = tl.program_id(1)
+    part = tl.program_id(1)  # (b, hkv) * KV_SPLITS + the slice of the group's query heads
+    off_bh = part // KV_SPLITS
+    off_s = part % KV_SPLITS
     off_b = off_bh // H_KV
     off_hkv = off_bh % H_KV
     offs_n = start_n + tl.arange(0, BLOCK_N1)
@@ -161,7 +166,8 @@ def attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV,
         m_lo = 0
         m_mid = 0
 
-    for g in range(0, GROUP):
+    heads_per_split = GROUP // KV_SPLITS
+    for g in range(off_s * heads_per_split, (off_s + 1) * heads_per_split):
         off_h = off_hkv * GROUP + g
         q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
         do_base = DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
@@ -189,12 +195,48 @@ def attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV,
                                  HEAD_DIM, BLOCK_D, BLOCK_M1, True, IS_CAUSAL, UPCAST_DOT)
     dk *= sm_scale
     kv_mask = (offs_n < N_K)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    if KV_SPLITS > 1:  # fp32 partial sums, added up in order by attn_bwd_kv_reduce
+        rows = part.to(tl.int64) * N_K + offs_n
+        p_off = rows[:, None] * HEAD_DIM + offs_d[None, :]
+        tl.store(PartK + p_off, dk, mask=kv_mask)
+        tl.store(PartV + p_off, dv, mask=kv_mask)
+    else:
+        tl.store(DK + off_b.to(tl.int64) * stride_dkb + off_hkv.to(tl.int64) * stride_dkh
+                 + offs_n[:, None].to(tl.int64) * stride_dkn + offs_d[None, :],
+                 dk.to(DK.dtype.element_ty), mask=kv_mask)
+        tl.store(DV + off_b.to(tl.int64) * stride_dvb + off_hkv.to(tl.int64) * stride_dvh
+                 + offs_n[:, None].to(tl.int64) * stride_dvn + offs_d[None, :],
+                 dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def attn_bwd_kv_reduce(PartK, PartV, DK, DV,
+                       stride_dkb, stride_dkh, stride_dkn,
+                       stride_dvb, stride_dvh, stride_dvn,
+                       H_KV, N_K,
+                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                       KV_SPLITS: tl.constexpr):
+    """dK and dV of ``KV_SPLITS`` > 1: the partial sums of each slice of the GQA group, added
+    in slice order (deterministic), cast to the output dtype."""
+    off_bh = tl.program_id(1)
+    off_b = off_bh // H_KV
+    off_hkv = off_bh % H_KV
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_n < N_K)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    for s in tl.static_range(KV_SPLITS):
+        rows = (off_bh.to(tl.int64) * KV_SPLITS + s) * N_K + offs_n
+        p_off = rows[:, None] * HEAD_DIM + offs_d[None, :]
+        dk += tl.load(PartK + p_off, mask=mask, other=0.0)
+        dv += tl.load(PartV + p_off, mask=mask, other=0.0)
     tl.store(DK + off_b.to(tl.int64) * stride_dkb + off_hkv.to(tl.int64) * stride_dkh
              + offs_n[:, None].to(tl.int64) * stride_dkn + offs_d[None, :],
-             dk.to(DK.dtype.element_ty), mask=kv_mask)
+             dk.to(DK.dtype.element_ty), mask=mask)
     tl.store(DV + off_b.to(tl.int64) * stride_dvb + off_hkv.to(tl.int64) * stride_dvh
              + offs_n[:, None].to(tl.int64) * stride_dvn + offs_d[None, :],
-             dv.to(DV.dtype.element_ty), mask=kv_mask)
+             dv.to(DV.dtype.element_ty), mask=mask)
 
 
 @triton.jit

@@ -18,12 +18,14 @@ import triton
 from flashtune.kernel_templates.attn_bwd.kernel import (
     attn_bwd_dkdv,
     attn_bwd_dq,
+    attn_bwd_kv_reduce,
     attn_bwd_preprocess,
 )
 from flashtune.kernel_templates.attn_bwd.space import DEFAULTS
 from flashtune.kernel_templates.attn_fwd.space import block_d
 
 PREPROCESS_BLOCK_M = 64
+REDUCE_BLOCK_N = 64
 
 # (kernel, positional args, keyword args, grid) of one launch
 Launch = tuple[Any, tuple[Any, ...], dict[str, Any], tuple[int, int]]
@@ -39,15 +41,31 @@ def _s3(t: Any) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), t.stride(2)
 
 
+def kv_splits(config: Mapping[str, int], group: int) -> int:
+    """How many slices the dK/dV kernel cuts each GQA group's query heads into: the config's
+    ``KV_SPLITS`` where it divides the group, else their largest common divisor (1 without
+    GQA)."""
+    return math.gcd(int(config.get("KV_SPLITS", DEFAULTS["KV_SPLITS"])), group)
+
+
+def partial_shape(k: Any, splits: int) -> tuple[int, int, int]:
+    """Shape of each fp32 partial dK/dV buffer for ``splits`` > 1:
+    ``(batch * heads_kv * splits, seqlen_k, head_dim)``."""
+    batch, heads_kv, seqlen_k, head_dim = k.shape
+    return batch * heads_kv * splits, seqlen_k, head_dim
+
+
 def kernel_args(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, delta: Any,
                 dq: Any, dk: Any, dv: Any, config: Mapping[str, int], *, causal: bool,
-                scale: float, upcast_dot: bool, dlse: Any = None) -> dict[str, Launch]:
-    """The three launches in order: ``{"preprocess", "dkdv", "dq"}`` -> ``(kernel, args,
-    kwargs, grid)``.
+                scale: float, upcast_dot: bool, dlse: Any = None, part_k: Any = None,
+                part_v: Any = None) -> dict[str, Launch]:
+    """The launches in order: ``{"preprocess", "dkdv", ["kv_reduce",] "dq"}`` ->
+    ``(kernel, args, kwargs, grid)``.
 
     ``lse`` and ``delta`` must be contiguous ``(batch, heads_q, seqlen_q)`` float32; every
     other tensor needs a contiguous last dim (any other strides). ``dlse`` None: no LSE
-    gradient (the preprocess kernel is compiled without it).
+    gradient (the preprocess kernel is compiled without it). ``part_k``/``part_v``: contiguous
+    fp32 buffers of :func:`partial_shape`, needed when :func:`kv_splits` > 1.
     """
     batch, heads_q, seqlen_q, head_dim = q.shape
     heads_kv, seqlen_k = k.shape[1], k.shape[2]
@@ -64,15 +82,27 @@ def kernel_args(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, delta: An
              HAS_DLSE=dlse is not None),
         (triton.cdiv(seqlen_q, PREPROCESS_BLOCK_M), batch * heads_q))
     bm1, bn1 = config["BLOCK_M1"], config["BLOCK_N1"]
+    splits = kv_splits(config, group)
+    if splits > 1 and (part_k is None or part_v is None):
+        raise ValueError(f"KV_SPLITS {splits} needs part_k and part_v buffers")
     dkdv: Launch = (
         attn_bwd_dkdv,
         (q, k, v, dout, lse, delta, dk, dv,
+         part_k if splits > 1 else dk, part_v if splits > 1 else dv,
          *_s3(q), *_s3(k), *_s3(v), *_s3(dout), *_s3(dk), *_s3(dv),
          heads_q, heads_kv, group, seqlen_q, seqlen_k, float(scale)),
         dict(HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_M1=bm1, BLOCK_N1=bn1,
              IS_CAUSAL=bool(causal), UPCAST_DOT=upcast_dot, SPLIT_LOOPS=split,
-             num_warps=warps, num_stages=stages),
-        (triton.cdiv(seqlen_k, bn1), batch * heads_kv))
+             KV_SPLITS=splits, num_warps=warps, num_stages=stages),
+        (triton.cdiv(seqlen_k, bn1), batch * heads_kv * splits))
+    launches = {"preprocess": pre, "dkdv": dkdv}
+    if splits > 1:
+        launches["kv_reduce"] = (
+            attn_bwd_kv_reduce,
+            (part_k, part_v, dk, dv, *_s3(dk), *_s3(dv), heads_kv, seqlen_k),
+            dict(HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_N=REDUCE_BLOCK_N, KV_SPLITS=splits,
+                 num_warps=4),
+            (triton.cdiv(seqlen_k, REDUCE_BLOCK_N), batch * heads_kv))
     bm2, bn2 = config["BLOCK_M2"], config["BLOCK_N2"]
     dqk: Launch = (
         attn_bwd_dq,
@@ -83,7 +113,8 @@ def kernel_args(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, delta: An
              IS_CAUSAL=bool(causal), UPCAST_DOT=upcast_dot, SPLIT_LOOPS=split,
              num_warps=warps, num_stages=stages),
         (triton.cdiv(seqlen_q, bm2), batch * heads_q))
-    return {"preprocess": pre, "dkdv": dkdv, "dq": dqk}
+    launches["dq"] = dqk
+    return launches
 
 
 def attn_bwd(
@@ -115,7 +146,9 @@ def attn_bwd(
         config: ``{"BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "num_warps",
             "num_stages"}`` from the template's space: the dK/dV kernel's query step and key
             tile, the dQ kernel's query tile and key step; optionally ``SPLIT_LOOPS`` (0/1:
-            unmasked blocks in loops of their own, see kernel.py).
+            unmasked blocks in loops of their own, see kernel.py) and ``KV_SPLITS`` (1, 2,
+            4, 8: dK/dV programs per key tile, each over a slice of the GQA group, summed
+            in order afterwards; :func:`kv_splits`).
         causal: bottom-right aligned mask: query ``i`` sees key ``j`` iff
             ``j <= i + seqlen_k - seqlen_q``.
         scale: softmax scale, default ``1 / sqrt(head_dim)``.
@@ -126,7 +159,7 @@ def attn_bwd(
             dtype (last dim contiguous); written in full.
     Returns:
         ``(dq, dk, dv)`` in the input dtype, shaped like ``q``, ``k``, ``v``; dK/dV summed
-        over the query heads of each GQA group inside one program (deterministic: the same
+        over the query heads of each GQA group in a fixed order (deterministic: the same
         inputs and config give the same bits).
     """
     batch, heads_q, seqlen_q, head_dim = q.shape
@@ -142,8 +175,15 @@ def attn_bwd(
         dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     if dv is None:
         dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+    part_k = part_v = None
+    splits = kv_splits(config, heads_q // k.shape[1])
+    if splits > 1:
+        shape = partial_shape(k, splits)
+        part_k = torch.empty(shape, device=q.device, dtype=torch.float32)
+        part_v = torch.empty(shape, device=q.device, dtype=torch.float32)
     launches = kernel_args(q, k, v, out, lse, dout, delta, dq, dk, dv, config, causal=causal,
-                           scale=scale, upcast_dot=_upcast_dot(q), dlse=dlse)
+                           scale=scale, upcast_dot=_upcast_dot(q), dlse=dlse, part_k=part_k,
+                           part_v=part_v)
     for kernel, args, kwargs, grid in launches.values():
         kernel[grid](*args, **kwargs)
     return dq, dk, dv

@@ -20,9 +20,10 @@ BASE_PARAMS: dict[str, tuple[int, ...]] = {
 # optional knobs (see kernel.py); the default when left out of a config
 KNOBS: dict[str, tuple[int, ...]] = {
     "SPLIT_LOOPS": (0, 1),  # unmasked blocks in loops of their own
+    "KV_SPLITS": (1, 2, 4, 8),  # dK/dV programs per key tile over slices of the GQA group
 }
 PARAMS: dict[str, tuple[int, ...]] = {**BASE_PARAMS, **KNOBS}
-DEFAULTS: dict[str, int] = {"SPLIT_LOOPS": 0}
+DEFAULTS: dict[str, int] = {"SPLIT_LOOPS": 0, "KV_SPLITS": 1}
 # fp32 accumulators a thread may hold (dK + dV tiles, or the dQ tile) before the config is
 # pruned as hopeless (it would spill to local memory)
 MAX_ACC_PER_THREAD = 256
@@ -105,38 +106,54 @@ _INTERPRETER: Config = {"BLOCK_M1": 16, "BLOCK_N1": 32, "BLOCK_M2": 32, "BLOCK_N
                         "num_warps": 2, "num_stages": 1}
 
 
-# Owned tiles shrink (down to these) while a kernel's grid would leave the GPU idle: the
-# dK/dV kernel runs cdiv(Nk, BLOCK_N1) * B * Hkv programs, the dQ kernel cdiv(Nq, BLOCK_M2)
-# * B * Hq. H100, every owned-tile pair timed on 11 low-parallelism shapes
-# (benchmarks/results/explore_bwd_occupancy_h100.json and ..._check_h100.json):
-# * dK/dV: B2 Hq8 Hkv2 N1000 D64 and B1 Hq16 Hkv1 N4096 D64 ran at 12 TFLOP/s with
-#   BLOCK_N1 128 (32 programs) and at 117 and 168 with BLOCK_N1 32 (128 programs); with 64
-#   programs BLOCK_N1 64 beat 128 by 3-4% (D128); from 96 programs up BLOCK_N1 128 was the
-#   fastest (D128, by 1.3-1.6x). So: at least half the SM count of programs.
+# The dK/dV kernel runs cdiv(Nk, BLOCK_N1) * B * Hkv * KV_SPLITS programs, the dQ kernel
+# cdiv(Nq, BLOCK_M2) * B * Hq; the standard grid (B x H >= 512) fills the GPU with the
+# head-dim defaults, but GQA/MQA shapes with small batches do not. H100 measurements
+# (benchmarks/results/explore_bwd_occupancy*_h100.json, explore_bwd_kv_splits_h100.json;
+# benchmarks/README.md has the tables):
+# * D64, BLOCK_N1 128 collapses on small grids (12 TFLOP/s with 32 programs, 44-74 with
+#   128-256 made by KV_SPLITS) while BLOCK_N1 64 with KV_SPLITS 4 (256 programs) was the
+#   fastest of every tile x split on both D64 GQA/MQA shapes (162 and 328 TFLOP/s); without
+#   GQA to split, BLOCK_N1 32 (B1 H8 N512: 25 vs 15 TFLOP/s at 128).
+# * D128, BLOCK_N1 128 stays the fastest tile; KV_SPLITS 2 paid wherever the grid was under
+#   the SM count (48-128 -> 96-256 programs: 1.03-1.5x, the best split on 4 of 5 such shapes)
+#   and KV_SPLITS 4 was slower than 2 on every D128 shape measured (the fp32 partials are
+#   written and read once more per split); above the SM count splits gain or lose a few %.
+# * D64 (4 warps), KV_SPLITS 4 was the best split on all three GQA/MQA shapes (256-512
+#   programs), 8 worse.
 # * dQ: at D64, BLOCK_M2 64 beat 128 by 5% (128 -> 256 programs) and 19% (32 -> 64); at D128
-#   BLOCK_M2 128 won everywhere, by 36% with 96 programs against 64's 188. So: at D <= 64
-#   only, at least the SM count of programs.
+#   BLOCK_M2 128 won everywhere, by 36% with 96 programs against 64's 188.
 MIN_BLOCK_N1 = 32
 MIN_BLOCK_M2 = 64
 
 
 def fill_the_gpu(config: Config, problem: AttentionProblem, sm_count: int) -> Config:
-    """``config`` with BLOCK_N1 halved while the dK/dV kernel would run fewer programs than
-    half the SM count, and (head_dim <= 64) BLOCK_M2 while the dQ kernel would run fewer
-    than the SM count; see the measurements above."""
+    """``config`` reshaped so that both kernels' grids fill ``sm_count`` SMs (fitted to the
+    measurements above): at D <= 64, BLOCK_N1 to 64 while the dK/dV grid is under half the
+    SM count, then KV_SPLITS doubled (within the GQA group, up to 4) while it is under
+    twice the SM count; at D > 64, KV_SPLITS 2 (an even group) while it is under the SM
+    count; then BLOCK_N1 halved (to 32) while under half; and (D <= 64) BLOCK_M2 halved (to
+    64) while the dQ grid is under the SM count."""
     config = dict(config)
-    b = problem.batch
+    b, group = problem.batch, problem.heads_q // problem.heads_kv
 
     def dkdv_programs() -> int:
-        return -(-problem.seqlen_k // config["BLOCK_N1"]) * b * problem.heads_kv
+        splits = config.get("KV_SPLITS", 1)
+        return -(-problem.seqlen_k // config["BLOCK_N1"]) * b * problem.heads_kv * splits
 
     def dq_programs() -> int:
         return -(-problem.seqlen_q // config["BLOCK_M2"]) * b * problem.heads_q
 
+    small_d = problem.head_dim <= 64
+    if small_d and dkdv_programs() < sm_count // 2:
+        config["BLOCK_N1"] = min(config["BLOCK_N1"], 64)
+    max_splits, target = (4, 2 * sm_count) if small_d else (2, sm_count)
+    while dkdv_programs() < target and 2 * config.get("KV_SPLITS", 1) <= max_splits \
+            and group % (2 * config.get("KV_SPLITS", 1)) == 0:
+        config["KV_SPLITS"] = 2 * config.get("KV_SPLITS", 1)
     while dkdv_programs() < sm_count // 2 and config["BLOCK_N1"] > MIN_BLOCK_N1:
         config["BLOCK_N1"] //= 2
-    while problem.head_dim <= 64 and dq_programs() < sm_count \
-            and config["BLOCK_M2"] > MIN_BLOCK_M2:
+    while small_d and dq_programs() < sm_count and config["BLOCK_M2"] > MIN_BLOCK_M2:
         config["BLOCK_M2"] //= 2
     return config
 
