@@ -23,6 +23,8 @@ import platform
 import time
 from pathlib import Path
 
+from bench_bwd import rel  # this folder is on sys.path when the script runs
+
 SHAPES = [  # (batch, Hq, Hkv, N, D, causal)
     (2, 8, 2, 1000, 64, False),
     (1, 16, 1, 4096, 64, False),
@@ -33,10 +35,6 @@ SHAPES = [  # (batch, Hq, Hkv, N, D, causal)
     (1, 32, 8, 4096, 128, False),
 ]
 TILES = (32, 64, 128)
-
-
-def rel(a, b) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
 def main() -> None:

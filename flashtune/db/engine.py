@@ -158,19 +158,7 @@ def make_engine(url: str | URL, read_only: bool = False, *, wal: bool = True,
 
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_connection: Any, connection_record: Any) -> None:
-        # SQLAlchemy emits BEGIN (see _on_begin): keep sqlite3's legacy transaction control
-        # (its default until Python 3.16) with its implicit BEGIN switched off
-        if _LEGACY_CONTROL is not None and hasattr(dbapi_connection, "autocommit"):
-            dbapi_connection.autocommit = _LEGACY_CONTROL
-        dbapi_connection.isolation_level = None
-        cursor = dbapi_connection.cursor()
-        try:
-            cursor.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
-            cursor.execute("PRAGMA foreign_keys = ON")
-            if use_wal:
-                _set_wal(cursor)
-        finally:
-            cursor.close()
+        _prepare_connection(dbapi_connection, foreign_keys=True, wal=use_wal)
 
     @event.listens_for(engine, "begin")
     def _on_begin(conn: Any) -> None:
@@ -195,14 +183,7 @@ def serialize_sqlite_writes(engine: Engine) -> Engine:
 
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_connection: Any, connection_record: Any) -> None:
-        if _LEGACY_CONTROL is not None and hasattr(dbapi_connection, "autocommit"):
-            dbapi_connection.autocommit = _LEGACY_CONTROL
-        dbapi_connection.isolation_level = None
-        cursor = dbapi_connection.cursor()
-        try:
-            cursor.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
-        finally:
-            cursor.close()
+        _prepare_connection(dbapi_connection, foreign_keys=False, wal=False)
 
     @event.listens_for(engine, "begin")
     def _on_begin(conn: Any) -> None:
@@ -215,6 +196,25 @@ def serialize_sqlite_writes(engine: Engine) -> Engine:
 def write_engine(engine: Engine) -> Engine:
     """``engine`` whose transactions start with ``BEGIN IMMEDIATE`` on SQLite (same pool)."""
     return engine.execution_options(**{_WRITE_OPTION: True})
+
+
+def _prepare_connection(dbapi_connection: Any, *, foreign_keys: bool, wal: bool) -> None:
+    """A new sqlite3 connection of an engine whose transactions SQLAlchemy begins itself
+    (its ``begin`` listener emits BEGIN): sqlite3's legacy transaction control (its default
+    until Python 3.16) with the implicit BEGIN switched off, the busy timeout, and
+    optionally foreign keys and WAL mode."""
+    if _LEGACY_CONTROL is not None and hasattr(dbapi_connection, "autocommit"):
+        dbapi_connection.autocommit = _LEGACY_CONTROL
+    dbapi_connection.isolation_level = None
+    cursor = dbapi_connection.cursor()
+    try:
+        cursor.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+        if foreign_keys:
+            cursor.execute("PRAGMA foreign_keys = ON")
+        if wal:
+            _set_wal(cursor)
+    finally:
+        cursor.close()
 
 
 def _set_wal(cursor: Any) -> None:
