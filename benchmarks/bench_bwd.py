@@ -3,7 +3,10 @@
 against torch SDPA's flash (FA2) and cuDNN backward, one run, bf16 by default.
 
     python benchmarks/bench_bwd.py [--head-dims 64,128] [--seqlens 512,...] [--db URL]
-        [--out benchmarks/results/bwd.json]
+        [--variant '{"USE_TMA": 1}'] [--out benchmarks/results/bwd.json]
+
+``--variant``: also time the template default with these entries changed (a knob's effect,
+measured in the same run as the default and SDPA).
 
 Only the backward is timed: the forward runs once per shape and implementation, then
 * flashtune: ``attn_bwd(q, k, v, out, lse, dout, config)`` (preprocess, dK/dV, dQ);
@@ -28,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-IMPLS = ("flashtune", "flashtune_tuned", "sdpa_flash", "sdpa_cudnn")
+IMPLS = ("flashtune", "flashtune_tuned", "flashtune_variant", "sdpa_flash", "sdpa_cudnn")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -44,6 +47,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "(when it is a tuned one, not the template default)")
     ap.add_argument("--out", default="benchmarks/results/bwd.json")
     ap.add_argument("--limit", type=int, default=0, help="only the first N shapes")
+    ap.add_argument("--variant", type=json.loads, default=None, metavar="JSON",
+                    help="config entries that override the default for a third flashtune row")
     return ap.parse_args(argv)
 
 
@@ -102,6 +107,10 @@ def main(argv: list[str] | None = None) -> None:
                      "config": spec.default_config(p, dev)}
         fns = {"flashtune": lambda c=row["config"]: spec.launcher(q, k, v, out, lse, do, c,
                                                                 causal=p.causal)}
+        if args.variant:
+            row["variant"] = spec.space.validate({**row["config"], **args.variant})
+            fns["flashtune_variant"] = lambda c=row["variant"]: spec.launcher(
+                q, k, v, out, lse, do, c, causal=p.causal)
         if dispatcher is not None:
             choice = dispatcher.choose(p, dev)
             row["tuned"] = {"config": choice.config, "source": choice.source}
@@ -172,14 +181,18 @@ def summarize(rows: list[dict]) -> dict:
                       for r in rows if _tf(r, base) and (_best(r) if impl == "best"
                                                          else _tf(r, impl))]
             out[f"{label}_vs_{base}_geomean"] = geo(ratios)
+    for base in ("flashtune", "sdpa_flash", "sdpa_cudnn"):
+        ratios = [_tf(r, "flashtune_variant") / _tf(r, base) for r in rows
+                  if _tf(r, "flashtune_variant") and _tf(r, base)]
+        out[f"variant_vs_{base}_geomean"] = geo(ratios)
     out["all_checked"] = all("error" not in r.get("flashtune", {"error": 1}) for r in rows)
     return out
 
 
 def print_table(rows: list[dict], summary: dict) -> None:
-    print("| D | N | causal | flashtune default | tuned | sdpa_flash | sdpa_cudnn "
+    print("| D | N | causal | flashtune default | tuned | variant | sdpa_flash | sdpa_cudnn "
           "| vs flash | vs cudnn |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         p = r["problem"]
         cells = [f"{_tf(r, n):.0f}" if _tf(r, n) else "-" for n in IMPLS]
@@ -193,6 +206,10 @@ def print_table(rows: list[dict], summary: dict) -> None:
           f"one) {fmt(summary['best_vs_sdpa_flash_geomean'])}x flash, "
           f"{fmt(summary['best_vs_sdpa_cudnn_geomean'])}x cudnn; "
           f"all checked: {summary['all_checked']}")
+    if summary.get("variant_vs_flashtune_geomean"):
+        print(f"variant: {fmt(summary['variant_vs_flashtune_geomean'])}x default, "
+              f"{fmt(summary['variant_vs_sdpa_flash_geomean'])}x flash, "
+              f"{fmt(summary['variant_vs_sdpa_cudnn_geomean'])}x cudnn")
 
 
 if __name__ == "__main__":

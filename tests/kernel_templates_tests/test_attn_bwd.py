@@ -79,6 +79,38 @@ def test_configs_cover_every_loop_phase(cfg, nq, nk, split):
     assert_grads_close(grads(q, k, v, do, cfg, causal=True), q, k, v, do, causal=True)
 
 
+@pytest.mark.parametrize("split", [0, 1], ids=["one-loop", "split"])
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
+def test_tma_loads_match_float64(layout, split):
+    """USE_TMA: Q/dO (dK/dV kernel) and K/V (dQ kernel) through tensor descriptors, whose
+    zero fill covers the ragged ends and the padded head dim (96 -> 128): GQA, causal with
+    Nq != Nk both ways, strided (B, N, H, D) storage, KV_SPLITS too."""
+    for nq, nk in ((45, 70), (70, 45)):
+        q, k, v, do = make(1, 4, 2, nq, nk, 96, torch.float16, seed=nq + split, layout=layout)
+        for extra in ({}, {"KV_SPLITS": 2}):
+            cfg = {**CONFIGS[1], "SPLIT_LOOPS": split, "USE_TMA": 1, **extra}
+            for causal in (False, True):
+                assert_grads_close(grads(q, k, v, do, cfg, causal=causal), q, k, v, do,
+                                   causal=causal)
+
+
+def test_tma_falls_back_to_plain_loads_on_unaligned_strides():
+    from flashtune.kernel_templates.attn_bwd.launcher import kernel_args
+    q, k, v, do = make(1, 2, 2, 20, 24, 32, torch.float16)
+    q_odd = torch.empty(1, 2, 20, 33, dtype=q.dtype, device=DEVICE)[..., :32]
+    q_odd.copy_(q)  # row stride 33 elements: not a 16-byte multiple
+    cfg = {**CONFIGS[1], "USE_TMA": 1}
+    out, lse = attn_fwd(q, k, v, FWD_CFG, causal=False, return_lse=True)
+    delta = torch.empty(1, 2, 20, device=DEVICE)
+    for qq, expect in ((q, True), (q_odd, False)):
+        launches = kernel_args(qq, k, v, out, lse, do, delta, torch.empty_like(q),
+                               torch.empty_like(k), torch.empty_like(v), cfg, causal=False,
+                               scale=0.2, upcast_dot=False)
+        assert launches["dkdv"][2]["USE_TMA"] is expect and launches["dq"][2]["USE_TMA"] is expect
+    got = attn_bwd(q_odd, k, v, out, lse, do, cfg)
+    assert_grads_close(got, q, k, v, do, causal=False)
+
+
 def test_every_diagonal_offset_is_masked_exactly():
     """Nk - Nq around the multiples of the 16-row tiles, Nq = 2 mod 16: a block boundary
     off by one row in any loop split shows up in one of these."""
@@ -251,6 +283,16 @@ def test_precompile_warms_every_backward_kernel_with_the_launchers_arguments():
     for kern, args, kwargs, grid in split:
         names = list(kern.arg_names)
         assert names[len(args):] == [n for n in kwargs if n not in ("num_warps", "num_stages")]
+    # USE_TMA: the stand-ins are aligned, so descriptors of the launchers' box shapes
+    tma = attn_bwd_warmup_args(p, {**SPEC.default_config(p, interpreter_device()),
+                                   "USE_TMA": 1})
+    dkdv, dq = tma[1], tma[2]
+    assert dkdv[2]["USE_TMA"] and dq[2]["USE_TMA"]
+    names = list(dkdv[0].arg_names)
+    desc_q = dkdv[1][names.index("desc_q")]
+    assert desc_q.block_shape == [1, 1, 16, 128]  # BLOCK_M1 of the interpreter default
+    names = list(dq[0].arg_names)
+    assert dq[1][names.index("desc_k")].block_shape == [1, 1, 16, 128]  # BLOCK_N2
 
 
 # -- flashtune.attention with autograd ---------------------------------------------------------

@@ -33,8 +33,10 @@ def test_registered_with_its_own_tuning_case():
 
 def test_validate_rejects_unknown_missing_and_out_of_space():
     # the knobs are optional and default to off
-    assert SPEC.space.validate(GOOD) == {**GOOD, "SPLIT_LOOPS": 0, "KV_SPLITS": 1}
+    assert SPEC.space.validate(GOOD) == {**GOOD, "SPLIT_LOOPS": 0, "KV_SPLITS": 1,
+                                         "USE_TMA": 0}
     assert SPEC.space.validate({**GOOD, "SPLIT_LOOPS": 1})["SPLIT_LOOPS"] == 1
+    assert SPEC.space.validate({**GOOD, "USE_TMA": 1})["USE_TMA"] == 1
     assert SPEC.space.validate({**GOOD, "KV_SPLITS": 4})["KV_SPLITS"] == 4
     with pytest.raises(ConfigError, match=r"KV_SPLITS.*allowed values: \[1, 2, 4, 8\]"):
         SPEC.space.validate({**GOOD, "KV_SPLITS": 3})
@@ -128,8 +130,17 @@ def test_default_fills_the_gpu_on_low_parallelism_shapes():
     assert (big["BLOCK_N1"], big["BLOCK_M2"], big["KV_SPLITS"]) == (64, 128, 2)
 
 
+def test_tma_needs_hopper_and_its_shared_memory():
+    cfg = {**GOOD, "USE_TMA": 1}
+    assert SPEC.space.check(cfg, prob(128), H100) is None
+    ampere = DeviceFingerprint("NVIDIA_A100", "8.0", 108, 166912, 40 << 30)
+    assert "compute capability >= 9.0" in SPEC.space.check(cfg, prob(128), ampere)
+    assert SPEC.space.check(GOOD, prob(128), ampere) is None
+    assert shared_mem_bytes(cfg, 128) == shared_mem_bytes(GOOD, 128) + 1024
+
+
 def test_space_is_data():
-    assert SPEC.space.size == len(list(SPEC.space)) == 4 ** 4 * 3 * 5 * 2 * 4
+    assert SPEC.space.size == len(list(SPEC.space)) == 4 ** 4 * 3 * 5 * 2 * 4 * 2
     valid = SPEC.space.valid_configs(prob(128), H100)
     assert 0 < len(valid) < SPEC.space.size
 
@@ -142,7 +153,7 @@ from triton.compiler import ASTSource
 from flashtune.kernel_templates.attn_bwd.kernel import attn_bwd_dkdv, attn_bwd_dq
 from flashtune.kernel_templates.attn_fwd.space import block_d
 result = []
-for which, bm, bn, w, s, d, split in json.loads(sys.argv[1]):
+for which, bm, bn, w, s, d, split, tma in json.loads(sys.argv[1]):
     kern = attn_bwd_dkdv if which == "dkdv" else attn_bwd_dq
     names = kern.arg_names
     ptrs = {n: "*fp32" if n in ("Lse", "Delta", "PartK", "PartV") else "*fp16" for n in names
@@ -152,8 +163,12 @@ for which, bm, bn, w, s, d, split in json.loads(sys.argv[1]):
     tiles = ({"BLOCK_M1": bm, "BLOCK_N1": bn, "KV_SPLITS": 1} if which == "dkdv"
              else {"BLOCK_M2": bm, "BLOCK_N2": bn})
     const = dict(HEAD_DIM=d, BLOCK_D=block_d(d), IS_CAUSAL=True, UPCAST_DOT=False,
-                 SPLIT_LOOPS=bool(split), **tiles)
-    sig = {n: ("constexpr" if n in const else ptrs[n] if n in ptrs
+                 SPLIT_LOOPS=bool(split), USE_TMA=bool(tma), **tiles)
+    descs = [n for n in names if n.startswith("desc_")]
+    if not tma:
+        const.update({n: None for n in descs})
+    box = f"tensordesc<fp16[1,1,{bm if which == 'dkdv' else bn},{block_d(d)}]>"
+    sig = {n: ("constexpr" if n in const else ptrs[n] if n in ptrs else box if n in descs
                else "fp32" if n == "sm_scale" else "i32") for n in names}
     src = ASTSource(fn=kern, signature=sig, attrs=attrs,
                     constexprs={(names.index(k),): v for k, v in const.items()})
@@ -174,22 +189,24 @@ def test_shared_memory_model_matches_the_hopper_compiler():
     import subprocess
     import sys
 
-    # (kernel, BLOCK_M, BLOCK_N, warps, stages, head_dim, SPLIT_LOOPS); the owned tile is
-    # BLOCK_N1 / BLOCK_M2
-    cases = [("dkdv", 32, 128, 4, 3, 64, 0), ("dkdv", 64, 128, 8, 3, 128, 0),
-             ("dkdv", 32, 128, 8, 2, 128, 1), ("dkdv", 64, 64, 4, 4, 96, 1),
-             ("dkdv", 128, 64, 4, 1, 128, 0), ("dkdv", 16, 64, 8, 5, 64, 1),
-             ("dq", 128, 32, 4, 3, 64, 0), ("dq", 128, 64, 8, 3, 128, 0),
-             ("dq", 128, 32, 8, 2, 128, 1), ("dq", 64, 64, 4, 4, 96, 1)]
+    # (kernel, BLOCK_M, BLOCK_N, warps, stages, head_dim, SPLIT_LOOPS, USE_TMA); the owned
+    # tile is BLOCK_N1 / BLOCK_M2
+    cases = [("dkdv", 32, 128, 4, 3, 64, 0, 0), ("dkdv", 64, 128, 8, 3, 128, 0, 0),
+             ("dkdv", 32, 128, 8, 2, 128, 1, 0), ("dkdv", 64, 64, 4, 4, 96, 1, 0),
+             ("dkdv", 128, 64, 4, 1, 128, 0, 0), ("dkdv", 16, 64, 8, 5, 64, 1, 0),
+             ("dq", 128, 32, 4, 3, 64, 0, 0), ("dq", 128, 64, 8, 3, 128, 0, 0),
+             ("dq", 128, 32, 8, 2, 128, 1, 0), ("dq", 64, 64, 4, 4, 96, 1, 0),
+             ("dkdv", 64, 128, 8, 3, 128, 0, 1), ("dkdv", 64, 128, 4, 3, 64, 1, 1),
+             ("dq", 128, 64, 8, 3, 128, 0, 1), ("dq", 128, 32, 4, 3, 64, 1, 1)]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, json.dumps(cases)],
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     reported = json.loads(proc.stdout.strip().splitlines()[-1])
-    for (which, bm, bn, w, s, d, _), shared in zip(cases, reported):
+    for (which, bm, bn, w, s, d, _, tma), shared in zip(cases, reported):
         # the other kernel's tiles kept tiny so the model's max() picks this one
         tiles = ({"BLOCK_M1": bm, "BLOCK_N1": bn, "BLOCK_M2": 16, "BLOCK_N2": 16}
                  if which == "dkdv" else
                  {"BLOCK_M1": 16, "BLOCK_N1": 16, "BLOCK_M2": bm, "BLOCK_N2": bn})
-        est = shared_mem_bytes({**tiles, "num_stages": s}, d)
-        assert shared <= est <= shared + 1024, (which, bm, bn, w, s, d, est, shared)
+        est = shared_mem_bytes({**tiles, "num_stages": s, "USE_TMA": tma}, d)
+        assert shared <= est <= shared + 1024, (which, bm, bn, w, s, d, tma, est, shared)

@@ -18,6 +18,11 @@ Three kernels:
 with ``P = exp(scale * Q K^T - LSE)`` and ``dS = P * (dO V^T - delta)``; ``exp2`` with
 ``log2(e)`` folded into the scale and the LSE.
 
+``USE_TMA`` (a knob, compute capability >= 9.0): the tiles the two main kernels stream (Q and
+dO in the dK/dV kernel, K and V in the dQ kernel) are read through host-built 4-D tensor
+descriptors ``(B, H, N, D)``, out-of-range rows and padded head-dim columns coming back as
+zeros, instead of per-element pointers and masks.
+
 Causal masking is bottom-right aligned (query ``i`` sees key ``j <= i + Nk - Nq``); fully
 masked blocks are skipped. ``SPLIT_LOOPS`` (a knob) splits each walk like the forward's:
 blocks every entry of which is visible run in their own loop without any mask, and only the
@@ -87,16 +92,32 @@ def _load_rows(base, offs, offs_d, stride, N, HEAD_DIM: tl.constexpr, BLOCK_D: t
 
 
 @triton.jit
+def _load_tile(desc, base, off_b, off_h, start, offs, offs_d, stride, N,
+               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
+               MASKED: tl.constexpr, USE_TMA: tl.constexpr):
+    """Rows ``start + [0, BLOCK)`` (= ``offs``) of head ``(off_b, off_h)``, through the
+    tensor descriptor (USE_TMA: zero-filled past N and HEAD_DIM by the copy engine) or as
+    :func:`_load_rows`."""
+    if USE_TMA:
+        return desc.load([off_b, off_h, start, 0]).reshape(BLOCK, BLOCK_D)
+    return _load_rows(base, offs, offs_d, stride, N, HEAD_DIM, BLOCK_D, MASKED)
+
+
+@triton.jit
 def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom,
                 offs_n, offs_m0, offs_d, lo, hi, N_Q, CAUSAL_OFFSET, qk_scale,
+                desc_q, desc_do, off_b, off_h,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M1: tl.constexpr,
-                MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr):
+                MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr,
+                USE_TMA: tl.constexpr):
     """Query blocks ``[lo, hi)`` of one head against the program's keys; MASKED blocks get
     the bounds and causal masks, the others every entry."""
     for start_m in range(lo, hi, BLOCK_M1):
         offs_m = start_m + offs_m0
-        q = _load_rows(q_base, offs_m, offs_d, stride_qm, N_Q, HEAD_DIM, BLOCK_D, MASKED)
-        do = _load_rows(do_base, offs_m, offs_d, stride_dom, N_Q, HEAD_DIM, BLOCK_D, MASKED)
+        q = _load_tile(desc_q, q_base, off_b, off_h, start_m, offs_m, offs_d, stride_qm, N_Q,
+                       HEAD_DIM, BLOCK_D, BLOCK_M1, MASKED, USE_TMA)
+        do = _load_tile(desc_do, do_base, off_b, off_h, start_m, offs_m, offs_d, stride_dom,
+                        N_Q, HEAD_DIM, BLOCK_D, BLOCK_M1, MASKED, USE_TMA)
         if MASKED:
             m_ok = offs_m < N_Q
             lse = tl.load(lse_base + offs_m, mask=m_ok, other=0.0)
@@ -119,7 +140,7 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, 
 
 
 @triton.jit
-def attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, PartK, PartV,
+def attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, PartK, PartV, desc_q, desc_do,
                   stride_qb, stride_qh, stride_qm,
                   stride_kb, stride_kh, stride_kn,
                   stride_vb, stride_vh, stride_vn,
@@ -130,7 +151,7 @@ def attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, PartK, PartV,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
                   IS_CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr, SPLIT_LOOPS: tl.constexpr,
-                  KV_SPLITS: tl.constexpr):
+                  KV_SPLITS: tl.constexpr, USE_TMA: tl.constexpr):
     tl.static_assert(BLOCK_M1 >= 16 and BLOCK_N1 >= 16, "tl.dot needs tiles of at least 16")
     tl.static_assert(BLOCK_D >= HEAD_DIM, "BLOCK_D must cover HEAD_DIM")
     start_n = tl.program_id(0) * BLOCK_N1
@@ -179,20 +200,25 @@ def attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, PartK, PartV,
                 dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
                                      stride_qm, stride_dom, offs_n, offs_m0, offs_d, m_lo,
                                      m_mid, N_Q, causal_offset, qk_scale,
-                                     HEAD_DIM, BLOCK_D, BLOCK_M1, True, IS_CAUSAL, UPCAST_DOT)
+                                     desc_q, desc_do, off_b, off_h,
+                                     HEAD_DIM, BLOCK_D, BLOCK_M1, True, IS_CAUSAL, UPCAST_DOT,
+                                     USE_TMA)
             dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
                                  stride_qm, stride_dom, offs_n, offs_m0, offs_d, m_mid, m_full,
-                                 N_Q, causal_offset, qk_scale,
-                                 HEAD_DIM, BLOCK_D, BLOCK_M1, False, IS_CAUSAL, UPCAST_DOT)
+                                 N_Q, causal_offset, qk_scale, desc_q, desc_do, off_b, off_h,
+                                 HEAD_DIM, BLOCK_D, BLOCK_M1, False, IS_CAUSAL, UPCAST_DOT,
+                                 USE_TMA)
             dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
                                  stride_qm, stride_dom, offs_n, offs_m0, offs_d, m_full, N_Q,
-                                 N_Q, causal_offset, qk_scale,
-                                 HEAD_DIM, BLOCK_D, BLOCK_M1, True, IS_CAUSAL, UPCAST_DOT)
+                                 N_Q, causal_offset, qk_scale, desc_q, desc_do, off_b, off_h,
+                                 HEAD_DIM, BLOCK_D, BLOCK_M1, True, IS_CAUSAL, UPCAST_DOT,
+                                 USE_TMA)
         else:  # one loop over every block with a visible entry, each one masked
             dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
                                  stride_qm, stride_dom, offs_n, offs_m0, offs_d, m_lo, N_Q,
-                                 N_Q, causal_offset, qk_scale,
-                                 HEAD_DIM, BLOCK_D, BLOCK_M1, True, IS_CAUSAL, UPCAST_DOT)
+                                 N_Q, causal_offset, qk_scale, desc_q, desc_do, off_b, off_h,
+                                 HEAD_DIM, BLOCK_D, BLOCK_M1, True, IS_CAUSAL, UPCAST_DOT,
+                                 USE_TMA)
     dk *= sm_scale
     kv_mask = (offs_n < N_K)[:, None] & (offs_d < HEAD_DIM)[None, :]
     if KV_SPLITS > 1:  # fp32 partial sums, added up in order by attn_bwd_kv_reduce
@@ -242,13 +268,17 @@ def attn_bwd_kv_reduce(PartK, PartV, DK, DV,
 @triton.jit
 def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn,
               offs_m, offs_n0, offs_d, lo, hi, N_K, CAUSAL_OFFSET, qk_scale,
+              desc_k, desc_v, off_b, off_hkv,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N2: tl.constexpr,
-              MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr):
+              MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr,
+              USE_TMA: tl.constexpr):
     """Key blocks ``[lo, hi)`` against the program's queries (``lse2``: LSE in log2 units)."""
     for start_n in range(lo, hi, BLOCK_N2):
         offs_n = start_n + offs_n0
-        k = _load_rows(k_base, offs_n, offs_d, stride_kn, N_K, HEAD_DIM, BLOCK_D, MASKED)
-        v = _load_rows(v_base, offs_n, offs_d, stride_vn, N_K, HEAD_DIM, BLOCK_D, MASKED)
+        k = _load_tile(desc_k, k_base, off_b, off_hkv, start_n, offs_n, offs_d, stride_kn, N_K,
+                       HEAD_DIM, BLOCK_D, BLOCK_N2, MASKED, USE_TMA)
+        v = _load_tile(desc_v, v_base, off_b, off_hkv, start_n, offs_n, offs_d, stride_vn, N_K,
+                       HEAD_DIM, BLOCK_D, BLOCK_N2, MASKED, USE_TMA)
         qk = _dot(q, tl.trans(k), UPCAST_DOT)  # (BLOCK_M2, BLOCK_N2)
         p = tl.math.exp2(qk * qk_scale - lse2[:, None])
         if MASKED:
@@ -263,7 +293,7 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn,
 
 
 @triton.jit
-def attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ,
+def attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, desc_k, desc_v,
                 stride_qb, stride_qh, stride_qm,
                 stride_kb, stride_kh, stride_kn,
                 stride_vb, stride_vh, stride_vn,
@@ -272,7 +302,8 @@ def attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ,
                 H_Q, GROUP, N_Q, N_K, sm_scale,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
-                IS_CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr, SPLIT_LOOPS: tl.constexpr):
+                IS_CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr, SPLIT_LOOPS: tl.constexpr,
+                USE_TMA: tl.constexpr):
     tl.static_assert(BLOCK_M2 >= 16 and BLOCK_N2 >= 16, "tl.dot needs tiles of at least 16")
     tl.static_assert(BLOCK_D >= HEAD_DIM, "BLOCK_D must cover HEAD_DIM")
     start_m = tl.program_id(0) * BLOCK_M2
@@ -310,14 +341,17 @@ def attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ,
     if SPLIT_LOOPS:
         dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, offs_m,
                        offs_n0, offs_d, 0, n_full, N_K, causal_offset, qk_scale,
-                       HEAD_DIM, BLOCK_D, BLOCK_N2, False, IS_CAUSAL, UPCAST_DOT)
+                       desc_k, desc_v, off_b, off_hkv,
+                       HEAD_DIM, BLOCK_D, BLOCK_N2, False, IS_CAUSAL, UPCAST_DOT, USE_TMA)
         dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, offs_m,
                        offs_n0, offs_d, n_full, n_hi, N_K, causal_offset, qk_scale,
-                       HEAD_DIM, BLOCK_D, BLOCK_N2, True, IS_CAUSAL, UPCAST_DOT)
+                       desc_k, desc_v, off_b, off_hkv,
+                       HEAD_DIM, BLOCK_D, BLOCK_N2, True, IS_CAUSAL, UPCAST_DOT, USE_TMA)
     else:  # one loop over every block with a visible entry, each one masked
         dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, offs_m,
                        offs_n0, offs_d, 0, n_hi, N_K, causal_offset, qk_scale,
-                       HEAD_DIM, BLOCK_D, BLOCK_N2, True, IS_CAUSAL, UPCAST_DOT)
+                       desc_k, desc_v, off_b, off_hkv,
+                       HEAD_DIM, BLOCK_D, BLOCK_N2, True, IS_CAUSAL, UPCAST_DOT, USE_TMA)
     dq *= sm_scale
     tl.store(DQ + off_b.to(tl.int64) * stride_dqb + off_h.to(tl.int64) * stride_dqh
              + offs_m[:, None].to(tl.int64) * stride_dqm + offs_d[None, :],

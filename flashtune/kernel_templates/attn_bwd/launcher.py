@@ -22,6 +22,7 @@ from flashtune.kernel_templates.attn_bwd.kernel import (
     attn_bwd_preprocess,
 )
 from flashtune.kernel_templates.attn_bwd.space import DEFAULTS
+from flashtune.kernel_templates.attn_fwd.launcher import _desc, tma_ok
 from flashtune.kernel_templates.attn_fwd.space import block_d
 
 PREPROCESS_BLOCK_M = 64
@@ -74,6 +75,8 @@ def kernel_args(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, delta: An
     group = heads_q // heads_kv
     dl_strides = (0, 0, 0) if dlse is None else _s3(dlse)
     split = bool(config.get("SPLIT_LOOPS", DEFAULTS["SPLIT_LOOPS"]))
+    # the tensor-copy engine where the config asks for it and every streamed tensor allows it
+    use_tma = bool(config.get("USE_TMA", 0)) and tma_ok(q, k, v, dout)
     pre: Launch = (
         attn_bwd_preprocess,
         (out, dout, delta if dlse is None else dlse, delta, *_s3(out), *_s3(dout), *dl_strides,
@@ -89,11 +92,12 @@ def kernel_args(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, delta: An
         attn_bwd_dkdv,
         (q, k, v, dout, lse, delta, dk, dv,
          part_k if splits > 1 else dk, part_v if splits > 1 else dv,
+         *((_desc(q, bm1, bd), _desc(dout, bm1, bd)) if use_tma else (None, None)),
          *_s3(q), *_s3(k), *_s3(v), *_s3(dout), *_s3(dk), *_s3(dv),
          heads_q, heads_kv, group, seqlen_q, seqlen_k, float(scale)),
         dict(HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_M1=bm1, BLOCK_N1=bn1,
              IS_CAUSAL=bool(causal), UPCAST_DOT=upcast_dot, SPLIT_LOOPS=split,
-             KV_SPLITS=splits, num_warps=warps, num_stages=stages),
+             KV_SPLITS=splits, USE_TMA=use_tma, num_warps=warps, num_stages=stages),
         (triton.cdiv(seqlen_k, bn1), batch * heads_kv * splits))
     launches = {"preprocess": pre, "dkdv": dkdv}
     if splits > 1:
@@ -107,11 +111,12 @@ def kernel_args(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, delta: An
     dqk: Launch = (
         attn_bwd_dq,
         (q, k, v, dout, lse, delta, dq,
+         *((_desc(k, bn2, bd), _desc(v, bn2, bd)) if use_tma else (None, None)),
          *_s3(q), *_s3(k), *_s3(v), *_s3(dout), *_s3(dq),
          heads_q, group, seqlen_q, seqlen_k, float(scale)),
         dict(HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_M2=bm2, BLOCK_N2=bn2,
              IS_CAUSAL=bool(causal), UPCAST_DOT=upcast_dot, SPLIT_LOOPS=split,
-             num_warps=warps, num_stages=stages),
+             USE_TMA=use_tma, num_warps=warps, num_stages=stages),
         (triton.cdiv(seqlen_q, bm2), batch * heads_q))
     launches["dq"] = dqk
     return launches
@@ -148,7 +153,9 @@ def attn_bwd(
             tile, the dQ kernel's query tile and key step; optionally ``SPLIT_LOOPS`` (0/1:
             unmasked blocks in loops of their own, see kernel.py) and ``KV_SPLITS`` (1, 2,
             4, 8: dK/dV programs per key tile, each over a slice of the GQA group, summed
-            in order afterwards; :func:`kv_splits`).
+            in order afterwards; :func:`kv_splits`) and ``USE_TMA`` (0/1: Q/dO and K/V
+            tiles through tensor descriptors; plain loads where a tensor is not 16-byte
+            aligned, see ``attn_fwd.launcher.tma_ok``).
         causal: bottom-right aligned mask: query ``i`` sees key ``j`` iff
             ``j <= i + seqlen_k - seqlen_q``.
         scale: softmax scale, default ``1 / sqrt(head_dim)``.

@@ -21,9 +21,14 @@ BASE_PARAMS: dict[str, tuple[int, ...]] = {
 KNOBS: dict[str, tuple[int, ...]] = {
     "SPLIT_LOOPS": (0, 1),  # unmasked blocks in loops of their own
     "KV_SPLITS": (1, 2, 4, 8),  # dK/dV programs per key tile over slices of the GQA group
+    "USE_TMA": (0, 1),  # streamed tiles through tensor descriptors (compute capability >= 9)
 }
 PARAMS: dict[str, tuple[int, ...]] = {**BASE_PARAMS, **KNOBS}
-DEFAULTS: dict[str, int] = {"SPLIT_LOOPS": 0, "KV_SPLITS": 1}
+DEFAULTS: dict[str, int] = {"SPLIT_LOOPS": 0, "KV_SPLITS": 1, "USE_TMA": 0}
+# the tensor-copy engine needs compute capability 9.0; its barriers and 1 KiB swizzle
+# alignment add to shared memory (as in attn_fwd)
+TMA_MIN_CC = (9, 0)
+TMA_SMEM_EXTRA = 1024
 # fp32 accumulators a thread may hold (dK + dV tiles, or the dQ tile) before the config is
 # pruned as hopeless (it would spill to local memory)
 MAX_ACC_PER_THREAD = 256
@@ -50,7 +55,7 @@ def shared_mem_bytes(config: Mapping[str, int], head_dim: int, elem_size: int = 
     rows = -(-max(1, stages - 1) * bm1 * 8 // 1024) * 1024
     dkdv = (2 * bn1 * bd + stages * 2 * bm1 * bd) * elem_size + rows
     dq = (2 * bm2 * bd + stages * 2 * bn2 * bd) * elem_size
-    return max(dkdv, dq)
+    return max(dkdv, dq) + (TMA_SMEM_EXTRA if config.get("USE_TMA", 0) else 0)
 
 
 def _capability(device: DeviceFingerprint) -> tuple[int, int] | None:
@@ -78,6 +83,9 @@ def check(config: Mapping[str, int], problem: AttentionProblem,
     if problem.dtype == "bf16" and cc is not None and cc < BF16_MIN_CC:
         return (f"bf16 needs compute capability >= {BF16_MIN_CC[0]}.{BF16_MIN_CC[1]}, the device "
                 f"has {device.compute_capability}")
+    if config.get("USE_TMA", 0) and (cc is None or cc < TMA_MIN_CC):
+        return (f"USE_TMA needs compute capability >= {TMA_MIN_CC[0]}.{TMA_MIN_CC[1]}, the "
+                f"device has {device.compute_capability}")
     smem = shared_mem_bytes(config, problem.head_dim)
     if smem > device.shared_mem_per_block:
         return (f"needs ~{smem} B of shared memory, the device allows "
