@@ -7,29 +7,9 @@ import time
 import pytest
 import torch
 
-from flashtune.autotune.timing import SHORT_KERNEL_MS, bench, bench_queued
+from flashtune.autotune.timing import SHORT_KERNEL_MS, bench, bench_graph, bench_queued
 
 pytestmark = pytest.mark.gpu
-
-
-def _graph_ms(fn, reps=50):
-    fn()
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
 
 
 def test_a_slow_launcher_is_not_timed_as_kernel_time():
@@ -47,7 +27,7 @@ def test_a_slow_launcher_is_not_timed_as_kernel_time():
             pass
         kernel()
 
-    graph = _graph_ms(kernel)
+    graph = bench_graph(kernel, reps=50)
     got = bench(slow_launch)
     assert got.median_ms < SHORT_KERNEL_MS, got
     # the host's 0.3 ms do not show; a cold L2 costs at most a few x the warm graph time

@@ -140,6 +140,18 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, 
 
 
 @triton.jit
+def _store_dkdv(DK, DV, dk, dv, off_b, off_hkv, offs_n, offs_d, mask,
+                stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn):
+    """dK and dV rows ``offs_n`` of K/V head ``(off_b, off_hkv)``, cast to their dtype."""
+    tl.store(DK + off_b.to(tl.int64) * stride_dkb + off_hkv.to(tl.int64) * stride_dkh
+             + offs_n[:, None].to(tl.int64) * stride_dkn + offs_d[None, :],
+             dk.to(DK.dtype.element_ty), mask=mask)
+    tl.store(DV + off_b.to(tl.int64) * stride_dvb + off_hkv.to(tl.int64) * stride_dvh
+             + offs_n[:, None].to(tl.int64) * stride_dvn + offs_d[None, :],
+             dv.to(DV.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, PartK, PartV, desc_q, desc_do,
                   stride_qb, stride_qh, stride_qm,
                   stride_kb, stride_kh, stride_kn,
@@ -227,12 +239,8 @@ def attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, PartK, PartV, desc_q, desc_do
         tl.store(PartK + p_off, dk, mask=kv_mask)
         tl.store(PartV + p_off, dv, mask=kv_mask)
     else:
-        tl.store(DK + off_b.to(tl.int64) * stride_dkb + off_hkv.to(tl.int64) * stride_dkh
-                 + offs_n[:, None].to(tl.int64) * stride_dkn + offs_d[None, :],
-                 dk.to(DK.dtype.element_ty), mask=kv_mask)
-        tl.store(DV + off_b.to(tl.int64) * stride_dvb + off_hkv.to(tl.int64) * stride_dvh
-                 + offs_n[:, None].to(tl.int64) * stride_dvn + offs_d[None, :],
-                 dv.to(DV.dtype.element_ty), mask=kv_mask)
+        _store_dkdv(DK, DV, dk, dv, off_b, off_hkv, offs_n, offs_d, kv_mask,
+                    stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn)
 
 
 @triton.jit
@@ -257,12 +265,8 @@ def attn_bwd_kv_reduce(PartK, PartV, DK, DV,
         p_off = rows[:, None] * HEAD_DIM + offs_d[None, :]
         dk += tl.load(PartK + p_off, mask=mask, other=0.0)
         dv += tl.load(PartV + p_off, mask=mask, other=0.0)
-    tl.store(DK + off_b.to(tl.int64) * stride_dkb + off_hkv.to(tl.int64) * stride_dkh
-             + offs_n[:, None].to(tl.int64) * stride_dkn + offs_d[None, :],
-             dk.to(DK.dtype.element_ty), mask=mask)
-    tl.store(DV + off_b.to(tl.int64) * stride_dvb + off_hkv.to(tl.int64) * stride_dvh
-             + offs_n[:, None].to(tl.int64) * stride_dvn + offs_d[None, :],
-             dv.to(DV.dtype.element_ty), mask=mask)
+    _store_dkdv(DK, DV, dk, dv, off_b, off_hkv, offs_n, offs_d, mask,
+                stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn)
 
 
 @triton.jit
