@@ -7,7 +7,11 @@ from typing import Mapping
 from flashtune.autotune.devices import DeviceFingerprint
 from flashtune.autotune.problems import AttentionProblem
 from flashtune.autotune.spaces import Config, SearchSpace
-from flashtune.kernel_templates.attn_fwd.space import block_d
+from flashtune.kernel_templates.attn_fwd.space import (
+    TMA_MIN_CC,
+    TMA_SMEM_EXTRA,
+    block_d,
+)
 
 BASE_PARAMS: dict[str, tuple[int, ...]] = {
     "BLOCK_M1": (16, 32, 64, 128),   # dK/dV kernel: query rows per step
@@ -25,10 +29,6 @@ KNOBS: dict[str, tuple[int, ...]] = {
 }
 PARAMS: dict[str, tuple[int, ...]] = {**BASE_PARAMS, **KNOBS}
 DEFAULTS: dict[str, int] = {"SPLIT_LOOPS": 0, "KV_SPLITS": 1, "USE_TMA": 0}
-# the tensor-copy engine needs compute capability 9.0; its barriers and 1 KiB swizzle
-# alignment add to shared memory (as in attn_fwd)
-TMA_MIN_CC = (9, 0)
-TMA_SMEM_EXTRA = 1024
 # fp32 accumulators a thread may hold (dK + dV tiles, or the dQ tile) before the config is
 # pruned as hopeless (it would spill to local memory)
 MAX_ACC_PER_THREAD = 256
