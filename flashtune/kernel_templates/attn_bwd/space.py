@@ -168,12 +168,17 @@ def fill_the_gpu(config: Config, problem: AttentionProblem, sm_count: int) -> Co
 
 def default_config(problem: AttentionProblem, device: DeviceFingerprint) -> Config:
     """A safe config for ``problem`` on ``device``: the head-dim default (the interpreter's
-    small tiles under it), its owned tiles shrunk while a kernel would leave SMs idle
+    small tiles under it; Q/dO and K/V through tensor descriptors on Hopper and newer), its owned tiles shrunk while a kernel would leave SMs idle
     (:func:`fill_the_gpu`), then shrunk until the predicate accepts it."""
     if device.is_interpreter:
         return {**DEFAULTS, **_INTERPRETER}
     config = {**DEFAULTS, **next((c for max_d, c in _DEFAULTS if problem.head_dim <= max_d),
                                  _DEFAULTS[-1][1])}
+    cc = _capability(device)
+    if cc is not None and cc >= TMA_MIN_CC:
+        # H100, one run over the 24-shape standard grid: 1.05x the plain-load default on
+        # every shape (benchmarks/results/bwd_tma_h100.json)
+        config["USE_TMA"] = 1
     config = fill_the_gpu(config, problem, device.sm_count)
     while check(config, problem, device) is not None:
         if config["num_stages"] > 1:
