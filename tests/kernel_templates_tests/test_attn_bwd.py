@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import flashtune
-from flashtune.autotune.devices import interpreter_device
+from flashtune.autotune.devices import current_device, interpreter_device
 from flashtune.autotune.problems import AttentionProblem
 from flashtune.db.records import TrialState
 from flashtune.errors import ConfigError
@@ -236,8 +236,9 @@ def test_the_tuner_checks_times_and_stores_backward_configs(tmp_path):
 
     p = AttentionProblem(1, 4, 2, 24, 37, 32, True, "fp16")
     url = f"sqlite:///{tmp_path / 'bwd.db'}"
-    [res] = tune([p], TuneOptions(template="attn_bwd", trials=2, seed=0, interpret=True),
-                 db_url=url, progress=False)
+    # compiled kernels on the GPU with FLASHTUNE_TEST_DEVICE=cuda, the interpreter otherwise
+    [res] = tune([p], TuneOptions(template="attn_bwd", trials=2, seed=0,
+                                  interpret=DEVICE == "cpu"), db_url=url, progress=False)
     assert res.template == "attn_bwd" and res.best_config is not None
     assert SPEC.space.validate(res.best_config) == res.best_config
     assert res.states.get("COMPLETE", 0) >= 1
@@ -250,7 +251,8 @@ def test_runner_case_flags_wrong_gradients_and_counts_backward_flops():
     from flashtune.autotune.runners import LocalRunner
 
     p = AttentionProblem(1, 2, 1, 20, 30, 32, False, "fp16")
-    runner = LocalRunner(SPEC, p, interpreter_device(), seed=0)
+    dev = current_device(torch.device(DEVICE))
+    runner = LocalRunner(SPEC, p, dev, seed=0)
     assert runner.flops == p.flops(backward=True) == 2.5 * p.flops()
     assert runner.evaluate(CFG).state is TrialState.COMPLETE
 
@@ -258,7 +260,7 @@ def test_runner_case_flags_wrong_gradients_and_counts_backward_flops():
         dq, dk, dv = attn_bwd(*args, **kwargs)
         return dq, dk * 0.5, dv
 
-    bad = LocalRunner(SPEC, p, interpreter_device(), seed=0, launcher=halve_dk)
+    bad = LocalRunner(SPEC, p, dev, seed=0, launcher=halve_dk)
     res = bad.evaluate(CFG)
     assert res.state is TrialState.WRONG_RESULT and "relative error" in res.message
 
