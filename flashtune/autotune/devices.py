@@ -41,6 +41,15 @@ class DeviceFingerprint:
     def is_interpreter(self) -> bool:
         return self.name == CPU_INTERPRETER
 
+    @property
+    def capability(self) -> tuple[int, int] | None:
+        """``compute_capability`` as ``(major, minor)``; None where it is not one ("cpu")."""
+        try:
+            major, minor = self.compute_capability.split(".")
+            return int(major), int(minor)
+        except ValueError:
+            return None
+
     def hardware_key(self) -> tuple[str, str, int, int, int]:
         """The fields that identify the hardware; software versions are not part of it."""
         return (self.name, self.compute_capability, self.sm_count,

@@ -58,14 +58,6 @@ def shared_mem_bytes(config: Mapping[str, int], head_dim: int, elem_size: int = 
     return max(dkdv, dq) + (TMA_SMEM_EXTRA if config.get("USE_TMA", 0) else 0)
 
 
-def _capability(device: DeviceFingerprint) -> tuple[int, int] | None:
-    try:
-        major, minor = device.compute_capability.split(".")
-        return int(major), int(minor)
-    except ValueError:
-        return None
-
-
 def check(config: Mapping[str, int], problem: AttentionProblem,
           device: DeviceFingerprint) -> str | None:
     """Why ``config`` cannot (or should not) run ``problem`` on ``device``; None if it can."""
@@ -79,7 +71,7 @@ def check(config: Mapping[str, int], problem: AttentionProblem,
                 f"thread (> {MAX_ACC_PER_THREAD}) at {config['num_warps']} warps: would spill")
     if device.is_interpreter:
         return None
-    cc = _capability(device)
+    cc = device.capability
     if problem.dtype == "bf16" and cc is not None and cc < BF16_MIN_CC:
         return (f"bf16 needs compute capability >= {BF16_MIN_CC[0]}.{BF16_MIN_CC[1]}, the device "
                 f"has {device.compute_capability}")
@@ -168,13 +160,14 @@ def fill_the_gpu(config: Config, problem: AttentionProblem, sm_count: int) -> Co
 
 def default_config(problem: AttentionProblem, device: DeviceFingerprint) -> Config:
     """A safe config for ``problem`` on ``device``: the head-dim default (the interpreter's
-    small tiles under it; Q/dO and K/V through tensor descriptors on Hopper and newer), its owned tiles shrunk while a kernel would leave SMs idle
-    (:func:`fill_the_gpu`), then shrunk until the predicate accepts it."""
+    small tiles under it; Q/dO and K/V through tensor descriptors on Hopper and newer), its
+    owned tiles shrunk while a kernel would leave SMs idle (:func:`fill_the_gpu`), then
+    shrunk until the predicate accepts it."""
     if device.is_interpreter:
         return {**DEFAULTS, **_INTERPRETER}
     config = {**DEFAULTS, **next((c for max_d, c in _DEFAULTS if problem.head_dim <= max_d),
                                  _DEFAULTS[-1][1])}
-    cc = _capability(device)
+    cc = device.capability
     if cc is not None and cc >= TMA_MIN_CC:
         # H100, one run over the 24-shape standard grid: 1.05x the plain-load default on
         # every shape (benchmarks/results/bwd_tma_h100.json)

@@ -51,14 +51,6 @@ def shared_mem_bytes(config: Mapping[str, int], head_dim: int, elem_size: int = 
     return tiles + (TMA_SMEM_EXTRA if config.get("USE_TMA", 0) else 0)
 
 
-def _capability(device: DeviceFingerprint) -> tuple[int, int] | None:
-    try:
-        major, minor = device.compute_capability.split(".")
-        return int(major), int(minor)
-    except ValueError:
-        return None
-
-
 def check(config: Mapping[str, int], problem: AttentionProblem,
           device: DeviceFingerprint) -> str | None:
     """Why ``config`` cannot (or should not) run ``problem`` on ``device``; None if it can."""
@@ -67,7 +59,7 @@ def check(config: Mapping[str, int], problem: AttentionProblem,
     if config.get("REVERSE_M", 0) and not problem.causal:
         return "REVERSE_M only reorders causal problems (no-op here)"
     if config.get("USE_TMA", 0) and not device.is_interpreter:
-        cc = _capability(device)
+        cc = device.capability
         if cc is None or cc < TMA_MIN_CC:
             return (f"USE_TMA needs compute capability >= {TMA_MIN_CC[0]}.{TMA_MIN_CC[1]}, "
                     f"the device has {device.compute_capability}")
@@ -103,7 +95,7 @@ _DEFAULTS_TMA: tuple[tuple[int, Config], ...] = (
 def default_config(problem: AttentionProblem, device: DeviceFingerprint) -> Config:
     """A safe config for ``problem``: the head-dim default for the device (TMA on Hopper and
     newer, reversed tile order under a causal mask), shrunk until the device takes it."""
-    cc = _capability(device)
+    cc = device.capability
     table = _DEFAULTS_TMA if cc is not None and cc >= TMA_MIN_CC else _DEFAULTS
     cfg = next((c for max_d, c in table if problem.head_dim <= max_d), table[-1][1])
     config = {**DEFAULTS, **cfg, "REVERSE_M": int(problem.causal)}
