@@ -3,10 +3,14 @@
 against torch SDPA's flash (FA2) and cuDNN backward, one run, bf16 by default.
 
     python benchmarks/bench_bwd.py [--head-dims 64,128] [--seqlens 512,...] [--db URL]
-        [--variant '{"USE_TMA": 1}'] [--out benchmarks/results/bwd.json]
+        [--variant '{"USE_TMA": 1}' [--variant ...]] [--rounds 3]
+        [--out benchmarks/results/bwd.json]
 
-``--variant``: also time the template default with these entries changed (a knob's effect,
-measured in the same run as the default and SDPA).
+``--variant`` (repeatable): also time the template default with these entries changed (a
+knob's effect, measured in the same run as the default and SDPA); the first is reported as
+``flashtune_variant``, the next ones as ``flashtune_variant2``, ``flashtune_variant3``, ...
+``--rounds R``: time every implementation of a shape R times in rotation and report the
+median of the R medians (knobs worth a few % need the interleaving).
 
 Only the backward is timed: the forward runs once per shape and implementation, then
 * flashtune: ``attn_bwd(q, k, v, out, lse, dout, config)`` (preprocess, dK/dV, dQ);
@@ -34,6 +38,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 IMPLS = ("flashtune", "flashtune_tuned", "flashtune_variant", "sdpa_flash", "sdpa_cudnn")
 
 
+def variant_name(i: int) -> str:
+    """The row key of the ``i``-th (0-based) ``--variant``."""
+    return "flashtune_variant" if i == 0 else f"flashtune_variant{i + 1}"
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -47,8 +56,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "(when it is a tuned one, not the template default)")
     ap.add_argument("--out", default="benchmarks/results/bwd.json")
     ap.add_argument("--limit", type=int, default=0, help="only the first N shapes")
-    ap.add_argument("--variant", type=json.loads, default=None, metavar="JSON",
-                    help="config entries that override the default for a third flashtune row")
+    ap.add_argument("--variant", type=json.loads, action="append", default=[], metavar="JSON",
+                    help="config entries that override the default for another flashtune row "
+                         "(repeatable)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time the implementations of a shape this many times in rotation")
     return ap.parse_args(argv)
 
 
@@ -107,10 +119,11 @@ def main(argv: list[str] | None = None) -> None:
                      "config": spec.default_config(p, dev)}
         fns = {"flashtune": lambda c=row["config"]: spec.launcher(q, k, v, out, lse, do, c,
                                                                 causal=p.causal)}
-        if args.variant:
-            row["variant"] = spec.space.validate({**row["config"], **args.variant})
-            fns["flashtune_variant"] = lambda c=row["variant"]: spec.launcher(
-                q, k, v, out, lse, do, c, causal=p.causal)
+        for i, variant in enumerate(args.variant):
+            name = variant_name(i)
+            row[name.replace("flashtune_", "")] = c = spec.space.validate(
+                {**row["config"], **variant})
+            fns[name] = lambda c=c: spec.launcher(q, k, v, out, lse, do, c, causal=p.causal)
         if dispatcher is not None:
             choice = dispatcher.choose(p, dev)
             row["tuned"] = {"config": choice.config, "source": choice.source}
@@ -127,25 +140,38 @@ def main(argv: list[str] | None = None) -> None:
                 row[name] = {"error": str(exc).splitlines()[0][:200]}
                 continue
             fns[name] = lambda o=o: torch.autograd.grad(o, leaves, do, retain_graph=True)
+        checked = {}
         for name, fn in fns.items():
             try:
                 got = fn()
                 errs = {n: rel(a[s], r) for n, a, s, r in
                         zip(("dq", "dk", "dv"), got, (sq, skv, skv), ref)}
                 del got
-                if not max(errs.values()) < tol:  # also catches NaN
-                    row[name] = {"error": f"relative error {errs} >= {tol}; not timed",
-                                 "rel_err_vs_fp32": errs}
-                    continue
-                t = bench(fn)
             except RuntimeError as exc:
                 row[name] = {"error": str(exc).splitlines()[0][:200]}
                 continue
+            if not max(errs.values()) < tol:  # also catches NaN
+                row[name] = {"error": f"relative error {errs} >= {tol}; not timed",
+                             "rel_err_vs_fp32": errs}
+                continue
+            checked[name] = errs
+        times: dict[str, list] = {name: [] for name in checked}
+        for _ in range(max(1, args.rounds)):
+            for name in checked:
+                try:
+                    times[name].append(bench(fns[name]))
+                except RuntimeError as exc:
+                    row[name] = {"error": str(exc).splitlines()[0][:200]}
+        for name, ts in times.items():
+            if "error" in row.get(name, {}):
+                continue
+            t = sorted(ts, key=lambda t: t.median_ms)[len(ts) // 2]
             row[name] = {"median_ms": t.median_ms, "p20_ms": t.p20_ms, "p80_ms": t.p80_ms,
-                         "tflops": tflops(fl, t.median_ms), "rel_err_vs_fp32": errs}
+                         "tflops": tflops(fl, t.median_ms), "rel_err_vs_fp32": checked[name],
+                         "round_medians_ms": [x.median_ms for x in ts]}
         rows.append(row)
         print(f"{p.describe():55s} " + "  ".join(
-            f"{n} {row[n]['tflops']:.0f}" for n in IMPLS if "tflops" in row.get(n, {})),
+            f"{n} {row[n]['tflops']:.0f}" for n in _impls(rows) if "tflops" in row.get(n, {})),
             flush=True)
         fns.clear()  # the closures hold this shape's tensors
         torch.cuda.empty_cache()
@@ -159,6 +185,13 @@ def main(argv: list[str] | None = None) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(result, indent=1))
     print_table(rows, summarize(rows))
+
+
+def _impls(rows: list[dict]) -> list[str]:
+    """IMPLS plus the extra variants any row has, in order."""
+    extra = sorted({n for r in rows for n in r if n.startswith("flashtune_variant")} - set(IMPLS),
+                   key=lambda n: int(n.removeprefix("flashtune_variant")))
+    return [*IMPLS[:3], *extra, *IMPLS[3:]]
 
 
 def _tf(row: dict, name: str) -> float | None:
@@ -181,21 +214,23 @@ def summarize(rows: list[dict]) -> dict:
                       for r in rows if _tf(r, base) and (_best(r) if impl == "best"
                                                          else _tf(r, impl))]
             out[f"{label}_vs_{base}_geomean"] = geo(ratios)
-    for base in ("flashtune", "sdpa_flash", "sdpa_cudnn"):
-        ratios = [_tf(r, "flashtune_variant") / _tf(r, base) for r in rows
-                  if _tf(r, "flashtune_variant") and _tf(r, base)]
-        out[f"variant_vs_{base}_geomean"] = geo(ratios)
+    for impl in [n for n in _impls(rows) if n.startswith("flashtune_variant")]:
+        for base in ("flashtune", "sdpa_flash", "sdpa_cudnn"):
+            ratios = [_tf(r, impl) / _tf(r, base) for r in rows if _tf(r, impl) and _tf(r, base)]
+            out[f"{impl.removeprefix('flashtune_')}_vs_{base}_geomean"] = geo(ratios)
     out["all_checked"] = all("error" not in r.get("flashtune", {"error": 1}) for r in rows)
     return out
 
 
 def print_table(rows: list[dict], summary: dict) -> None:
-    print("| D | N | causal | flashtune default | tuned | variant | sdpa_flash | sdpa_cudnn "
-          "| vs flash | vs cudnn |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    impls = _impls(rows)
+    heads = ["flashtune default", "tuned",
+             *(n.removeprefix("flashtune_") for n in impls[2:-2]), "sdpa_flash", "sdpa_cudnn"]
+    print("| D | N | causal | " + " | ".join(heads) + " | vs flash | vs cudnn |")
+    print("|---|---|---|" + "---|" * (len(heads) + 2))
     for r in rows:
         p = r["problem"]
-        cells = [f"{_tf(r, n):.0f}" if _tf(r, n) else "-" for n in IMPLS]
+        cells = [f"{_tf(r, n):.0f}" if _tf(r, n) else "-" for n in impls]
         best, fa2, cud = _best(r), _tf(r, "sdpa_flash"), _tf(r, "sdpa_cudnn")
         print(f"| {p['head_dim']} | {p['seqlen_q']} | {'yes' if p['causal'] else 'no'} | "
               + " | ".join(cells)
@@ -206,10 +241,11 @@ def print_table(rows: list[dict], summary: dict) -> None:
           f"one) {fmt(summary['best_vs_sdpa_flash_geomean'])}x flash, "
           f"{fmt(summary['best_vs_sdpa_cudnn_geomean'])}x cudnn; "
           f"all checked: {summary['all_checked']}")
-    if summary.get("variant_vs_flashtune_geomean"):
-        print(f"variant: {fmt(summary['variant_vs_flashtune_geomean'])}x default, "
-              f"{fmt(summary['variant_vs_sdpa_flash_geomean'])}x flash, "
-              f"{fmt(summary['variant_vs_sdpa_cudnn_geomean'])}x cudnn")
+    for impl in [n.removeprefix("flashtune_") for n in impls if n.startswith("flashtune_var")]:
+        if summary.get(f"{impl}_vs_flashtune_geomean"):
+            print(f"{impl}: {fmt(summary[f'{impl}_vs_flashtune_geomean'])}x default, "
+                  f"{fmt(summary[f'{impl}_vs_sdpa_flash_geomean'])}x flash, "
+                  f"{fmt(summary[f'{impl}_vs_sdpa_cudnn_geomean'])}x cudnn")
 
 
 if __name__ == "__main__":

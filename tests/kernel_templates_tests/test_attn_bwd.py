@@ -200,6 +200,45 @@ def test_kv_splits_match_float64_and_stay_deterministic(splits, causal):
         assert torch.equal(got[0], one[0])  # dQ does not depend on the split
 
 
+@pytest.mark.parametrize("knobs", [{"ONE_LAUNCH": 1}, {"REVERSE_DQ": 1},
+                                   {"ONE_LAUNCH": 1, "REVERSE_DQ": 1, "KV_SPLITS": 2},
+                                   {"ONE_LAUNCH": 1, "USE_TMA": 1, "SPLIT_LOOPS": 1}],
+                         ids=["one-launch", "reverse-dq", "both-kv-splits", "one-launch-tma"])
+def test_one_launch_and_reverse_dq_give_the_same_bits(knobs):
+    """ONE_LAUNCH (dK/dV and dQ programs in one grid) and REVERSE_DQ (dQ tiles last-first)
+    only reorder programs: right against float64 on GQA/MQA causal shapes with Nq != Nk both
+    ways and a padded head dim, and bit-identical to the separate launches."""
+    from flashtune.kernel_templates.attn_bwd.launcher import kernel_args
+
+    for shape in [(1, 4, 2, 45, 70, 32), (2, 4, 1, 70, 45, 96)]:
+        q, k, v, do = make(*shape, torch.float16, seed=shape[3])
+        for causal in (False, True) if "REVERSE_DQ" not in knobs else (True,):
+            base = {**CONFIGS[1], **{n: v for n, v in knobs.items()
+                                     if n not in ("ONE_LAUNCH", "REVERSE_DQ")}}
+            got = grads(q, k, v, do, {**base, **knobs}, causal=causal)
+            assert_grads_close(got, q, k, v, do, causal=causal)
+            for x, y in zip(got, grads(q, k, v, do, base, causal=causal)):
+                assert torch.equal(x, y)
+    out, lse = attn_fwd(q, k, v, FWD_CFG, causal=True, return_lse=True)
+    launches = kernel_args(q, k, v, out, lse, do, lse, *grads(q, k, v, do, causal=True),
+                           {**CONFIGS[1], **knobs}, causal=True, scale=0.1, upcast_dot=False,
+                           part_k=torch.empty(8, 45, 96), part_v=torch.empty(8, 45, 96))
+    if knobs.get("ONE_LAUNCH"):  # cdiv(45, 64) * 2 * 1 * splits dK/dV + cdiv(70, 64) * 2 * 4 dQ
+        splits = knobs.get("KV_SPLITS", 1)
+        assert list(launches) == ["preprocess", "fused"] + ["kv_reduce"] * (splits > 1)
+        assert launches["fused"][3] == (2 * splits + 16, 1)
+    else:
+        assert list(launches) == ["preprocess", "dkdv", "dq"]
+        assert launches["dq"][2]["REVERSE_DQ"] is True
+
+
+def test_reverse_dq_is_refused_where_it_reorders_nothing():
+    full = AttentionProblem(1, 2, 2, 128, 128, 64, False, "bf16")
+    assert "causal" in SPEC.space.check({**CFG, "REVERSE_DQ": 1}, full, interpreter_device())
+    causal = AttentionProblem(1, 2, 2, 128, 128, 64, True, "bf16")
+    assert SPEC.space.check({**CFG, "REVERSE_DQ": 1}, causal, interpreter_device()) is None
+
+
 def test_kv_splits_follow_the_group():
     from flashtune.kernel_templates.attn_bwd.launcher import kv_splits
 

@@ -93,3 +93,26 @@ def test_the_tuner_runs_attn_bwd_on_the_gpu(tmp_path):
                  db_url=f"sqlite:///{tmp_path / 'bwd.db'}", progress=False)
     assert res.states.get("COMPLETE", 0) >= 2, res.states
     assert res.best_tflops is not None and res.best_tflops > 1.0
+
+
+@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[1], SHAPES[2], SHAPES[5]],
+                         ids=lambda s: "b{}h{}:{}q{}k{}d{}{}".format(*s[:6], "c" if s[6] else ""))
+def test_one_launch_and_reverse_dq_give_the_default_bits(shape):
+    """Compiled, the two ordering knobs on the default tiles: the same bits as the separate
+    launches in program order (bf16)."""
+    b, hq, hkv, nq, nk, d, causal = shape
+    q, k, v, do = _inputs(b, hq, hkv, nq, nk, d, torch.bfloat16, seed=3)
+    out, lse = _forward(q, k, v, causal)
+    cfg = SPEC.default_config(AttentionProblem.from_tensors(q, k, causal=causal), cuda_device())
+    want = SPEC.launcher(q, k, v, out, lse, do, cfg, causal=causal)
+    assert_grads_close(want, q, k, v, do, causal=causal)
+    for knobs in ({"ONE_LAUNCH": 1}, {"REVERSE_DQ": 1}, {"ONE_LAUNCH": 1, "REVERSE_DQ": 1},
+                  {"ONE_LAUNCH": 1, "KV_SPLITS": 2}):
+        if "REVERSE_DQ" in knobs and not causal:
+            continue
+        got = SPEC.launcher(q, k, v, out, lse, do, {**cfg, **knobs}, causal=causal)
+        if knobs.get("KV_SPLITS", 1) > 1 and hq > hkv:  # dK/dV summed in another order
+            assert_grads_close(got, q, k, v, do, causal=causal)
+            assert torch.equal(got[0], want[0])
+        else:
+            assert all(torch.equal(x, y) for x, y in zip(got, want)), knobs

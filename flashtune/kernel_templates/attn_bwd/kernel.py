@@ -164,10 +164,33 @@ def attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, PartK, PartV, desc_q, desc_do
                   BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
                   IS_CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr, SPLIT_LOOPS: tl.constexpr,
                   KV_SPLITS: tl.constexpr, USE_TMA: tl.constexpr):
+    _dkdv_program(tl.program_id(0), tl.program_id(1),
+                  Q, K, V, DO, Lse, Delta, DK, DV, PartK, PartV, desc_q, desc_do,
+                  stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+                  stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
+                  stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+                  H_Q, H_KV, GROUP, N_Q, N_K, sm_scale, HEAD_DIM, BLOCK_D, BLOCK_M1, BLOCK_N1,
+                  IS_CAUSAL, UPCAST_DOT, SPLIT_LOOPS, KV_SPLITS, USE_TMA)
+
+
+@triton.jit
+def _dkdv_program(tile_n, part, Q, K, V, DO, Lse, Delta, DK, DV, PartK, PartV, desc_q, desc_do,
+                  stride_qb, stride_qh, stride_qm,
+                  stride_kb, stride_kh, stride_kn,
+                  stride_vb, stride_vh, stride_vn,
+                  stride_dob, stride_doh, stride_dom,
+                  stride_dkb, stride_dkh, stride_dkn,
+                  stride_dvb, stride_dvh, stride_dvn,
+                  H_Q, H_KV, GROUP, N_Q, N_K, sm_scale,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
+                  IS_CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr, SPLIT_LOOPS: tl.constexpr,
+                  KV_SPLITS: tl.constexpr, USE_TMA: tl.constexpr):
+    """One dK/dV program: key tile ``tile_n`` of part ``part`` = ``(b, hkv) * KV_SPLITS +``
+    the slice of the group's query heads."""
     tl.static_assert(BLOCK_M1 >= 16 and BLOCK_N1 >= 16, "tl.dot needs tiles of at least 16")
     tl.static_assert(BLOCK_D >= HEAD_DIM, "BLOCK_D must cover HEAD_DIM")
-    start_n = tl.program_id(0) * BLOCK_N1
-    part = tl.program_id(1)  # (b, hkv) * KV_SPLITS + the slice of the group's query heads
+    start_n = tile_n * BLOCK_N1
     off_bh = part // KV_SPLITS
     off_s = part % KV_SPLITS
     off_b = off_bh // H_KV
@@ -307,11 +330,34 @@ def attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, desc_k, desc_v,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
                 IS_CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr, SPLIT_LOOPS: tl.constexpr,
+                USE_TMA: tl.constexpr, REVERSE_DQ: tl.constexpr):
+    tile_m = tl.program_id(0)
+    if REVERSE_DQ:
+        tile_m = tl.num_programs(0) - 1 - tile_m
+    _dq_program(tile_m, tl.program_id(1), Q, K, V, DO, Lse, Delta, DQ, desc_k, desc_v,
+                stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+                stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
+                stride_dqb, stride_dqh, stride_dqm, H_Q, GROUP, N_Q, N_K, sm_scale,
+                HEAD_DIM, BLOCK_D, BLOCK_M2, BLOCK_N2, IS_CAUSAL, UPCAST_DOT, SPLIT_LOOPS,
+                USE_TMA)
+
+
+@triton.jit
+def _dq_program(tile_m, off_bh, Q, K, V, DO, Lse, Delta, DQ, desc_k, desc_v,
+                stride_qb, stride_qh, stride_qm,
+                stride_kb, stride_kh, stride_kn,
+                stride_vb, stride_vh, stride_vn,
+                stride_dob, stride_doh, stride_dom,
+                stride_dqb, stride_dqh, stride_dqm,
+                H_Q, GROUP, N_Q, N_K, sm_scale,
+                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
+                IS_CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr, SPLIT_LOOPS: tl.constexpr,
                 USE_TMA: tl.constexpr):
+    """One dQ program: query tile ``tile_m`` of query head ``off_bh`` = ``b * H_Q + h``."""
     tl.static_assert(BLOCK_M2 >= 16 and BLOCK_N2 >= 16, "tl.dot needs tiles of at least 16")
     tl.static_assert(BLOCK_D >= HEAD_DIM, "BLOCK_D must cover HEAD_DIM")
-    start_m = tl.program_id(0) * BLOCK_M2
-    off_bh = tl.program_id(1)
+    start_m = tile_m * BLOCK_M2
     off_b = off_bh // H_Q
     off_h = off_bh % H_Q
     off_hkv = off_h // GROUP
@@ -360,3 +406,45 @@ def attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, desc_k, desc_v,
     tl.store(DQ + off_b.to(tl.int64) * stride_dqb + off_h.to(tl.int64) * stride_dqh
              + offs_m[:, None].to(tl.int64) * stride_dqm + offs_d[None, :],
              dq.to(DQ.dtype.element_ty), mask=m_ok[:, None] & (offs_d < HEAD_DIM)[None, :])
+
+
+@triton.jit
+def attn_bwd_fused(Q, K, V, DO, Lse, Delta, DQ, DK, DV, PartK, PartV,
+                   desc_q, desc_do, desc_k, desc_v,
+                   stride_qb, stride_qh, stride_qm,
+                   stride_kb, stride_kh, stride_kn,
+                   stride_vb, stride_vh, stride_vn,
+                   stride_dob, stride_doh, stride_dom,
+                   stride_dqb, stride_dqh, stride_dqm,
+                   stride_dkb, stride_dkh, stride_dkn,
+                   stride_dvb, stride_dvh, stride_dvn,
+                   H_Q, H_KV, GROUP, N_Q, N_K, sm_scale, N1_TILES, N1_PROGRAMS, N2_TILES,
+                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
+                   BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
+                   IS_CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr, SPLIT_LOOPS: tl.constexpr,
+                   KV_SPLITS: tl.constexpr, USE_TMA: tl.constexpr, REVERSE_DQ: tl.constexpr):
+    """``ONE_LAUNCH``: the dK/dV and the dQ programs in one 1-D grid, the ``N1_PROGRAMS``
+    dK/dV ones (``N1_TILES`` key tiles a part) first, then the dQ ones (``N2_TILES`` query
+    tiles a head), so that the dQ programs fill the SMs the dK/dV kernel's last wave leaves
+    idle instead of waiting for it to end."""
+    pid = tl.program_id(0)
+    if pid < N1_PROGRAMS:
+        _dkdv_program(pid % N1_TILES, pid // N1_TILES,
+                      Q, K, V, DO, Lse, Delta, DK, DV, PartK, PartV, desc_q, desc_do,
+                      stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+                      stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
+                      stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+                      H_Q, H_KV, GROUP, N_Q, N_K, sm_scale, HEAD_DIM, BLOCK_D, BLOCK_M1,
+                      BLOCK_N1, IS_CAUSAL, UPCAST_DOT, SPLIT_LOOPS, KV_SPLITS, USE_TMA)
+    else:
+        pid -= N1_PROGRAMS
+        tile_m = pid % N2_TILES
+        if REVERSE_DQ:
+            tile_m = N2_TILES - 1 - tile_m
+        _dq_program(tile_m, pid // N2_TILES, Q, K, V, DO, Lse, Delta, DQ, desc_k, desc_v,
+                    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+                    stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
+                    stride_dqb, stride_dqh, stride_dqm, H_Q, GROUP, N_Q, N_K, sm_scale,
+                    HEAD_DIM, BLOCK_D, BLOCK_M2, BLOCK_N2, IS_CAUSAL, UPCAST_DOT, SPLIT_LOOPS,
+                    USE_TMA)

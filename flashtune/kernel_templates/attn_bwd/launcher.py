@@ -18,6 +18,7 @@ import triton
 from flashtune.kernel_templates.attn_bwd.kernel import (
     attn_bwd_dkdv,
     attn_bwd_dq,
+    attn_bwd_fused,
     attn_bwd_kv_reduce,
     attn_bwd_preprocess,
 )
@@ -60,8 +61,9 @@ def kernel_args(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, delta: An
                 dq: Any, dk: Any, dv: Any, config: Mapping[str, int], *, causal: bool,
                 scale: float, upcast_dot: bool, dlse: Any = None, part_k: Any = None,
                 part_v: Any = None) -> dict[str, Launch]:
-    """The launches in order: ``{"preprocess", "dkdv", ["kv_reduce",] "dq"}`` ->
-    ``(kernel, args, kwargs, grid)``.
+    """The launches in order: ``{"preprocess", "dkdv", ["kv_reduce",] "dq"}``, or with
+    ``ONE_LAUNCH`` ``{"preprocess", "fused", ["kv_reduce"]}`` -> ``(kernel, args, kwargs,
+    grid)``.
 
     ``lse`` and ``delta`` must be contiguous ``(batch, heads_q, seqlen_q)`` float32; every
     other tensor needs a contiguous last dim (any other strides). ``dlse`` None: no LSE
@@ -85,41 +87,65 @@ def kernel_args(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, delta: An
              HAS_DLSE=dlse is not None),
         (triton.cdiv(seqlen_q, PREPROCESS_BLOCK_M), batch * heads_q))
     bm1, bn1 = config["BLOCK_M1"], config["BLOCK_N1"]
+    bm2, bn2 = config["BLOCK_M2"], config["BLOCK_N2"]
     splits = kv_splits(config, group)
     if splits > 1 and (part_k is None or part_v is None):
         raise ValueError(f"KV_SPLITS {splits} needs part_k and part_v buffers")
-    dkdv: Launch = (
+    reverse_dq = bool(config.get("REVERSE_DQ", DEFAULTS["REVERSE_DQ"]))
+    desc_qdo = (_desc(q, bm1, bd), _desc(dout, bm1, bd)) if use_tma else (None, None)
+    desc_kv = (_desc(k, bn2, bd), _desc(v, bn2, bd)) if use_tma else (None, None)
+    parts_k, parts_v = (part_k, part_v) if splits > 1 else (dk, dv)
+    launches: dict[str, Launch] = {"preprocess": pre}
+    if config.get("ONE_LAUNCH", DEFAULTS["ONE_LAUNCH"]):
+        n1_tiles, n2_tiles = triton.cdiv(seqlen_k, bn1), triton.cdiv(seqlen_q, bm2)
+        n1_programs = n1_tiles * batch * heads_kv * splits
+        launches["fused"] = (
+            attn_bwd_fused,
+            (q, k, v, dout, lse, delta, dq, dk, dv, parts_k, parts_v, *desc_qdo, *desc_kv,
+             *_s3(q), *_s3(k), *_s3(v), *_s3(dout), *_s3(dq), *_s3(dk), *_s3(dv),
+             heads_q, heads_kv, group, seqlen_q, seqlen_k, float(scale), n1_tiles,
+             n1_programs, n2_tiles),
+            dict(HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_M1=bm1, BLOCK_N1=bn1, BLOCK_M2=bm2,
+                 BLOCK_N2=bn2, IS_CAUSAL=bool(causal), UPCAST_DOT=upcast_dot,
+                 SPLIT_LOOPS=split, KV_SPLITS=splits, USE_TMA=use_tma, REVERSE_DQ=reverse_dq,
+                 num_warps=warps, num_stages=stages),
+            (n1_programs + n2_tiles * batch * heads_q, 1))
+        if splits > 1:
+            launches["kv_reduce"] = _kv_reduce(part_k, part_v, dk, dv, heads_kv, seqlen_k,
+                                               batch, head_dim, splits)
+        return launches
+    launches["dkdv"] = (
         attn_bwd_dkdv,
-        (q, k, v, dout, lse, delta, dk, dv,
-         part_k if splits > 1 else dk, part_v if splits > 1 else dv,
-         *((_desc(q, bm1, bd), _desc(dout, bm1, bd)) if use_tma else (None, None)),
+        (q, k, v, dout, lse, delta, dk, dv, parts_k, parts_v, *desc_qdo,
          *_s3(q), *_s3(k), *_s3(v), *_s3(dout), *_s3(dk), *_s3(dv),
          heads_q, heads_kv, group, seqlen_q, seqlen_k, float(scale)),
         dict(HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_M1=bm1, BLOCK_N1=bn1,
              IS_CAUSAL=bool(causal), UPCAST_DOT=upcast_dot, SPLIT_LOOPS=split,
              KV_SPLITS=splits, USE_TMA=use_tma, num_warps=warps, num_stages=stages),
         (triton.cdiv(seqlen_k, bn1), batch * heads_kv * splits))
-    launches = {"preprocess": pre, "dkdv": dkdv}
     if splits > 1:
-        launches["kv_reduce"] = (
-            attn_bwd_kv_reduce,
-            (part_k, part_v, dk, dv, *_s3(dk), *_s3(dv), heads_kv, seqlen_k),
-            dict(HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_N=REDUCE_BLOCK_N, KV_SPLITS=splits,
-                 num_warps=4),
-            (triton.cdiv(seqlen_k, REDUCE_BLOCK_N), batch * heads_kv))
-    bm2, bn2 = config["BLOCK_M2"], config["BLOCK_N2"]
-    dqk: Launch = (
+        launches["kv_reduce"] = _kv_reduce(part_k, part_v, dk, dv, heads_kv, seqlen_k, batch,
+                                           head_dim, splits)
+    launches["dq"] = (
         attn_bwd_dq,
-        (q, k, v, dout, lse, delta, dq,
-         *((_desc(k, bn2, bd), _desc(v, bn2, bd)) if use_tma else (None, None)),
+        (q, k, v, dout, lse, delta, dq, *desc_kv,
          *_s3(q), *_s3(k), *_s3(v), *_s3(dout), *_s3(dq),
          heads_q, group, seqlen_q, seqlen_k, float(scale)),
         dict(HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_M2=bm2, BLOCK_N2=bn2,
              IS_CAUSAL=bool(causal), UPCAST_DOT=upcast_dot, SPLIT_LOOPS=split,
-             USE_TMA=use_tma, num_warps=warps, num_stages=stages),
+             USE_TMA=use_tma, REVERSE_DQ=reverse_dq, num_warps=warps, num_stages=stages),
         (triton.cdiv(seqlen_q, bm2), batch * heads_q))
-    launches["dq"] = dqk
     return launches
+
+
+def _kv_reduce(part_k: Any, part_v: Any, dk: Any, dv: Any, heads_kv: int, seqlen_k: int,
+               batch: int, head_dim: int, splits: int) -> Launch:
+    """The launch that adds up the ``splits`` fp32 partial dK/dV sums in order."""
+    return (attn_bwd_kv_reduce,
+            (part_k, part_v, dk, dv, *_s3(dk), *_s3(dv), heads_kv, seqlen_k),
+            dict(HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_N=REDUCE_BLOCK_N,
+                 KV_SPLITS=splits, num_warps=4),
+            (triton.cdiv(seqlen_k, REDUCE_BLOCK_N), batch * heads_kv))
 
 
 def attn_bwd(

@@ -26,9 +26,12 @@ KNOBS: dict[str, tuple[int, ...]] = {
     "SPLIT_LOOPS": (0, 1),  # unmasked blocks in loops of their own
     "KV_SPLITS": (1, 2, 4, 8),  # dK/dV programs per key tile over slices of the GQA group
     "USE_TMA": (0, 1),  # streamed tiles through tensor descriptors (compute capability >= 9)
+    "REVERSE_DQ": (0, 1),  # causal: dQ programs take query tiles last-first (longest first)
+    "ONE_LAUNCH": (0, 1),  # the dK/dV and dQ programs in one grid (dQ fills dK/dV's tail)
 }
 PARAMS: dict[str, tuple[int, ...]] = {**BASE_PARAMS, **KNOBS}
-DEFAULTS: dict[str, int] = {"SPLIT_LOOPS": 0, "KV_SPLITS": 1, "USE_TMA": 0}
+DEFAULTS: dict[str, int] = {"SPLIT_LOOPS": 0, "KV_SPLITS": 1, "USE_TMA": 0, "REVERSE_DQ": 0,
+                            "ONE_LAUNCH": 0}
 # fp32 accumulators a thread may hold (dK + dV tiles, or the dQ tile) before the config is
 # pruned as hopeless (it would spill to local memory)
 MAX_ACC_PER_THREAD = 256
@@ -69,6 +72,8 @@ def check(config: Mapping[str, int], problem: AttentionProblem,
         which = "dK/dV" if dkdv_acc >= dq_acc else "dQ"
         return (f"the {which} kernel holds {max(dkdv_acc, dq_acc)} fp32 accumulators per "
                 f"thread (> {MAX_ACC_PER_THREAD}) at {config['num_warps']} warps: would spill")
+    if config.get("REVERSE_DQ", 0) and not problem.causal:
+        return "REVERSE_DQ only reorders causal problems (no-op here)"
     if device.is_interpreter:
         return None
     cc = device.capability
