@@ -3,12 +3,13 @@ which settings each kernel wants, and whether they want different warps or stage
 shared ``num_warps``/``num_stages`` cannot give them).
 
     python benchmarks/explore_bwd_kernels.py [--shapes 64:2048:0,128:8192:1] [--workers 16]
-        [--ab path/to/other_kernel.py] [--out benchmarks/results/explore_bwd.json]
+        [--knobs '{"USE_TMA": 1}'] [--ab path/to/other_kernel.py]
+        [--out benchmarks/results/explore_bwd.json]
 
 Per shape (standard grid: batch x N = 16384, hidden 2048; bf16): every config of the grid
 is compiled first in a process pool (``JITFunction.warmup``), then the dK/dV kernel and the
 dQ kernel are timed alone (``do_bench`` median), and the whole backward at the template
-default. ``--ab FILE`` also times the default config with the kernels of another
+default. ``--knobs JSON``: these knob values in every config of the grid. ``--ab FILE`` also times the default config with the kernels of another
 ``kernel.py`` with the same signatures (A/B of two kernel versions, same run).
 """
 
@@ -34,6 +35,7 @@ DQ_GRID = dict(BLOCK_M2=(64, 128), BLOCK_N2=(16, 32, 64), num_warps=(4, 8),
 QUICK = (dict(BLOCK_M1=(32, 64), BLOCK_N1=(128,), num_warps=(4, 8), num_stages=(2, 3)),
          dict(BLOCK_M2=(128,), BLOCK_N2=(32, 64), num_warps=(4, 8), num_stages=(2, 3)))
 FILLER = {"BLOCK_M1": 16, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 16}
+SEPARATE = {"ONE_LAUNCH": 0}  # the kernels are timed one at a time
 
 
 def grid(params: dict) -> list[dict]:
@@ -52,7 +54,7 @@ def _compile(shape: str, which: str, cfg: dict) -> str | None:
     try:
         from flashtune.autotune.precompile import attn_bwd_warmup_args
 
-        launches = attn_bwd_warmup_args(problem(shape), {**FILLER, **cfg})
+        launches = attn_bwd_warmup_args(problem(shape), {**FILLER, **cfg, **SEPARATE})
         kern, args, kwargs, g = launches[1 if which == "dkdv" else 2]
         kern.warmup(*args, grid=g, **kwargs)
         return None
@@ -78,11 +80,15 @@ def main() -> None:
     ap.add_argument("--full", default=None, metavar="JSON",
                     help='instead of the grid: whole backwards of these configs per head dim, '
                          '{"64": [config, ...], ...}, timed in interleaved rounds')
+    ap.add_argument("--knobs", type=json.loads, default={}, metavar="JSON",
+                    help="knob values in every config of the grid, e.g. {\"USE_TMA\": 1}")
     ap.add_argument("--out", default="benchmarks/results/explore_bwd.json")
     args = ap.parse_args()
     if args.full:
         return compare_full(args)
-    grids = {"dkdv": QUICK[0] if args.quick else DKDV_GRID, "dq": QUICK[1] if args.quick else DQ_GRID}
+    grids = {w: {**g, **{k: (v,) for k, v in args.knobs.items()}} for w, g in
+             (("dkdv", QUICK[0] if args.quick else DKDV_GRID),
+              ("dq", QUICK[1] if args.quick else DQ_GRID))}
     os.environ.setdefault("TRITON_CACHE_DIR", "/tmp/flashtune-explore-cache")
     import torch
 
@@ -124,18 +130,19 @@ def main() -> None:
                 kern = getattr(kernels, kern.fn.__name__)
             return lambda: kern[gr](*a, **kw)
 
-        default = spec.default_config(p, dev)
+        default = {**spec.default_config(p, dev), **SEPARATE}
         launch(default, "preprocess")()
         row = {"problem": p.key(), "default": default, "dkdv": [], "dq": []}
         for which, params in grids.items():
             for cfg in grid(params):
                 err = failed.get((shape, which, json.dumps(cfg)))
                 entry = {"config": cfg}
-                if err or spec.space.check({**FILLER, **cfg}, p, dev):
-                    entry["skipped"] = err or spec.space.check({**FILLER, **cfg}, p, dev)
+                full_cfg = {**FILLER, **cfg, **SEPARATE}
+                if err or spec.space.check(full_cfg, p, dev):
+                    entry["skipped"] = err or spec.space.check(full_cfg, p, dev)
                 else:
                     try:
-                        entry["ms"] = bench(launch({**FILLER, **cfg}, which)).median_ms
+                        entry["ms"] = bench(launch(full_cfg, which)).median_ms
                     except Exception as exc:  # noqa: BLE001 - failures are data
                         entry["error"] = str(exc).splitlines()[0][:200]
                 row[which].append(entry)
@@ -175,8 +182,41 @@ def main() -> None:
                     f" other {row['ab_default_ms']:.3f}/{row['ab_default_ms_again']:.3f}")
         print(msg, flush=True)
         torch.cuda.empty_cache()
+    overall = best_overall(results, args.knobs)
+    if overall:
+        print(f"best one config over the shapes (sum of the two kernels' times, geomean vs the "
+              f"default's parts {overall['vs_default_parts']:.3f}): "
+              f"{json.dumps(overall['config'])}", flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"device": dev.to_dict(), "rows": results}, indent=1))
+    Path(args.out).write_text(json.dumps({"device": dev.to_dict(), "knobs": args.knobs,
+                                          "best_overall": overall, "rows": results}, indent=1))
+
+
+def best_overall(rows: list[dict], knobs: dict) -> dict | None:
+    """The one whole config (a dK/dV entry and a dQ entry of the same warps and stages) whose
+    summed kernel times are the lowest over every shape, as the geomean of the ratio to the
+    default's two kernels: what a head-dim default would be, for shapes of one head dim."""
+    import math
+
+    def table(row: dict, which: str) -> dict:
+        return {json.dumps(e["config"], sort_keys=True): e["ms"] for e in row[which] if "ms" in e}
+    tables = [(table(r, "dkdv"), table(r, "dq"), sum(r["default_parts_ms"].values()))
+              for r in rows]
+    if not tables:
+        return None
+    best = None
+    for a in tables[0][0]:
+        for b in tables[0][1]:
+            ca, cb = json.loads(a), json.loads(b)
+            if (ca["num_warps"], ca["num_stages"]) != (cb["num_warps"], cb["num_stages"]):
+                continue
+            if not all(a in ta and b in tb for ta, tb, _ in tables):
+                continue
+            score = math.exp(sum(math.log((ta[a] + tb[b]) / base) for ta, tb, base in tables)
+                             / len(tables))
+            if best is None or score < best[0]:
+                best = (score, {**ca, **cb, **knobs})
+    return None if best is None else {"config": best[1], "vs_default_parts": best[0]}
 
 
 def compare_full(args: argparse.Namespace, rounds: int = 3) -> None:

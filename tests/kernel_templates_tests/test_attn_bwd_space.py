@@ -107,6 +107,17 @@ def test_default_uses_tma_on_hopper_only():
             assert SPEC.default_config(p, interpreter_device())["USE_TMA"] == 0
 
 
+def test_default_launches_once_at_d128_with_causal_dq_tiles_last_first():
+    # measured on an H100 (bwd_one_launch_h100.json): ONE_LAUNCH 1.02-1.05x at D128, 0.91x
+    # at D64; REVERSE_DQ adds 1% on causal shapes with it and nothing alone
+    for d, one in ((64, 0), (96, 1), (128, 1), (256, 0)):
+        for causal in (False, True):
+            cfg = SPEC.default_config(prob(d, causal=causal), H100)
+            assert cfg["ONE_LAUNCH"] == one and cfg["REVERSE_DQ"] == int(one and causal)
+            assert SPEC.space.check(cfg, prob(d, causal=causal), H100) is None
+    assert SPEC.default_config(prob(128, causal=True), interpreter_device())["ONE_LAUNCH"] == 0
+
+
 def test_default_fills_the_gpu_on_low_parallelism_shapes():
     """Small-batch GQA/MQA shapes get smaller owned tiles or split groups (H100: 12 -> 162
     and 328 TFLOP/s on two D64 shapes, 1.5x on D128 ones), and only they: the standard grid
@@ -117,8 +128,9 @@ def test_default_fills_the_gpu_on_low_parallelism_shapes():
     base = {d: c for d, c in _DEFAULTS}
     for p in standard_grid((64, 128), causal=(False, True),
                            seqlens=(512, 1024, 2048, 4096, 8192, 16384), dtype="bf16"):
-        assert SPEC.default_config(p, H100) == {**DEFAULTS, **base[p.head_dim], "USE_TMA": 1}, \
-            p.describe()
+        reverse = int(p.causal and base[p.head_dim].get("ONE_LAUNCH", 0))
+        assert SPEC.default_config(p, H100) == {**DEFAULTS, **base[p.head_dim], "USE_TMA": 1,
+                                                "REVERSE_DQ": reverse}, p.describe()
     cases = [  # (B, Hq, Hkv, N, D) -> (BLOCK_N1, BLOCK_M2, KV_SPLITS)
         ((2, 8, 2, 1000, 64), (64, 64, 4)),     # dK/dV 32 -> 256 programs, dQ 128 -> 256
         ((1, 16, 1, 4096, 64), (64, 128, 4)),   # MQA: 32 -> 256; dQ 512 already

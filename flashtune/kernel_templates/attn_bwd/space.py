@@ -97,12 +97,13 @@ _DEFAULTS: tuple[tuple[int, Config], ...] = (
     # keys for dK/dV, the transpose for dQ). D64 and D128: the fastest tiles of a per-kernel
     # sweep on 4 standard-grid shapes on the H100, then SPLIT_LOOPS measured both ways
     # (benchmarks/results/explore_bwd_h100.json: D128 1.4x, D64 1.0-1.1x the first
-    # version's default);
+    # version's default); ONE_LAUNCH at D128 only (benchmarks/results/bwd_one_launch_h100.json:
+    # 1.02x full, 1.04x causal at D128; 0.91x at D64);
     # D256: not measured.
     (64, {"BLOCK_M1": 64, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 32,
           "num_warps": 4, "num_stages": 3, "SPLIT_LOOPS": 1}),
     (128, {"BLOCK_M1": 64, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 64,
-           "num_warps": 8, "num_stages": 3, "SPLIT_LOOPS": 0}),
+           "num_warps": 8, "num_stages": 3, "SPLIT_LOOPS": 0, "ONE_LAUNCH": 1}),
     (256, {"BLOCK_M1": 16, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 16,
            "num_warps": 8, "num_stages": 1, "SPLIT_LOOPS": 0}),
 )
@@ -165,13 +166,19 @@ def fill_the_gpu(config: Config, problem: AttentionProblem, sm_count: int) -> Co
 
 def default_config(problem: AttentionProblem, device: DeviceFingerprint) -> Config:
     """A safe config for ``problem`` on ``device``: the head-dim default (the interpreter's
-    small tiles under it; Q/dO and K/V through tensor descriptors on Hopper and newer), its
+    small tiles under it; Q/dO and K/V through tensor descriptors on Hopper and newer; dQ
+    tiles last-first where the dQ programs share the dK/dV programs' launch), its
     owned tiles shrunk while a kernel would leave SMs idle (:func:`fill_the_gpu`), then
     shrunk until the predicate accepts it."""
     if device.is_interpreter:
         return {**DEFAULTS, **_INTERPRETER}
     config = {**DEFAULTS, **next((c for max_d, c in _DEFAULTS if problem.head_dim <= max_d),
                                  _DEFAULTS[-1][1])}
+    if config["ONE_LAUNCH"] and problem.causal:
+        # the longest dQ tiles first, so that they do not make the launch's tail: with
+        # ONE_LAUNCH at D128 causal 1.047x the default against 1.037x without
+        # (benchmarks/results/bwd_one_launch_h100.json); alone, 1.00x
+        config["REVERSE_DQ"] = 1
     cc = device.capability
     if cc is not None and cc >= TMA_MIN_CC:
         # H100, one run over the 24-shape standard grid: 1.05x the plain-load default on
