@@ -107,6 +107,15 @@ def test_default_uses_tma_on_hopper_only():
             assert SPEC.default_config(p, interpreter_device())["USE_TMA"] == 0
 
 
+def test_default_dq_key_step_is_64_at_small_head_dims_with_tma():
+    A100 = DeviceFingerprint("NVIDIA_A100-SXM4-80GB", "8.0", 108, 166912, 80 << 30)
+    # measured with TMA on an H100 (bwd_d64_variant_h100.json): 1.03-1.08x at D64
+    for d in (32, 64):
+        assert SPEC.default_config(prob(d), H100)["BLOCK_N2"] == 64
+        assert SPEC.default_config(prob(d), A100)["BLOCK_N2"] == 32  # plain loads: as before
+    assert SPEC.default_config(prob(128), H100)["BLOCK_N2"] == 64
+
+
 def test_default_launches_once_at_d128_with_causal_dq_tiles_last_first():
     # measured on an H100 (bwd_one_launch_h100.json): ONE_LAUNCH 1.02-1.05x at D128, 0.91x
     # at D64; REVERSE_DQ adds 1% on causal shapes with it and nothing alone
@@ -130,7 +139,8 @@ def test_default_fills_the_gpu_on_low_parallelism_shapes():
                            seqlens=(512, 1024, 2048, 4096, 8192, 16384), dtype="bf16"):
         reverse = int(p.causal and base[p.head_dim].get("ONE_LAUNCH", 0))
         assert SPEC.default_config(p, H100) == {**DEFAULTS, **base[p.head_dim], "USE_TMA": 1,
-                                                "REVERSE_DQ": reverse}, p.describe()
+                                                "REVERSE_DQ": reverse, "BLOCK_N2": 64}, \
+            p.describe()
     cases = [  # (B, Hq, Hkv, N, D) -> (BLOCK_N1, BLOCK_M2, KV_SPLITS)
         ((2, 8, 2, 1000, 64), (64, 64, 4)),     # dK/dV 32 -> 256 programs, dQ 128 -> 256
         ((1, 16, 1, 4096, 64), (64, 128, 4)),   # MQA: 32 -> 256; dQ 512 already

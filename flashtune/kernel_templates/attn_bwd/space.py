@@ -166,8 +166,9 @@ def fill_the_gpu(config: Config, problem: AttentionProblem, sm_count: int) -> Co
 
 def default_config(problem: AttentionProblem, device: DeviceFingerprint) -> Config:
     """A safe config for ``problem`` on ``device``: the head-dim default (the interpreter's
-    small tiles under it; Q/dO and K/V through tensor descriptors on Hopper and newer; dQ
-    tiles last-first where the dQ programs share the dK/dV programs' launch), its
+    small tiles under it; Q/dO and K/V through tensor descriptors on Hopper and newer, with
+    dQ key steps of 64 at D <= 64 there; dQ tiles last-first where the dQ programs share the
+    dK/dV programs' launch), its
     owned tiles shrunk while a kernel would leave SMs idle (:func:`fill_the_gpu`), then
     shrunk until the predicate accepts it."""
     if device.is_interpreter:
@@ -184,6 +185,11 @@ def default_config(problem: AttentionProblem, device: DeviceFingerprint) -> Conf
         # H100, one run over the 24-shape standard grid: 1.05x the plain-load default on
         # every shape (benchmarks/results/bwd_tma_h100.json)
         config["USE_TMA"] = 1
+        # with TMA the D64 dQ kernel wants key steps of 64 (per-kernel sweep,
+        # explore_bwd_d64_tma_h100.json): 1.03-1.08x on the 12 D64 shapes
+        # (bwd_d64_variant_h100.json)
+        if problem.head_dim <= 64:
+            config["BLOCK_N2"] = max(config["BLOCK_N2"], 64)
     config = fill_the_gpu(config, problem, device.sm_count)
     while check(config, problem, device) is not None:
         if config["num_stages"] > 1:
