@@ -18,6 +18,12 @@ Three kernels:
 with ``P = exp(scale * Q K^T - LSE)`` and ``dS = P * (dO V^T - delta)``; ``exp2`` with
 ``log2(e)`` folded into the scale and the LSE.
 
+``ONE_LAUNCH`` (a knob): kernels 2 and 3 as one launch, ``attn_bwd_fused``, whose 1-D grid
+holds the dK/dV programs and then the dQ programs (one code path each, chosen by program id),
+so dQ programs fill the SMs the dK/dV programs' last wave leaves idle. ``REVERSE_DQ`` (a
+knob, causal): dQ programs take query tiles last-first, the longest first. Both only reorder
+programs: the same bits.
+
 ``USE_TMA`` (a knob, compute capability >= 9.0): the tiles the two main kernels stream (Q and
 dO in the dK/dV kernel, K and V in the dQ kernel) are read through host-built 4-D tensor
 descriptors ``(B, H, N, D)``, out-of-range rows and padded head-dim columns coming back as
