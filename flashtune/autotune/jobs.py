@@ -68,7 +68,7 @@ class TuneOptions:
 
     template: str = "attn_fwd"
     trials: int = 50  # configs evaluated per run (duplicates and static prunes not counted)
-    timeout_s: float | None = None  # wall budget per problem
+    timeout_s: float | None = None  # wall budget per problem, checked after the first batch
     sampler: str = "tpe"
     seed: int | None = None
     patience: int | None = None  # early stop after K evaluated trials w/o improvement
@@ -436,7 +436,11 @@ def _tune_one(problem: AttentionProblem, options: TuneOptions, store: TuningStor
             return True
         if grid_done():
             return True
-        if options.timeout_s is not None and time.monotonic() - t_start > options.timeout_s:
+        # the wall budget is checked between batches, never before the first one (as
+        # Optuna's optimize(timeout=) runs at least one trial): a runner slower to start than
+        # the whole budget still gets the default measured
+        if options.timeout_s is not None and asks > 0 \
+                and time.monotonic() - t_start > options.timeout_s:
             return True
         return options.patience is not None and since_best >= options.patience
 

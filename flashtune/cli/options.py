@@ -73,7 +73,9 @@ def search_options(func: F) -> F:
         click.option("--trials", type=POSITIVE, default=50, show_default=True,
                      help="Trials per problem."),
         click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True),
-                     default=None, metavar="SECONDS", help="Wall-clock budget per problem."),
+                     default=None, metavar="SECONDS",
+                     help="Wall-clock budget per problem, checked between trial batches (the "
+                          "first batch always runs)."),
         click.option("--patience", type=POSITIVE, default=None,
                      help="Stop after this many trials without improvement."),
         click.option("--sampler", type=click.Choice(SAMPLERS), default="tpe", show_default=True,

@@ -92,6 +92,29 @@ def test_static_prune_and_failures_are_recorded(tmp_path, problem):
     assert "relative error" in by_state[TrialState.WRONG_RESULT].message
 
 
+def test_a_budget_spent_before_the_first_trial_still_measures_the_first_batch(tmp_path,
+                                                                                problem):
+    """--timeout is checked between batches, as Optuna's ``optimize(timeout=)`` checks it
+    between trials: a runner that takes longer to start than the whole budget (a GPU worker
+    process importing torch) still gets the first batch, the default, measured and stored,
+    instead of a run marked complete with no trial."""
+    import time
+
+    def slow_start(spec_, problem_, device_, options):
+        time.sleep(0.3)
+        return LocalRunner(spec_, problem_, device_, seed=0)
+
+    url = f"sqlite:///{tmp_path / 'ft.db'}"
+    [res] = tune([problem], dataclasses.replace(OPTS, timeout_s=0.1), db_url=url,
+                 progress=False, _runner_factory=slow_start)
+    assert res.trials == 1 and res.states == {"COMPLETE": 1}
+    assert res.best_config == res.default_config
+    with open_store(url) as store:
+        [trial] = store.list_trials()
+        assert trial.config == res.default_config
+        assert len(store.list_best(device_name="cpu-interpreter")) == 1
+
+
 def test_local_runner_states(problem):
     spec = get_template("attn_fwd")
     dev = interpreter_device()
