@@ -13,6 +13,13 @@ a time:
 * the runner reports a RUNTIME_ERROR on a GPU and the worker then finds its CUDA context
   broken (a probe launch fails): it says so and exits, and a fresh one starts.
 
+Starting a worker costs seconds (spawn, import torch and triton, a CUDA context). A job's
+problems share one: when a runner built by :func:`isolated`'s factory is closed, its live
+worker is parked, and the next runner re-initialises it for its own problem (an ``init``
+request: the old runner and its tensors are dropped first) instead of spawning another; the
+kernels it compiled stay in its in-memory cache. ``tune`` closes the factory (and the parked
+worker) at the end.
+
 Messages are JSON over a pipe (``send_bytes``/``recv_bytes``, at most :data:`WIRE_MAX`
 bytes): nothing the worker sends is unpickled. The worker rebuilds its runner from a
 factory named ``"module:function"`` (called as ``factory(spec, problem, device, options)``,
@@ -39,7 +46,7 @@ from flashtune.errors import ConfigError, FlashtuneError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["IsolatedRunner", "IsolationError", "factory_path", "isolated"]
+__all__ = ["IsolatedFactory", "IsolatedRunner", "IsolationError", "factory_path", "isolated"]
 
 WIRE_MAX = 1 << 20  # bytes of one message from the worker
 START_TIMEOUT_S = 600.0  # importing torch/triton and building the inputs
@@ -112,8 +119,9 @@ def _send(conn: Any, message: Mapping[str, Any]) -> None:
     conn.send_bytes(json.dumps(message, allow_nan=False).encode())
 
 
-def _serve(conn: Any, path: str, init_json: str) -> None:
-    """The worker: build the runner, then answer requests until told to stop."""
+def _build(conn: Any, path: str, init_json: str) -> Any:
+    """Build the runner ``init_json`` describes and tell the parent it is ready (or why not:
+    then None, and the worker exits)."""
     try:
         from flashtune.autotune.jobs import TuneOptions
         from flashtune.kernel_templates import get_template
@@ -125,19 +133,45 @@ def _serve(conn: Any, path: str, init_json: str) -> None:
     except Exception as exc:  # noqa: BLE001 - reported to the parent, then exit
         _send(conn, {"error": _first_line(exc)})
         conn.close()
-        return
+        return None
     retimes = callable(getattr(runner, "time_config", None)) and \
         not getattr(runner, "interpreting", True)
     flops = getattr(runner, "flops", None)
     _send(conn, {"ready": True, "retimes": retimes,
                  "flops": float(flops) if isinstance(flops, (int, float)) else None})
+    return runner
+
+
+def _release(runner: Any) -> None:
+    """Drop a runner's references (its input tensors) before the next one is built."""
+    import gc
+    import sys
+
+    del runner
+    gc.collect()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+def _serve(conn: Any, path: str, init_json: str) -> None:
+    """The worker: build the runner, then answer requests until told to stop; an ``init``
+    request replaces the runner with one for another problem."""
+    runner = _build(conn, path, init_json)
+    if runner is None:
+        return
     while True:
         try:
             request = json.loads(conn.recv_bytes())
         except (EOFError, OSError):
             return
         op, config = request.get("op"), request.get("config")
-        if op == "evaluate":
+        if op == "init":
+            _release(runner)
+            runner = _build(conn, path, request["init"])
+            if runner is None:
+                return
+        elif op == "evaluate":
             try:
                 res = runner.evaluate(config)
             except Exception as exc:  # noqa: BLE001 - a runner must not raise
@@ -168,8 +202,10 @@ class IsolatedRunner:
 
     def __init__(self, factory: Callable[..., Any] | str, spec: Any, problem: AttentionProblem,
                  device: DeviceFingerprint, options: Any, *, timeout_s: float | None = None,
-                 start_timeout_s: float = START_TIMEOUT_S) -> None:
+                 start_timeout_s: float = START_TIMEOUT_S,
+                 parking: IsolatedFactory | None = None) -> None:
         self.path = factory_path(factory)
+        self._parking = parking  # where close() leaves a live worker, and _start takes one
         self.timeout_s = timeout_s if timeout_s is not None else options.trial_timeout_s
         self.start_timeout_s = start_timeout_s
         self._init = json.dumps({"template": spec.name, "problem": problem.key(),
@@ -185,6 +221,8 @@ class IsolatedRunner:
     # -- worker lifecycle
 
     def _start(self) -> None:
+        if self._adopt():
+            return
         parent, child = self._ctx.Pipe(duplex=True)
         proc = self._ctx.Process(target=_serve, args=(child, self.path, self._init),
                                  name="flashtune-candidate", daemon=True)
@@ -197,10 +235,37 @@ class IsolatedRunner:
             self._kill()
             why = failure or str((reply or {}).get("error", "no ready message"))
             raise IsolationError(f"the candidate worker ({self.path}) did not start: {why}")
+        self._ready(reply)
+        log.debug("candidate worker pid %s ready", proc.pid)
+
+    def _ready(self, reply: Mapping[str, Any]) -> None:
         self.interpreting = not reply.get("retimes", False)
         flops = reply.get("flops")
         self.flops = float(flops) if isinstance(flops, (int, float)) else None
-        log.debug("candidate worker pid %s ready", proc.pid)
+
+    def _adopt(self) -> bool:
+        """Take over the worker a closed runner of the same factory parked, re-initialised
+        for this runner's problem; False when there is none or it fails to re-initialise
+        (it is stopped then)."""
+        parked = self._parking.take(self.path) if self._parking is not None else None
+        if parked is None:
+            return False
+        self._proc, self._conn = parked
+        try:
+            self._conn.send_bytes(json.dumps({"op": "init", "init": self._init}).encode())
+        except (OSError, ValueError):
+            self._kill()
+            return False
+        reply, failure = self._receive(self.start_timeout_s)
+        if reply is None or not reply.get("ready"):
+            log.debug("parked worker not reusable (%s); starting a fresh one",
+                      failure or (reply or {}).get("error"))
+            self._kill()
+            return False
+        self.restarts += 1
+        self._ready(reply)
+        log.debug("candidate worker pid %s re-initialised", self._proc.pid)
+        return True
 
     def _kill(self) -> None:
         proc, conn = self._proc, self._conn
@@ -282,8 +347,14 @@ class IsolatedRunner:
         return median, p20, p80
 
     def close(self) -> None:
-        """Stop the worker (politely, then by force)."""
+        """Stop the worker (politely, then by force), or park it with the factory that made
+        this runner for that factory's next runner."""
         if self._proc is None:
+            return
+        if self._parking is not None and self._proc.is_alive():
+            proc, conn = self._proc, self._conn
+            self._proc = self._conn = None
+            self._parking.park(self.path, proc, conn)
             return
         try:
             self._conn.send_bytes(json.dumps({"op": "stop"}).encode())
@@ -309,13 +380,67 @@ class IsolatedRunner:
             pass
 
 
-def isolated(factory: Callable[..., Any] | str) -> Callable[..., IsolatedRunner]:
-    """A runner factory like ``factory`` whose runners evaluate in a worker process."""
-    path = factory_path(factory)
+class IsolatedFactory:
+    """A runner factory whose runners evaluate in a worker process, one worker carried from
+    each closed runner to the next (see the module docstring). :meth:`close` stops the
+    parked worker; also a context manager."""
 
-    def make(spec: Any, problem: AttentionProblem, device: DeviceFingerprint,
-             options: Any) -> IsolatedRunner:
-        return IsolatedRunner(path, spec, problem, device, options,
-                              timeout_s=options.trial_timeout_s)
+    def __init__(self, factory: Callable[..., Any] | str) -> None:
+        self.path = factory_path(factory)
+        self._parked: tuple[str, Any, Any] | None = None
 
-    return make
+    def __call__(self, spec: Any, problem: AttentionProblem, device: DeviceFingerprint,
+                 options: Any) -> IsolatedRunner:
+        return IsolatedRunner(self.path, spec, problem, device, options,
+                              timeout_s=options.trial_timeout_s, parking=self)
+
+    def park(self, path: str, proc: Any, conn: Any) -> None:
+        """Keep a live worker for the next runner (stopping one parked before)."""
+        self.close()
+        self._parked = (path, proc, conn)
+
+    def take(self, path: str) -> tuple[Any, Any] | None:
+        """The parked ``(process, connection)`` of a worker serving ``path``, if alive."""
+        parked, self._parked = self._parked, None
+        if parked is None:
+            return None
+        if parked[0] != path or not parked[1].is_alive():
+            _stop(parked[1], parked[2])
+            return None
+        return parked[1], parked[2]
+
+    def close(self) -> None:
+        parked, self._parked = self._parked, None
+        if parked is not None:
+            _stop(parked[1], parked[2])
+
+    def __enter__(self) -> IsolatedFactory:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+def _stop(proc: Any, conn: Any) -> None:
+    """Ask a worker to stop, then make sure it has."""
+    try:
+        conn.send_bytes(json.dumps({"op": "stop"}).encode())
+        proc.join(STOP_TIMEOUT_S)
+    except (OSError, ValueError):
+        pass
+    conn.close()
+    if proc.is_alive():
+        proc.kill()
+    proc.join(STOP_TIMEOUT_S)
+
+
+def isolated(factory: Callable[..., Any] | str) -> IsolatedFactory:
+    """A runner factory like ``factory`` whose runners evaluate in a worker process (one
+    worker carried from problem to problem)."""
+    return IsolatedFactory(factory)

@@ -350,11 +350,14 @@ def tune(problems: Sequence[AttentionProblem], options: TuneOptions, *,
     device = _device or (interpreter_device() if options.interpret else cuda_device())
     factory = _runner_factory_for(options, _runner_factory, device)
     results = []
-    with open_store(url) as store:
-        for problem in problems:
-            results.append(_tune_one(problem, options, store, url, spec, device,
-                                     factory, _space or spec.space,
-                                     progress, progress_position))
+    try:
+        with open_store(url) as store:
+            for problem in problems:
+                results.append(_tune_one(problem, options, store, url, spec, device,
+                                         factory, _space or spec.space,
+                                         progress, progress_position))
+    finally:
+        _close(factory)  # an isolated factory's parked worker
     return results
 
 

@@ -119,3 +119,21 @@ class FaultyGpuRunner:
 
 def faulty_gpu_runner(spec: Any, problem: Any, device: Any, options: Any) -> FaultyGpuRunner:
     return FaultyGpuRunner(problem)
+
+
+class TaggedRunner(CrashingRunner):
+    """:class:`CrashingRunner` whose COMPLETE results name the worker process and the problem
+    the runner was built for (in the trial message)."""
+
+    def __init__(self, problem: Any) -> None:
+        super().__init__(problem)
+        self.tag = f"pid {os.getpid()} seqlen_q {problem.seqlen_q}"
+
+    def evaluate(self, config: Mapping[str, int]) -> TrialResult:
+        res = super().evaluate(config)
+        return TrialResult(res.state, self.tag, res.median_ms, res.p20_ms, res.p80_ms,
+                           res.tflops, res.compile_s)
+
+
+def tagged_runner(spec: Any, problem: Any, device: Any, options: Any) -> TaggedRunner:
+    return TaggedRunner(problem)

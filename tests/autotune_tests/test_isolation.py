@@ -4,6 +4,7 @@ the job (CPU; the GPU proof with a faulty kernel is test_isolation_gpu)."""
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 
@@ -62,6 +63,54 @@ def test_isolated_runner_restarts_its_worker(tmp_path):
         assert again.median_ms == pytest.approx(faulty.synthetic_ms(good))
         assert runner.restarts == 1
     assert runner.pid is None  # closed
+
+
+def test_one_worker_serves_every_problem_of_a_job(tmp_path):
+    """A worker costs seconds to start on a GPU: the job's problems share one, re-initialised
+    for each problem (its runner sees that problem), and it is stopped when the job ends."""
+    problems = [dataclasses.replace(PROBLEM, seqlen_q=n) for n in (40, 64, 80)]
+    url = f"sqlite:///{tmp_path / 'ft.db'}"
+    options = dataclasses.replace(OPTS, trials=2)
+    safe = SearchSpace(params={"BLOCK_M": (16,), "BLOCK_N": (16, 32), "num_warps": (2,),
+                               "num_stages": (1,)}, predicate=lambda c, p, d: None)
+    results = tune(problems, options, db_url=url, progress=False,
+                   _runner_factory=faulty.tagged_runner, _space=safe)
+    assert [r.states for r in results] == [{"COMPLETE": 2}] * 3
+    with open_store(url) as store:
+        runs = {r.id: r for r in store.list_runs()}
+        tags = {(runs[t.run_id].study_name, t.message) for t in store.list_trials()}
+    pids = {m.split()[1] for _, m in tags}
+    assert len(pids) == 1, tags
+    for name, message in tags:  # each run's runner was built for that run's problem
+        assert f'"seqlen_q":{message.split()[-1]}' in name
+    with pytest.raises(ProcessLookupError):  # stopped (and reaped) at the end of the job
+        os.kill(int(pids.pop()), 0)
+
+
+def test_a_dead_worker_is_not_carried_to_the_next_problem():
+    from flashtune.autotune.isolation import isolated
+
+    spec, dev = get_template("attn_fwd"), interpreter_device()
+    other = dataclasses.replace(PROBLEM, seqlen_q=80)
+    good = {"BLOCK_M": 16, "BLOCK_N": 32}
+    with isolated(faulty.crashing_runner) as factory:
+        first = factory(spec, PROBLEM, dev, OPTS)
+        pid = first.pid
+        assert first.evaluate(good).state is TrialState.COMPLETE
+        first.close()  # parked, not stopped
+        assert first.pid is None
+        second = factory(spec, other, dev, OPTS)
+        assert second.pid == pid and second.flops == other.flops() and second.restarts == 0
+        assert second.evaluate(faulty.SEGFAULT).state is TrialState.RUNTIME_ERROR
+        second.close()  # nothing left to park
+        third = factory(spec, PROBLEM, dev, OPTS)
+        assert third.pid not in (None, pid)
+        assert third.evaluate(good).state is TrialState.COMPLETE
+        third.close()
+        third_pid = factory._parked[1].pid
+    assert factory._parked is None  # the context manager stopped the parked worker
+    with pytest.raises(ProcessLookupError):
+        os.kill(third_pid, 0)
 
 
 def test_a_factory_that_fails_in_the_worker_is_a_clear_error():
