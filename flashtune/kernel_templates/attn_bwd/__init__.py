@@ -24,7 +24,7 @@ SPEC = register_template(TemplateSpec(
     reference=attn_bwd_reference,
     space=SPACE,
     default_config=default_config,
-    kernel=attn_bwd_dkdv,  # the main kernel; precompile warms all three (kernel_args)
+    kernel=attn_bwd_dkdv,  # the main kernel; precompile warms every launch (kernel_args)
     make_case=make_case,
 ))
 

@@ -1,5 +1,6 @@
-"""attn_bwd launcher: takes an explicit config, allocates dQ/dK/dV and launches the three
-kernels (see kernel.py). Inputs are trusted (checked by the caller, as for attn_fwd).
+"""attn_bwd launcher: takes an explicit config, allocates dQ/dK/dV and launches the kernels
+(see kernel.py: preprocess, dK/dV and dQ, or preprocess and one fused launch). Inputs are
+trusted (checked by the caller, as for attn_fwd).
 
 :func:`kernel_args` is the one place that maps tensors and a config to the kernels'
 arguments; the launcher and the precompiler (:mod:`flashtune.autotune.precompile`, which
@@ -179,9 +180,11 @@ def attn_bwd(
             tile, the dQ kernel's query tile and key step; optionally ``SPLIT_LOOPS`` (0/1:
             unmasked blocks in loops of their own, see kernel.py) and ``KV_SPLITS`` (1, 2,
             4, 8: dK/dV programs per key tile, each over a slice of the GQA group, summed
-            in order afterwards; :func:`kv_splits`) and ``USE_TMA`` (0/1: Q/dO and K/V
+            in order afterwards; :func:`kv_splits`), ``USE_TMA`` (0/1: Q/dO and K/V
             tiles through tensor descriptors; plain loads where a tensor is not 16-byte
-            aligned, see ``attn_fwd.launcher.tma_ok``).
+            aligned, see ``attn_fwd.launcher.tma_ok``), ``ONE_LAUNCH`` (0/1: the dK/dV and
+            dQ programs in one launch) and ``REVERSE_DQ`` (0/1: dQ query tiles last-first);
+            the last two only reorder programs (the same bits).
         causal: bottom-right aligned mask: query ``i`` sees key ``j`` iff
             ``j <= i + seqlen_k - seqlen_q``.
         scale: softmax scale, default ``1 / sqrt(head_dim)``.
