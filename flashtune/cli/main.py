@@ -12,6 +12,7 @@ import logging
 import click
 
 from flashtune._version import __version__
+from flashtune.cli.bench_commands import bench_command
 from flashtune.cli.db_commands import db
 from flashtune.cli.exchange_commands import export_command, import_command
 from flashtune.cli.report_commands import report_command
@@ -43,6 +44,7 @@ cli.add_command(show_command)
 cli.add_command(export_command)
 cli.add_command(import_command)
 cli.add_command(report_command)
+cli.add_command(bench_command)
 
 
 if __name__ == "__main__":

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from flashtune.db.records import TrialState
 from flashtune.report.studies import Importances, StudyReport, problem_label
 
-__all__ = ["MATPLOTLIB_MISSING", "load_pyplot", "plot_history", "plot_importances",
-           "plot_summary"]
+__all__ = ["MATPLOTLIB_MISSING", "load_pyplot", "plot_bench", "plot_history",
+           "plot_importances", "plot_summary"]
 
 MATPLOTLIB_MISSING = ("flashtune report needs matplotlib, which is not installed: "
                       "pip install matplotlib (or pip install 'flashtune[report]')")
@@ -137,4 +137,53 @@ def plot_summary(studies: Sequence[StudyReport], path: Path) -> Path:
     ax.set_title(f"tuned vs template default vs median trial ({unit})", fontsize=10)
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+_BENCH_STYLE = {"flashtune": ("#2ca02c", "-", "o"), "flashtune_default": ("#98df8a", "--", "o"),
+                "sdpa_flash": ("#1f77b4", "-", "s"), "sdpa_cudnn": ("#d62728", "-", "^"),
+                "sdpa_efficient": ("#9467bd", ":", "v"), "flex": ("#ff7f0e", "-.", "D")}
+
+
+def plot_bench(result: Mapping[str, Any], path: Path) -> Path:
+    """A ``flashtune bench`` run (:func:`flashtune.autotune.bench.bench_forward`): TFLOP/s
+    against the query length, one panel per (head dim, causal, dtype, GQA), one line per
+    implementation (missing points: errored or unsupported there); the matmul ceiling as a
+    dotted line when measured. Writes ``path``; returns it."""
+    plt = load_pyplot()
+    panels: dict[tuple[Any, ...], list[Mapping[str, Any]]] = {}
+    for row in result["rows"]:
+        p = row["problem"]
+        key = (p["head_dim"], p["causal"], p["dtype"], p["heads_q"] // p["heads_kv"])
+        panels.setdefault(key, []).append(row)
+    n = max(1, len(panels))
+    cols = min(n, 2)
+    rows_n = -(-n // cols)
+    fig, axes = plt.subplots(rows_n, cols, figsize=(6.0 * cols, 4.0 * rows_n), squeeze=False)
+    ceiling = result.get("ceiling_tflops")
+    for ax, (key, rows) in zip(axes.flat, sorted(panels.items())):
+        d, causal, dtype, group = key
+        rows = sorted(rows, key=lambda r: r["problem"]["seqlen_q"])
+        xs = [r["problem"]["seqlen_q"] for r in rows]
+        for name, (color, style, marker) in _BENCH_STYLE.items():
+            ys = [r.get(name, {}).get("tflops") for r in rows]
+            if any(y for y in ys):
+                ax.plot(xs, [y if y else math.nan for y in ys], color=color, linestyle=style,
+                        marker=marker, markersize=4, label=name)
+        if ceiling:
+            ax.axhline(ceiling, color="#7f7f7f", linestyle=":", linewidth=1,
+                       label=f"bf16 matmul ceiling ({ceiling:.0f})")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(xs)
+        ax.set_xticklabels([str(x) for x in xs], fontsize=7)
+        ax.set_xlabel("sequence length (Nq)")
+        ax.set_ylabel("TFLOP/s")
+        gqa = f", GQA {group}:1" if group > 1 else ""
+        ax.set_title(f"D={d}, {'causal' if causal else 'non-causal'}, {dtype}{gqa}", fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.set_visible(False)
+    device = result.get("device", {}).get("name", "")
+    fig.suptitle(f"attention forward on {device}", fontsize=11)
     return _save(fig, path)

@@ -1,0 +1,254 @@
+"""Forward benchmark: flashtune (the config the dispatcher serves, and the template default)
+against torch's attention backends, on any list of problems, in one run.
+
+This is what ``flashtune bench`` runs (the CLI adds the standard grid, the table, JSON and
+the plot). Per problem:
+
+* every implementation is run once and checked against an fp32 reference on a slice (batch
+  0, the first K/V head's group of query heads); one over the tuner's tolerance
+  (:data:`~flashtune.autotune.runners.TOLERANCE`) or that raises is reported with its error
+  and never timed;
+* the checked ones are timed ``rounds`` times in rotation (on a GPU
+  :func:`~flashtune.autotune.timing.bench`, cold L2 before every call; on CPU tensors the
+  host wall time) and the median of the per-round medians is kept.
+
+Implementations: ``flashtune`` (the dispatcher's choice: tuned exact/nearest, else the
+default; its source is recorded), ``flashtune_default`` (the template default), and the
+baselines of :data:`BASELINES`: SDPA's ``flash`` (FlashAttention-2), ``cudnn`` and
+``efficient`` backends, and FlexAttention (``torch.compile``-d on a GPU). A baseline that
+does not support a problem or device is reported with its error, as data.
+
+The matmul ceiling is measured in the same run on a GPU (a bf16 ``torch.matmul`` of
+8192 x 8192 x 8192, best of 5) so that each shape can report the fraction of it reached.
+"""
+
+from __future__ import annotations
+
+import math
+import platform
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+from flashtune.autotune.problems import AttentionProblem
+
+__all__ = ["BASELINES", "IMPLS", "bench_forward", "matmul_ceiling_tflops", "summarize"]
+
+BASELINES = ("sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "flex")
+IMPLS = ("flashtune", "flashtune_default", *BASELINES)
+CEILING_N = 8192
+
+
+def _sdpa(backend_name: str, q: Any, k: Any, v: Any, causal: bool) -> Callable[[], Any]:
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
+               "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION}[backend_name]
+    gqa = q.shape[1] != k.shape[1]
+    if causal and q.shape[2] != k.shape[2]:
+        raise ValueError("SDPA's is_causal is top-left aligned; flashtune's is bottom-right "
+                         "(Nq != Nk): not comparable")
+
+    def run() -> Any:
+        with sdpa_kernel(backend):
+            return torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, is_causal=causal, enable_gqa=gqa)
+    return run
+
+
+def _flex(q: Any, k: Any, v: Any, causal: bool) -> Callable[[], Any]:
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    nq, nk = q.shape[2], k.shape[2]
+    block_mask = None
+    if causal:
+        offset = nk - nq  # bottom-right, as flashtune
+
+        def mask(b: Any, h: Any, qi: Any, ki: Any) -> Any:
+            return ki <= qi + offset
+        block_mask = create_block_mask(mask, None, None, nq, nk, device=str(q.device))
+    fn = torch.compile(flex_attention, dynamic=False) if q.is_cuda else flex_attention
+    gqa = q.shape[1] != k.shape[1]
+    return lambda: fn(q, k, v, block_mask=block_mask, enable_gqa=gqa)
+
+
+def matmul_ceiling_tflops(rounds: int = 5) -> float | None:
+    """bf16 ``torch.matmul`` TFLOP/s of an ``8192^3`` product on the current GPU (best of
+    ``rounds`` timings); None without a GPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    from flashtune.autotune.timing import bench, tflops
+
+    a = torch.randn(CEILING_N, CEILING_N, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(CEILING_N, CEILING_N, device="cuda", dtype=torch.bfloat16)
+    best = min(bench(lambda: a @ b).median_ms for _ in range(rounds))
+    return tflops(2.0 * CEILING_N ** 3, best)
+
+
+def _wall_ms(fn: Callable[[], Any], reps: int = 2) -> float:
+    """Median host wall time of ``fn`` (CPU tensors, the interpreter: no events to time)."""
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def _first_line(exc: BaseException) -> str:
+    return (f"{type(exc).__name__}: " + (str(exc).strip().splitlines() or [""])[0])[:200]
+
+
+def bench_forward(problems: Sequence[AttentionProblem], *, baselines: Iterable[str] = BASELINES,
+                  rounds: int = 1, db_url: str | None = None, device: Any = None,
+                  ceiling: bool = True,
+                  on_row: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Benchmark the forward on ``problems``; returns the run as a JSON-ready dict
+    (``rows`` one per problem, ``summary`` the geomean ratios, ``ceiling_tflops``).
+
+    Arguments:
+        problems: the shapes (any dtype/GQA/causal; tensors live on the GPU, or on the CPU
+            under the Triton interpreter, where timings mean nothing).
+        baselines: names from :data:`BASELINES`; unknown names raise ``ValueError``.
+        rounds: timings per implementation, in rotation; the median of the medians is kept.
+        db_url: the tuning database the dispatcher reads (None: the default one).
+        device: a :class:`~flashtune.autotune.devices.DeviceFingerprint` (default: the
+            current GPU, or the interpreter's without one).
+        ceiling: measure the bf16 matmul ceiling first (GPU only).
+        on_row: called with each finished row (progress, partial saves).
+    """
+    import torch
+    import triton
+
+    from flashtune.autotune.devices import current_device, interpreter_device
+    from flashtune.kernel_templates import get_template
+    from flashtune.runtime.lookup import Dispatcher
+
+    baselines = list(baselines)
+    unknown = [b for b in baselines if b not in BASELINES]
+    if unknown:
+        raise ValueError(f"unknown baselines {unknown}; known: {list(BASELINES)}")
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    if device is None:  # the interpreter under TRITON_INTERPRET=1 or without a GPU
+        device = current_device() if torch.cuda.is_available() else interpreter_device()
+    torch_device = "cpu" if device.is_interpreter else "cuda"
+    spec = get_template("attn_fwd")
+    dispatcher = Dispatcher(spec)
+    dispatcher.reload(db_url=db_url)
+    t0 = time.time()
+    result: dict[str, Any] = {
+        "benchmark": "attn_fwd", "device": device.to_dict(), "torch": torch.__version__,
+        "triton": triton.__version__, "source_hash": spec.source_hash, "db": db_url,
+        "host": platform.node(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "rounds": rounds, "baselines": baselines,
+        "ceiling_tflops": matmul_ceiling_tflops() if ceiling and torch_device == "cuda" else None,
+        "rows": []}
+    for p in problems:
+        row = _bench_problem(p, spec, dispatcher.choose(p, device), device, torch_device,
+                             baselines, rounds)
+        result["rows"].append(row)
+        result["wall_s"] = time.time() - t0
+        result["summary"] = summarize(result["rows"], result["ceiling_tflops"])
+        if on_row is not None:
+            on_row(row)
+        if torch_device == "cuda":
+            torch.cuda.empty_cache()
+    result.setdefault("summary", summarize([], result["ceiling_tflops"]))
+    result.setdefault("wall_s", time.time() - t0)
+    return result
+
+
+def _bench_problem(p: AttentionProblem, spec: Any, choice: Any, device: Any, torch_device: str,
+                   baselines: Sequence[str], rounds: int) -> dict[str, Any]:
+    """One problem's row: every implementation checked against fp32, then timed."""
+    import torch
+
+    from flashtune.autotune.runners import TOLERANCE, relative_error
+    from flashtune.autotune.timing import bench, tflops
+    from flashtune.kernel_templates.attn_fwd.reference import attn_fwd_reference
+
+    g = torch.Generator(device=torch_device).manual_seed(0)
+    dt = torch.bfloat16 if p.dtype == "bf16" else torch.float16
+
+    def mk(h: int, n: int) -> Any:
+        return torch.randn(p.batch, h, n, p.head_dim, device=torch_device, generator=g).to(dt)
+    q, k, v = mk(p.heads_q, p.seqlen_q), mk(p.heads_kv, p.seqlen_k), mk(p.heads_kv, p.seqlen_k)
+    group = p.heads_q // p.heads_kv
+    sq, skv = (slice(0, 1), slice(0, group)), (slice(0, 1), slice(0, 1))
+    ref, _ = attn_fwd_reference(q[sq], k[skv], v[skv], causal=p.causal, dtype=torch.float32)
+    default = spec.default_config(p, device)
+    row: dict[str, Any] = {"problem": p.key(), "label": p.describe(), "flops": p.flops(),
+                           "config": choice.config, "source": choice.source,
+                           "default_config": default}
+
+    def launch(config: Mapping[str, int]) -> Callable[[], Any]:
+        return lambda: spec.launcher(q, k, v, config, causal=p.causal)
+    fns = {"flashtune": launch(choice.config), "flashtune_default": launch(default)}
+    for name in baselines:
+        try:
+            fns[name] = _flex(q, k, v, p.causal) if name == "flex" else \
+                _sdpa(name, q, k, v, p.causal)
+        except Exception as exc:  # noqa: BLE001 - an unsupported baseline is data
+            row[name] = {"error": _first_line(exc)}
+    checked: dict[str, float] = {}
+    for name, fn in fns.items():
+        try:
+            err = relative_error(fn()[sq], ref)
+        except Exception as exc:  # noqa: BLE001
+            row[name] = {"error": _first_line(exc)}
+            continue
+        if not err < TOLERANCE[p.dtype]:  # also NaN
+            row[name] = {"error": f"relative error {err:.3g} >= {TOLERANCE[p.dtype]} vs fp32; "
+                                  f"not timed", "rel_err_vs_fp32": err}
+            continue
+        checked[name] = err
+    times: dict[str, list[float]] = {name: [] for name in checked}
+    for _ in range(rounds):
+        for name in list(times):
+            try:
+                times[name].append(bench(fns[name]).median_ms if torch_device == "cuda"
+                                   else _wall_ms(fns[name]))
+            except Exception as exc:  # noqa: BLE001
+                row[name] = {"error": _first_line(exc)}
+                del times[name]
+    for name, ts in times.items():
+        ms = sorted(ts)[len(ts) // 2]
+        row[name] = {"median_ms": ms, "tflops": tflops(p.flops(), ms),
+                     "rel_err_vs_fp32": checked[name], "round_medians_ms": ts}
+    return row
+
+
+def tflops_of(row: Mapping[str, Any], name: str) -> float | None:
+    """TFLOP/s of implementation ``name`` in ``row`` (None: errored or absent)."""
+    value = row.get(name, {}).get("tflops")
+    return float(value) if value else None
+
+
+def _geomean(xs: Sequence[float]) -> float | None:
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
+
+
+def summarize(rows: Sequence[Mapping[str, Any]], ceiling: float | None) -> dict[str, Any]:
+    """Geomean ratios ``<impl>_vs_<other>`` over the rows where both were timed (flashtune
+    and its default against each other and every baseline), and flashtune's mean fraction
+    of the matmul ceiling."""
+    out: dict[str, Any] = {}
+    for mine in ("flashtune", "flashtune_default"):
+        for other in ("flashtune_default", *BASELINES):
+            if other == mine:
+                continue
+            pairs = [(tflops_of(r, mine), tflops_of(r, other)) for r in rows]
+            ratios = [a / b for a, b in pairs if a and b]
+            if ratios:
+                out[f"{mine}_vs_{other}_geomean"] = _geomean(ratios)
+                out[f"{mine}_vs_{other}_min"] = min(ratios)
+    if ceiling:
+        fractions = [t / ceiling for t in (tflops_of(r, "flashtune") for r in rows) if t]
+        out["flashtune_of_ceiling_geomean"] = _geomean(fractions)
+    out["all_checked"] = all("tflops" in r.get("flashtune", {}) for r in rows)
+    return out

@@ -1,0 +1,164 @@
+"""``flashtune bench``: the forward against torch's attention backends, one run.
+
+Problems: the standard grid of ANCHORS.md (``--head-dims``, ``--seqlens``; causal and not) by
+default, or one shape (the shape options), ``--plan FILE`` or ``--preset NAME`` as for
+``flashtune tune``. Per problem it times the config the dispatcher serves from the database
+(``--db``: tuned exact or nearest, else the default), the template default, and SDPA's
+flash / cuDNN / efficient backends and FlexAttention, each checked against fp32 first (see
+:mod:`flashtune.autotune.bench`). Prints a table, writes the run as JSON (``--out``; rewritten
+after every shape, so a cut-off run keeps what it measured) and a PNG plot (``--plot``).
+
+Without a CUDA GPU (or with ``--interpret``) it runs under the Triton interpreter on CPU
+tensors, which checks the pipeline and numerics on small shapes; its timings mean nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import click
+
+from flashtune.cli.options import db_url, shape_options
+from flashtune.cli.tune_commands import (
+    _SHAPE_NAMES,
+    _decide_interpret,
+    _problems,
+    _table,
+    format_tflops,
+)
+
+__all__ = ["bench_command", "render_bench"]
+
+STANDARD_SEQLENS = "512,1024,2048,4096,8192,16384"
+_SHORT = {"flashtune": "flashtune", "flashtune_default": "default", "sdpa_flash": "sdpa flash",
+          "sdpa_cudnn": "sdpa cudnn", "sdpa_efficient": "sdpa efficient", "flex": "flex"}
+
+
+def _ints(text: str, option: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers like 64,128, got {text!r}",
+                                 param_hint=f"'{option}'") from None
+    if not values or any(x < 1 for x in values):
+        raise click.BadParameter(f"expected positive integers, got {text!r}",
+                                 param_hint=f"'{option}'")
+    return values
+
+
+def render_bench(result: Mapping[str, Any]) -> str:
+    """The closing table: TFLOP/s per implementation and shape, flashtune's ratios to SDPA
+    flash and cuDNN, its fraction of the matmul ceiling; then the geomeans."""
+    from flashtune.autotune.bench import IMPLS, tflops_of
+
+    rows = result["rows"]
+    impls = [n for n in IMPLS if any(n in r for r in rows)]
+    ceiling = result.get("ceiling_tflops")
+    header = ["shape", "config", *(_SHORT[n] for n in impls), "vs flash", "vs cudnn",
+              "of ceiling"]
+    body = []
+    for r in rows:
+        mine, fa2, cud = (tflops_of(r, n) for n in ("flashtune", "sdpa_flash", "sdpa_cudnn"))
+        body.append([r["label"], r["source"],
+                     *(format_tflops(t) if (t := tflops_of(r, n)) else
+                       ("error" if "error" in r.get(n, {}) else "-") for n in impls),
+                     f"{mine / fa2:.2f}x" if mine and fa2 else "-",
+                     f"{mine / cud:.2f}x" if mine and cud else "-",
+                     f"{mine / ceiling:.0%}" if mine and ceiling else "-"])
+    lines = [_table(header, body, right=set(range(2, len(header))))]
+    s = result.get("summary", {})
+    parts = [f"{label} {s[key]:.2f}x" for key, label in (
+        ("flashtune_vs_flashtune_default_geomean", "vs default"),
+        ("flashtune_vs_sdpa_flash_geomean", "vs SDPA flash"),
+        ("flashtune_vs_sdpa_cudnn_geomean", "vs SDPA cuDNN"),
+        ("flashtune_vs_flex_geomean", "vs FlexAttention")) if s.get(key)]
+    if parts:
+        lines.append("flashtune (geomean): " + ", ".join(parts))
+    if ceiling:
+        lines.append(f"bf16 matmul ceiling measured in this run: {ceiling:.0f} TFLOP/s")
+    errors = sorted({f"{n}: {r[n]['error']}" for r in rows for n in impls
+                     if "error" in r.get(n, {})})
+    for e in errors[:8]:
+        lines.append(f"not timed: {e}")
+    return "\n".join(lines)
+
+
+@click.command("bench")
+@shape_options
+@click.option("--plan", type=click.Path(dir_okay=False), default=None, metavar="FILE",
+              help="TOML file of [[shape]] tables to benchmark.")
+@click.option("--preset", "preset_name", default=None, metavar="NAME",
+              help="Named problem set (as for tune).")
+@click.option("--head-dims", default="64,128", show_default=True,
+              help="Standard grid (when no shape, plan or preset is given): head dims.")
+@click.option("--seqlens", default=STANDARD_SEQLENS, show_default=True,
+              help="Standard grid: sequence lengths (batch x seqlen = 16384, hidden 2048).")
+@click.option("--baselines", default="sdpa_flash,sdpa_cudnn,sdpa_efficient,flex",
+              show_default=True, help="Baselines to time, comma-separated.")
+@click.option("--rounds", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Time each implementation this many times in rotation (median kept).")
+@click.option("--out", "out_path", type=click.Path(dir_okay=False), default="bench.json",
+              show_default=True, help="Where to write the run as JSON.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
+              help="Where to write the PNG plot (default: --out with .png).")
+@click.option("--no-plot", is_flag=True, help="Do not draw the plot.")
+@click.option("--interpret", is_flag=True,
+              help="Run on CPU under the Triton interpreter (automatic without a GPU).")
+@click.pass_context
+def bench_command(ctx: click.Context, plan: str | None, preset_name: str | None,
+                  head_dims: str, seqlens: str, baselines: str, rounds: int, out_path: str,
+                  plot_path: str | None, no_plot: bool, interpret: bool,
+                  **shape: Any) -> None:
+    """Benchmark the forward: tuned and default flashtune vs SDPA and FlexAttention."""
+    dtype = shape.pop("dtype")
+    names = [b for b in baselines.split(",") if b]
+    from flashtune.autotune.bench import BASELINES
+
+    unknown = [b for b in names if b not in BASELINES]
+    if unknown:
+        raise click.BadParameter(f"unknown baselines {unknown}; choose from "
+                                 f"{', '.join(BASELINES)}", param_hint="'--baselines'")
+    if any(shape[n] not in (None, False) for n in _SHAPE_NAMES) or plan or preset_name:
+        problems = _problems(shape, dtype, plan, preset_name)
+    else:
+        from flashtune.autotune.grids import standard_grid
+
+        problems = standard_grid(_ints(head_dims, "--head-dims"),
+                                 seqlens=_ints(seqlens, "--seqlens"), dtype=dtype or "bf16")
+    plot = None if no_plot else Path(plot_path or Path(out_path).with_suffix(".png"))
+    if plot is not None:
+        try:
+            from flashtune.report.plots import load_pyplot
+
+            load_pyplot()
+        except ImportError:
+            from flashtune.report.plots import MATPLOTLIB_MISSING
+
+            raise click.UsageError(MATPLOTLIB_MISSING + "; or pass --no-plot") from None
+    _decide_interpret(interpret)
+    from flashtune.autotune.bench import bench_forward
+
+    out = Path(out_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial: dict[str, Any] = {"rows": []}
+
+    def on_row(row: dict[str, Any]) -> None:
+        partial["rows"].append(row)
+        out.write_text(json.dumps(partial, indent=1))
+        t = row.get("flashtune", {}).get("tflops")
+        click.echo(f"{row['label']}: flashtune {format_tflops(t)} TFLOP/s" if t else
+                   f"{row['label']}: flashtune not timed", err=True)
+
+    result = bench_forward(problems, baselines=names, rounds=rounds, db_url=db_url(ctx),
+                           on_row=on_row)
+    out.write_text(json.dumps(result, indent=1))
+    if plot is not None:
+        from flashtune.report.plots import plot_bench
+
+        plot.parent.mkdir(parents=True, exist_ok=True)
+        plot_bench(result, plot)
+    click.echo(render_bench(result))
+    click.echo(f"wrote {out}" + (f" and {plot}" if plot is not None else ""))

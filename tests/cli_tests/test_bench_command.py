@@ -1,0 +1,129 @@
+"""``flashtune bench`` through click's CliRunner, and the library function behind it, on tiny
+shapes (interpreter on CPU; compiled with FLASHTUNE_TEST_DEVICE=cuda). Timings here prove
+nothing; what is tested is that every implementation is checked before it is timed, that a
+wrong or unsupported one is reported and not timed, the dispatcher's tuned config is the one
+benchmarked, and the table, JSON and plot are written."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from flashtune.autotune.problems import AttentionProblem
+from flashtune.cli.main import cli
+
+PLAN = """
+[[shape]]
+batch = 1
+heads = 4
+kv_heads = 2
+seqlen = {n}
+head_dim = 32
+causal = true
+dtype = "fp16"
+"""
+
+
+def _plan(tmp_path: Path, *seqlens: int) -> Path:
+    path = tmp_path / "plan.toml"
+    path.write_text("".join(PLAN.format(n=n) for n in seqlens))
+    return path
+
+
+def test_bench_checks_times_and_writes_table_json_and_plot(tmp_path):
+    out = tmp_path / "run" / "bench.json"
+    res = CliRunner().invoke(cli, ["--db", f"sqlite:///{tmp_path / 'ft.db'}", "bench",
+                                   "--plan", str(_plan(tmp_path, 33, 64)),
+                                   "--baselines", "sdpa_flash,sdpa_cudnn", "--rounds", "2",
+                                   "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    run = json.loads(out.read_text())
+    assert [r["problem"]["seqlen_q"] for r in run["rows"]] == [33, 64]
+    for row in run["rows"]:
+        assert row["source"] == "default" and row["config"] == row["default_config"]
+        for name in ("flashtune", "flashtune_default", "sdpa_flash"):
+            assert row[name]["rel_err_vs_fp32"] < 5e-3 and row[name]["tflops"] > 0
+            assert len(row[name]["round_medians_ms"]) == 2
+    assert run["summary"]["all_checked"] and run["summary"]["flashtune_vs_sdpa_flash_geomean"]
+    png = out.with_suffix(".png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "B=1 Hq=4 Hkv=2 Nq=33 Nk=33 D=32 fp16 causal" in res.output
+    assert "vs flash" in res.output and "flashtune (geomean): vs default" in res.output
+
+
+def test_a_wrong_implementation_is_reported_and_not_timed(monkeypatch):
+    import flashtune.kernel_templates as templates
+    from flashtune.autotune.bench import bench_forward
+
+    spec = templates.get_template("attn_fwd")
+
+    def doubled(q, k, v, config, **kw):
+        return spec.launcher(q, k, v, config, **kw) * 2
+
+    bad = dataclasses.replace(spec, launcher=doubled)
+    monkeypatch.setattr(templates, "get_template", lambda name: bad)
+    p = AttentionProblem(1, 2, 2, 40, 40, 32, False, "fp16")
+    run = bench_forward([p], baselines=["sdpa_flash"], db_url="sqlite://")
+    [row] = run["rows"]
+    for name in ("flashtune", "flashtune_default"):
+        assert "relative error" in row[name]["error"] and "tflops" not in row[name]
+    assert row["sdpa_flash"]["tflops"] > 0  # the reference is right, SDPA is timed
+    assert run["summary"]["all_checked"] is False
+
+
+def test_sdpa_is_not_compared_where_its_causal_mask_differs():
+    from flashtune.autotune.bench import bench_forward
+
+    p = AttentionProblem(1, 2, 2, 24, 40, 32, True, "fp16")  # Nq != Nk: bottom-right vs top-left
+    [row] = bench_forward([p], baselines=["sdpa_flash"], db_url="sqlite://")["rows"]
+    assert "top-left" in row["sdpa_flash"]["error"]
+    assert row["flashtune"]["tflops"] > 0
+
+
+def test_the_dispatchers_tuned_config_is_what_is_benchmarked(tmp_path):
+    from flashtune.autotune.bench import bench_forward
+    from flashtune.autotune.jobs import TuneOptions, tune
+
+    url = f"sqlite:///{tmp_path / 'ft.db'}"
+    p = AttentionProblem(1, 4, 2, 64, 64, 32, True, "fp16")
+    [tuned] = tune([p], TuneOptions(trials=2, sampler="random", seed=1, interpret=True),
+                   db_url=url, progress=False)
+    [row] = bench_forward([p], baselines=[], db_url=url)["rows"]
+    assert row["source"] == "exact" and row["config"] == tuned.best_config
+    assert row["flashtune"]["tflops"] > 0
+
+
+def test_bad_input_names_the_option(tmp_path):
+    runner = CliRunner()
+    res = runner.invoke(cli, ["bench", "--baselines", "sdpa_flash,xformers"])
+    assert res.exit_code == 2 and "'--baselines'" in res.output and "xformers" in res.output
+    res = runner.invoke(cli, ["bench", "--head-dims", "64,x"])
+    assert res.exit_code == 2 and "'--head-dims'" in res.output
+    res = runner.invoke(cli, ["bench", "--seqlen", "64"])  # a partial shape
+    assert res.exit_code == 2 and "--batch" in res.output
+    with pytest.raises(ValueError, match="unknown baselines"):
+        from flashtune.autotune.bench import bench_forward
+        bench_forward([], baselines=["nope"])
+
+
+def test_without_a_shape_it_benchmarks_the_standard_grid(tmp_path, monkeypatch):
+    import flashtune.autotune.bench as bench_mod
+    from flashtune.autotune.grids import standard_grid
+
+    seen = {}
+
+    def fake(problems, **kw):
+        seen["problems"], seen["kw"] = list(problems), kw
+        return {"rows": [], "summary": {}, "ceiling_tflops": None}
+
+    monkeypatch.setattr(bench_mod, "bench_forward", fake)
+    res = CliRunner().invoke(cli, ["bench", "--head-dims", "128", "--seqlens", "512,1024",
+                                   "--no-plot", "--out", str(tmp_path / "b.json")])
+    assert res.exit_code == 0, res.output
+    assert seen["problems"] == standard_grid((128,), seqlens=(512, 1024))
+    assert seen["kw"]["baselines"] == ["sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "flex"]
+    assert not (tmp_path / "b.png").exists()
