@@ -69,7 +69,13 @@ def _flex(q: Any, k: Any, v: Any, causal: bool) -> Callable[[], Any]:
         def mask(b: Any, h: Any, qi: Any, ki: Any) -> Any:
             return ki <= qi + offset
         block_mask = create_block_mask(mask, None, None, nq, nk, device=str(q.device))
-    fn = torch.compile(flex_attention, dynamic=False) if q.is_cuda else flex_attention
+    if q.is_cuda:
+        # one compiled graph per shape; without a reset dynamo stops recompiling after its
+        # recompile limit (8 shapes) and the rest of the grid would run flex eagerly
+        torch._dynamo.reset()
+        fn = torch.compile(flex_attention, dynamic=False)
+    else:
+        fn = flex_attention
     gqa = q.shape[1] != k.shape[1]
     return lambda: fn(q, k, v, block_mask=block_mask, enable_gqa=gqa)
 
