@@ -1,11 +1,12 @@
-"""Forward benchmark: flashtune (the config the dispatcher serves, and the template default)
-against torch's attention backends, on any list of problems, in one run.
+"""Forward and backward benchmark: flashtune (the config the dispatcher serves, and the
+template default) against torch's attention backends, on any list of problems, in one run.
 
 This is what ``flashtune bench`` runs (the CLI adds the standard grid, the table, JSON and
 the plot). Per problem:
 
 * every implementation is run once and checked against an fp32 reference on a slice (batch
-  0, the first K/V head's group of query heads); one over the tuner's tolerance
+  0, the first K/V head's group of query heads; the output, or for the backward dQ, dK and
+  dV, the baselines' through autograd); one over the tuner's tolerance
   (:data:`~flashtune.autotune.runners.TOLERANCE`) or that raises is reported with its error
   and never timed;
 * the checked ones are timed ``rounds`` times in rotation (on a GPU
@@ -32,10 +33,12 @@ from typing import Any
 
 from flashtune.autotune.problems import AttentionProblem
 
-__all__ = ["BASELINES", "IMPLS", "bench_forward", "matmul_ceiling_tflops", "summarize"]
+__all__ = ["BASELINES", "BENCH_TEMPLATES", "IMPLS", "bench_attention", "bench_forward",
+           "matmul_ceiling_tflops", "summarize", "tflops_of"]
 
 BASELINES = ("sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "flex")
 IMPLS = ("flashtune", "flashtune_default", *BASELINES)
+BENCH_TEMPLATES = ("attn_fwd", "attn_bwd")
 CEILING_N = 8192
 
 
@@ -109,14 +112,18 @@ def _first_line(exc: BaseException) -> str:
     return (f"{type(exc).__name__}: " + (str(exc).strip().splitlines() or [""])[0])[:200]
 
 
-def bench_forward(problems: Sequence[AttentionProblem], *, baselines: Iterable[str] = BASELINES,
-                  rounds: int = 1, db_url: str | None = None, device: Any = None,
-                  ceiling: bool = True,
-                  on_row: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
-    """Benchmark the forward on ``problems``; returns the run as a JSON-ready dict
-    (``rows`` one per problem, ``summary`` the geomean ratios, ``ceiling_tflops``).
+def bench_attention(problems: Sequence[AttentionProblem], *, template: str = "attn_fwd",
+                    baselines: Iterable[str] = BASELINES, rounds: int = 1,
+                    db_url: str | None = None, device: Any = None, ceiling: bool = True,
+                    on_row: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Benchmark ``template`` (``attn_fwd`` or ``attn_bwd``) on ``problems``; returns the run
+    as a JSON-ready dict (``rows`` one per problem, ``summary`` the geomean ratios,
+    ``ceiling_tflops``).
 
     Arguments:
+        template: ``attn_fwd`` (the output) or ``attn_bwd`` (dQ, dK, dV from the forward's
+            output and LSE; the baselines' backward through autograd; FLOPs 2.5x the
+            forward's).
         problems: the shapes (any dtype/GQA/causal; tensors live on the GPU, or on the CPU
             under the Triton interpreter, where timings mean nothing).
         baselines: names from :data:`BASELINES`; unknown names raise ``ValueError``.
@@ -143,12 +150,15 @@ def bench_forward(problems: Sequence[AttentionProblem], *, baselines: Iterable[s
     if device is None:  # the interpreter under TRITON_INTERPRET=1 or without a GPU
         device = current_device() if torch.cuda.is_available() else interpreter_device()
     torch_device = "cpu" if device.is_interpreter else "cuda"
-    spec = get_template("attn_fwd")
+    if template not in BENCH_TEMPLATES:
+        raise ValueError(f"cannot benchmark template {template!r}; choose from "
+                         f"{list(BENCH_TEMPLATES)}")
+    spec = get_template(template)
     dispatcher = Dispatcher(spec)
     dispatcher.reload(db_url=db_url)
     t0 = time.time()
     result: dict[str, Any] = {
-        "benchmark": "attn_fwd", "device": device.to_dict(), "torch": torch.__version__,
+        "benchmark": template, "device": device.to_dict(), "torch": torch.__version__,
         "triton": triton.__version__, "source_hash": spec.source_hash, "db": db_url,
         "host": platform.node(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "rounds": rounds, "baselines": baselines,
@@ -169,42 +179,106 @@ def bench_forward(problems: Sequence[AttentionProblem], *, baselines: Iterable[s
     return result
 
 
-def _bench_problem(p: AttentionProblem, spec: Any, choice: Any, device: Any, torch_device: str,
-                   baselines: Sequence[str], rounds: int) -> dict[str, Any]:
-    """One problem's row: every implementation checked against fp32, then timed."""
+def _inputs(p: AttentionProblem, torch_device: str, names: Sequence[str]) -> list[Any]:
     import torch
-
-    from flashtune.autotune.runners import TOLERANCE, relative_error
-    from flashtune.autotune.timing import bench, tflops
-    from flashtune.kernel_templates.attn_fwd.reference import attn_fwd_reference
 
     g = torch.Generator(device=torch_device).manual_seed(0)
     dt = torch.bfloat16 if p.dtype == "bf16" else torch.float16
+    out = []
+    for name in names:
+        h, n = (p.heads_q, p.seqlen_q) if name in ("q", "do") else (p.heads_kv, p.seqlen_k)
+        out.append(torch.randn(p.batch, h, n, p.head_dim, device=torch_device,
+                               generator=g).to(dt))
+    return out
 
-    def mk(h: int, n: int) -> Any:
-        return torch.randn(p.batch, h, n, p.head_dim, device=torch_device, generator=g).to(dt)
-    q, k, v = mk(p.heads_q, p.seqlen_q), mk(p.heads_kv, p.seqlen_k), mk(p.heads_kv, p.seqlen_k)
-    group = p.heads_q // p.heads_kv
-    sq, skv = (slice(0, 1), slice(0, group)), (slice(0, 1), slice(0, 1))
+
+def _baseline(name: str, q: Any, k: Any, v: Any, causal: bool) -> Callable[[], Any]:
+    return _flex(q, k, v, causal) if name == "flex" else _sdpa(name, q, k, v, causal)
+
+
+def _forward_fns(p: AttentionProblem, spec: Any, configs: Mapping[str, Mapping[str, int]],
+                 baselines: Sequence[str], device: Any, torch_device: str,
+                 row: dict[str, Any]) -> tuple[
+                     dict[str, Callable[[], Any]], Callable[[Any], float]]:
+    """The forward's implementations, and the error of one's output vs fp32 (on a slice:
+    batch 0, the first K/V head's query heads)."""
+    import torch
+
+    from flashtune.autotune.runners import relative_error
+    from flashtune.kernel_templates.attn_fwd.reference import attn_fwd_reference
+
+    q, k, v = _inputs(p, torch_device, ("q", "k", "v"))
+    sq, skv = (slice(0, 1), slice(0, p.heads_q // p.heads_kv)), (slice(0, 1), slice(0, 1))
     ref, _ = attn_fwd_reference(q[sq], k[skv], v[skv], causal=p.causal, dtype=torch.float32)
-    default = spec.default_config(p, device)
-    row: dict[str, Any] = {"problem": p.key(), "label": p.describe(), "flops": p.flops(),
-                           "config": choice.config, "source": choice.source,
-                           "default_config": default}
 
     def launch(config: Mapping[str, int]) -> Callable[[], Any]:
         return lambda: spec.launcher(q, k, v, config, causal=p.causal)
-    fns = {"flashtune": launch(choice.config), "flashtune_default": launch(default)}
+    fns = {name: launch(c) for name, c in configs.items()}
     for name in baselines:
         try:
-            fns[name] = _flex(q, k, v, p.causal) if name == "flex" else \
-                _sdpa(name, q, k, v, p.causal)
+            fns[name] = _baseline(name, q, k, v, p.causal)
         except Exception as exc:  # noqa: BLE001 - an unsupported baseline is data
             row[name] = {"error": _first_line(exc)}
+    return fns, lambda out: relative_error(out[sq], ref)
+
+
+def _backward_fns(p: AttentionProblem, spec: Any, configs: Mapping[str, Mapping[str, int]],
+                  baselines: Sequence[str], device: Any, torch_device: str,
+                  row: dict[str, Any]) -> tuple[
+                      dict[str, Callable[[], Any]], Callable[[Any], float]]:
+    """The backward's implementations (dQ, dK, dV given dO; flashtune's from the forward's
+    saved output and LSE, the baselines' through autograd), and the largest relative error
+    of the three gradients vs fp32 autograd on a slice."""
+    import torch
+
+    from flashtune.autotune.runners import relative_error
+    from flashtune.kernel_templates import get_template
+    from flashtune.kernel_templates.attn_bwd.reference import attn_bwd_reference
+
+    q, k, v, do = _inputs(p, torch_device, ("q", "k", "v", "do"))
+    sq, skv = (slice(0, 1), slice(0, p.heads_q // p.heads_kv)), (slice(0, 1), slice(0, 1))
+    ref = attn_bwd_reference(q[sq], k[skv], v[skv], do[sq], causal=p.causal,
+                             dtype=torch.float32)
+    fwd = get_template("attn_fwd")
+    out, lse = fwd.launcher(q, k, v, fwd.default_config(p, device), causal=p.causal,
+                            return_lse=True)
+
+    def launch(config: Mapping[str, int]) -> Callable[[], Any]:
+        return lambda: spec.launcher(q, k, v, out, lse, do, config, causal=p.causal)
+    fns = {name: launch(c) for name, c in configs.items()}
+    ql, kl, vl = (t.detach().requires_grad_(True) for t in (q, k, v))
+
+    def grads(o: Any) -> Callable[[], Any]:
+        return lambda: torch.autograd.grad(o, (ql, kl, vl), do, retain_graph=True)
+    for name in baselines:
+        try:
+            fns[name] = grads(_baseline(name, ql, kl, vl, p.causal)())
+        except Exception as exc:  # noqa: BLE001 - an unsupported baseline is data
+            row[name] = {"error": _first_line(exc)}
+
+    def error(grads: Any) -> float:
+        return max(relative_error(g[s], r) for g, s, r in zip(grads, (sq, skv, skv), ref))
+    return fns, error
+
+
+def _bench_problem(p: AttentionProblem, spec: Any, choice: Any, device: Any, torch_device: str,
+                   baselines: Sequence[str], rounds: int) -> dict[str, Any]:
+    """One problem's row: every implementation checked against fp32, then timed."""
+    from flashtune.autotune.runners import TOLERANCE
+    from flashtune.autotune.timing import bench, tflops
+
+    default = spec.default_config(p, device)
+    row: dict[str, Any] = {"problem": p.key(), "label": p.describe(),
+                           "flops": p.flops(backward=spec.name == "attn_bwd"),
+                           "config": choice.config, "source": choice.source,
+                           "default_config": default}
+    make = _backward_fns if spec.name == "attn_bwd" else _forward_fns
+    fns, error = make(p, spec, {"flashtune": choice.config, "flashtune_default": default},
+                      baselines, device, torch_device, row)
     checked: dict[str, float] = {}
     for name, fn in fns.items():
         try:
-            err = relative_error(fn()[sq], ref)
+            err = error(fn())
         except Exception as exc:  # noqa: BLE001
             row[name] = {"error": _first_line(exc)}
             continue
@@ -224,10 +298,9 @@ def _bench_problem(p: AttentionProblem, spec: Any, choice: Any, device: Any, tor
                 del times[name]
     for name, ts in times.items():
         ms = sorted(ts)[len(ts) // 2]
-        row[name] = {"median_ms": ms, "tflops": tflops(p.flops(), ms),
+        row[name] = {"median_ms": ms, "tflops": tflops(row["flops"], ms),
                      "rel_err_vs_fp32": checked[name], "round_medians_ms": ts}
     return row
-
 
 def tflops_of(row: Mapping[str, Any], name: str) -> float | None:
     """TFLOP/s of implementation ``name`` in ``row`` (None: errored or absent)."""
@@ -258,3 +331,8 @@ def summarize(rows: Sequence[Mapping[str, Any]], ceiling: float | None) -> dict[
         out["flashtune_of_ceiling_geomean"] = _geomean(fractions)
     out["all_checked"] = all("tflops" in r.get("flashtune", {}) for r in rows)
     return out
+
+
+def bench_forward(problems: Sequence[AttentionProblem], **kwargs: Any) -> dict[str, Any]:
+    """:func:`bench_attention` of the forward."""
+    return bench_attention(problems, template="attn_fwd", **kwargs)

@@ -1,4 +1,5 @@
-"""``flashtune bench``: the forward against torch's attention backends, one run.
+"""``flashtune bench``: the forward (``--template attn_bwd``: the backward) against torch's
+attention backends, one run.
 
 Problems: the standard grid of ANCHORS.md (``--head-dims``, ``--seqlens``; causal and not) by
 default, or one shape (the shape options), ``--plan FILE`` or ``--preset NAME`` as for
@@ -87,6 +88,8 @@ def render_bench(result: Mapping[str, Any]) -> str:
 
 
 @click.command("bench")
+@click.option("--template", type=click.Choice(("attn_fwd", "attn_bwd")), default="attn_fwd",
+              show_default=True, help="The forward, or the backward (dQ, dK, dV given dO).")
 @shape_options
 @click.option("--plan", type=click.Path(dir_okay=False), default=None, metavar="FILE",
               help="TOML file of [[shape]] tables to benchmark.")
@@ -108,11 +111,11 @@ def render_bench(result: Mapping[str, Any]) -> str:
 @click.option("--interpret", is_flag=True,
               help="Run on CPU under the Triton interpreter (automatic without a GPU).")
 @click.pass_context
-def bench_command(ctx: click.Context, plan: str | None, preset_name: str | None,
+def bench_command(ctx: click.Context, template: str, plan: str | None, preset_name: str | None,
                   head_dims: str, seqlens: str, baselines: str, rounds: int, out_path: str,
                   plot_path: str | None, no_plot: bool, interpret: bool,
                   **shape: Any) -> None:
-    """Benchmark the forward: tuned and default flashtune vs SDPA and FlexAttention."""
+    """Benchmark the forward (or backward): tuned and default flashtune vs SDPA and Flex."""
     dtype = shape.pop("dtype")
     names = [b for b in baselines.split(",") if b]
     from flashtune.autotune.bench import BASELINES
@@ -139,7 +142,7 @@ def bench_command(ctx: click.Context, plan: str | None, preset_name: str | None,
 
             raise click.UsageError(MATPLOTLIB_MISSING + "; or pass --no-plot") from None
     _decide_interpret(interpret)
-    from flashtune.autotune.bench import bench_forward
+    from flashtune.autotune.bench import bench_attention
 
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -152,8 +155,8 @@ def bench_command(ctx: click.Context, plan: str | None, preset_name: str | None,
         click.echo(f"{row['label']}: flashtune {format_tflops(t)} TFLOP/s" if t else
                    f"{row['label']}: flashtune not timed", err=True)
 
-    result = bench_forward(problems, baselines=names, rounds=rounds, db_url=db_url(ctx),
-                           on_row=on_row)
+    result = bench_attention(problems, template=template, baselines=names, rounds=rounds,
+                             db_url=db_url(ctx), on_row=on_row)
     out.write_text(json.dumps(result, indent=1))
     if plot is not None:
         from flashtune.report.plots import plot_bench

@@ -185,5 +185,6 @@ def plot_bench(result: Mapping[str, Any], path: Path) -> Path:
     for ax in list(axes.flat)[len(panels):]:
         ax.set_visible(False)
     device = result.get("device", {}).get("name", "")
-    fig.suptitle(f"attention forward on {device}", fontsize=11)
+    which = "backward" if result.get("benchmark") == "attn_bwd" else "forward"
+    fig.suptitle(f"attention {which} on {device}", fontsize=11)
     return _save(fig, path)

@@ -55,6 +55,41 @@ def test_bench_checks_times_and_writes_table_json_and_plot(tmp_path):
     assert "vs flash" in res.output and "flashtune (geomean): vs default" in res.output
 
 
+def test_bench_of_the_backward_checks_all_three_gradients(tmp_path):
+    out = tmp_path / "bwd.json"
+    res = CliRunner().invoke(cli, ["--db", f"sqlite:///{tmp_path / 'ft.db'}", "bench",
+                                   "--template", "attn_bwd", "--plan", str(_plan(tmp_path, 45)),
+                                   "--baselines", "sdpa_flash", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    run = json.loads(out.read_text())
+    [row] = run["rows"]
+    p = AttentionProblem.from_key(row["problem"])
+    assert run["benchmark"] == "attn_bwd" and row["flops"] == p.flops(backward=True)
+    assert "BLOCK_M1" in row["config"]  # attn_bwd's own config, from its own dispatcher
+    for name in ("flashtune", "flashtune_default", "sdpa_flash"):
+        assert row[name]["rel_err_vs_fp32"] < 5e-3 and row[name]["tflops"] > 0
+
+
+def test_a_wrong_gradient_is_reported_and_not_timed(monkeypatch):
+    import flashtune.kernel_templates as templates
+    from flashtune.autotune.bench import bench_attention
+
+    real = templates.get_template
+    spec = real("attn_bwd")
+
+    def halve_dk(*args, **kw):
+        dq, dk, dv = spec.launcher(*args, **kw)
+        return dq, dk * 0.5, dv
+
+    bad = dataclasses.replace(spec, launcher=halve_dk)
+    monkeypatch.setattr(templates, "get_template",
+                        lambda name: bad if name == "attn_bwd" else real(name))
+    p = AttentionProblem(1, 2, 1, 40, 40, 32, False, "fp16")
+    [row] = bench_attention([p], template="attn_bwd", baselines=[], db_url="sqlite://")["rows"]
+    for name in ("flashtune", "flashtune_default"):
+        assert "relative error" in row[name]["error"] and "tflops" not in row[name]
+
+
 def test_a_wrong_implementation_is_reported_and_not_timed(monkeypatch):
     import flashtune.kernel_templates as templates
     from flashtune.autotune.bench import bench_forward
@@ -105,9 +140,14 @@ def test_bad_input_names_the_option(tmp_path):
     assert res.exit_code == 2 and "'--head-dims'" in res.output
     res = runner.invoke(cli, ["bench", "--seqlen", "64"])  # a partial shape
     assert res.exit_code == 2 and "--batch" in res.output
+    res = runner.invoke(cli, ["bench", "--template", "attn_decode"])
+    assert res.exit_code == 2 and "'--template'" in res.output
+    from flashtune.autotune.bench import bench_attention, bench_forward
+
     with pytest.raises(ValueError, match="unknown baselines"):
-        from flashtune.autotune.bench import bench_forward
         bench_forward([], baselines=["nope"])
+    with pytest.raises(ValueError, match="cannot benchmark template 'attn_decode'"):
+        bench_attention([], template="attn_decode")
 
 
 def test_without_a_shape_it_benchmarks_the_standard_grid(tmp_path, monkeypatch):
@@ -116,14 +156,15 @@ def test_without_a_shape_it_benchmarks_the_standard_grid(tmp_path, monkeypatch):
 
     seen = {}
 
-    def fake(problems, **kw):
+    def fake(problems, **kw):  # stands in for bench_attention
         seen["problems"], seen["kw"] = list(problems), kw
         return {"rows": [], "summary": {}, "ceiling_tflops": None}
 
-    monkeypatch.setattr(bench_mod, "bench_forward", fake)
+    monkeypatch.setattr(bench_mod, "bench_attention", fake)
     res = CliRunner().invoke(cli, ["bench", "--head-dims", "128", "--seqlens", "512,1024",
                                    "--no-plot", "--out", str(tmp_path / "b.json")])
     assert res.exit_code == 0, res.output
     assert seen["problems"] == standard_grid((128,), seqlens=(512, 1024))
     assert seen["kw"]["baselines"] == ["sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "flex"]
+    assert seen["kw"]["template"] == "attn_fwd"
     assert not (tmp_path / "b.png").exists()
