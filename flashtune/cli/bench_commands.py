@@ -124,7 +124,8 @@ def bench_command(ctx: click.Context, template: str, plan: str | None, preset_na
     if unknown:
         raise click.BadParameter(f"unknown baselines {unknown}; choose from "
                                  f"{', '.join(BASELINES)}", param_hint="'--baselines'")
-    if any(shape[n] not in (None, False) for n in _SHAPE_NAMES) or plan or preset_name:
+    chosen = any(shape[n] not in (None, False) for n in _SHAPE_NAMES) or plan or preset_name
+    if chosen:
         problems = _problems(shape, dtype, plan, preset_name)
     else:
         from flashtune.autotune.grids import standard_grid
@@ -141,7 +142,10 @@ def bench_command(ctx: click.Context, template: str, plan: str | None, preset_na
             from flashtune.report.plots import MATPLOTLIB_MISSING
 
             raise click.UsageError(MATPLOTLIB_MISSING + "; or pass --no-plot") from None
-    _decide_interpret(interpret)
+    if _decide_interpret(interpret) and not chosen:
+        raise click.UsageError("the standard grid (batch x seqlen = 16384) would take hours "
+                               "under the Triton interpreter; give a small shape (--batch "
+                               "--heads --seqlen --head-dim) or --plan FILE")
     from flashtune.autotune.bench import bench_attention
 
     out = Path(out_path)

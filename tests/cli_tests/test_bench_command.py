@@ -150,9 +150,18 @@ def test_bad_input_names_the_option(tmp_path):
         bench_attention([], template="attn_decode")
 
 
+def test_the_interpreter_refuses_the_standard_grid(tmp_path):
+    res = CliRunner().invoke(cli, ["bench", "--interpret", "--out", str(tmp_path / "b.json")])
+    assert res.exit_code == 2 and "give a small shape" in res.output
+    assert not (tmp_path / "b.json").exists()
+
+
 def test_without_a_shape_it_benchmarks_the_standard_grid(tmp_path, monkeypatch):
     import flashtune.autotune.bench as bench_mod
+    import flashtune.cli.bench_commands as commands
     from flashtune.autotune.grids import standard_grid
+
+    monkeypatch.setattr(commands, "_decide_interpret", lambda requested: False)  # "a GPU"
 
     seen = {}
 
