@@ -33,8 +33,8 @@ from typing import Any
 
 from flashtune.autotune.problems import AttentionProblem
 
-__all__ = ["BASELINES", "BENCH_TEMPLATES", "IMPLS", "bench_attention", "bench_forward",
-           "matmul_ceiling_tflops", "summarize", "tflops_of"]
+__all__ = ["BASELINES", "BENCH_TEMPLATES", "IMPLS", "bench_attention", "matmul_ceiling_tflops",
+           "summarize", "tflops_of"]
 
 BASELINES = ("sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "flex")
 IMPLS = ("flashtune", "flashtune_default", *BASELINES)
@@ -331,8 +331,3 @@ def summarize(rows: Sequence[Mapping[str, Any]], ceiling: float | None) -> dict[
         out["flashtune_of_ceiling_geomean"] = _geomean(fractions)
     out["all_checked"] = all("tflops" in r.get("flashtune", {}) for r in rows)
     return out
-
-
-def bench_forward(problems: Sequence[AttentionProblem], **kwargs: Any) -> dict[str, Any]:
-    """:func:`bench_attention` of the forward."""
-    return bench_attention(problems, template="attn_fwd", **kwargs)

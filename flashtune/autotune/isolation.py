@@ -36,7 +36,7 @@ import signal
 import time
 from dataclasses import asdict
 from multiprocessing import get_context
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, TypeVar
 
 from flashtune.autotune.devices import DeviceFingerprint
 from flashtune.autotune.problems import AttentionProblem
@@ -191,7 +191,29 @@ def _serve(conn: Any, path: str, init_json: str) -> None:
 
 # -- the parent side ------------------------------------------------------------------------
 
-class IsolatedRunner:
+_C = TypeVar("_C", bound="_Closing")
+
+
+class _Closing:
+    """``close()`` at the end of a ``with`` block and when garbage-collected."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self: _C) -> _C:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+class IsolatedRunner(_Closing):
     """A runner whose candidates run in a worker process; see the module docstring.
 
     ``factory`` is a module-level runner factory (or its ``"module:function"`` path);
@@ -247,7 +269,7 @@ class IsolatedRunner:
         """Take over the worker a closed runner of the same factory parked, re-initialised
         for this runner's problem; False when there is none or it fails to re-initialise
         (it is stopped then)."""
-        parked = self._parking.take(self.path) if self._parking is not None else None
+        parked = self._parking.take() if self._parking is not None else None
         if parked is None:
             return False
         self._proc, self._conn = parked
@@ -351,80 +373,49 @@ class IsolatedRunner:
         this runner for that factory's next runner."""
         if self._proc is None:
             return
-        if self._parking is not None and self._proc.is_alive():
-            proc, conn = self._proc, self._conn
-            self._proc = self._conn = None
-            self._parking.park(self.path, proc, conn)
-            return
-        try:
-            self._conn.send_bytes(json.dumps({"op": "stop"}).encode())
-            self._proc.join(STOP_TIMEOUT_S)
-        except (OSError, ValueError):
-            pass
-        self._kill()
+        proc, conn = self._proc, self._conn
+        self._proc = self._conn = None
+        if self._parking is not None and proc.is_alive():
+            self._parking.park(proc, conn)
+        else:
+            _stop(proc, conn)
 
     @property
     def pid(self) -> int | None:
         return None if self._proc is None else self._proc.pid
 
-    def __enter__(self) -> IsolatedRunner:
-        return self
 
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass
-
-
-class IsolatedFactory:
+class IsolatedFactory(_Closing):
     """A runner factory whose runners evaluate in a worker process, one worker carried from
     each closed runner to the next (see the module docstring). :meth:`close` stops the
     parked worker; also a context manager."""
 
     def __init__(self, factory: Callable[..., Any] | str) -> None:
         self.path = factory_path(factory)
-        self._parked: tuple[str, Any, Any] | None = None
+        self._parked: tuple[Any, Any] | None = None  # (process, connection)
 
     def __call__(self, spec: Any, problem: AttentionProblem, device: DeviceFingerprint,
                  options: Any) -> IsolatedRunner:
         return IsolatedRunner(self.path, spec, problem, device, options,
                               timeout_s=options.trial_timeout_s, parking=self)
 
-    def park(self, path: str, proc: Any, conn: Any) -> None:
+    def park(self, proc: Any, conn: Any) -> None:
         """Keep a live worker for the next runner (stopping one parked before)."""
         self.close()
-        self._parked = (path, proc, conn)
+        self._parked = (proc, conn)
 
-    def take(self, path: str) -> tuple[Any, Any] | None:
-        """The parked ``(process, connection)`` of a worker serving ``path``, if alive."""
+    def take(self) -> tuple[Any, Any] | None:
+        """The parked ``(process, connection)``, if its worker is alive."""
         parked, self._parked = self._parked, None
-        if parked is None:
+        if parked is not None and not parked[0].is_alive():
+            _stop(*parked)
             return None
-        if parked[0] != path or not parked[1].is_alive():
-            _stop(parked[1], parked[2])
-            return None
-        return parked[1], parked[2]
+        return parked
 
     def close(self) -> None:
         parked, self._parked = self._parked, None
         if parked is not None:
-            _stop(parked[1], parked[2])
-
-    def __enter__(self) -> IsolatedFactory:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass
+            _stop(*parked)
 
 
 def _stop(proc: Any, conn: Any) -> None:

@@ -106,8 +106,9 @@ def test_a_dead_worker_is_not_carried_to_the_next_problem():
         third = factory(spec, PROBLEM, dev, OPTS)
         assert third.pid not in (None, pid)
         assert third.evaluate(good).state is TrialState.COMPLETE
-        third.close()
-        third_pid = factory._parked[1].pid
+        third_pid = third.pid
+        third.close()  # parked
+        assert factory._parked is not None and factory._parked[0].pid == third_pid
     assert factory._parked is None  # the context manager stopped the parked worker
     with pytest.raises(ProcessLookupError):
         os.kill(third_pid, 0)

@@ -92,7 +92,7 @@ def test_a_wrong_gradient_is_reported_and_not_timed(monkeypatch):
 
 def test_a_wrong_implementation_is_reported_and_not_timed(monkeypatch):
     import flashtune.kernel_templates as templates
-    from flashtune.autotune.bench import bench_forward
+    from flashtune.autotune.bench import bench_attention
 
     spec = templates.get_template("attn_fwd")
 
@@ -102,7 +102,7 @@ def test_a_wrong_implementation_is_reported_and_not_timed(monkeypatch):
     bad = dataclasses.replace(spec, launcher=doubled)
     monkeypatch.setattr(templates, "get_template", lambda name: bad)
     p = AttentionProblem(1, 2, 2, 40, 40, 32, False, "fp16")
-    run = bench_forward([p], baselines=["sdpa_flash"], db_url="sqlite://")
+    run = bench_attention([p], baselines=["sdpa_flash"], db_url="sqlite://")
     [row] = run["rows"]
     for name in ("flashtune", "flashtune_default"):
         assert "relative error" in row[name]["error"] and "tflops" not in row[name]
@@ -111,23 +111,23 @@ def test_a_wrong_implementation_is_reported_and_not_timed(monkeypatch):
 
 
 def test_sdpa_is_not_compared_where_its_causal_mask_differs():
-    from flashtune.autotune.bench import bench_forward
+    from flashtune.autotune.bench import bench_attention
 
     p = AttentionProblem(1, 2, 2, 24, 40, 32, True, "fp16")  # Nq != Nk: bottom-right vs top-left
-    [row] = bench_forward([p], baselines=["sdpa_flash"], db_url="sqlite://")["rows"]
+    [row] = bench_attention([p], baselines=["sdpa_flash"], db_url="sqlite://")["rows"]
     assert "top-left" in row["sdpa_flash"]["error"]
     assert row["flashtune"]["tflops"] > 0
 
 
 def test_the_dispatchers_tuned_config_is_what_is_benchmarked(tmp_path):
-    from flashtune.autotune.bench import bench_forward
+    from flashtune.autotune.bench import bench_attention
     from flashtune.autotune.jobs import TuneOptions, tune
 
     url = f"sqlite:///{tmp_path / 'ft.db'}"
     p = AttentionProblem(1, 4, 2, 64, 64, 32, True, "fp16")
     [tuned] = tune([p], TuneOptions(trials=2, sampler="random", seed=1, interpret=True),
                    db_url=url, progress=False)
-    [row] = bench_forward([p], baselines=[], db_url=url)["rows"]
+    [row] = bench_attention([p], baselines=[], db_url=url)["rows"]
     assert row["source"] == "exact" and row["config"] == tuned.best_config
     assert row["flashtune"]["tflops"] > 0
 
@@ -142,10 +142,10 @@ def test_bad_input_names_the_option(tmp_path):
     assert res.exit_code == 2 and "--batch" in res.output
     res = runner.invoke(cli, ["bench", "--template", "attn_decode"])
     assert res.exit_code == 2 and "'--template'" in res.output
-    from flashtune.autotune.bench import bench_attention, bench_forward
+    from flashtune.autotune.bench import bench_attention
 
     with pytest.raises(ValueError, match="unknown baselines"):
-        bench_forward([], baselines=["nope"])
+        bench_attention([], baselines=["nope"])
     with pytest.raises(ValueError, match="cannot benchmark template 'attn_decode'"):
         bench_attention([], template="attn_decode")
 
