@@ -34,7 +34,13 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-_TERMINATED = "SIGTERM"
+class _Terminated(KeyboardInterrupt):
+    """What SIGTERM raises: every ``except KeyboardInterrupt`` (the job's, the libraries')
+    handles it as Ctrl-C, but it is not *exactly* ``KeyboardInterrupt``. CPython 3.11
+    remembers an exact ``KeyboardInterrupt`` that passed out of code run by ``exec(str)``
+    (triton, dataclasses and namedtuple build functions that way) and, under ``python -m``,
+    then ends the process with SIGINT even though the exception was caught and 143 returned
+    (python/cpython gh-128130); a subclass is not remembered."""
 
 
 def _sigterm_as_interrupt() -> Any:
@@ -44,7 +50,7 @@ def _sigterm_as_interrupt() -> Any:
     set here, outside the main thread)."""
 
     def handler(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt(_TERMINATED)
+        raise _Terminated("SIGTERM")
 
     try:
         return signal.signal(signal.SIGTERM, handler)
@@ -239,11 +245,11 @@ def tune_command(ctx: click.Context, template: str, batch: int | None, heads: in
         if finished:
             click.echo(render_results(finished))
         raise fail(exc) from exc
-    except KeyboardInterrupt as exc:
-        if str(exc) == _TERMINATED:
-            click.echo("flashtune: terminated (SIGTERM); the run is recorded as interrupted "
-                       "and the same command resumes it", err=True)
-            ctx.exit(128 + signal.SIGTERM)
+    except _Terminated:
+        click.echo("flashtune: terminated (SIGTERM); the run is recorded as interrupted "
+                   "and the same command resumes it", err=True)
+        ctx.exit(128 + signal.SIGTERM)
+    except KeyboardInterrupt:
         raise click.Abort() from None
     finally:
         if previous is not None:

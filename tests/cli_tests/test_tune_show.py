@@ -518,3 +518,42 @@ def test_sigterm_interrupts_the_run_and_the_same_command_resumes(tmp_path: Path)
                     if t.state is TrialState.COMPLETE]
     assert len(complete) == len(set(complete)), "a config was measured twice"
     assert before <= set(complete)
+
+
+_SIGTERM_INSIDE_EXEC = '''
+import os, signal, sys
+import flashtune.autotune.jobs as jobs
+from flashtune.cli.main import cli
+
+def tune(*args, **kwargs):
+    # the signal lands while Python runs code given to exec() as a string (what triton,
+    # dataclasses, namedtuple do): the handler's exception passes out of that exec
+    exec("os.kill(os.getpid(), signal.SIGTERM)\\nfor _ in range(10000):\\n    pass",
+         {"os": os, "signal": signal})
+    raise AssertionError("SIGTERM did not interrupt")
+
+jobs.tune = tune
+cli(prog_name="flashtune", args=sys.argv[1:])
+'''
+
+
+def test_sigterm_inside_an_exec_still_exits_143(tmp_path: Path) -> None:
+    """CPython 3.11 (fixed in 3.14, gh-128130) remembers a plain ``KeyboardInterrupt`` that
+    left an ``exec(str)`` and, under ``python -m``, ends the process with SIGINT even after
+    the exception was caught and ``sys.exit(143)`` ran. CI saw a SIGTERM'd tune exit -2 that
+    way; the handler's exception must not be exactly ``KeyboardInterrupt``."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    (tmp_path / "sigterm_in_exec.py").write_text(_SIGTERM_INSIDE_EXEC)
+    url = f"sqlite:///{tmp_path / 'x.db'}"
+    proc = subprocess.run([sys.executable, "-m", "sigterm_in_exec", "--db", url, "tune",
+                           "--batch", "1", "--heads", "1", "--seqlen", "32", "--head-dim", "16",
+                           "--interpret", "--no-progress"],
+                          cwd=tmp_path, env={**os.environ, "TRITON_INTERPRET": "1",
+                                             "PYTHONPATH": os.pathsep.join(sys.path)},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr[-2000:]
+    assert "terminated (SIGTERM)" in proc.stderr and "Traceback" not in proc.stderr
