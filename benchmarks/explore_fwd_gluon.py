@@ -1,0 +1,206 @@
+"""The Gluon FA3-style forward (``gluon_fwd.py``) on the GPU: numerics first, then speed.
+
+    python benchmarks/explore_fwd_gluon.py [--check-only] [--head-dims 64,128] \
+        [--seqlens 512,...,16384] [--configs 'ROWS=64,BLOCK_N=128,NUM_STAGES=2,NUM_CONSUMERS=2;...'] \
+        [--out benchmarks/results/explore_fwd_gluon_h100.json]
+
+1. **Numerics.** Every config on odd cases (ragged Nq = Nk = 200 and 333, causal with
+   Nq < Nk and Nq > Nk where rows see no key, GQA 8:2 and MQA, fp16 and bf16, D 64 and
+   128) against the float32 reference: relative error of ``out`` (2e-2 bf16, 5e-3 fp16 as
+   ``bench_fwd.check``), ``lse`` within 1e-2 absolute (``-inf`` where the reference has it),
+   no NaN. A config that fails anything is not timed.
+2. **Speed** on the standard grid (ANCHORS.md, bf16): the passing configs, attn_fwd's
+   default config, SDPA flash (FA2) and SDPA cuDNN, each checked on the shape first, then
+   timed in ``--rounds`` interleaved rounds (``flashtune.autotune.timing.bench``: CUDA
+   events, L2 flushed; median of the rounds' medians). TFLOP/s from ``4 B H N^2 D`` (half
+   causal). JSON written after every shape; the table printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_fwd import SDPA_BACKENDS, sdpa_fn
+from gluon_fwd import DEFAULT_CONFIG, gluon_attn_fwd
+
+from flashtune.autotune.devices import cuda_device
+from flashtune.autotune.grids import standard_grid
+from flashtune.autotune.timing import bench, tflops
+from flashtune.kernel_templates import get_template
+from flashtune.kernel_templates.attn_fwd.reference import attn_fwd_reference
+
+CONFIGS = ("ROWS=64,BLOCK_N=128,NUM_STAGES=2,NUM_CONSUMERS=2;"
+           "ROWS=64,BLOCK_N=64,NUM_STAGES=3,NUM_CONSUMERS=2;"
+           "ROWS=64,BLOCK_N=128,NUM_STAGES=2,NUM_CONSUMERS=1;"
+           "ROWS=128,BLOCK_N=64,NUM_STAGES=2,NUM_CONSUMERS=2")
+# (B, Hq, Hkv, Nq, Nk, causal): odd lengths, key-less rows, GQA / MQA
+CASES = [(2, 4, 4, 200, 200, False), (2, 4, 4, 333, 333, True), (1, 8, 2, 256, 512, True),
+         (1, 4, 1, 384, 130, True), (1, 4, 4, 128, 1000, False), (3, 2, 2, 64, 64, True)]
+
+
+def parse_configs(text: str) -> list[dict[str, int]]:
+    out = []
+    for part in filter(None, text.split(";")):
+        out.append(dict(DEFAULT_CONFIG, **{k: int(v) for k, v in
+                                           (kv.split("=") for kv in part.split(","))}))
+    return out
+
+
+def name_of(cfg: dict[str, int]) -> str:
+    return "gluon_{ROWS}x{NUM_CONSUMERS}_{BLOCK_N}_s{NUM_STAGES}".format(**cfg)
+
+
+def check_case(cfg, case, d, dtype) -> dict:
+    b, hq, hkv, nq, nk, causal = case
+    g = torch.Generator(device="cuda").manual_seed(nq * 7 + nk)
+    q = torch.randn(b, hq, nq, d, device="cuda", dtype=dtype, generator=g)
+    k = torch.randn(b, hkv, nk, d, device="cuda", dtype=dtype, generator=g)
+    v = torch.randn(b, hkv, nk, d, device="cuda", dtype=dtype, generator=g)
+    ref_o, ref_l = attn_fwd_reference(q, k, v, causal=causal, dtype=torch.float32)
+    out, lse = gluon_attn_fwd(q, k, v, causal=causal, config=cfg)
+    torch.cuda.synchronize()
+    rel = ((out.float() - ref_o).norm() / ref_o.norm().clamp_min(1e-6)).item()
+    finite = torch.isfinite(ref_l)
+    lse_ok = bool(torch.equal(torch.isfinite(lse), finite)) and (
+        not finite.any() or (lse[finite] - ref_l[finite]).abs().max().item() < 1e-2)
+    limit = 2e-2 if dtype == torch.bfloat16 else 5e-3
+    nan = bool(torch.isnan(out).any())
+    return {"case": list(case), "head_dim": d, "dtype": str(dtype), "rel_err": rel,
+            "lse_ok": lse_ok, "nan": nan, "ok": rel < limit and lse_ok and not nan}
+
+
+def numerics(configs, head_dims) -> dict[str, list[dict]]:
+    results = {}
+    for cfg in configs:
+        rows = []
+        for d in head_dims:
+            for dtype in (torch.bfloat16, torch.float16):
+                for case in CASES:
+                    try:
+                        rows.append(check_case(cfg, case, d, dtype))
+                    except Exception as exc:  # noqa: BLE001 - a failing config is data
+                        rows.append({"case": list(case), "head_dim": d, "dtype": str(dtype),
+                                     "ok": False, "error": f"{type(exc).__name__}: {exc}"[:300]})
+                        traceback.print_exc(limit=2)
+        results[name_of(cfg)] = rows
+        bad = [r for r in rows if not r["ok"]]
+        print(f"{name_of(cfg)}: {len(rows) - len(bad)}/{len(rows)} numerics cases pass"
+              + (f"; first failure {bad[0]}" if bad else ""), flush=True)
+    return results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--head-dims", default="64,128")
+    ap.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384")
+    ap.add_argument("--configs", default=CONFIGS)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--check-only", action="store_true")
+    ap.add_argument("--out", default="benchmarks/results/explore_fwd_gluon.json")
+    args = ap.parse_args()
+    head_dims = tuple(int(x) for x in args.head_dims.split(","))
+    configs = parse_configs(args.configs)
+    dev = cuda_device()
+    t0 = time.time()
+    checks = numerics(configs, head_dims)
+    passing = [c for c in configs if all(r["ok"] for r in checks[name_of(c)])]
+    doc = {"device": dev.name, "torch": torch.__version__, "configs": configs,
+           "numerics": checks, "rows": []}
+    out_path = Path(args.out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(doc, indent=1))
+    if args.check_only:
+        return
+    spec = get_template("attn_fwd")
+    grid = standard_grid(head_dims, seqlens=tuple(int(x) for x in args.seqlens.split(",")))
+    for p in grid:
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(p.batch, p.heads_q, p.seqlen_q, p.head_dim, device="cuda",
+                               dtype=torch.bfloat16) for _ in range(3))
+        sl = slice(0, 1)  # check on the first batch element against fp32
+        ref, _ = attn_fwd_reference(q[sl], k[sl], v[sl], causal=p.causal, dtype=torch.float32)
+        default = spec.default_config(p, dev)
+        fns = implementations(p, q, k, v, passing, spec, default)
+        row = {"problem": p.key(), "flops": p.flops(), "default_config": default,
+               "results": {}}
+        for name, fn in list(fns.items()):
+            try:
+                o = fn()
+                rel = ((o[sl].float() - ref).norm() / ref.norm()).item()
+                if not rel < 2e-2:
+                    raise RuntimeError(f"relative error {rel:.2e}")
+            except Exception as exc:  # noqa: BLE001 - wrong or failing: not timed
+                row["results"][name] = {"error": f"{type(exc).__name__}: {exc}"[:200]}
+                del fns[name]
+        samples = {n: [] for n in fns}
+        for _ in range(args.rounds):
+            for name, fn in fns.items():
+                samples[name].append(bench(fn).median_ms)
+        for name, ms in samples.items():
+            med = sorted(ms)[len(ms) // 2]
+            row["results"][name] = {"median_ms": med, "tflops": tflops(p.flops(), med),
+                                    "rounds_ms": ms}
+        doc["rows"].append(row)
+        doc["wall_s"] = time.time() - t0
+        out_path.write_text(json.dumps(doc, indent=1))
+        del q, k, v, fns
+        torch.cuda.empty_cache()
+        print(f"{p.describe()} done at {time.time() - t0:.0f} s", flush=True)
+    print_table(doc["rows"], [name_of(c) for c in passing])
+
+
+def implementations(p, q, k, v, passing, spec, default) -> dict:
+    """The callables timed on one shape: each passing Gluon config, attn_fwd's default, SDPA
+    flash and cuDNN."""
+    fns = {name_of(c): (lambda c=c: gluon_attn_fwd(q, k, v, causal=p.causal, config=c)[0])
+           for c in passing if c["ROWS"] * c["NUM_CONSUMERS"] <= p.seqlen_q}
+    fns["attn_fwd_default"] = lambda: spec.launcher(q, k, v, default, causal=p.causal)
+    for name in ("sdpa_flash", "sdpa_cudnn"):
+        fns[name] = sdpa_fn(SDPA_BACKENDS[name], q, k, v, p.causal)
+    return fns
+
+
+def print_table(rows, gluon_names) -> None:
+    def tf(row, name):
+        r = row["results"].get(name, {})
+        return r.get("tflops")
+    print("| shape | best gluon | TFLOP/s | attn_fwd default | SDPA flash | cuDNN "
+          "| vs FA2 | vs cuDNN | vs attn_fwd |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    ratios = {"fa2": [], "cudnn": [], "ours": []}
+    for row in rows:
+        best = max(((tf(row, n), n) for n in gluon_names if tf(row, n)), default=(None, None))
+        fa2, cud, ours = (tf(row, n) for n in ("sdpa_flash", "sdpa_cudnn", "attn_fwd_default"))
+        key = row["problem"]
+        shape = (f"D{key['head_dim']} N{key['seqlen_q']}"
+                 f"{' causal' if key['causal'] else ''}")
+        cells = [f"{x:.0f}" if x else "-" for x in (best[0], ours, fa2, cud)]
+        rs = []
+        for label, base in (("fa2", fa2), ("cudnn", cud), ("ours", ours)):
+            if best[0] and base:
+                ratios[label].append(best[0] / base)
+                rs.append(f"{best[0] / base:.2f}x")
+            else:
+                rs.append("-")
+        print(f"| {shape} | {best[1] or '-'} | {cells[0]} | {cells[1]} | {cells[2]} | "
+              f"{cells[3]} | " + " | ".join(rs) + " |")
+    for label, xs in ratios.items():
+        if xs:
+            g = math.exp(sum(math.log(x) for x in xs) / len(xs))
+            print(f"geomean best gluon vs {label}: {g:.3f}x over {len(xs)} shapes "
+                  f"(min {min(xs):.2f}x)")
+
+
+if __name__ == "__main__":
+    main()

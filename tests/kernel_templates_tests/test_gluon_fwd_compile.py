@@ -1,0 +1,54 @@
+"""The Gluon FA3-style forward (``benchmarks/gluon_fwd.py``) compiles for Hopper on the CPU.
+
+Its numerics can only be checked on a GPU (Gluon has no interpreter mode:
+``benchmarks/explore_fwd_gluon.py`` does that first); what the CPU can check is that every
+config of the sweep compiles for sm_90 into the structure the kernel is written for: 12
+warps (2 consumer warpgroups + the producer's), the 24 / 240 register split, a wgmma left in
+flight during the softmax (``wgmma.wait_group 1``), shared memory within the 227 KiB an H100
+block may use, and no spills for the default config.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gluon_fwd.py"
+
+
+def _compile(cases: list[dict]) -> list[dict]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, str(SCRIPT), json.dumps(cases)], capture_output=True,
+                          check=False, text=True, env=env, timeout=600, cwd=SCRIPT.parent)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+@pytest.mark.slow
+def test_the_default_config_compiles_into_fa3s_structure() -> None:
+    cases = [{"head_dim": d, "causal": c} for d in (64, 128) for c in (False, True)]
+    for case, got in zip(cases, _compile([dict(c) for c in cases]), strict=True):
+        assert got["warps"] == 12, got
+        assert ["dec", "24"] in got["setmaxnreg"] and ["inc", "240"] in got["setmaxnreg"], got
+        assert 1 in got["wgmma_wait_depths"], got  # P V in flight while the softmax runs
+        assert got["shared"] <= 227 * 1024, got
+        assert got["spill_store_bytes"] == [0], got
+        # Q (2 x 64 rows) + 2 stages of K and V tiles, bf16, plus the barriers
+        d = case["head_dim"]
+        assert 2 * (2 * 64 * d + 2 * 2 * 128 * d) <= got["shared"] \
+            < 2 * (2 * 64 * d + 2 * 2 * 128 * d) + 2048, got
+
+
+@pytest.mark.slow
+def test_the_swept_configs_compile() -> None:
+    cases = [{"BLOCK_N": 64, "NUM_STAGES": 3}, {"NUM_CONSUMERS": 1},
+             {"ROWS": 128, "BLOCK_N": 64}]
+    for case, got in zip(cases, _compile([dict(c) for c in cases]), strict=True):
+        assert got["warps"] == (8 if case.get("NUM_CONSUMERS") == 1 else 12), got
+        assert 1 in got["wgmma_wait_depths"], got
+        assert got["shared"] <= 227 * 1024, got
