@@ -8,7 +8,8 @@
    Nq < Nk and Nq > Nk where rows see no key, GQA 8:2 and MQA, fp16 and bf16, D 64 and
    128) against the float32 reference: relative error of ``out`` (2e-2 bf16, 5e-3 fp16 as
    ``bench_fwd.check``), ``lse`` within 1e-2 absolute (``-inf`` where the reference has it),
-   no NaN. A config that fails anything is not timed.
+   no NaN. A config that fails anything is not timed. Each config is checked in its own
+   process under ``--check-timeout``: a barrier mistake hangs rather than errs.
 2. **Speed** on the standard grid (ANCHORS.md, bf16): the passing configs, attn_fwd's
    default config, SDPA flash (FA2) and SDPA cuDNN, each checked on the shape first, then
    timed in ``--rounds`` interleaved rounds (``flashtune.autotune.timing.bench``: CUDA
@@ -23,7 +24,6 @@ import json
 import math
 import sys
 import time
-import traceback
 from pathlib import Path
 
 import torch
@@ -80,19 +80,36 @@ def check_case(cfg, case, d, dtype) -> dict:
             "lse_ok": lse_ok, "nan": nan, "ok": rel < limit and lse_ok and not nan}
 
 
-def numerics(configs, head_dims) -> dict[str, list[dict]]:
+def check_config(cfg, head_dims) -> list[dict]:
+    rows = []
+    for d in head_dims:
+        for dtype in (torch.bfloat16, torch.float16):
+            for case in CASES:
+                try:
+                    rows.append(check_case(cfg, case, d, dtype))
+                except Exception as exc:  # noqa: BLE001 - a failing config is data
+                    rows.append({"case": list(case), "head_dim": d, "dtype": str(dtype),
+                                 "ok": False, "error": f"{type(exc).__name__}: {exc}"[:300]})
+    return rows
+
+
+def numerics(configs, head_dims, timeout_s: float) -> dict[str, list[dict]]:
+    """Each config checked in its own process: a barrier mistake hangs a kernel, and a hung
+    kernel must cost ``timeout_s``, not the whole run."""
+    import subprocess
+
     results = {}
     for cfg in configs:
-        rows = []
-        for d in head_dims:
-            for dtype in (torch.bfloat16, torch.float16):
-                for case in CASES:
-                    try:
-                        rows.append(check_case(cfg, case, d, dtype))
-                    except Exception as exc:  # noqa: BLE001 - a failing config is data
-                        rows.append({"case": list(case), "head_dim": d, "dtype": str(dtype),
-                                     "ok": False, "error": f"{type(exc).__name__}: {exc}"[:300]})
-                        traceback.print_exc(limit=2)
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--check-config", json.dumps(cfg),
+               "--head-dims", ",".join(map(str, head_dims))]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
+                                  check=False)
+            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("[")]
+            rows = json.loads(lines[-1]) if lines else [
+                {"ok": False, "error": f"exit {proc.returncode}: {proc.stderr[-300:]}"}]
+        except subprocess.TimeoutExpired:
+            rows = [{"ok": False, "error": f"hung: no result in {timeout_s:.0f} s"}]
         results[name_of(cfg)] = rows
         bad = [r for r in rows if not r["ok"]]
         print(f"{name_of(cfg)}: {len(rows) - len(bad)}/{len(rows)} numerics cases pass"
@@ -107,13 +124,18 @@ def main() -> None:
     ap.add_argument("--configs", default=CONFIGS)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--check-only", action="store_true")
+    ap.add_argument("--check-timeout", type=float, default=120.0)
+    ap.add_argument("--check-config", help=argparse.SUPPRESS)  # the per-config subprocess
     ap.add_argument("--out", default="benchmarks/results/explore_fwd_gluon.json")
     args = ap.parse_args()
     head_dims = tuple(int(x) for x in args.head_dims.split(","))
+    if args.check_config:
+        print(json.dumps(check_config(json.loads(args.check_config), head_dims)), flush=True)
+        return
     configs = parse_configs(args.configs)
     dev = cuda_device()
     t0 = time.time()
-    checks = numerics(configs, head_dims)
+    checks = numerics(configs, head_dims, args.check_timeout)
     passing = [c for c in configs if all(r["ok"] for r in checks[name_of(c)])]
     doc = {"device": dev.name, "torch": torch.__version__, "configs": configs,
            "numerics": checks, "rows": []}

@@ -18,7 +18,8 @@ This kernel is FA3's forward (Shah et al. 2024, Algorithm 1 and 2) written in Gl
   first complete, and the softmax of ``S_j`` runs while ``P_{j-1} V_{j-1}`` is still on the
   tensor cores; ``O`` is rescaled after that second wait;
 * exp2 with the softmax scale folded in; masking (causal diagonal, ragged key end) only on
-  the blocks that need it; ``lse`` in natural log as ``attn_fwd`` stores it.
+  the blocks that need it; causal query tiles launched longest first; ``lse`` in natural log
+  as ``attn_fwd`` stores it.
 
 Layout: Q, K, V, O contiguous ``(B, H, N, D)``, read through 2-D descriptors over
 ``(B * H * N, D)``. A tile that runs past a head's end reads the next head's rows: keys are
@@ -197,6 +198,8 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, seqlen_q, seql
                           CAUSAL: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                           CONSUMER_REGS: gl.constexpr):
     m_block = gl.program_id(0)
+    if CAUSAL:  # the longest rows (most key blocks) first, so the short ones fill the tail
+        m_block = gl.num_programs(0) - 1 - m_block
     bh = gl.program_id(1)
     b = bh // heads_q
     h = bh % heads_q
