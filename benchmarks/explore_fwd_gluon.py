@@ -41,6 +41,7 @@ from flashtune.kernel_templates import get_template
 from flashtune.kernel_templates.attn_fwd.reference import attn_fwd_reference
 
 CONFIGS = ("ROWS=64,BLOCK_N=128,NUM_STAGES=2,NUM_CONSUMERS=2;"
+           "ROWS=64,BLOCK_N=128,NUM_STAGES=2,NUM_CONSUMERS=2,PINGPONG=1;"
            "ROWS=64,BLOCK_N=64,NUM_STAGES=3,NUM_CONSUMERS=2;"
            "ROWS=64,BLOCK_N=128,NUM_STAGES=2,NUM_CONSUMERS=1;"
            "ROWS=128,BLOCK_N=64,NUM_STAGES=2,NUM_CONSUMERS=2")
@@ -58,7 +59,8 @@ def parse_configs(text: str) -> list[dict[str, int]]:
 
 
 def name_of(cfg: dict[str, int]) -> str:
-    return "gluon_{ROWS}x{NUM_CONSUMERS}_{BLOCK_N}_s{NUM_STAGES}".format(**cfg)
+    return ("gluon_{ROWS}x{NUM_CONSUMERS}_{BLOCK_N}_s{NUM_STAGES}".format(**cfg)
+            + ("_pp" if cfg.get("PINGPONG") else ""))
 
 
 def check_case(cfg, case, d, dtype) -> dict:

@@ -98,10 +98,29 @@ def _softmax_block(qk, j, m_i, l_i, q_start, seqlen_q, seqlen_k, qk_scale,
 
 
 @gluon.jit
-def _consumer(cid, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, o_ptr, lse_ptr,
-              bh, m_block, seqlen_q, seqlen_k, n_total, qk_scale,
+def _my_turn(turn, cid, step, PINGPONG: gl.constexpr):
+    """FA3's ping-pong: two consumers take turns to issue their wgmmas, so one's softmax
+    runs while the other's matrix products use the tensor cores. Consumer 0 goes first
+    (a fresh barrier counts as phase 1 complete); each issue ends with ``_their_turn``.
+    Every consumer takes ``n_total + 1`` steps (prologue, one per later block, the last
+    ``P V``; a consumer that sees fewer causal blocks steps through the rest), so the two
+    stay in lockstep and neither runs a phase ahead."""
+    if PINGPONG:
+        mbarrier.wait(turn.index(cid), (step & 1) ^ (1 - cid))
+
+
+@gluon.jit
+def _their_turn(turn, cid, PINGPONG: gl.constexpr):
+    if PINGPONG:
+        mbarrier.arrive(turn.index(1 - cid), count=1)
+
+
+@gluon.jit
+def _consumer(cid, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, turn, o_ptr,
+              lse_ptr, bh, m_block, seqlen_q, seqlen_k, n_total, qk_scale,
               HEAD_D: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
-              NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr):
+              NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
+              PINGPONG: gl.constexpr):
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -126,9 +145,11 @@ def _consumer(cid, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, o_
     q = q_smem.index(cid)
 
     # block 0: S_0, its softmax
+    _my_turn(turn, cid, 0, PINGPONG)
     mbarrier.wait(k_ready.index(0), 0)
     qk = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False,
                        is_async=True)
+    _their_turn(turn, cid, PINGPONG)
     qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
     p, alpha, m_i, l_i = _softmax_block(qk, 0, m_i, l_i, q_start, seqlen_q, seqlen_k,
                                         qk_scale, s_layout, ROWS, BLOCK_N, CAUSAL)
@@ -138,12 +159,14 @@ def _consumer(cid, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, o_
         prev = (j - 1) % NUM_STAGES
         prev_ph = ((j - 1) // NUM_STAGES) & 1
         # issue S_j = Q K_j^T, then O += P_{j-1} V_{j-1}; wait only for the first
+        _my_turn(turn, cid, j, PINGPONG)
         mbarrier.wait(k_ready.index(st), ph)
         qk = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False,
                            is_async=True)
         mbarrier.wait(v_ready.index(prev), prev_ph)
         p16 = gl.convert_layout(p.to(dtype), p_layout)
         acc = warpgroup_mma(p16, v_smem.index(prev), acc, is_async=True)
+        _their_turn(turn, cid, PINGPONG)
         qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk, ))
         # the softmax of S_j runs while P_{j-1} V_{j-1} is on the tensor cores
         p, alpha, m_i, l_i = _softmax_block(qk, j, m_i, l_i, q_start, seqlen_q, seqlen_k,
@@ -153,15 +176,19 @@ def _consumer(cid, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, o_
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
     # the last block's P V
     last = (n_mine - 1) % NUM_STAGES
+    _my_turn(turn, cid, n_mine, PINGPONG)
     mbarrier.wait(v_ready.index(last), ((n_mine - 1) // NUM_STAGES) & 1)
     p16 = gl.convert_layout(p.to(dtype), p_layout)
     acc = warpgroup_mma(p16, v_smem.index(last), acc, is_async=True)
+    _their_turn(turn, cid, PINGPONG)
     acc, p16 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p16))
     mbarrier.arrive(kv_empty.index(last), count=1)
     # blocks the producer loads for the other consumers: keep the barrier phases in step
     for j in range(n_mine, n_total):
         st = j % NUM_STAGES
         ph = (j // NUM_STAGES) & 1
+        _my_turn(turn, cid, j + 1, PINGPONG)  # the other consumer's steps alternate still
+        _their_turn(turn, cid, PINGPONG)
         mbarrier.wait(k_ready.index(st), ph)
         mbarrier.wait(v_ready.index(st), ph)
         mbarrier.arrive(kv_empty.index(st), count=1)
@@ -180,14 +207,14 @@ def _consumer(cid, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, o_
 
 
 @gluon.jit
-def _consumer_worker(cid, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, o_ptr,
-                     lse_ptr, bh, m_block, seqlen_q, seqlen_k, n_total, qk_scale,
+def _consumer_worker(cid, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, turn,
+                     o_ptr, lse_ptr, bh, m_block, seqlen_q, seqlen_k, n_total, qk_scale,
                      HEAD_D: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
                      NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
-                     CAUSAL: gl.constexpr):
-    _consumer(cid, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, o_ptr, lse_ptr,
-              bh, m_block, seqlen_q, seqlen_k, n_total, qk_scale, HEAD_D, ROWS, BLOCK_N,
-              NUM_STAGES, NUM_CONSUMERS, CAUSAL)
+                     CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
+    _consumer(cid, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, turn, o_ptr,
+              lse_ptr, bh, m_block, seqlen_q, seqlen_k, n_total, qk_scale, HEAD_D, ROWS,
+              BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, PINGPONG)
 
 
 @gluon.jit
@@ -195,8 +222,8 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, seqlen_q, seql
                           group, qk_scale,
                           HEAD_D: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
                           NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
-                          CAUSAL: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                          CONSUMER_REGS: gl.constexpr):
+                          CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
+                          PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     m_block = gl.program_id(0)
     if CAUSAL:  # the longest rows (most key blocks) first, so the short ones fill the tail
         m_block = gl.num_programs(0) - 1 - m_block
@@ -220,6 +247,9 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, seqlen_q, seql
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(turn.index(0), count=1)
+    mbarrier.init(turn.index(1), count=1)
     for c in gl.static_range(NUM_CONSUMERS):
         mbarrier.init(q_bar.index(c), count=1)
     for s in gl.static_range(NUM_STAGES):
@@ -228,31 +258,33 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, seqlen_q, seql
         mbarrier.init(kv_empty.index(s), count=NUM_CONSUMERS)
 
     gl.static_assert(NUM_CONSUMERS == 1 or NUM_CONSUMERS == 2)
+    gl.static_assert(not PINGPONG or NUM_CONSUMERS == 2)
     if NUM_CONSUMERS == 1:
         gl.warp_specialize([
-            (_consumer, (0, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, o_ptr,
-                         lse_ptr, bh, m_block, seqlen_q, seqlen_k, n_total, qk_scale, HEAD_D,
-                         ROWS, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL)),
+            (_consumer, (0, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, turn,
+                         o_ptr, lse_ptr, bh, m_block, seqlen_q, seqlen_k, n_total, qk_scale,
+                         HEAD_D, ROWS, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, PINGPONG)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready,
                          v_ready, kv_empty, q_row, kv_row, n_total, ROWS, BLOCK_N, NUM_STAGES,
                          NUM_CONSUMERS)),
         ], [1], [PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer, (0, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, o_ptr,
-                         lse_ptr, bh, m_block, seqlen_q, seqlen_k, n_total, qk_scale, HEAD_D,
-                         ROWS, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL)),
+            (_consumer, (0, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, turn,
+                         o_ptr, lse_ptr, bh, m_block, seqlen_q, seqlen_k, n_total, qk_scale,
+                         HEAD_D, ROWS, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, PINGPONG)),
             (_consumer_worker, (1, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty,
-                                o_ptr, lse_ptr, bh, m_block, seqlen_q, seqlen_k, n_total,
+                                turn, o_ptr, lse_ptr, bh, m_block, seqlen_q, seqlen_k, n_total,
                                 qk_scale, HEAD_D, ROWS, BLOCK_N, NUM_STAGES, NUM_CONSUMERS,
-                                CAUSAL)),
+                                CAUSAL, PINGPONG)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready,
                          v_ready, kv_empty, q_row, kv_row, n_total, ROWS, BLOCK_N, NUM_STAGES,
                          NUM_CONSUMERS)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-DEFAULT_CONFIG = {"ROWS": 64, "BLOCK_N": 128, "NUM_STAGES": 2, "NUM_CONSUMERS": 2}
+DEFAULT_CONFIG = {"ROWS": 64, "BLOCK_N": 128, "NUM_STAGES": 2, "NUM_CONSUMERS": 2,
+                  "PINGPONG": 0}
 
 
 def _layout(block: list[int], dtype: Any) -> Any:
@@ -301,7 +333,7 @@ def gluon_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal:
         q_desc, k_desc, v_desc, out, lse, seqlen_q, seqlen_k, heads_q, heads_q // heads_kv,
         scale * LOG2E, HEAD_D=head_dim, ROWS=rows, BLOCK_N=bn, NUM_STAGES=cfg["NUM_STAGES"],
         NUM_CONSUMERS=cfg["NUM_CONSUMERS"], CAUSAL=bool(causal),
-        PRODUCER_REGS=meta["PRODUCER_REGS"], CONSUMER_REGS=meta["CONSUMER_REGS"],
+        PINGPONG=bool(cfg["PINGPONG"]), PRODUCER_REGS=meta["PRODUCER_REGS"], CONSUMER_REGS=meta["CONSUMER_REGS"],
         num_warps=meta["num_warps"], maxnreg=meta["maxnreg"])
     return out, lse
 
@@ -322,6 +354,7 @@ def compile_sm90(config: dict[str, int], head_dim: int = 128, causal: bool = Fal
     meta = launch_meta(cfg)
     const = {"HEAD_D": head_dim, "ROWS": rows, "BLOCK_N": bn, "NUM_STAGES": cfg["NUM_STAGES"],
              "NUM_CONSUMERS": cfg["NUM_CONSUMERS"], "CAUSAL": bool(causal),
+             "PINGPONG": bool(cfg["PINGPONG"]),
              "PRODUCER_REGS": meta["PRODUCER_REGS"], "CONSUMER_REGS": meta["CONSUMER_REGS"]}
     kern = gluon_attn_fwd_kernel
     names = kern.arg_names

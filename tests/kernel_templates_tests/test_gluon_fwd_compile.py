@@ -47,8 +47,20 @@ def test_the_default_config_compiles_into_fa3s_structure() -> None:
 @pytest.mark.slow
 def test_the_swept_configs_compile() -> None:
     cases = [{"BLOCK_N": 64, "NUM_STAGES": 3}, {"NUM_CONSUMERS": 1},
-             {"ROWS": 128, "BLOCK_N": 64}]
+             {"ROWS": 128, "BLOCK_N": 64}, {"PINGPONG": 1, "causal": True},
+             {"PINGPONG": 1, "head_dim": 64}]
     for case, got in zip(cases, _compile([dict(c) for c in cases]), strict=True):
         assert got["warps"] == (8 if case.get("NUM_CONSUMERS") == 1 else 12), got
         assert 1 in got["wgmma_wait_depths"], got
         assert got["shared"] <= 227 * 1024, got
+
+
+def test_the_barrier_protocol_model_finds_no_deadlock() -> None:
+    """``benchmarks/gluon_fwd_protocol.py`` runs the kernel's mbarrier protocol (producer,
+    consumers, causal consumers that see fewer blocks, ping-pong turns) in random
+    interleavings; it fails on a deadlock or a barrier a phase ahead of its waiter (it does
+    for a missing drain loop, a wrong ``kv_empty`` count or a wrong turn parity)."""
+    proc = subprocess.run([sys.executable, str(SCRIPT.with_name("gluon_fwd_protocol.py"))],
+                          capture_output=True, check=False, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "no deadlock" in proc.stdout
