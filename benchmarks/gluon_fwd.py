@@ -45,7 +45,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
 
 
 @gluon.jit
@@ -207,17 +206,6 @@ def _consumer(cid, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, tu
 
 
 @gluon.jit
-def _consumer_worker(cid, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, turn,
-                     o_ptr, lse_ptr, bh, m_block, seqlen_q, seqlen_k, n_total, qk_scale,
-                     HEAD_D: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
-                     NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
-                     CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
-    _consumer(cid, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, turn, o_ptr,
-              lse_ptr, bh, m_block, seqlen_q, seqlen_k, n_total, qk_scale, HEAD_D, ROWS,
-              BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, PINGPONG)
-
-
-@gluon.jit
 def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, seqlen_q, seqlen_k, heads_q,
                           group, qk_scale,
                           HEAD_D: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -273,10 +261,9 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, seqlen_q, seql
             (_consumer, (0, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, turn,
                          o_ptr, lse_ptr, bh, m_block, seqlen_q, seqlen_k, n_total, qk_scale,
                          HEAD_D, ROWS, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, PINGPONG)),
-            (_consumer_worker, (1, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty,
-                                turn, o_ptr, lse_ptr, bh, m_block, seqlen_q, seqlen_k, n_total,
-                                qk_scale, HEAD_D, ROWS, BLOCK_N, NUM_STAGES, NUM_CONSUMERS,
-                                CAUSAL, PINGPONG)),
+            (_consumer, (1, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, turn,
+                         o_ptr, lse_ptr, bh, m_block, seqlen_q, seqlen_k, n_total, qk_scale,
+                         HEAD_D, ROWS, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, PINGPONG)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready,
                          v_ready, kv_empty, q_row, kv_row, n_total, ROWS, BLOCK_N, NUM_STAGES,
                          NUM_CONSUMERS)),
