@@ -60,9 +60,11 @@ def crash_space() -> Any:
                                "num_warps": (4, 8), "num_stages": (2, 3, 4)}, predicate=check)
 
 
-def slow_replay_runner(spec: Any, problem: Any, device: Any, options: Any) -> Any:
+def slow_replay_runner(spec: Any, problem: Any, device: Any, options: Any,
+                       in_trial: Any = None) -> Any:
     """The recording, 60-140 ms per config: most of a job's time is spent inside a trial,
-    so a kill at a random moment usually lands in one."""
+    so a kill at a random moment usually lands in one. ``in_trial`` (an Event) is set when
+    the first evaluation starts: the job is past its start-up and inside its loop."""
     import random
     import time
 
@@ -70,6 +72,8 @@ def slow_replay_runner(spec: Any, problem: Any, device: Any, options: Any) -> An
     evaluate = runner.evaluate
 
     def slow(config: Any) -> Any:
+        if in_trial is not None:
+            in_trial.set()
         time.sleep(random.uniform(0.06, 0.14))
         return evaluate(config)
 
@@ -77,14 +81,18 @@ def slow_replay_runner(spec: Any, problem: Any, device: Any, options: Any) -> An
     return runner
 
 
-def crash_job(url: str, seed: int, trials: int) -> None:
-    """A grid-search tuning job on the synthetic recording (the kill -9 test's victim)."""
+def crash_job(url: str, seed: int, trials: int, in_trial: Any = None) -> None:
+    """A grid-search tuning job on the synthetic recording (the kill -9 test's victim);
+    ``in_trial`` is set once it is evaluating configs."""
+    import functools
+
     from flashtune.autotune.jobs import TuneOptions, tune
     from tests.autotune_tests.synthetic import H100, PROBLEM
 
     options = TuneOptions(trials=trials, sampler="grid", seed=seed, top_k_confirm=3,
                           isolate=False)
-    tune([PROBLEM], options, db_url=url, progress=False, _runner_factory=slow_replay_runner,
+    factory = functools.partial(slow_replay_runner, in_trial=in_trial)
+    tune([PROBLEM], options, db_url=url, progress=False, _runner_factory=factory,
          _device=H100, _space=crash_space())
 
 
