@@ -410,7 +410,9 @@ def import_documents(store: TuningStore, docs: Sequence[tuple[str, ConfigDocumen
         skipped or stale.
     Raises:
         ValueError for an unknown ``policy``; UnknownTemplateError for a document of an
-        unregistered template; StoreError when the transaction fails (nothing written).
+        unregistered template; ImportRejected for a document whose device name the store
+        (or another document) holds with other hardware; StoreError when the transaction
+        fails. Nothing is written on any of them.
     """
     if policy not in IMPORT_POLICIES:
         raise ValueError(f"unknown import policy {policy!r}; expected one of "
@@ -425,6 +427,7 @@ def import_documents(store: TuningStore, docs: Sequence[tuple[str, ConfigDocumen
         if fresh:
             batch.extend(_imported(doc, e) for e in doc.entries)
         spans.append((origin, doc, start, len(batch), fresh))
+    _check_one_device_per_name(store, [(o, d) for o, d, a, b, _ in spans if b > a])
     outcomes = store.import_best(batch, policy=policy)
     files = []
     for origin, doc, start, end, fresh in spans:
@@ -433,6 +436,29 @@ def import_documents(store: TuningStore, docs: Sequence[tuple[str, ConfigDocumen
                                 stale=0 if fresh else len(doc.entries),
                                 **{c: tally[c] for c in IMPORT_OUTCOMES}))
     return ImportReport(policy, tuple(files))
+
+
+def _check_one_device_per_name(store: TuningStore,
+                               docs: Sequence[tuple[str, ConfigDocument]]) -> None:
+    """Refuse documents that would give one device name several hardware keys (compute
+    capability, SM count, shared memory; total memory may differ) in ``store``: the
+    dispatcher and export both take a name for one GPU, and export could no longer write
+    that name's file. Checked before the import's transaction, so nothing is written."""
+    held: dict[str, tuple[str, tuple[Any, ...]]] = {
+        d.name: (f"stored in {store.url}", d.hardware_key()[:4]) for d in store.list_devices()}
+    for origin, doc in docs:
+        key = doc.device.hardware_key()[:4]
+        where, other = held.setdefault(doc.device.name, (f"in {origin}", key))
+        if other != key:
+            raise ImportRejected(
+                f"{checks.printable(origin)}: device {doc.device.name!r} is {where} with "
+                f"other hardware ({_hardware(other)}) than this file says ({_hardware(key)}); "
+                "one device name must mean one GPU. Nothing was imported: import this file "
+                "into another database, or fix its device block")
+
+
+def _hardware(key: tuple[Any, ...]) -> str:
+    return f"compute capability {key[1]}, {key[2]} SMs, {key[3]} B shared memory per block"
 
 
 def _imported(doc: ConfigDocument, e: ConfigEntry) -> ImportedBest:

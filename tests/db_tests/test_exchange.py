@@ -191,6 +191,30 @@ def test_export_merges_rows_that_differ_only_in_total_memory(url: str) -> None:
         export(url)
 
 
+def test_an_import_that_would_give_a_device_name_two_gpus_changes_nothing(url: str) -> None:
+    """One name, other hardware (the audit: cc and SMs edited in a file): the import is
+    refused before its transaction, so export keeps working; a file that differs only in
+    total memory (drivers move it by a few MiB) still imports."""
+    populate(url, H100, {0: 2.0})
+    before = dump(url)
+    stored = DeviceInfo(H100.name, H100.compute_capability, H100.sm_count,
+                        H100.shared_mem_per_block, H100.total_memory)
+    other = make_document(replace(stored, compute_capability="8.0", sm_count=108))
+    with pytest.raises(ImportRejected, match="is stored in .* with other hardware"):
+        import_(url, [other])
+    assert dump(url) == before
+    (doc,) = export(url)  # still one file for the name
+    # two files of one batch that disagree with each other: refused too
+    fresh = DeviceInfo("NVIDIA_B200", "10.0", 148, 232448, 1 << 37)
+    with pytest.raises(ImportRejected, match="'NVIDIA_B200' is in .* with other hardware"):
+        import_(url, [make_document(fresh), make_document(replace(fresh, sm_count=132))])
+    assert dump(url) == before
+    report = import_(url, [make_document(replace(stored, total_memory=H100.total_memory - 1))])
+    assert report.total("added") == 3  # a device row of its own, merged on export
+    (doc,) = export(url)
+    assert len(doc.entries) == 3
+
+
 def test_merging_machines_with_keep_faster_keeps_the_fastest(tmp_path: Path) -> None:
     a, b, merged = (other_url(tmp_path, n) for n in ("a.db", "b.db", "m.db"))
     populate(a, H100, {0: 1.0, 1: 2.0, 2: 3.0})
