@@ -53,6 +53,7 @@ log = logging.getLogger(__name__)
 __all__ = ["TuneOptions", "TuneResult", "tune"]
 
 WARM_START_NEIGHBOURS = 3
+EXHAUSTION_CHECK = 25  # fruitless asks in a row before the study is checked for configs left
 STALE_AFTER = timedelta(minutes=5)  # at least; see _stale_after
 FAILED_STATES = frozenset(s for s in TrialState
                           if s not in (TrialState.COMPLETE, TrialState.RUNNING))
@@ -212,6 +213,19 @@ def _requeue_lost(study: Any, store: TuningStore, ids: tuple[int, int, int],
         requeued.add(key)
         n += enqueue(study, cfg, space, skip_if_exists=False)
     return n
+
+
+def _unmeasured(store: TuningStore, ids: tuple[int, int, int], space: SearchSpace,
+                problem: AttentionProblem, device: DeviceFingerprint) -> int:
+    """How many configs the predicate accepts for ``problem`` have no trial in the study
+    (trials failed as stale and DUPLICATE records aside; a RUNNING trial counts: a live
+    worker is measuring it). 0: the space is exhausted and asking the sampler for more can
+    only return configs measured already."""
+    dev, tpl, prob = ids
+    taken = {canonical_json(t.config)
+             for t in store.list_trials(device_id=dev, template_id=tpl, problem_id=prob)
+             if t.state is not TrialState.DUPLICATE and t.message != STALE_MESSAGE}
+    return sum(canonical_json(c) not in taken for c in space.valid_configs(problem, device))
 
 
 def _tell(study: Any, trial: Any, value: float | None = None, *, state: Any = None) -> None:
@@ -418,6 +432,14 @@ def _tune_one(problem: AttentionProblem, options: TuneOptions, store: TuningStor
                    position=progress_position)
     status = RunStatus.COMPLETE
     requeued: set[str] = set()
+    # asks in a row that gave nothing to measure (configs measured already, static prunes):
+    # every EXHAUSTION_CHECK of them the study is checked for configs left, so a study whose
+    # space is fully measured ends at once instead of asking up to ``max_asks`` times
+    fruitless = 0
+    exhausted = _unmeasured(store, ids, space, problem, device) == 0
+    if exhausted:
+        log.warning("%s: every valid config of the space has been measured already; nothing "
+                    "left to search (the best is re-confirmed)", problem.describe())
 
     def grid_done() -> bool:
         # a grid study that has asked every point (this run or an earlier one) is done
@@ -435,8 +457,17 @@ def _tune_one(problem: AttentionProblem, options: TuneOptions, store: TuningStor
         return lost == 0
 
     def out_of_budget() -> bool:
-        if evaluated >= options.trials or asks >= max_asks or len(seen) >= space.size:
+        nonlocal fruitless, exhausted
+        if exhausted or evaluated >= options.trials or asks >= max_asks \
+                or len(seen) >= space.size:
             return True
+        if fruitless >= EXHAUSTION_CHECK:
+            fruitless = 0
+            if _unmeasured(store, ids, space, problem, device) == 0:
+                exhausted = True
+                log.info("%s: every valid config of the space is measured; search ends",
+                         problem.describe())
+                return True
         if grid_done():
             return True
         # the wall budget is checked between batches, never before the first one (as
@@ -452,13 +483,15 @@ def _tune_one(problem: AttentionProblem, options: TuneOptions, store: TuningStor
             # ask a batch of fresh candidates (static prunes and duplicates are told at once)
             batch: list[tuple[Any, dict[str, int]]] = []
             while len(batch) < batch_size and evaluated + len(batch) < options.trials \
-                    and asks < max_asks and len(seen) < space.size:
+                    and asks < max_asks and len(seen) < space.size \
+                    and fruitless < EXHAUSTION_CHECK:
                 trial = study.ask()
                 asks += 1
                 cfg = config_from_trial(trial, space)
                 trial.set_user_attr(RUN_ATTR, run.id)
                 key = canonical_json(cfg)
                 seen.add(key)
+                fruitless += 1
                 prior = store.find_trial(*ids, cfg)
                 if prior is not None and prior.message != STALE_MESSAGE:
                     if prior.state is TrialState.COMPLETE and prior.median_ms is not None:
@@ -479,6 +512,7 @@ def _tune_one(problem: AttentionProblem, options: TuneOptions, store: TuningStor
                     _tell(study, trial, state=optuna.trial.TrialState.PRUNED)
                     continue
                 batch.append((trial, cfg))
+                fruitless = 0
             if not batch:
                 continue
             if len(batch) > 1:

@@ -125,3 +125,52 @@ def test_rerunning_an_exhausted_grid_stops_at_once(tmp_path):
     assert first.trials == len(SPACE.valid_configs(PROBLEM, H100))
     assert again.trials == 0 and again.best_ms == pytest.approx(first.best_ms)
     assert len(r2.calls) <= 2  # at most the final confirmation: the best and the default
+    # another sampler on the exhausted space ends at once too (it found no unmeasured
+    # config; the audit saw TPE ask 640 times for measured ones, 8 minutes on a big db)
+    runners = []
+
+    def factory(spec, problem, device, options):
+        runners.append(ReplayRunner.from_json(FIXTURE))
+        return runners[-1]
+
+    [tpe] = tune([PROBLEM], TuneOptions(sampler="tpe", seed=1, trials=5, top_k_confirm=1),
+                 db_url=url, progress=False, _runner_factory=factory, _device=H100,
+                 _space=SPACE)
+    assert asked() == n_first
+    assert tpe.trials == 0 and tpe.states == {} and len(runners[0].calls) <= 2
+    assert tpe.best_ms == pytest.approx(first.best_ms)
+
+
+
+def test_a_search_that_has_measured_every_valid_config_stops_asking(monkeypatch, caplog):
+    """A space with few valid configs among many: once each valid one is measured, the
+    sampler can only propose measured configs or static prunes; after ``EXHAUSTION_CHECK``
+    such asks in a row the job sees nothing is left and ends, long before it has asked for
+    every point of the space or spent its 20-asks-per-trial limit."""
+    import logging
+
+    from flashtune.autotune import jobs
+    from flashtune.autotune.spaces import SearchSpace
+
+    keep = {(64, 64, 4, 3), (64, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 2)}
+
+    def predicate(cfg, problem, device):
+        key = (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"], cfg["num_stages"])
+        return SPACE.check(cfg, problem, device) or (None if key in keep else "not kept")
+
+    space = SearchSpace(params=SPACE.params, predicate=predicate)
+    monkeypatch.setattr(jobs, "EXHAUSTION_CHECK", 5)
+    runners = []
+
+    def factory(spec, problem, device, options):
+        runners.append(ReplayRunner.from_json(FIXTURE))
+        return runners[-1]
+
+    with caplog.at_level(logging.INFO, logger="flashtune.autotune.jobs"):
+        [res] = tune([PROBLEM], TuneOptions(sampler="random", seed=0, trials=1000,
+                                            top_k_confirm=1),
+                     db_url="sqlite://", progress=False, _runner_factory=factory,
+                     _device=H100, _space=space)
+    assert res.trials == len(keep)
+    assert "every valid config of the space is measured; search ends" in caplog.text
+    assert res.trials + res.states["PRUNED_STATIC"] < space.size
