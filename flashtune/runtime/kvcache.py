@@ -187,6 +187,11 @@ def check_kvcache_inputs(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any,
                          f"{k_cache.shape[0]} (a contiguous cache is (batch, heads_kv, "
                          f"max_seqlen, head_dim); pass block_table for a paged one)")
     _check_int32("cache_seqlens", cache_seqlens, (batch,), "(batch,)")
+    if batch > 1 and cache_seqlens.stride(0) != 1:
+        # the kernel reads cache_seqlens[b] at offset b: it takes no stride
+        raise InputError(f"cache_seqlens must be contiguous (stride 1), got stride "
+                         f"{cache_seqlens.stride(0)} (an expanded, sliced or column view?); "
+                         f"call .contiguous() first")
     if paged:
         _check_int32("block_table", block_table, (batch, None), "(batch, max_pages)")
         if block_table.shape[1] < 1:
@@ -273,12 +278,13 @@ def attention_with_kvcache(
             multiple of ``heads_kv`` (GQA/MQA without copying K/V).
             q and the caches: float16 or bfloat16, one dtype, one CUDA device (or CPU under
             ``TRITON_INTERPRET=1``); head_dim in 16, 32, 64, 96, 128, 192, 256.
-        cache_seqlens: int32 ``(batch,)``: sequence ``b`` attends to its keys
+        cache_seqlens: int32 ``(batch,)``, contiguous (not an expanded, sliced or column
+            view): sequence ``b`` attends to its keys
             ``[0, cache_seqlens[b])`` (the new tokens' keys included, if already written).
             0 is allowed (the rows return zeros).
         block_table: int32 ``(batch, max_pages)``: key ``j`` of sequence ``b`` is slot
             ``j % page_size`` of page ``block_table[b, j // page_size]``. Entries past a
-            sequence's last page are never read. Any page size.
+            sequence's last page are never read. Any page size, any strides.
         causal: bottom-right aligned against each sequence's own length: query ``i`` sees
             key ``j`` iff ``j <= i + cache_seqlens[b] - seqlen_q``. Rows that see no key
             return zeros (and LSE ``-inf``). Irrelevant for ``seqlen_q == 1``.
@@ -350,7 +356,7 @@ def _plan_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: torch.
         ptrs |= block_table.data_ptr()
     return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(),
             q.dtype, k.dtype, v.dtype, q.get_device(), k.get_device(), v.get_device(),
-            seqlens.shape, seqlens.dtype, seqlens.get_device(), bt,
+            seqlens.shape, seqlens.stride(), seqlens.dtype, seqlens.get_device(), bt,
             causal, scale, return_lse, ptrs & 15 == 0)
 
 
