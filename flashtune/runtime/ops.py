@@ -22,7 +22,7 @@ import json
 import logging
 import os
 import threading
-from functools import lru_cache
+from functools import lru_cache, wraps
 from typing import Any, Callable, Iterable, Literal, Mapping, Optional, overload
 
 import torch
@@ -270,9 +270,34 @@ def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tens
     return grads
 
 
+def _once_differentiable(backward: Callable[..., Any]) -> Callable[..., Any]:
+    """torch's ``once_differentiable`` (the backward runs without a graph; differentiating
+    its gradients again raises torch's "differentiate twice" error), also for the usual
+    gradient penalty, ``grad(loss, q, create_graph=True)``: there only the saved q/k/v
+    require grad, not the incoming gradients, which are all torch's decorator looks at, so
+    it would hand back gradients with no graph and a penalty on them would silently add
+    nothing. Then one incoming gradient is passed on as a detached leaf that requires grad
+    (the backward never differentiates it: it runs under ``no_grad``)."""
+    once = torch.autograd.function.once_differentiable(backward)
+
+    @wraps(backward)
+    def wrapper(ctx: Any, *grads: Any) -> Any:
+        if torch.is_grad_enabled() \
+                and not any(g is not None and g.requires_grad for g in grads) \
+                and any(t.requires_grad for t in ctx.saved_tensors):
+            i = next((i for i, g in enumerate(grads) if g is not None), None)
+            if i is not None:
+                grads = (*grads[:i], grads[i].detach().requires_grad_(), *grads[i + 1:])
+        return once(ctx, *grads)
+
+    return wrapper
+
+
 class _AttentionFn(torch.autograd.Function):
     """Eager autograd: the forward saves q, k, v, out and the LSE, nothing N x N; the
-    backward recomputes P tile by tile (attn_bwd)."""
+    backward recomputes P tile by tile (attn_bwd). The backward is not itself
+    differentiable: a double backward (a gradient penalty) raises torch's error instead of
+    silently getting a gradient with no graph."""
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
@@ -284,6 +309,7 @@ class _AttentionFn(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @_once_differentiable
     def backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) -> Any:
         q, k, v, out, lse = ctx.saved_tensors
         if dout is None:
