@@ -47,7 +47,7 @@ from flashtune.kernel_templates.direct import current_device as _current_device
 from flashtune.kernel_templates.direct import current_stream as _current_stream
 from flashtune.kernel_templates.attn_decode.launcher import attn_decode_kvcache
 from flashtune.kernel_templates.attn_decode.plan import AttnDecodePlan
-from flashtune.runtime.checks import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS
+from flashtune.runtime.checks import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, check_grid
 from flashtune.runtime.lookup import ConfigChoice, Dispatcher
 
 log = logging.getLogger(__name__)
@@ -217,6 +217,7 @@ def check_kvcache_inputs(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any,
     elif q.device.type != "cuda":
         raise DeviceError(f"the tensors are on {q.device}; flashtune needs CUDA tensors (or "
                           f"CPU tensors under TRITON_INTERPRET=1)")
+    check_grid(q, k_cache, decode=True)
 
 
 def check_kvcache_tables(k_cache: torch.Tensor, cache_seqlens: torch.Tensor,
@@ -301,8 +302,9 @@ def attention_with_kvcache(
     Returns:
         ``out`` of ``q``'s shape and dtype (contiguous), or ``(out, lse)``.
     Raises:
-        InputError / InputTypeError (``ValueError`` / ``TypeError``) for bad arguments,
-        ConfigError (``ValueError``) for a config outside the space or unfit for the
+        InputError / InputTypeError (``ValueError`` / ``TypeError``) for bad arguments (and
+        on CUDA for ``batch x heads_kv`` over 65535, the launch grid's limit: split the
+        batch), ConfigError (``ValueError``) for a config outside the space or unfit for the
         problem, DeviceError for CPU tensors without the interpreter. All before any launch.
     """
     key = None

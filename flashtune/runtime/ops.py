@@ -37,7 +37,7 @@ from flashtune.kernel_templates.direct import current_stream as _current_stream
 from flashtune.kernel_templates.attn_decode.plan import AttnDecodeDensePlan
 from flashtune.kernel_templates.attn_fwd.plan import AttnFwdPlan
 from flashtune.runtime import kvcache
-from flashtune.runtime.checks import check_attention_inputs
+from flashtune.runtime.checks import check_attention_inputs, check_grid
 from flashtune.runtime.lookup import ConfigChoice, Dispatcher
 
 log = logging.getLogger(__name__)
@@ -165,6 +165,7 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     if config is None:
         fast_key = (q.shape, k.shape, q.dtype, q.get_device(), causal)
         decode, cfg = _FAST.get(fast_key) or _resolve(q, k, causal, fast_key)
+        check_grid(q, k, decode=decode)
         if key is not None and _current_device() == q.get_device() \
                 and not direct.hooks_installed():
             plan = _new_plan(q, k, v, cfg, causal, scale, return_lse, key, decode)
@@ -174,6 +175,7 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
             return _DEC.launcher(q, k, v, cfg, causal=causal, scale=scale,
                                  return_lse=return_lse)
     else:
+        check_grid(q, k)
         cfg = _explicit_config(config, AttentionProblem.from_tensors(q, k, causal=causal),
                                _device_of(q))
     return _FWD.launcher(q, k, v, cfg, causal=causal, scale=scale, return_lse=return_lse)
@@ -228,9 +230,10 @@ def attention(
     Returns:
         ``out`` of ``q``'s shape and dtype (contiguous), or ``(out, lse)``.
     Raises:
-        InputError / InputTypeError (``ValueError`` / ``TypeError``) for bad tensors,
-        ConfigError (``ValueError``) for a config outside the space, DeviceError for CPU
-        tensors without the interpreter. All before any launch.
+        InputError / InputTypeError (``ValueError`` / ``TypeError``) for bad tensors (and
+        on CUDA for ``batch x heads_q`` over 65535, the launch grid's limit: split the
+        batch), ConfigError (``ValueError``) for a config outside the space, DeviceError
+        for CPU tensors without the interpreter. All before any launch.
     """
     if torch.compiler.is_compiling():
         out, lse = torch.ops.flashtune.attention_fwd(
@@ -241,6 +244,7 @@ def attention(
                                     or getattr(k, "requires_grad", False)
                                     or getattr(v, "requires_grad", False)):
         check_attention_inputs(q, k, v, scale)
+        check_grid(q, k)  # attn_fwd's grid, and attn_bwd's for the gradients
         out, lse = _attention_fn(q, k, v, bool(causal), scale, _forward_config(
             q, k, causal, config))
         return (out, lse) if return_lse else out
@@ -261,6 +265,7 @@ def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tens
               lse: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None, causal: bool,
               scale: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """attn_bwd with the config the dispatcher picks for the problem (tuned, else default)."""
+    check_grid(q, k)
     problem = AttentionProblem.from_tensors(q, k, causal=causal)
     cfg = _DISPATCH_BWD.choose(problem, _device_of(q)).config
     if dout.stride(-1) != 1:
