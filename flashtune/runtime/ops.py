@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import threading
+from dataclasses import replace
 from functools import lru_cache, wraps
 from typing import Any, Callable, Iterable, Literal, Mapping, Optional, overload
 
@@ -352,14 +353,21 @@ def lookup_config(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     Returns:
         The :class:`~flashtune.runtime.lookup.ConfigChoice` (``config``, ``source``,
         ``template``, ``tflops``, ``median_ms``, ``tuned_problem``, ``origin``), memoised
-        per problem and device until :func:`reload_configs`.
+        per problem and device until :func:`reload_configs`; its ``config`` is a copy,
+        the caller's to change.
     Raises:
         InputError / InputTypeError (``ValueError`` / ``TypeError``) for tensors
         :func:`attention` would refuse, DeviceError for CPU tensors without the
         interpreter.
     """
     check_attention_inputs(q, k, v, None)
-    return _route(AttentionProblem.from_tensors(q, k, causal=causal), _device_of(q))
+    return _copy(_route(AttentionProblem.from_tensors(q, k, causal=causal), _device_of(q)))
+
+
+def _copy(choice: ConfigChoice) -> ConfigChoice:
+    """The memoised ``choice`` with a config dict of its own: the dispatcher's is the one
+    later calls run with, and must not change under them."""
+    return replace(choice, config=dict(choice.config))
 
 
 def reload_configs(*, device_alias: bool | None = None, db_url: str | None = None) -> None:
@@ -416,7 +424,7 @@ def warmup(problems: Iterable[AttentionProblem] | None = None, *,
                 for kernel, args, kwargs, grid in warmup_launches(
                         choice.template, problem, choice.config, return_lse=return_lse):
                     kernel.warmup(*args, grid=grid, **kwargs)
-        done.append((problem, choice))
+        done.append((problem, _copy(choice)))
     return done
 
 

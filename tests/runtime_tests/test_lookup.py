@@ -302,6 +302,22 @@ def test_warmup_resolves_every_tuned_problem(env):
     assert c.source == "nearest"
 
 
+def test_a_returned_choice_is_the_callers_to_change(env):
+    """lookup_config and warmup hand out copies: changing one does not change the config
+    later calls run with."""
+    populate(env["db"], [(HERE, prob(64), cfg(32, 16), 1.0)])
+    q, k, v = tensors(prob(64))
+    before = flashtune.attention(q, k, v)
+    choice_ = flashtune.lookup_config(q, k, v)
+    choice_.config["BLOCK_M"] = 8
+    [(_, warmed)] = flashtune.warmup([prob(64)])
+    assert warmed.config == cfg(32, 16)
+    warmed.config["BLOCK_N"] = 8
+    assert flashtune.lookup_config(q, k, v).config == cfg(32, 16)
+    assert all(c == cfg(32, 16) for _, c in ops._FAST.values())
+    assert torch.equal(flashtune.attention(q, k, v), before)
+
+
 # -- opt-in autotuning and torch.compile ----------------------------------------------------------
 
 
