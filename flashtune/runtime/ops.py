@@ -60,6 +60,7 @@ _Tensor = torch.Tensor
 _AUTOTUNED: set[AttentionProblem] = set()
 _AUTOTUNE_LOCK = threading.Lock()
 AUTOTUNE_TRIALS = 30
+_BAD_TRIALS: set[str] = set()  # bad $FLASHTUNE_AUTOTUNE_TRIALS values already warned about
 
 
 @lru_cache(maxsize=None)
@@ -85,6 +86,26 @@ def _autotune_enabled() -> bool:
     return os.environ.get("FLASHTUNE_AUTOTUNE", "").strip().lower() in ("1", "true", "yes", "on")
 
 
+def _autotune_trials() -> int:
+    """``$FLASHTUNE_AUTOTUNE_TRIALS``, else :data:`AUTOTUNE_TRIALS`; a value that is not a
+    positive integer gets the default too, with one warning per value (call under
+    ``_AUTOTUNE_LOCK``)."""
+    raw = os.environ.get("FLASHTUNE_AUTOTUNE_TRIALS", "").strip()
+    if not raw:
+        return AUTOTUNE_TRIALS
+    try:
+        trials = int(raw)
+    except ValueError:
+        trials = 0
+    if trials > 0:
+        return trials
+    if raw not in _BAD_TRIALS:
+        _BAD_TRIALS.add(raw)
+        log.warning("flashtune: FLASHTUNE_AUTOTUNE_TRIALS=%r is not a positive integer; "
+                    "tuning with the default, %d trials", raw, AUTOTUNE_TRIALS)
+    return AUTOTUNE_TRIALS
+
+
 def _autotune(problem: AttentionProblem, device: DeviceFingerprint) -> None:
     """Opt-in (``FLASHTUNE_AUTOTUNE=1``): tune ``problem`` now, once per process, into the
     tuning database, then reload. Failures are logged, never raised."""
@@ -94,7 +115,7 @@ def _autotune(problem: AttentionProblem, device: DeviceFingerprint) -> None:
         _AUTOTUNED.add(problem)
         from flashtune.autotune.jobs import TuneOptions, tune
 
-        trials = int(os.environ.get("FLASHTUNE_AUTOTUNE_TRIALS", AUTOTUNE_TRIALS))
+        trials = _autotune_trials()
         log.warning("flashtune: FLASHTUNE_AUTOTUNE=1: tuning %s now (%d trials)",
                     problem.describe(), trials)
         try:

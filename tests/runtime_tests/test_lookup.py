@@ -339,6 +339,27 @@ def test_autotune_is_opt_in_and_runs_once(env, monkeypatch):
     assert out.shape == q.shape
 
 
+@pytest.mark.parametrize("value", ["abc", "0", "-3", "2.5"])
+def test_a_bad_autotune_trials_value_is_warned_about_once(env, monkeypatch, caplog, value):
+    """The first call on an untuned shape must not raise over the environment: the value is
+    replaced by the default, with one warning however many shapes get tuned."""
+    from flashtune.autotune import jobs
+
+    asked = []
+    monkeypatch.setattr(jobs, "tune", lambda problems, options, **kw: asked.append(options.trials))
+    monkeypatch.setattr(ops, "_AUTOTUNED", set())
+    monkeypatch.setattr(ops, "_BAD_TRIALS", set())
+    monkeypatch.setenv("FLASHTUNE_AUTOTUNE", "1")
+    monkeypatch.setenv("FLASHTUNE_AUTOTUNE_TRIALS", value)
+    with caplog.at_level(logging.WARNING, logger="flashtune"):
+        for n in (24, 40):
+            q, k, v = tensors(prob(n))
+            flashtune.attention(q, k, v)
+    assert asked == [ops.AUTOTUNE_TRIALS] * 2
+    bad = [r for r in caplog.records if "FLASHTUNE_AUTOTUNE_TRIALS" in r.getMessage()]
+    assert len(bad) == 1 and repr(value) in bad[0].getMessage(), caplog.text
+
+
 def test_torch_compile_without_graph_breaks(env):
     p = prob(40, causal=True)
     q, k, v = tensors(p)
