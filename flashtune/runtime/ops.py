@@ -126,19 +126,32 @@ def _autotune(problem: AttentionProblem, device: DeviceFingerprint) -> None:
         reload_configs()
 
 
-def _choose(problem: AttentionProblem, device: DeviceFingerprint) -> ConfigChoice:
+def _choose(problem: AttentionProblem, device: DeviceFingerprint, *,
+            tune: bool = True) -> ConfigChoice:
+    """attn_fwd's choice; with ``tune`` an untuned problem is tuned first when
+    ``FLASHTUNE_AUTOTUNE=1``."""
     choice = _DISPATCH.choose(problem, device)
-    if choice.source != "exact" and _autotune_enabled() and problem not in _AUTOTUNED:
+    if tune and choice.source != "exact" and _autotune_enabled() \
+            and problem not in _AUTOTUNED:
         _autotune(problem, device)
         choice = _DISPATCH.choose(problem, device)
     return choice
 
 
-def _route(problem: AttentionProblem, device: DeviceFingerprint) -> ConfigChoice:
+def _route(problem: AttentionProblem, device: DeviceFingerprint, *,
+           tune: bool = True) -> ConfigChoice:
     """attn_decode's choice when :func:`~flashtune.runtime.kvcache.decode_route` takes the
-    problem (short queries), else attn_fwd's."""
+    problem (short queries), else attn_fwd's (see :func:`_choose` for ``tune``)."""
     choice = kvcache.decode_route(problem, device, _DISPATCH)
-    return choice if choice is not None else _choose(problem, device)
+    return choice if choice is not None else _choose(problem, device, tune=tune)
+
+
+def _wants_grad(q: Any, k: Any, v: Any) -> bool:
+    """Whether :func:`attention` takes its autograd path (attn_fwd, never the decode
+    route) for these arguments."""
+    return torch.is_grad_enabled() and (getattr(q, "requires_grad", False)
+                                        or getattr(k, "requires_grad", False)
+                                        or getattr(v, "requires_grad", False))
 
 
 def _resolve(q: torch.Tensor, k: torch.Tensor, causal: bool,
@@ -262,9 +275,7 @@ def attention(
             q, k, v, bool(causal), scale, bool(return_lse),
             None if config is None else json.dumps(dict(config), sort_keys=True))
         return (out, lse) if return_lse else out
-    if torch.is_grad_enabled() and (getattr(q, "requires_grad", False)
-                                    or getattr(k, "requires_grad", False)
-                                    or getattr(v, "requires_grad", False)):
+    if _wants_grad(q, k, v):
         check_attention_inputs(q, k, v, scale)
         check_grid(q, k)  # attn_fwd's grid, and attn_bwd's for the gradients
         out, lse = _attention_fn(q, k, v, bool(causal), scale, _forward_config(
@@ -356,8 +367,9 @@ def lookup_config(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
 
     Short-query problems (at most 16 queries) may be routed to the split-KV decode template
     (``choice.template == "attn_decode"``; see
-    :func:`~flashtune.runtime.kvcache.decode_route`); then the chain below runs over
-    attn_decode's tuned configs. The chain: tuned for this exact problem on this device
+    :func:`~flashtune.runtime.kvcache.decode_route`), unless a tensor requires grad with
+    grad mode on (then :func:`attention` runs attn_fwd, and so does this answer); then the
+    chain below runs over attn_decode's tuned configs. The chain: tuned for this exact problem on this device
     (``source="exact"``), else for
     a problem of the same bucket (``"bucket"``), else the nearest tuned problem
     (``"nearest"``), else one tuned on a similar device when ``FLASHTUNE_DEVICE_ALIAS=1``
@@ -367,9 +379,13 @@ def lookup_config(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     :class:`~flashtune.runtime.lookup.ConfigChoice` carries the config, its source, the
     measured TFLOP/s when known and where the config came from.
 
+    Nothing is tuned here, ``FLASHTUNE_AUTOTUNE=1`` or not: for a problem not tuned yet
+    the answer is the choice before the tuning run :func:`attention`'s first call would
+    start (:func:`warmup` runs it).
+
     Arguments:
-        q, k, v: the tensors :func:`attention` would get (same rules); only their metadata
-            is read, nothing is launched.
+        q, k, v: the tensors :func:`attention` would get (same rules, ``requires_grad``
+            included); only their metadata is read, nothing is launched.
         causal: as for :func:`attention`.
     Returns:
         The :class:`~flashtune.runtime.lookup.ConfigChoice` (``config``, ``source``,
@@ -382,7 +398,10 @@ def lookup_config(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         interpreter.
     """
     check_attention_inputs(q, k, v, None)
-    return _copy(_route(AttentionProblem.from_tensors(q, k, causal=causal), _device_of(q)))
+    problem, device = AttentionProblem.from_tensors(q, k, causal=causal), _device_of(q)
+    if _wants_grad(q, k, v):  # attention's autograd path: attn_fwd, whatever the shape
+        return _copy(_choose(problem, device, tune=False))
+    return _copy(_route(problem, device, tune=False))
 
 
 def _copy(choice: ConfigChoice) -> ConfigChoice:
@@ -416,7 +435,11 @@ def warmup(problems: Iterable[AttentionProblem] | None = None, *,
     (default: every problem tuned exactly for this device), so their first calls do not
     compile. Returns each problem with the config it resolved to. Kernels are specialised
     for contiguous inputs; ``return_lse`` selects the variant that also stores the LSE.
-    Under the Triton interpreter nothing is compiled.
+    Under the Triton interpreter nothing is compiled. With ``FLASHTUNE_AUTOTUNE=1`` an
+    attn_fwd problem without a config tuned for it is tuned first, as its first
+    :func:`attention` call would be (that launches kernels), so that the tuned kernel is
+    the one compiled. The kernels are those of inference calls: a problem
+    :func:`attention` routes to the decode template gets that template's.
 
     Arguments:
         problems: the :class:`~flashtune.autotune.problems.AttentionProblem` shapes to

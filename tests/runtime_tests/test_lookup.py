@@ -378,6 +378,26 @@ def test_autotune_is_opt_in_and_runs_once(env, monkeypatch):
     assert out.shape == q.shape
 
 
+def test_lookup_config_never_tunes(env, monkeypatch):
+    """Its docstring says nothing is launched: FLASHTUNE_AUTOTUNE=1 tunes at the first
+    attention call (and in warmup), not in lookup_config."""
+    from flashtune.autotune import jobs
+
+    tuned = []
+    monkeypatch.setattr(jobs, "tune", lambda problems, options, **kw: tuned.extend(problems))
+    monkeypatch.setattr(ops, "_AUTOTUNED", set())
+    monkeypatch.setenv("FLASHTUNE_AUTOTUNE", "1")
+    p = prob(24)
+    q, k, v = tensors(p)
+    assert flashtune.lookup_config(q, k, v).source == "default"
+    assert flashtune.lookup_config(*(t.requires_grad_() for t in (q, k, v))).source == "default"
+    assert tuned == []
+    flashtune.attention(q.detach(), k.detach(), v.detach())
+    assert tuned == [p]
+    flashtune.warmup([prob(40)])
+    assert tuned == [p, prob(40)]
+
+
 @pytest.mark.parametrize("value", ["abc", "0", "-3", "2.5"])
 def test_a_bad_autotune_trials_value_is_warned_about_once(env, monkeypatch, caplog, value):
     """The first call on an untuned shape must not raise over the environment: the value is
