@@ -269,6 +269,10 @@ def attention_with_kvcache(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of a few new queries per sequence over that sequence's KV cache.
 
+    Inference only: no gradients flow to q/k_cache/v_cache (the output has no
+    ``grad_fn``, even for tensors that require grad); use :func:`flashtune.attention` to
+    train.
+
     Arguments:
         q: ``(batch, heads_q, seqlen_q, head_dim)``, the new queries (meant for
             ``seqlen_q <= 16``: decoding, speculative verification; longer runs too).

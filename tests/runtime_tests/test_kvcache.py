@@ -222,3 +222,11 @@ def test_cpu_tensors_without_the_interpreter(monkeypatch):
     q, k, v, lens, table = _inputs()
     with pytest.raises(DeviceError, match="TRITON_INTERPRET=1"):
         attention_with_kvcache(q, k, v, lens, block_table=table)
+
+
+def test_inference_only_as_documented():
+    q, k, v, lens, table = _inputs()
+    out = attention_with_kvcache(q.requires_grad_(), k.requires_grad_(), v, lens,
+                                 block_table=table)
+    assert out.grad_fn is None and not out.requires_grad
+    assert "Inference only" in attention_with_kvcache.__doc__
