@@ -148,7 +148,7 @@ def _route(problem: AttentionProblem, device: DeviceFingerprint, *,
 
 def _wants_grad(q: Any, k: Any, v: Any) -> bool:
     """Whether :func:`attention` takes its autograd path (attn_fwd, never the decode
-    route) for these arguments."""
+    route) for these arguments (the test :func:`attention` makes inline)."""
     return torch.is_grad_enabled() and (getattr(q, "requires_grad", False)
                                         or getattr(k, "requires_grad", False)
                                         or getattr(v, "requires_grad", False))
@@ -157,7 +157,9 @@ def _wants_grad(q: Any, k: Any, v: Any) -> bool:
 def _resolve(q: torch.Tensor, k: torch.Tensor, causal: bool,
              key: tuple[Any, ...]) -> tuple[bool, Config]:
     choice = _route(AttentionProblem.from_tensors(q, k, causal=causal), _device_of(q))
-    route = _FAST[key] = (choice.template == _DEC.name, choice.config)
+    decode = choice.template == _DEC.name
+    check_grid(q, k, decode=decode)  # once per key: it holds the shapes and the device
+    route = _FAST[key] = (decode, choice.config)
     return route
 
 
@@ -200,7 +202,6 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     if config is None:
         fast_key = (q.shape, k.shape, q.dtype, q.get_device(), causal)
         decode, cfg = _FAST.get(fast_key) or _resolve(q, k, causal, fast_key)
-        check_grid(q, k, decode=decode)
         if key is not None and _current_device() == q.get_device() \
                 and not direct.hooks_installed():
             plan = _new_plan(q, k, v, cfg, causal, scale, return_lse, key, decode)
@@ -275,7 +276,10 @@ def attention(
             q, k, v, bool(causal), scale, bool(return_lse),
             None if config is None else json.dumps(dict(config), sort_keys=True))
         return (out, lse) if return_lse else out
-    if _wants_grad(q, k, v):
+    # _wants_grad, inlined: this runs on every call
+    if torch.is_grad_enabled() and (getattr(q, "requires_grad", False)
+                                    or getattr(k, "requires_grad", False)
+                                    or getattr(v, "requires_grad", False)):
         check_attention_inputs(q, k, v, scale)
         check_grid(q, k)  # attn_fwd's grid, and attn_bwd's for the gradients
         out, lse = _attention_fn(q, k, v, bool(causal), scale, _forward_config(
