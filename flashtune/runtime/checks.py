@@ -12,9 +12,14 @@ import torch
 
 from flashtune.autotune.devices import interpreting
 from flashtune.errors import DeviceError, InputError, InputTypeError
+from flashtune.kernel_templates.attn_decode.space import block_m, rows
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 96, 128, 192, 256)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+# CUDA's limit on a launch grid's axes 1 and 2 (axis 0 takes 2**31 - 1)
+MAX_GRID_YZ = 65535
+# the device types whose launches have that limit (the Triton interpreter has none)
+GRID_LIMITED_DEVICES = frozenset({"cuda"})
 
 
 _HEAD_DIMS = frozenset(SUPPORTED_HEAD_DIMS)
@@ -89,3 +94,52 @@ def check_attention_inputs(q: Any, k: Any, v: Any, scale: Any) -> None:
     elif q.device.type != "cuda":
         raise DeviceError(f"q, k and v are on {q.device}; flashtune needs CUDA tensors (or CPU "
                           f"tensors under TRITON_INTERPRET=1)")
+
+
+def grid_problem(q: torch.Tensor, k: torch.Tensor, *, decode: bool = False) -> str | None:
+    """Why the launch grid of a call would pass CUDA's :data:`MAX_GRID_YZ` on its axis 1
+    or 2, or None when it fits (always None on devices without the limit, see
+    :data:`GRID_LIMITED_DEVICES`). Metadata only.
+
+    Axis 1 is ``batch * heads_q`` for attn_fwd and for attn_bwd's preprocess and dQ kernels
+    (its dK/dV kernel's ``batch * heads_kv * splits`` and its reduction's
+    ``batch * heads_kv`` are no larger), ``batch * heads_kv`` for attn_decode's split
+    kernel, whose axis 2 counts the row tiles of a GQA group's ``group * seqlen_q`` query
+    rows (its combine kernel and attn_bwd's fused kernel use axis 0 only).
+
+    Arguments:
+        q: ``(batch, heads_q, seqlen_q, head_dim)``.
+        k: the keys ``(batch, heads_kv, ...)`` or the cache ``(..., heads_kv, ...)``.
+        decode: the call runs attn_decode (else attn_fwd, and attn_bwd for its gradients).
+    Returns:
+        One sentence naming the sizes and what to do, or None.
+    """
+    if q.device.type not in GRID_LIMITED_DEVICES:
+        return None
+    batch, heads_q, seqlen_q = (int(n) for n in q.shape[:3])
+    heads_kv = int(k.shape[1])
+    heads, name = (heads_kv, "heads_kv") if decode else (heads_q, "heads_q")
+    if batch * heads > MAX_GRID_YZ:
+        fix = (f"split the batch into calls of at most {MAX_GRID_YZ // heads} sequences"
+               if heads <= MAX_GRID_YZ else
+               f"split the heads into calls of at most {MAX_GRID_YZ} {name}")
+        return (f"batch x {name} = {batch} x {heads} = {batch * heads} programs on the "
+                f"launch grid's axis 1, more than CUDA's limit of {MAX_GRID_YZ}; {fix}")
+    if decode:
+        group = heads_q // heads_kv
+        bm = block_m(group, seqlen_q)
+        tiles = -(-rows(group, seqlen_q) // bm)
+        if tiles > MAX_GRID_YZ:
+            return (f"seqlen_q x the GQA group = {seqlen_q} x {group} query rows per KV head "
+                    f"make {tiles} row tiles on the launch grid's axis 2, more than CUDA's "
+                    f"limit of {MAX_GRID_YZ}; pass at most {MAX_GRID_YZ * bm // group} "
+                    f"queries per call")
+    return None
+
+
+def check_grid(q: torch.Tensor, k: torch.Tensor, *, decode: bool = False) -> None:
+    """Raise ``InputError`` before any launch when the kernels' launch grid would pass
+    CUDA's limit (:func:`grid_problem`); ``k`` is the keys or the cache. Metadata only."""
+    reason = grid_problem(q, k, decode=decode)
+    if reason is not None:
+        raise InputError(reason)

@@ -47,7 +47,7 @@ from flashtune.kernel_templates.direct import current_device as _current_device
 from flashtune.kernel_templates.direct import current_stream as _current_stream
 from flashtune.kernel_templates.attn_decode.launcher import attn_decode_kvcache
 from flashtune.kernel_templates.attn_decode.plan import AttnDecodePlan
-from flashtune.runtime.checks import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS
+from flashtune.runtime.checks import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, check_grid
 from flashtune.runtime.lookup import ConfigChoice, Dispatcher
 
 log = logging.getLogger(__name__)
@@ -187,6 +187,11 @@ def check_kvcache_inputs(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any,
                          f"{k_cache.shape[0]} (a contiguous cache is (batch, heads_kv, "
                          f"max_seqlen, head_dim); pass block_table for a paged one)")
     _check_int32("cache_seqlens", cache_seqlens, (batch,), "(batch,)")
+    if batch > 1 and cache_seqlens.stride(0) != 1:
+        # the kernel reads cache_seqlens[b] at offset b: it takes no stride
+        raise InputError(f"cache_seqlens must be contiguous (stride 1), got stride "
+                         f"{cache_seqlens.stride(0)} (an expanded, sliced or column view?); "
+                         f"call .contiguous() first")
     if paged:
         _check_int32("block_table", block_table, (batch, None), "(batch, max_pages)")
         if block_table.shape[1] < 1:
@@ -212,6 +217,7 @@ def check_kvcache_inputs(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any,
     elif q.device.type != "cuda":
         raise DeviceError(f"the tensors are on {q.device}; flashtune needs CUDA tensors (or "
                           f"CPU tensors under TRITON_INTERPRET=1)")
+    check_grid(q, k_cache, decode=True)
 
 
 def check_kvcache_tables(k_cache: torch.Tensor, cache_seqlens: torch.Tensor,
@@ -263,6 +269,10 @@ def attention_with_kvcache(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of a few new queries per sequence over that sequence's KV cache.
 
+    Inference only: no gradients flow to q/k_cache/v_cache (the output has no
+    ``grad_fn``, even for tensors that require grad); use :func:`flashtune.attention` to
+    train.
+
     Arguments:
         q: ``(batch, heads_q, seqlen_q, head_dim)``, the new queries (meant for
             ``seqlen_q <= 16``: decoding, speculative verification; longer runs too).
@@ -273,12 +283,13 @@ def attention_with_kvcache(
             multiple of ``heads_kv`` (GQA/MQA without copying K/V).
             q and the caches: float16 or bfloat16, one dtype, one CUDA device (or CPU under
             ``TRITON_INTERPRET=1``); head_dim in 16, 32, 64, 96, 128, 192, 256.
-        cache_seqlens: int32 ``(batch,)``: sequence ``b`` attends to its keys
+        cache_seqlens: int32 ``(batch,)``, contiguous (not an expanded, sliced or column
+            view): sequence ``b`` attends to its keys
             ``[0, cache_seqlens[b])`` (the new tokens' keys included, if already written).
             0 is allowed (the rows return zeros).
         block_table: int32 ``(batch, max_pages)``: key ``j`` of sequence ``b`` is slot
             ``j % page_size`` of page ``block_table[b, j // page_size]``. Entries past a
-            sequence's last page are never read. Any page size.
+            sequence's last page are never read. Any page size, any strides.
         causal: bottom-right aligned against each sequence's own length: query ``i`` sees
             key ``j`` iff ``j <= i + cache_seqlens[b] - seqlen_q``. Rows that see no key
             return zeros (and LSE ``-inf``). Irrelevant for ``seqlen_q == 1``.
@@ -295,8 +306,9 @@ def attention_with_kvcache(
     Returns:
         ``out`` of ``q``'s shape and dtype (contiguous), or ``(out, lse)``.
     Raises:
-        InputError / InputTypeError (``ValueError`` / ``TypeError``) for bad arguments,
-        ConfigError (``ValueError``) for a config outside the space or unfit for the
+        InputError / InputTypeError (``ValueError`` / ``TypeError``) for bad arguments (and
+        on CUDA for ``batch x heads_kv`` over 65535, the launch grid's limit: split the
+        batch), ConfigError (``ValueError``) for a config outside the space or unfit for the
         problem, DeviceError for CPU tensors without the interpreter. All before any launch.
     """
     key = None
@@ -350,7 +362,7 @@ def _plan_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: torch.
         ptrs |= block_table.data_ptr()
     return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(),
             q.dtype, k.dtype, v.dtype, q.get_device(), k.get_device(), v.get_device(),
-            seqlens.shape, seqlens.dtype, seqlens.get_device(), bt,
+            seqlens.shape, seqlens.stride(), seqlens.dtype, seqlens.get_device(), bt,
             causal, scale, return_lse, ptrs & 15 == 0)
 
 

@@ -41,6 +41,11 @@ __all__ = ["ConfigChoice", "Dispatcher", "SOURCES"]
 
 SOURCES = ("explicit", "exact", "bucket", "nearest", "device-alias", "default")
 
+# the source problems already warned about, shared by every template's dispatcher: a bad
+# source is one warning per process, not one per template (cleared by a reload)
+_SOURCE_WARNED: set[str] = set()
+_SOURCE_LOCK = threading.Lock()
+
 
 def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
@@ -103,6 +108,8 @@ class Dispatcher:
             self._tables.clear()
             self._memo.clear()
             self._warned.clear()
+            with _SOURCE_LOCK:
+                _SOURCE_WARNED.clear()
             self._aliases = device_alias
             self._db_url = db_url
 
@@ -123,8 +130,12 @@ class Dispatcher:
                                              device.name, aliases=aliases,
                                              db_url=self._db_url)
             for reason in problems:
-                self._warn_once(("source", reason), "flashtune: %s; serving what the other "
-                                "sources have (else defaults)", reason)
+                with _SOURCE_LOCK:
+                    known = reason in _SOURCE_WARNED
+                    _SOURCE_WARNED.add(reason)
+                if not known:
+                    log.warning("flashtune: %s; serving what the other sources have (else "
+                                "defaults)", reason)
             own = [e for e in entries if e.device == key]
             alias = [e for e in entries if aliases and e.device != key
                      and (e.device[1], e.device[3]) == (key[1], key[3])]

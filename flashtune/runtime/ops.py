@@ -22,7 +22,8 @@ import json
 import logging
 import os
 import threading
-from functools import lru_cache
+from dataclasses import replace
+from functools import lru_cache, wraps
 from typing import Any, Callable, Iterable, Literal, Mapping, Optional, overload
 
 import torch
@@ -37,7 +38,7 @@ from flashtune.kernel_templates.direct import current_stream as _current_stream
 from flashtune.kernel_templates.attn_decode.plan import AttnDecodeDensePlan
 from flashtune.kernel_templates.attn_fwd.plan import AttnFwdPlan
 from flashtune.runtime import kvcache
-from flashtune.runtime.checks import check_attention_inputs
+from flashtune.runtime.checks import check_attention_inputs, check_grid
 from flashtune.runtime.lookup import ConfigChoice, Dispatcher
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,7 @@ _Tensor = torch.Tensor
 _AUTOTUNED: set[AttentionProblem] = set()
 _AUTOTUNE_LOCK = threading.Lock()
 AUTOTUNE_TRIALS = 30
+_BAD_TRIALS: set[str] = set()  # bad $FLASHTUNE_AUTOTUNE_TRIALS values already warned about
 
 
 @lru_cache(maxsize=None)
@@ -84,6 +86,26 @@ def _autotune_enabled() -> bool:
     return os.environ.get("FLASHTUNE_AUTOTUNE", "").strip().lower() in ("1", "true", "yes", "on")
 
 
+def _autotune_trials() -> int:
+    """``$FLASHTUNE_AUTOTUNE_TRIALS``, else :data:`AUTOTUNE_TRIALS`; a value that is not a
+    positive integer gets the default too, with one warning per value (call under
+    ``_AUTOTUNE_LOCK``)."""
+    raw = os.environ.get("FLASHTUNE_AUTOTUNE_TRIALS", "").strip()
+    if not raw:
+        return AUTOTUNE_TRIALS
+    try:
+        trials = int(raw)
+    except ValueError:
+        trials = 0
+    if trials > 0:
+        return trials
+    if raw not in _BAD_TRIALS:
+        _BAD_TRIALS.add(raw)
+        log.warning("flashtune: FLASHTUNE_AUTOTUNE_TRIALS=%r is not a positive integer; "
+                    "tuning with the default, %d trials", raw, AUTOTUNE_TRIALS)
+    return AUTOTUNE_TRIALS
+
+
 def _autotune(problem: AttentionProblem, device: DeviceFingerprint) -> None:
     """Opt-in (``FLASHTUNE_AUTOTUNE=1``): tune ``problem`` now, once per process, into the
     tuning database, then reload. Failures are logged, never raised."""
@@ -93,7 +115,7 @@ def _autotune(problem: AttentionProblem, device: DeviceFingerprint) -> None:
         _AUTOTUNED.add(problem)
         from flashtune.autotune.jobs import TuneOptions, tune
 
-        trials = int(os.environ.get("FLASHTUNE_AUTOTUNE_TRIALS", AUTOTUNE_TRIALS))
+        trials = _autotune_trials()
         log.warning("flashtune: FLASHTUNE_AUTOTUNE=1: tuning %s now (%d trials)",
                     problem.describe(), trials)
         try:
@@ -104,25 +126,40 @@ def _autotune(problem: AttentionProblem, device: DeviceFingerprint) -> None:
         reload_configs()
 
 
-def _choose(problem: AttentionProblem, device: DeviceFingerprint) -> ConfigChoice:
+def _choose(problem: AttentionProblem, device: DeviceFingerprint, *,
+            tune: bool = True) -> ConfigChoice:
+    """attn_fwd's choice; with ``tune`` an untuned problem is tuned first when
+    ``FLASHTUNE_AUTOTUNE=1``."""
     choice = _DISPATCH.choose(problem, device)
-    if choice.source != "exact" and _autotune_enabled() and problem not in _AUTOTUNED:
+    if tune and choice.source != "exact" and _autotune_enabled() \
+            and problem not in _AUTOTUNED:
         _autotune(problem, device)
         choice = _DISPATCH.choose(problem, device)
     return choice
 
 
-def _route(problem: AttentionProblem, device: DeviceFingerprint) -> ConfigChoice:
+def _route(problem: AttentionProblem, device: DeviceFingerprint, *,
+           tune: bool = True) -> ConfigChoice:
     """attn_decode's choice when :func:`~flashtune.runtime.kvcache.decode_route` takes the
-    problem (short queries), else attn_fwd's."""
+    problem (short queries), else attn_fwd's (see :func:`_choose` for ``tune``)."""
     choice = kvcache.decode_route(problem, device, _DISPATCH)
-    return choice if choice is not None else _choose(problem, device)
+    return choice if choice is not None else _choose(problem, device, tune=tune)
+
+
+def _wants_grad(q: Any, k: Any, v: Any) -> bool:
+    """Whether :func:`attention` takes its autograd path (attn_fwd, never the decode
+    route) for these arguments (the test :func:`attention` makes inline)."""
+    return torch.is_grad_enabled() and (getattr(q, "requires_grad", False)
+                                        or getattr(k, "requires_grad", False)
+                                        or getattr(v, "requires_grad", False))
 
 
 def _resolve(q: torch.Tensor, k: torch.Tensor, causal: bool,
              key: tuple[Any, ...]) -> tuple[bool, Config]:
     choice = _route(AttentionProblem.from_tensors(q, k, causal=causal), _device_of(q))
-    route = _FAST[key] = (choice.template == _DEC.name, choice.config)
+    decode = choice.template == _DEC.name
+    check_grid(q, k, decode=decode)  # once per key: it holds the shapes and the device
+    route = _FAST[key] = (decode, choice.config)
     return route
 
 
@@ -174,6 +211,7 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
             return _DEC.launcher(q, k, v, cfg, causal=causal, scale=scale,
                                  return_lse=return_lse)
     else:
+        check_grid(q, k)
         cfg = _explicit_config(config, AttentionProblem.from_tensors(q, k, causal=causal),
                                _device_of(q))
     return _FWD.launcher(q, k, v, cfg, causal=causal, scale=scale, return_lse=return_lse)
@@ -228,19 +266,22 @@ def attention(
     Returns:
         ``out`` of ``q``'s shape and dtype (contiguous), or ``(out, lse)``.
     Raises:
-        InputError / InputTypeError (``ValueError`` / ``TypeError``) for bad tensors,
-        ConfigError (``ValueError``) for a config outside the space, DeviceError for CPU
-        tensors without the interpreter. All before any launch.
+        InputError / InputTypeError (``ValueError`` / ``TypeError``) for bad tensors (and
+        on CUDA for ``batch x heads_q`` over 65535, the launch grid's limit: split the
+        batch), ConfigError (``ValueError``) for a config outside the space, DeviceError
+        for CPU tensors without the interpreter. All before any launch.
     """
     if torch.compiler.is_compiling():
         out, lse = torch.ops.flashtune.attention_fwd(
             q, k, v, bool(causal), scale, bool(return_lse),
             None if config is None else json.dumps(dict(config), sort_keys=True))
         return (out, lse) if return_lse else out
+    # _wants_grad, inlined: this runs on every call
     if torch.is_grad_enabled() and (getattr(q, "requires_grad", False)
                                     or getattr(k, "requires_grad", False)
                                     or getattr(v, "requires_grad", False)):
         check_attention_inputs(q, k, v, scale)
+        check_grid(q, k)  # attn_fwd's grid, and attn_bwd's for the gradients
         out, lse = _attention_fn(q, k, v, bool(causal), scale, _forward_config(
             q, k, causal, config))
         return (out, lse) if return_lse else out
@@ -261,6 +302,7 @@ def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tens
               lse: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None, causal: bool,
               scale: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """attn_bwd with the config the dispatcher picks for the problem (tuned, else default)."""
+    check_grid(q, k)
     problem = AttentionProblem.from_tensors(q, k, causal=causal)
     cfg = _DISPATCH_BWD.choose(problem, _device_of(q)).config
     if dout.stride(-1) != 1:
@@ -270,9 +312,34 @@ def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tens
     return grads
 
 
+def _once_differentiable(backward: Callable[..., Any]) -> Callable[..., Any]:
+    """torch's ``once_differentiable`` (the backward runs without a graph; differentiating
+    its gradients again raises torch's "differentiate twice" error), also for the usual
+    gradient penalty, ``grad(loss, q, create_graph=True)``: there only the saved q/k/v
+    require grad, not the incoming gradients, which are all torch's decorator looks at, so
+    it would hand back gradients with no graph and a penalty on them would silently add
+    nothing. Then one incoming gradient is passed on as a detached leaf that requires grad
+    (the backward never differentiates it: it runs under ``no_grad``)."""
+    once = torch.autograd.function.once_differentiable(backward)
+
+    @wraps(backward)
+    def wrapper(ctx: Any, *grads: Any) -> Any:
+        if torch.is_grad_enabled() \
+                and not any(g is not None and g.requires_grad for g in grads) \
+                and any(t.requires_grad for t in ctx.saved_tensors):
+            i = next((i for i, g in enumerate(grads) if g is not None), None)
+            if i is not None:
+                grads = (*grads[:i], grads[i].detach().requires_grad_(), *grads[i + 1:])
+        return once(ctx, *grads)
+
+    return wrapper
+
+
 class _AttentionFn(torch.autograd.Function):
     """Eager autograd: the forward saves q, k, v, out and the LSE, nothing N x N; the
-    backward recomputes P tile by tile (attn_bwd)."""
+    backward recomputes P tile by tile (attn_bwd). The backward is not itself
+    differentiable: a double backward (a gradient penalty) raises torch's error instead of
+    silently getting a gradient with no graph."""
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
@@ -284,6 +351,7 @@ class _AttentionFn(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @_once_differentiable
     def backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) -> Any:
         q, k, v, out, lse = ctx.saved_tensors
         if dout is None:
@@ -303,8 +371,9 @@ def lookup_config(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
 
     Short-query problems (at most 16 queries) may be routed to the split-KV decode template
     (``choice.template == "attn_decode"``; see
-    :func:`~flashtune.runtime.kvcache.decode_route`); then the chain below runs over
-    attn_decode's tuned configs. The chain: tuned for this exact problem on this device
+    :func:`~flashtune.runtime.kvcache.decode_route`), unless a tensor requires grad with
+    grad mode on (then :func:`attention` runs attn_fwd, and so does this answer); then the
+    chain below runs over attn_decode's tuned configs. The chain: tuned for this exact problem on this device
     (``source="exact"``), else for
     a problem of the same bucket (``"bucket"``), else the nearest tuned problem
     (``"nearest"``), else one tuned on a similar device when ``FLASHTUNE_DEVICE_ALIAS=1``
@@ -314,21 +383,35 @@ def lookup_config(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     :class:`~flashtune.runtime.lookup.ConfigChoice` carries the config, its source, the
     measured TFLOP/s when known and where the config came from.
 
+    Nothing is tuned here, ``FLASHTUNE_AUTOTUNE=1`` or not: for a problem not tuned yet
+    the answer is the choice before the tuning run :func:`attention`'s first call would
+    start (:func:`warmup` runs it).
+
     Arguments:
-        q, k, v: the tensors :func:`attention` would get (same rules); only their metadata
-            is read, nothing is launched.
+        q, k, v: the tensors :func:`attention` would get (same rules, ``requires_grad``
+            included); only their metadata is read, nothing is launched.
         causal: as for :func:`attention`.
     Returns:
         The :class:`~flashtune.runtime.lookup.ConfigChoice` (``config``, ``source``,
         ``template``, ``tflops``, ``median_ms``, ``tuned_problem``, ``origin``), memoised
-        per problem and device until :func:`reload_configs`.
+        per problem and device until :func:`reload_configs`; its ``config`` is a copy,
+        the caller's to change.
     Raises:
         InputError / InputTypeError (``ValueError`` / ``TypeError``) for tensors
         :func:`attention` would refuse, DeviceError for CPU tensors without the
         interpreter.
     """
     check_attention_inputs(q, k, v, None)
-    return _route(AttentionProblem.from_tensors(q, k, causal=causal), _device_of(q))
+    problem, device = AttentionProblem.from_tensors(q, k, causal=causal), _device_of(q)
+    if _wants_grad(q, k, v):  # attention's autograd path: attn_fwd, whatever the shape
+        return _copy(_choose(problem, device, tune=False))
+    return _copy(_route(problem, device, tune=False))
+
+
+def _copy(choice: ConfigChoice) -> ConfigChoice:
+    """The memoised ``choice`` with a config dict of its own: the dispatcher's is the one
+    later calls run with, and must not change under them."""
+    return replace(choice, config=dict(choice.config))
 
 
 def reload_configs(*, device_alias: bool | None = None, db_url: str | None = None) -> None:
@@ -356,7 +439,11 @@ def warmup(problems: Iterable[AttentionProblem] | None = None, *,
     (default: every problem tuned exactly for this device), so their first calls do not
     compile. Returns each problem with the config it resolved to. Kernels are specialised
     for contiguous inputs; ``return_lse`` selects the variant that also stores the LSE.
-    Under the Triton interpreter nothing is compiled.
+    Under the Triton interpreter nothing is compiled. With ``FLASHTUNE_AUTOTUNE=1`` an
+    attn_fwd problem without a config tuned for it is tuned first, as its first
+    :func:`attention` call would be (that launches kernels), so that the tuned kernel is
+    the one compiled. The kernels are those of inference calls: a problem
+    :func:`attention` routes to the decode template gets that template's.
 
     Arguments:
         problems: the :class:`~flashtune.autotune.problems.AttentionProblem` shapes to
@@ -385,7 +472,7 @@ def warmup(problems: Iterable[AttentionProblem] | None = None, *,
                 for kernel, args, kwargs, grid in warmup_launches(
                         choice.template, problem, choice.config, return_lse=return_lse):
                     kernel.warmup(*args, grid=grid, **kwargs)
-        done.append((problem, choice))
+        done.append((problem, _copy(choice)))
     return done
 
 

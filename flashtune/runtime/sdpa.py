@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from flashtune.autotune.devices import interpreting
-from flashtune.runtime.checks import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS
+from flashtune.runtime.checks import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, grid_problem
 from flashtune.runtime.ops import attention
 
 log = logging.getLogger(__name__)
@@ -79,6 +79,8 @@ def fallback_reason(query: Any, key: Any, value: Any, attn_mask: Any = None,
         return "a scale that is not a finite number"
     if is_causal and lq > lk:
         return "is_causal with more queries than keys (top-left rows past Lk see every key)"
+    if grid_problem(query, key) is not None:
+        return "B x Hq over CUDA's launch grid limit"
     return None
 
 

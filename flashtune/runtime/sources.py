@@ -10,9 +10,12 @@ Three sources, in order of precedence (an earlier one wins for the same device a
 A file is found by :func:`flashtune.db.exchange.config_file_name`, the exporter's own naming
 function; every file is validated on read (:func:`flashtune.db.exchange.read_document`).
 Only configs tuned for the template's current ``source_hash`` are kept (others are stale).
-A missing source is silently empty; a locked, corrupt or unreadable one is skipped with a
-reason, returned to the caller (which warns once): an inference process never dies over
-its configs.
+A source nobody asked for is silently empty when missing (the default database file before
+the first tuning run); a locked, corrupt or unreadable one, and one asked for that is not
+there (``$FLASHTUNE_DB`` or a ``db_url`` naming a SQLite file that does not exist,
+``$FLASHTUNE_CONFIG_DIR`` missing or not a folder: a typo), is skipped with a reason,
+returned to the caller (which warns once): an inference process never dies over its
+configs.
 """
 
 from __future__ import annotations
@@ -66,8 +69,15 @@ def _from_db(template: str, source_hash: str, url: str | None) -> Iterator[Tuned
     from flashtune.db import default_db_url, open_store
     from flashtune.db.engine import missing_sqlite_file, safe_url
 
-    url = url or os.environ.get("FLASHTUNE_DB", "").strip() or default_db_url()
-    if missing_sqlite_file(url) is not None:
+    url = url or os.environ.get("FLASHTUNE_DB", "").strip()
+    asked = bool(url)
+    url = url or default_db_url()
+    missing = missing_sqlite_file(url)
+    if missing is not None:
+        if asked:  # a typo, most likely; never created here (read-only)
+            raise FileNotFoundError(f"{safe_url(url)}: the file {missing} does not exist; "
+                                    f"check the path ($FLASHTUNE_DB, --db), or run `flashtune "
+                                    f"tune` to create it")
         return
     with open_store(url, read_only=True, create=False) as store:
         best = store.list_best(template_name=template, source_hash=source_hash)
@@ -123,6 +133,10 @@ def load_entries(template: str, source_hash: str, device_name: str, *,
     except Exception as exc:  # noqa: BLE001 - locked, corrupt, newer schema...: skip it
         problems.append(f"tuning database skipped: {' '.join(str(exc).split())}")
     for kind, folder in source_dirs():
+        if kind == "dir" and not folder.is_dir():
+            what = "is not a folder" if folder.exists() else "does not exist"
+            problems.append(f"$FLASHTUNE_CONFIG_DIR {folder} skipped: it {what}")
+            continue
         try:
             paths = _files(folder, template, None if aliases else device_name)
         except Exception as exc:  # noqa: BLE001 - an unreadable folder never stops the process

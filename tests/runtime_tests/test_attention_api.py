@@ -112,3 +112,22 @@ def test_import_is_light():
     code = "import sys, flashtune; print('torch' in sys.modules, 'triton' in sys.modules)"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.stdout.split() == ["False", "False"], proc.stdout + proc.stderr
+
+
+def test_double_backward_is_refused_not_silently_zero():
+    """attn_bwd is not differentiable: a gradient penalty (grad of a grad) must raise, not
+    quietly add nothing because the first gradient carries no graph."""
+    q, k, v = (t.requires_grad_(True) for t in qkv(nq=16, nk=24, d=32))
+    out = flashtune.attention(q, k, v, causal=True)
+    (dq,) = torch.autograd.grad(out.float().sum(), q, create_graph=True)
+    assert dq.requires_grad  # not silently cut off from the graph
+    with pytest.raises(RuntimeError, match="differentiate twice.*once_differentiable"):
+        dq.float().square().sum().backward()
+    _, lse = flashtune.attention(q, k, v, return_lse=True)  # only the LSE's gradient
+    (dk,) = torch.autograd.grad(lse.sum(), k, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        dk.float().sum().backward()
+    # one backward still works
+    out = flashtune.attention(q, k, v, causal=True)
+    out.float().sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()

@@ -95,6 +95,21 @@ def test_inputs_that_need_grad_stay_on_the_differentiable_forward(env):
     assert q.grad is not None and torch.isfinite(q.grad).all()
 
 
+def test_lookup_config_reports_the_template_a_call_with_grad_runs(env, monkeypatch):
+    q, k, v = qkv(1, MIN_KEYS + 3)
+    q.requires_grad_(True)
+    used = []
+    real = ops._attention_fn  # attention's autograd path: attn_fwd with this config
+    monkeypatch.setattr(ops, "_attention_fn", lambda *a: used.append(a[5]) or real(*a))
+    choice = flashtune.lookup_config(q, k, v)
+    assert choice.template == "attn_fwd"
+    flashtune.attention(q, k, v)
+    assert used == [choice.config]  # what lookup_config said
+    with torch.no_grad():  # no autograd path: the decode route
+        assert flashtune.lookup_config(q, k, v).template == "attn_decode"
+    assert flashtune.lookup_config(q.detach(), k, v).template == "attn_decode"
+
+
 def test_tuned_decode_config_serves_attention_with_kvcache(env, monkeypatch):
     q, k, v, lens, table = make_cache([5, 40], 4, 2, 1, 32, torch.float16, DEVICE,
                                       page_size=16, capacity=48, seed=2)

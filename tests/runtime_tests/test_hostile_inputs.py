@@ -18,6 +18,7 @@ import triton
 
 import flashtune
 from flashtune.errors import InputError
+from flashtune.runtime import checks
 from flashtune.runtime.kvcache import attention_with_kvcache
 from tests.conftest import DEVICE
 from tests.decode_helpers import make_cache
@@ -106,6 +107,95 @@ def test_empty_tensors_are_refused_before_any_launch(monkeypatch, which):
         q, k, v = q[:, :0], k[:, :0], v[:, :0]
     with pytest.raises(InputError, match=r"(q|k|v) is empty"):
         flashtune.attention(q, k, v)
+    assert trap.calls == 0
+
+
+# -- CUDA's launch grid limit (65535 programs on axes 1 and 2) ---------------------------------
+
+
+def _meta(*shape):
+    return torch.empty(*shape, dtype=torch.float16, device="meta")
+
+
+def test_grid_limits_by_kernel(monkeypatch):
+    """The sizes each template puts on axes 1 and 2, at CUDA's real limit (meta tensors:
+    no memory; the interpreter's CPU has no limit)."""
+    monkeypatch.setattr(checks, "GRID_LIMITED_DEVICES", frozenset({"meta"}))
+    k = _meta(2048, 8, 64, 128)
+    assert checks.grid_problem(_meta(2047, 32, 64, 128), k[:2047]) is None
+    msg = checks.grid_problem(_meta(2048, 32, 64, 128), k)  # attn_fwd/attn_bwd: B x Hq
+    assert msg == ("batch x heads_q = 2048 x 32 = 65536 programs on the launch grid's axis 1, "
+                   "more than CUDA's limit of 65535; split the batch into calls of at most "
+                   "2047 sequences")
+    assert checks.grid_problem(_meta(2048, 32, 1, 128), k, decode=True) is None  # B x Hkv
+    msg = checks.grid_problem(_meta(8192, 32, 1, 128), _meta(8192, 8, 64, 128), decode=True)
+    assert msg is not None and msg.startswith("batch x heads_kv = 8192 x 8 = 65536")
+    assert "split the heads" in checks.grid_problem(_meta(1, 65536, 1, 16), _meta(1, 1, 8, 16))
+    # attn_decode's axis 2: the query row tiles of a GQA group (128 rows a tile)
+    many = _meta(1, 8, 65535 * 16 + 1, 16)
+    msg = checks.grid_problem(many, _meta(1, 1, 8, 16), decode=True)
+    assert msg is not None and "65536 row tiles on the launch grid's axis 2" in msg
+    with pytest.raises(InputError, match="batch x heads_q = 2048 x 32"):
+        checks.check_grid(_meta(2048, 32, 64, 128), k)
+    monkeypatch.setattr(checks, "GRID_LIMITED_DEVICES", frozenset({"cuda"}))
+    assert checks.grid_problem(_meta(2048, 32, 64, 128), k) is None  # meta: no limit
+
+
+@pytest.fixture
+def small_grid_limit(monkeypatch):
+    """CUDA's grid limit, shrunk to 7 programs and applied to this device too (the grid is
+    checked once per shape: forget the shapes seen)."""
+    monkeypatch.setattr(checks, "GRID_LIMITED_DEVICES", frozenset({"cuda", DEVICE}))
+    monkeypatch.setattr(checks, "MAX_GRID_YZ", 7)
+    flashtune.reload_configs()
+    yield
+    flashtune.reload_configs()
+
+
+def test_grids_past_the_limit_are_refused_before_any_launch(monkeypatch, small_grid_limit):
+    trap = LaunchTrap(monkeypatch)
+    q, k, v = _t(2, 4, 8, 32), _t(2, 2, 8, 32), _t(2, 2, 8, 32)  # B x Hq = 8 > 7
+    want = "batch x heads_q = 2 x 4 = 8 programs .* split the batch into calls of at most 1 "
+    for _ in range(2):  # the shape's route is memoised the first time: refused again
+        with pytest.raises(InputError, match=want):
+            flashtune.attention(q, k, v)
+    with pytest.raises(InputError, match=want):
+        flashtune.attention(q, k, v, config={"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 2,
+                                             "num_stages": 1})
+    with pytest.raises(InputError, match=want):
+        flashtune.attention(q.requires_grad_(), k, v)
+    cq, ck, cv, lens, table = make_cache([5, 40], 8, 4, 1, 32, torch.float16, DEVICE,
+                                         page_size=16, capacity=48)  # B x Hkv = 8 > 7
+    with pytest.raises(InputError, match="batch x heads_kv = 2 x 4 = 8 programs"):
+        attention_with_kvcache(cq, ck, cv, lens, block_table=table)
+    assert trap.calls == 0
+
+
+def test_the_grid_limit_follows_the_route(small_grid_limit):
+    """attn_decode's grid has B x Hkv programs on axis 1: a short-query call with
+    B x Hq over the limit but B x Hkv under it runs; torch's SDPA takes calls flashtune
+    would refuse."""
+    from flashtune.runtime import kvcache
+    from flashtune.runtime.sdpa import fallback_reason, scaled_dot_product_attention
+
+    q, k, v = _t(2, 4, 1, 32), _t(2, 2, kvcache.DECODE_MIN_KEYS, 32), \
+        _t(2, 2, kvcache.DECODE_MIN_KEYS, 32)
+    assert flashtune.lookup_config(q, k, v).template == "attn_decode"
+    out = flashtune.attention(q, k, v)
+    assert out.shape == q.shape and torch.isfinite(out).all()
+    assert fallback_reason(q, k, v, enable_gqa=True) == "B x Hq over CUDA's launch grid limit"
+    got = scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    torch.testing.assert_close(got, out, atol=2e-3, rtol=0)
+
+
+def test_a_backward_past_the_limit_is_refused_before_its_launch(monkeypatch):
+    q, k, v = (_t(2, 4, 8, 32).requires_grad_() for _ in range(3))
+    out = flashtune.attention(q, k, v)
+    monkeypatch.setattr(checks, "GRID_LIMITED_DEVICES", frozenset({"cuda", DEVICE}))
+    monkeypatch.setattr(checks, "MAX_GRID_YZ", 7)
+    trap = LaunchTrap(monkeypatch)
+    with pytest.raises(InputError, match="batch x heads_q = 2 x 4 = 8 programs"):
+        out.float().sum().backward()
     assert trap.calls == 0
 
 

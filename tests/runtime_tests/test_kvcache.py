@@ -104,6 +104,17 @@ BAD = [
      InputTypeError, "cache_seqlens must be an int32 torch.Tensor"),
     ("seqlens wrong shape", True, lambda q, k, v, s, t: ((q, k, v, s[:1]), {"block_table": t}),
      InputError, "cache_seqlens must have shape \\(batch,\\) = \\(2,\\), got \\(1,\\)"),
+    # the kernel reads cache_seqlens[b] at offset b (no stride): views are refused
+    ("seqlens expanded", True,
+     lambda q, k, v, s, t: ((q, k, v, s[1:].expand(2)), {"block_table": t}),
+     InputError, ("cache_seqlens must be contiguous \\(stride 1\\), got stride 0.*"
+                  "call .contiguous\\(\\)")),
+    ("seqlens every other", False,
+     lambda q, k, v, s, t: ((q, k, v, s.repeat_interleave(2)[::2]), {}),
+     InputError, "cache_seqlens must be contiguous \\(stride 1\\), got stride 2"),
+    ("seqlens a column", False,
+     lambda q, k, v, s, t: ((q, k, v, torch.stack([s, s], 1)[:, 0]), {}),
+     InputError, "cache_seqlens must be contiguous \\(stride 1\\), got stride 2"),
     ("table int64", True, lambda q, k, v, s, t: ((q, k, v, s), {"block_table": t.long()}),
      InputTypeError, "block_table must have dtype torch.int32"),
     ("table 1-D", True, lambda q, k, v, s, t: ((q, k, v, s), {"block_table": t[0]}),
@@ -127,6 +138,37 @@ def test_bad_inputs_raise_clear_errors(desc, paged, mutate, exc, msg):
     args, kwargs = mutate(q, k, v, lens, table)
     with pytest.raises(exc, match=msg):
         attention_with_kvcache(*args, **kwargs)
+
+
+def test_seqlens_views_are_refused_by_the_metadata_check():
+    q, k, v, lens, table = _inputs()
+    for view in (lens[1:].expand(2), lens.repeat_interleave(2)[::2],
+                 torch.stack([lens, lens], 1)[:, 0]):
+        with pytest.raises(InputError, match="cache_seqlens must be contiguous"):
+            kvcache.check_kvcache_inputs(q, k, v, view, table, None)
+    # one sequence: its length is read at offset 0, whatever the stride
+    kvcache.check_kvcache_inputs(q[:1], k, v, lens[:1].expand(1), table[:1], None)
+    kvcache.check_kvcache_inputs(q[:1], k, v, torch.stack([lens, lens], 1)[:1, 0],
+                                 table[:1], None)
+
+
+def test_the_plan_key_tells_seqlens_strides_apart():
+    """A plan (CUDA) replays with no checks: a call with strided lengths must not find the
+    plan of contiguous ones."""
+    q, k, v, lens, table = _inputs()
+    column = torch.stack([lens, lens], 1)[:, 0]
+    assert kvcache._plan_key(q, k, v, lens, table, True, None, False) != \
+        kvcache._plan_key(q, k, v, column, table, True, None, False)
+
+
+def test_a_strided_block_table_is_read_through_its_strides():
+    """The kernel takes block_table's strides: a transposed view runs without a copy."""
+    q, k, v, lens, table = _inputs()
+    strided = table.t().contiguous().t()  # (batch, max_pages) with strides (1, batch)
+    assert strided.stride() != table.stride()
+    out = attention_with_kvcache(q, k, v, lens, block_table=strided)
+    assert torch.equal(out, attention_with_kvcache(q, k, v, lens, block_table=table))
+    assert_decode_close(out, q, k, v, cache_seqlens=lens, block_table=table, causal=True)
 
 
 def _table_case(which):
@@ -180,3 +222,11 @@ def test_cpu_tensors_without_the_interpreter(monkeypatch):
     q, k, v, lens, table = _inputs()
     with pytest.raises(DeviceError, match="TRITON_INTERPRET=1"):
         attention_with_kvcache(q, k, v, lens, block_table=table)
+
+
+def test_inference_only_as_documented():
+    q, k, v, lens, table = _inputs()
+    out = attention_with_kvcache(q.requires_grad_(), k.requires_grad_(), v, lens,
+                                 block_table=table)
+    assert out.grad_fn is None and not out.requires_grad
+    assert "Inference only" in attention_with_kvcache.__doc__

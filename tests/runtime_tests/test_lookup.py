@@ -4,6 +4,7 @@ path, opt-in autotuning, torch.compile (CPU: the interpreter device)."""
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from datetime import datetime, timezone
 from pathlib import Path
@@ -86,10 +87,15 @@ def write_doc(folder: Path, dev: DeviceFingerprint,
 
 @pytest.fixture
 def env(tmp_path, monkeypatch):
-    """Isolated sources: a database URL, a config dir, a package dir; fresh dispatcher."""
-    db = f"sqlite:///{tmp_path / 'ft.db'}"
+    """Isolated sources: the default database (not there until populated: silent), an
+    empty config dir, a package dir; fresh dispatchers."""
+    cache = tmp_path / "cache"
+    (cache / "flashtune").mkdir(parents=True)
+    db = f"sqlite:///{cache / 'flashtune' / 'flashtune.db'}"
     cdir, pdir = tmp_path / "configs", tmp_path / "package"
-    monkeypatch.setenv("FLASHTUNE_DB", db)
+    cdir.mkdir()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
+    monkeypatch.delenv("FLASHTUNE_DB", raising=False)
     monkeypatch.setenv("FLASHTUNE_CONFIG_DIR", str(cdir))
     monkeypatch.delenv("FLASHTUNE_DEVICE_ALIAS", raising=False)
     monkeypatch.delenv("FLASHTUNE_AUTOTUNE", raising=False)
@@ -185,8 +191,9 @@ def test_stale_configs_are_never_served(env):
 
 
 @pytest.mark.parametrize("damage", ["garbage-db", "newer-schema-db", "corrupt-json",
-                                    "hostile-json", "dir-is-a-file"])
-def test_a_bad_source_serves_defaults_with_one_warning(env, damage, caplog):
+                                    "hostile-json", "dir-is-a-file", "dir-missing",
+                                    "db-named-but-missing"])
+def test_a_bad_source_serves_defaults_with_one_warning(env, damage, caplog, monkeypatch):
     db_path = Path(env["db"].removeprefix("sqlite:///"))
     good = prob(128, d=16)  # another head_dim: never "nearest" for prob(64)
     write_doc(env["package"], HERE, [(good, cfg(32, 32), 1.0)])  # a good source too
@@ -205,9 +212,13 @@ def test_a_bad_source_serves_defaults_with_one_warning(env, damage, caplog):
     elif damage == "hostile-json":
         path = write_doc(env["dir"], HERE, [(prob(64), cfg(), 1.0)])
         path.write_text(path.read_text().replace('"median_ms": 1.0', '"median_ms": NaN'))
-    else:
-        env["dir"].parent.mkdir(parents=True, exist_ok=True)
+    elif damage == "dir-is-a-file":
+        env["dir"].rmdir()
         env["dir"].write_text("a file where a folder should be")
+    elif damage == "dir-missing":  # a typo in $FLASHTUNE_CONFIG_DIR
+        env["dir"].rmdir()
+    else:  # a typo in $FLASHTUNE_DB
+        monkeypatch.setenv("FLASHTUNE_DB", f"sqlite:///{db_path.parent / 'typo.db'}")
     with caplog.at_level(logging.WARNING, logger="flashtune"):
         for _ in range(3):
             got = choice(prob(64))
@@ -216,14 +227,42 @@ def test_a_bad_source_serves_defaults_with_one_warning(env, damage, caplog):
         q, k, v = tensors(prob(64))
         flashtune.attention(q, k, v)  # and calls run
     skipped = [r for r in caplog.records if "skipped" in r.getMessage()]
-    assert len(skipped) == (0 if damage == "dir-is-a-file" else 1), caplog.text
+    assert len(skipped) == 1, caplog.text
+    why = {"dir-is-a-file": "FLASHTUNE_CONFIG_DIR .*configs skipped: it is not a folder",
+           "dir-missing": "FLASHTUNE_CONFIG_DIR .*configs skipped: it does not exist",
+           "db-named-but-missing": "tuning database skipped: .*typo.db does not exist; "
+                                   "check the path"}.get(damage)
+    assert why is None or re.search(why, skipped[0].getMessage()), skipped[0].getMessage()
+    assert not (db_path.parent / "typo.db").exists()  # never created
 
 
-def test_a_missing_database_is_silent(env, caplog):
+def test_a_missing_default_database_is_silent(env, caplog):
     with caplog.at_level(logging.WARNING, logger="flashtune"):
         choice(prob(128))
     assert "skipped" not in caplog.text
     assert not Path(env["db"].removeprefix("sqlite:///")).exists()  # never created
+
+
+def test_a_missing_source_asked_for_is_one_warning_for_every_template(env, caplog,
+                                                                       monkeypatch):
+    """attn_fwd, attn_bwd and attn_decode each read the sources: still one warning a
+    source, until a reload."""
+    missing = Path(env["db"].removeprefix("sqlite:///")).parent / "typo.db"
+    flashtune.reload_configs(db_url=f"sqlite:///{missing}")
+    monkeypatch.setenv("FLASHTUNE_CONFIG_DIR", str(env["dir"] / "typo"))
+    with caplog.at_level(logging.WARNING, logger="flashtune"):
+        q, k, v = (t.requires_grad_() for t in tensors(prob(16)))
+        flashtune.attention(q, k, v).float().sum().backward()  # attn_fwd + attn_bwd
+        flashtune.lookup_config(*tensors(prob(1, 64)))  # attn_decode's route
+    skipped = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert len(skipped) == 2, skipped
+    assert "typo.db does not exist; check the path" in skipped[0]
+    assert "typo skipped: it does not exist" in skipped[1]
+    assert not missing.exists()
+    flashtune.reload_configs(db_url=f"sqlite:///{missing}")
+    with caplog.at_level(logging.WARNING, logger="flashtune"):
+        choice(prob(24))
+    assert sum("skipped" in r.getMessage() for r in caplog.records) == 4
 
 
 def test_default_fallback_is_logged_once_per_shape(env, caplog):
@@ -302,6 +341,22 @@ def test_warmup_resolves_every_tuned_problem(env):
     assert c.source == "nearest"
 
 
+def test_a_returned_choice_is_the_callers_to_change(env):
+    """lookup_config and warmup hand out copies: changing one does not change the config
+    later calls run with."""
+    populate(env["db"], [(HERE, prob(64), cfg(32, 16), 1.0)])
+    q, k, v = tensors(prob(64))
+    before = flashtune.attention(q, k, v)
+    choice_ = flashtune.lookup_config(q, k, v)
+    choice_.config["BLOCK_M"] = 8
+    [(_, warmed)] = flashtune.warmup([prob(64)])
+    assert warmed.config == cfg(32, 16)
+    warmed.config["BLOCK_N"] = 8
+    assert flashtune.lookup_config(q, k, v).config == cfg(32, 16)
+    assert all(c == cfg(32, 16) for _, c in ops._FAST.values())
+    assert torch.equal(flashtune.attention(q, k, v), before)
+
+
 # -- opt-in autotuning and torch.compile ----------------------------------------------------------
 
 
@@ -321,6 +376,47 @@ def test_autotune_is_opt_in_and_runs_once(env, monkeypatch):
     with open_store(env["db"], read_only=True) as store:
         assert len(store.list_trials()) == 2  # not tuned again
     assert out.shape == q.shape
+
+
+def test_lookup_config_never_tunes(env, monkeypatch):
+    """Its docstring says nothing is launched: FLASHTUNE_AUTOTUNE=1 tunes at the first
+    attention call (and in warmup), not in lookup_config."""
+    from flashtune.autotune import jobs
+
+    tuned = []
+    monkeypatch.setattr(jobs, "tune", lambda problems, options, **kw: tuned.extend(problems))
+    monkeypatch.setattr(ops, "_AUTOTUNED", set())
+    monkeypatch.setenv("FLASHTUNE_AUTOTUNE", "1")
+    p = prob(24)
+    q, k, v = tensors(p)
+    assert flashtune.lookup_config(q, k, v).source == "default"
+    assert flashtune.lookup_config(*(t.requires_grad_() for t in (q, k, v))).source == "default"
+    assert tuned == []
+    flashtune.attention(q.detach(), k.detach(), v.detach())
+    assert tuned == [p]
+    flashtune.warmup([prob(40)])
+    assert tuned == [p, prob(40)]
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-3", "2.5"])
+def test_a_bad_autotune_trials_value_is_warned_about_once(env, monkeypatch, caplog, value):
+    """The first call on an untuned shape must not raise over the environment: the value is
+    replaced by the default, with one warning however many shapes get tuned."""
+    from flashtune.autotune import jobs
+
+    asked = []
+    monkeypatch.setattr(jobs, "tune", lambda problems, options, **kw: asked.append(options.trials))
+    monkeypatch.setattr(ops, "_AUTOTUNED", set())
+    monkeypatch.setattr(ops, "_BAD_TRIALS", set())
+    monkeypatch.setenv("FLASHTUNE_AUTOTUNE", "1")
+    monkeypatch.setenv("FLASHTUNE_AUTOTUNE_TRIALS", value)
+    with caplog.at_level(logging.WARNING, logger="flashtune"):
+        for n in (24, 40):
+            q, k, v = tensors(prob(n))
+            flashtune.attention(q, k, v)
+    assert asked == [ops.AUTOTUNE_TRIALS] * 2
+    bad = [r for r in caplog.records if "FLASHTUNE_AUTOTUNE_TRIALS" in r.getMessage()]
+    assert len(bad) == 1 and repr(value) in bad[0].getMessage(), caplog.text
 
 
 def test_torch_compile_without_graph_breaks(env):

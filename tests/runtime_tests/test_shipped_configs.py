@@ -44,7 +44,8 @@ def test_shipped_files_are_valid_current_and_named_by_the_loader(path):
 @pytest.fixture
 def fresh_install(tmp_path, monkeypatch):
     """No database file, no config folder: only the package's configs."""
-    monkeypatch.setenv("FLASHTUNE_DB", f"sqlite:///{tmp_path / 'none.db'}")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # the default database: not there
+    monkeypatch.delenv("FLASHTUNE_DB", raising=False)
     monkeypatch.delenv("FLASHTUNE_CONFIG_DIR", raising=False)
     monkeypatch.delenv("FLASHTUNE_DEVICE_ALIAS", raising=False)
 
