@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -90,3 +91,15 @@ def test_python_dash_m_works() -> None:
     assert proc.returncode == 0, proc.stderr
     assert "tune" in proc.stdout and "show" in proc.stdout
     assert "torch" not in proc.stderr
+
+
+def test_readme_and_bench_help_cite_only_files_of_this_repo() -> None:
+    """They cited "the standard grid of ANCHORS.md", a file this repository does not have."""
+    from flashtune.cli import bench_commands
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    help_text = CliRunner().invoke(cli, ["bench", "--help"]).output
+    for text in (readme, help_text, bench_commands.__doc__ or ""):
+        for name in re.findall(r"\b[\w./-]+\.md\b", text):
+            assert (ROOT / name).is_file(), f"{name} is cited but not in the repository"
+    assert "flashtune/autotune/grids.py" in readme
