@@ -79,7 +79,7 @@ def show_command(ctx: click.Context, device: str | None, template: str | None,
     from flashtune.db.engine import default_db_url, missing_sqlite_file, safe_url
     from flashtune.errors import StoreError
 
-    url = db_url(ctx) or default_db_url()
+    url = db_url(ctx) or default_db_url(create=False)
     missing = missing_sqlite_file(url)
     if missing is not None:
         if as_json:
