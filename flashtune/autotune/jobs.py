@@ -65,6 +65,9 @@ class TuneOptions:
 
     ``sampler`` is one of :data:`flashtune.autotune.strategies.SAMPLERS`; ``interpret``
     tunes under the Triton CPU interpreter (timings meaningless, pipeline checked).
+    A value :func:`tune` cannot use (``seed`` outside 0 .. 2**32 - 1, a ``timeout_s`` that
+    is not a finite number > 0, ``"cmaes"`` without the cmaes package...) raises
+    ``InputError`` on construction.
     """
 
     template: str = "attn_fwd"
@@ -80,6 +83,55 @@ class TuneOptions:
     # evaluate candidates in a worker process (crash/hang isolation); None: on for the
     # real runner on a GPU, off under the interpreter and for custom runner factories
     isolate: bool | None = None
+
+    def __post_init__(self) -> None:
+        # refused here, before tune() opens the store: later they would fail inside Optuna
+        # or the database with a RUNNING run left behind
+        _check_options(self)
+
+
+MAX_SEED = 2**32 - 1  # Optuna's samplers seed numpy's RandomState
+
+
+def _check_options(o: TuneOptions) -> None:
+    """InputError naming the first field of ``o`` that :func:`tune` cannot use."""
+    import importlib.util
+    import math
+
+    from flashtune.autotune.strategies import SAMPLERS
+    from flashtune.errors import InputError
+
+    def integer(name: str, low: int, high: int | None = None, *, none: bool = False) -> None:
+        value = getattr(o, name)
+        if value is None and none:
+            return
+        if isinstance(value, bool) or not isinstance(value, int) or value < low \
+                or (high is not None and value > high):
+            span = f"from {low} to {high}" if high is not None else f">= {low}"
+            raise InputError(f"TuneOptions.{name} must be an integer {span}"
+                             f"{' or None' if none else ''}, got {value!r}")
+
+    def seconds(name: str, *, none: bool = False) -> None:
+        value = getattr(o, name)
+        if value is None and none:
+            return
+        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or not math.isfinite(value) or value <= 0:
+            raise InputError(f"TuneOptions.{name} must be a finite number of seconds > 0"
+                             f"{' or None' if none else ''}, got {value!r}")
+
+    integer("trials", 1)
+    seconds("timeout_s", none=True)
+    if o.sampler not in SAMPLERS:
+        raise InputError(f"TuneOptions.sampler must be one of {', '.join(SAMPLERS)}, got "
+                         f"{o.sampler!r}")
+    if o.sampler == "cmaes" and importlib.util.find_spec("cmaes") is None:
+        raise InputError("sampler 'cmaes' needs the cmaes package: pip install cmaes")
+    integer("seed", 0, MAX_SEED, none=True)
+    integer("patience", 1, none=True)
+    integer("workers", 1, none=True)
+    seconds("trial_timeout_s")
+    integer("top_k_confirm", 0)
 
 
 @dataclass(frozen=True)

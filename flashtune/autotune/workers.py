@@ -77,7 +77,7 @@ def _worker(slot: int, gpu: int, problem_keys: list[dict[str, Any]], options_jso
 
     options = TuneOptions(**json.loads(options_json))
     if options.seed is not None:  # workers sharing a study must not propose the same configs
-        options = replace(options, seed=options.seed + slot)
+        options = replace(options, seed=(options.seed + slot) % 2**32)  # Optuna's range
     if not options.interpret:
         os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)  # before torch initialises CUDA
     from flashtune.autotune.jobs import tune

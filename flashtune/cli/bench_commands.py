@@ -1,13 +1,17 @@
 """``flashtune bench``: the forward (``--template attn_bwd``: the backward) against torch's
 attention backends, one run.
 
-Problems: the standard grid of ANCHORS.md (``--head-dims``, ``--seqlens``; causal and not) by
-default, or one shape (the shape options), ``--plan FILE`` or ``--preset NAME`` as for
-``flashtune tune``. Per problem it times the config the dispatcher serves from the database
-(``--db``: tuned exact or nearest, else the default), the template default, and SDPA's
-flash / cuDNN / efficient backends and FlexAttention, each checked against fp32 first (see
-:mod:`flashtune.autotune.bench`). Prints a table, writes the run as JSON (``--out``; rewritten
-after every shape, so a cut-off run keeps what it measured) and a PNG plot (``--plot``).
+Problems: the standard grid (:func:`flashtune.autotune.grids.standard_grid`: the
+FlashAttention papers' grid, batch x seqlen = 16384 tokens, hidden 2048 = heads x head dim,
+``--head-dims`` x ``--seqlens``, causal and not) by default, or one shape (the shape
+options), ``--plan FILE`` or ``--preset NAME`` as for ``flashtune tune``. Per problem it
+times the config the dispatcher serves from the database (``--db``: tuned exact or nearest,
+else the default), the template default, and SDPA's flash / cuDNN / efficient backends and
+FlexAttention, each checked against fp32 first (see :mod:`flashtune.autotune.bench`).
+Prints a table, writes the run as JSON (``--out``; rewritten after every shape, so a cut-off
+run keeps what it measured) and a PNG plot (``--plot``). Both paths are checked before
+anything runs (their folders are created then), and the table is printed before the plot
+is drawn.
 
 Without a CUDA GPU (or with ``--interpret``) it runs under the Triton interpreter on CPU
 tensors, which checks the pipeline and numerics on small shapes; its timings mean nothing.
@@ -16,19 +20,22 @@ tensors, which checks the pipeline and numerics on small shapes; its timings mea
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import click
 
-from flashtune.cli.options import db_url, shape_options
+from flashtune.cli.options import check_head_dims, db_url, fail, shape_options
 from flashtune.cli.tune_commands import (
     _SHAPE_NAMES,
     _decide_interpret,
     _problems,
     _table,
     format_tflops,
+    refuse_under_interpreter,
 )
 
 __all__ = ["bench_command", "render_bench"]
@@ -48,6 +55,29 @@ def _ints(text: str, option: str) -> tuple[int, ...]:
         raise click.BadParameter(f"expected positive integers, got {text!r}",
                                  param_hint=f"'{option}'")
     return values
+
+
+def _check_output(path: Path, option: str) -> None:
+    """BadParameter naming ``option`` unless a file can be written at ``path``: its folder
+    is created (as the run would) and a scratch file written in it and removed."""
+    hint = f"'{option}'"
+    if path.is_dir():
+        raise click.BadParameter(f"{path} is a directory", param_hint=hint)
+    folder = path.parent
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise click.BadParameter(f"cannot write {path}: {existing} is not a folder",
+                                 param_hint=hint)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, scratch = tempfile.mkstemp(dir=folder, prefix=".flashtune-bench-")
+        os.close(fd)
+        os.unlink(scratch)
+    except OSError as exc:
+        raise click.BadParameter(f"cannot write in folder {folder}: "
+                                 f"{exc.strerror or exc}", param_hint=hint) from None
 
 
 def render_bench(result: Mapping[str, Any]) -> str:
@@ -96,9 +126,11 @@ def render_bench(result: Mapping[str, Any]) -> str:
 @click.option("--preset", "preset_name", default=None, metavar="NAME",
               help="Named problem set (as for tune).")
 @click.option("--head-dims", default="64,128", show_default=True,
-              help="Standard grid (when no shape, plan or preset is given): head dims.")
+              help="Standard grid (when no shape, plan or preset is given: the "
+                   "FlashAttention papers' grid, causal and not): head dims.")
 @click.option("--seqlens", default=STANDARD_SEQLENS, show_default=True,
-              help="Standard grid: sequence lengths (batch x seqlen = 16384, hidden 2048).")
+              help="Standard grid: sequence lengths (batch x seqlen = 16384 tokens, "
+                   "heads x head dim = 2048).")
 @click.option("--baselines", default="sdpa_flash,sdpa_cudnn,sdpa_efficient,flex",
               show_default=True, help="Baselines to time, comma-separated.")
 @click.option("--rounds", type=click.IntRange(min=1), default=1, show_default=True,
@@ -130,8 +162,10 @@ def bench_command(ctx: click.Context, template: str, plan: str | None, preset_na
     else:
         from flashtune.autotune.grids import standard_grid
 
-        problems = standard_grid(_ints(head_dims, "--head-dims"),
-                                 seqlens=_ints(seqlens, "--seqlens"), dtype=dtype or "bf16")
+        dims = _ints(head_dims, "--head-dims")
+        check_head_dims(dims, "--head-dims")
+        problems = standard_grid(dims, seqlens=_ints(seqlens, "--seqlens"),
+                                 dtype=dtype or "bf16")
     plot = None if no_plot else Path(plot_path or Path(out_path).with_suffix(".png"))
     if plot is not None:
         try:
@@ -142,30 +176,44 @@ def bench_command(ctx: click.Context, template: str, plan: str | None, preset_na
             from flashtune.report.plots import MATPLOTLIB_MISSING
 
             raise click.UsageError(MATPLOTLIB_MISSING + "; or pass --no-plot") from None
-    if _decide_interpret(interpret) and not chosen:
-        raise click.UsageError("the standard grid (batch x seqlen = 16384) would take hours "
-                               "under the Triton interpreter; give a small shape (--batch "
-                               "--heads --seqlen --head-dim) or --plan FILE")
+    if _decide_interpret(interpret):
+        if not chosen:
+            raise click.UsageError("the standard grid (batch x seqlen = 16384) would take hours "
+                                   "under the Triton interpreter; give a small shape (--batch "
+                                   "--heads --seqlen --head-dim) or --plan FILE")
+        refuse_under_interpreter(problems, backward=template == "attn_bwd",
+                                 doing="benchmarking")
+    out = Path(out_path)
+    _check_output(out, "--out")
+    if plot is not None:
+        _check_output(plot, "--plot")
     from flashtune.autotune.bench import bench_attention
 
-    out = Path(out_path)
-    out.parent.mkdir(parents=True, exist_ok=True)
     partial: dict[str, Any] = {"rows": []}
+
+    def write(path: Path, text: str) -> None:
+        try:
+            path.write_text(text)
+        except OSError as exc:
+            raise fail(exc) from exc
 
     def on_row(row: dict[str, Any]) -> None:
         partial["rows"].append(row)
-        out.write_text(json.dumps(partial, indent=1))
+        write(out, json.dumps(partial, indent=1))
         t = row.get("flashtune", {}).get("tflops")
         click.echo(f"{row['label']}: flashtune {format_tflops(t)} TFLOP/s" if t else
                    f"{row['label']}: flashtune not timed", err=True)
 
     result = bench_attention(problems, template=template, baselines=names, rounds=rounds,
                              db_url=db_url(ctx), on_row=on_row)
-    out.write_text(json.dumps(result, indent=1))
+    write(out, json.dumps(result, indent=1))
+    click.echo(render_bench(result))
     if plot is not None:
         from flashtune.report.plots import plot_bench
 
-        plot.parent.mkdir(parents=True, exist_ok=True)
-        plot_bench(result, plot)
-    click.echo(render_bench(result))
+        try:
+            plot_bench(result, plot)
+        except OSError as exc:
+            raise click.ClickException(f"wrote {out} but not the plot: "
+                                       f"{' '.join(str(exc).split())}") from exc
     click.echo(f"wrote {out}" + (f" and {plot}" if plot is not None else ""))

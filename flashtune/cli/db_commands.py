@@ -15,11 +15,17 @@ import click
 __all__ = ["db", "info_command", "upgrade_command"]
 
 
-def _db_url(ctx: click.Context) -> str:
+def _db_url(ctx: click.Context, *, create: bool = True) -> str:
+    """The ``--db`` URL, else the default database (``create``: its folder made when
+    missing; a StoreError as a one-line error when that fails)."""
     from flashtune.db.engine import default_db_url
+    from flashtune.errors import StoreError
 
     url = (ctx.obj or {}).get("db_url") if isinstance(ctx.obj, dict) else None
-    return url or default_db_url()
+    try:
+        return url or default_db_url(create=create)
+    except StoreError as exc:
+        raise _fail(exc) from exc
 
 
 def _fail(exc: Exception) -> click.ClickException:
@@ -60,13 +66,27 @@ def upgrade_command(ctx: click.Context) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the information as JSON.")
 @click.pass_context
 def info_command(ctx: click.Context, as_json: bool) -> None:
-    """Show the database's URL, schema revision and row counts (opened read-only)."""
-    from flashtune.db import open_store
-    from flashtune.errors import StoreError
+    """Show the database's URL, schema revision and row counts (opened read-only).
 
+    A database at an older schema revision is shown too, with the command that upgrades
+    it; nothing is ever written or created.
+    """
+    from flashtune.db import open_store
+    from flashtune.db.engine import missing_sqlite_file, safe_url
+    from flashtune.db.schema import upgrade_command as upgrade_hint
+    from flashtune.errors import SchemaError, StoreError
+
+    url = _db_url(ctx, create=False)
+    missing = missing_sqlite_file(url)
+    if missing is not None:
+        raise click.ClickException(f"database {missing} does not exist (nothing tuned into "
+                                   f"it yet; `flashtune tune` or `{upgrade_hint(safe_url(url))}` "
+                                   "creates it)")
     try:
-        with open_store(_db_url(ctx), read_only=True) as store:
+        with open_store(url, read_only=True) as store:
             info = store.info()
+    except SchemaError as exc:
+        info = _unopened_info(url, exc)
     except StoreError as exc:
         raise _fail(exc) from exc
     if as_json:
@@ -75,13 +95,43 @@ def info_command(ctx: click.Context, as_json: bool) -> None:
         click.echo(_render(info))
 
 
+def _unopened_info(url: str, refusal: Exception) -> dict[str, Any]:
+    """``store.info()``'s keys for a database the store refuses at its schema revision
+    (older: with ``upgrade``, the command that upgrades it; newer: with ``note``); the
+    refusal itself as a one-line error for anything else (no or unknown schema)."""
+    from flashtune.db.engine import safe_url
+    from flashtune.db.schema import HEAD_REVISION, known_revisions, read_revision
+    from flashtune.db.schema import upgrade_command as upgrade_hint
+    from flashtune.errors import StoreError
+
+    try:
+        revision, dialect, counts = read_revision(url)
+    except StoreError as exc:
+        raise _fail(exc) from exc
+    if revision is None or "," in revision:
+        raise _fail(refusal)
+    info: dict[str, Any] = {"url": safe_url(url), "dialect": dialect, "revision": revision,
+                            "head": HEAD_REVISION, "read_only": True, "counts": counts}
+    if revision in known_revisions():
+        info["upgrade"] = upgrade_hint(safe_url(url))
+    else:
+        info["note"] = ("written by a newer flashtune: this one cannot use it; upgrade "
+                        "flashtune")
+    return info
+
+
 def _render(info: dict[str, Any]) -> str:
     lines = [
         f"database   {info['url']}",
         f"dialect    {info['dialect']}",
         f"revision   {info['revision']} (this flashtune: {info['head']})",
-        "rows",
     ]
-    width = max(len(name) for name in info["counts"])
+    if "upgrade" in info:
+        lines.append(f"           older than this flashtune's: upgrade it with "
+                     f"`{info['upgrade']}`")
+    if "note" in info:
+        lines.append(f"           {info['note']}")
+    lines.append("rows")
+    width = max((len(name) for name in info["counts"]), default=0)
     lines += [f"  {name:<{width}}  {count:>8}" for name, count in info["counts"].items()]
     return "\n".join(lines)

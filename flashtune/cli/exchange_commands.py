@@ -85,7 +85,7 @@ def export_command(ctx: click.Context, device: str | None, template: str | None,
     from flashtune.errors import FlashtuneError
 
     single = _to_single_file(output)
-    url = db_url(ctx) or default_db_url()
+    url = db_url(ctx) or default_db_url(create=False)
     missing = missing_sqlite_file(url)
     if missing is not None:
         click.echo(f"nothing to export (database {missing} does not exist yet)")

@@ -8,6 +8,8 @@ imports torch or triton, so ``--help`` stays fast.
 from __future__ import annotations
 
 import logging
+import os
+import re
 
 import click
 
@@ -21,11 +23,27 @@ from flashtune.cli.tune_commands import tune_command
 
 __all__ = ["cli"]
 
+_URL = re.compile(r"^[A-Za-z][\w+.-]*://")  # SQLAlchemy's "dialect[+driver]://..."
+
+
+def _check_db_url(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """``--db`` must be a URL: a plain path (``/tmp/x.db``) gets the SQLite URL to use."""
+    if not value or _URL.match(value):
+        return value
+    shown = re.sub(r":[^:@/]+@", ":***@", value)  # a mistyped URL's password stays hidden
+    suggestion = ("sqlite:///" + os.path.abspath(os.path.expanduser(value))
+                  if ":" not in value else "sqlite:////abs/path/to/file.db")
+    source = ctx.get_parameter_source(param.name or "")
+    where = " (from FLASHTUNE_DB)" if source is click.core.ParameterSource.ENVIRONMENT else ""
+    raise click.BadParameter(f"{shown!r}{where} is not a database URL; for a SQLite file use "
+                             f"{suggestion} (sqlite:/// then the absolute path)", ctx, param)
+
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--db", "db_url", envvar="FLASHTUNE_DB", default=None, metavar="URL",
-              help="Tuning database URL (SQLAlchemy); env FLASHTUNE_DB; "
-                   "default ~/.cache/flashtune/flashtune.db.")
+              callback=_check_db_url,
+              help="Tuning database URL (SQLAlchemy, e.g. sqlite:////abs/path.db); env "
+                   "FLASHTUNE_DB; default ~/.cache/flashtune/flashtune.db.")
 @click.option("-v", "--verbose", count=True, help="More logging (-v info, -vv debug).")
 @click.version_option(__version__, "--version", prog_name="flashtune")
 @click.pass_context

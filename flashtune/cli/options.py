@@ -5,19 +5,79 @@ Light to import: click only.
 
 from __future__ import annotations
 
+import importlib.util
+import math
 from typing import Any, Callable, TypeVar
 
 import click
 
-__all__ = ["SAMPLERS", "DTYPE_CHOICES", "db_url", "device_filter_option", "fail", "json_option",
-           "search_options", "shape_options", "template_filter_option", "template_option"]
+__all__ = ["SAMPLERS", "DTYPE_CHOICES", "HEAD_DIMS", "MAX_SEED", "TEMPLATES", "FiniteFloatRange",
+           "check_head_dims", "cmaes_installed", "db_url", "device_filter_option", "fail",
+           "json_option", "search_options", "shape_options", "template_filter_option",
+           "template_option"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 SAMPLERS = ("tpe", "random", "grid", "cmaes")
 DTYPE_CHOICES = ("fp16", "bf16")
+# spelled out so --help imports neither torch nor triton (tests/cli_tests/test_options.py
+# checks them against flashtune.kernel_templates.template_names() and
+# flashtune.runtime.checks.SUPPORTED_HEAD_DIMS)
+TEMPLATES = ("attn_bwd", "attn_decode", "attn_fwd")
+HEAD_DIMS = (16, 32, 64, 96, 128, 192, 256)
+MAX_SEED = 2**32 - 1  # Optuna's samplers seed numpy's RandomState: 0 .. 2**32 - 1
 
 POSITIVE = click.IntRange(min=1)
+
+
+class FiniteFloatRange(click.FloatRange):
+    """``click.FloatRange`` that also refuses ``nan`` and ``inf`` (which a range check lets
+    through, and which nothing downstream can store or compare)."""
+
+    name = "float"
+
+    def convert(self, value: Any, param: click.Parameter | None,
+                ctx: click.Context | None) -> Any:
+        rv = super().convert(value, param, ctx)
+        if not math.isfinite(rv):
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
+        return rv
+
+
+def cmaes_installed() -> bool:
+    """Whether the ``cmaes`` package (Optuna's CMA-ES sampler needs it) can be imported."""
+    return importlib.util.find_spec("cmaes") is not None
+
+
+def _check_sampler(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    if value == "cmaes" and not cmaes_installed():
+        raise click.BadParameter("sampler 'cmaes' needs the cmaes package (pip install cmaes); "
+                                 "or choose another sampler", ctx, param)
+    return value
+
+
+def _check_head_dim(ctx: click.Context, param: click.Parameter, value: int | None) -> int | None:
+    if value is not None and value not in HEAD_DIMS:
+        raise click.BadParameter(f"head dim {value} is not supported; supported: "
+                                 f"{', '.join(map(str, HEAD_DIMS))}", ctx, param)
+    return value
+
+
+def _check_template(ctx: click.Context, param: click.Parameter,
+                    value: str | None) -> str | None:
+    if value is not None and value not in TEMPLATES:
+        raise click.BadParameter(f"unknown template {value!r}; known templates: "
+                                 f"{', '.join(TEMPLATES)}", ctx, param)
+    return value
+
+
+def check_head_dims(values: Any, option: str) -> None:
+    """BadParameter naming ``option`` unless every head dim in ``values`` is supported."""
+    bad = sorted({int(v) for v in values if v not in HEAD_DIMS})
+    if bad:
+        raise click.BadParameter(f"head dim(s) {', '.join(map(str, bad))} not supported; "
+                                 f"supported: {', '.join(map(str, HEAD_DIMS))}",
+                                 param_hint=f"'{option}'")
 
 
 def db_url(ctx: click.Context) -> str | None:
@@ -38,14 +98,15 @@ def _apply(decorators: list[Callable[[F], F]], func: F) -> F:
 
 
 template_option = click.option(
-    "--template", default="attn_fwd", show_default=True, metavar="NAME",
+    "--template", type=click.Choice(TEMPLATES), default="attn_fwd", show_default=True,
     help="Kernel template to tune.")
 
 device_filter_option = click.option(
     "--device", default=None, metavar="NAME", help="Only this device name.")
 
 template_filter_option = click.option(
-    "--template", default=None, metavar="NAME", help="Only this template.")
+    "--template", default=None, metavar="NAME", callback=_check_template,
+    help=f"Only this template ({', '.join(TEMPLATES)}).")
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 
@@ -60,7 +121,8 @@ def shape_options(func: F) -> F:
                      help="Key/value heads Hkv (GQA); default: --heads."),
         click.option("--seqlen", type=POSITIVE, help="Query sequence length Nq."),
         click.option("--kv-seqlen", type=POSITIVE, help="Key/value length Nk; default: --seqlen."),
-        click.option("--head-dim", type=POSITIVE, help="Head dimension D."),
+        click.option("--head-dim", type=POSITIVE, callback=_check_head_dim,
+                     help=f"Head dimension D: {', '.join(map(str, HEAD_DIMS))}."),
         click.option("--causal", is_flag=True, help="Causal masking."),
         click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default=None,
                      help="Element type (default bf16); also applies to --preset."),
@@ -72,15 +134,16 @@ def search_options(func: F) -> F:
     return _apply([
         click.option("--trials", type=POSITIVE, default=50, show_default=True,
                      help="Trials per problem."),
-        click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True),
+        click.option("--timeout", "timeout_s", type=FiniteFloatRange(min=0, min_open=True),
                      default=None, metavar="SECONDS",
                      help="Wall-clock budget per problem, checked between trial batches (the "
                           "first batch always runs)."),
         click.option("--patience", type=POSITIVE, default=None,
                      help="Stop after this many trials without improvement."),
         click.option("--sampler", type=click.Choice(SAMPLERS), default="tpe", show_default=True,
-                     help="Optuna sampler."),
-        click.option("--seed", type=int, default=None, help="Sampler seed (reproducible search)."),
+                     callback=_check_sampler, help="Optuna sampler (cmaes: pip install cmaes)."),
+        click.option("--seed", type=click.IntRange(0, MAX_SEED), default=None,
+                     help="Sampler seed (reproducible search)."),
         click.option("--workers", type=POSITIVE, default=None,
                      help="Parallel compile workers (default: the library's choice)."),
         click.option("--interpret", is_flag=True,

@@ -44,7 +44,7 @@ def report_command(ctx: click.Context, device: str | None, template: str | None,
     from flashtune.report.page import write_report
     from flashtune.report.studies import collect_studies
 
-    url = db_url(ctx) or default_db_url()
+    url = db_url(ctx) or default_db_url(create=False)
     missing = missing_sqlite_file(url)
     if missing is not None:
         click.echo(f"nothing to report (database {missing} does not exist yet; run "

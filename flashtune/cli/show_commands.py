@@ -12,7 +12,13 @@ from typing import Any
 
 import click
 
-from flashtune.cli.options import db_url, fail, json_option
+from flashtune.cli.options import (
+    db_url,
+    device_filter_option,
+    fail,
+    json_option,
+    template_filter_option,
+)
 from flashtune.cli.tune_commands import format_config, format_tflops
 
 __all__ = ["best_to_dict", "show_command"]
@@ -62,8 +68,8 @@ def _render(rows: list[dict[str, Any]]) -> str:
 
 
 @click.command("show")
-@click.option("--device", default=None, metavar="NAME", help="Only this device name.")
-@click.option("--template", default=None, metavar="NAME", help="Only this template.")
+@device_filter_option
+@template_filter_option
 @json_option
 @click.pass_context
 def show_command(ctx: click.Context, device: str | None, template: str | None,
@@ -73,7 +79,7 @@ def show_command(ctx: click.Context, device: str | None, template: str | None,
     from flashtune.db.engine import default_db_url, missing_sqlite_file, safe_url
     from flashtune.errors import StoreError
 
-    url = db_url(ctx) or default_db_url()
+    url = db_url(ctx) or default_db_url(create=False)
     missing = missing_sqlite_file(url)
     if missing is not None:
         if as_json:

@@ -22,12 +22,26 @@ from typing import Any, Sequence
 
 import click
 
-from flashtune.cli.options import db_url, fail, search_options, shape_options, template_option
+from flashtune.cli.options import (
+    check_head_dims,
+    db_url,
+    fail,
+    search_options,
+    shape_options,
+    template_option,
+)
 
-__all__ = ["format_config", "format_tflops", "render_results", "tune_command"]
+__all__ = ["INTERPRETER_MAX_FLOPS", "format_config", "format_tflops", "refuse_under_interpreter",
+           "render_results", "tune_command"]
 
 _SHAPE_NAMES = ("batch", "heads", "kv_heads", "seqlen", "kv_seqlen", "head_dim", "causal")
 _REQUIRED = ("batch", "heads", "seqlen", "head_dim")
+# the largest launch (forward FLOPs; backward counts 2.5x) run under the Triton interpreter:
+# it does about 0.4 GFLOP/s on a CPU core, so a launch of 1 GFLOP takes seconds and a tuning
+# run of such shapes minutes; the presets' and the standard grid's shapes (tens to thousands
+# of GFLOP a launch) would take hours
+INTERPRETER_MAX_FLOPS = 1e9
+TINY_SHAPE = "--batch 1 --heads 2 --seqlen 64 --head-dim 32"
 
 
 def _flag(name: str) -> str:
@@ -77,9 +91,11 @@ def _problems(shape: dict[str, Any], dtype: str | None, plan: str | None,
         from flashtune.autotune.plans import PlanError, load_plan
 
         try:
-            return load_plan(plan)
+            problems = load_plan(plan)
         except PlanError as exc:
             raise click.BadParameter(" ".join(str(exc).split()), param_hint="'--plan'") from exc
+        check_head_dims([p.head_dim for p in problems], "--plan")
+        return problems
     if preset_name is not None:
         from flashtune.autotune.presets import UnknownPresetError, preset
 
@@ -119,6 +135,33 @@ def _decide_interpret(requested: bool) -> bool:
     click.echo(f"{reason}: running the whole pipeline on CPU under the Triton interpreter "
                "(slow; for testing, timings are not meaningful)", err=True)
     return True
+
+
+def refuse_under_interpreter(problems: Sequence[Any], *, backward: bool = False,
+                             doing: str = "tuning") -> None:
+    """UsageError when a problem is too big for the Triton interpreter (over
+    :data:`INTERPRETER_MAX_FLOPS` a launch): on the CPU it would take hours.
+
+    Arguments:
+        problems: the :class:`~flashtune.autotune.problems.AttentionProblem` s to run.
+        backward: count the backward's FLOPs (2.5x the forward's).
+        doing: what would take hours, for the message.
+    """
+    big = [p for p in problems if p.flops(backward=backward) > INTERPRETER_MAX_FLOPS]
+    if not big:
+        return
+    worst = max(big, key=lambda p: p.flops(backward=backward))
+    which = "" if len(problems) == 1 else f" ({len(big)} of the {len(problems)} shapes are)"
+    raise click.UsageError(
+        f"{worst.describe()} is too big for the Triton interpreter{which}: "
+        f"{_gflop(worst.flops(backward=backward))} a launch, over its limit of "
+        f"{_gflop(INTERPRETER_MAX_FLOPS)}; {doing} it on the CPU would take hours. Run on a "
+        f"CUDA GPU, or give a tiny shape (e.g. {TINY_SHAPE})")
+
+
+def _gflop(flops: float) -> str:
+    g = flops / 1e9
+    return f"{g:,.0f} GFLOP" if g >= 10 else f"{g:.2g} GFLOP"
 
 
 def _parse_gpus(text: str | None) -> list[int] | None:
@@ -201,7 +244,7 @@ def render_results(results: Sequence[Any]) -> str:
               help="TOML file of [[shape]] tables to tune.")
 @click.option("--preset", "preset_name", default=None, metavar="NAME",
               help="Named problem set: llama3-8b, llama3-70b, mistral-7b, qwen2.5-7b, "
-                   "gemma2-9b, standard.")
+                   "gemma2-9b, standard (sized for a GPU: too big for the interpreter).")
 @search_options
 @click.option("--gpus", "gpus_text", default=None, metavar="LIST",
               help="Tune on these GPUs, one worker process each (e.g. 0,1,2,3), all writing "
@@ -228,6 +271,8 @@ def tune_command(ctx: click.Context, template: str, batch: int | None, heads: in
     problems = _problems(shape, dtype, plan, preset_name)
     gpus = _parse_gpus(gpus_text)
     interpret = _decide_interpret(interpret)
+    if interpret:
+        refuse_under_interpreter(problems, backward=template == "attn_bwd")
     _check_gpus(gpus, interpret)
 
     from flashtune.errors import FlashtuneError

@@ -30,7 +30,7 @@ from urllib.parse import unquote
 
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import URL, make_url
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import ArgumentError, OperationalError
 from sqlalchemy.pool import StaticPool
 
 from flashtune.errors import StoreError
@@ -57,23 +57,58 @@ _WRITE_OPTION = "flashtune_write"
 _LEGACY_CONTROL = getattr(sqlite3, "LEGACY_TRANSACTION_CONTROL", None)  # Python >= 3.12
 
 
-def default_db_url() -> str:
+def default_db_url(*, create: bool = True) -> str:
     """The database flashtune uses when given none.
 
+    Arguments:
+        create: create the cache folder when missing (a command that only reads passes
+            False: a database that does not exist holds nothing, and nothing is created).
     Returns:
         ``$FLASHTUNE_DB`` when set, else
-        ``sqlite:///<$XDG_CACHE_HOME or ~/.cache>/flashtune/flashtune.db`` (the cache
-        folder is created when missing).
+        ``sqlite:///<$XDG_CACHE_HOME or ~/.cache>/flashtune/flashtune.db``.
     Raises:
-        OSError when that cache folder cannot be created.
+        StoreError when the home folder is unknown or, with ``create``, the cache folder
+        cannot be created; the message names the folder and says how to use a database
+        elsewhere.
     """
     env = os.environ.get("FLASHTUNE_DB", "").strip()
     if env:
         return env
-    cache = os.environ.get("XDG_CACHE_HOME", "").strip() or str(Path.home() / ".cache")
+    try:
+        cache = os.environ.get("XDG_CACHE_HOME", "").strip() or str(Path.home() / ".cache")
+    except RuntimeError as exc:  # no $HOME and no passwd entry
+        raise StoreError(f"cannot find the home folder for the default database ({exc}): "
+                         f"{_ELSEWHERE}") from exc
     folder = Path(cache) / "flashtune"
-    folder.mkdir(parents=True, exist_ok=True)
+    if create:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StoreError(f"cannot create the default database folder {folder} "
+                             f"({exc.strerror or exc}): {_ELSEWHERE}") from exc
     return f"sqlite:///{folder / 'flashtune.db'}"
+
+
+_ELSEWHERE = ("set FLASHTUNE_DB or pass `flashtune --db URL` (e.g. sqlite:////abs/path.db) to "
+              "use a database elsewhere, or XDG_CACHE_HOME to use another cache folder")
+
+
+def _sqlite_path(url: str | URL) -> Path | None:
+    """The file of a file-backed SQLite URL (``file:`` URIs included), else None (other
+    backends, memory databases, unparseable URLs)."""
+    try:
+        parsed = make_url(url)
+    except Exception:  # noqa: BLE001 - not a URL: no file to name
+        return None
+    if parsed.get_backend_name() != "sqlite" or is_memory_sqlite(parsed):
+        return None
+    database = parsed.database or ""
+    if database.startswith("file:"):
+        database = unquote(database[len("file:"):].split("?", 1)[0])
+        if database.startswith("//"):  # file://host/path
+            database = database[2:]
+            database = database[database.find("/"):] if "/" in database else ""
+    return Path(database).expanduser() if database else None
 
 
 def missing_sqlite_file(url: str | URL) -> str | None:
@@ -88,7 +123,50 @@ def missing_sqlite_file(url: str | URL) -> str | None:
     database = parsed.database or ""
     if not database or database == ":memory:" or database.startswith("file:"):
         return None
-    return None if Path(database).exists() else database
+    try:
+        return None if Path(database).exists() else database
+    except OSError:  # a folder on the way cannot be searched: the opener says so
+        return None
+
+
+def _sqlite_trouble(url: str | URL, detail: str) -> str | None:
+    """What is wrong with the file of a SQLite URL, where the driver only says "unable to
+    open database file", "disk I/O error" or "attempt to write a readonly database"."""
+    low = detail.lower()
+    if not any(s in low for s in ("unable to open", "disk i/o error", "readonly database")):
+        return None
+    path = _sqlite_path(url)
+    if path is None:
+        return None
+    try:
+        if path.is_dir():
+            return f"{path} is a directory, not a database file"
+        folder = path.parent
+        if not path.exists():
+            existing = folder
+            while not existing.exists() and existing != existing.parent:
+                existing = existing.parent
+            if not existing.is_dir():
+                return f"{existing} is not a folder, so {path} cannot exist"
+            if existing != folder:
+                return f"folder {folder} does not exist (create it first)"
+            if not os.access(folder, os.W_OK | os.X_OK):
+                return (f"file {path} does not exist, and folder {folder} is not writable "
+                        f"so it cannot be created")
+            return f"file {path} does not exist"
+        if "readonly" in low:
+            if not os.access(path, os.W_OK):
+                return f"database file {path} is read-only (no write permission)"
+            if not os.access(folder, os.W_OK | os.X_OK):
+                return (f"folder {folder} is read-only; SQLite writes its journal files "
+                        f"beside {path.name}")
+            return (f"database file {path} is read-only (SQLite cannot write to it or to "
+                    f"its folder)")
+        if not os.access(path, os.R_OK):
+            return f"database file {path} is not readable (no read permission)"
+    except OSError:
+        return None
+    return None
 
 
 def safe_url(url: str | URL) -> str:
@@ -241,7 +319,11 @@ def _set_wal(cursor: Any) -> None:
 
 
 def enable_wal(engine: Engine) -> None:
-    """Switch a writable SQLite file database to WAL (persistent; no-op elsewhere)."""
+    """Switch a writable SQLite file database to WAL (persistent; no-op elsewhere).
+
+    Raises ``sqlite3.Error`` (the driver's own, not SQLAlchemy's) when that fails, e.g.
+    "attempt to write a readonly database" for a file or folder without write permission.
+    """
     if engine.dialect.name != "sqlite" or is_memory_sqlite(engine.url):
         return
     if engine.url.query.get("mode") == "ro":
@@ -283,4 +365,10 @@ def store_error(exc: BaseException, url: str | URL, operation: str) -> StoreErro
         detail = f"the database driver is not installed ({exc}); install it with pip"
     else:
         detail = " ".join(str(getattr(exc, "orig", None) or exc).split()) or type(exc).__name__
+        trouble = _sqlite_trouble(url, detail)
+        if trouble is not None:
+            detail = f"{trouble} ({detail})"
+        elif isinstance(exc, ArgumentError) and "parse" in detail.lower():
+            detail += ("; expected a SQLAlchemy URL such as sqlite:////abs/path/to/file.db "
+                       "(sqlite:/// then the absolute path)")
     return StoreError(f"{operation} failed on database {safe_url(url)}: {detail}")

@@ -13,6 +13,7 @@ either case. Only a database without any flashtune table is created, straight to
 from __future__ import annotations
 
 import logging
+import shlex
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
@@ -22,7 +23,7 @@ from typing import Iterator
 from alembic import command
 from alembic.config import Config
 from alembic.script import ScriptDirectory
-from sqlalchemy import Connection, Engine, inspect, text
+from sqlalchemy import Connection, Engine, func, inspect, select, table, text
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import SQLAlchemyError
 
@@ -37,7 +38,9 @@ __all__ = [
     "current_revision",
     "downgrade",
     "known_revisions",
+    "read_revision",
     "upgrade",
+    "upgrade_command",
 ]
 
 log = logging.getLogger(__name__)
@@ -96,9 +99,16 @@ def current_revision(bind: Engine | Connection) -> str | None:
         return _read_state(conn).revision
 
 
+def upgrade_command(url: str) -> str:
+    """The shell command that upgrades the database at ``url`` (as shown: password hidden)
+    to this flashtune's schema: ``flashtune --db URL db upgrade`` (``--db`` belongs to
+    the root command, before ``db``)."""
+    return f"flashtune --db {shlex.quote(url)} db upgrade"
+
+
 def _refusal(url: str, state: _State, *, read_only: bool, create: bool) -> SchemaError | None:
     """The error that refuses ``state``, or None when the schema is usable (at head)."""
-    upgrade_hint = f"run `flashtune db upgrade --db {url}`"
+    upgrade_hint = f"run `{upgrade_command(url)}`"
     if state.revision == HEAD_REVISION:
         return None
     if state.revision is None and state.ft_tables:
@@ -166,7 +176,7 @@ def upgrade(url: str | URL) -> tuple[str | None, str]:
         or with tables of unknown origin; StoreError when the database cannot be opened
         or written.
     """
-    engine = make_engine(url, wal=False)
+    engine = _engine(url, "upgrading the schema")
     shown = safe_url(engine.url)
     try:
         with _errors(engine.url, "upgrading the schema"):
@@ -189,7 +199,7 @@ def downgrade(url: str | URL, revision: str) -> None:
 
     Downgrading drops the columns added after ``revision`` and the data in them.
     """
-    engine = make_engine(url, wal=False)
+    engine = _engine(url, f"downgrading the schema to {revision}")
     try:
         with _errors(engine.url, f"downgrading the schema to {revision}"):
             with _migrating(engine) as conn:
@@ -231,6 +241,39 @@ def _migrating(engine: Engine) -> Iterator[Connection]:
         finally:
             if raw is not None:
                 raw.execute("PRAGMA foreign_keys = ON")
+
+
+def read_revision(url: str | URL) -> tuple[str | None, str, dict[str, int]]:
+    """What the database at ``url`` holds, read without writing anything and whatever its
+    schema revision (a SQLite file is opened read-only): for ``flashtune db info`` on a
+    database that the store refuses to open.
+
+    Arguments:
+        url: the database's SQLAlchemy URL.
+    Returns:
+        ``(revision, dialect, counts)``: the flashtune schema revision (None when it has
+        none; possibly one this flashtune does not know), the SQLAlchemy dialect name, and
+        the row count of every flashtune table (``ft_*``), by table name.
+    Raises:
+        StoreError when the database cannot be opened or read.
+    """
+    engine = _engine(url, "reading the schema revision", read_only=True)
+    try:
+        with _errors(url, "reading the schema revision"), engine.connect() as conn:
+            state = _read_state(conn)
+            counts = {name: int(conn.execute(select(func.count()).select_from(table(name)))
+                                .scalar() or 0) for name in state.ft_tables}
+        return state.revision, engine.dialect.name, counts
+    finally:
+        engine.dispose()
+
+
+def _engine(url: str | URL, operation: str, *, read_only: bool = False) -> Engine:
+    """``make_engine(url, wal=False)``; a malformed URL or a missing driver as StoreError."""
+    try:
+        return make_engine(url, read_only=read_only, wal=False)
+    except (SQLAlchemyError, ImportError) as exc:
+        raise store_error(exc, url, operation) from exc
 
 
 @contextmanager

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import random
+import sqlite3
 import threading
 import time
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -70,7 +71,7 @@ class TransactionRunner:
                                                     read_only=read_only, shown_url=self.url)
                 if not read_only:
                     enable_wal(self._engine)  # only once the schema is known to be ours
-        except SQLAlchemyError as exc:
+        except (SQLAlchemyError, sqlite3.Error) as exc:  # enable_wal's raw driver errors too
             self._engine.dispose()
             raise store_error(exc, self.url, "opening the store") from exc
         except BaseException:

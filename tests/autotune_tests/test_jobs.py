@@ -153,6 +153,43 @@ def test_unsupported_head_dim_is_refused_before_any_work(tmp_path):
     assert not (tmp_path / "ft.db").exists()
 
 
+@pytest.mark.parametrize("field,value,needle", [
+    ("seed", -1, "seed must be an integer from 0 to 4294967295"),
+    ("seed", 2**32, "seed must be an integer from 0 to 4294967295"),
+    ("seed", 10**20, "seed must be an integer from 0"),
+    ("timeout_s", float("nan"), "timeout_s must be a finite number of seconds > 0"),
+    ("timeout_s", float("inf"), "timeout_s must be a finite number"),
+    ("timeout_s", 0, "timeout_s must be a finite number"),
+    ("trials", 0, "trials must be an integer >= 1"),
+    ("sampler", "bayes", "sampler must be one of tpe, random, grid, cmaes"),
+    ("patience", 0, "patience must be an integer >= 1 or None"),
+    ("workers", True, "workers must be an integer"),
+    ("trial_timeout_s", float("nan"), "trial_timeout_s must be a finite number"),
+])
+def test_options_the_search_cannot_use_are_refused_before_any_work(tmp_path, field, value,
+                                                                   needle):
+    """Each of these used to fail inside Optuna (seed range), SQLite (a 20-digit seed) or
+    the canonical JSON of the run's params (nan, inf) after the run row was written, which
+    then stayed RUNNING."""
+    from flashtune.errors import InputError
+
+    with pytest.raises(InputError, match=needle):
+        dataclasses.replace(OPTS, **{field: value})
+    assert dataclasses.replace(OPTS, seed=2**32 - 1).seed == 2**32 - 1  # the range's top
+
+
+def test_cmaes_without_its_package_is_refused_up_front(monkeypatch):
+    import importlib.util
+
+    from flashtune.errors import InputError
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "cmaes" else real(name, *a))
+    with pytest.raises(InputError, match="sampler 'cmaes' needs the cmaes package"):
+        TuneOptions(sampler="cmaes")
+
+
 def test_decode_template_is_tuned_and_served(tmp_path, monkeypatch):
     """`flashtune tune --template attn_decode`: a short-query problem tuned under the
     interpreter (every candidate checked against the reference), its best served to

@@ -177,3 +177,94 @@ def test_without_a_shape_it_benchmarks_the_standard_grid(tmp_path, monkeypatch):
     assert seen["kw"]["baselines"] == ["sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "flex"]
     assert seen["kw"]["template"] == "attn_fwd"
     assert not (tmp_path / "b.png").exists()
+
+
+SMALL = ["--batch", "1", "--heads", "2", "--seqlen", "64", "--head-dim", "32", "--dtype",
+         "fp16", "--baselines", "sdpa_flash"]
+
+
+@pytest.fixture
+def no_bench(monkeypatch):
+    """bench_attention replaced by one that records it ran and returns an empty run."""
+    import flashtune.autotune.bench as bench_mod
+
+    calls = []
+
+    def fake(problems, **kw):
+        calls.append(list(problems))
+        return {"rows": [], "summary": {}, "ceiling_tflops": None}
+
+    monkeypatch.setattr(bench_mod, "bench_attention", fake)
+    return calls
+
+
+def _error_line(output):
+    [line] = [ln for ln in output.splitlines() if ln.startswith("Error:")]
+    return line
+
+
+@pytest.mark.parametrize("option,make_path,needle", [
+    ("--out", lambda tmp: "/proc/b.json", "cannot write in folder /proc"),
+    ("--out", lambda tmp: str(tmp / "a-file" / "x.json"), "a-file is not a folder"),
+    ("--plot", lambda tmp: "/proc/b.png", "cannot write in folder /proc"),
+    ("--plot", lambda tmp: str(tmp / "a-file" / "b.png"), "a-file is not a folder"),
+    ("--out", lambda tmp: str(tmp), "is a directory"),
+])
+def test_output_paths_are_checked_before_anything_runs(tmp_path, no_bench, option, make_path,
+                                                       needle):
+    (tmp_path / "a-file").write_text("")
+    args = ["bench", *SMALL, "--out", str(tmp_path / "b.json"), option, make_path(tmp_path)]
+    res = CliRunner().invoke(cli, args)
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    line = _error_line(res.output)
+    assert f"'{option}'" in line and needle in line
+    assert not no_bench  # refused before the benchmark ran
+
+
+def test_a_plot_that_cannot_be_written_still_prints_the_table(tmp_path, no_bench,
+                                                              monkeypatch):
+    from flashtune.report import plots
+
+    def unwritable(result, path):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(plots, "plot_bench", unwritable)
+    out = tmp_path / "b.json"
+    res = CliRunner().invoke(cli, ["bench", *SMALL, "--out", str(out)])
+    assert res.exit_code == 1 and "Traceback" not in res.output, res.output
+    assert "vs flash" in res.output  # the table came first
+    line = _error_line(res.output)
+    assert f"wrote {out} but not the plot" in line and "Permission denied" in line
+    assert json.loads(out.read_text())["rows"] == []
+
+
+def test_a_json_that_cannot_be_written_is_one_line(tmp_path, no_bench, monkeypatch):
+    def unwritable(self, *a, **kw):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", unwritable)
+    res = CliRunner().invoke(cli, ["bench", *SMALL, "--no-plot", "--out",
+                                   str(tmp_path / "b.json")])
+    assert res.exit_code == 1 and "Traceback" not in res.output, res.output
+    assert "No space left on device" in _error_line(res.output)
+
+
+@pytest.mark.parametrize("args,option", [
+    (["--batch", "1", "--heads", "2", "--seqlen", "64", "--head-dim", "33"], "'--head-dim'"),
+    (["--head-dims", "64,33"], "'--head-dims'"),
+])
+def test_unsupported_head_dims_are_refused(tmp_path, no_bench, args, option):
+    res = CliRunner().invoke(cli, ["bench", *args, "--out", str(tmp_path / "b.json")])
+    assert res.exit_code == 2, res.output
+    line = _error_line(res.output)
+    assert option in line and "33" in line and "supported: 16, 32, 64" in line
+    assert not no_bench
+
+
+def test_the_interpreter_refuses_a_preset_as_it_refuses_the_grid(tmp_path, no_bench):
+    res = CliRunner().invoke(cli, ["bench", "--preset", "llama3-8b", "--interpret", "--no-plot",
+                                   "--out", str(tmp_path / "b.json")])
+    assert res.exit_code == 2, res.output
+    line = _error_line(res.output)
+    assert "too big for the Triton interpreter" in line and "would take hours" in line
+    assert not no_bench and not (tmp_path / "b.json").exists()

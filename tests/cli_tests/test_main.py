@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -90,3 +91,41 @@ def test_python_dash_m_works() -> None:
     assert proc.returncode == 0, proc.stderr
     assert "tune" in proc.stdout and "show" in proc.stdout
     assert "torch" not in proc.stderr
+
+
+@pytest.mark.parametrize("value", ["/tmp/x.db", "x.db", "~/tuned.db"])
+def test_db_that_is_a_path_not_a_url_names_the_option(value: str) -> None:
+    result = CliRunner().invoke(cli, ["--db", value, "show"])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    [line] = [ln for ln in result.output.splitlines() if ln.startswith("Error:")]
+    path = os.path.abspath(os.path.expanduser(value))
+    assert "'--db'" in line and repr(value) in line and "is not a database URL" in line
+    assert f"sqlite:///{path}" in line  # sqlite:/// + the absolute path
+    result = CliRunner().invoke(cli, ["show"], env={"FLASHTUNE_DB": value})
+    assert result.exit_code == 2 and "(from FLASHTUNE_DB)" in result.output
+
+
+def test_db_url_typo_keeps_a_password_hidden() -> None:
+    result = CliRunner().invoke(cli, ["--db", "postgresql:/u:hunter2@host/db", "show"])
+    assert result.exit_code == 2
+    assert "hunter2" not in result.output and "u:***@host" in result.output
+
+
+def test_a_plain_path_given_to_the_library_says_what_a_url_looks_like() -> None:
+    from flashtune.db import open_store
+    from flashtune.errors import StoreError
+
+    with pytest.raises(StoreError, match=r"expected a SQLAlchemy URL such as sqlite:////"):
+        open_store("/tmp/x.db")
+
+
+def test_readme_and_bench_help_cite_only_files_of_this_repo() -> None:
+    """They cited "the standard grid of ANCHORS.md", a file this repository does not have."""
+    from flashtune.cli import bench_commands
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    help_text = CliRunner().invoke(cli, ["bench", "--help"]).output
+    for text in (readme, help_text, bench_commands.__doc__ or ""):
+        for name in re.findall(r"\b[\w./-]+\.md\b", text):
+            assert (ROOT / name).is_file(), f"{name} is cited but not in the repository"
+    assert "flashtune/autotune/grids.py" in readme

@@ -138,6 +138,16 @@ def test_report_filters(mpl: None, db: str, tmp_path: Path) -> None:
     assert not (tmp_path / "none").exists()
 
 
+def test_report_unknown_template_lists_the_known_ones(db: str, tmp_path: Path) -> None:
+    code, output = invoke("--db", db, "report", "--template", "bogus", "-o",
+                          str(tmp_path / "out"))
+    assert code == 2
+    [line] = [ln for ln in output.splitlines() if ln.startswith("Error:")]
+    assert "'--template'" in line and "'bogus'" in line
+    assert "attn_bwd, attn_decode, attn_fwd" in line
+    assert not (tmp_path / "out").exists()
+
+
 def test_report_empty_and_missing_database(mpl: None, tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'empty.db'}"
     open_store(url).close()

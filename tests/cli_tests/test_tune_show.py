@@ -180,8 +180,56 @@ def test_tune_db_from_envvar(jobs: Calls) -> None:
 
 
 def test_tune_template_option(jobs: Calls) -> None:
-    assert run("tune", "--template", "other", *SHAPE).exit_code == 0
-    assert jobs.calls[0]["options"].template == "other"
+    assert run("tune", "--template", "attn_bwd", *SHAPE).exit_code == 0
+    assert jobs.calls[0]["options"].template == "attn_bwd"
+
+
+def test_tune_help_lists_the_templates() -> None:
+    result = run("tune", "--help")
+    assert "attn_bwd|attn_decode|attn_fwd" in result.output
+
+
+def test_tune_seed_range_ends_at_2_to_the_32_minus_1(jobs: Calls) -> None:
+    assert run("tune", *SHAPE, "--seed", "0").exit_code == 0
+    assert run("tune", *SHAPE, "--seed", "4294967295").exit_code == 0
+    assert [c["options"].seed for c in jobs.calls] == [0, 4294967295]
+
+
+def test_tune_cmaes_without_the_package_names_the_option(jobs: Calls,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    from flashtune.cli import options
+
+    monkeypatch.setattr(options, "cmaes_installed", lambda: False)
+    result = run("tune", *SHAPE, "--sampler", "cmaes")
+    assert result.exit_code == 2
+    line = error_line(result)
+    assert "'--sampler'" in line and "pip install cmaes" in line
+    assert not jobs.calls
+    monkeypatch.setattr(options, "cmaes_installed", lambda: True)
+    assert run("tune", *SHAPE, "--sampler", "cmaes").exit_code == 0
+
+
+def test_tune_plan_with_an_unsupported_head_dim_names_the_plan(jobs: Calls,
+                                                               tmp_path: Path) -> None:
+    plan = tmp_path / "plan.toml"
+    plan.write_text("[[shape]]\nbatch = 1\nheads = 4\nseqlen = 64\nhead_dim = 33\n")
+    result = run("tune", "--plan", str(plan))
+    assert result.exit_code == 2
+    line = error_line(result)
+    assert "'--plan'" in line and "33" in line and "supported: 16, 32" in line
+    assert not jobs.calls
+
+
+def test_bad_seed_writes_nothing_with_the_real_pipeline(tmp_path: Path) -> None:
+    """The real jobs module: refused while parsing, so no run is left RUNNING (the database
+    is not even created)."""
+    path = tmp_path / "t.db"
+    for bad in ("-1", "4294967296", "99999999999999999999"):
+        result = run("--db", f"sqlite:///{path}", "tune", "--batch", "1", "--heads", "2",
+                     "--seqlen", "64", "--head-dim", "32", "--dtype", "fp16", "--trials", "2",
+                     "--seed", bad, "--interpret", "--no-progress")
+        assert result.exit_code == 2 and "'--seed'" in error_line(result)
+    assert not path.exists()
 
 
 def test_tune_preset(jobs: Calls) -> None:
@@ -260,6 +308,15 @@ def test_tune_dtype_with_plan_is_refused(jobs: Calls, tmp_path: Path) -> None:
     ([*SHAPE, "--patience", "0"], "--patience"),
     ([*SHAPE, "--workers", "0"], "--workers"),
     ([*SHAPE, "--seed", "1.5"], "--seed"),
+    # values the parser used to accept and the search then crashed on, with a traceback and
+    # a RUNNING run left in the database
+    ([*SHAPE, "--seed", "-1"], "--seed"),
+    ([*SHAPE, "--seed", "4294967296"], "--seed"),
+    ([*SHAPE, "--seed", "99999999999999999999"], "--seed"),
+    ([*SHAPE, "--timeout", "nan"], "--timeout"),
+    ([*SHAPE, "--timeout", "inf"], "--timeout"),
+    (["--template", "nope", *SHAPE], "--template"),
+    ([*SHAPE[:-1], "33"], "--head-dim"),
     (["--batch", "0", "--heads", "4", "--seqlen", "64", "--head-dim", "16"], "--batch"),
     (["--batch", "1", "--heads", "6", "--kv-heads", "4", "--seqlen", "64", "--head-dim", "16"],
      "multiple of heads_kv"),
@@ -330,6 +387,28 @@ def test_no_gpu_means_interpret(jobs: Calls, monkeypatch: pytest.MonkeyPatch) ->
     assert len(notice) == 1 and notice[0].startswith("no CUDA GPU found")
 
 
+@pytest.mark.parametrize("args", [
+    ["--preset", "llama3-8b"],
+    ["--batch", "32", "--heads", "32", "--seqlen", "512", "--head-dim", "128"],
+])
+def test_shapes_too_big_for_the_interpreter_are_refused(jobs: Calls,
+                                                        monkeypatch: pytest.MonkeyPatch,
+                                                        args: list[str]) -> None:
+    """As ``bench`` refuses its standard grid: hours of CPU for nothing."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    result = run("tune", *args)
+    assert result.exit_code == 2
+    line = error_line(result)
+    assert "too big for the Triton interpreter" in line and "would take hours" in line
+    assert "B=32 Hq=32" in line or "B=1 Hq=32 Hkv=8 Nq=16384" in line
+    assert "CUDA GPU" in line and "--batch 1 --heads 2 --seqlen 64 --head-dim 32" in line
+    assert not jobs.calls
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU: tuned
+    assert run("tune", *args).exit_code == 0 and len(jobs.calls) == 1
+
+
 def test_gpu_means_compiled(jobs: Calls, monkeypatch: pytest.MonkeyPatch) -> None:
     import os
 
@@ -394,6 +473,14 @@ def test_show_filters(populated: str) -> None:
     result = run("--db", populated, "show", "--device", "nope")
     assert result.exit_code == 0 and "no tuned configs" in result.output
     assert "device=nope" in result.output
+
+
+def test_show_unknown_template_lists_the_known_ones(populated: str) -> None:
+    result = run("--db", populated, "show", "--template", "bogus")
+    assert result.exit_code == 2
+    line = error_line(result)
+    assert "'--template'" in line and "'bogus'" in line
+    assert "attn_bwd, attn_decode, attn_fwd" in line
 
 
 def test_show_json_round_trip(populated: str) -> None:

@@ -19,6 +19,7 @@ from flashtune.db.engine import (
     write_engine,
 )
 from flashtune.db.jsonutil import canonical_json, config_hash
+from flashtune.errors import StoreError
 
 
 def test_default_db_url_prefers_the_environment(monkeypatch: pytest.MonkeyPatch,
@@ -32,6 +33,29 @@ def test_default_db_url_prefers_the_environment(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert default_db_url() == f"sqlite:///{tmp_path}/home/.cache/flashtune/flashtune.db"
+
+
+def test_default_db_url_for_a_reader_creates_nothing(monkeypatch: pytest.MonkeyPatch,
+                                                    tmp_path: Path) -> None:
+    monkeypatch.delenv("FLASHTUNE_DB", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    url = default_db_url(create=False)
+    assert url == f"sqlite:///{tmp_path}/cache/flashtune/flashtune.db"
+    assert not (tmp_path / "cache").exists()
+
+
+def test_default_db_url_that_cannot_be_created_says_where_to_go(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv("FLASHTUNE_DB", raising=False)
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "file"))
+    with pytest.raises(StoreError) as info:
+        default_db_url()
+    message = str(info.value)
+    assert message.startswith(f"cannot create the default database folder "
+                              f"{tmp_path / 'file' / 'flashtune'} (Not a directory)")
+    assert "FLASHTUNE_DB" in message and "--db" in message
+    assert default_db_url(create=False).endswith("/file/flashtune/flashtune.db")
 
 
 def test_safe_url_hides_passwords_and_keeps_sqlite_paths_readable() -> None:

@@ -84,7 +84,7 @@ def test_the_0001_asset_is_refused_unchanged_with_the_upgrade_command(old_db: Pa
     before = fingerprint(old_db)
     url = f"sqlite:///{old_db}"
     expected = (f"database {url} is at schema revision 0001, this flashtune needs "
-                f"{HEAD_REVISION}: run `flashtune db upgrade --db {url}`")
+                f"{HEAD_REVISION}: run `flashtune --db {url} db upgrade`")
     for read_only in (False, True):
         with pytest.raises(SchemaError) as info:
             open_store(url, read_only=read_only)
@@ -137,7 +137,8 @@ def db_0002(tmp_path: Path) -> Path:
 def test_the_0002_asset_is_refused_unchanged(db_0002: Path) -> None:
     before = fingerprint(db_0002)
     for read_only in (False, True):
-        with pytest.raises(SchemaError, match="at schema revision 0002.*flashtune db upgrade"):
+        with pytest.raises(SchemaError,
+                           match="at schema revision 0002.*`flashtune --db .* db upgrade`"):
             open_store(f"sqlite:///{db_0002}", read_only=read_only)
     assert fingerprint(db_0002) == before
 
