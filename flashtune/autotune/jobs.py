@@ -90,15 +90,11 @@ class TuneOptions:
         _check_options(self)
 
 
-MAX_SEED = 2**32 - 1  # Optuna's samplers seed numpy's RandomState
-
-
 def _check_options(o: TuneOptions) -> None:
     """InputError naming the first field of ``o`` that :func:`tune` cannot use."""
-    import importlib.util
     import math
 
-    from flashtune.autotune.strategies import SAMPLERS
+    from flashtune.autotune.strategies import MAX_SEED, SAMPLERS, cmaes_installed
     from flashtune.errors import InputError
 
     def integer(name: str, low: int, high: int | None = None, *, none: bool = False) -> None:
@@ -125,7 +121,7 @@ def _check_options(o: TuneOptions) -> None:
     if o.sampler not in SAMPLERS:
         raise InputError(f"TuneOptions.sampler must be one of {', '.join(SAMPLERS)}, got "
                          f"{o.sampler!r}")
-    if o.sampler == "cmaes" and importlib.util.find_spec("cmaes") is None:
+    if o.sampler == "cmaes" and not cmaes_installed():
         raise InputError("sampler 'cmaes' needs the cmaes package: pip install cmaes")
     integer("seed", 0, MAX_SEED, none=True)
     integer("patience", 1, none=True)
@@ -253,10 +249,7 @@ def _requeue_lost(study: Any, store: TuningStore, ids: tuple[int, int, int],
     once per run (``requeued``); returns how many were queued now."""
     from flashtune.autotune.strategies import enqueue
 
-    dev, tpl, prob = ids
-    recorded = {canonical_json(t.config)
-                for t in store.list_trials(device_id=dev, template_id=tpl, problem_id=prob)
-                if t.state is not TrialState.DUPLICATE and t.message != STALE_MESSAGE}
+    recorded = _recorded_configs(store, ids)
     n = 0
     for cfg in space:
         key = canonical_json(cfg)
@@ -273,11 +266,17 @@ def _unmeasured(store: TuningStore, ids: tuple[int, int, int], space: SearchSpac
     (trials failed as stale and DUPLICATE records aside; a RUNNING trial counts: a live
     worker is measuring it). 0: the space is exhausted and asking the sampler for more can
     only return configs measured already."""
-    dev, tpl, prob = ids
-    taken = {canonical_json(t.config)
-             for t in store.list_trials(device_id=dev, template_id=tpl, problem_id=prob)
-             if t.state is not TrialState.DUPLICATE and t.message != STALE_MESSAGE}
+    taken = _recorded_configs(store, ids)
     return sum(canonical_json(c) not in taken for c in space.valid_configs(problem, device))
+
+
+def _recorded_configs(store: TuningStore, ids: tuple[int, int, int]) -> set[str]:
+    """The canonical JSON of every config with a trial in the study (RUNNING ones too),
+    DUPLICATE records and trials failed as stale aside."""
+    dev, tpl, prob = ids
+    return {canonical_json(t.config)
+            for t in store.list_trials(device_id=dev, template_id=tpl, problem_id=prob)
+            if t.state is not TrialState.DUPLICATE and t.message != STALE_MESSAGE}
 
 
 def _tell(study: Any, trial: Any, value: float | None = None, *, state: Any = None) -> None:

@@ -14,14 +14,23 @@ from flashtune.autotune.spaces import Config, SearchSpace
 if TYPE_CHECKING:  # pragma: no cover
     import optuna
 
-__all__ = ["SAMPLERS", "config_from_trial", "enqueue", "make_sampler", "params_of"]
+__all__ = ["MAX_SEED", "SAMPLERS", "cmaes_installed", "config_from_trial", "enqueue",
+           "make_sampler", "params_of"]
 
 SAMPLERS = ("tpe", "random", "grid", "cmaes")
+MAX_SEED = 2**32 - 1  # Optuna's samplers seed numpy's RandomState: 0 .. 2**32 - 1
 GRID_SEED = 0  # the one order of every grid study (see make_sampler)
 
 
 def _idx(name: str) -> str:
     return name + "_idx"
+
+
+def cmaes_installed() -> bool:
+    """Whether the ``cmaes`` package (Optuna's CMA-ES sampler needs it) can be imported."""
+    import importlib.util
+
+    return importlib.util.find_spec("cmaes") is not None
 
 
 def make_sampler(name: str, seed: int | None, space: SearchSpace) -> optuna.samplers.BaseSampler:
@@ -43,10 +52,8 @@ def make_sampler(name: str, seed: int | None, space: SearchSpace) -> optuna.samp
         grid = {_idx(n): list(range(len(v))) for n, v in space.params.items()}
         return _NoStopGridSampler(grid, seed=GRID_SEED)
     if name == "cmaes":
-        try:
-            import cmaes  # noqa: F401
-        except ImportError:
-            raise ValueError("sampler 'cmaes' needs the cmaes package: pip install cmaes") from None
+        if not cmaes_installed():
+            raise ValueError("sampler 'cmaes' needs the cmaes package: pip install cmaes")
         return optuna.samplers.CmaEsSampler(seed=seed)
     raise ValueError(f"unknown sampler {name!r}; expected one of {list(SAMPLERS)}")
 

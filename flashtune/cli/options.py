@@ -1,15 +1,17 @@
 """Options shared by several commands, and small helpers every command module uses.
 
-Light to import: click only.
+Light to import: click and flashtune's light modules, never torch, triton or optuna.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from typing import Any, Callable, TypeVar
 
 import click
+
+# light: no torch, triton or optuna
+from flashtune.autotune.strategies import MAX_SEED, SAMPLERS, cmaes_installed
 
 __all__ = ["SAMPLERS", "DTYPE_CHOICES", "HEAD_DIMS", "MAX_SEED", "TEMPLATES", "FiniteFloatRange",
            "check_head_dims", "cmaes_installed", "db_url", "device_filter_option", "fail",
@@ -18,14 +20,12 @@ __all__ = ["SAMPLERS", "DTYPE_CHOICES", "HEAD_DIMS", "MAX_SEED", "TEMPLATES", "F
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-SAMPLERS = ("tpe", "random", "grid", "cmaes")
 DTYPE_CHOICES = ("fp16", "bf16")
 # spelled out so --help imports neither torch nor triton (tests/cli_tests/test_options.py
 # checks them against flashtune.kernel_templates.template_names() and
 # flashtune.runtime.checks.SUPPORTED_HEAD_DIMS)
 TEMPLATES = ("attn_bwd", "attn_decode", "attn_fwd")
 HEAD_DIMS = (16, 32, 64, 96, 128, 192, 256)
-MAX_SEED = 2**32 - 1  # Optuna's samplers seed numpy's RandomState: 0 .. 2**32 - 1
 
 POSITIVE = click.IntRange(min=1)
 
@@ -42,11 +42,6 @@ class FiniteFloatRange(click.FloatRange):
         if not math.isfinite(rv):
             self.fail(f"{value!r} is not a finite number.", param, ctx)
         return rv
-
-
-def cmaes_installed() -> bool:
-    """Whether the ``cmaes`` package (Optuna's CMA-ES sampler needs it) can be imported."""
-    return importlib.util.find_spec("cmaes") is not None
 
 
 def _check_sampler(ctx: click.Context, param: click.Parameter, value: str) -> str:

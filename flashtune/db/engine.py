@@ -93,38 +93,33 @@ _ELSEWHERE = ("set FLASHTUNE_DB or pass `flashtune --db URL` (e.g. sqlite:////ab
               "use a database elsewhere, or XDG_CACHE_HOME to use another cache folder")
 
 
-def _sqlite_path(url: str | URL) -> Path | None:
-    """The file of a file-backed SQLite URL (``file:`` URIs included), else None (other
-    backends, memory databases, unparseable URLs)."""
+def _sqlite_path(url: str | URL, *, uri: bool = True) -> Path | None:
+    """The file of a file-backed SQLite URL (``file:`` URIs too, unless ``uri`` is False),
+    else None (other backends, memory databases, unparseable URLs)."""
     try:
         parsed = make_url(url)
-    except Exception:  # noqa: BLE001 - not a URL: no file to name
+    except Exception:  # noqa: BLE001 - not a URL: no file to name, the opener judges it
         return None
     if parsed.get_backend_name() != "sqlite" or is_memory_sqlite(parsed):
         return None
     database = parsed.database or ""
     if database.startswith("file:"):
+        if not uri:
+            return None
         database = unquote(database[len("file:"):].split("?", 1)[0])
         if database.startswith("//"):  # file://host/path
             database = database[2:]
             database = database[database.find("/"):] if "/" in database else ""
-    return Path(database).expanduser() if database else None
+    return Path(database) if database else None
 
 
 def missing_sqlite_file(url: str | URL) -> str | None:
     """The path of a file-backed SQLite URL whose file does not exist, else None (other
-    backends, memory databases and unparseable URLs: None, for the opener to judge)."""
+    backends, memory databases, ``file:`` URIs and unparseable URLs: None, for the opener
+    to judge)."""
+    path = _sqlite_path(url, uri=False)
     try:
-        parsed = make_url(url)
-    except Exception:  # noqa: BLE001 - let the opener report bad URLs
-        return None
-    if parsed.get_backend_name() != "sqlite":
-        return None
-    database = parsed.database or ""
-    if not database or database == ":memory:" or database.startswith("file:"):
-        return None
-    try:
-        return None if Path(database).exists() else database
+        return None if path is None or path.exists() else str(path)
     except OSError:  # a folder on the way cannot be searched: the opener says so
         return None
 

@@ -130,12 +130,8 @@ class Dispatcher:
                                              device.name, aliases=aliases,
                                              db_url=self._db_url)
             for reason in problems:
-                with _SOURCE_LOCK:
-                    known = reason in _SOURCE_WARNED
-                    _SOURCE_WARNED.add(reason)
-                if not known:
-                    log.warning("flashtune: %s; serving what the other sources have (else "
-                                "defaults)", reason)
+                _warn_once(_SOURCE_WARNED, _SOURCE_LOCK, reason, "flashtune: %s; serving what "
+                           "the other sources have (else defaults)", reason)
             own = [e for e in entries if e.device == key]
             alias = [e for e in entries if aliases and e.device != key
                      and (e.device[1], e.device[3]) == (key[1], key[3])]
@@ -215,11 +211,16 @@ class Dispatcher:
                             origin="template default", template=self.spec.name)
 
     def _warn_once(self, key: Any, msg: str, *args: Any) -> None:
-        with self._lock:
-            if key in self._warned:
-                return
-            self._warned.add(key)
-        log.warning(msg, *args)
+        _warn_once(self._warned, self._lock, key, msg, *args)
+
+
+def _warn_once(seen: set[Any], lock: Any, key: Any, msg: str, *args: Any) -> None:
+    """``log.warning(msg, *args)`` unless ``key`` is in ``seen`` (then nothing)."""
+    with lock:
+        if key in seen:
+            return
+        seen.add(key)
+    log.warning(msg, *args)
 
 
 def _choice(entry: TunedEntry, source: str, template: str) -> ConfigChoice:

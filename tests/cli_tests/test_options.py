@@ -3,8 +3,7 @@ agree with the library's own lists."""
 
 from __future__ import annotations
 
-from flashtune.autotune.jobs import MAX_SEED
-from flashtune.autotune.strategies import SAMPLERS
+from flashtune.autotune.strategies import MAX_SEED, SAMPLERS
 from flashtune.cli import options
 from flashtune.kernel_templates import template_names
 from flashtune.runtime.checks import SUPPORTED_HEAD_DIMS
