@@ -45,8 +45,8 @@ def main() -> None:
     import torch
 
     import flashtune
-    from flashtune.autotune.devices import cuda_device
-    from flashtune.autotune.problems import AttentionProblem
+    from flashtune.core.device import cuda_device
+    from flashtune.core.problem import AttentionProblem
     from flashtune.kernel_templates import get_template
     from flashtune.runtime.kvcache import attention_with_kvcache
 

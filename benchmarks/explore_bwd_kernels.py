@@ -43,7 +43,7 @@ def grid(params: dict) -> list[dict]:
 
 
 def problem(spec: str):
-    from flashtune.autotune.problems import AttentionProblem
+    from flashtune.core.problem import AttentionProblem
 
     d, n, causal = (int(x) for x in spec.split(":"))
     heads = 2048 // d
@@ -52,7 +52,7 @@ def problem(spec: str):
 
 def _compile(shape: str, which: str, cfg: dict) -> str | None:
     try:
-        from flashtune.autotune.precompile import attn_bwd_warmup_args
+        from flashtune.kernel_templates.attn_bwd.warmup import attn_bwd_warmup_args
 
         launches = attn_bwd_warmup_args(problem(shape), {**FILLER, **cfg, **SEPARATE})
         kern, args, kwargs, g = launches[1 if which == "dkdv" else 2]
@@ -92,7 +92,7 @@ def main() -> None:
     os.environ.setdefault("TRITON_CACHE_DIR", "/tmp/flashtune-explore-cache")
     import torch
 
-    from flashtune.autotune.devices import cuda_device
+    from flashtune.core.device import cuda_device
     from flashtune.autotune.timing import bench, tflops
     from flashtune.kernel_templates import get_template
     from flashtune.kernel_templates.attn_bwd.launcher import kernel_args
@@ -225,7 +225,7 @@ def compare_full(args: argparse.Namespace, rounds: int = 3) -> None:
 
     import torch
 
-    from flashtune.autotune.devices import cuda_device
+    from flashtune.core.device import cuda_device
     from flashtune.autotune.precompile import precompile
     from flashtune.autotune.timing import bench, tflops
     from flashtune.kernel_templates import get_template

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_fwd import SDPA_BACKENDS, check, sdpa_fn
 from gluon_fwd import DEFAULT_CONFIG, gluon_attn_fwd
 
-from flashtune.autotune.devices import cuda_device
+from flashtune.core.device import cuda_device
 from flashtune.autotune.grids import standard_grid
 from flashtune.autotune.timing import bench, tflops
 from flashtune.kernel_templates import get_template

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_fwd import SDPA_BACKENDS, check, sdpa_fn  # noqa: E402
 
 import flashtune  # noqa: E402
-from flashtune.autotune.devices import cuda_device  # noqa: E402
+from flashtune.core.device import cuda_device  # noqa: E402
 from flashtune.autotune.grids import standard_grid  # noqa: E402
 from flashtune.autotune.jobs import TuneOptions, tune  # noqa: E402
 from flashtune.autotune.timing import bench, tflops  # noqa: E402
@@ -101,7 +101,7 @@ def best_single(prior_rows, dev, dtype):
     Every winner and every shape's own winner are timed here, in this process, so the
     tuned/single ratio compares like with like.
     """
-    from flashtune.autotune.problems import AttentionProblem
+    from flashtune.core.problem import AttentionProblem
 
     problems = [AttentionProblem.from_key(r["problem"]) for r in prior_rows]
     winners = [json.loads(w) for w in sorted({json.dumps(r["tuned_config"], sort_keys=True)
@@ -130,7 +130,7 @@ def final_interleaved(rows, single_cfg, dtype, rounds=3):
     """Every contender of every shape re-timed here, interleaved (tuned, default, best single,
     SDPA flash, SDPA cuDNN, then again, ``rounds`` times; the median of the rounds), so clock
     drift hits them alike and one config is one measurement even when it has two names."""
-    from flashtune.autotune.problems import AttentionProblem
+    from flashtune.core.problem import AttentionProblem
 
     for r in rows:
         p = AttentionProblem.from_key(r["problem"])

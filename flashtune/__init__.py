@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from flashtune._version import __version__
-from flashtune.errors import (
+from flashtune.core.errors import (
     ConfigError,
     DeviceError,
     FlashtuneError,

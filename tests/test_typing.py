@@ -34,7 +34,7 @@ PUBLIC_MODULES = (
     "flashtune.integrations.transformers",
 )
 # public names of modules without an __all__
-PUBLIC_EXTRA = (("flashtune.autotune.problems", "AttentionProblem"),)
+PUBLIC_EXTRA = (("flashtune.core.problem", "AttentionProblem"),)
 
 
 def _load_toml(path: Path) -> dict[str, Any]:

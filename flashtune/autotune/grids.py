@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from flashtune.autotune.problems import AttentionProblem
+from flashtune.core.problem import AttentionProblem
 
 STANDARD_TOKENS = 16384
 STANDARD_HIDDEN = 2048

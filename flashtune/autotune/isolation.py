@@ -38,11 +38,11 @@ from dataclasses import asdict
 from multiprocessing import get_context
 from typing import Any, Callable, Mapping, TypeVar
 
-from flashtune.autotune.devices import DeviceFingerprint
-from flashtune.autotune.problems import AttentionProblem
+from flashtune.core.device import DeviceFingerprint
+from flashtune.core.problem import AttentionProblem
 from flashtune.autotune.runners import TrialResult
 from flashtune.db.records import TrialState
-from flashtune.errors import ConfigError, FlashtuneError
+from flashtune.core.errors import ConfigError, FlashtuneError
 
 log = logging.getLogger(__name__)
 

@@ -41,9 +41,9 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Mapping, Sequence
 
-from flashtune.autotune.devices import DeviceFingerprint, cuda_device, interpreter_device
-from flashtune.autotune.problems import AttentionProblem
-from flashtune.autotune.spaces import SearchSpace
+from flashtune.core.device import DeviceFingerprint, cuda_device, interpreter_device
+from flashtune.core.problem import AttentionProblem
+from flashtune.core.space import SearchSpace
 from flashtune.db.jsonutil import canonical_json
 from flashtune.db.records import RunStatus, TrialState
 from flashtune.db.store import STALE_MESSAGE, TuningStore
@@ -95,7 +95,7 @@ def _check_options(o: TuneOptions) -> None:
     import math
 
     from flashtune.autotune.strategies import MAX_SEED, SAMPLERS, cmaes_installed
-    from flashtune.errors import InputError
+    from flashtune.core.errors import InputError
 
     def integer(name: str, low: int, high: int | None = None, *, none: bool = False) -> None:
         value = getattr(o, name)
@@ -326,8 +326,8 @@ def _warm_start(study: Any, store: TuningStore, space: SearchSpace, problem: Att
 
 def _check_supported(problems: Sequence[AttentionProblem]) -> None:
     """Refuse problems the runtime would refuse too, before any work starts."""
-    from flashtune.errors import InputError
-    from flashtune.runtime.checks import SUPPORTED_HEAD_DIMS
+    from flashtune.core.errors import InputError
+    from flashtune.core.problem import SUPPORTED_HEAD_DIMS
 
     for p in problems:
         if p.head_dim not in SUPPORTED_HEAD_DIMS:
@@ -400,7 +400,7 @@ def tune(problems: Sequence[AttentionProblem], options: TuneOptions, *,
     url = default_db_url() if db_url is None else str(db_url)
     _check_supported(problems)
     if _runner_factory is None and not get_template(options.template).tunable:
-        from flashtune.errors import ConfigError
+        from flashtune.core.errors import ConfigError
 
         raise ConfigError(f"template {options.template!r} cannot be tuned yet (no candidate "
                           f"runner for it); it runs with its default config")

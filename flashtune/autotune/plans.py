@@ -22,8 +22,8 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping
 
-from flashtune.autotune.problems import DTYPES, AttentionProblem
-from flashtune.errors import FlashtuneError
+from flashtune.core.problem import DTYPES, AttentionProblem
+from flashtune.core.errors import FlashtuneError
 
 if sys.version_info >= (3, 11):
     import tomllib

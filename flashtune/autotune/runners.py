@@ -8,7 +8,6 @@ a GPU.
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import statistics
@@ -17,22 +16,19 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
 
-from flashtune.autotune.devices import DeviceFingerprint
-from flashtune.autotune.problems import AttentionProblem
+from flashtune.core.case import TOLERANCE, Case
+from flashtune.core.device import DeviceFingerprint
+from flashtune.core.problem import AttentionProblem
+from flashtune.core.spec import TemplateSpec
 from flashtune.db.jsonutil import canonical_json
 from flashtune.db.records import TrialState
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Case", "LocalRunner", "ReplayRunner", "Runner", "TrialResult", "forward_case",
-           "random_inputs", "relative_error", "time_interleaved"]
+__all__ = ["LocalRunner", "ReplayRunner", "Runner", "TrialResult", "time_interleaved"]
 
-# relative Frobenius error allowed against the fp32 reference
-TOLERANCE = {"bf16": 2e-2, "fp16": 5e-3}
 # timed calls per config under the interpreter (timings there are recorded but meaningless)
 INTERPRETER_REPS = 2
-# above this many q elements the reference is computed on a slice (batch 0, 2 q heads)
-FULL_REFERENCE_MAX_ELEMS = 1 << 20
 MESSAGE_MAX = 300
 
 
@@ -90,85 +86,12 @@ def _classify_launch_error(exc: BaseException) -> TrialState:
     return TrialState.RUNTIME_ERROR
 
 
-@dataclass(frozen=True)
-class Case:
-    """One problem's inputs for one template, as :class:`LocalRunner` uses them.
-
-    ``launch(config)`` runs the template once and returns its outputs; ``error(outputs)``
-    is their relative Frobenius error against the fp32 reference (the worst of them when
-    there are several; NaN when any output holds a NaN); ``flops`` is the work of one
-    launch (ANCHORS.md's count) and ``min_bytes`` the memory traffic it cannot avoid (both
-    set the physical floor below which a timing is rejected). ``inputs`` names the tensors
-    for scripts that reuse them.
-    A template builds its own with ``TemplateSpec.make_case``; :func:`forward_case` is the
-    one used otherwise.
-    """
-
-    launch: Callable[[Mapping[str, int]], Any]
-    error: Callable[[Any], float]
-    flops: float
-    inputs: Mapping[str, Any] = field(default_factory=dict)
-    min_bytes: float = 0.0  # bytes one launch must move at least (for the physical floor)
-
-
-def relative_error(got: Any, ref: Any) -> float:
-    """``||got - ref|| / ||ref||`` in fp32 (NaN when ``got`` holds a NaN)."""
-    import torch
-
-    got = got.float()
-    if torch.isnan(got).any():
-        return float("nan")
-    return float(torch.linalg.vector_norm(got - ref)) / (float(torch.linalg.vector_norm(ref))
-                                                         or 1.0)
-
-
-def random_inputs(problem: AttentionProblem, torch_device: str, generator: Any,
-                  names: Sequence[str] = ("q", "k", "v")) -> dict[str, Any]:
-    """Seeded ``randn`` tensors ``(batch, heads, seqlen, head_dim)`` in the problem's dtype,
-    drawn in the order of ``names`` (``q``/``do``: q's shape; others: k's)."""
-    import torch
-
-    p = problem
-    dtype = torch.float16 if p.dtype == "fp16" else torch.bfloat16
-    out = {}
-    for name in names:
-        h, n = (p.heads_q, p.seqlen_q) if name in ("q", "do") else (p.heads_kv, p.seqlen_k)
-        out[name] = torch.randn((p.batch, h, n, p.head_dim), generator=generator,
-                                device=torch_device, dtype=torch.float32).to(dtype)
-    return out
-
-
-def forward_case(spec: Any, problem: AttentionProblem, device: DeviceFingerprint, *,
-                 torch_device: str, generator: Any, launcher: Any, check_slice: bool) -> Case:
-    """``launcher(q, k, v, config, causal=)`` on random q, k, v against ``spec.reference``'s
-    output. For big problems (q or k above ``FULL_REFERENCE_MAX_ELEMS`` elements) only batch
-    0 and the first two q heads (and their kv heads) are compared, to bound memory."""
-    import torch
-
-    p = problem
-    t = random_inputs(p, torch_device, generator)
-    q, k, v = t["q"], t["k"], t["v"]
-    if check_slice and max(q.numel(), k.numel()) > FULL_REFERENCE_MAX_ELEMS:
-        hq = min(2, p.heads_q)
-        hkv = (hq - 1) // (p.heads_q // p.heads_kv) + 1
-        sl: tuple[slice, slice] = (slice(0, 1), slice(0, hq))
-        ref, _ = spec.reference(q[:1, :hq], k[:1, :hkv], v[:1, :hkv], causal=p.causal,
-                                dtype=torch.float32)
-    else:
-        sl = (slice(None), slice(None))
-        ref, _ = spec.reference(q, k, v, causal=p.causal, dtype=torch.float32)
-    io = sum(t.numel() * t.element_size() for t in (q, k, v, q))  # q, k, v read; o written
-    return Case(launch=lambda config: launcher(q, k, v, config, causal=p.causal),
-                error=lambda out: relative_error(out[sl], ref), flops=p.flops(),
-                inputs={"q": q, "k": k, "v": v, "ref": ref, "ref_slice": sl}, min_bytes=io)
-
-
 class LocalRunner:
     """Evaluates configs of ``spec`` on ``problem`` in this process.
 
     Inputs are seeded ``randn`` tensors on the device (CPU under the interpreter, else
-    cuda), built once by the template's ``make_case`` (see :class:`Case`), or by
-    :func:`forward_case` for templates without one; the fp32 reference is computed once,
+    cuda), built once by the template's ``make_case`` (see :class:`~flashtune.core.case.Case`);
+    the fp32 reference is computed once,
     for big problems on a slice.
 
     Per config: the first launch compiles (timed as ``compile_s``; OutOfResources ->
@@ -186,7 +109,7 @@ class LocalRunner:
     process that can be killed and replaced.
     """
 
-    def __init__(self, spec: Any, problem: AttentionProblem, device: DeviceFingerprint, *,
+    def __init__(self, spec: TemplateSpec, problem: AttentionProblem, device: DeviceFingerprint, *,
                  seed: int = 0, check_slice: bool = True, timeout_s: float | None = None,
                  launcher: Any = None) -> None:
         import torch
@@ -196,13 +119,12 @@ class LocalRunner:
         self.device = device
         self.timeout_s = timeout_s
         self.launcher = launcher if launcher is not None else spec.launcher
-        from flashtune.autotune.devices import interpreting
+        from flashtune.core.device import interpreting
 
         self.interpreting = device.is_interpreter or interpreting()
         self.torch_device = "cpu" if self.interpreting else "cuda"
         gen = torch.Generator(device=self.torch_device).manual_seed(seed)
-        make_case = getattr(spec, "make_case", None) or functools.partial(forward_case, spec)
-        self.case: Case = make_case(problem, device, torch_device=self.torch_device,
+        self.case: Case = spec.make_case(problem, device, torch_device=self.torch_device,
                                     generator=gen, launcher=self.launcher,
                                     check_slice=check_slice)
         self.flops = self.case.flops

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-from flashtune.autotune.spaces import Config, SearchSpace
+from flashtune.core.space import Config, SearchSpace
 
 if TYPE_CHECKING:  # pragma: no cover
     import optuna

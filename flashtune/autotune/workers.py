@@ -27,8 +27,8 @@ from dataclasses import asdict, replace
 from multiprocessing import get_context
 from typing import Any, Sequence
 
-from flashtune.autotune.problems import AttentionProblem
-from flashtune.errors import FlashtuneError
+from flashtune.core.problem import AttentionProblem
+from flashtune.core.errors import FlashtuneError
 
 log = logging.getLogger(__name__)
 

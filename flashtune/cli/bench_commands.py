@@ -7,7 +7,7 @@ FlashAttention papers' grid, batch x seqlen = 16384 tokens, hidden 2048 = heads 
 options), ``--plan FILE`` or ``--preset NAME`` as for ``flashtune tune``. Per problem it
 times the config the dispatcher serves from the database (``--db``: tuned exact or nearest,
 else the default), the template default, and SDPA's flash / cuDNN / efficient backends and
-FlexAttention, each checked against fp32 first (see :mod:`flashtune.autotune.bench`).
+FlexAttention, each checked against fp32 first (see :mod:`flashtune.runtime.bench`).
 Prints a table, writes the run as JSON (``--out``; rewritten after every shape, so a cut-off
 run keeps what it measured) and a PNG plot (``--plot``). Both paths are checked before
 anything runs (their folders are created then), and the table is printed before the plot
@@ -83,7 +83,7 @@ def _check_output(path: Path, option: str) -> None:
 def render_bench(result: Mapping[str, Any]) -> str:
     """The closing table: TFLOP/s per implementation and shape, flashtune's ratios to SDPA
     flash and cuDNN, its fraction of the matmul ceiling; then the geomeans."""
-    from flashtune.autotune.bench import IMPLS, tflops_of
+    from flashtune.runtime.bench import IMPLS, tflops_of
 
     rows = result["rows"]
     impls = [n for n in IMPLS if any(n in r for r in rows)]
@@ -150,7 +150,7 @@ def bench_command(ctx: click.Context, template: str, plan: str | None, preset_na
     """Benchmark the forward (or backward): tuned and default flashtune vs SDPA and Flex."""
     dtype = shape.pop("dtype")
     names = [b for b in baselines.split(",") if b]
-    from flashtune.autotune.bench import BASELINES
+    from flashtune.runtime.bench import BASELINES
 
     unknown = [b for b in names if b not in BASELINES]
     if unknown:
@@ -187,7 +187,7 @@ def bench_command(ctx: click.Context, template: str, plan: str | None, preset_na
     _check_output(out, "--out")
     if plot is not None:
         _check_output(plot, "--plot")
-    from flashtune.autotune.bench import bench_attention
+    from flashtune.runtime.bench import bench_attention
 
     partial: dict[str, Any] = {"rows": []}
 

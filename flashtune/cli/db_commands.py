@@ -19,7 +19,7 @@ def _db_url(ctx: click.Context, *, create: bool = True) -> str:
     """The ``--db`` URL, else the default database (``create``: its folder made when
     missing; a StoreError as a one-line error when that fails)."""
     from flashtune.db.engine import default_db_url
-    from flashtune.errors import StoreError
+    from flashtune.core.errors import StoreError
 
     url = (ctx.obj or {}).get("db_url") if isinstance(ctx.obj, dict) else None
     try:
@@ -46,7 +46,7 @@ def upgrade_command(ctx: click.Context) -> None:
     """
     from flashtune.db.engine import safe_url
     from flashtune.db.schema import upgrade
-    from flashtune.errors import StoreError
+    from flashtune.core.errors import StoreError
 
     url = _db_url(ctx)
     try:
@@ -74,7 +74,7 @@ def info_command(ctx: click.Context, as_json: bool) -> None:
     from flashtune.db import open_store
     from flashtune.db.engine import missing_sqlite_file, safe_url
     from flashtune.db.schema import upgrade_command as upgrade_hint
-    from flashtune.errors import SchemaError, StoreError
+    from flashtune.core.errors import SchemaError, StoreError
 
     url = _db_url(ctx, create=False)
     missing = missing_sqlite_file(url)
@@ -102,7 +102,7 @@ def _unopened_info(url: str, refusal: Exception) -> dict[str, Any]:
     from flashtune.db.engine import safe_url
     from flashtune.db.schema import HEAD_REVISION, known_revisions, read_revision
     from flashtune.db.schema import upgrade_command as upgrade_hint
-    from flashtune.errors import StoreError
+    from flashtune.core.errors import StoreError
 
     try:
         revision, dialect, counts = read_revision(url)

@@ -82,7 +82,8 @@ def export_command(ctx: click.Context, device: str | None, template: str | None,
     from flashtune.db.engine import default_db_url, missing_sqlite_file, safe_url
     from flashtune.db.exchange import document_to_json, export_documents
     from flashtune.db.exchange_vllm import vllm_files, vllm_to_json
-    from flashtune.errors import FlashtuneError
+    from flashtune.kernel_templates import catalog
+    from flashtune.core.errors import FlashtuneError
 
     single = _to_single_file(output)
     url = db_url(ctx) or default_db_url(create=False)
@@ -92,7 +93,8 @@ def export_command(ctx: click.Context, device: str | None, template: str | None,
         return
     try:
         with open_store(url, read_only=True, create=False) as store:
-            docs = export_documents(store, device_name=device, template_name=template)
+            docs = export_documents(store, specs=catalog(), device_name=device,
+                                    template_name=template)
         # (file name, text, entries) per file to write
         files = ([(d.file_name(), document_to_json(d), len(d.entries)) for d in docs]
                  if fmt == "flashtune" else
@@ -159,13 +161,15 @@ def import_command(ctx: click.Context, paths: tuple[Path, ...], policy: str) -> 
     """
     from flashtune.db import open_store
     from flashtune.db.exchange import import_documents, read_document
-    from flashtune.errors import FlashtuneError
+    from flashtune.kernel_templates import catalog
+    from flashtune.core.errors import FlashtuneError
 
     files = _json_files(paths)
     try:
-        docs: list[tuple[str, Any]] = [(str(p), read_document(p)) for p in files]
+        specs = catalog()
+        docs: list[tuple[str, Any]] = [(str(p), read_document(p, specs=specs)) for p in files]
         with open_store(db_url(ctx)) as store:
-            report = import_documents(store, docs, policy=policy)
+            report = import_documents(store, docs, specs=specs, policy=policy)
     except (FlashtuneError, ValueError) as exc:
         raise fail(exc) from exc
     for line in report.lines():

@@ -40,7 +40,7 @@ def report_command(ctx: click.Context, device: str | None, template: str | None,
 
     from flashtune.db import open_store
     from flashtune.db.engine import default_db_url, missing_sqlite_file, safe_url
-    from flashtune.errors import FlashtuneError
+    from flashtune.core.errors import FlashtuneError
     from flashtune.report.page import write_report
     from flashtune.report.studies import collect_studies
 

@@ -75,7 +75,7 @@ def _sigterm_as_interrupt() -> Any:
 def _problems(shape: dict[str, Any], dtype: str | None, plan: str | None,
               preset_name: str | None) -> list[Any]:
     """The problems to tune from exactly one of shape options / --plan / --preset."""
-    from flashtune.autotune.problems import AttentionProblem
+    from flashtune.core.problem import AttentionProblem
 
     given = [name for name in _SHAPE_NAMES if shape[name] not in (None, False)]
     sources = [label for label, used in (("shape options", bool(given)), ("--plan", plan),
@@ -143,7 +143,7 @@ def refuse_under_interpreter(problems: Sequence[Any], *, backward: bool = False,
     :data:`INTERPRETER_MAX_FLOPS` a launch): on the CPU it would take hours.
 
     Arguments:
-        problems: the :class:`~flashtune.autotune.problems.AttentionProblem` s to run.
+        problems: the :class:`~flashtune.core.problem.AttentionProblem` s to run.
         backward: count the backward's FLOPs (2.5x the forward's).
         doing: what would take hours, for the message.
     """
@@ -275,7 +275,7 @@ def tune_command(ctx: click.Context, template: str, batch: int | None, heads: in
         refuse_under_interpreter(problems, backward=template == "attn_bwd")
     _check_gpus(gpus, interpret)
 
-    from flashtune.errors import FlashtuneError
+    from flashtune.core.errors import FlashtuneError
 
     previous = _sigterm_as_interrupt()
     try:

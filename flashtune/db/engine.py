@@ -33,7 +33,7 @@ from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, OperationalError
 from sqlalchemy.pool import StaticPool
 
-from flashtune.errors import StoreError
+from flashtune.core.errors import StoreError
 
 __all__ = [
     "default_db_url",

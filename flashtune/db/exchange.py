@@ -18,7 +18,7 @@ The format (``schema_version`` 1), written by :func:`document_to_json` with sort
 
 :func:`parse_document` trusts nothing in a file: every key, type, range, name and config
 is checked (the checks live in :mod:`flashtune.db.exchange_checks`), and a rejection is
-one :class:`flashtune.errors.ImportRejected` line naming the file, what was wrong and what
+one :class:`flashtune.core.errors.ImportRejected` line naming the file, what was wrong and what
 was expected. :func:`import_documents` writes every document in one transaction.
 """
 
@@ -30,14 +30,15 @@ from collections import Counter
 from dataclasses import dataclass, fields
 from functools import partial
 from datetime import datetime, timezone
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from flashtune.db import exchange_checks as checks
 from flashtune.db.exchange_checks import FORMAT, SCHEMA_VERSION, SOFTWARE_KEYS
 from flashtune.db.jsonutil import canonical_json
 from flashtune.db.records import BestConfigRecord, ImportedBest, RunRecord
 from flashtune.db.store import IMPORT_OUTCOMES, IMPORT_POLICIES, TuningStore
-from flashtune.errors import ImportRejected
+from flashtune.core.errors import ImportRejected, UnknownTemplateError
+from flashtune.core.spec import TemplateSpec
 
 __all__ = [
     "FORMAT",
@@ -191,11 +192,14 @@ def document_to_json(doc: ConfigDocument) -> str:
     return checks.dumps(data)
 
 
-def parse_document(data: str | bytes, *, origin: str = "<input>") -> ConfigDocument:
+def parse_document(data: str | bytes, *, specs: Mapping[str, TemplateSpec],
+                   origin: str = "<input>") -> ConfigDocument:
     """Validate ``data`` (a whole file) strictly and return its document.
 
     Arguments:
         data: the file's whole content (at most ``MAX_FILE_BYTES``).
+        specs: the templates a document may name, name -> spec
+            (:func:`flashtune.kernel_templates.catalog`): their spaces validate the configs.
         origin: what to call the input in messages (a path, a URL).
     Returns:
         The :class:`ConfigDocument`; configs come back validated by the template's space,
@@ -206,16 +210,19 @@ def parse_document(data: str | bytes, *, origin: str = "<input>") -> ConfigDocum
         (see the module docstring and :mod:`flashtune.db.exchange_checks`).
     """
     try:
-        return _document(checks.load(data, max_bytes=MAX_FILE_BYTES, max_depth=MAX_DEPTH))
+        return _document(checks.load(data, max_bytes=MAX_FILE_BYTES, max_depth=MAX_DEPTH),
+                         specs)
     except checks.Bad as exc:
         raise ImportRejected(f"{checks.printable(origin)}: {exc}") from None
 
 
-def read_document(path: str | os.PathLike[str]) -> ConfigDocument:
+def read_document(path: str | os.PathLike[str], *,
+                  specs: Mapping[str, TemplateSpec]) -> ConfigDocument:
     """:func:`parse_document` of the file at ``path`` (the origin in messages).
 
     Arguments:
         path: a JSON file written by :func:`document_to_json` (``flashtune export``).
+        specs: as for :func:`parse_document`.
     Returns:
         Its :class:`ConfigDocument`.
     Raises:
@@ -238,14 +245,14 @@ def read_document(path: str | os.PathLike[str]) -> ConfigDocument:
     except OSError as exc:
         raise ImportRejected(f"{shown}: cannot be read ({exc.strerror or exc}); expected a "
                              "readable JSON file") from None
-    return parse_document(data, origin=origin)
+    return parse_document(data, specs=specs, origin=origin)
 
 
-def _document(obj: Any) -> ConfigDocument:
+def _document(obj: Any, specs: Mapping[str, TemplateSpec]) -> ConfigDocument:
     checks.header(obj)
     device = DeviceInfo(*checks.device(obj["device"]))
     software = checks.software(obj["software"])
-    template, source_hash, spec, problem_type = checks.template(obj["template"])
+    template, source_hash, spec, problem_type = checks.template(obj["template"], specs)
     exported_at = checks.timestamp(obj["exported_at"], "exported_at")
     items = checks.entry_list(obj["entries"], MAX_ENTRIES)
     entries, seen = [], set()
@@ -269,7 +276,8 @@ def _iso(when: datetime) -> str:
 
 # -- export ---------------------------------------------------------------------------------
 
-def export_documents(store: TuningStore, *, device_name: str | None = None,
+def export_documents(store: TuningStore, *, specs: Mapping[str, TemplateSpec],
+                     device_name: str | None = None,
                      template_name: str | None = None) -> list[ConfigDocument]:
     """One document per (device name, template) of the store's best configs, sorted by
     file name; only configs tuned for the registered template's current ``source_hash``
@@ -282,8 +290,10 @@ def export_documents(store: TuningStore, *, device_name: str | None = None,
 
     Arguments:
         store: the tuning database to read.
+        specs: the registered templates, name -> spec
+            (:func:`flashtune.kernel_templates.catalog`).
         device_name: only this device (None: every device).
-        template_name: only this template (None: every registered template).
+        template_name: only this template (None: every template of ``specs``).
     Returns:
         The documents; write each with :func:`document_to_json` under its
         ``file_name()``.
@@ -292,20 +302,22 @@ def export_documents(store: TuningStore, *, device_name: str | None = None,
         for an unknown ``template_name``; ValueError for devices sharing a name but
         differing in more than total memory (one file holds one device).
     """
-    from flashtune.kernel_templates import get_template, template_names
-
     docs: list[ConfigDocument] = []
-    for name in [template_name] if template_name is not None else template_names():
-        spec = get_template(name)
+    if template_name is not None and template_name not in specs:
+        raise UnknownTemplateError(f"unknown template {template_name!r}; known templates: "
+                                   f"{', '.join(sorted(specs)) or 'none'}")
+    for name in [template_name] if template_name is not None else sorted(specs):
+        spec = specs[name]
         groups: dict[str, list[BestConfigRecord]] = {}
         for best in store.list_best(device_name=device_name, template_name=name,
                                     source_hash=spec.source_hash):
             groups.setdefault(best.device.name, []).append(best)
-        docs.extend(_export_group(store, records) for records in groups.values())
+        docs.extend(_export_group(store, records, specs) for records in groups.values())
     return sorted(docs, key=lambda d: d.file_name())
 
 
-def _export_group(store: TuningStore, records: list[BestConfigRecord]) -> ConfigDocument:
+def _export_group(store: TuningStore, records: list[BestConfigRecord],
+                  specs: Mapping[str, TemplateSpec]) -> ConfigDocument:
     """The document of one device name (rows that differ only in total memory, which moves
     by a few MiB between drivers, are merged: the fastest entry per problem wins)."""
     devices = {r.device.id: r.device for r in records}
@@ -333,7 +345,8 @@ def _export_group(store: TuningStore, records: list[BestConfigRecord]) -> Config
                                   tflops=r.tflops, trials=r.trials_count, tuned_at=r.tuned_at)
                       for r in fastest.values()),
         exported_at=datetime.now(timezone.utc))
-    return parse_document(document_to_json(raw), origin=f"export of {raw.file_name()}")
+    return parse_document(document_to_json(raw), specs=specs,
+                          origin=f"export of {raw.file_name()}")
 
 
 def _software(run: RunRecord | None) -> dict[str, str]:
@@ -391,6 +404,7 @@ def _tally(count: Callable[[str], Any]) -> str:
 
 
 def import_documents(store: TuningStore, docs: Sequence[tuple[str, ConfigDocument]], *,
+                     specs: Mapping[str, TemplateSpec],
                      policy: str = "keep-faster") -> ImportReport:
     """Write the entries of ``docs`` (``(origin, document)`` pairs) under ``policy``, ALL in
     one transaction (:meth:`TuningStore.import_best`): all or nothing.
@@ -404,6 +418,8 @@ def import_documents(store: TuningStore, docs: Sequence[tuple[str, ConfigDocumen
     Arguments:
         store: the tuning database to write.
         docs: ``(origin, document)`` pairs (origin: what the report calls each file).
+        specs: the registered templates, name -> spec: a document whose ``source_hash``
+            is not its template's current one is stale.
         policy: ``"keep-faster"``, ``"overwrite"`` or ``"skip"``.
     Returns:
         The :class:`ImportReport`: per file, how many entries were added, replaced, kept,
@@ -417,12 +433,14 @@ def import_documents(store: TuningStore, docs: Sequence[tuple[str, ConfigDocumen
     if policy not in IMPORT_POLICIES:
         raise ValueError(f"unknown import policy {policy!r}; expected one of "
                          f"{', '.join(IMPORT_POLICIES)}")
-    from flashtune.kernel_templates import get_template
-
+    unknown = sorted({doc.template for _, doc in docs} - set(specs))
+    if unknown:
+        raise UnknownTemplateError(f"unknown template {unknown[0]!r}; known templates: "
+                                   f"{', '.join(sorted(specs)) or 'none'}")
     batch: list[ImportedBest] = []
     spans: list[tuple[str, ConfigDocument, int, int, bool]] = []
     for origin, doc in docs:
-        fresh = doc.source_hash == get_template(doc.template).source_hash
+        fresh = doc.source_hash == specs[doc.template].source_hash
         start = len(batch)
         if fresh:
             batch.extend(_imported(doc, e) for e in doc.entries)

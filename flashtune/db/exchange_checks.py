@@ -14,10 +14,11 @@ import math
 import re
 from datetime import datetime, timezone
 from itertools import accumulate
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from flashtune._version import __version__
-from flashtune.autotune.problems import AttentionProblem
+from flashtune.core.problem import AttentionProblem
+from flashtune.core.spec import TemplateSpec
 
 __all__ = ["FORMAT", "NAME_RULE", "SCHEMA_VERSION", "SOFTWARE_KEYS", "Bad", "device",
            "dumps", "entry", "entry_list", "fields", "header", "integer", "is_name", "kind",
@@ -37,10 +38,6 @@ DEVICE_KEYS = ("name", "compute_capability", "sm_count", "shared_mem_per_block",
                "total_memory")
 TEMPLATE_KEYS = ("name", "source_hash")
 ENTRY_KEYS = ("problem", "bucket", "config", "median_ms", "tflops", "trials", "tuned_at")
-# the problem type of each template (the registry's TemplateSpec does not name one)
-PROBLEM_TYPES: dict[str, type[AttentionProblem]] = {"attn_fwd": AttentionProblem,
-                                                    "attn_bwd": AttentionProblem,
-                                                    "attn_decode": AttentionProblem}
 
 _NAME = re.compile(r"[0-9A-Za-z][0-9A-Za-z._+-]{0,199}")
 _CC = re.compile(r"[0-9]{1,3}\.[0-9]{1,3}")
@@ -265,22 +262,17 @@ def software(value: Any) -> dict[str, str]:
     return {k: string(s[k], f"software.{k}") for k in SOFTWARE_KEYS}
 
 
-def template(value: Any) -> tuple[str, str, Any, type[AttentionProblem]]:
-    """``(name, source_hash, spec, problem type)`` of a registered template."""
-    from flashtune.errors import UnknownTemplateError
-    from flashtune.kernel_templates import get_template, template_names
-
+def template(value: Any, specs: Mapping[str, TemplateSpec]
+             ) -> tuple[str, str, TemplateSpec, type[AttentionProblem]]:
+    """``(name, source_hash, spec, problem type)`` of a template ``specs`` holds (the
+    registry's catalog)."""
     t = fields(value, "template", TEMPLATE_KEYS)
     name = string(t["name"], "template.name", _NAME, NAME_RULE)
-    try:
-        spec = get_template(name)
-    except UnknownTemplateError:
+    spec = specs.get(name)
+    if spec is None:
         raise Bad(f"template.name is {name!r}, an unknown template; expected one of "
-                  f"{', '.join(template_names())}") from None
-    problem_type = PROBLEM_TYPES.get(name)
-    if problem_type is None:
-        raise Bad(f"template.name {name!r} has no known problem type; expected one of "
-                  f"{', '.join(sorted(PROBLEM_TYPES))}")
+                  f"{', '.join(sorted(specs)) or 'none'}")
+    problem_type = spec.problem_type
     source_hash = string(t["source_hash"], "template.source_hash", _HEX16,
                          "16 lowercase hex digits")
     return name, source_hash, spec, problem_type
@@ -295,10 +287,10 @@ def entry_list(value: Any, max_entries: int) -> list[Any]:
     return value
 
 
-def entry(value: Any, where: str, spec: Any, problem_type: type[AttentionProblem]
+def entry(value: Any, where: str, spec: TemplateSpec, problem_type: type[AttentionProblem]
           ) -> dict[str, Any]:
     """The ``ConfigEntry`` fields of one entry; the config validated by ``spec.space``."""
-    from flashtune.errors import ConfigError
+    from flashtune.core.errors import ConfigError
 
     e = fields(value, where, ENTRY_KEYS)
     problem = _problem(e["problem"], f"{where}.problem", problem_type)

@@ -29,7 +29,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from flashtune._version import __version__
 from flashtune.db.engine import make_engine, safe_url, store_error, write_engine
-from flashtune.errors import SchemaError
+from flashtune.core.errors import SchemaError
 
 __all__ = [
     "HEAD_REVISION",

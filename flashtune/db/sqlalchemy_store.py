@@ -36,7 +36,7 @@ from flashtune.db.store import IMPORT_POLICIES, STALE_MESSAGE, TuningStore
 from flashtune.db.transactions import TransactionRunner, get_row, rowcount
 
 if TYPE_CHECKING:  # pragma: no cover
-    from flashtune.autotune.devices import DeviceFingerprint
+    from flashtune.core.device import DeviceFingerprint
 
 __all__ = ["SQLAlchemyStore"]
 

@@ -26,7 +26,7 @@ from flashtune.db.records import (
 )
 
 if TYPE_CHECKING:  # pragma: no cover - only the hardware key is used at run time
-    from flashtune.autotune.devices import DeviceFingerprint
+    from flashtune.core.device import DeviceFingerprint
 
 __all__ = ["IMPORT_OUTCOMES", "IMPORT_POLICIES", "STALE_MESSAGE", "TuningStore"]
 

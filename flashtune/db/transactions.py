@@ -33,7 +33,7 @@ from flashtune.db.engine import (
     store_error,
     write_engine,
 )
-from flashtune.errors import StoreError
+from flashtune.core.errors import StoreError
 
 __all__ = ["TransactionRunner", "get_row", "rowcount"]
 

@@ -146,7 +146,7 @@ _BENCH_STYLE = {"flashtune": ("#2ca02c", "-", "o"), "flashtune_default": ("#98df
 
 
 def plot_bench(result: Mapping[str, Any], path: Path) -> Path:
-    """A ``flashtune bench`` run (:func:`flashtune.autotune.bench.bench_attention`): TFLOP/s
+    """A ``flashtune bench`` run (:func:`flashtune.runtime.bench.bench_attention`): TFLOP/s
     against the query length, one panel per (head dim, causal, dtype, GQA), one line per
     implementation (missing points: errored or unsupported there); the matmul ceiling as a
     dotted line when measured. Writes ``path``; returns it."""

@@ -100,7 +100,7 @@ class StudyReport:
 def problem_label(key: Mapping[str, Any]) -> str:
     """``"B=1 Hq=2 Hkv=2 Nq=64 Nk=64 D=32 fp16 causal"`` for an attention problem key, else
     the key's ``name=value`` pairs."""
-    from flashtune.autotune.problems import AttentionProblem
+    from flashtune.core.problem import AttentionProblem
 
     try:
         return AttentionProblem.from_key(key).describe()
@@ -112,9 +112,9 @@ def default_config(template: TemplateRecord, device: DeviceRecord,
                    key: Mapping[str, Any]) -> dict[str, Any] | None:
     """The registered template's default config for the problem on the device, or None
     (template not registered here, or not an attention problem)."""
-    from flashtune.autotune.devices import DeviceFingerprint
-    from flashtune.autotune.problems import AttentionProblem
-    from flashtune.errors import FlashtuneError
+    from flashtune.core.device import DeviceFingerprint
+    from flashtune.core.problem import AttentionProblem
+    from flashtune.core.errors import FlashtuneError
     from flashtune.kernel_templates import get_template
 
     try:

@@ -10,11 +10,11 @@ from typing import Any
 
 import torch
 
-from flashtune.autotune.devices import interpreting
-from flashtune.errors import DeviceError, InputError, InputTypeError
+from flashtune.core.device import interpreting
+from flashtune.core.errors import DeviceError, InputError, InputTypeError
+from flashtune.core.problem import SUPPORTED_HEAD_DIMS
 from flashtune.kernel_templates.attn_decode.space import block_m, rows
 
-SUPPORTED_HEAD_DIMS = (16, 32, 64, 96, 128, 192, 256)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 # CUDA's limit on a launch grid's axes 1 and 2 (axis 0 takes 2**31 - 1)
 MAX_GRID_YZ = 65535

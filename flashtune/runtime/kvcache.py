@@ -16,7 +16,7 @@ responsibility, as in flash-attention and vLLM: a bad page id reads the wrong me
 Configs: an explicit ``config`` (checked against the ``attn_decode`` space), else the one
 the ``attn_decode`` :class:`~flashtune.runtime.lookup.Dispatcher` serves (tuned exact ->
 bucket -> nearest -> template default, as for ``attn_fwd``) for the problem, whose key is an
-:class:`~flashtune.autotune.problems.AttentionProblem` with ``seqlen_k`` the cache's
+:class:`~flashtune.core.problem.AttentionProblem` with ``seqlen_k`` the cache's
 capacity (metadata: no device sync, and one key for every step of a decoding loop).
 
 Hot path on CUDA: after the first call of a call signature (shapes, strides, dtypes, device,
@@ -38,16 +38,17 @@ from typing import Any, Mapping
 
 import torch
 
-from flashtune.autotune.devices import DeviceFingerprint, current_device, interpreting
-from flashtune.autotune.problems import AttentionProblem
-from flashtune.autotune.spaces import Config
-from flashtune.errors import ConfigError, DeviceError, InputError, InputTypeError
+from flashtune.core.device import DeviceFingerprint, current_device, interpreting
+from flashtune.core.problem import AttentionProblem
+from flashtune.core.space import Config
+from flashtune.core.errors import ConfigError, DeviceError, InputError, InputTypeError
 from flashtune.kernel_templates import direct, get_template
 from flashtune.kernel_templates.direct import current_device as _current_device
 from flashtune.kernel_templates.direct import current_stream as _current_stream
 from flashtune.kernel_templates.attn_decode.launcher import attn_decode_kvcache
 from flashtune.kernel_templates.attn_decode.plan import AttnDecodePlan
-from flashtune.runtime.checks import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, check_grid
+from flashtune.core.problem import SUPPORTED_HEAD_DIMS
+from flashtune.runtime.checks import SUPPORTED_DTYPES, check_grid
 from flashtune.runtime.lookup import ConfigChoice, Dispatcher
 
 log = logging.getLogger(__name__)

@@ -32,7 +32,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from flashtune.autotune.problems import AttentionProblem
+from flashtune.core.problem import AttentionProblem
 from flashtune.runtime.sources import DeviceKey, TunedEntry, device_key, load_entries
 
 log = logging.getLogger(__name__)

@@ -28,10 +28,10 @@ from typing import Any, Callable, Iterable, Literal, Mapping, Optional, overload
 
 import torch
 
-from flashtune.autotune.devices import DeviceFingerprint, current_device, interpreting
-from flashtune.autotune.problems import AttentionProblem
-from flashtune.autotune.spaces import Config
-from flashtune.errors import ConfigError
+from flashtune.core.device import DeviceFingerprint, current_device, interpreting
+from flashtune.core.problem import AttentionProblem
+from flashtune.core.space import Config
+from flashtune.core.errors import ConfigError
 from flashtune.kernel_templates import direct, get_template
 from flashtune.kernel_templates.direct import current_device as _current_device
 from flashtune.kernel_templates.direct import current_stream as _current_stream
@@ -446,7 +446,7 @@ def warmup(problems: Iterable[AttentionProblem] | None = None, *,
     :func:`attention` routes to the decode template gets that template's.
 
     Arguments:
-        problems: the :class:`~flashtune.autotune.problems.AttentionProblem` shapes to
+        problems: the :class:`~flashtune.core.problem.AttentionProblem` shapes to
             compile for; None: every problem tuned exactly for ``device``.
         device: the CUDA device to compile for (default: the current one; the CPU under
             ``TRITON_INTERPRET=1``).
@@ -458,8 +458,6 @@ def warmup(problems: Iterable[AttentionProblem] | None = None, *,
         RuntimeError (torch's) when no CUDA device is available outside the interpreter;
         a Triton compilation error if a config cannot compile for ``device``.
     """
-    from flashtune.autotune.precompile import warmup_launches
-
     torch_device = torch.device(device) if device is not None else (
         torch.device("cpu") if interpreting() else torch.device("cuda", torch.cuda.current_device()))
     dev = _device(torch_device.type, torch_device.index)
@@ -469,8 +467,10 @@ def warmup(problems: Iterable[AttentionProblem] | None = None, *,
         choice = _route(problem, dev)
         if not dev.is_interpreter:
             with torch.cuda.device(torch_device):
-                for kernel, args, kwargs, grid in warmup_launches(
-                        choice.template, problem, choice.config, return_lse=return_lse):
+                launches = get_template(choice.template).warmup_launches
+                for kernel, args, kwargs, grid in (launches(problem, choice.config,
+                                                            return_lse=return_lse)
+                                                   if launches is not None else []):
                     kernel.warmup(*args, grid=grid, **kwargs)
         done.append((problem, _copy(choice)))
     return done

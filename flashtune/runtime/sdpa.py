@@ -23,8 +23,9 @@ from typing import Any
 
 import torch
 
-from flashtune.autotune.devices import interpreting
-from flashtune.runtime.checks import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, grid_problem
+from flashtune.core.device import interpreting
+from flashtune.core.problem import SUPPORTED_HEAD_DIMS
+from flashtune.runtime.checks import SUPPORTED_DTYPES, grid_problem
 from flashtune.runtime.ops import attention
 
 log = logging.getLogger(__name__)

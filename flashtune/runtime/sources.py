@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from flashtune.autotune.problems import AttentionProblem
+from flashtune.core.problem import AttentionProblem
 
 log = logging.getLogger(__name__)
 
@@ -89,8 +89,9 @@ def _from_db(template: str, source_hash: str, url: str | None) -> Iterator[Tuned
 
 def _from_file(path: Path, kind: str, template: str, source_hash: str) -> Iterator[TunedEntry]:
     from flashtune.db.exchange import read_document
+    from flashtune.kernel_templates import catalog
 
-    doc = read_document(path)
+    doc = read_document(path, specs=catalog())
     if doc.template != template or doc.file_name() != path.name:
         raise ValueError(f"{path} holds {doc.file_name()}, not what its name says")
     if doc.source_hash != source_hash:

@@ -13,9 +13,9 @@ import json
 import math
 from pathlib import Path
 
-from flashtune.autotune.devices import DeviceFingerprint
-from flashtune.autotune.problems import AttentionProblem
-from flashtune.autotune.spaces import SearchSpace
+from flashtune.core.device import DeviceFingerprint
+from flashtune.core.problem import AttentionProblem
+from flashtune.core.space import SearchSpace
 from flashtune.kernel_templates.attn_fwd.space import BASE_PARAMS, check
 
 FIXTURE = Path(__file__).parent / "fixtures" / "synthetic_h100_d128_n4096.json"

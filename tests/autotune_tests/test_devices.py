@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from flashtune.autotune.devices import DeviceFingerprint, interpreter_device
+from flashtune.core.device import DeviceFingerprint, interpreter_device
 
 H100 = DeviceFingerprint("NVIDIA_H100_80GB_HBM3", "9.0", 132, 232448, 85 << 30)
 

@@ -9,13 +9,13 @@ import os
 import pytest
 
 from flashtune.autotune import jobs
-from flashtune.autotune.devices import interpreter_device
+from flashtune.core.device import interpreter_device
 from flashtune.autotune.isolation import IsolatedRunner, IsolationError, factory_path
 from flashtune.autotune.jobs import TuneOptions, tune
-from flashtune.autotune.problems import AttentionProblem
-from flashtune.autotune.spaces import SearchSpace
+from flashtune.core.problem import AttentionProblem
+from flashtune.core.space import SearchSpace
 from flashtune.db import RunStatus, TrialState, open_store
-from flashtune.errors import ConfigError
+from flashtune.core.errors import ConfigError
 from flashtune.kernel_templates import get_template
 from tests.autotune_tests import faulty
 from tests.conftest import DEVICE

@@ -12,8 +12,8 @@ import dataclasses
 import pytest
 
 from flashtune.autotune.jobs import TuneOptions, tune
-from flashtune.autotune.problems import AttentionProblem
-from flashtune.autotune.spaces import SearchSpace
+from flashtune.core.problem import AttentionProblem
+from flashtune.core.space import SearchSpace
 from flashtune.db import RunStatus, TrialState, open_store
 from tests.autotune_tests import faulty
 

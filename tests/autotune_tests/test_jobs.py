@@ -7,10 +7,10 @@ import dataclasses
 import pytest
 
 from flashtune.autotune import runners as runners_mod
-from flashtune.autotune.devices import interpreter_device
+from flashtune.core.device import interpreter_device
 from flashtune.autotune.jobs import TuneOptions, tune
 from flashtune.autotune.runners import LocalRunner, TrialResult
-from flashtune.autotune.spaces import SearchSpace
+from flashtune.core.space import SearchSpace
 from flashtune.db import TrialState, canonical_json, open_store
 from flashtune.kernel_templates import get_template
 
@@ -24,7 +24,7 @@ def _one_timed_call(monkeypatch):
 
 @pytest.fixture
 def problem():
-    from flashtune.autotune.problems import AttentionProblem
+    from flashtune.core.problem import AttentionProblem
 
     return AttentionProblem(*PROBLEM_ARGS)
 
@@ -131,7 +131,8 @@ def test_local_runner_states(problem):
 
 
 def test_precompile_is_skipped_under_interpreter(problem):
-    from flashtune.autotune.precompile import attn_fwd_warmup_args, precompile
+    from flashtune.autotune.precompile import precompile
+    from flashtune.kernel_templates.attn_fwd.warmup import attn_fwd_warmup_args
 
     spec = get_template("attn_fwd")
     cfg = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 2, "num_stages": 1}
@@ -144,8 +145,8 @@ def test_precompile_is_skipped_under_interpreter(problem):
 
 
 def test_unsupported_head_dim_is_refused_before_any_work(tmp_path):
-    from flashtune.autotune.problems import AttentionProblem
-    from flashtune.errors import InputError
+    from flashtune.core.problem import AttentionProblem
+    from flashtune.core.errors import InputError
 
     url = f"sqlite:///{tmp_path / 'ft.db'}"
     with pytest.raises(InputError, match=r"head_dim 24 is not supported .*supported: \[16, 32"):
@@ -171,7 +172,7 @@ def test_options_the_search_cannot_use_are_refused_before_any_work(tmp_path, fie
     """Each of these used to fail inside Optuna (seed range), SQLite (a 20-digit seed) or
     the canonical JSON of the run's params (nan, inf) after the run row was written, which
     then stayed RUNNING."""
-    from flashtune.errors import InputError
+    from flashtune.core.errors import InputError
 
     with pytest.raises(InputError, match=needle):
         dataclasses.replace(OPTS, **{field: value})
@@ -181,7 +182,7 @@ def test_options_the_search_cannot_use_are_refused_before_any_work(tmp_path, fie
 def test_cmaes_without_its_package_is_refused_up_front(monkeypatch):
     import importlib.util
 
-    from flashtune.errors import InputError
+    from flashtune.core.errors import InputError
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
@@ -197,7 +198,7 @@ def test_decode_template_is_tuned_and_served(tmp_path, monkeypatch):
     import torch
 
     import flashtune
-    from flashtune.autotune.problems import AttentionProblem
+    from flashtune.core.problem import AttentionProblem
 
     p = AttentionProblem(1, 4, 2, 1, 300, 32, True, "fp16")
     url = f"sqlite:///{tmp_path / 'ft.db'}"

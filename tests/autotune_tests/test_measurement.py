@@ -8,11 +8,11 @@ import math
 import pytest
 
 from flashtune.autotune import timing
-from flashtune.autotune.devices import interpreter_device
+from flashtune.core.device import interpreter_device
 from flashtune.autotune.jobs import TuneOptions, tune
-from flashtune.autotune.problems import AttentionProblem
+from flashtune.core.problem import AttentionProblem
 from flashtune.autotune.runners import LocalRunner, TrialResult, time_interleaved
-from flashtune.autotune.spaces import SearchSpace
+from flashtune.core.space import SearchSpace
 from flashtune.autotune.timing import MeasurementError, physical_floor_ms
 from flashtune.db import TrialState, canonical_json, open_store
 from flashtune.kernel_templates import get_template

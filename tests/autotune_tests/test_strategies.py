@@ -150,7 +150,7 @@ def test_a_search_that_has_measured_every_valid_config_stops_asking(monkeypatch,
     import logging
 
     from flashtune.autotune import jobs
-    from flashtune.autotune.spaces import SearchSpace
+    from flashtune.core.space import SearchSpace
 
     keep = {(64, 64, 4, 3), (64, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 2)}
 

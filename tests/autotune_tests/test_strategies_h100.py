@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from flashtune.autotune.devices import DeviceFingerprint
+from flashtune.core.device import DeviceFingerprint
 from flashtune.autotune.jobs import TuneOptions, tune
-from flashtune.autotune.problems import AttentionProblem
+from flashtune.core.problem import AttentionProblem
 from flashtune.autotune.runners import ReplayRunner
 from tests.autotune_tests.synthetic import RECORDED_SPACE
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from flashtune.autotune.problems import AttentionProblem
+from flashtune.core.problem import AttentionProblem
 from flashtune.cli.main import cli
 
 PLAN = """
@@ -72,7 +72,7 @@ def test_bench_of_the_backward_checks_all_three_gradients(tmp_path):
 
 def test_a_wrong_gradient_is_reported_and_not_timed(monkeypatch):
     import flashtune.kernel_templates as templates
-    from flashtune.autotune.bench import bench_attention
+    from flashtune.runtime.bench import bench_attention
 
     real = templates.get_template
     spec = real("attn_bwd")
@@ -92,7 +92,7 @@ def test_a_wrong_gradient_is_reported_and_not_timed(monkeypatch):
 
 def test_a_wrong_implementation_is_reported_and_not_timed(monkeypatch):
     import flashtune.kernel_templates as templates
-    from flashtune.autotune.bench import bench_attention
+    from flashtune.runtime.bench import bench_attention
 
     spec = templates.get_template("attn_fwd")
 
@@ -111,7 +111,7 @@ def test_a_wrong_implementation_is_reported_and_not_timed(monkeypatch):
 
 
 def test_sdpa_is_not_compared_where_its_causal_mask_differs():
-    from flashtune.autotune.bench import bench_attention
+    from flashtune.runtime.bench import bench_attention
 
     p = AttentionProblem(1, 2, 2, 24, 40, 32, True, "fp16")  # Nq != Nk: bottom-right vs top-left
     [row] = bench_attention([p], baselines=["sdpa_flash"], db_url="sqlite://")["rows"]
@@ -120,7 +120,7 @@ def test_sdpa_is_not_compared_where_its_causal_mask_differs():
 
 
 def test_the_dispatchers_tuned_config_is_what_is_benchmarked(tmp_path):
-    from flashtune.autotune.bench import bench_attention
+    from flashtune.runtime.bench import bench_attention
     from flashtune.autotune.jobs import TuneOptions, tune
 
     url = f"sqlite:///{tmp_path / 'ft.db'}"
@@ -142,7 +142,7 @@ def test_bad_input_names_the_option(tmp_path):
     assert res.exit_code == 2 and "--batch" in res.output
     res = runner.invoke(cli, ["bench", "--template", "attn_decode"])
     assert res.exit_code == 2 and "'--template'" in res.output
-    from flashtune.autotune.bench import bench_attention
+    from flashtune.runtime.bench import bench_attention
 
     with pytest.raises(ValueError, match="unknown baselines"):
         bench_attention([], baselines=["nope"])
@@ -157,7 +157,7 @@ def test_the_interpreter_refuses_the_standard_grid(tmp_path):
 
 
 def test_without_a_shape_it_benchmarks_the_standard_grid(tmp_path, monkeypatch):
-    import flashtune.autotune.bench as bench_mod
+    import flashtune.runtime.bench as bench_mod
     import flashtune.cli.bench_commands as commands
     from flashtune.autotune.grids import standard_grid
 
@@ -186,7 +186,7 @@ SMALL = ["--batch", "1", "--heads", "2", "--seqlen", "64", "--head-dim", "32", "
 @pytest.fixture
 def no_bench(monkeypatch):
     """bench_attention replaced by one that records it ran and returns an empty run."""
-    import flashtune.autotune.bench as bench_mod
+    import flashtune.runtime.bench as bench_mod
 
     calls = []
 

@@ -20,7 +20,7 @@ from click.testing import CliRunner
 from flashtune.cli.db_commands import db
 from flashtune.cli.main import cli
 from flashtune.db import HEAD_REVISION, open_store, upgrade
-from flashtune.errors import StoreError
+from flashtune.core.errors import StoreError
 
 ASSET = Path(__file__).resolve().parents[1] / "db_tests" / "assets" / "flashtune_0001.db"
 

@@ -15,6 +15,10 @@ from flashtune.db.store import IMPORT_POLICIES
 from tests.db_tests.exchange_support import OLD_SOURCE, dump, populate
 from tests.db_tests.support import A100, H100
 
+from flashtune.kernel_templates import catalog  # noqa: E402
+
+SPECS = catalog()
+
 H100_FILE = config_file_name(H100.name, "attn_fwd")
 A100_FILE = config_file_name(A100.name, "attn_fwd")
 
@@ -53,7 +57,7 @@ def test_export_to_a_directory(db: str, tmp_path: Path) -> None:
     assert output.splitlines() == [f"wrote {out / A100_FILE} (2 entries)",
                                    f"wrote {out / H100_FILE} (3 entries)"]
     assert sorted(p.name for p in out.iterdir()) == [A100_FILE, H100_FILE]
-    doc = read_document(out / H100_FILE)
+    doc = read_document(out / H100_FILE, specs=SPECS)
     assert doc.device.hardware_key() == H100.hardware_key() and len(doc.entries) == 3
     assert snapshot(db) == before  # opened read-only: not a byte written
 
@@ -63,7 +67,7 @@ def test_export_to_one_file(db: str, tmp_path: Path) -> None:
     code, output = invoke("--db", db, "export", "--device", H100.name, "--template",
                           "attn_fwd", "-o", str(path))
     assert (code, output) == (0, f"wrote {path} (3 entries)\n")
-    assert read_document(path).file_name() == H100_FILE
+    assert read_document(path, specs=SPECS).file_name() == H100_FILE
     assert path.read_text().endswith("}\n") and json.loads(path.read_text())["entries"]
 
 

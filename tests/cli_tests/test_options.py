@@ -6,7 +6,7 @@ from __future__ import annotations
 from flashtune.autotune.strategies import MAX_SEED, SAMPLERS
 from flashtune.cli import options
 from flashtune.kernel_templates import template_names
-from flashtune.runtime.checks import SUPPORTED_HEAD_DIMS
+from flashtune.core.problem import SUPPORTED_HEAD_DIMS
 
 
 def test_templates_are_the_registered_ones() -> None:

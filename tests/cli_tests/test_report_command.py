@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from flashtune.autotune.devices import DeviceFingerprint
-from flashtune.autotune.problems import AttentionProblem
+from flashtune.core.device import DeviceFingerprint
+from flashtune.core.problem import AttentionProblem
 from flashtune.cli.main import cli
 from flashtune.db import open_store
 from flashtune.db.records import ImportedBest

@@ -18,12 +18,12 @@ from typing import Any
 import pytest
 from click.testing import CliRunner, Result
 
-from flashtune.autotune.devices import DeviceFingerprint
+from flashtune.core.device import DeviceFingerprint
 from flashtune.autotune.presets import preset
-from flashtune.autotune.problems import AttentionProblem
+from flashtune.core.problem import AttentionProblem
 from flashtune.cli.main import cli
 from flashtune.db import TrialState, open_store
-from flashtune.errors import StoreError
+from flashtune.core.errors import StoreError
 
 SHAPE = ["--batch", "2", "--heads", "8", "--kv-heads", "2", "--seqlen", "256",
          "--head-dim", "64"]

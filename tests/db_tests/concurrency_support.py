@@ -39,7 +39,7 @@ def tune_worker(args: tuple[str, int, dict, int]) -> dict[str, Any]:
     """One tuning process on the synthetic H100 recording: ``(url, slot, problem key,
     trials)``; returns what its ``TuneResult`` says."""
     from flashtune.autotune.jobs import TuneOptions, tune
-    from flashtune.autotune.problems import AttentionProblem
+    from flashtune.core.problem import AttentionProblem
     from tests.autotune_tests.synthetic import H100, RECORDED_SPACE
 
     url, slot, key, trials = args
@@ -53,7 +53,7 @@ def tune_worker(args: tuple[str, int, dict, int]) -> dict[str, Any]:
 
 def crash_space() -> Any:
     """120 configs of attn_fwd (some pruned on the H100) for the kill -9 test."""
-    from flashtune.autotune.spaces import SearchSpace
+    from flashtune.core.space import SearchSpace
     from flashtune.kernel_templates.attn_fwd.space import check
 
     return SearchSpace(params={"BLOCK_M": (16, 32, 64, 128, 256), "BLOCK_N": (16, 32, 64, 128),

@@ -8,8 +8,8 @@ from typing import Any
 
 from sqlalchemy import create_engine, text
 
-from flashtune.autotune.devices import DeviceFingerprint
-from flashtune.autotune.problems import AttentionProblem
+from flashtune.core.device import DeviceFingerprint
+from flashtune.core.problem import AttentionProblem
 from flashtune.db import TrialState, open_store
 from flashtune.db.exchange import ConfigDocument, ConfigEntry, DeviceInfo, document_to_json
 from flashtune.db.models import FT_TABLES

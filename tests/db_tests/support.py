@@ -8,7 +8,7 @@ from pathlib import Path
 
 from sqlalchemy import create_engine, text
 
-from flashtune.autotune.devices import DeviceFingerprint
+from flashtune.core.device import DeviceFingerprint
 from flashtune.db.models import Base
 from flashtune.db.records import DeviceRecord, ProblemRecord, RunRecord, TemplateRecord
 from flashtune.db.schema import VERSION_TABLE

@@ -19,7 +19,7 @@ from flashtune.db.engine import (
     write_engine,
 )
 from flashtune.db.jsonutil import canonical_json, config_hash
-from flashtune.errors import StoreError
+from flashtune.core.errors import StoreError
 
 
 def test_default_db_url_prefers_the_environment(monkeypatch: pytest.MonkeyPatch,

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy.exc import OperationalError
 
-from flashtune.autotune.devices import DeviceFingerprint
+from flashtune.core.device import DeviceFingerprint
 from flashtune.db import open_store, rows
 from flashtune.db.exchange import (
     ConfigDocument,
@@ -28,7 +28,7 @@ from flashtune.db.exchange import (
     parse_document,
     read_document,
 )
-from flashtune.errors import ImportRejected, StoreError, UnknownTemplateError
+from flashtune.core.errors import ImportRejected, StoreError, UnknownTemplateError
 from tests.db_tests.exchange_support import (
     OLD_SOURCE,
     PROBLEMS,
@@ -39,6 +39,10 @@ from tests.db_tests.exchange_support import (
     populate,
 )
 from tests.db_tests.support import A100, H100
+
+from flashtune.kernel_templates import catalog  # noqa: E402
+
+SPECS = catalog()
 
 
 @pytest.fixture
@@ -52,12 +56,12 @@ def other_url(tmp_path: Path, name: str) -> str:
 
 def export(url: str, **filters: str) -> list[ConfigDocument]:
     with open_store(url, read_only=True) as store:
-        return export_documents(store, **filters)
+        return export_documents(store, **filters, specs=SPECS)
 
 
 def import_(url: str, docs: list[ConfigDocument], policy: str = "keep-faster") -> ImportReport:
     with open_store(url) as store:
-        return import_documents(store, [(d.file_name(), d) for d in docs], policy=policy)
+        return import_documents(store, [(d.file_name(), d) for d in docs], policy=policy, specs=SPECS)
 
 
 def best_ms(url: str, device: str = H100.name) -> dict[int, float]:
@@ -107,12 +111,12 @@ def test_document_json_is_deterministic_and_parses_back() -> None:
     keys = [json.dumps(e["problem"], sort_keys=True, separators=(",", ":"))
             for e in data["entries"]]
     assert keys == sorted(keys)
-    parsed = parse_document(text)
-    assert parse_document(text.encode()) == parsed
+    parsed = parse_document(text, specs=SPECS)
+    assert parse_document(text.encode(), specs=SPECS) == parsed
     assert parsed.file_name() == "device_name=NVIDIA_H100_80GB_HBM3,template=attn_fwd.json"
     # optional knobs are filled in by the space's validation
     assert all(set(e.config) >= {"USE_TMA", "REVERSE_M"} for e in parsed.entries)
-    assert document_to_json(parsed) == document_to_json(parse_document(document_to_json(parsed)))
+    assert document_to_json(parsed) == document_to_json(parse_document(document_to_json(parsed), specs=SPECS))
     assert dataclasses.is_dataclass(parsed) and parsed.device.hardware_key() == \
         ("NVIDIA_H100_80GB_HBM3", "9.0", 132, 232448, 85520809984)
 
@@ -129,16 +133,16 @@ def test_document_to_json_refuses_what_it_could_not_read_back() -> None:
 def test_read_document_names_the_file_and_refuses_non_files(tmp_path: Path) -> None:
     path = tmp_path / "x.json"
     path.write_text(document_to_json(make_document()))
-    assert read_document(path) == read_document(str(path)) == parse_document(path.read_bytes())
+    assert read_document(path, specs=SPECS) == read_document(str(path), specs=SPECS) == parse_document(path.read_bytes(), specs=SPECS)
     with pytest.raises(ImportRejected, match=f"^{tmp_path}: is not a regular file"):
-        read_document(tmp_path)
+        read_document(tmp_path, specs=SPECS)
     with pytest.raises(ImportRejected, match="cannot be read"):
-        read_document(tmp_path / "missing.json")
+        read_document(tmp_path / "missing.json", specs=SPECS)
     if hasattr(os, "mkfifo"):
         fifo = tmp_path / "fifo.json"
         os.mkfifo(fifo)
         with pytest.raises(ImportRejected, match="not a regular file"):
-            read_document(fifo)  # refused by stat, never opened (which would block)
+            read_document(fifo, specs=SPECS)  # refused by stat, never opened (which would block)
 
 
 # -- round trips, merges, policies ----------------------------------------------------------
@@ -253,13 +257,13 @@ def test_policies(tmp_path: Path, policy: str, expected: dict, counts: tuple) ->
 
 def test_unknown_policy_is_a_value_error_naming_the_three(url: str) -> None:
     with open_store(url) as store, pytest.raises(ValueError, match="keep-faster, overwrite, skip"):
-        import_documents(store, [], policy="fastest")
+        import_documents(store, [], policy="fastest", specs=SPECS)
 
 
 def test_stale_entries_are_counted_and_not_written(url: str) -> None:
     populate(url, A100, {0: 1.0})
     before = dump(url)
-    stale = parse_document(document_to_json(make_document(source=OLD_SOURCE)))
+    stale = parse_document(document_to_json(make_document(source=OLD_SOURCE)), specs=SPECS)
     report = import_(url, [stale])
     assert [(f.added, f.stale) for f in report.files] == [(0, 3)]
     assert "not imported" in report.lines()[-1]
@@ -269,7 +273,7 @@ def test_stale_entries_are_counted_and_not_written(url: str) -> None:
 def test_a_read_only_store_refuses_an_import(url: str) -> None:
     populate(url, H100, {0: 1.0})
     with open_store(url, read_only=True) as store, pytest.raises(StoreError, match="read-only"):
-        import_documents(store, [("x", make_document())])
+        import_documents(store, [("x", make_document())], specs=SPECS)
 
 
 # -- all or nothing -------------------------------------------------------------------------

@@ -19,9 +19,13 @@ from click.testing import CliRunner
 from flashtune.cli.main import cli
 from flashtune.db import exchange
 from flashtune.db.exchange import MAX_FILE_BYTES, parse_document, read_document
-from flashtune.errors import ImportRejected
+from flashtune.core.errors import ImportRejected
 from tests.db_tests.exchange_support import dump, populate, valid_json
 from tests.db_tests.support import A100, H100
+
+from flashtune.kernel_templates import catalog  # noqa: E402
+
+SPECS = catalog()
 
 VALID = valid_json(3)
 
@@ -270,14 +274,14 @@ def check_message(message: str, origin: str, case: Case) -> None:
 
 def test_the_corpus_is_large_and_the_valid_document_passes() -> None:
     assert len(CASES) >= 25 and len({c.id for c in CASES}) == len(CASES)
-    assert len(parse_document(VALID).entries) == 3
+    assert len(parse_document(VALID, specs=SPECS).entries) == 3
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_parse_document_rejects(case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
     limit(case, monkeypatch)
     with pytest.raises(ImportRejected) as info:
-        parse_document(case.data(), origin="upload.json")
+        parse_document(case.data(), origin="upload.json", specs=SPECS)
     check_message(str(info.value), "upload.json", case)
 
 
@@ -287,7 +291,7 @@ def test_read_document_rejects(case: Case, tmp_path: Path,
     limit(case, monkeypatch)
     path = write(case, tmp_path)
     with pytest.raises(ImportRejected) as info:
-        read_document(path)
+        read_document(path, specs=SPECS)
     check_message(str(info.value), str(path), case)
 
 
@@ -335,7 +339,7 @@ def _paths(node: Any, prefix: tuple = ()) -> Iterator[tuple]:
 
 def _verdict(data: bytes) -> None:
     try:
-        parse_document(data, origin="fuzz.json")
+        parse_document(data, origin="fuzz.json", specs=SPECS)
     except ImportRejected as exc:
         message = str(exc)
         assert message.startswith("fuzz.json: ") and "\n" not in message and "expected" in message

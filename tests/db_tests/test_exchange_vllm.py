@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from flashtune.autotune.problems import AttentionProblem
+from flashtune.core.problem import AttentionProblem
 from flashtune.db.exchange import (
     ConfigDocument,
     ConfigEntry,

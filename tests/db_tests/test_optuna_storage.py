@@ -14,7 +14,7 @@ import pytest
 
 from flashtune.autotune import runners
 from flashtune.autotune.jobs import TuneOptions, tune
-from flashtune.autotune.problems import AttentionProblem
+from flashtune.core.problem import AttentionProblem
 from flashtune.db import TrialState, open_store
 from tests.db_tests.exchange_support import populate
 from tests.db_tests.support import H100

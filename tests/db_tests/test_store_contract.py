@@ -17,7 +17,7 @@ import pytest
 
 from tests.db_tests.support import A100, BUCKET, H100, KEY, Study, make_study
 from flashtune import SchemaError, StoreError
-from flashtune.autotune.devices import DeviceFingerprint
+from flashtune.core.device import DeviceFingerprint
 from flashtune.db import HEAD_REVISION, RunStatus, TrialState, open_store
 from flashtune.db.records import ImportedBest
 from flashtune.db.store import TuningStore

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 import flashtune
-from flashtune.autotune.devices import current_device, interpreter_device
-from flashtune.autotune.problems import AttentionProblem
+from flashtune.core.device import current_device, interpreter_device
+from flashtune.core.problem import AttentionProblem
 from flashtune.db.records import TrialState
-from flashtune.errors import ConfigError
+from flashtune.core.errors import ConfigError
 from flashtune.kernel_templates import get_template
 from flashtune.kernel_templates.attn_bwd import attn_bwd
 from flashtune.kernel_templates.attn_fwd import attn_fwd
@@ -305,7 +305,7 @@ def test_runner_case_flags_wrong_gradients_and_counts_backward_flops():
 
 
 def test_precompile_warms_every_backward_kernel_with_the_launchers_arguments():
-    from flashtune.autotune.precompile import attn_bwd_warmup_args
+    from flashtune.kernel_templates.attn_bwd.warmup import attn_bwd_warmup_args
 
     p = AttentionProblem(2, 4, 2, 100, 70, 96, True, "bf16")
     launches = attn_bwd_warmup_args(p, SPEC.default_config(p, interpreter_device()))

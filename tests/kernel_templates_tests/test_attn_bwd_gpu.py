@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashtune.autotune.devices import cuda_device
-from flashtune.autotune.problems import AttentionProblem
+from flashtune.core.device import cuda_device
+from flashtune.core.problem import AttentionProblem
 from flashtune.kernel_templates import get_template
 from tests.helpers import assert_grads_close
 

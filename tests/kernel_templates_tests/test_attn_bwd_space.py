@@ -6,9 +6,9 @@ import dataclasses
 
 import pytest
 
-from flashtune.autotune.devices import DeviceFingerprint, interpreter_device
-from flashtune.autotune.problems import AttentionProblem
-from flashtune.errors import ConfigError
+from flashtune.core.device import DeviceFingerprint, interpreter_device
+from flashtune.core.problem import AttentionProblem
+from flashtune.core.errors import ConfigError
 from flashtune.kernel_templates import get_template, template_names
 from flashtune.kernel_templates.attn_bwd.space import shared_mem_bytes
 

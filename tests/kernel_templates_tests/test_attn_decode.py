@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashtune.autotune.devices import DeviceFingerprint
-from flashtune.autotune.problems import AttentionProblem
+from flashtune.core.device import DeviceFingerprint
+from flashtune.core.problem import AttentionProblem
 from flashtune.kernel_templates import get_template
 from flashtune.kernel_templates.attn_decode import attn_decode, attn_decode_kvcache
 from flashtune.kernel_templates.attn_decode.space import block_m, default_splits

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashtune.autotune.problems import AttentionProblem
+from flashtune.core.problem import AttentionProblem
 from flashtune.kernel_templates import get_template
 from flashtune.kernel_templates.attn_decode import attn_decode_kvcache
 from flashtune.kernel_templates.attn_decode.reference import attn_decode_reference
@@ -34,7 +34,7 @@ def test_long_caches_match_reference(nq, page_size, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 def test_a_spread_of_valid_configs_is_correct(dtype):
-    from flashtune.autotune.devices import cuda_device
+    from flashtune.core.device import cuda_device
 
     q, k, v, lens, table = make_cache([8000, 777, 6144], 32, 8, 2, 128, dtype, "cuda",
                                       page_size=64, capacity=8192, seed=7)
@@ -62,7 +62,7 @@ def test_dense_entry_against_sdpa(dtype):
     k = torch.randn(b, nk, hkv, d, device="cuda", dtype=dtype).transpose(1, 2)
     v = torch.randn(b, nk, hkv, d, device="cuda", dtype=dtype).transpose(1, 2)
     problem = AttentionProblem(b, hq, hkv, 1, nk, d, False, "bf16")
-    from flashtune.autotune.devices import cuda_device
+    from flashtune.core.device import cuda_device
 
     out = attn_decode(q, k, v, SPEC.default_config(problem, cuda_device()))
     ref, _ = attn_decode_reference(q, k, v, dtype=torch.float32)

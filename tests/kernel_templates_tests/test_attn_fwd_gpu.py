@@ -42,8 +42,8 @@ def test_matches_sdpa_within_the_tolerance_rule(shape, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_a_spread_of_valid_configs_is_correct(dtype):
-    from flashtune.autotune.devices import cuda_device
-    from flashtune.autotune.problems import AttentionProblem
+    from flashtune.core.device import cuda_device
+    from flashtune.core.problem import AttentionProblem
 
     b, h, n, d = 1, 4, 333, 128
     q, k, v = (_rand(b, h, n, d, dtype=dtype) for _ in range(3))

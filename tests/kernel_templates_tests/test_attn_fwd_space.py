@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from flashtune.autotune.devices import DeviceFingerprint
-from flashtune.autotune.problems import AttentionProblem
-from flashtune.errors import ConfigError, UnknownTemplateError
+from flashtune.core.device import DeviceFingerprint
+from flashtune.core.problem import AttentionProblem
+from flashtune.core.errors import ConfigError, UnknownTemplateError
 from flashtune.kernel_templates import get_template, template_names
 from flashtune.kernel_templates.attn_fwd.space import shared_mem_bytes
 

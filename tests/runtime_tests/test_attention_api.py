@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import flashtune
-from flashtune.errors import ConfigError, DeviceError, InputError, InputTypeError
+from flashtune.core.errors import ConfigError, DeviceError, InputError, InputTypeError
 from tests.conftest import DEVICE
 from tests.helpers import assert_close_to_reference
 

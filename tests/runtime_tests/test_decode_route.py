@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import flashtune
-from flashtune.autotune.devices import interpreter_device
-from flashtune.autotune.problems import AttentionProblem
+from flashtune.core.device import interpreter_device
+from flashtune.core.problem import AttentionProblem
 from flashtune.runtime import kvcache, ops
 from tests.conftest import DEVICE
 from tests.decode_helpers import make_cache

@@ -17,7 +17,7 @@ import torch
 import triton
 
 import flashtune
-from flashtune.errors import InputError
+from flashtune.core.errors import InputError
 from flashtune.runtime import checks
 from flashtune.runtime.kvcache import attention_with_kvcache
 from tests.conftest import DEVICE

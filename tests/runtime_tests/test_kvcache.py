@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashtune.errors import ConfigError, DeviceError, InputError, InputTypeError
+from flashtune.core.errors import ConfigError, DeviceError, InputError, InputTypeError
 from flashtune.runtime import kvcache
 from flashtune.runtime.kvcache import attention_with_kvcache
 from tests.conftest import DEVICE

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import flashtune
-from flashtune.autotune.devices import DeviceFingerprint, interpreter_device
-from flashtune.autotune.problems import AttentionProblem
+from flashtune.core.device import DeviceFingerprint, interpreter_device
+from flashtune.core.problem import AttentionProblem
 from flashtune.db import open_store
 from flashtune.db.exchange import (
     ConfigDocument,

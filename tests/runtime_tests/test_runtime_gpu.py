@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import flashtune
-from flashtune.autotune.problems import AttentionProblem
+from flashtune.core.problem import AttentionProblem
 from flashtune.kernel_templates import get_template
 from flashtune.kernel_templates.attn_fwd.reference import attn_fwd_reference
 from flashtune.runtime import ops

@@ -9,13 +9,17 @@ from pathlib import Path
 import pytest
 
 import flashtune
-from flashtune.autotune.devices import DeviceFingerprint
+from flashtune.core.device import DeviceFingerprint
 from flashtune.autotune.presets import preset
-from flashtune.autotune.problems import AttentionProblem
+from flashtune.core.problem import AttentionProblem
 from flashtune.db.exchange import config_file_name, parse_document
 from flashtune.kernel_templates import get_template
 from flashtune.runtime import sources
 from flashtune.runtime.lookup import Dispatcher
+
+from flashtune.kernel_templates import catalog  # noqa: E402
+
+SPECS = catalog()
 
 PACKAGE = Path(flashtune.__file__).parent / "configs"
 FILES = sorted(PACKAGE.glob("*.json"))
@@ -29,7 +33,7 @@ def test_an_h100_config_file_is_shipped():
 
 @pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
 def test_shipped_files_are_valid_current_and_named_by_the_loader(path):
-    doc = parse_document(path.read_text())  # the importer's strict validation
+    doc = parse_document(path.read_text(), specs=SPECS)  # the importer's strict validation
     assert path.name == config_file_name(doc.device.name, doc.template)
     spec = get_template(doc.template)
     assert doc.source_hash == spec.source_hash, (

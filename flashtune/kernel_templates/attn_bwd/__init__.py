@@ -13,6 +13,7 @@ from flashtune.kernel_templates.attn_bwd.kernel import (
 from flashtune.kernel_templates.attn_bwd.launcher import attn_bwd, kernel_args
 from flashtune.kernel_templates.attn_bwd.reference import attn_bwd_reference
 from flashtune.kernel_templates.attn_bwd.space import SPACE, default_config
+from flashtune.kernel_templates.attn_bwd.warmup import warmup_launches
 from flashtune.kernel_templates.registry import TemplateSpec, register_template, source_hash
 
 _HERE = Path(__file__).parent
@@ -24,6 +25,7 @@ SPEC = register_template(TemplateSpec(
     reference=attn_bwd_reference,
     space=SPACE,
     default_config=default_config,
+    warmup_launches=warmup_launches,
     kernel=attn_bwd_dkdv,  # the main kernel; precompile warms every launch (kernel_args)
     make_case=make_case,
 ))

@@ -1,4 +1,4 @@
-"""attn_bwd's tuning case: what :class:`~flashtune.autotune.runners.LocalRunner` launches,
+"""attn_bwd's tuning case: what the tuner's runner launches,
 checks and counts for one problem (``TemplateSpec.make_case``).
 
 Not part of the template's source hash: it decides how configs are checked, not which code
@@ -7,17 +7,18 @@ is generated.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
-from flashtune.autotune.devices import DeviceFingerprint
-from flashtune.autotune.problems import AttentionProblem
+from flashtune.core.case import Case, random_inputs, relative_error
+from flashtune.core.device import DeviceFingerprint
+from flashtune.core.problem import AttentionProblem
 
 # above this many q elements the reference covers batch 0 and kv head 0 with its q heads
 FULL_REFERENCE_MAX_ELEMS = 1 << 20
 
 
 def make_case(problem: AttentionProblem, device: DeviceFingerprint, *, torch_device: str,
-              generator: Any, launcher: Any, check_slice: bool = True) -> Any:
+              generator: Any, launcher: Callable[..., Any], check_slice: bool = True) -> Case:
     """Random q, k, v and dout; out and LSE from attn_fwd with its default config; the
     gradients of ``launcher(q, k, v, out, lse, dout, config, causal=)`` checked against
     fp32 autograd (the worst relative error of dq, dk, dv); backward FLOPs (2.5x forward).
@@ -27,16 +28,14 @@ def make_case(problem: AttentionProblem, device: DeviceFingerprint, *, torch_dev
     """
     import torch
 
-    from flashtune.autotune.runners import Case, random_inputs, relative_error
     from flashtune.kernel_templates.attn_bwd.reference import attn_bwd_reference
-    from flashtune.kernel_templates.registry import get_template
+    from flashtune.kernel_templates.attn_fwd.launcher import attn_fwd
+    from flashtune.kernel_templates.attn_fwd.space import default_config
 
     p = problem
     t = random_inputs(p, torch_device, generator, ("q", "k", "v", "do"))
     q, k, v, do = t["q"], t["k"], t["v"], t["do"]
-    fwd = get_template("attn_fwd")
-    out, lse = fwd.launcher(q, k, v, fwd.default_config(p, device), causal=p.causal,
-                            return_lse=True)
+    out, lse = attn_fwd(q, k, v, default_config(p, device), causal=p.causal, return_lse=True)
     if check_slice and q.numel() > FULL_REFERENCE_MAX_ELEMS:
         group = p.heads_q // p.heads_kv
         sq: tuple[slice, slice] = (slice(0, 1), slice(0, group))

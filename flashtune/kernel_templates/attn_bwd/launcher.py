@@ -24,7 +24,7 @@ from flashtune.kernel_templates.attn_bwd.kernel import (
     attn_bwd_preprocess,
 )
 from flashtune.kernel_templates.attn_bwd.space import DEFAULTS
-from flashtune.kernel_templates.attn_fwd.launcher import _desc, tma_ok
+from flashtune.kernel_templates.tma import desc, tma_ok
 from flashtune.kernel_templates.attn_fwd.space import block_d
 
 PREPROCESS_BLOCK_M = 64
@@ -93,8 +93,8 @@ def kernel_args(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, delta: An
     if splits > 1 and (part_k is None or part_v is None):
         raise ValueError(f"KV_SPLITS {splits} needs part_k and part_v buffers")
     reverse_dq = bool(config.get("REVERSE_DQ", DEFAULTS["REVERSE_DQ"]))
-    desc_qdo = (_desc(q, bm1, bd), _desc(dout, bm1, bd)) if use_tma else (None, None)
-    desc_kv = (_desc(k, bn2, bd), _desc(v, bn2, bd)) if use_tma else (None, None)
+    desc_qdo = (desc(q, bm1, bd), desc(dout, bm1, bd)) if use_tma else (None, None)
+    desc_kv = (desc(k, bn2, bd), desc(v, bn2, bd)) if use_tma else (None, None)
     parts_k, parts_v = (part_k, part_v) if splits > 1 else (dk, dv)
     launches: dict[str, Launch] = {"preprocess": pre}
     if config.get("ONE_LAUNCH", DEFAULTS["ONE_LAUNCH"]):

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
+
+from flashtune.core.case import forward_case
 
 from flashtune.kernel_templates.attn_decode.kernel import attn_decode_split_kernel
 from flashtune.kernel_templates.attn_decode.launcher import attn_decode, attn_decode_kvcache
 from flashtune.kernel_templates.attn_decode.reference import attn_decode_reference
 from flashtune.kernel_templates.attn_decode.space import SPACE, default_config
+from flashtune.kernel_templates.attn_decode.warmup import warmup_launches
 from flashtune.kernel_templates.registry import TemplateSpec, register_template, source_hash
 
 _HERE = Path(__file__).parent
@@ -19,6 +23,8 @@ SPEC = register_template(TemplateSpec(
     reference=attn_decode_reference,
     space=SPACE,
     default_config=default_config,
+    make_case=functools.partial(forward_case, attn_decode_reference),
+    warmup_launches=warmup_launches,
     kernel=attn_decode_split_kernel,  # precompile warms the combine kernel too
 ))
 

@@ -1,6 +1,6 @@
 """attn_decode's search space as data, its validity predicate and its default config.
 
-The problem key is the plain :class:`~flashtune.autotune.problems.AttentionProblem` with
+The problem key is the plain :class:`~flashtune.core.problem.AttentionProblem` with
 ``seqlen_k`` = the cache's capacity (``Nmax`` for a contiguous cache, ``max_pages x
 page_size`` for a paged one: metadata, no device sync). ``NUM_SPLITS`` is a split *count*:
 each sequence's own length is cut into that many chunks of whole ``BLOCK_N`` blocks, so a
@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from flashtune.autotune.devices import DeviceFingerprint
-from flashtune.autotune.problems import AttentionProblem
-from flashtune.autotune.spaces import Config, SearchSpace
+from flashtune.core.device import DeviceFingerprint
+from flashtune.core.problem import AttentionProblem
+from flashtune.core.space import Config, SearchSpace
 
 PARAMS: dict[str, tuple[int, ...]] = {
     "BLOCK_N": (16, 32, 64, 128),

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
+
+from flashtune.core.case import forward_case
 
 from flashtune.kernel_templates.attn_fwd.kernel import attn_fwd_kernel
 from flashtune.kernel_templates.attn_fwd.launcher import attn_fwd
 from flashtune.kernel_templates.attn_fwd.reference import attn_fwd_reference
 from flashtune.kernel_templates.attn_fwd.space import SPACE, default_config
+from flashtune.kernel_templates.attn_fwd.warmup import warmup_launches
 from flashtune.kernel_templates.registry import TemplateSpec, register_template, source_hash
 
 _HERE = Path(__file__).parent
@@ -19,6 +23,8 @@ SPEC = register_template(TemplateSpec(
     reference=attn_fwd_reference,
     space=SPACE,
     default_config=default_config,
+    make_case=functools.partial(forward_case, attn_fwd_reference),
+    warmup_launches=warmup_launches,
     kernel=attn_fwd_kernel,
 ))
 

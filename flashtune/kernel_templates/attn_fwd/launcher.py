@@ -14,32 +14,16 @@ from typing import Any, Mapping
 
 import torch
 import triton
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flashtune.kernel_templates.attn_fwd.kernel import attn_fwd_kernel
 from flashtune.kernel_templates.attn_fwd.space import block_d
+from flashtune.kernel_templates.tma import desc, tma_ok
 
 
 def _upcast_dot(q: Any) -> bool:
     # The Triton interpreter stores bf16 as raw uint16 and its tl.dot reads them as integers;
     # under the interpreter the dots run in fp32 instead (same rounding of inputs, fp32 math).
     return q.device.type == "cpu" and q.dtype == torch.bfloat16
-
-
-def tma_ok(*tensors: Any) -> bool:
-    """Whether the bulk tensor-copy engine can address these tensors: 16-byte aligned base
-    addresses and 16-byte multiples for every stride but the last (which is 1)."""
-    for t in tensors:
-        size = t.element_size()
-        if t.data_ptr() % 16 or t.stride(-1) != 1 \
-                or any((s * size) % 16 for s in t.stride()[:-1]):
-            return False
-    return True
-
-
-def _desc(t: Any, rows: int, cols: int) -> TensorDescriptor:
-    """A 4-D TMA descriptor over ``t`` ``(B, H, N, D)`` loading ``(1, 1, rows, cols)`` boxes."""
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, cols])
 
 
 def kernel_args(q: Any, k: Any, v: Any, out: Any, lse: Any, config: Mapping[str, int], *,
@@ -53,8 +37,8 @@ def kernel_args(q: Any, k: Any, v: Any, out: Any, lse: Any, config: Mapping[str,
     heads_kv, seqlen_k = k.shape[1], k.shape[2]
     bm, bn, bd = config["BLOCK_M"], config["BLOCK_N"], block_d(head_dim)
     if use_tma:
-        descs: tuple[Any, ...] = (_desc(q, bm, bd), _desc(k, bn, bd), _desc(v, bn, bd),
-                                  _desc(out, bm, bd))
+        descs: tuple[Any, ...] = (desc(q, bm, bd), desc(k, bn, bd), desc(v, bn, bd),
+                                  desc(out, bm, bd))
     else:
         descs = (None, None, None, None)
     lse_strides = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)

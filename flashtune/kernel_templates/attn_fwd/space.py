@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from flashtune.autotune.devices import DeviceFingerprint
-from flashtune.autotune.problems import AttentionProblem
-from flashtune.autotune.spaces import Config, SearchSpace
+from flashtune.core.device import DeviceFingerprint
+from flashtune.core.problem import AttentionProblem
+from flashtune.core.space import Config, SearchSpace
 
 # tiles, warps and software-pipelining depth: every GPU
 BASE_PARAMS: dict[str, tuple[int, ...]] = {

@@ -11,7 +11,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping
 
-from flashtune.errors import ConfigError
+from flashtune.core.errors import ConfigError
 
 Config = dict[str, int]
 # predicate(config, problem, device) -> None when valid, else the reason it is not

@@ -7,7 +7,7 @@ the plot). Per problem:
 * every implementation is run once and checked against an fp32 reference on a slice (batch
   0, the first K/V head's group of query heads; the output, or for the backward dQ, dK and
   dV, the baselines' through autograd); one over the tuner's tolerance
-  (:data:`~flashtune.autotune.runners.TOLERANCE`) or that raises is reported with its error
+  (:data:`~flashtune.core.case.TOLERANCE`) or that raises is reported with its error
   and never timed;
 * the checked ones are timed ``rounds`` times in rotation (on a GPU
   :func:`~flashtune.autotune.timing.bench`, cold L2 before every call; on CPU tensors the
@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from flashtune.autotune.problems import AttentionProblem
+from flashtune.core.problem import AttentionProblem
 
 __all__ = ["BASELINES", "BENCH_TEMPLATES", "IMPLS", "bench_attention", "matmul_ceiling_tflops",
            "summarize", "tflops_of"]
@@ -129,7 +129,7 @@ def bench_attention(problems: Sequence[AttentionProblem], *, template: str = "at
         baselines: names from :data:`BASELINES`; unknown names raise ``ValueError``.
         rounds: timings per implementation, in rotation; the median of the medians is kept.
         db_url: the tuning database the dispatcher reads (None: the default one).
-        device: a :class:`~flashtune.autotune.devices.DeviceFingerprint` (default: the
+        device: a :class:`~flashtune.core.device.DeviceFingerprint` (default: the
             current GPU, or the interpreter's without one).
         ceiling: measure the bf16 matmul ceiling first (GPU only).
         on_row: called with each finished row (progress, partial saves).
@@ -137,7 +137,7 @@ def bench_attention(problems: Sequence[AttentionProblem], *, template: str = "at
     import torch
     import triton
 
-    from flashtune.autotune.devices import current_device, interpreter_device
+    from flashtune.core.device import current_device, interpreter_device
     from flashtune.kernel_templates import get_template
     from flashtune.runtime.lookup import Dispatcher
 
@@ -204,7 +204,7 @@ def _forward_fns(p: AttentionProblem, spec: Any, configs: Mapping[str, Mapping[s
     batch 0, the first K/V head's query heads)."""
     import torch
 
-    from flashtune.autotune.runners import relative_error
+    from flashtune.core.case import relative_error
     from flashtune.kernel_templates.attn_fwd.reference import attn_fwd_reference
 
     q, k, v = _inputs(p, torch_device, ("q", "k", "v"))
@@ -231,7 +231,7 @@ def _backward_fns(p: AttentionProblem, spec: Any, configs: Mapping[str, Mapping[
     of the three gradients vs fp32 autograd on a slice."""
     import torch
 
-    from flashtune.autotune.runners import relative_error
+    from flashtune.core.case import relative_error
     from flashtune.kernel_templates import get_template
     from flashtune.kernel_templates.attn_bwd.reference import attn_bwd_reference
 
@@ -264,7 +264,7 @@ def _backward_fns(p: AttentionProblem, spec: Any, configs: Mapping[str, Mapping[
 def _bench_problem(p: AttentionProblem, spec: Any, choice: Any, device: Any, torch_device: str,
                    baselines: Sequence[str], rounds: int) -> dict[str, Any]:
     """One problem's row: every implementation checked against fp32, then timed."""
-    from flashtune.autotune.runners import TOLERANCE
+    from flashtune.core.case import TOLERANCE
     from flashtune.autotune.timing import bench, tflops
 
     default = spec.default_config(p, device)

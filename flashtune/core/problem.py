@@ -12,6 +12,8 @@ from dataclasses import asdict, dataclass
 from typing import Any, Mapping
 
 DTYPES = ("fp16", "bf16")
+# the head dims every kernel serves (the public ops refuse others, naming them)
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 96, 128, 192, 256)
 
 
 def _pow2_ceil(n: int) -> int:

@@ -1,0 +1,100 @@
+"""A tuning case: one problem's inputs for one implementation, the numerics check of a launch
+against the fp32 reference, and the work it does.
+
+Every candidate the tuner times is checked first (FlashAttention's rule: relative Frobenius
+error against an fp32 reference under :data:`TOLERANCE`, and no NaN). An implementation
+builds its case with its ``make_case``; the runners in :mod:`flashtune.autotune.runners`
+launch, check and time it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+from flashtune.core.device import DeviceFingerprint
+from flashtune.core.problem import AttentionProblem
+
+__all__ = ["FULL_REFERENCE_MAX_ELEMS", "TOLERANCE", "Case", "forward_case", "random_inputs",
+           "relative_error"]
+
+# relative Frobenius error allowed against the fp32 reference
+TOLERANCE = {"bf16": 2e-2, "fp16": 5e-3}
+# above this many q elements the reference is computed on a slice (batch 0, 2 q heads)
+FULL_REFERENCE_MAX_ELEMS = 1 << 20
+
+
+@dataclass(frozen=True)
+class Case:
+    """One problem's inputs for one template, as :class:`LocalRunner` uses them.
+
+    ``launch(config)`` runs the template once and returns its outputs; ``error(outputs)``
+    is their relative Frobenius error against the fp32 reference (the worst of them when
+    there are several; NaN when any output holds a NaN); ``flops`` is the work of one
+    launch (ANCHORS.md's count) and ``min_bytes`` the memory traffic it cannot avoid (both
+    set the physical floor below which a timing is rejected). ``inputs`` names the tensors
+    for scripts that reuse them.
+    Each template builds its own with ``TemplateSpec.make_case`` (the forward-shaped ones
+    with :func:`forward_case`).
+    """
+
+    launch: Callable[[Mapping[str, int]], Any]
+    error: Callable[[Any], float]
+    flops: float
+    inputs: Mapping[str, Any] = field(default_factory=dict)
+    min_bytes: float = 0.0  # bytes one launch must move at least (for the physical floor)
+
+
+def relative_error(got: Any, ref: Any) -> float:
+    """``||got - ref|| / ||ref||`` in fp32 (NaN when ``got`` holds a NaN)."""
+    import torch
+
+    got = got.float()
+    if torch.isnan(got).any():
+        return float("nan")
+    return float(torch.linalg.vector_norm(got - ref)) / (float(torch.linalg.vector_norm(ref))
+                                                         or 1.0)
+
+
+def random_inputs(problem: AttentionProblem, torch_device: str, generator: Any,
+                  names: Sequence[str] = ("q", "k", "v")) -> dict[str, Any]:
+    """Seeded ``randn`` tensors ``(batch, heads, seqlen, head_dim)`` in the problem's dtype,
+    drawn in the order of ``names`` (``q``/``do``: q's shape; others: k's)."""
+    import torch
+
+    p = problem
+    dtype = torch.float16 if p.dtype == "fp16" else torch.bfloat16
+    out = {}
+    for name in names:
+        h, n = (p.heads_q, p.seqlen_q) if name in ("q", "do") else (p.heads_kv, p.seqlen_k)
+        out[name] = torch.randn((p.batch, h, n, p.head_dim), generator=generator,
+                                device=torch_device, dtype=torch.float32).to(dtype)
+    return out
+
+
+def forward_case(reference: Callable[..., Any], problem: AttentionProblem,
+                 device: DeviceFingerprint, *, torch_device: str, generator: Any,
+                 launcher: Callable[..., Any], check_slice: bool = True) -> Case:
+    """``launcher(q, k, v, config, causal=)`` on random q, k, v against ``reference``'s
+    output (``reference(q, k, v, causal=, dtype=) -> (out, lse)``). For big problems (q or k above ``FULL_REFERENCE_MAX_ELEMS`` elements) only batch
+    0 and the first two q heads (and their kv heads) are compared, to bound memory."""
+    import torch
+
+    p = problem
+    t = random_inputs(p, torch_device, generator)
+    q, k, v = t["q"], t["k"], t["v"]
+    if check_slice and max(q.numel(), k.numel()) > FULL_REFERENCE_MAX_ELEMS:
+        hq = min(2, p.heads_q)
+        hkv = (hq - 1) // (p.heads_q // p.heads_kv) + 1
+        sl: tuple[slice, slice] = (slice(0, 1), slice(0, hq))
+        ref, _ = reference(q[:1, :hq], k[:1, :hkv], v[:1, :hkv], causal=p.causal,
+                                dtype=torch.float32)
+    else:
+        sl = (slice(None), slice(None))
+        ref, _ = reference(q, k, v, causal=p.causal, dtype=torch.float32)
+    io = sum(t.numel() * t.element_size() for t in (q, k, v, q))  # q, k, v read; o written
+    return Case(launch=lambda config: launcher(q, k, v, config, causal=p.causal),
+                error=lambda out: relative_error(out[sl], ref), flops=p.flops(),
+                inputs={"q": q, "k": k, "v": v, "ref": ref, "ref_slice": sl}, min_bytes=io)
+
+
