@@ -28,7 +28,7 @@ from typing import Any
 
 import click
 
-from flashtune.cli.options import check_head_dims, db_url, fail, shape_options
+from flashtune.cli.options import TemplateChoice, check_head_dims, db_url, fail, shape_options
 from flashtune.cli.tune_commands import (
     _SHAPE_NAMES,
     _decide_interpret,
@@ -117,8 +117,13 @@ def render_bench(result: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
+# flashtune.runtime.bench.BENCH_OPS, spelled out: importing flashtune.runtime imports torch
+# (tests/cli_tests/test_options.py checks that the two agree)
+BENCH_OPS = ("fwd", "bwd")
+
+
 @click.command("bench")
-@click.option("--template", type=click.Choice(("attn_fwd", "attn_bwd")), default="attn_fwd",
+@click.option("--template", type=TemplateChoice(ops=BENCH_OPS), default="attn_fwd",
               show_default=True, help="The forward, or the backward (dQ, dK, dV given dO).")
 @shape_options
 @click.option("--plan", type=click.Path(dir_okay=False), default=None, metavar="FILE",

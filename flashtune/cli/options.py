@@ -12,20 +12,17 @@ import click
 
 # light: no torch, triton or optuna
 from flashtune.autotune.strategies import MAX_SEED, SAMPLERS, cmaes_installed
+from flashtune.core.problem import DTYPES, SUPPORTED_HEAD_DIMS
 
-__all__ = ["SAMPLERS", "DTYPE_CHOICES", "HEAD_DIMS", "MAX_SEED", "TEMPLATES", "FiniteFloatRange",
+__all__ = ["SAMPLERS", "DTYPE_CHOICES", "HEAD_DIMS", "MAX_SEED", "FiniteFloatRange", "TemplateChoice",
            "check_head_dims", "cmaes_installed", "db_url", "device_filter_option", "fail",
            "json_option", "search_options", "shape_options", "template_filter_option",
            "template_option"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-DTYPE_CHOICES = ("fp16", "bf16")
-# spelled out so --help imports neither torch nor triton (tests/cli_tests/test_options.py
-# checks them against flashtune.kernel_templates.template_names() and
-# flashtune.runtime.checks.SUPPORTED_HEAD_DIMS)
-TEMPLATES = ("attn_bwd", "attn_decode", "attn_fwd")
-HEAD_DIMS = (16, 32, 64, 96, 128, 192, 256)
+DTYPE_CHOICES = DTYPES
+HEAD_DIMS = SUPPORTED_HEAD_DIMS
 
 POSITIVE = click.IntRange(min=1)
 
@@ -58,12 +55,45 @@ def _check_head_dim(ctx: click.Context, param: click.Parameter, value: int | Non
     return value
 
 
-def _check_template(ctx: click.Context, param: click.Parameter,
-                    value: str | None) -> str | None:
-    if value is not None and value not in TEMPLATES:
-        raise click.BadParameter(f"unknown template {value!r}; known templates: "
-                                 f"{', '.join(TEMPLATES)}", ctx, param)
-    return value
+def template_names(ops: tuple[str, ...] | None = None) -> list[str]:
+    """The registered templates (of ``ops`` when given). Imports the kernels, so torch and
+    triton: only called when a command runs with a template name, never for ``--help``."""
+    from flashtune.kernel_templates import catalog
+
+    return sorted(n for n, s in catalog().items() if ops is None or s.op in ops)
+
+
+class TemplateChoice(click.ParamType):
+    """A template name checked against the registry when the command runs, so that
+    ``--help`` stays light and a template registered by a plugin (or a test) is accepted
+    without a CLI change."""
+
+    name = "template"
+
+    def __init__(self, ops: tuple[str, ...] | None = None) -> None:
+        self.ops = ops  # only templates of these ops (None: every one)
+
+    def get_metavar(self, param: click.Parameter, ctx: click.Context | None = None) -> str:
+        if self.ops is not None:  # the op of a template is known only by importing it
+            return "NAME"
+        from flashtune.kernel_templates import known_names
+
+        return f"[{'|'.join(known_names())}]"
+
+    def convert(self, value: Any, param: click.Parameter | None,
+                ctx: click.Context | None) -> Any:
+        names = template_names(self.ops)
+        if value not in names:
+            which = f" of op {' or '.join(self.ops)}" if self.ops else ""
+            self.fail(f"unknown template {value!r}; known templates{which}: "
+                      f"{', '.join(names)}", param, ctx)
+        return value
+
+    def shell_complete(self, ctx: click.Context, param: click.Parameter,
+                       incomplete: str) -> list[Any]:
+        from click.shell_completion import CompletionItem
+
+        return [CompletionItem(n) for n in template_names(self.ops) if n.startswith(incomplete)]
 
 
 def check_head_dims(values: Any, option: str) -> None:
@@ -93,15 +123,15 @@ def _apply(decorators: list[Callable[[F], F]], func: F) -> F:
 
 
 template_option = click.option(
-    "--template", type=click.Choice(TEMPLATES), default="attn_fwd", show_default=True,
+    "--template", type=TemplateChoice(), default="attn_fwd", show_default=True,
     help="Kernel template to tune.")
 
 device_filter_option = click.option(
     "--device", default=None, metavar="NAME", help="Only this device name.")
 
 template_filter_option = click.option(
-    "--template", default=None, metavar="NAME", callback=_check_template,
-    help=f"Only this template ({', '.join(TEMPLATES)}).")
+    "--template", type=TemplateChoice(), default=None,
+    help="Only this template.")
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 

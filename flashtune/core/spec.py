@@ -17,7 +17,11 @@ from flashtune.core.device import DeviceFingerprint
 from flashtune.core.problem import AttentionProblem
 from flashtune.core.space import Config, SearchSpace
 
-__all__ = ["DefaultConfig", "Launch", "MakeCase", "TemplateSpec", "WarmupLaunches"]
+__all__ = ["OPS", "DefaultConfig", "Launch", "MakeCase", "TemplateSpec", "WarmupLaunches"]
+
+# what an implementation computes: the forward (optionally saving the LSE), the backward
+# (dQ, dK, dV from the forward's output and LSE), or decoding against a KV cache
+OPS = ("fwd", "bwd", "decode")
 
 # ``(kernel, args, kwargs, grid)``: ``kernel.warmup(*args, grid=grid, **kwargs)`` compiles it
 Launch = tuple[Any, Sequence[Any], Mapping[str, Any], Sequence[int]]
@@ -50,6 +54,7 @@ class TemplateSpec:
     Attributes:
         name: registry key, e.g. ``"attn_fwd"``; also the name stored with every trial and
             written into exported files.
+        op: which of :data:`OPS` it computes.
         source_hash: 16 hex characters over the token stream of the files that decide the
             generated code (:func:`flashtune.kernel_templates.registry.source_hash`); configs
             tuned under another hash are stale.
@@ -69,6 +74,7 @@ class TemplateSpec:
     """
 
     name: str
+    op: str
     source_hash: str
     launcher: Callable[..., Any]
     reference: Callable[..., Any]
@@ -79,3 +85,8 @@ class TemplateSpec:
     kernel: object | None = field(default=None, compare=False)
     tunable: bool = True
     problem_type: type[AttentionProblem] = AttentionProblem
+
+    def __post_init__(self) -> None:
+        if self.op not in OPS:
+            raise ValueError(f"op of template {self.name!r} is {self.op!r}; expected one of "
+                             f"{', '.join(OPS)}")

@@ -1,6 +1,8 @@
-"""Triton kernel templates, one folder per family, and their registry.
+"""Kernel implementations, one folder per template, and their registry.
 
-Importing this package imports torch and triton and registers every template.
+Importing this package is light: the registry imports the template folders (and so torch
+and triton) the first time it is asked for a template; ``from
+flashtune.kernel_templates.attn_fwd import ...`` imports one directly.
 """
 
 from __future__ import annotations
@@ -9,13 +11,11 @@ from flashtune.kernel_templates.registry import (
     TemplateSpec,
     catalog,
     get_template,
+    known_names,
     register_template,
     template_names,
     unregister_template,
 )
-from flashtune.kernel_templates import attn_fwd  # noqa: F401  (registers "attn_fwd")
-from flashtune.kernel_templates import attn_bwd  # noqa: F401  (registers "attn_bwd")
-from flashtune.kernel_templates import attn_decode  # noqa: F401  (registers "attn_decode")
 
-__all__ = ["TemplateSpec", "catalog", "get_template", "register_template", "template_names",
-           "unregister_template"]
+__all__ = ["TemplateSpec", "catalog", "get_template", "known_names", "register_template",
+           "template_names", "unregister_template"]

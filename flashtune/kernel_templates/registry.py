@@ -1,9 +1,13 @@
 """The implementation registry: one frozen :class:`~flashtune.core.spec.TemplateSpec` per
 kernel implementation, and the one extension point.
 
-Templates register themselves on import of :mod:`flashtune.kernel_templates`; a new kernel
-is a new folder plus one :func:`register_template` call. Everything that lists templates
-(CLI choices, export and import checks, precompilation, reports) asks :func:`catalog` or
+A new kernel is a new folder of :mod:`flashtune.kernel_templates`, named as the template,
+whose ``__init__.py`` makes one :func:`register_template` call. The registry finds those
+folders itself and imports them (torch and triton with them) on the first question it is
+asked; :func:`known_names` answers from the folder names alone, without importing a kernel,
+for ``--help``. Implementations from elsewhere (a plugin, a test) call
+:func:`register_template` directly. Everything that lists templates (CLI choices, export and
+import checks, precompilation, reports, benchmarks) asks :func:`catalog` or
 :func:`template_names`. An unknown name raises :class:`UnknownTemplateError` listing the
 known ones.
 """
@@ -12,7 +16,9 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import importlib
 import io
+import threading
 import tokenize
 from pathlib import Path
 from types import MappingProxyType
@@ -21,12 +27,37 @@ from typing import Iterator, Mapping
 from flashtune.core.errors import UnknownTemplateError
 from flashtune.core.spec import TemplateSpec
 
-__all__ = ["TemplateSpec", "catalog", "get_template", "hash_files", "register_template",
-           "source_hash", "template_names", "unregister_template"]
+__all__ = ["TemplateSpec", "catalog", "get_template", "hash_files", "known_names",
+           "register_template", "source_hash", "template_names", "unregister_template"]
 
 _REGISTRY: dict[str, TemplateSpec] = {}
 _PACKAGE = Path(__file__).resolve().parent  # flashtune/kernel_templates
 _PACKAGE_NAME = "flashtune.kernel_templates"
+_LOAD_LOCK = threading.RLock()
+_loaded = False
+
+
+def _builtin_folders() -> list[str]:
+    """The template folders of the package: those whose ``__init__.py`` registers one."""
+    return sorted(d.name for d in _PACKAGE.iterdir()
+                  if (d / "__init__.py").is_file()
+                  and "register_template(" in (d / "__init__.py").read_text())
+
+
+def _load_builtins() -> None:
+    """Import every template folder once (each registers its spec on import)."""
+    global _loaded
+    if _loaded:
+        return
+    with _LOAD_LOCK:
+        if _loaded:
+            return
+        for name in _builtin_folders():
+            importlib.import_module(f"{_PACKAGE_NAME}.{name}")
+            if name not in _REGISTRY:
+                raise RuntimeError(f"{_PACKAGE_NAME}.{name} registers no template named "
+                                   f"{name!r}; a template folder is named as its template")
+        _loaded = True
 
 
 def _docstring_lines(tree: ast.AST) -> set[int]:
@@ -114,8 +145,14 @@ def hash_files(*paths: str | Path) -> list[Path]:
             if dep not in seen:
                 seen.append(dep)
                 todo.append(dep)
-    rest = sorted(seen[len(given):], key=lambda p: p.relative_to(_PACKAGE).as_posix())
+    rest = sorted(seen[len(given):], key=_label)
     return given + rest
+
+
+def _label(path: Path) -> str:
+    """How a file enters the hash: its path inside the package (a file elsewhere, e.g. a
+    plugin's, by its name), so the hash does not depend on where flashtune is installed."""
+    return path.relative_to(_PACKAGE).as_posix() if path.is_relative_to(_PACKAGE) else path.name
 
 
 def source_hash(*paths: str | Path) -> str:
@@ -135,7 +172,7 @@ def source_hash(*paths: str | Path) -> str:
     """
     h = hashlib.sha256()
     for path in hash_files(*paths):
-        h.update(path.relative_to(_PACKAGE).as_posix().encode())
+        h.update(_label(path).encode())
         h.update(b"\x01")
         h.update(_normalized(path.read_text()).encode())
         h.update(b"\x02")
@@ -182,6 +219,10 @@ def get_template(name: str) -> TemplateSpec:
     Raises:
         UnknownTemplateError (a ``KeyError``) naming the known templates.
     """
+    spec = _REGISTRY.get(name)
+    if spec is not None:
+        return spec
+    _load_builtins()
     try:
         return _REGISTRY[name]
     except KeyError:
@@ -192,10 +233,19 @@ def get_template(name: str) -> TemplateSpec:
 
 def template_names() -> list[str]:
     """The names of every registered template, sorted."""
+    _load_builtins()
     return sorted(_REGISTRY)
+
+
+def known_names() -> list[str]:
+    """The template names known without importing any kernel: the package's template folders
+    and whatever is registered already (for ``--help``; :func:`template_names` is the
+    authority)."""
+    return sorted(set(_builtin_folders()) | set(_REGISTRY))
 
 
 def catalog() -> Mapping[str, TemplateSpec]:
     """A read-only view of the registry, name -> spec: what layers that may not import the
     kernels (the store's export and import checks) are handed."""
+    _load_builtins()
     return MappingProxyType(_REGISTRY)

@@ -33,12 +33,12 @@ from typing import Any
 
 from flashtune.core.problem import AttentionProblem
 
-__all__ = ["BASELINES", "BENCH_TEMPLATES", "IMPLS", "bench_attention", "matmul_ceiling_tflops",
+__all__ = ["BASELINES", "BENCH_OPS", "IMPLS", "bench_attention", "matmul_ceiling_tflops",
            "summarize", "tflops_of"]
 
 BASELINES = ("sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "flex")
 IMPLS = ("flashtune", "flashtune_default", *BASELINES)
-BENCH_TEMPLATES = ("attn_fwd", "attn_bwd")
+BENCH_OPS = ("fwd", "bwd")  # the ops bench knows inputs, references and baselines for
 CEILING_N = 8192
 
 
@@ -150,10 +150,10 @@ def bench_attention(problems: Sequence[AttentionProblem], *, template: str = "at
     if device is None:  # the interpreter under TRITON_INTERPRET=1 or without a GPU
         device = current_device() if torch.cuda.is_available() else interpreter_device()
     torch_device = "cpu" if device.is_interpreter else "cuda"
-    if template not in BENCH_TEMPLATES:
-        raise ValueError(f"cannot benchmark template {template!r}; choose from "
-                         f"{list(BENCH_TEMPLATES)}")
     spec = get_template(template)
+    if spec.op not in BENCH_OPS:
+        raise ValueError(f"cannot benchmark template {template!r} (op {spec.op!r}); choose "
+                         f"one of op {' or '.join(BENCH_OPS)}")
     dispatcher = Dispatcher(spec)
     dispatcher.reload(db_url=db_url)
     t0 = time.time()
@@ -269,10 +269,10 @@ def _bench_problem(p: AttentionProblem, spec: Any, choice: Any, device: Any, tor
 
     default = spec.default_config(p, device)
     row: dict[str, Any] = {"problem": p.key(), "label": p.describe(),
-                           "flops": p.flops(backward=spec.name == "attn_bwd"),
+                           "flops": p.flops(backward=spec.op == "bwd"),
                            "config": choice.config, "source": choice.source,
                            "default_config": default}
-    make = _backward_fns if spec.name == "attn_bwd" else _forward_fns
+    make = _backward_fns if spec.op == "bwd" else _forward_fns
     fns, error = make(p, spec, {"flashtune": choice.config, "flashtune_default": default},
                       baselines, device, torch_device, row)
     checked: dict[str, float] = {}

@@ -20,6 +20,7 @@ _HERE = Path(__file__).parent
 
 SPEC = register_template(TemplateSpec(
     name="attn_bwd",
+    op="bwd",
     source_hash=source_hash(_HERE / "kernel.py", _HERE / "launcher.py"),
     launcher=attn_bwd,
     reference=attn_bwd_reference,

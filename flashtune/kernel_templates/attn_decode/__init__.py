@@ -18,6 +18,7 @@ _HERE = Path(__file__).parent
 
 SPEC = register_template(TemplateSpec(
     name="attn_decode",
+    op="decode",
     source_hash=source_hash(_HERE / "kernel.py", _HERE / "launcher.py"),
     launcher=attn_decode,
     reference=attn_decode_reference,

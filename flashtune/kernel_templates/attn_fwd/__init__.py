@@ -18,6 +18,7 @@ _HERE = Path(__file__).parent
 
 SPEC = register_template(TemplateSpec(
     name="attn_fwd",
+    op="fwd",
     source_hash=source_hash(_HERE / "kernel.py", _HERE / "launcher.py"),
     launcher=attn_fwd,
     reference=attn_fwd_reference,
