@@ -10,7 +10,7 @@ registered ones; that registry is the one extension point.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import Any, Callable, Mapping, Protocol
 
 from flashtune.core.case import Case
 from flashtune.core.device import DeviceFingerprint
@@ -24,7 +24,7 @@ __all__ = ["OPS", "DefaultConfig", "Launch", "MakeCase", "TemplateSpec", "Warmup
 OPS = ("fwd", "bwd", "decode")
 
 # ``(kernel, args, kwargs, grid)``: ``kernel.warmup(*args, grid=grid, **kwargs)`` compiles it
-Launch = tuple[Any, Sequence[Any], Mapping[str, Any], Sequence[int]]
+Launch = tuple[Any, tuple[Any, ...], dict[str, Any], tuple[int, ...]]
 DefaultConfig = Callable[[AttentionProblem, DeviceFingerprint], Config]
 
 

@@ -201,6 +201,10 @@ def register_template(spec: TemplateSpec) -> TemplateSpec:
 def unregister_template(name: str) -> TemplateSpec:
     """Remove the template ``name`` (tests that register a toy implementation undo it).
 
+    Arguments:
+        name: a registered template's name.
+    Returns:
+        The spec that was registered under it.
     Raises:
         UnknownTemplateError when no template is registered under ``name``.
     """
@@ -232,20 +236,31 @@ def get_template(name: str) -> TemplateSpec:
 
 
 def template_names() -> list[str]:
-    """The names of every registered template, sorted."""
+    """The names of every registered template.
+
+    Returns:
+        The registry keys, sorted (the package's template folders are imported first).
+    """
     _load_builtins()
     return sorted(_REGISTRY)
 
 
 def known_names() -> list[str]:
-    """The template names known without importing any kernel: the package's template folders
-    and whatever is registered already (for ``--help``; :func:`template_names` is the
-    authority)."""
+    """The template names known without importing any kernel (for ``--help``;
+    :func:`template_names` is the authority).
+
+    Returns:
+        The package's template folders and whatever is registered already, sorted.
+    """
     return sorted(set(_builtin_folders()) | set(_REGISTRY))
 
 
 def catalog() -> Mapping[str, TemplateSpec]:
-    """A read-only view of the registry, name -> spec: what layers that may not import the
-    kernels (the store's export and import checks) are handed."""
+    """The registry as a read-only mapping: what layers that may not import the kernels (the
+    store's export and import checks) are handed.
+
+    Returns:
+        name -> :class:`TemplateSpec` of every registered template (a live view).
+    """
     _load_builtins()
     return MappingProxyType(_REGISTRY)

@@ -11,8 +11,7 @@ from flashtune.core.spec import Launch
 from flashtune.kernel_templates.shaped import Shaped
 
 
-def attn_bwd_warmup_args(problem: AttentionProblem, config: Mapping[str, int]
-                         ) -> list[tuple[Any, tuple[Any, ...], dict[str, Any], tuple[int, int]]]:
+def attn_bwd_warmup_args(problem: AttentionProblem, config: Mapping[str, int]) -> list[Launch]:
     """``(kernel, args, kwargs, grid)`` of attn_bwd's three kernels for contiguous inputs
     (built by the launcher's own
     :func:`~flashtune.kernel_templates.attn_bwd.launcher.kernel_args`)."""

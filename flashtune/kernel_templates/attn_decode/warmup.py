@@ -13,7 +13,7 @@ from flashtune.kernel_templates.shaped import Shaped
 
 def attn_decode_warmup_args(problem: AttentionProblem, config: Mapping[str, int], *,
                             return_lse: bool = False
-                            ) -> list[tuple[Any, tuple[Any, ...], dict[str, Any], tuple[int, ...]]]:
+                            ) -> list[Launch]:
     """``(kernel, args, kwargs, grid)`` of attn_decode's split (and combine) kernels for
     contiguous dense q/k/v, as the tuner and :func:`flashtune.attention`'s decode route launch
     them (built by the launcher's own
