@@ -110,7 +110,8 @@ def decode_route(problem: AttentionProblem, device: DeviceFingerprint,
 
 
 def reset() -> None:
-    """Drop memoised configs and launch plans (``flashtune.reload_configs`` calls this)."""
+    """Drop the launch plans (``flashtune.reload_configs`` calls this, and reloads
+    :data:`DISPATCH`, which holds the memoised configs)."""
     _PLANS.clear()
 
 
@@ -369,8 +370,8 @@ def _plan_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: torch.
 
 def _new_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: Any,
               block_table: Any, cfg: Config, causal: bool, scale: float | None,
-              return_lse: bool, key: tuple[Any, ...] | None) -> AttnDecodePlan | None:
-    """Build (and, with a ``key``, keep) the launch plan of this call signature; None if
+              return_lse: bool, key: tuple[Any, ...]) -> AttnDecodePlan | None:
+    """Build and keep (under ``key``) the launch plan of this call signature; None if
     Triton's internals moved (then every call goes through the launcher)."""
     global _DIRECT
     try:
@@ -381,8 +382,7 @@ def _new_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: Any,
         log.warning("flashtune: direct decode launches disabled (%s: %s); calls go through "
                     "Triton's launcher", type(exc).__name__, exc)
         return None
-    if key is not None:
-        _PLANS[key] = plan
+    _PLANS[key] = plan
     return plan
 
 

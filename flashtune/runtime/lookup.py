@@ -151,10 +151,6 @@ class Dispatcher:
 
     # -- choosing ---------------------------------------------------------------------------
 
-    def cached(self, device: Any, problem: AttentionProblem) -> ConfigChoice | None:
-        """The choice already memoised for ``problem`` on ``device``, or None (no lookup)."""
-        return self._memo.get((device_key(device), problem))
-
     def choose(self, problem: AttentionProblem, device: Any) -> ConfigChoice:
         """The config for ``problem`` on ``device`` (memoised)."""
         memo_key = (device_key(device), problem)

@@ -10,7 +10,7 @@ import torch
 import flashtune
 from flashtune.core.device import interpreter_device
 from flashtune.core.problem import AttentionProblem
-from flashtune.runtime import kvcache, ops
+from flashtune.runtime import kvcache, ops, routing
 from tests.conftest import DEVICE
 from tests.decode_helpers import make_cache
 from tests.helpers import assert_close_to_reference
@@ -84,7 +84,7 @@ def test_route_is_resolved_once_per_shape(env, monkeypatch):
     for _ in range(3):
         flashtune.attention(q, k, v)
     assert len(calls) == 1
-    assert next(iter(ops._FAST.values()))[0] is True  # memoised as the decode route
+    assert next(iter(routing._FAST.values()))[0] is True  # memoised as the decode route
 
 
 def test_inputs_that_need_grad_stay_on_the_differentiable_forward(env):

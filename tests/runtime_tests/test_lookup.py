@@ -25,7 +25,7 @@ from flashtune.db.exchange import (
 )
 from flashtune.kernel_templates import get_template
 from flashtune.runtime import lookup as lookup_mod
-from flashtune.runtime import ops, sources
+from flashtune.runtime import routing, sources
 from tests.conftest import DEVICE
 
 pytestmark = pytest.mark.skipif(DEVICE != "cpu", reason="the interpreter device's own tables")
@@ -280,10 +280,10 @@ def test_default_fallback_is_logged_once_per_shape(env, caplog):
 def test_sources_are_read_once_and_calls_do_one_dict_read(env, monkeypatch):
     populate(env["db"], [(HERE, prob(64), cfg(32, 16), 1.0)])
     loads, resolves = [], []
-    real_load, real_resolve = lookup_mod.load_entries, ops._resolve
+    real_load, real_resolve = lookup_mod.load_entries, routing._resolve
     monkeypatch.setattr(lookup_mod, "load_entries", lambda *a, **k: (loads.append(a),
                                                                      real_load(*a, **k))[1])
-    monkeypatch.setattr(ops, "_resolve", lambda *a: (resolves.append(a), real_resolve(*a))[1])
+    monkeypatch.setattr(routing, "_resolve", lambda *a: (resolves.append(a), real_resolve(*a))[1])
     q, k, v = tensors(prob(64))
     for _ in range(5):
         flashtune.attention(q, k, v)
@@ -353,7 +353,7 @@ def test_a_returned_choice_is_the_callers_to_change(env):
     assert warmed.config == cfg(32, 16)
     warmed.config["BLOCK_N"] = 8
     assert flashtune.lookup_config(q, k, v).config == cfg(32, 16)
-    assert all(c == cfg(32, 16) for _, c in ops._FAST.values())
+    assert all(c == cfg(32, 16) for _, c in routing._FAST.values())
     assert torch.equal(flashtune.attention(q, k, v), before)
 
 
@@ -385,7 +385,7 @@ def test_lookup_config_never_tunes(env, monkeypatch):
 
     tuned = []
     monkeypatch.setattr(jobs, "tune", lambda problems, options, **kw: tuned.extend(problems))
-    monkeypatch.setattr(ops, "_AUTOTUNED", set())
+    monkeypatch.setattr(routing, "_AUTOTUNED", set())
     monkeypatch.setenv("FLASHTUNE_AUTOTUNE", "1")
     p = prob(24)
     q, k, v = tensors(p)
@@ -406,15 +406,15 @@ def test_a_bad_autotune_trials_value_is_warned_about_once(env, monkeypatch, capl
 
     asked = []
     monkeypatch.setattr(jobs, "tune", lambda problems, options, **kw: asked.append(options.trials))
-    monkeypatch.setattr(ops, "_AUTOTUNED", set())
-    monkeypatch.setattr(ops, "_BAD_TRIALS", set())
+    monkeypatch.setattr(routing, "_AUTOTUNED", set())
+    monkeypatch.setattr(routing, "_BAD_TRIALS", set())
     monkeypatch.setenv("FLASHTUNE_AUTOTUNE", "1")
     monkeypatch.setenv("FLASHTUNE_AUTOTUNE_TRIALS", value)
     with caplog.at_level(logging.WARNING, logger="flashtune"):
         for n in (24, 40):
             q, k, v = tensors(prob(n))
             flashtune.attention(q, k, v)
-    assert asked == [ops.AUTOTUNE_TRIALS] * 2
+    assert asked == [routing.AUTOTUNE_TRIALS] * 2
     bad = [r for r in caplog.records if "FLASHTUNE_AUTOTUNE_TRIALS" in r.getMessage()]
     assert len(bad) == 1 and repr(value) in bad[0].getMessage(), caplog.text
 

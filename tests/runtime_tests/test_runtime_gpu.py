@@ -10,7 +10,7 @@ import flashtune
 from flashtune.core.problem import AttentionProblem
 from flashtune.kernel_templates import get_template
 from flashtune.kernel_templates.attn_fwd.reference import attn_fwd_reference
-from flashtune.runtime import ops
+from flashtune.runtime import routing
 
 pytestmark = pytest.mark.gpu
 SPEC = get_template("attn_fwd")
@@ -90,16 +90,16 @@ def _views():
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("return_lse", [False, True])
 def test_planned_calls_match_the_launcher_bit_for_bit(causal, return_lse):
-    ops._PLANS.clear()
+    routing._PLANS.clear()
     for name, q, k, v in _views():
         cfg = flashtune.lookup_config(q, k, v, causal=causal).config
         want = SPEC.launcher(q, k, v, cfg, causal=causal, return_lse=return_lse)
-        n_before = len(ops._PLANS)
+        n_before = len(routing._PLANS)
         for _ in range(3):  # first call builds the plan, the others replay it
             got = flashtune.attention(q, k, v, causal=causal, return_lse=return_lse)
             for a, b in zip(got if return_lse else (got,), want if return_lse else (want,)):
                 assert torch.equal(a, b), name
-        assert len(ops._PLANS) == n_before + 1, name
+        assert len(routing._PLANS) == n_before + 1, name
         ref, _ = attn_fwd_reference(q, k, v, causal=causal, dtype=torch.float32)
         out = got[0] if return_lse else got
         assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2, name

@@ -1,0 +1,231 @@
+"""Routing: which kernel and config a :func:`flashtune.attention` call runs with, and the
+per-call fast path that remembers the answer.
+
+The hot path on CUDA after the first call of a call signature (:func:`_attention`): one dict
+read keyed by the tensors' metadata (shapes, strides, dtypes, devices, 16-byte alignment) and
+``causal``/``scale``/``return_lse``, which finds an
+:class:`~flashtune.kernel_templates.attn_fwd.plan.AttnFwdPlan` -- the resolved config's
+compiled kernel with its fixed arguments -- then the output allocation and the launch. The
+key holds everything the input checks and Triton's specialisation depend on, so a hit needs
+neither again. No database query, file read or recompile per call; configs come from
+:class:`flashtune.runtime.lookup.Dispatcher`, loaded once per process and device. Without
+plans (the interpreter, a Triton without the internals :mod:`~flashtune.kernel_templates.direct`
+uses, a launch hook installed) calls check their inputs and go through the launcher, with
+the route memoised per shape in ``_FAST``.
+
+Routing itself: short-query problems may go to attn_decode
+(:func:`~flashtune.runtime.kvcache.decode_route`), the rest to attn_fwd; with
+``FLASHTUNE_AUTOTUNE=1`` an attn_fwd problem without an exact tuned config is tuned on its
+first call, once per process. :func:`_reload` drops what every dispatcher loaded and every
+memoised route and plan (``flashtune.reload_configs`` and that tuning run call it).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from functools import lru_cache
+from typing import Any, Mapping
+
+import torch
+
+from flashtune.core.device import DeviceFingerprint, current_device
+from flashtune.core.problem import AttentionProblem
+from flashtune.core.space import Config
+from flashtune.core.errors import ConfigError
+from flashtune.kernel_templates import direct, get_template
+from flashtune.kernel_templates.direct import current_device as _current_device
+from flashtune.kernel_templates.direct import current_stream as _current_stream
+from flashtune.kernel_templates.attn_decode.plan import AttnDecodeDensePlan
+from flashtune.kernel_templates.attn_fwd.plan import AttnFwdPlan
+from flashtune.runtime import kvcache
+from flashtune.runtime.checks import check_attention_inputs, check_grid
+from flashtune.runtime.lookup import ConfigChoice, Dispatcher
+
+log = logging.getLogger(__name__)
+
+_FWD = get_template("attn_fwd")
+_BWD = get_template("attn_bwd")
+_DEC = get_template("attn_decode")
+_DISPATCH = Dispatcher(_FWD)
+_DISPATCH_BWD = Dispatcher(_BWD)
+# (q.shape, k.shape, dtype, device index, causal) -> (routed to attn_decode?, config): the
+# per-call lookup
+_FAST: dict[tuple[Any, ...], tuple[bool, Config]] = {}
+# the plan key (see _plan_key) -> the launch plan of a CUDA call signature
+_PLANS: dict[tuple[Any, ...], AttnFwdPlan | AttnDecodeDensePlan] = {}
+_DIRECT = direct.supported()
+_Tensor = torch.Tensor
+_AUTOTUNED: set[AttentionProblem] = set()
+_AUTOTUNE_LOCK = threading.Lock()
+AUTOTUNE_TRIALS = 30
+_BAD_TRIALS: set[str] = set()  # bad $FLASHTUNE_AUTOTUNE_TRIALS values already warned about
+
+
+@lru_cache(maxsize=None)
+def _device(device_type: str, index: int | None) -> DeviceFingerprint:
+    return current_device(torch.device(device_type, index) if index is not None
+                          else torch.device(device_type))
+
+
+def _device_of(q: torch.Tensor) -> DeviceFingerprint:
+    return _device(q.device.type, q.device.index)
+
+
+def _explicit_config(config: Mapping[str, Any], problem: AttentionProblem,
+                     device: DeviceFingerprint) -> Config:
+    cfg = _FWD.space.validate(config)
+    reason = _FWD.space.check(cfg, problem, device)
+    if reason is not None:
+        raise ConfigError(f"config {cfg} cannot run {problem.describe()} on {device.name}: {reason}")
+    return cfg
+
+
+def _autotune_enabled() -> bool:
+    return os.environ.get("FLASHTUNE_AUTOTUNE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _autotune_trials() -> int:
+    """``$FLASHTUNE_AUTOTUNE_TRIALS``, else :data:`AUTOTUNE_TRIALS`; a value that is not a
+    positive integer gets the default too, with one warning per value (call under
+    ``_AUTOTUNE_LOCK``)."""
+    raw = os.environ.get("FLASHTUNE_AUTOTUNE_TRIALS", "").strip()
+    if not raw:
+        return AUTOTUNE_TRIALS
+    try:
+        trials = int(raw)
+    except ValueError:
+        trials = 0
+    if trials > 0:
+        return trials
+    if raw not in _BAD_TRIALS:
+        _BAD_TRIALS.add(raw)
+        log.warning("flashtune: FLASHTUNE_AUTOTUNE_TRIALS=%r is not a positive integer; "
+                    "tuning with the default, %d trials", raw, AUTOTUNE_TRIALS)
+    return AUTOTUNE_TRIALS
+
+
+def _autotune(problem: AttentionProblem, device: DeviceFingerprint) -> None:
+    """Opt-in (``FLASHTUNE_AUTOTUNE=1``): tune ``problem`` now, once per process, into the
+    tuning database, then reload. Failures are logged, never raised."""
+    with _AUTOTUNE_LOCK:
+        if problem in _AUTOTUNED:
+            return
+        _AUTOTUNED.add(problem)
+        from flashtune.autotune.jobs import TuneOptions, tune
+
+        trials = _autotune_trials()
+        log.warning("flashtune: FLASHTUNE_AUTOTUNE=1: tuning %s now (%d trials)",
+                    problem.describe(), trials)
+        try:
+            tune([problem], TuneOptions(trials=trials, interpret=device.is_interpreter),
+                 progress=False)
+        except Exception as exc:  # noqa: BLE001 - a failed tuning must not fail the call
+            log.warning("flashtune: tuning %s failed: %s", problem.describe(), exc)
+        _reload()
+
+
+def _choose(problem: AttentionProblem, device: DeviceFingerprint, *,
+            tune: bool = True) -> ConfigChoice:
+    """attn_fwd's choice; with ``tune`` an untuned problem is tuned first when
+    ``FLASHTUNE_AUTOTUNE=1``."""
+    choice = _DISPATCH.choose(problem, device)
+    if tune and choice.source != "exact" and _autotune_enabled() \
+            and problem not in _AUTOTUNED:
+        _autotune(problem, device)
+        choice = _DISPATCH.choose(problem, device)
+    return choice
+
+
+def _route(problem: AttentionProblem, device: DeviceFingerprint, *,
+           tune: bool = True) -> ConfigChoice:
+    """attn_decode's choice when :func:`~flashtune.runtime.kvcache.decode_route` takes the
+    problem (short queries), else attn_fwd's (see :func:`_choose` for ``tune``)."""
+    choice = kvcache.decode_route(problem, device, _DISPATCH)
+    return choice if choice is not None else _choose(problem, device, tune=tune)
+
+
+def _resolve(q: torch.Tensor, k: torch.Tensor, causal: bool,
+             key: tuple[Any, ...]) -> tuple[bool, Config]:
+    choice = _route(AttentionProblem.from_tensors(q, k, causal=causal), _device_of(q))
+    decode = choice.template == _DEC.name
+    check_grid(q, k, decode=decode)  # once per key: it holds the shapes and the device
+    route = _FAST[key] = (decode, choice.config)
+    return route
+
+
+def _plan_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+              scale: Any, return_lse: bool) -> tuple[Any, ...]:
+    """Everything the input checks, the config choice and Triton's specialisation read."""
+    return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(),
+            q.dtype, k.dtype, v.dtype, q.get_device(), k.get_device(), v.get_device(),
+            causal, scale, return_lse, (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15 == 0)
+
+
+def _new_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: Config, causal: bool,
+              scale: float | None, return_lse: bool, key: tuple[Any, ...],
+              decode: bool) -> AttnFwdPlan | AttnDecodeDensePlan | None:
+    global _DIRECT
+    plan_type = AttnDecodeDensePlan if decode else AttnFwdPlan
+    try:
+        plan = plan_type(q, k, v, cfg, causal=causal, scale=scale, return_lse=return_lse)
+    except Exception as exc:  # noqa: BLE001 - Triton internals moved: launch the normal way
+        _DIRECT = False
+        log.warning("flashtune: direct launches disabled (%s: %s); calls go through "
+                    "Triton's launcher", type(exc).__name__, exc)
+        return None
+    _PLANS[key] = plan
+    return plan
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+               scale: float | None, return_lse: bool,
+               config: Mapping[str, int] | None) -> Any:
+    """:func:`flashtune.attention` without gradients: ``out``, or ``(out, lse)`` with
+    ``return_lse`` (see the module docstring for the path it takes)."""
+    key = None
+    if config is None and _DIRECT and type(q) is _Tensor and type(k) is _Tensor \
+            and type(v) is _Tensor and q.is_cuda:
+        key = _plan_key(q, k, v, causal, scale, return_lse)
+        plan = _PLANS.get(key)
+        if plan is not None and _current_device() == plan.device_index \
+                and not direct.hooks_installed():
+            return plan(q, k, v, _current_stream(plan.device_index))
+    check_attention_inputs(q, k, v, scale)
+    if config is None:
+        fast_key = (q.shape, k.shape, q.dtype, q.get_device(), causal)
+        decode, cfg = _FAST.get(fast_key) or _resolve(q, k, causal, fast_key)
+        if key is not None and _current_device() == q.get_device() \
+                and not direct.hooks_installed():
+            plan = _new_plan(q, k, v, cfg, causal, scale, return_lse, key, decode)
+            if plan is not None:
+                return plan(q, k, v, _current_stream(plan.device_index))
+        if decode:
+            return _DEC.launcher(q, k, v, cfg, causal=causal, scale=scale,
+                                 return_lse=return_lse)
+    else:
+        check_grid(q, k)
+        cfg = _explicit_config(config, AttentionProblem.from_tensors(q, k, causal=causal),
+                               _device_of(q))
+    return _FWD.launcher(q, k, v, cfg, causal=causal, scale=scale, return_lse=return_lse)
+
+
+def _forward_config(q: torch.Tensor, k: torch.Tensor, causal: bool,
+                    config: Mapping[str, int] | None) -> Config:
+    """attn_fwd's config for :func:`flashtune.attention`'s autograd path: ``config``
+    checked, else the dispatcher's choice (tuned first with ``FLASHTUNE_AUTOTUNE=1``)."""
+    problem = AttentionProblem.from_tensors(q, k, causal=causal)
+    if config is not None:
+        return _explicit_config(config, problem, _device_of(q))
+    return _choose(problem, _device_of(q)).config
+
+
+def _reload(*, device_alias: bool | None = None, db_url: str | None = None) -> None:
+    """Drop the configs every dispatcher (attn_fwd, attn_bwd, attn_decode) loaded and the
+    memoised routes and launch plans; the arguments are :func:`flashtune.reload_configs`'s."""
+    for dispatcher in (_DISPATCH, _DISPATCH_BWD, kvcache.DISPATCH):
+        dispatcher.reload(device_alias=device_alias, db_url=db_url)
+    _FAST.clear()
+    _PLANS.clear()
+    kvcache.reset()
