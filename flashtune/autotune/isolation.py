@@ -17,7 +17,8 @@ Starting a worker costs seconds (spawn, import torch and triton, a CUDA context)
 problems share one: when a runner built by :func:`isolated`'s factory is closed, its live
 worker is parked, and the next runner re-initialises it for its own problem (an ``init``
 request: the old runner and its tensors are dropped first) instead of spawning another; the
-kernels it compiled stay in its in-memory cache. ``tune`` closes the factory (and the parked
+kernels it compiled stay in its in-memory cache. The trial loop
+(:func:`flashtune.autotune.trial_loop.tune_on_device`) closes the factory (and the parked
 worker) at the end.
 
 Messages are JSON over a pipe (``send_bytes``/``recv_bytes``, at most :data:`WIRE_MAX`
@@ -123,7 +124,7 @@ def _build(conn: Any, path: str, init_json: str) -> Any:
     """Build the runner ``init_json`` describes and tell the parent it is ready (or why not:
     then None, and the worker exits)."""
     try:
-        from flashtune.autotune.jobs import TuneOptions
+        from flashtune.autotune.options import TuneOptions
         from flashtune.kernel_templates import get_template
 
         init = json.loads(init_json)

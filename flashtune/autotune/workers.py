@@ -27,6 +27,7 @@ from dataclasses import asdict, replace
 from multiprocessing import get_context
 from typing import Any, Sequence
 
+from flashtune.autotune.options import TuneOptions, TuneResult
 from flashtune.core.problem import AttentionProblem
 from flashtune.core.errors import FlashtuneError
 
@@ -56,15 +57,13 @@ def plan_tasks(problems: Sequence[AttentionProblem], trials: int,
     return tasks
 
 
-def _result_to_json(result: Any) -> str:
+def _result_to_json(result: TuneResult) -> str:
     data = asdict(result)
     data["problem"] = result.problem.key()
     return json.dumps(data)
 
 
-def _result_from_json(text: str) -> Any:
-    from flashtune.autotune.jobs import TuneResult
-
+def _result_from_json(text: str) -> TuneResult:
     data = json.loads(text)
     data["problem"] = AttentionProblem.from_key(data["problem"])
     return TuneResult(**data)
@@ -73,14 +72,12 @@ def _result_from_json(text: str) -> Any:
 def _worker(slot: int, gpu: int, problem_keys: list[dict[str, Any]], options_json: str,
             db_url: str, tasks: Any, results: Any, progress: bool) -> None:
     """One worker: pin the GPU, then run tasks until the queue is empty."""
-    from flashtune.autotune.jobs import TuneOptions
-
     options = TuneOptions(**json.loads(options_json))
     if options.seed is not None:  # workers sharing a study must not propose the same configs
         options = replace(options, seed=(options.seed + slot) % 2**32)  # Optuna's range
     if not options.interpret:
         os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)  # before torch initialises CUDA
-    from flashtune.autotune.jobs import tune
+    from flashtune.autotune.trial_loop import tune_on_device
 
     while True:
         try:
@@ -89,13 +86,13 @@ def _worker(slot: int, gpu: int, problem_keys: list[dict[str, Any]], options_jso
             return
         results.put(("start", slot, index, None))
         problem = AttentionProblem.from_key(problem_keys[index])
-        [res] = tune([problem], replace(options, trials=trials), db_url=db_url,
-                     progress=progress, progress_position=slot)
+        [res] = tune_on_device([problem], replace(options, trials=trials), db_url=db_url,
+                               progress=progress, progress_position=slot)
         results.put(("done", slot, index, _result_to_json(res)))
 
 
-def tune_on_gpus(problems: Sequence[AttentionProblem], options: Any, *, db_url: str,
-                 gpus: Sequence[int], progress: bool = False) -> list[Any]:
+def tune_on_gpus(problems: Sequence[AttentionProblem], options: TuneOptions, *, db_url: str,
+                 gpus: Sequence[int], progress: bool = False) -> list[TuneResult]:
     """Tune ``problems`` with one worker process per entry of ``gpus``; see the module doc.
 
     Returns one ``TuneResult`` per task, by problem (a problem split over several workers
@@ -107,7 +104,7 @@ def tune_on_gpus(problems: Sequence[AttentionProblem], options: Any, *, db_url: 
     if len(set(gpus)) != len(gpus):
         raise ValueError(f"gpus has duplicates: {list(gpus)}")
     # create both schemas (flashtune's and Optuna's) once, before the workers race to
-    from flashtune.autotune.jobs import _optuna_storage
+    from flashtune.autotune.study import _optuna_storage
     from flashtune.db import open_store
 
     open_store(db_url).close()
@@ -125,7 +122,7 @@ def tune_on_gpus(problems: Sequence[AttentionProblem], options: Any, *, db_url: 
     for p in procs:
         p.start()
     held: dict[int, int] = {}  # worker slot -> problem index it is tuning
-    done: list[tuple[int, Any]] = []
+    done: list[tuple[int, TuneResult]] = []
     lost: list[str] = []
 
     def drain(timeout: float) -> bool:

@@ -226,7 +226,7 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]], right: set[int]
 
 
 def render_results(results: Sequence[Any]) -> str:
-    """The closing table: one row per :class:`~flashtune.autotune.jobs.TuneResult`."""
+    """The closing table: one row per :class:`~flashtune.autotune.options.TuneResult`."""
     fwd = all("BLOCK_M" in r.best_config for r in results if r.best_config)
     header = ("shape", "best BM,BN,w,s" if fwd else "best config", "best TFLOP/s",
               "default TFLOP/s", "speed-up", "trials", "wall s", "stored best")

@@ -129,7 +129,7 @@ def default_config(template: TemplateRecord, device: DeviceRecord,
 
 def _is_default(config: Mapping[str, Any], default: Mapping[str, Any]) -> bool:
     """Whether a trial's config is the default in the study's own terms (its space may
-    cover fewer knobs: the tuner then keeps only those, see ``autotune.jobs``)."""
+    cover fewer knobs: the tuner then keeps only those, see ``autotune.trial_loop``)."""
     return bool(config) and all(k in default and default[k] == v for k, v in config.items())
 
 

@@ -113,7 +113,8 @@ def _autotune(problem: AttentionProblem, device: DeviceFingerprint) -> None:
         if problem in _AUTOTUNED:
             return
         _AUTOTUNED.add(problem)
-        from flashtune.autotune.jobs import TuneOptions, tune
+        from flashtune.autotune.jobs import tune
+        from flashtune.autotune.options import TuneOptions
 
         trials = _autotune_trials()
         log.warning("flashtune: FLASHTUNE_AUTOTUNE=1: tuning %s now (%d trials)",

@@ -19,7 +19,7 @@ import random
 import signal
 import time
 
-from flashtune.autotune.jobs import _optuna_storage
+from flashtune.autotune.study import _optuna_storage
 from flashtune.db import RunStatus, TrialState, canonical_json, open_store
 from flashtune.db.store import STALE_MESSAGE
 from tests.autotune_tests.synthetic import H100, PROBLEM
@@ -63,7 +63,8 @@ def test_interrupted_grid_study_resumed_with_other_seeds_measures_every_config_o
     import optuna
     import pytest
 
-    from flashtune.autotune.jobs import TuneOptions, tune
+    from flashtune.autotune.jobs import tune
+    from flashtune.autotune.options import TuneOptions
 
     space = crash_space()
     url = f"sqlite:///{tmp_path / 'grid.db'}"

@@ -8,10 +8,11 @@ import os
 
 import pytest
 
-from flashtune.autotune import jobs
+from flashtune.autotune import trial_loop as loop
 from flashtune.core.device import interpreter_device
 from flashtune.autotune.isolation import IsolatedRunner, IsolationError, factory_path
-from flashtune.autotune.jobs import TuneOptions, tune
+from flashtune.autotune.jobs import tune
+from flashtune.autotune.options import TuneOptions
 from flashtune.core.problem import AttentionProblem
 from flashtune.core.space import SearchSpace
 from flashtune.db import RunStatus, TrialState, open_store
@@ -137,12 +138,12 @@ def test_closures_cannot_be_isolated(tmp_path):
 def test_when_isolation_is_on_by_default():
     gpu = dataclasses.replace(interpreter_device(), name="NVIDIA_H100_80GB_HBM3")
     auto = TuneOptions()
-    assert jobs._runner_factory_for(auto, None, gpu) is not jobs._default_runner  # GPU: on
-    assert jobs._runner_factory_for(auto, None, interpreter_device()) is jobs._default_runner
-    assert jobs._runner_factory_for(auto, faulty.crashing_runner, gpu) is \
+    assert loop._runner_factory_for(auto, None, gpu) is not loop._default_runner  # GPU: on
+    assert loop._runner_factory_for(auto, None, interpreter_device()) is loop._default_runner
+    assert loop._runner_factory_for(auto, faulty.crashing_runner, gpu) is \
         faulty.crashing_runner  # custom factories: only when asked
     off = dataclasses.replace(auto, isolate=False)
-    assert jobs._runner_factory_for(off, None, gpu) is jobs._default_runner
+    assert loop._runner_factory_for(off, None, gpu) is loop._default_runner
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="interpreter mode: the CPU run's TRITON_INTERPRET=1")

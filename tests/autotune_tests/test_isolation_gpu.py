@@ -11,7 +11,8 @@ import dataclasses
 
 import pytest
 
-from flashtune.autotune.jobs import TuneOptions, tune
+from flashtune.autotune.jobs import tune
+from flashtune.autotune.options import TuneOptions
 from flashtune.core.problem import AttentionProblem
 from flashtune.core.space import SearchSpace
 from flashtune.db import RunStatus, TrialState, open_store

@@ -8,7 +8,8 @@ import pytest
 
 from flashtune.autotune import runners as runners_mod
 from flashtune.core.device import interpreter_device
-from flashtune.autotune.jobs import TuneOptions, tune
+from flashtune.autotune.jobs import tune
+from flashtune.autotune.options import TuneOptions
 from flashtune.autotune.runners import LocalRunner, TrialResult
 from flashtune.core.space import SearchSpace
 from flashtune.db import TrialState, canonical_json, open_store
@@ -218,3 +219,12 @@ def test_decode_template_is_tuned_and_served(tmp_path, monkeypatch):
             "attn_decode", "exact", res.best_config)
     finally:
         flashtune.reload_configs()
+
+
+def test_jobs_keeps_its_public_names():
+    """``flashtune.autotune.jobs`` is the module users import ``tune`` from; the options and
+    the result live in ``autotune.options`` and stay importable from ``jobs`` too."""
+    from flashtune.autotune import jobs, options
+
+    assert sorted(jobs.__all__) == ["TuneOptions", "TuneResult", "tune"]
+    assert jobs.TuneOptions is options.TuneOptions and jobs.TuneResult is options.TuneResult

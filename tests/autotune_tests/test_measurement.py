@@ -9,7 +9,8 @@ import pytest
 
 from flashtune.autotune import timing
 from flashtune.core.device import interpreter_device
-from flashtune.autotune.jobs import TuneOptions, tune
+from flashtune.autotune.jobs import tune
+from flashtune.autotune.options import TuneOptions
 from flashtune.core.problem import AttentionProblem
 from flashtune.autotune.runners import LocalRunner, TrialResult, time_interleaved
 from flashtune.core.space import SearchSpace

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from flashtune.autotune.jobs import TuneOptions, tune
+from flashtune.autotune.jobs import tune
+from flashtune.autotune.options import TuneOptions
 from flashtune.autotune.runners import ReplayRunner
 from flashtune.autotune.strategies import config_from_trial, enqueue, make_sampler
 from flashtune.kernel_templates.attn_fwd.space import SPACE as FULL_SPACE
@@ -149,7 +150,7 @@ def test_a_search_that_has_measured_every_valid_config_stops_asking(monkeypatch,
     every point of the space or spent its 20-asks-per-trial limit."""
     import logging
 
-    from flashtune.autotune import jobs
+    from flashtune.autotune import trial_loop
     from flashtune.core.space import SearchSpace
 
     keep = {(64, 64, 4, 3), (64, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 2)}
@@ -159,14 +160,14 @@ def test_a_search_that_has_measured_every_valid_config_stops_asking(monkeypatch,
         return SPACE.check(cfg, problem, device) or (None if key in keep else "not kept")
 
     space = SearchSpace(params=SPACE.params, predicate=predicate)
-    monkeypatch.setattr(jobs, "EXHAUSTION_CHECK", 5)
+    monkeypatch.setattr(trial_loop, "EXHAUSTION_CHECK", 5)
     runners = []
 
     def factory(spec, problem, device, options):
         runners.append(ReplayRunner.from_json(FIXTURE))
         return runners[-1]
 
-    with caplog.at_level(logging.INFO, logger="flashtune.autotune.jobs"):
+    with caplog.at_level(logging.INFO, logger="flashtune.autotune.trial_loop"):
         [res] = tune([PROBLEM], TuneOptions(sampler="random", seed=0, trials=1000,
                                             top_k_confirm=1),
                      db_url="sqlite://", progress=False, _runner_factory=factory,

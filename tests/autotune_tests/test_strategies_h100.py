@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from flashtune.core.device import DeviceFingerprint
-from flashtune.autotune.jobs import TuneOptions, tune
+from flashtune.autotune.jobs import tune
+from flashtune.autotune.options import TuneOptions
 from flashtune.core.problem import AttentionProblem
 from flashtune.autotune.runners import ReplayRunner
 from tests.autotune_tests.synthetic import RECORDED_SPACE

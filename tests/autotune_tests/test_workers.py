@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from flashtune.autotune.jobs import TuneOptions, tune
+from flashtune.autotune.jobs import tune
+from flashtune.autotune.options import TuneOptions
 from flashtune.core.problem import AttentionProblem
 from flashtune.autotune.workers import WorkerError, plan_tasks, tune_on_gpus
 from flashtune.db import TrialState, canonical_json, open_store

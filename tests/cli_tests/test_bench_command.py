@@ -121,7 +121,8 @@ def test_sdpa_is_not_compared_where_its_causal_mask_differs():
 
 def test_the_dispatchers_tuned_config_is_what_is_benchmarked(tmp_path):
     from flashtune.runtime.bench import bench_attention
-    from flashtune.autotune.jobs import TuneOptions, tune
+    from flashtune.autotune.jobs import tune
+    from flashtune.autotune.options import TuneOptions
 
     url = f"sqlite:///{tmp_path / 'ft.db'}"
     p = AttentionProblem(1, 4, 2, 64, 64, 32, True, "fp16")

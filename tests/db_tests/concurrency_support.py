@@ -38,7 +38,8 @@ def replay_runner(spec: Any, problem: Any, device: Any, options: Any) -> Any:
 def tune_worker(args: tuple[str, int, dict, int]) -> dict[str, Any]:
     """One tuning process on the synthetic H100 recording: ``(url, slot, problem key,
     trials)``; returns what its ``TuneResult`` says."""
-    from flashtune.autotune.jobs import TuneOptions, tune
+    from flashtune.autotune.jobs import tune
+    from flashtune.autotune.options import TuneOptions
     from flashtune.core.problem import AttentionProblem
     from tests.autotune_tests.synthetic import H100, RECORDED_SPACE
 
@@ -86,7 +87,8 @@ def crash_job(url: str, seed: int, trials: int, in_trial: Any = None) -> None:
     ``in_trial`` is set once it is evaluating configs."""
     import functools
 
-    from flashtune.autotune.jobs import TuneOptions, tune
+    from flashtune.autotune.jobs import tune
+    from flashtune.autotune.options import TuneOptions
     from tests.autotune_tests.synthetic import H100, PROBLEM
 
     options = TuneOptions(trials=trials, sampler="grid", seed=seed, top_k_confirm=3,

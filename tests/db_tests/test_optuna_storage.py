@@ -13,7 +13,8 @@ import optuna
 import pytest
 
 from flashtune.autotune import runners
-from flashtune.autotune.jobs import TuneOptions, tune
+from flashtune.autotune.jobs import tune
+from flashtune.autotune.options import TuneOptions
 from flashtune.core.problem import AttentionProblem
 from flashtune.db import TrialState, open_store
 from tests.db_tests.exchange_support import populate

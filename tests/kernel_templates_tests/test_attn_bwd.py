@@ -270,7 +270,8 @@ def test_bad_backward_configs_are_refused():
 
 
 def test_the_tuner_checks_times_and_stores_backward_configs(tmp_path):
-    from flashtune.autotune.jobs import TuneOptions, tune
+    from flashtune.autotune.jobs import tune
+    from flashtune.autotune.options import TuneOptions
     from flashtune.db import open_store
 
     p = AttentionProblem(1, 4, 2, 24, 37, 32, True, "fp16")

@@ -86,7 +86,8 @@ def test_transposed_views_and_bit_identical_reruns():
 
 
 def test_the_tuner_runs_attn_bwd_on_the_gpu(tmp_path):
-    from flashtune.autotune.jobs import TuneOptions, tune
+    from flashtune.autotune.jobs import tune
+    from flashtune.autotune.options import TuneOptions
 
     p = AttentionProblem(2, 8, 8, 1024, 1024, 64, True, "bf16")
     [res] = tune([p], TuneOptions(template="attn_bwd", trials=4, seed=0, workers=4),
