@@ -2,7 +2,9 @@
 
 The store is opened read-only and never created: a database file that does not exist yet
 prints ``no tuned configs (database ... does not exist yet)`` and exits 0, like an empty
-one. Other database errors are one-line messages with exit code 1.
+one. Other database errors are one-line messages with exit code 1. ``--software`` adds the
+versions each config was tuned under to the table (``--json`` always has them, as
+``software``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ __all__ = ["best_to_dict", "show_command"]
 
 _SHAPE_ORDER = ("batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_k", "head_dim", "causal",
                 "dtype")
+_SOFTWARE_ORDER = ("flashtune", "torch", "triton", "cuda", "driver")  # --software's columns
 
 
 def best_to_dict(best: Any) -> dict[str, Any]:
@@ -42,6 +45,7 @@ def best_to_dict(best: Any) -> dict[str, Any]:
         "trials": best.trials_count,
         "trial_id": best.trial_id,
         "tuned_at": best.tuned_at.isoformat(),
+        "software": best.software.as_dict(),  # "" where unknown
     }
 
 
@@ -54,12 +58,14 @@ def _shape(key: dict[str, Any]) -> str:
     return " ".join(f"{k}={v}" for k, v in key.items())
 
 
-def _render(rows: list[dict[str, Any]]) -> str:
+def _render(rows: list[dict[str, Any]], software: bool = False) -> str:
     header = ("device", "template", "shape", "config", "median ms", "TFLOP/s", "trials",
-              "tuned_at")
+              "tuned_at", *(_SOFTWARE_ORDER if software else ()))
     body = [(r["device"], r["template"], _shape(r["problem"]), format_config(r["config"]),
              f"{r['median_ms']:.4f}", format_tflops(r["tflops"]),
-             str(r["trials"]), r["tuned_at"][:19].replace("T", " ")) for r in rows]
+             str(r["trials"]), r["tuned_at"][:19].replace("T", " "),
+             *(r["software"][k] or "-" for k in (_SOFTWARE_ORDER if software else ())))
+            for r in rows]
     widths = [max(len(c) for c in col) for col in zip(header, *body)]
     right = {4, 5, 6}
     return "\n".join("  ".join(c.rjust(w) if i in right else c.ljust(w)
@@ -71,9 +77,12 @@ def _render(rows: list[dict[str, Any]]) -> str:
 @device_filter_option
 @template_filter_option
 @json_option
+@click.option("--software", is_flag=True,
+              help="Also list the flashtune, torch, Triton, CUDA and driver versions each "
+                   "config was tuned under ('-': unknown; --json always has them).")
 @click.pass_context
 def show_command(ctx: click.Context, device: str | None, template: str | None,
-                 as_json: bool) -> None:
+                 as_json: bool, software: bool) -> None:
     """List the stored best configs (database opened read-only)."""
     from flashtune.db import open_store
     from flashtune.db.engine import default_db_url, missing_sqlite_file, safe_url
@@ -101,4 +110,4 @@ def show_command(ctx: click.Context, device: str | None, template: str | None,
                           if v)
         click.echo(f"no tuned configs in {safe_url(url)}{filters and ' matching' + filters}")
     else:
-        click.echo(_render(rows))
+        click.echo(_render(rows, software))

@@ -10,6 +10,7 @@ from flashtune.db.records import (
     ProblemRecord,
     RunRecord,
     RunStatus,
+    SoftwareVersions,
     TemplateRecord,
     TrialRecord,
     TrialState,
@@ -52,8 +53,16 @@ def trial(row: Trial) -> TrialRecord:
         compile_s=row.compile_s, started_at=row.started_at, finished_at=row.finished_at)
 
 
+def software(row: BestConfig | Run) -> SoftwareVersions:
+    """The versions a best config was tuned under, or those a run recorded."""
+    return SoftwareVersions(cuda=row.cuda_version or "", driver=row.driver_version or "",
+                            flashtune=row.flashtune_version or "",
+                            torch=row.torch_version or "", triton=row.triton_version or "")
+
+
 def best(row: BestConfig, dev: Device, tpl: Template, prob: Problem) -> BestConfigRecord:
     return BestConfigRecord(
         id=row.id, device=device(dev), template=template(tpl), problem=problem(prob),
         config=loads_object(row.config_json), median_ms=row.median_ms, tflops=row.tflops,
-        trial_id=row.trial_id, trials_count=row.trials_count, tuned_at=row.tuned_at)
+        trial_id=row.trial_id, trials_count=row.trials_count, tuned_at=row.tuned_at,
+        software=software(row))

@@ -5,16 +5,28 @@ and is named by :func:`config_file_name`, the one naming function: the exporter 
 files under it and the runtime loader finds a device's file with it. A name read from a
 file is never used as a path except through that validated function.
 
-The format (``schema_version`` 1), written by :func:`document_to_json` with sorted keys::
+The format, written by :func:`document_to_json` with sorted keys::
 
-    {"format": "flashtune-configs", "schema_version": 1,
+    {"format": "flashtune-configs", "schema_version": 1 or 2,
      "device": {"name", "compute_capability", "sm_count", "shared_mem_per_block",
                 "total_memory"},
      "software": {"flashtune", "torch", "triton", "cuda", "driver"},   (strings)
      "template": {"name", "source_hash"},
      "exported_at": "2025-01-31T12:00:00+00:00",
      "entries": [{"problem", "bucket", "config", "median_ms", "tflops", "trials",
-                  "tuned_at"}, ...]}
+                  "tuned_at", ["software": {...}]}, ...]}
+
+**Software.** Each entry was tuned under some flashtune, torch, Triton, CUDA and driver
+versions, and an export -> import -> export round trip keeps them: the two exports are the
+same text but for ``exported_at``. The document's ``software`` block is that of its most
+recently tuned entry (latest ``tuned_at``; among equal ones, the last by problem key); an
+entry tuned under other software has its own ``software`` block, of the same five keys.
+An entry without one was tuned under the document's. A document whose entries were all
+tuned under one software is written as ``schema_version`` 1, which older flashtune reads
+too (the shipped ``flashtune/configs`` files are); one with an entry's own ``software``
+is ``schema_version`` 2, which only adds that optional key (version 1 refuses it). Both
+are read. :func:`parse_document` gives every entry its software (its own or the
+document's), and :func:`import_documents` stores it with the config.
 
 :func:`parse_document` trusts nothing in a file: every key, type, range, name and config
 is checked (the checks live in :mod:`flashtune.db.exchange_checks`), and a rejection is
@@ -35,7 +47,7 @@ from typing import Any, Callable, Mapping, Sequence
 from flashtune.db import exchange_checks as checks
 from flashtune.db.exchange_checks import FORMAT, SCHEMA_VERSION, SOFTWARE_KEYS
 from flashtune.db.jsonutil import canonical_json
-from flashtune.db.records import BestConfigRecord, ImportedBest, RunRecord
+from flashtune.db.records import BestConfigRecord, ImportedBest, SoftwareVersions
 from flashtune.db.store import IMPORT_OUTCOMES, IMPORT_POLICIES, TuningStore
 from flashtune.core.errors import ImportRejected, UnknownTemplateError
 from flashtune.core.spec import TemplateSpec
@@ -134,7 +146,8 @@ class DeviceInfo:
 
 @dataclass(frozen=True)
 class ConfigEntry:
-    """One tuned problem: its key, bucket, validated config and timings."""
+    """One tuned problem: its key, bucket, validated config, timings and the software it
+    was tuned under (None: the document's; a parsed entry always has its own)."""
 
     problem: dict[str, Any]
     bucket: str
@@ -143,11 +156,13 @@ class ConfigEntry:
     tflops: float | None
     trials: int
     tuned_at: datetime  # timezone-aware UTC
+    software: dict[str, str] | None = None
 
 
 @dataclass(frozen=True)
 class ConfigDocument:
-    """The best configs of one device and one template, as one file holds them."""
+    """The best configs of one device and one template, as one file holds them;
+    ``software`` is what an entry without its own was tuned under."""
 
     device: DeviceInfo
     software: dict[str, str]
@@ -167,29 +182,43 @@ def document_to_json(doc: ConfigDocument) -> str:
     """``doc`` as deterministic JSON text, what :func:`parse_document` reads back.
 
     Arguments:
-        doc: the document (missing ``software`` keys are written as empty strings).
+        doc: the document (missing ``software`` keys, the document's or an entry's, are
+            written as empty strings).
     Returns:
         JSON text: sorted keys, entries sorted by canonical problem key, indent 1, a
-        trailing newline.
+        trailing newline. An entry's own ``software`` is written only where it differs
+        from the document's, and then the document is ``schema_version`` 2, else 1.
     Raises:
         ValueError for NaN, a naive timestamp or unknown ``software`` keys.
     """
-    unknown = sorted(set(doc.software) - set(SOFTWARE_KEYS))
-    if unknown:
-        raise ValueError(f"unknown software keys {unknown}; expected some of {SOFTWARE_KEYS}")
-    entries = sorted(doc.entries, key=lambda e: canonical_json(e.problem))
+    software = _software_block(doc.software)
+    entries = []
+    for e in sorted(doc.entries, key=lambda e: canonical_json(e.problem)):
+        entry = {"problem": dict(e.problem), "bucket": e.bucket, "config": dict(e.config),
+                 "median_ms": e.median_ms, "tflops": e.tflops, "trials": e.trials,
+                 "tuned_at": _iso(e.tuned_at)}
+        own = software if e.software is None else _software_block(e.software)
+        if own != software:
+            entry[checks.ENTRY_SOFTWARE] = own
+        entries.append(entry)
     data = {
         "format": FORMAT,
-        "schema_version": SCHEMA_VERSION,
+        "schema_version": 2 if any(checks.ENTRY_SOFTWARE in e for e in entries) else 1,
         "device": {f.name: getattr(doc.device, f.name) for f in fields(DeviceInfo)},
-        "software": {k: str(doc.software.get(k, "")) for k in SOFTWARE_KEYS},
+        "software": software,
         "template": {"name": doc.template, "source_hash": doc.source_hash},
         "exported_at": _iso(doc.exported_at),
-        "entries": [{"problem": dict(e.problem), "bucket": e.bucket, "config": dict(e.config),
-                     "median_ms": e.median_ms, "tflops": e.tflops, "trials": e.trials,
-                     "tuned_at": _iso(e.tuned_at)} for e in entries],
+        "entries": entries,
     }
     return checks.dumps(data)
+
+
+def _software_block(software: Mapping[str, str]) -> dict[str, str]:
+    """``software`` with every key of ``SOFTWARE_KEYS`` (missing ones empty)."""
+    unknown = sorted(set(software) - set(SOFTWARE_KEYS))
+    if unknown:
+        raise ValueError(f"unknown software keys {unknown}; expected some of {SOFTWARE_KEYS}")
+    return {k: str(software.get(k, "")) for k in SOFTWARE_KEYS}
 
 
 def parse_document(data: str | bytes, *, specs: Mapping[str, TemplateSpec],
@@ -203,11 +232,12 @@ def parse_document(data: str | bytes, *, specs: Mapping[str, TemplateSpec],
         origin: what to call the input in messages (a path, a URL).
     Returns:
         The :class:`ConfigDocument`; configs come back validated by the template's space,
-        optional knobs filled in.
+        optional knobs filled in, and every entry with its software (its own block, or
+        a copy of the document's).
     Raises:
         ImportRejected with one line ``"<origin>: <what is wrong>; expected <what>"`` for
-        anything but a well-formed ``schema_version`` 1 document of a registered template
-        (see the module docstring and :mod:`flashtune.db.exchange_checks`).
+        anything but a well-formed ``schema_version`` 1 or 2 document of a registered
+        template (see the module docstring and :mod:`flashtune.db.exchange_checks`).
     """
     try:
         return _document(checks.load(data, max_bytes=MAX_FILE_BYTES, max_depth=MAX_DEPTH),
@@ -249,7 +279,7 @@ def read_document(path: str | os.PathLike[str], *,
 
 
 def _document(obj: Any, specs: Mapping[str, TemplateSpec]) -> ConfigDocument:
-    checks.header(obj)
+    version = checks.header(obj)
     device = DeviceInfo(*checks.device(obj["device"]))
     software = checks.software(obj["software"])
     template, source_hash, spec, problem_type = checks.template(obj["template"], specs)
@@ -258,7 +288,8 @@ def _document(obj: Any, specs: Mapping[str, TemplateSpec]) -> ConfigDocument:
     entries, seen = [], set()
     for i, item in enumerate(items):
         where = f"entries[{i}]"
-        values = checks.entry(item, where, spec, problem_type)
+        values = {"software": dict(software),
+                  **checks.entry(item, where, spec, problem_type, version)}
         key = canonical_json(values["problem"])
         if key in seen:
             raise checks.Bad(f"{where}.problem repeats the problem of an earlier entry; "
@@ -283,10 +314,10 @@ def export_documents(store: TuningStore, *, specs: Mapping[str, TemplateSpec],
     file name; only configs tuned for the registered template's current ``source_hash``
     (older ones are stale and would never be served).
 
-    ``software`` holds the versions of the latest run of that device and template (empty
-    strings when there is none: e.g. configs that were themselves imported). Each
-    document is checked by :func:`parse_document` before it is returned, so an export is
-    always importable.
+    Each entry keeps the software its best config was tuned under (empty strings where
+    the store never knew it); the document's ``software`` is its most recently tuned
+    entry's (see the module docstring). Each document is checked by
+    :func:`parse_document` before it is returned, so an export is always importable.
 
     Arguments:
         store: the tuning database to read.
@@ -332,29 +363,20 @@ def _export_group(store: TuningStore, records: list[BestConfigRecord],
         held = fastest.get(r.problem.key_json)
         if held is None or r.median_ms < held.median_ms:
             fastest[r.problem.key_json] = r
-    runs = [run for d in devices for run in [store.latest_run(d, records[0].template.id)]
-            if run is not None]
-    latest = max(runs, key=lambda run: (run.started_at, run.id)) if runs else None
+    latest = max(fastest.values(), key=lambda r: (r.tuned_at, r.problem.key_json))
     raw = ConfigDocument(
         device=DeviceInfo(*device.hardware_key()),
-        software=_software(latest),
+        software=latest.software.as_dict(),
         template=records[0].template.name,
         source_hash=records[0].template.source_hash,
         entries=tuple(ConfigEntry(problem=dict(r.problem.key), bucket=r.problem.bucket,
                                   config=dict(r.config), median_ms=r.median_ms,
-                                  tflops=r.tflops, trials=r.trials_count, tuned_at=r.tuned_at)
+                                  tflops=r.tflops, trials=r.trials_count, tuned_at=r.tuned_at,
+                                  software=r.software.as_dict())
                       for r in fastest.values()),
         exported_at=datetime.now(timezone.utc))
     return parse_document(document_to_json(raw), specs=specs,
                           origin=f"export of {raw.file_name()}")
-
-
-def _software(run: RunRecord | None) -> dict[str, str]:
-    if run is None:
-        return {k: "" for k in SOFTWARE_KEYS}
-    return {"flashtune": run.flashtune_version, "torch": run.torch_version,
-            "triton": run.triton_version, "cuda": run.cuda_version,
-            "driver": run.driver_version}
 
 
 # -- import ---------------------------------------------------------------------------------
@@ -413,7 +435,8 @@ def import_documents(store: TuningStore, docs: Sequence[tuple[str, ConfigDocumen
     merging several machines' exports keeps the fastest), ``"overwrite"`` always replaces,
     ``"skip"`` never does. Entries whose document was tuned for another ``source_hash``
     than the registered template's are counted as stale and not written. Entries of
-    several documents for one problem are applied in order.
+    several documents for one problem are applied in order. A written entry keeps its
+    software (its own, or its document's).
 
     Arguments:
         store: the tuning database to write.
@@ -480,7 +503,9 @@ def _hardware(key: tuple[Any, ...]) -> str:
 
 
 def _imported(doc: ConfigDocument, e: ConfigEntry) -> ImportedBest:
+    software = SoftwareVersions.from_dict(doc.software if e.software is None else e.software)
     return ImportedBest(*doc.device.hardware_key(), template_name=doc.template,
                         source_hash=doc.source_hash, problem_key=dict(e.problem),
                         bucket=e.bucket, config=dict(e.config), median_ms=e.median_ms,
-                        tflops=e.tflops, trials_count=e.trials, tuned_at=e.tuned_at)
+                        tflops=e.tflops, trials_count=e.trials, tuned_at=e.tuned_at,
+                        software=software)

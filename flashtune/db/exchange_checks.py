@@ -20,13 +20,13 @@ from flashtune._version import __version__
 from flashtune.core.problem import AttentionProblem
 from flashtune.core.spec import TemplateSpec
 
-__all__ = ["FORMAT", "NAME_RULE", "SCHEMA_VERSION", "SOFTWARE_KEYS", "Bad", "device",
-           "dumps", "entry", "entry_list", "fields", "header", "integer", "is_name", "kind",
-           "load", "number", "printable", "show", "software", "string", "template",
+__all__ = ["ENTRY_SOFTWARE", "FORMAT", "NAME_RULE", "SCHEMA_VERSION", "SOFTWARE_KEYS", "Bad",
+           "device", "dumps", "entry", "entry_list", "fields", "header", "integer", "is_name",
+           "kind", "load", "number", "printable", "show", "software", "string", "template",
            "timestamp"]
 
 FORMAT = "flashtune-configs"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # the newest this code reads; it writes 1 where 1 can hold a document
 SOFTWARE_KEYS = ("cuda", "driver", "flashtune", "torch", "triton")
 MAX_STRING = 200
 NAME_RULE = ("1-200 characters of 0-9 A-Z a-z . _ + - starting with a letter or digit, "
@@ -38,6 +38,7 @@ DEVICE_KEYS = ("name", "compute_capability", "sm_count", "shared_mem_per_block",
                "total_memory")
 TEMPLATE_KEYS = ("name", "source_hash")
 ENTRY_KEYS = ("problem", "bucket", "config", "median_ms", "tflops", "trials", "tuned_at")
+ENTRY_SOFTWARE = "software"  # an entry's own software block: optional, schema_version 2
 
 _NAME = re.compile(r"[0-9A-Za-z][0-9A-Za-z._+-]{0,199}")
 _CC = re.compile(r"[0-9]{1,3}\.[0-9]{1,3}")
@@ -167,17 +168,21 @@ def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 # -- fields ---------------------------------------------------------------------------------
 
-def fields(value: Any, where: str, keys: tuple[str, ...]) -> dict[str, Any]:
-    """``value`` as an object with exactly ``keys``."""
+def fields(value: Any, where: str, keys: tuple[str, ...],
+           optional: tuple[str, ...] = ()) -> dict[str, Any]:
+    """``value`` as an object with exactly ``keys``, and any of ``optional``."""
     label = where or "the document"
     expected = f"an object with exactly the keys {', '.join(keys)}"
+    if optional:
+        expected += f" (and optionally {', '.join(optional)})"
+    keys = (*keys, *optional)
     if not isinstance(value, dict):
         raise Bad(f"{where or 'the top level'} is {kind(value)}; expected {expected}")
     unknown = [k for k in value if k not in keys]
     if unknown:
         more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
         raise Bad(f"{label} has the unknown key {show(unknown[0])}{more}; expected {expected}")
-    missing = [k for k in keys if k not in value]
+    missing = [k for k in keys if k not in value and k not in optional]
     if missing:
         raise Bad(f"{label} lacks the key {missing[0]!r}; expected {expected}")
     return value
@@ -225,8 +230,9 @@ def timestamp(value: Any, where: str) -> datetime:
 
 # -- the document's parts -------------------------------------------------------------------
 
-def header(obj: Any) -> None:
-    """The top level: an object of this format and schema version, with exactly its keys."""
+def header(obj: Any) -> int:
+    """The top level: an object of this format and a schema version this code reads (1 to
+    ``SCHEMA_VERSION``), with exactly its keys; returns the schema version."""
     if not isinstance(obj, dict):
         raise Bad(f"the top level is {kind(obj)}; expected a JSON object (a {FORMAT} "
                   "document)")
@@ -236,10 +242,11 @@ def header(obj: Any) -> None:
     version = obj.get("schema_version")
     if not isinstance(version, bool) and isinstance(version, int) and version > SCHEMA_VERSION:
         raise Bad(f"schema_version is {version}: written by a newer flashtune (this is "
-                  f"{__version__}, which reads schema_version {SCHEMA_VERSION}); expected "
-                  f"{SCHEMA_VERSION}: upgrade flashtune to import it")
-    integer(version, "schema_version", SCHEMA_VERSION, SCHEMA_VERSION)
+                  f"{__version__}, which reads schema_version 1 to {SCHEMA_VERSION}); "
+                  f"expected at most {SCHEMA_VERSION}: upgrade flashtune to import it")
+    version = integer(version, "schema_version", 1, SCHEMA_VERSION)
     fields(obj, "", TOP_KEYS)
+    return version
 
 
 def device(value: Any) -> tuple[str, str, int, int, int]:
@@ -257,9 +264,11 @@ def device(value: Any) -> tuple[str, str, int, int, int]:
             integer(d["total_memory"], "device.total_memory", 0, 2**52))
 
 
-def software(value: Any) -> dict[str, str]:
-    s = fields(value, "software", SOFTWARE_KEYS)
-    return {k: string(s[k], f"software.{k}") for k in SOFTWARE_KEYS}
+def software(value: Any, where: str = "software") -> dict[str, str]:
+    """A software block (the document's, or an entry's at ``where``): every key of
+    ``SOFTWARE_KEYS``, each a string."""
+    s = fields(value, where, SOFTWARE_KEYS)
+    return {k: string(s[k], f"{where}.{k}") for k in SOFTWARE_KEYS}
 
 
 def template(value: Any, specs: Mapping[str, TemplateSpec]
@@ -287,12 +296,16 @@ def entry_list(value: Any, max_entries: int) -> list[Any]:
     return value
 
 
-def entry(value: Any, where: str, spec: TemplateSpec, problem_type: type[AttentionProblem]
-          ) -> dict[str, Any]:
-    """The ``ConfigEntry`` fields of one entry; the config validated by ``spec.space``."""
+def entry(value: Any, where: str, spec: TemplateSpec, problem_type: type[AttentionProblem],
+          version: int = SCHEMA_VERSION) -> dict[str, Any]:
+    """The ``ConfigEntry`` fields of one entry of a ``version`` document; the config
+    validated by ``spec.space``; ``software`` only when the entry has its own."""
     from flashtune.core.errors import ConfigError
 
-    e = fields(value, where, ENTRY_KEYS)
+    if version < 2 and isinstance(value, dict) and ENTRY_SOFTWARE in value:
+        raise Bad(f"{where} has the key {ENTRY_SOFTWARE!r}, which schema_version {version} "
+                  "does not allow; expected schema_version 2 for an entry's own software")
+    e = fields(value, where, ENTRY_KEYS, (ENTRY_SOFTWARE,) if version >= 2 else ())
     problem = _problem(e["problem"], f"{where}.problem", problem_type)
     bucket = string(e["bucket"], f"{where}.bucket")
     if bucket != problem.bucket():
@@ -317,8 +330,10 @@ def entry(value: Any, where: str, spec: TemplateSpec, problem_type: type[Attenti
     except ConfigError as exc:
         raise Bad(str(exc)) from None
     tflops = e["tflops"]
+    own = {} if ENTRY_SOFTWARE not in e else \
+        {"software": software(e[ENTRY_SOFTWARE], f"{where}.{ENTRY_SOFTWARE}")}
     return dict(
-        problem=problem.key(), bucket=bucket, config=config,
+        **own, problem=problem.key(), bucket=bucket, config=config,
         median_ms=number(e["median_ms"], f"{where}.median_ms", lambda v: 0 < v < 1e7,
                          "a finite number of milliseconds > 0 and < 1e7"),
         tflops=None if tflops is None else number(

@@ -30,6 +30,8 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 __all__ = ["Base", "BestConfig", "Device", "Problem", "Run", "Template", "Trial", "utcnow"]
 
+VERSION_LENGTH = 200  # a best config's version strings: as long as a config file's may be
+
 
 def utcnow() -> datetime:
     """The current time, timezone-aware UTC."""
@@ -175,6 +177,17 @@ class BestConfig(Base):
     trial_id: Mapped[int | None] = mapped_column(ForeignKey("ft_trials.id", ondelete="SET NULL"))
     trials_count: Mapped[int] = mapped_column(Integer, default=0)
     tuned_at: Mapped[datetime]
+    # the software it was tuned under (its trial's run's, or an imported file's); since 0004
+    flashtune_version: Mapped[str] = mapped_column(String(VERSION_LENGTH), default="",
+                                                   server_default="")
+    torch_version: Mapped[str] = mapped_column(String(VERSION_LENGTH), default="",
+                                               server_default="")
+    triton_version: Mapped[str] = mapped_column(String(VERSION_LENGTH), default="",
+                                                server_default="")
+    cuda_version: Mapped[str] = mapped_column(String(VERSION_LENGTH), default="",
+                                              server_default="")
+    driver_version: Mapped[str] = mapped_column(String(VERSION_LENGTH), default="",
+                                                server_default="")
 
 
 FT_TABLES: tuple[str, ...] = tuple(Base.metadata.tables)

@@ -9,10 +9,10 @@ Timestamps are timezone-aware UTC ``datetime`` objects.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from datetime import datetime
 from enum import Enum
-from typing import Any
+from typing import Any, Mapping
 
 __all__ = [
     "BestConfigRecord",
@@ -21,6 +21,7 @@ __all__ = [
     "ProblemRecord",
     "RunRecord",
     "RunStatus",
+    "SoftwareVersions",
     "TemplateRecord",
     "TrialRecord",
     "TrialState",
@@ -59,6 +60,35 @@ class RunStatus(str, Enum):
 
     def __str__(self) -> str:
         return self.value
+
+
+@dataclass(frozen=True)
+class SoftwareVersions:
+    """The software a result was measured under; ``""`` where unknown.
+
+    The field names are the keys of a config file's ``software`` block
+    (``flashtune.db.exchange_checks.SOFTWARE_KEYS``); :meth:`as_dict` and
+    :meth:`from_dict` convert.
+    """
+
+    cuda: str = ""
+    driver: str = ""
+    flashtune: str = ""
+    torch: str = ""
+    triton: str = ""
+
+    @classmethod
+    def from_dict(cls, versions: Mapping[str, str]) -> SoftwareVersions:
+        """From a ``software`` block; missing keys are ``""``, unknown ones a ValueError."""
+        names = [f.name for f in fields(cls)]
+        unknown = sorted(set(versions) - set(names))
+        if unknown:
+            raise ValueError(f"unknown software keys {unknown}; expected some of {names}")
+        return cls(**{k: versions[k] for k in names if k in versions})
+
+    def as_dict(self) -> dict[str, str]:
+        """``{"cuda": ..., "driver": ..., "flashtune": ..., "torch": ..., "triton": ...}``."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 @dataclass(frozen=True)
@@ -160,6 +190,8 @@ class BestConfigRecord:
     trial_id: int | None  # None when imported from a file rather than measured here
     trials_count: int
     tuned_at: datetime
+    # what it was tuned under: its trial's run's versions, or the imported file's
+    software: SoftwareVersions
 
 
 @dataclass(frozen=True)
@@ -184,6 +216,7 @@ class ImportedBest:
     tflops: float | None
     trials_count: int
     tuned_at: datetime  # timezone-aware
+    software: SoftwareVersions = SoftwareVersions()  # what the entry was tuned under
 
     def hardware_key(self) -> tuple[str, str, int, int, int]:
         return (self.device_name, self.compute_capability, self.sm_count,

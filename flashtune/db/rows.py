@@ -4,8 +4,10 @@ Each function taking a session works inside a transaction the caller already hol
 (``s``) and never commits: the store's ``ensure_*`` methods run ``find_*`` first and
 ``add_*`` when nothing was found (see ``TransactionRunner._get_or_create``);
 ``import_best`` runs ``*_row`` (find or add) for many entries in one transaction.
-``offer_best`` and ``import_best`` share :func:`best_values` (checks, before anything is
-written) and :func:`put_best` (the compare-and-set on the locked best-config row).
+``offer_best`` and ``import_best`` share :func:`best_values` and :func:`software_values`
+(checks, before anything is written) and :func:`put_best` (the compare-and-set on the
+locked best-config row); ``offer_best`` takes the software of its trial's run from
+:func:`trial_software`.
 """
 
 from __future__ import annotations
@@ -17,12 +19,14 @@ from typing import Any, Mapping
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from flashtune.db import convert
 from flashtune.db.jsonutil import canonical_json
-from flashtune.db.models import BestConfig, Device, Problem, Template
+from flashtune.db.models import VERSION_LENGTH, BestConfig, Device, Problem, Run, Template, Trial
+from flashtune.db.records import SoftwareVersions
 
 __all__ = ["add_device", "add_problem", "add_template", "aware_utc", "best_row", "best_values",
            "device_row", "find_device", "find_problem", "find_template", "problem_row",
-           "put_best", "template_row"]
+           "put_best", "software_values", "template_row", "trial_software"]
 
 HardwareKey = tuple[str, str, int, int, int]
 
@@ -109,6 +113,29 @@ def best_values(config: Mapping[str, Any], median_ms: float, tflops: float | Non
     return dict(config_json=canonical_json(dict(config)), median_ms=float(median_ms),
                 tflops=None if tflops is None else float(tflops), trial_id=trial_id,
                 trials_count=count)
+
+
+def software_values(software: SoftwareVersions) -> dict[str, str]:
+    """A best-config row's version columns, checked before anything is written
+    (``ValueError`` unless each is a string of at most ``VERSION_LENGTH`` characters)."""
+    values = {}
+    for name, version in software.as_dict().items():
+        if not isinstance(version, str) or len(version) > VERSION_LENGTH:
+            raise ValueError(f"software.{name} must be a string of at most {VERSION_LENGTH} "
+                             f"characters, got {version!r:.80}")
+        values[f"{name}_version"] = version
+    return values
+
+
+def trial_software(s: Session, trial_id: int | None) -> SoftwareVersions:
+    """The versions the run of trial ``trial_id`` recorded; empty without a trial."""
+    if trial_id is None:
+        return SoftwareVersions()
+    run = s.scalars(select(Run).join(Trial, Trial.run_id == Run.id)
+                    .where(Trial.id == trial_id)).one_or_none()
+    if run is None:  # no such trial: the insert's foreign key check says so
+        return SoftwareVersions()
+    return convert.software(run)
 
 
 def put_best(s: Session, study: tuple[int, int, int], values: Mapping[str, Any],

@@ -28,6 +28,7 @@ from flashtune.db.records import (
     ProblemRecord,
     RunRecord,
     RunStatus,
+    SoftwareVersions,
     TemplateRecord,
     TrialRecord,
     TrialState,
@@ -318,13 +319,17 @@ class SQLAlchemyStore(TransactionRunner, TuningStore):
 
     def offer_best(self, device_id: int, template_id: int, problem_id: int, *,
                    config: Mapping[str, Any], median_ms: float, tflops: float | None,
-                   trial_id: int | None, trials_count: int) -> bool:
+                   trial_id: int | None, trials_count: int,
+                   software: SoftwareVersions | None = None) -> bool:
         values = rows.best_values(config, median_ms, tflops, trial_id, trials_count)
+        given = None if software is None else rows.software_values(software)
 
         def work(s: Session) -> bool:
+            versions = given if given is not None else \
+                rows.software_values(rows.trial_software(s, trial_id))
             # a concurrent first offer fails on the unique constraint: retried as a comparison
-            outcome = rows.put_best(s, (device_id, template_id, problem_id), values,
-                                    utcnow(), "keep-faster")
+            outcome = rows.put_best(s, (device_id, template_id, problem_id),
+                                    {**values, **versions}, utcnow(), "keep-faster")
             return outcome != "kept"
 
         return self._run("offer_best", work, write=True, conflict_retries=CONFLICT_RETRIES)
@@ -335,7 +340,9 @@ class SQLAlchemyStore(TransactionRunner, TuningStore):
             raise ValueError(f"unknown import policy {policy!r}; expected one of "
                              f"{', '.join(IMPORT_POLICIES)}")
         prepared = [(e, canonical_json(dict(e.problem_key)),
-                     rows.best_values(e.config, e.median_ms, e.tflops, None, e.trials_count),
+                     {**rows.best_values(e.config, e.median_ms, e.tflops, None,
+                                         e.trials_count),
+                      **rows.software_values(e.software)},
                      rows.aware_utc(e.tuned_at, "tuned_at")) for e in entries]
 
         def work(s: Session) -> list[str]:

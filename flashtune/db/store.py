@@ -20,6 +20,7 @@ from flashtune.db.records import (
     ProblemRecord,
     RunRecord,
     RunStatus,
+    SoftwareVersions,
     TemplateRecord,
     TrialRecord,
     TrialState,
@@ -124,7 +125,7 @@ class TuningStore(abc.ABC):
     @abc.abstractmethod
     def latest_run(self, device_id: int, template_id: int) -> RunRecord | None:
         """The run of ``device_id`` and ``template_id`` (any problem, any status) started
-        last, or None: where an export finds the software versions of its results."""
+        last, or None."""
 
     @abc.abstractmethod
     def list_runs(self, device_id: int | None = None, template_id: int | None = None,
@@ -218,11 +219,15 @@ class TuningStore(abc.ABC):
     @abc.abstractmethod
     def offer_best(self, device_id: int, template_id: int, problem_id: int, *,
                    config: Mapping[str, Any], median_ms: float, tflops: float | None,
-                   trial_id: int | None, trials_count: int) -> bool:
+                   trial_id: int | None, trials_count: int,
+                   software: SoftwareVersions | None = None) -> bool:
         """Make ``config`` the study's best if there is none or it is strictly faster.
 
-        Atomic: concurrent offers never lose the fastest. Returns whether it became the
-        best; a slower or equal offer returns False and changes nothing.
+        The best config keeps the ``software`` it was tuned under; None (the default)
+        takes the versions of ``trial_id``'s run, read in the same transaction (empty
+        versions without a trial). Atomic: concurrent offers never lose the fastest.
+        Returns whether it became the best; a slower or equal offer returns False and
+        changes nothing.
         """
 
     @abc.abstractmethod
@@ -232,7 +237,8 @@ class TuningStore(abc.ABC):
 
         Devices, templates and problems are found or created as by the ``ensure_*``
         methods (a new problem gets the entry's bucket); each entry's best config gets
-        ``trial_id`` None and keeps its ``tuned_at``, ``trials_count`` and timings.
+        ``trial_id`` None and keeps its ``tuned_at``, ``trials_count``, timings and
+        ``software``.
         ``policy`` decides what happens where the study already has a best config:
         ``"keep-faster"`` replaces it only with a strictly faster one (lower
         ``median_ms``), ``"overwrite"`` always replaces it, ``"skip"`` never does. Entries
@@ -241,7 +247,8 @@ class TuningStore(abc.ABC):
         Returns one outcome per entry, in order: ``"added"`` (the study had none),
         ``"replaced"``, ``"kept"`` (keep-faster, the stored one is as fast or faster) or
         ``"skipped"`` (skip policy). An unknown policy or an impossible value (NaN,
-        ``median_ms`` <= 0, a naive ``tuned_at``, a config that is not JSON) raises
+        ``median_ms`` <= 0, a naive ``tuned_at``, a config that is not JSON, a version
+        over 200 characters) raises
         ``ValueError`` before anything is written; a read-only store raises ``StoreError``.
         """
 

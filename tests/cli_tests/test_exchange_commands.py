@@ -12,7 +12,7 @@ from flashtune.cli.exchange_commands import POLICIES
 from flashtune.cli.main import cli
 from flashtune.db.exchange import config_file_name, read_document
 from flashtune.db.store import IMPORT_POLICIES
-from tests.db_tests.exchange_support import OLD_SOURCE, dump, populate
+from tests.db_tests.exchange_support import OLD_SOURCE, dump, populate, without_exported_at
 from tests.db_tests.support import A100, H100
 
 from flashtune.kernel_templates import catalog  # noqa: E402
@@ -139,6 +139,27 @@ def test_import_files_then_a_directory_prints_the_report(db: str, tmp_path: Path
         "imported 2 files (policy overwrite): 0 added, 5 replaced, 0 kept, 0 skipped, 0 stale")
     code, output = invoke("--db", fresh, "import", "--policy", "skip", str(h100))
     assert code == 0 and "0 added, 0 replaced, 0 kept, 3 skipped" in output
+
+
+def test_export_import_export_writes_the_same_files(db: str, tmp_path: Path) -> None:
+    """The files of a second export, from a fresh database the first one was imported
+    into, are the first export's bytes but for exported_at; here the H100's entries were
+    tuned under two softwares."""
+    populate(db, H100, {3: 0.5}, versions=dict(torch_version="2.7.0", triton_version="3.3.0"))
+    first, second = tmp_path / "first", tmp_path / "second"
+    assert invoke("--db", db, "export", "-o", str(first))[0] == 0
+    fresh = f"sqlite:///{tmp_path / 'fresh.db'}"
+    assert invoke("--db", fresh, "import", str(first))[0] == 0
+    assert invoke("--db", fresh, "export", "-o", str(second))[0] == 0
+    assert sorted(p.name for p in second.iterdir()) == [A100_FILE, H100_FILE]
+    for name in (A100_FILE, H100_FILE):
+        assert without_exported_at((second / name).read_text()) == \
+            without_exported_at((first / name).read_text())
+    data = json.loads((second / H100_FILE).read_text())
+    assert data["schema_version"] == 2 and data["software"]["torch"] == "2.7.0"
+    assert sorted(e.get("software", {}).get("torch", "-") for e in data["entries"]) == \
+        ["-", "2.5.1", "2.5.1", "2.5.1"]
+    assert json.loads((second / A100_FILE).read_text())["schema_version"] == 1
 
 
 def test_import_reports_stale_files(tmp_path: Path) -> None:

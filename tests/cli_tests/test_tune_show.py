@@ -12,6 +12,7 @@ import re
 import sys
 import types
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,8 @@ from flashtune.core.device import DeviceFingerprint
 from flashtune.autotune.presets import preset
 from flashtune.core.problem import AttentionProblem
 from flashtune.cli.main import cli
-from flashtune.db import TrialState, open_store
+from flashtune.db import SoftwareVersions, TrialState, open_store
+from flashtune.db.records import ImportedBest
 from flashtune.core.errors import StoreError
 
 SHAPE = ["--batch", "2", "--heads", "8", "--kv-heads", "2", "--seqlen", "256",
@@ -430,11 +432,13 @@ CFG = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
 
 
 def _add_best(store: Any, device: DeviceFingerprint, template: str,
-              problem: AttentionProblem, ms: float, tflops: float) -> None:
+              problem: AttentionProblem, ms: float, tflops: float | None,
+              **versions: str) -> None:
     d = store.ensure_device(device)
     t = store.ensure_template(template, "0123456789abcdef")
     p = store.ensure_problem(template, problem.key(), problem.bucket())
-    r = store.create_run(d.id, t.id, p.id, study_name="s", sampler="RandomSampler", seed=0)
+    r = store.create_run(d.id, t.id, p.id, study_name="s", sampler="RandomSampler", seed=0,
+                         **versions)
     trial = store.record_trial(r.id, CFG, TrialState.COMPLETE, median_ms=ms, tflops=tflops)
     assert store.offer_best(d.id, t.id, p.id, config=CFG, median_ms=ms, tflops=tflops,
                             trial_id=trial.id, trials_count=12)
@@ -501,6 +505,40 @@ def test_show_json_round_trip(populated: str) -> None:
     assert [r["template"] for r in only] == ["attn_bwd"]
 
 
+def test_show_software(tmp_path: Path) -> None:
+    """``--software`` adds what each config was tuned under (its run's versions, or the
+    imported file's; '-' where unknown); ``--json`` always has it."""
+    url = f"sqlite:///{tmp_path / 'tuned.db'}"
+    problem = AttentionProblem(4, 32, 8, 4096, 4096, 128, True, "bf16")
+    small = AttentionProblem(1, 2, 2, 64, 64, 16, False, "fp16")
+    with open_store(url) as store:
+        _add_best(store, H100, "attn_fwd", problem, 1.25, 440.5, flashtune_version="0.3.0",
+                  torch_version="2.6.0+cu126", triton_version="3.2.0", cuda_version="12.6",
+                  driver_version="560.35.03")
+        store.import_best([ImportedBest(
+            *H100.hardware_key(), template_name="attn_fwd", source_hash="0123456789abcdef",
+            problem_key=small.key(), bucket=small.bucket(), config=CFG, median_ms=80.0,
+            tflops=None, trials_count=3, tuned_at=datetime(2025, 1, 31, tzinfo=timezone.utc),
+            software=SoftwareVersions(torch="2.5.1"))])
+    plain = run("--db", url, "show")
+    assert plain.exit_code == 0 and "triton" not in plain.output
+    result = run("--db", url, "show", "--software")
+    assert result.exit_code == 0, result.output
+    header, *rows = result.output.strip().splitlines()
+    assert header.split()[-6:] == ["tuned_at", "flashtune", "torch", "triton", "cuda",
+                                   "driver"]
+    by_shape = {("D=128" in row): row.split() for row in rows}
+    assert by_shape[True][-5:] == ["0.3.0", "2.6.0+cu126", "3.2.0", "12.6", "560.35.03"]
+    assert by_shape[False][-5:] == ["-", "2.5.1", "-", "-", "-"]
+    data = json.loads(run("--db", url, "show", "--json").output)
+    assert {r["bucket"]: r["software"] for r in data} == {
+        problem.bucket(): {"cuda": "12.6", "driver": "560.35.03", "flashtune": "0.3.0",
+                           "torch": "2.6.0+cu126", "triton": "3.2.0"},
+        small.bucket(): {"cuda": "", "driver": "", "flashtune": "", "torch": "2.5.1",
+                         "triton": ""}}
+    assert json.loads(run("--db", url, "show", "--json", "--software").output) == data
+
+
 def test_show_missing_database(tmp_path: Path) -> None:
     path = tmp_path / "none.db"
     result = run("--db", f"sqlite:///{path}", "show")
@@ -543,6 +581,10 @@ def test_tune_end_to_end_interpreter(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert "B=1 Hq=2 Hkv=2 Nq=32 Nk=32 D=16 fp16" in result.output
     rows = json.loads(run("--db", url, "show", "--json").output)
     assert any(r["problem"]["seqlen_q"] == 32 for r in rows), result.output
+    with open_store(url, read_only=True) as store:  # the best config keeps its run's software
+        [tuned] = store.list_runs()
+        assert {r["software"]["torch"] for r in rows} == {tuned.torch_version} != {""}
+        assert {r["software"]["triton"] for r in rows} == {tuned.triton_version}
 
 
 @pytest.mark.slow

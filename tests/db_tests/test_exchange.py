@@ -15,8 +15,10 @@ from pathlib import Path
 import pytest
 from sqlalchemy.exc import OperationalError
 
+import flashtune
 from flashtune.core.device import DeviceFingerprint
-from flashtune.db import open_store, rows
+from flashtune.core.problem import AttentionProblem
+from flashtune.db import SoftwareVersions, open_store, rows
 from flashtune.db.exchange import (
     ConfigDocument,
     DeviceInfo,
@@ -29,14 +31,19 @@ from flashtune.db.exchange import (
     read_document,
 )
 from flashtune.core.errors import ImportRejected, StoreError, UnknownTemplateError
+from flashtune.db.records import ImportedBest
+from flashtune.db.store import TuningStore
 from tests.db_tests.exchange_support import (
+    CONFIGS,
     OLD_SOURCE,
     PROBLEMS,
     SOURCE,
+    T0,
+    VERSIONS,
     dump,
     make_document,
-    normalised,
     populate,
+    without_exported_at,
 )
 from tests.db_tests.support import A100, H100
 
@@ -130,6 +137,43 @@ def test_document_to_json_refuses_what_it_could_not_read_back() -> None:
         document_to_json(replace(doc, entries=(bad,)))
 
 
+def test_an_entry_has_its_own_software_only_where_it_differs() -> None:
+    doc = parse_document(document_to_json(make_document(n=3)), specs=SPECS)
+    other = {**doc.software, "triton": "3.3.0", "driver": ""}
+    entries = (replace(doc.entries[0], software=None),  # None: the document's
+               replace(doc.entries[1], software=dict(doc.software)),
+               replace(doc.entries[2], software={"triton": "3.3.0", "torch": "2.5.1",
+                                                 "flashtune": "0.1.0", "cuda": "12.4"}))
+    text = document_to_json(replace(doc, entries=entries))
+    data = json.loads(text)
+    assert data["schema_version"] == 2 and data["software"] == doc.software
+    own = {PROBLEMS.index(AttentionProblem.from_key(e["problem"])): e.get("software")
+           for e in data["entries"]}
+    assert own == {0: None, 1: None, 2: other}  # missing keys written empty
+    parsed = parse_document(text, specs=SPECS)
+    assert [e.software for e in parsed.entries] == [doc.software, doc.software, other]
+    assert document_to_json(parsed) == text
+    # one software for all: schema_version 1, no entry's own block, as before
+    plain = document_to_json(replace(doc, entries=entries[:2]))
+    assert json.loads(plain)["schema_version"] == 1 and '"software"' not in \
+        plain.split('"entries"')[1].split('"exported_at"')[0]
+    with pytest.raises(ValueError, match="unknown software keys \\['python'\\]"):
+        document_to_json(replace(doc, entries=(replace(entries[0], software={"python": "3"}),)))
+
+
+def test_a_version_2_file_is_read_and_written_in_its_one_form() -> None:
+    """An entry's own software equal to the document's is allowed, and dropped on writing
+    (which then writes version 1): a document has one text."""
+    text = document_to_json(parse_document(document_to_json(make_document(n=2)),
+                                           specs=SPECS))
+    data = json.loads(text)
+    data["schema_version"] = 2
+    data["entries"][0]["software"] = dict(data["software"])
+    parsed = parse_document(json.dumps(data), specs=SPECS)
+    assert parsed.entries[0].software == parsed.entries[1].software == parsed.software
+    assert document_to_json(parsed) == text
+
+
 def test_read_document_names_the_file_and_refuses_non_files(tmp_path: Path) -> None:
     path = tmp_path / "x.json"
     path.write_text(document_to_json(make_document()))
@@ -166,12 +210,101 @@ def test_export_import_export_round_trip(tmp_path: Path, url: str) -> None:
     assert [(f.added, f.replaced, f.kept, f.skipped, f.stale) for f in report.files] == \
         [(2, 0, 0, 0, 0), (3, 0, 0, 0, 0)]
     again = export(fresh)
-    assert [normalised(document_to_json(d)) for d in again] == \
-        [normalised(document_to_json(d)) for d in docs]
-    assert set(again[0].software.values()) == {""}  # no runs: imports record none
+    # the same text but for exported_at: the software came along although imports record
+    # no run, and one software per document is still schema_version 1
+    texts = [document_to_json(d) for d in docs]
+    assert [without_exported_at(document_to_json(d)) for d in again] == \
+        [without_exported_at(t) for t in texts]
+    assert [json.loads(t)["schema_version"] for t in texts] == [1, 1]
+    assert again[1].software == docs[1].software
     with open_store(fresh, read_only=True) as store:
         assert {b.trial_id for b in store.list_best()} == {None}
         assert store.list_trials() == []
+        assert {b.software.torch for b in store.list_best()} == {"2.5.1"}
+
+
+NEWER = dict(flashtune_version="0.9.0", torch_version="2.7.0", triton_version="3.3.0",
+             cuda_version="12.8", driver_version="570.86.10")
+
+
+def test_a_document_of_entries_tuned_under_two_softwares_round_trips(
+        tmp_path: Path, url: str, store: TuningStore) -> None:
+    """Problems 0 and 1 tuned under VERSIONS, then 2 under NEWER: the document's software
+    is NEWER (its most recently tuned entry's), and 0 and 1 carry their own. Imported into
+    a fresh database of each backend and exported again: the same text."""
+    populate(url, H100, {0: 1.5, 1: 0.25})
+    populate(url, H100, {2: 4.0}, versions=NEWER)
+    (doc,) = export(url)
+    text = document_to_json(doc)
+    data = json.loads(text)
+    older = {"flashtune": flashtune.__version__,  # create_run's default
+             **{k.removesuffix("_version"): v for k, v in VERSIONS.items()}}
+    newer = {k.removesuffix("_version"): v for k, v in NEWER.items()}
+    assert data["schema_version"] == 2 and data["software"] == newer
+    own = {PROBLEMS.index(AttentionProblem.from_key(e["problem"])): e.get("software")
+           for e in data["entries"]}
+    assert own == {0: older, 1: older, 2: None}
+    assert {PROBLEMS.index(AttentionProblem.from_key(e.problem)): e.software
+            for e in doc.entries} == {0: older, 1: older, 2: newer}
+
+    report = import_documents(store, [("h100.json", doc)], specs=SPECS)
+    assert report.total("added") == 3
+    assert sorted(b.software.torch for b in store.list_best()) == ["2.5.1", "2.5.1", "2.7.0"]
+    (again,) = export_documents(store, specs=SPECS)
+    assert without_exported_at(document_to_json(again)) == without_exported_at(text)
+    # and once more, from a file the round trip wrote
+    path = tmp_path / again.file_name()
+    path.write_text(document_to_json(again))
+    last = other_url(tmp_path, "last.db")
+    import_(last, [read_document(path, specs=SPECS)])
+    (final,) = export(last)
+    assert without_exported_at(document_to_json(final)) == without_exported_at(text)
+
+
+SHIPPED = Path(flashtune.__file__).parent / "configs" / config_file_name(H100.name,
+                                                                         "attn_fwd")
+
+
+def test_the_shipped_h100_file_round_trips(tmp_path: Path, store: TuningStore) -> None:
+    """Imported into a fresh database of each backend and exported, the shipped file comes
+    back as it is (but for exported_at), and so does that export's own round trip."""
+    shipped = SHIPPED.read_text()
+    import_documents(store, [(str(SHIPPED), parse_document(shipped, specs=SPECS))],
+                     specs=SPECS)
+    (doc,) = export_documents(store, specs=SPECS)
+    first = document_to_json(doc)
+    assert without_exported_at(first) == without_exported_at(shipped)
+    assert json.loads(first)["schema_version"] == 1
+    software = json.loads(shipped)["software"]
+    assert {b.software.as_dict() == software for b in store.list_best()} == {True}
+    second = other_url(tmp_path, "second.db")
+    import_(second, [parse_document(first, specs=SPECS)])
+    (again,) = export(second)
+    assert without_exported_at(document_to_json(again)) == without_exported_at(first)
+
+
+def test_an_entry_without_known_software_is_written_with_empty_versions(url: str) -> None:
+    """A best config whose software was never recorded (imported before schema 0004)
+    exports empty versions: never another entry's or another run's."""
+    populate(url, H100, {0: 1.0, 1: 2.0})
+    with open_store(url) as store:
+        assert store.import_best([_imported_entry(2)]) == ["added"]
+        [best] = [b for b in store.list_best() if b.problem.key == PROBLEMS[2].key()]
+        assert best.software == SoftwareVersions()
+    (doc,) = export(url)
+    data = json.loads(document_to_json(doc))
+    blank = {k: "" for k in data["software"]}
+    [entry] = [e for e in data["entries"] if e["problem"] == PROBLEMS[2].key()]
+    assert data["schema_version"] == 2 and entry["software"] == blank
+    assert data["software"]["torch"] == "2.5.1"  # the most recently tuned entry's
+
+
+def _imported_entry(i: int) -> ImportedBest:
+    """``PROBLEMS[i]`` on the H100, tuned long ago and imported without any software."""
+    return ImportedBest(*H100.hardware_key(), template_name="attn_fwd", source_hash=SOURCE,
+                        problem_key=PROBLEMS[i].key(), bucket=PROBLEMS[i].bucket(),
+                        config=dict(CONFIGS[0]), median_ms=1.0, tflops=None,
+                        trials_count=1, tuned_at=T0)
 
 
 def test_export_filters(url: str) -> None:

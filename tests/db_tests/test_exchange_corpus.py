@@ -43,10 +43,12 @@ def doc() -> dict[str, Any]:
     return json.loads(VALID)
 
 
-def edit(path: str, value: Any = None, *, delete: bool = False) -> Callable[[], bytes]:
-    """The valid document with the value at ``path`` (dots; ints index lists) replaced."""
+def edit(path: str, value: Any = None, *, delete: bool = False,
+         base: dict[str, Any] | None = None) -> Callable[[], bytes]:
+    """The valid document (or ``base``) with the value at ``path`` (dots; ints index
+    lists) replaced."""
     def make() -> bytes:
-        data = doc()
+        data = copy.deepcopy(base) if base is not None else doc()
         *parents, last = [int(p) if p.isdigit() else p for p in path.split(".")]
         node = data
         for p in parents:
@@ -56,6 +58,22 @@ def edit(path: str, value: Any = None, *, delete: bool = False) -> Callable[[], 
         else:
             node[last] = value
         return json.dumps(data, allow_nan=True).encode()
+    return make
+
+
+SOFTWARE = {"cuda": "12.8", "driver": "570.86.10", "flashtune": "0.9.0", "torch": "2.7.0",
+            "triton": "3.3.0"}
+
+
+def v2(path: str, value: Any = None, *, delete: bool = False) -> Callable[[], bytes]:
+    """:func:`edit` of the valid document made schema_version 2, each entry with its own
+    software block (``SOFTWARE``)."""
+    def make() -> bytes:
+        data = doc()
+        data["schema_version"] = 2
+        for e in data["entries"]:
+            e["software"] = dict(SOFTWARE)
+        return edit(path, value, delete=delete, base=data)()
     return make
 
 
@@ -111,10 +129,11 @@ CASES = [
     Case("wrong-format", edit("format", "flashtune-config"),
          r"^format is the string 'flashtune-config'; expected 'flashtune-configs'"),
     Case("missing-format", edit("format", delete=True), r"^format is missing; expected"),
-    Case("schema-version-2", edit("schema_version", 2),
-         r"^schema_version is 2: written by a newer flashtune .*upgrade flashtune"),
+    Case("schema-version-3", edit("schema_version", 3),
+         r"^schema_version is 3: written by a newer flashtune \(this is .*, which reads "
+         r"schema_version 1 to 2\); expected at most 2: upgrade flashtune"),
     Case("schema-version-0", edit("schema_version", 0),
-         rf"^schema_version is the integer 0; {INT} 1 to 1"),
+         rf"^schema_version is the integer 0; {INT} 1 to 2"),
     Case("schema-version-string", edit("schema_version", "1"),
          r"^schema_version is the string '1'"),
     Case("schema-version-bool", edit("schema_version", True), r"^schema_version is the bool true"),
@@ -157,6 +176,28 @@ CASES = [
          r"^software has the unknown key 'python'"),
     Case("software-value-int", edit("software.torch", 2),
          r"^software\.torch is the integer 2; expected a string"),
+    Case("software-missing-key", edit("software.driver", delete=True),
+         r"^software lacks the key 'driver'"),
+    # an entry's own software: schema_version 2 only, the document's keys and types
+    Case("entry-software-in-version-1", edit("entries.0.software", SOFTWARE),
+         r"^entries\[0\] has the key 'software', which schema_version 1 does not allow; "
+         r"expected schema_version 2 for an entry's own software"),
+    Case("entry-software-unknown-key", v2("entries.1.software.python", "3.11"),
+         r"^entries\[1\]\.software has the unknown key 'python'; expected an object with "
+         r"exactly the keys cuda, driver, flashtune, torch, triton"),
+    Case("entry-software-missing-key", v2("entries.1.software.torch", delete=True),
+         r"^entries\[1\]\.software lacks the key 'torch'"),
+    Case("entry-software-value-int", v2("entries.0.software.triton", 3),
+         r"^entries\[0\]\.software\.triton is the integer 3; expected a string"),
+    Case("entry-software-too-long", v2("entries.0.software.torch", "2" * 201),
+         r"^entries\[0\]\.software\.torch is a string of 201 characters; expected at most"),
+    Case("entry-software-null", v2("entries.2.software", None),
+         r"^entries\[2\]\.software is null; expected an object with exactly the keys"),
+    Case("entry-software-string", v2("entries.2.software", "2.5.1"),
+         r"^entries\[2\]\.software is the string '2\.5\.1'; expected an object"),
+    Case("entry-unknown-key-in-version-2", v2("entries.1.note", "fast"),
+         r"^entries\[1\] has the unknown key 'note'; expected an object with exactly the "
+         r"keys .*tuned_at \(and optionally software\)"),
     Case("unknown-template", edit("template.name", "attn_nope"),
          r"^template\.name is 'attn_nope', an unknown template; expected one of (attn_\w+, )*attn_fwd\b"),
     Case("template-name-path", edit("template.name", "../attn_fwd"),
@@ -275,6 +316,8 @@ def check_message(message: str, origin: str, case: Case) -> None:
 def test_the_corpus_is_large_and_the_valid_document_passes() -> None:
     assert len(CASES) >= 25 and len({c.id for c in CASES}) == len(CASES)
     assert len(parse_document(VALID, specs=SPECS).entries) == 3
+    own = parse_document(v2("entries.0.tuned_at", "2025-01-31T12:00:00+00:00")(), specs=SPECS)
+    assert [e.software for e in own.entries] == [SOFTWARE] * 3
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
@@ -345,11 +388,13 @@ def _verdict(data: bytes) -> None:
         assert message.startswith("fuzz.json: ") and "\n" not in message and "expected" in message
 
 
-def test_random_value_damage_is_accepted_or_rejected_cleanly() -> None:
+@pytest.mark.parametrize("version", [1, 2])
+def test_random_value_damage_is_accepted_or_rejected_cleanly(version: int) -> None:
+    valid = doc() if version == 1 else json.loads(v2("format", "flashtune-configs")())
     rng = random.Random(20250131)
-    paths = list(_paths(doc()))
+    paths = list(_paths(valid))
     for _ in range(1500):
-        data = doc()
+        data = copy.deepcopy(valid)
         for _ in range(rng.randint(1, 3)):
             *parents, last = rng.choice(paths)
             node: Any = data

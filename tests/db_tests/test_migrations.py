@@ -1,4 +1,5 @@
-"""Schema history: the frozen 0001 database, upgrades, refusals, and sharing with Optuna."""
+"""Schema history: the frozen 0001-0003 databases, upgrades, refusals, and sharing with
+Optuna."""
 
 from __future__ import annotations
 
@@ -7,17 +8,19 @@ import os
 import shutil
 import socket
 import sqlite3
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import pytest
+from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import create_engine
+from sqlalchemy import MetaData, create_engine, insert
 
 from flashtune import SchemaError
-from flashtune.db import RunStatus, TrialState, open_store, upgrade
+from flashtune.db import RunStatus, SoftwareVersions, TrialState, open_store, upgrade
+from flashtune.db.engine import make_engine, write_engine
 from flashtune.db.models import Base
 from flashtune.db.schema import (
     HEAD_REVISION,
@@ -31,6 +34,9 @@ from tests.db_tests.support import ASSETS, wipe_postgres
 
 ASSET = ASSETS / "flashtune_0001.db"
 ASSET_0002 = ASSETS / "flashtune_0002.db"
+ASSET_0003 = ASSETS / "flashtune_0003.db"
+RUN_1 = SoftwareVersions(cuda="12.4", driver="", flashtune="0.1.0", torch="2.5.1+cu124",
+                         triton="3.1.0")  # what run 1 of the 0001 asset recorded
 
 
 def fingerprint(path: Path) -> tuple[str, list[str]]:
@@ -56,7 +62,7 @@ def old_db(tmp_path: Path) -> Path:
 def test_head_revision_matches_the_migration_scripts() -> None:
     script = ScriptDirectory.from_config(alembic_config())
     assert script.get_current_head() == HEAD_REVISION
-    assert known_revisions() == ("0001", "0002", "0003")
+    assert known_revisions() == ("0001", "0002", "0003", "0004")
 
 
 @pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
@@ -115,6 +121,7 @@ def test_upgrading_the_0001_asset_keeps_its_data(old_db: Path) -> None:
         [best] = store.list_best(device_name="NVIDIA_H100_80GB_HBM3")
         assert (best.median_ms, best.trial_id, best.trials_count) == (1.397, 5, 5)
         assert best.config == trials[4].config
+        assert best.software == RUN_1  # 0004: its trial's run's versions
         ids = (device.id, best.template.id, problem.id)
         # hashes written by 0001 code still find the same configs
         assert store.find_trial(*ids, trials[2].config) == trials[2]
@@ -166,6 +173,122 @@ def test_upgrading_the_0002_asset_keeps_its_data_and_its_dead_run(db_0002: Path)
         assert store.start_trial(run.id, {"BLOCK_M": 16}).number == 6
     assert rows(db_0002, "PRAGMA integrity_check") == [("ok",)]
     assert rows(db_0002, "PRAGMA foreign_key_check") == []
+
+
+@pytest.fixture
+def db_0003(tmp_path: Path) -> Path:
+    path = tmp_path / "flashtune_0003.db"
+    shutil.copyfile(ASSET_0003, path)
+    return path
+
+
+def test_the_0003_asset_is_refused_unchanged_with_the_upgrade_command(db_0003: Path) -> None:
+    before = fingerprint(db_0003)
+    url = f"sqlite:///{db_0003}"
+    for read_only in (False, True):
+        with pytest.raises(SchemaError) as info:
+            open_store(url, read_only=read_only)
+        assert str(info.value) == (f"database {url} is at schema revision 0003, this "
+                                   f"flashtune needs {HEAD_REVISION}: run `flashtune --db "
+                                   f"{url} db upgrade`")
+    assert fingerprint(db_0003) == before
+
+
+def test_upgrading_the_0003_asset_gives_each_best_config_its_software(db_0003: Path) -> None:
+    """0003 -> 0004: a best config takes its trial's run's versions; the imported one (no
+    trial) has none to take and keeps empty ones. New best configs record theirs."""
+    url = f"sqlite:///{db_0003}"
+    assert upgrade(url) == ("0003", HEAD_REVISION)
+    with open_store(url) as store:
+        best = {b.id: b for b in store.list_best()}
+        assert sorted(best) == [1, 2, 3]
+        assert best[1].software == RUN_1
+        assert best[2].software == SoftwareVersions(
+            cuda="12.6", driver="560.35.03", flashtune="0.3.0", torch="2.6.0+cu126",
+            triton="3.2.0")
+        assert (best[3].trial_id, best[3].software) == (None, SoftwareVersions())
+        assert (best[2].median_ms, best[2].trial_id, best[3].trials_count) == (0.031, 7, 40)
+        run = store.get_run(3)
+        assert run is not None and (run.pid, run.host) == (4242, "node-7")
+        # the study of problem 3 goes on here: its new best config records its run's
+        ids = (best[3].device.id, best[3].template.id, best[3].problem.id)
+        new_run = store.create_run(*ids, study_name="s3", sampler="tpe", torch_version="2.7.0",
+                                   triton_version="3.3.0")
+        trial = store.record_trial(new_run.id, {"BLOCK_M": 64}, TrialState.COMPLETE,
+                                   median_ms=0.04)
+        assert store.offer_best(*ids, config=trial.config, median_ms=0.04, tflops=None,
+                                trial_id=trial.id, trials_count=41)
+        stored = store.get_best(*ids)
+        assert stored is not None and (stored.software.torch, stored.software.triton) == \
+            ("2.7.0", "3.3.0")
+    assert rows(db_0003, "PRAGMA integrity_check") == [("ok",)]
+    assert rows(db_0003, "PRAGMA foreign_key_check") == []
+
+
+def test_downgrading_0004_drops_only_the_software(db_0003: Path) -> None:
+    url = f"sqlite:///{db_0003}"
+    before = rows(db_0003, "SELECT * FROM ft_best_configs ORDER BY id")
+    upgrade(url)
+    downgrade(url, "0003")
+    assert rows(db_0003, f"SELECT version_num FROM {VERSION_TABLE}") == [("0003",)]
+    # ft_best_configs was rebuilt by batch mode: the rows, trial ids included, are intact
+    assert rows(db_0003, "SELECT * FROM ft_best_configs ORDER BY id") == before
+    assert rows(db_0003, "PRAGMA foreign_key_check") == []
+    upgrade(url)
+    with open_store(url) as store:
+        assert {b.id: b.software.flashtune for b in store.list_best()} == \
+            {1: "0.1.0", 2: "0.3.0", 3: ""}
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_the_0004_backfill_on_every_backend(backend: str, tmp_path: Path,
+                                            request: pytest.FixtureRequest) -> None:
+    """The backfill is one UPDATE with correlated subqueries: run it where it was not
+    written by hand (PostgreSQL), on a measured best config and an imported one."""
+    url = f"sqlite:///{tmp_path / 'b.db'}" if backend == "sqlite" else \
+        request.getfixturevalue("pg_url")
+    if backend == "postgresql":
+        wipe_postgres(url)
+    engine = make_engine(url, wal=False)
+    t0 = datetime(2026, 12, 1, 8, 0, 0)
+    try:
+        with write_engine(engine).begin() as conn:
+            command.upgrade(alembic_config(conn), "0003")
+            meta = MetaData()
+            meta.reflect(conn, only=["ft_devices", "ft_templates", "ft_problems", "ft_runs",
+                                     "ft_trials", "ft_best_configs"])
+            t = meta.tables
+            conn.execute(insert(t["ft_devices"]).values(
+                id=1, name="H100", compute_capability="9.0", sm_count=132,
+                shared_mem_per_block=232448, total_memory=1, created_at=t0))
+            conn.execute(insert(t["ft_templates"]).values(
+                id=1, name="attn_fwd", source_hash="5f0c2a9e41d7b3c8", created_at=t0))
+            conn.execute(insert(t["ft_problems"]), [
+                dict(id=i, template_name="attn_fwd", key_json=f'{{"k":{i}}}', bucket=f"b{i}",
+                     created_at=t0) for i in (1, 2)])
+            conn.execute(insert(t["ft_runs"]).values(
+                id=1, device_id=1, template_id=1, problem_id=1, study_name="s", sampler="tpe",
+                params_json="{}", status="COMPLETE", started_at=t0, flashtune_version="0.3.0",
+                torch_version="2.6.0", triton_version="3.2.0", cuda_version="12.6",
+                driver_version="560", host="node-1"))
+            conn.execute(insert(t["ft_trials"]).values(
+                id=1, run_id=1, device_id=1, template_id=1, problem_id=1, number=0,
+                config_json="{}", config_hash="44136fa355b3678a", state="COMPLETE",
+                started_at=t0))
+            conn.execute(insert(t["ft_best_configs"]), [
+                dict(id=i, device_id=1, template_id=1, problem_id=i, config_json="{}",
+                     median_ms=float(i), trial_id=trial, trials_count=1, tuned_at=t0)
+                for i, trial in ((1, 1), (2, None))])
+        assert upgrade(url) == ("0003", HEAD_REVISION)
+        with open_store(url, read_only=True) as store:
+            assert [b.software for b in store.list_best()] == [
+                SoftwareVersions(cuda="12.6", driver="560", flashtune="0.3.0", torch="2.6.0",
+                                 triton="3.2.0"),
+                SoftwareVersions()]
+    finally:
+        engine.dispose()
+        if backend == "postgresql":
+            wipe_postgres(url)
 
 
 def test_downgrade_then_upgrade_round_trips(old_db: Path) -> None:

@@ -18,7 +18,7 @@ import pytest
 from tests.db_tests.support import A100, BUCKET, H100, KEY, Study, make_study
 from flashtune import SchemaError, StoreError
 from flashtune.core.device import DeviceFingerprint
-from flashtune.db import HEAD_REVISION, RunStatus, TrialState, open_store
+from flashtune.db import HEAD_REVISION, RunStatus, SoftwareVersions, TrialState, open_store
 from flashtune.db.records import ImportedBest
 from flashtune.db.store import TuningStore
 
@@ -283,6 +283,94 @@ def test_import_best_applies_entries_in_order(store: TuningStore) -> None:
     assert store.import_best(batch, policy="overwrite") == ["replaced"] * 3
     assert [b.median_ms for b in store.list_best()] == [1.5]
     assert store.import_best(batch, policy="skip") == ["skipped"] * 3
+
+
+# -- the software a best config was tuned under ----------------------------------------------
+
+TUNED_UNDER = SoftwareVersions(cuda="12.6", driver="560.35.03", flashtune="0.3.0",
+                               torch="2.6.0+cu126", triton="3.2.0")
+
+
+def test_a_best_config_keeps_the_software_of_its_trials_run(store: TuningStore) -> None:
+    s = make_study(store)
+    run = store.create_run(*s.ids, study_name="s", sampler="tpe", flashtune_version="0.3.0",
+                           torch_version="2.6.0+cu126", triton_version="3.2.0",
+                           cuda_version="12.6", driver_version="560.35.03")
+    trial = store.record_trial(run.id, {"BLOCK_M": 64}, TrialState.COMPLETE, median_ms=2.0)
+    assert store.offer_best(*s.ids, config=trial.config, median_ms=2.0, tflops=None,
+                            trial_id=trial.id, trials_count=1)
+    best = store.get_best(*s.ids)
+    assert best is not None and best.software == TUNED_UNDER
+    assert store.list_best() == [best]
+    # a faster config of a later run, under other software, takes over with its software
+    later = store.create_run(*s.ids, study_name="s", sampler="tpe", torch_version="2.7.0")
+    faster = store.record_trial(later.id, {"BLOCK_M": 128}, TrialState.COMPLETE,
+                                median_ms=1.0)
+    slower = store.record_trial(later.id, {"BLOCK_M": 32}, TrialState.COMPLETE, median_ms=3.0)
+    assert not store.offer_best(*s.ids, config=slower.config, median_ms=3.0, tflops=None,
+                                trial_id=slower.id, trials_count=3)
+    assert store.get_best(*s.ids) == best  # kept, software and all
+    assert store.offer_best(*s.ids, config=faster.config, median_ms=1.0, tflops=None,
+                            trial_id=faster.id, trials_count=3)
+    now = store.get_best(*s.ids)
+    assert now is not None and now.software == SoftwareVersions(
+        flashtune=later.flashtune_version, torch="2.7.0")
+
+
+def test_offer_best_takes_explicit_software_and_none_without_a_trial(store: TuningStore,
+                                                                     study: Study) -> None:
+    assert store.offer_best(*study.ids, config={"BLOCK_M": 64}, median_ms=2.0, tflops=None,
+                            trial_id=None, trials_count=0)
+    best = store.get_best(*study.ids)
+    assert best is not None and best.software == SoftwareVersions()
+    trial = store.record_trial(study.run.id, {"BLOCK_M": 16}, TrialState.COMPLETE,
+                               median_ms=1.0)
+    assert store.offer_best(*study.ids, config=trial.config, median_ms=1.0, tflops=None,
+                            trial_id=trial.id, trials_count=2, software=TUNED_UNDER)
+    best = store.get_best(*study.ids)
+    assert best is not None and best.software == TUNED_UNDER
+
+
+def test_import_best_keeps_each_entrys_software(store: TuningStore) -> None:
+    other = replace(TUNED_UNDER, triton="3.1.0", driver="")
+    assert store.import_best([imported(software=TUNED_UNDER),
+                              imported(key=KEY_SMALL, bucket=BUCKET_SMALL, software=other),
+                              imported(device=A100)]) == ["added"] * 3
+    by_device = {(b.device.name, b.problem.bucket): b.software for b in store.list_best()}
+    assert by_device == {(H100.name, BUCKET): TUNED_UNDER, (H100.name, BUCKET_SMALL): other,
+                         (A100.name, BUCKET): SoftwareVersions()}
+    # a replacement brings its software; a kept entry keeps the stored one
+    assert store.import_best([imported(ms=0.5, software=other),
+                              imported(ms=0.7, software=SoftwareVersions())]) == \
+        ["replaced", "kept"]
+    [best] = [b for b in store.list_best(device_name=H100.name) if b.problem.bucket == BUCKET]
+    assert best.software == other
+
+
+def test_software_versions_up_to_200_characters_are_kept_whole(store: TuningStore) -> None:
+    longest = SoftwareVersions(torch="2." + "9" * 198, triton="t" * 200)
+    assert store.import_best([imported(software=longest)]) == ["added"]
+    assert [b.software for b in store.list_best()] == [longest]
+    with pytest.raises(ValueError, match="software.torch must be a string of at most 200"):
+        store.import_best([imported(device=A100),
+                           imported(software=SoftwareVersions(torch="2" * 201))])
+    assert len(store.list_best()) == 1 and len(store.list_devices()) == 1
+    study = make_study(store, key=KEY_SMALL, bucket=BUCKET_SMALL)
+    with pytest.raises(ValueError, match="software.cuda"):
+        store.offer_best(*study.ids, config={"BLOCK_M": 64}, median_ms=1.0, tflops=None,
+                         trial_id=None, trials_count=1,
+                         software=SoftwareVersions(cuda=12.4))  # type: ignore[arg-type]
+    assert store.get_best(*study.ids) is None
+
+
+def test_software_versions_convert_to_and_from_a_software_block() -> None:
+    from flashtune.db.exchange_checks import SOFTWARE_KEYS
+
+    assert tuple(TUNED_UNDER.as_dict()) == SOFTWARE_KEYS
+    assert SoftwareVersions.from_dict(TUNED_UNDER.as_dict()) == TUNED_UNDER
+    assert SoftwareVersions.from_dict({"torch": "2.5.1"}) == SoftwareVersions(torch="2.5.1")
+    with pytest.raises(ValueError, match="unknown software keys \\['python'\\]"):
+        SoftwareVersions.from_dict({"python": "3.11"})
 
 
 @pytest.mark.parametrize("bad, match", [
