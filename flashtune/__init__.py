@@ -22,8 +22,8 @@ from flashtune.core.errors import (
 )
 
 if TYPE_CHECKING:  # pragma: no cover
-    from flashtune.runtime.lookup import ConfigChoice
     from flashtune.runtime.kvcache import attention_with_kvcache
+    from flashtune.runtime.lookup import ConfigChoice
     from flashtune.runtime.ops import attention, lookup_config, reload_configs, warmup
     from flashtune.runtime.sdpa import scaled_dot_product_attention
 

@@ -35,15 +35,16 @@ import json
 import logging
 import signal
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from multiprocessing import get_context
-from typing import Any, Callable, Mapping, TypeVar
+from typing import Any, TypeVar
 
-from flashtune.core.device import DeviceFingerprint
-from flashtune.core.problem import AttentionProblem
 from flashtune.autotune.runners import TrialResult
-from flashtune.db.records import TrialState
+from flashtune.core.device import DeviceFingerprint
 from flashtune.core.errors import ConfigError, FlashtuneError
+from flashtune.core.problem import AttentionProblem
+from flashtune.db.records import TrialState
 
 log = logging.getLogger(__name__)
 

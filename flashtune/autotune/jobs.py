@@ -18,7 +18,8 @@ The options and the result (:class:`TuneOptions`, :class:`TuneResult`) live in
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from flashtune.autotune.options import TuneOptions, TuneResult, check_tunable
 from flashtune.autotune.study import _is_memory_url

@@ -7,8 +7,8 @@ run before any work starts (:func:`check_tunable`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from flashtune.core.problem import AttentionProblem
 

@@ -19,11 +19,12 @@ the field. Light to import: no torch or triton.
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
-from flashtune.core.problem import DTYPES, AttentionProblem
 from flashtune.core.errors import FlashtuneError
+from flashtune.core.problem import DTYPES, AttentionProblem
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -12,9 +12,10 @@ import atexit
 import logging
 import os
 import tempfile
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from multiprocessing import get_context
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from flashtune.core.problem import AttentionProblem
 from flashtune.core.spec import TemplateSpec

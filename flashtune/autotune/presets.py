@@ -17,8 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from flashtune.autotune.grids import standard_grid
-from flashtune.core.problem import AttentionProblem
 from flashtune.core.errors import FlashtuneError
+from flashtune.core.problem import AttentionProblem
 
 __all__ = ["MODELS", "PRESET_SEQLENS", "PRESET_TOKENS", "ModelGeometry", "UnknownPresetError",
            "preset", "presets"]

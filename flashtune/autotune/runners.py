@@ -12,9 +12,10 @@ import json
 import logging
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
+from typing import Any, Protocol
 
 from flashtune.core.case import TOLERANCE, Case
 from flashtune.core.device import DeviceFingerprint

@@ -7,7 +7,8 @@ neighbouring block sizes as neighbours and the grid sampler walks the index grid
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from flashtune.core.space import Config, SearchSpace
 

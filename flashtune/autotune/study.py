@@ -23,9 +23,10 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from flashtune.autotune.options import TuneOptions
 from flashtune.core.device import DeviceFingerprint

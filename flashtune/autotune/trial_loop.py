@@ -27,12 +27,20 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from flashtune.autotune.isolation import isolated
 from flashtune.autotune.options import TuneOptions, TuneResult, check_tunable
-from flashtune.autotune.study import (OpenStudy, RUN_ATTR, _requeue_lost, _unmeasured,
-                                      _warm_start, abandon_run, open_study)
+from flashtune.autotune.study import (
+    RUN_ATTR,
+    OpenStudy,
+    _requeue_lost,
+    _unmeasured,
+    _warm_start,
+    abandon_run,
+    open_study,
+)
 from flashtune.core.device import DeviceFingerprint, cuda_device, interpreter_device
 from flashtune.core.problem import AttentionProblem
 from flashtune.core.space import SearchSpace

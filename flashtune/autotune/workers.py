@@ -23,13 +23,14 @@ import json
 import logging
 import os
 import queue as queue_mod
+from collections.abc import Sequence
 from dataclasses import asdict, replace
 from multiprocessing import get_context
-from typing import Any, Sequence
+from typing import Any
 
 from flashtune.autotune.options import TuneOptions, TuneResult
-from flashtune.core.problem import AttentionProblem
 from flashtune.core.errors import FlashtuneError
+from flashtune.core.problem import AttentionProblem
 
 log = logging.getLogger(__name__)
 

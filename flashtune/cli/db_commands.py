@@ -18,8 +18,8 @@ __all__ = ["db", "info_command", "upgrade_command"]
 def _db_url(ctx: click.Context, *, create: bool = True) -> str:
     """The ``--db`` URL, else the default database (``create``: its folder made when
     missing; a StoreError as a one-line error when that fails)."""
-    from flashtune.db.engine import default_db_url
     from flashtune.core.errors import StoreError
+    from flashtune.db.engine import default_db_url
 
     url = (ctx.obj or {}).get("db_url") if isinstance(ctx.obj, dict) else None
     try:
@@ -44,9 +44,9 @@ def upgrade_command(ctx: click.Context) -> None:
 
     Safe to run again; refuses a database written by a newer flashtune.
     """
+    from flashtune.core.errors import StoreError
     from flashtune.db.engine import safe_url
     from flashtune.db.schema import upgrade
-    from flashtune.core.errors import StoreError
 
     url = _db_url(ctx)
     try:
@@ -71,10 +71,10 @@ def info_command(ctx: click.Context, as_json: bool) -> None:
     A database at an older schema revision is shown too, with the command that upgrades
     it; nothing is ever written or created.
     """
+    from flashtune.core.errors import SchemaError, StoreError
     from flashtune.db import open_store
     from flashtune.db.engine import missing_sqlite_file, safe_url
     from flashtune.db.schema import upgrade_command as upgrade_hint
-    from flashtune.core.errors import SchemaError, StoreError
 
     url = _db_url(ctx, create=False)
     missing = missing_sqlite_file(url)
@@ -99,10 +99,10 @@ def _unopened_info(url: str, refusal: Exception) -> dict[str, Any]:
     """``store.info()``'s keys for a database the store refuses at its schema revision
     (older: with ``upgrade``, the command that upgrades it; newer: with ``note``); the
     refusal itself as a one-line error for anything else (no or unknown schema)."""
+    from flashtune.core.errors import StoreError
     from flashtune.db.engine import safe_url
     from flashtune.db.schema import HEAD_REVISION, known_revisions, read_revision
     from flashtune.db.schema import upgrade_command as upgrade_hint
-    from flashtune.core.errors import StoreError
 
     try:
         revision, dialect, counts = read_revision(url)

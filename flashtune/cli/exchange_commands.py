@@ -17,8 +17,9 @@ transaction, and the per-file report is printed. See :mod:`flashtune.db.exchange
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import click
 
@@ -78,12 +79,12 @@ def export_command(ctx: click.Context, device: str | None, template: str | None,
     never be served). -o DIR writes one file per device and template (with --format vllm:
     per device, template, dtype, head_dim and causal); -o FILE.json needs exactly one.
     """
+    from flashtune.core.errors import FlashtuneError
     from flashtune.db import open_store
     from flashtune.db.engine import default_db_url, missing_sqlite_file, safe_url
     from flashtune.db.exchange import document_to_json, export_documents
     from flashtune.db.exchange_vllm import vllm_files, vllm_to_json
     from flashtune.kernel_templates import catalog
-    from flashtune.core.errors import FlashtuneError
 
     single = _to_single_file(output)
     url = db_url(ctx) or default_db_url(create=False)
@@ -159,10 +160,10 @@ def import_command(ctx: click.Context, paths: tuple[Path, ...], policy: str) -> 
     A directory stands for its *.json files. Every file is validated first: one bad file
     writes nothing. Then all are written in one transaction.
     """
+    from flashtune.core.errors import FlashtuneError
     from flashtune.db import open_store
     from flashtune.db.exchange import import_documents, read_document
     from flashtune.kernel_templates import catalog
-    from flashtune.core.errors import FlashtuneError
 
     files = _json_files(paths)
     try:

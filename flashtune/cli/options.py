@@ -6,7 +6,8 @@ Light to import: click and flashtune's light modules, never torch, triton or opt
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import click
 

@@ -38,9 +38,9 @@ def report_command(ctx: click.Context, device: str | None, template: str | None,
     except ImportError:
         raise click.ClickException(MATPLOTLIB_MISSING) from None
 
+    from flashtune.core.errors import FlashtuneError
     from flashtune.db import open_store
     from flashtune.db.engine import default_db_url, missing_sqlite_file, safe_url
-    from flashtune.core.errors import FlashtuneError
     from flashtune.report.page import write_report
     from flashtune.report.studies import collect_studies
 

@@ -84,9 +84,9 @@ def _render(rows: list[dict[str, Any]], software: bool = False) -> str:
 def show_command(ctx: click.Context, device: str | None, template: str | None,
                  as_json: bool, software: bool) -> None:
     """List the stored best configs (database opened read-only)."""
+    from flashtune.core.errors import StoreError
     from flashtune.db import open_store
     from flashtune.db.engine import default_db_url, missing_sqlite_file, safe_url
-    from flashtune.core.errors import StoreError
 
     url = db_url(ctx) or default_db_url(create=False)
     missing = missing_sqlite_file(url)

@@ -18,7 +18,8 @@ import importlib
 import os
 import signal
 import sys
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import click
 

@@ -9,8 +9,9 @@ launch, check and time it.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 from flashtune.core.device import DeviceFingerprint
 from flashtune.core.problem import AttentionProblem
@@ -76,7 +77,8 @@ def forward_case(reference: Callable[..., Any], problem: AttentionProblem,
                  device: DeviceFingerprint, *, torch_device: str, generator: Any,
                  launcher: Callable[..., Any], check_slice: bool = True) -> Case:
     """``launcher(q, k, v, config, causal=)`` on random q, k, v against ``reference``'s
-    output (``reference(q, k, v, causal=, dtype=) -> (out, lse)``). For big problems (q or k above ``FULL_REFERENCE_MAX_ELEMS`` elements) only batch
+    output (``reference(q, k, v, causal=, dtype=) -> (out, lse)``). For big problems (q or
+    k above ``FULL_REFERENCE_MAX_ELEMS`` elements) only batch
     0 and the first two q heads (and their kv heads) are compared, to bound memory."""
     import torch
 

@@ -8,8 +8,9 @@ call these functions, so the two can never drift apart.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import Any, Mapping
+from typing import Any
 
 DTYPES = ("fp16", "bf16")
 # the head dims every kernel serves (the public ops refuse others, naming them)

@@ -8,8 +8,9 @@ Optuna: strategies read ``params`` to build their distributions, and call
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any
 
 from flashtune.core.errors import ConfigError
 

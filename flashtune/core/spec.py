@@ -9,8 +9,9 @@ registered ones; that registry is the one extension point.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Protocol
+from typing import Any, Protocol
 
 from flashtune.core.case import Case
 from flashtune.core.device import DeviceFingerprint

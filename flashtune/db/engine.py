@@ -24,8 +24,9 @@ import logging
 import os
 import sqlite3
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 from urllib.parse import unquote
 
 from sqlalchemy import Engine, create_engine, event

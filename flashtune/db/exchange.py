@@ -39,18 +39,19 @@ from __future__ import annotations
 import os
 import stat
 from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
-from functools import partial
 from datetime import datetime, timezone
-from typing import Any, Callable, Mapping, Sequence
+from functools import partial
+from typing import Any
 
+from flashtune.core.errors import ImportRejected, UnknownTemplateError
+from flashtune.core.spec import TemplateSpec
 from flashtune.db import exchange_checks as checks
 from flashtune.db.exchange_checks import FORMAT, SCHEMA_VERSION, SOFTWARE_KEYS
 from flashtune.db.jsonutil import canonical_json
 from flashtune.db.records import BestConfigRecord, ImportedBest, SoftwareVersions
 from flashtune.db.store import IMPORT_OUTCOMES, IMPORT_POLICIES, TuningStore
-from flashtune.core.errors import ImportRejected, UnknownTemplateError
-from flashtune.core.spec import TemplateSpec
 
 __all__ = [
     "FORMAT",

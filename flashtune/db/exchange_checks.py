@@ -12,9 +12,10 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable, Mapping
 from datetime import datetime, timezone
 from itertools import accumulate
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from flashtune._version import __version__
 from flashtune.core.problem import AttentionProblem

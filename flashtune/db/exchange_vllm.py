@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from flashtune.db.exchange import ConfigDocument, vllm_config_file_name
 

@@ -9,10 +9,11 @@ Timestamps are timezone-aware UTC ``datetime`` objects.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from datetime import datetime
 from enum import Enum
-from typing import Any, Mapping
+from typing import Any
 
 __all__ = [
     "BestConfigRecord",

@@ -13,8 +13,9 @@ locked best-config row); ``offer_best`` takes the software of its trial's run fr
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from datetime import datetime, timezone
-from typing import Any, Mapping
+from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session

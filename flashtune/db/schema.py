@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import logging
 import shlex
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Iterator
 
 from alembic import command
 from alembic.config import Config
@@ -28,8 +28,8 @@ from sqlalchemy.engine import URL
 from sqlalchemy.exc import SQLAlchemyError
 
 from flashtune._version import __version__
-from flashtune.db.engine import make_engine, safe_url, store_error, write_engine
 from flashtune.core.errors import SchemaError
+from flashtune.db.engine import make_engine, safe_url, store_error, write_engine
 
 __all__ = [
     "HEAD_REVISION",

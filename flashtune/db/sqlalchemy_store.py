@@ -11,8 +11,9 @@ import logging
 import math
 import os
 import socket
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session

@@ -9,8 +9,9 @@ tests.
 from __future__ import annotations
 
 import abc
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from flashtune._version import __version__
 from flashtune.db.records import (
@@ -270,7 +271,7 @@ class TuningStore(abc.ABC):
         """``url`` (password hidden), ``dialect``, ``revision``, ``head``, ``read_only`` and
         ``counts`` (rows per table) as JSON-able values."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - a hook: a store without connections has none to drop
         """Release connections; the store must not be used afterwards."""
 
     def __enter__(self) -> TuningStore:

@@ -15,13 +15,15 @@ import random
 import sqlite3
 import threading
 import time
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, TypeVar
 
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
+from flashtune.core.errors import StoreError
 from flashtune.db import schema
 from flashtune.db.engine import (
     enable_wal,
@@ -33,7 +35,6 @@ from flashtune.db.engine import (
     store_error,
     write_engine,
 )
-from flashtune.core.errors import StoreError
 
 __all__ = ["TransactionRunner", "get_row", "rowcount"]
 

@@ -24,7 +24,8 @@ Triton has them, and the runtime falls back to ``kernel[grid]`` when not, or whe
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 from triton import knobs

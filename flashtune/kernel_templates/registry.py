@@ -20,9 +20,9 @@ import importlib
 import io
 import threading
 import tokenize
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import MappingProxyType
-from typing import Iterator, Mapping
 
 from flashtune.core.errors import UnknownTemplateError
 from flashtune.core.spec import TemplateSpec

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import html
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Sequence
 
 from flashtune.report.plots import plot_history, plot_importances, plot_summary
 from flashtune.report.studies import StudyReport, param_importances, problem_label

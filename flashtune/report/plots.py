@@ -7,8 +7,9 @@ this module (and ``flashtune --help``) stays light.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 from flashtune.db.records import TrialState
 from flashtune.report.studies import Importances, StudyReport, problem_label

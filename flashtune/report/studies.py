@@ -12,8 +12,9 @@ import logging
 import math
 import statistics
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from flashtune.db.records import (
     BestConfigRecord,
@@ -113,8 +114,8 @@ def default_config(template: TemplateRecord, device: DeviceRecord,
     """The registered template's default config for the problem on the device, or None
     (template not registered here, or not an attention problem)."""
     from flashtune.core.device import DeviceFingerprint
-    from flashtune.core.problem import AttentionProblem
     from flashtune.core.errors import FlashtuneError
+    from flashtune.core.problem import AttentionProblem
     from flashtune.kernel_templates import get_template
 
     try:

@@ -14,8 +14,9 @@ module), so a compiled model traces it without a graph break; its backward is th
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from functools import wraps
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 
@@ -97,8 +98,8 @@ _attention_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool, float |
 
 @torch.library.custom_op("flashtune::attention_fwd", mutates_args=())
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                  scale: Optional[float], return_lse: bool,
-                  config_json: Optional[str]) -> tuple[torch.Tensor, torch.Tensor]:
+                  scale: float | None, return_lse: bool,
+                  config_json: str | None) -> tuple[torch.Tensor, torch.Tensor]:
     # the LSE is always computed here: the backward needs it (return_lse only says what
     # flashtune.attention hands back)
     config = json.loads(config_json) if config_json else None
@@ -108,24 +109,24 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
 
 @_attention_op.register_fake
 def _attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                    scale: Optional[float], return_lse: bool,
-                    config_json: Optional[str]) -> tuple[torch.Tensor, torch.Tensor]:
+                    scale: float | None, return_lse: bool,
+                    config_json: str | None) -> tuple[torch.Tensor, torch.Tensor]:
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     return out, q.new_empty(tuple(q.shape[:3]), dtype=torch.float32)
 
 
 @torch.library.custom_op("flashtune::attention_bwd", mutates_args=())
 def _attention_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                      lse: torch.Tensor, dout: torch.Tensor, dlse: Optional[torch.Tensor],
-                      causal: bool, scale: Optional[float]
+                      lse: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None,
+                      causal: bool, scale: float | None
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _backward(q, k, v, out, lse, dout, dlse, causal, scale)
 
 
 @_attention_bwd_op.register_fake
 def _attention_bwd_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                        lse: torch.Tensor, dout: torch.Tensor, dlse: Optional[torch.Tensor],
-                        causal: bool, scale: Optional[float]
+                        lse: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None,
+                        causal: bool, scale: float | None
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             torch.empty_like(k, memory_format=torch.contiguous_format),

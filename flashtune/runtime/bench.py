@@ -264,8 +264,8 @@ def _backward_fns(p: AttentionProblem, spec: Any, configs: Mapping[str, Mapping[
 def _bench_problem(p: AttentionProblem, spec: Any, choice: Any, device: Any, torch_device: str,
                    baselines: Sequence[str], rounds: int) -> dict[str, Any]:
     """One problem's row: every implementation checked against fp32, then timed."""
-    from flashtune.core.case import TOLERANCE
     from flashtune.autotune.timing import bench, tflops
+    from flashtune.core.case import TOLERANCE
 
     default = spec.default_config(p, device)
     row: dict[str, Any] = {"problem": p.key(), "label": p.describe(),

@@ -33,21 +33,21 @@ from __future__ import annotations
 
 import logging
 import math
-from functools import lru_cache
-from typing import Any, Mapping
+from collections.abc import Mapping
+from functools import cache
+from typing import Any
 
 import torch
 
 from flashtune.core.device import DeviceFingerprint, current_device, interpreting
-from flashtune.core.problem import AttentionProblem
-from flashtune.core.space import Config
 from flashtune.core.errors import ConfigError, DeviceError, InputError, InputTypeError
+from flashtune.core.problem import SUPPORTED_HEAD_DIMS, AttentionProblem
+from flashtune.core.space import Config
 from flashtune.kernel_templates import direct, get_template
-from flashtune.kernel_templates.direct import current_device as _current_device
-from flashtune.kernel_templates.direct import current_stream as _current_stream
 from flashtune.kernel_templates.attn_decode.launcher import attn_decode_kvcache
 from flashtune.kernel_templates.attn_decode.plan import AttnDecodePlan
-from flashtune.core.problem import SUPPORTED_HEAD_DIMS
+from flashtune.kernel_templates.direct import current_device as _current_device
+from flashtune.kernel_templates.direct import current_stream as _current_stream
 from flashtune.runtime.checks import SUPPORTED_DTYPES, check_grid
 from flashtune.runtime.lookup import ConfigChoice, Dispatcher
 
@@ -73,7 +73,7 @@ DECODE_MAX_QUERIES = 16
 DECODE_MIN_KEYS = 64
 
 
-@lru_cache(maxsize=None)
+@cache
 def _device(device_type: str, index: int | None) -> DeviceFingerprint:
     return current_device(torch.device(device_type, index) if index is not None
                           else torch.device(device_type))

@@ -14,8 +14,9 @@ calls skip the op dispatcher's overhead.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Mapping
 from dataclasses import replace
-from typing import Any, Iterable, Literal, Mapping, overload
+from typing import Any, Literal, overload
 
 import torch
 

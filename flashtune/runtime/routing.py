@@ -25,20 +25,21 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from functools import lru_cache
-from typing import Any, Mapping
+from collections.abc import Mapping
+from functools import cache
+from typing import Any
 
 import torch
 
 from flashtune.core.device import DeviceFingerprint, current_device
+from flashtune.core.errors import ConfigError
 from flashtune.core.problem import AttentionProblem
 from flashtune.core.space import Config
-from flashtune.core.errors import ConfigError
 from flashtune.kernel_templates import direct, get_template
-from flashtune.kernel_templates.direct import current_device as _current_device
-from flashtune.kernel_templates.direct import current_stream as _current_stream
 from flashtune.kernel_templates.attn_decode.plan import AttnDecodeDensePlan
 from flashtune.kernel_templates.attn_fwd.plan import AttnFwdPlan
+from flashtune.kernel_templates.direct import current_device as _current_device
+from flashtune.kernel_templates.direct import current_stream as _current_stream
 from flashtune.runtime import kvcache
 from flashtune.runtime.checks import check_attention_inputs, check_grid
 from flashtune.runtime.lookup import ConfigChoice, Dispatcher
@@ -63,7 +64,7 @@ AUTOTUNE_TRIALS = 30
 _BAD_TRIALS: set[str] = set()  # bad $FLASHTUNE_AUTOTUNE_TRIALS values already warned about
 
 
-@lru_cache(maxsize=None)
+@cache
 def _device(device_type: str, index: int | None) -> DeviceFingerprint:
     return current_device(torch.device(device_type, index) if index is not None
                           else torch.device(device_type))

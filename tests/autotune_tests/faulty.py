@@ -18,7 +18,8 @@ from __future__ import annotations
 import ctypes
 import os
 import time
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from flashtune.autotune.runners import TrialResult
 from flashtune.db.records import TrialState

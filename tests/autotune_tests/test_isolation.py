@@ -9,14 +9,14 @@ import os
 import pytest
 
 from flashtune.autotune import trial_loop as loop
-from flashtune.core.device import interpreter_device
 from flashtune.autotune.isolation import IsolatedRunner, IsolationError, factory_path
 from flashtune.autotune.jobs import tune
 from flashtune.autotune.options import TuneOptions
+from flashtune.core.device import interpreter_device
+from flashtune.core.errors import ConfigError
 from flashtune.core.problem import AttentionProblem
 from flashtune.core.space import SearchSpace
 from flashtune.db import RunStatus, TrialState, open_store
-from flashtune.core.errors import ConfigError
 from flashtune.kernel_templates import get_template
 from tests.autotune_tests import faulty
 from tests.conftest import DEVICE

@@ -7,10 +7,10 @@ import dataclasses
 import pytest
 
 from flashtune.autotune import runners as runners_mod
-from flashtune.core.device import interpreter_device
 from flashtune.autotune.jobs import tune
 from flashtune.autotune.options import TuneOptions
 from flashtune.autotune.runners import LocalRunner, TrialResult
+from flashtune.core.device import interpreter_device
 from flashtune.core.space import SearchSpace
 from flashtune.db import TrialState, canonical_json, open_store
 from flashtune.kernel_templates import get_template
@@ -146,8 +146,8 @@ def test_precompile_is_skipped_under_interpreter(problem):
 
 
 def test_unsupported_head_dim_is_refused_before_any_work(tmp_path):
-    from flashtune.core.problem import AttentionProblem
     from flashtune.core.errors import InputError
+    from flashtune.core.problem import AttentionProblem
 
     url = f"sqlite:///{tmp_path / 'ft.db'}"
     with pytest.raises(InputError, match=r"head_dim 24 is not supported .*supported: \[16, 32"):

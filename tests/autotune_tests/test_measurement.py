@@ -8,13 +8,13 @@ import math
 import pytest
 
 from flashtune.autotune import timing
-from flashtune.core.device import interpreter_device
 from flashtune.autotune.jobs import tune
 from flashtune.autotune.options import TuneOptions
-from flashtune.core.problem import AttentionProblem
 from flashtune.autotune.runners import LocalRunner, TrialResult, time_interleaved
-from flashtune.core.space import SearchSpace
 from flashtune.autotune.timing import MeasurementError, physical_floor_ms
+from flashtune.core.device import interpreter_device
+from flashtune.core.problem import AttentionProblem
+from flashtune.core.space import SearchSpace
 from flashtune.db import TrialState, canonical_json, open_store
 from flashtune.kernel_templates import get_template
 from tests.autotune_tests.synthetic import H100

@@ -9,8 +9,8 @@ import pytest
 from flashtune.autotune.grids import standard_grid
 from flashtune.autotune.plans import PlanError, load_plan, parse_plan
 from flashtune.autotune.presets import MODELS, PRESET_TOKENS, UnknownPresetError, preset, presets
-from flashtune.core.problem import AttentionProblem
 from flashtune.core.errors import FlashtuneError
+from flashtune.core.problem import AttentionProblem
 
 
 def test_preset_names() -> None:

@@ -9,7 +9,6 @@ from flashtune.autotune.options import TuneOptions
 from flashtune.autotune.runners import ReplayRunner
 from flashtune.autotune.strategies import config_from_trial, enqueue, make_sampler
 from flashtune.kernel_templates.attn_fwd.space import SPACE as FULL_SPACE
-
 from tests.autotune_tests.synthetic import FIXTURE, H100, PROBLEM
 from tests.autotune_tests.synthetic import RECORDED_SPACE as SPACE
 

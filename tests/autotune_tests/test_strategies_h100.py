@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from flashtune.core.device import DeviceFingerprint
 from flashtune.autotune.jobs import tune
 from flashtune.autotune.options import TuneOptions
-from flashtune.core.problem import AttentionProblem
 from flashtune.autotune.runners import ReplayRunner
+from flashtune.core.device import DeviceFingerprint
+from flashtune.core.problem import AttentionProblem
 from tests.autotune_tests.synthetic import RECORDED_SPACE
 
 RECORDINGS = sorted((Path(__file__).parent / "fixtures").glob("h100_*.json"))

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from flashtune.core.problem import AttentionProblem
 from flashtune.cli.main import cli
+from flashtune.core.problem import AttentionProblem
 
 PLAN = """
 [[shape]]
@@ -120,9 +120,9 @@ def test_sdpa_is_not_compared_where_its_causal_mask_differs():
 
 
 def test_the_dispatchers_tuned_config_is_what_is_benchmarked(tmp_path):
-    from flashtune.runtime.bench import bench_attention
     from flashtune.autotune.jobs import tune
     from flashtune.autotune.options import TuneOptions
+    from flashtune.runtime.bench import bench_attention
 
     url = f"sqlite:///{tmp_path / 'ft.db'}"
     p = AttentionProblem(1, 4, 2, 64, 64, 32, True, "fp16")
@@ -158,8 +158,8 @@ def test_the_interpreter_refuses_the_standard_grid(tmp_path):
 
 
 def test_without_a_shape_it_benchmarks_the_standard_grid(tmp_path, monkeypatch):
-    import flashtune.runtime.bench as bench_mod
     import flashtune.cli.bench_commands as commands
+    import flashtune.runtime.bench as bench_mod
     from flashtune.autotune.grids import standard_grid
 
     monkeypatch.setattr(commands, "_decide_interpret", lambda requested: False)  # "a GPU"

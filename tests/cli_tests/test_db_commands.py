@@ -19,8 +19,8 @@ from click.testing import CliRunner
 
 from flashtune.cli.db_commands import db
 from flashtune.cli.main import cli
-from flashtune.db import HEAD_REVISION, open_store, upgrade
 from flashtune.core.errors import StoreError
+from flashtune.db import HEAD_REVISION, open_store, upgrade
 
 ASSET = Path(__file__).resolve().parents[1] / "db_tests" / "assets" / "flashtune_0001.db"
 

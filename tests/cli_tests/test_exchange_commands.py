@@ -12,10 +12,9 @@ from flashtune.cli.exchange_commands import POLICIES
 from flashtune.cli.main import cli
 from flashtune.db.exchange import config_file_name, read_document
 from flashtune.db.store import IMPORT_POLICIES
+from flashtune.kernel_templates import catalog  # noqa: E402
 from tests.db_tests.exchange_support import OLD_SOURCE, dump, populate, without_exported_at
 from tests.db_tests.support import A100, H100
-
-from flashtune.kernel_templates import catalog  # noqa: E402
 
 SPECS = catalog()
 

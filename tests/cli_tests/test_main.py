@@ -112,8 +112,8 @@ def test_db_url_typo_keeps_a_password_hidden() -> None:
 
 
 def test_a_plain_path_given_to_the_library_says_what_a_url_looks_like() -> None:
-    from flashtune.db import open_store
     from flashtune.core.errors import StoreError
+    from flashtune.db import open_store
 
     with pytest.raises(StoreError, match=r"expected a SQLAlchemy URL such as sqlite:////"):
         open_store("/tmp/x.db")

@@ -8,8 +8,8 @@ import pytest
 
 from flashtune.autotune.strategies import MAX_SEED, SAMPLERS
 from flashtune.cli import options
-from flashtune.kernel_templates import template_names
 from flashtune.core.problem import SUPPORTED_HEAD_DIMS
+from flashtune.kernel_templates import template_names
 
 
 def test_templates_are_the_registered_ones() -> None:

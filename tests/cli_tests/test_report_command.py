@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
+from flashtune.cli.main import cli
 from flashtune.core.device import DeviceFingerprint
 from flashtune.core.problem import AttentionProblem
-from flashtune.cli.main import cli
 from flashtune.db import open_store
 from flashtune.db.records import ImportedBest
 from flashtune.kernel_templates import get_template

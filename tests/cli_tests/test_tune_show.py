@@ -19,13 +19,13 @@ from typing import Any
 import pytest
 from click.testing import CliRunner, Result
 
-from flashtune.core.device import DeviceFingerprint
 from flashtune.autotune.presets import preset
-from flashtune.core.problem import AttentionProblem
 from flashtune.cli.main import cli
+from flashtune.core.device import DeviceFingerprint
+from flashtune.core.errors import StoreError
+from flashtune.core.problem import AttentionProblem
 from flashtune.db import SoftwareVersions, TrialState, open_store
 from flashtune.db.records import ImportedBest
-from flashtune.core.errors import StoreError
 
 SHAPE = ["--batch", "2", "--heads", "8", "--kv-heads", "2", "--seqlen", "256",
          "--head-dim", "64"]

@@ -8,7 +8,8 @@ import multiprocessing
 import sqlite3
 import uuid
 from collections import Counter
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url

@@ -10,8 +10,8 @@ loopback when PostgreSQL is installed, else skipped with the reason):
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 

@@ -10,6 +10,7 @@ import pytest
 from sqlalchemy import Engine, event, text
 from sqlalchemy.exc import OperationalError
 
+from flashtune.core.errors import StoreError
 from flashtune.db.engine import (
     default_db_url,
     is_locked_error,
@@ -19,7 +20,6 @@ from flashtune.db.engine import (
     write_engine,
 )
 from flashtune.db.jsonutil import canonical_json, config_hash
-from flashtune.core.errors import StoreError
 
 
 def test_default_db_url_prefers_the_environment(monkeypatch: pytest.MonkeyPatch,

@@ -17,6 +17,7 @@ from sqlalchemy.exc import OperationalError
 
 import flashtune
 from flashtune.core.device import DeviceFingerprint
+from flashtune.core.errors import ImportRejected, StoreError, UnknownTemplateError
 from flashtune.core.problem import AttentionProblem
 from flashtune.db import SoftwareVersions, open_store, rows
 from flashtune.db.exchange import (
@@ -30,9 +31,9 @@ from flashtune.db.exchange import (
     parse_document,
     read_document,
 )
-from flashtune.core.errors import ImportRejected, StoreError, UnknownTemplateError
 from flashtune.db.records import ImportedBest
 from flashtune.db.store import TuningStore
+from flashtune.kernel_templates import catalog  # noqa: E402
 from tests.db_tests.exchange_support import (
     CONFIGS,
     OLD_SOURCE,
@@ -46,8 +47,6 @@ from tests.db_tests.exchange_support import (
     without_exported_at,
 )
 from tests.db_tests.support import A100, H100
-
-from flashtune.kernel_templates import catalog  # noqa: E402
 
 SPECS = catalog()
 

@@ -9,21 +9,21 @@ import copy
 import json
 import random
 import re
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
 
 from flashtune.cli.main import cli
+from flashtune.core.errors import ImportRejected
 from flashtune.db import exchange
 from flashtune.db.exchange import MAX_FILE_BYTES, parse_document, read_document
-from flashtune.core.errors import ImportRejected
+from flashtune.kernel_templates import catalog  # noqa: E402
 from tests.db_tests.exchange_support import dump, populate, valid_json
 from tests.db_tests.support import A100, H100
-
-from flashtune.kernel_templates import catalog  # noqa: E402
 
 SPECS = catalog()
 

@@ -15,12 +15,12 @@ from typing import Any
 
 import pytest
 
-from tests.db_tests.support import A100, BUCKET, H100, KEY, Study, make_study
 from flashtune import SchemaError, StoreError
 from flashtune.core.device import DeviceFingerprint
 from flashtune.db import HEAD_REVISION, RunStatus, SoftwareVersions, TrialState, open_store
 from flashtune.db.records import ImportedBest
 from flashtune.db.store import TuningStore
+from tests.db_tests.support import A100, BUCKET, H100, KEY, Study, make_study
 
 
 def test_ensure_device_is_get_or_create_on_the_hardware_key(store: TuningStore) -> None:

@@ -10,10 +10,11 @@ import torch
 
 pytest.importorskip("transformers")
 
+from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
+
 import flashtune.integrations.transformers  # noqa: E402,F401  (registers "flashtune")
 from flashtune.runtime import sdpa as sdpa_mod  # noqa: E402
 from tests.conftest import DEVICE  # noqa: E402
-from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 
 DTYPE = torch.float16 if DEVICE == "cpu" else torch.bfloat16
 

@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 
 from flashtune.core.device import DeviceFingerprint, interpreter_device
-from flashtune.core.problem import AttentionProblem
 from flashtune.core.errors import ConfigError
+from flashtune.core.problem import AttentionProblem
 from flashtune.kernel_templates import get_template, template_names
 from flashtune.kernel_templates.attn_bwd.space import shared_mem_bytes
 
@@ -132,7 +132,7 @@ def test_default_fills_the_gpu_on_low_parallelism_shapes():
     and 328 TFLOP/s on two D64 shapes, 1.5x on D128 ones), and only they: the standard grid
     keeps the measured head-dim defaults, as do shapes whose grids are big enough."""
     from flashtune.autotune.grids import standard_grid
-    from flashtune.kernel_templates.attn_bwd.space import DEFAULTS, _DEFAULTS
+    from flashtune.kernel_templates.attn_bwd.space import _DEFAULTS, DEFAULTS
 
     base = {d: c for d, c in _DEFAULTS}
     for p in standard_grid((64, 128), causal=(False, True),

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from flashtune.core.device import DeviceFingerprint
-from flashtune.core.problem import AttentionProblem
 from flashtune.core.errors import ConfigError, UnknownTemplateError
+from flashtune.core.problem import AttentionProblem
 from flashtune.kernel_templates import get_template, template_names
 from flashtune.kernel_templates.attn_fwd.space import shared_mem_bytes
 

@@ -14,7 +14,10 @@ from flashtune.runtime import kvcache, ops, routing
 from tests.conftest import DEVICE
 from tests.decode_helpers import make_cache
 from tests.helpers import assert_close_to_reference
-from tests.runtime_tests.test_lookup import BASE, env, populate  # noqa: F401 - fixture
+from tests.runtime_tests import test_lookup
+from tests.runtime_tests.test_lookup import BASE, populate
+
+env = test_lookup.env  # the fixture: isolated config sources
 
 pytestmark = pytest.mark.skipif(DEVICE != "cpu", reason="the interpreter device's own tables")
 

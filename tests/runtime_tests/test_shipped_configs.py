@@ -9,15 +9,16 @@ from pathlib import Path
 import pytest
 
 import flashtune
-from flashtune.core.device import DeviceFingerprint
 from flashtune.autotune.presets import preset
+from flashtune.core.device import DeviceFingerprint
 from flashtune.core.problem import AttentionProblem
 from flashtune.db.exchange import config_file_name, parse_document
-from flashtune.kernel_templates import get_template
+from flashtune.kernel_templates import (
+    catalog,  # noqa: E402
+    get_template,
+)
 from flashtune.runtime import sources
 from flashtune.runtime.lookup import Dispatcher
-
-from flashtune.kernel_templates import catalog  # noqa: E402
 
 SPECS = catalog()
 

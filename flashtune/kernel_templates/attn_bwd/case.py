@@ -7,7 +7,8 @@ is generated.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from flashtune.core.case import Case, random_inputs, relative_error
 from flashtune.core.device import DeviceFingerprint

@@ -11,7 +11,8 @@ looks up.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 import triton
@@ -24,8 +25,8 @@ from flashtune.kernel_templates.attn_bwd.kernel import (
     attn_bwd_preprocess,
 )
 from flashtune.kernel_templates.attn_bwd.space import DEFAULTS
-from flashtune.kernel_templates.tma import desc, tma_ok
 from flashtune.kernel_templates.attn_fwd.space import block_d
+from flashtune.kernel_templates.tma import desc, tma_ok
 
 PREPROCESS_BLOCK_M = 64
 REDUCE_BLOCK_N = 64

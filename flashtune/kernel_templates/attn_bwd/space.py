@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 from flashtune.core.device import DeviceFingerprint
 from flashtune.core.problem import AttentionProblem

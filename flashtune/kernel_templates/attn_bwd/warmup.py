@@ -4,7 +4,7 @@ arguments the launcher passes for contiguous, aligned inputs, built from shapes 
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
 
 from flashtune.core.problem import AttentionProblem
 from flashtune.core.spec import Launch

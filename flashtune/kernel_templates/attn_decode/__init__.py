@@ -6,7 +6,6 @@ import functools
 from pathlib import Path
 
 from flashtune.core.case import forward_case
-
 from flashtune.kernel_templates.attn_decode.kernel import attn_decode_split_kernel
 from flashtune.kernel_templates.attn_decode.launcher import attn_decode, attn_decode_kvcache
 from flashtune.kernel_templates.attn_decode.reference import attn_decode_reference

@@ -9,7 +9,8 @@ point (K/V of one length, any strides), :func:`attn_decode_kvcache` the cache on
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 import triton

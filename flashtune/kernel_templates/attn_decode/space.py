@@ -13,7 +13,7 @@ otherwise, see kernel.py), so no combination is invalid and the page size is not
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 from flashtune.core.device import DeviceFingerprint
 from flashtune.core.problem import AttentionProblem

@@ -6,7 +6,6 @@ import functools
 from pathlib import Path
 
 from flashtune.core.case import forward_case
-
 from flashtune.kernel_templates.attn_fwd.kernel import attn_fwd_kernel
 from flashtune.kernel_templates.attn_fwd.launcher import attn_fwd
 from flashtune.kernel_templates.attn_fwd.reference import attn_fwd_reference

@@ -10,7 +10,8 @@ precompiled kernel is the one the launch looks up.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 import triton

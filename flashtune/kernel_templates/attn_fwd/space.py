@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 from flashtune.core.device import DeviceFingerprint
 from flashtune.core.problem import AttentionProblem
@@ -55,7 +55,7 @@ def check(config: Mapping[str, int], problem: AttentionProblem,
           device: DeviceFingerprint) -> str | None:
     """Why ``config`` cannot (or should not) run ``problem`` on ``device``; None if it can."""
     bd = block_d(problem.head_dim)
-    bm, bn, warps = config["BLOCK_M"], config["BLOCK_N"], config["num_warps"]
+    bm, bn, warps = config["BLOCK_M"], config["BLOCK_N"], config["num_warps"]  # noqa: F841
     if config.get("REVERSE_M", 0) and not problem.causal:
         return "REVERSE_M only reorders causal problems (no-op here)"
     if config.get("USE_TMA", 0) and not device.is_interpreter:
