@@ -1,4 +1,5 @@
-"""The Gluon FA3-style forward (``gluon_fwd.py``) on the GPU: numerics first, then speed.
+"""The Gluon FA3-style forward (``flashtune.kernel_templates.attn_fwd_gluon``) on the GPU:
+numerics first, then speed.
 
     python benchmarks/explore_fwd_gluon.py [--check-only] [--head-dims 64,128] \
         [--seqlens 512,...,16384] [--configs 'ROWS=64,BLOCK_N=128,NUM_STAGES=2,NUM_CONSUMERS=2;...'] \
@@ -32,13 +33,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_fwd import SDPA_BACKENDS, check, sdpa_fn
-from gluon_fwd import DEFAULT_CONFIG, gluon_attn_fwd
 
 from flashtune.core.device import cuda_device
 from flashtune.autotune.grids import standard_grid
 from flashtune.autotune.timing import bench, tflops
 from flashtune.kernel_templates import get_template
 from flashtune.kernel_templates.attn_fwd.reference import attn_fwd_reference
+from flashtune.kernel_templates.attn_fwd_gluon.launcher import DEFAULT_CONFIG, gluon_attn_fwd
 
 CONFIGS = ("ROWS=64,BLOCK_N=128,NUM_STAGES=2,NUM_CONSUMERS=2;"
            "ROWS=64,BLOCK_N=128,NUM_STAGES=2,NUM_CONSUMERS=2,PINGPONG=1;"

@@ -45,16 +45,26 @@ def assert_close_to_reference(out, q, k, v, *, causal, scale=None, lse=None, fac
     return err
 
 
-def assert_grads_close(grads, q, k, v, dout, *, causal, scale=None, max_factor=3.0,
-                       fro_factor=2.0):
-    """The same rule for attn_bwd's ``(dq, dk, dv)``: each one's max error vs fp64 at most
-    ``max_factor`` x, and its relative Frobenius error at most ``fro_factor`` x, the error
-    of torch's own autograd through plain attention in the inputs' precision (plus a few
-    ulps), and under a hard relative bound. Returns the relative errors."""
+def grad_references(q, k, v, dout, *, causal, scale=None):
+    """``(exact, low)``: the float64 gradients and torch's own autograd in the inputs'
+    precision, what :func:`assert_grads_close` compares with (to compute once for inputs
+    that several launches are checked on)."""
     from flashtune.kernel_templates.attn_bwd.reference import attn_bwd_reference
 
     exact = attn_bwd_reference(q, k, v, dout, causal=causal, scale=scale, dtype=torch.float64)
     low = attn_bwd_reference(q, k, v, dout, causal=causal, scale=scale, dtype=q.dtype)
+    return exact, low
+
+
+def assert_grads_close(grads, q, k, v, dout, *, causal, scale=None, max_factor=3.0,
+                       fro_factor=2.0, refs=None):
+    """The same rule for attn_bwd's ``(dq, dk, dv)``: each one's max error vs fp64 at most
+    ``max_factor`` x, and its relative Frobenius error at most ``fro_factor`` x, the error
+    of torch's own autograd through plain attention in the inputs' precision (plus a few
+    ulps), and under a hard relative bound. ``refs``: :func:`grad_references` of these
+    inputs, computed here when None. Returns the relative errors."""
+    exact, low = refs if refs is not None else grad_references(q, k, v, dout, causal=causal,
+                                                               scale=scale)
     eps = torch.finfo(q.dtype).eps
     rels = []
     for name, got, ref, base, like in zip(("dq", "dk", "dv"), grads, exact, low, (q, k, v)):

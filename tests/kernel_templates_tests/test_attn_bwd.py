@@ -1,5 +1,11 @@
 """attn_bwd gradients against float64 autograd on odd shapes (interpreter or GPU), the tuner's
-case for it, and the autograd wiring of flashtune.attention."""
+case for it, and the autograd wiring of flashtune.attention.
+
+Under the interpreter every launch is slow, so the module shares what its tests would
+otherwise recompute: the ``cases`` fixture keeps each case's inputs with its forward pass,
+its reference gradients and the backward of each config it was run with. Checks of
+determinism launch again (``Case.run``) rather than reading the memo.
+"""
 
 from __future__ import annotations
 
@@ -14,12 +20,15 @@ from flashtune.core.errors import ConfigError
 from flashtune.kernel_templates import get_template
 from flashtune.kernel_templates.attn_bwd import attn_bwd
 from flashtune.kernel_templates.attn_fwd import attn_fwd
+from flashtune.kernel_templates.attn_bwd.space import DEFAULTS
 from flashtune.kernel_templates.attn_fwd.reference import attn_fwd_reference
 from tests.conftest import DEVICE
-from tests.helpers import assert_grads_close
+from tests.helpers import assert_grads_close, grad_references
 
 SPEC = get_template("attn_bwd")
-FWD_CFG = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 2, "num_stages": 1}
+# the forward only makes the backward's O and LSE: tiles as large as the shapes here, as
+# few interpreted iterations as can be (16 x 16 tiles made it as slow as the backward)
+FWD_CFG = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 1}
 CFG = {"BLOCK_M1": 16, "BLOCK_N1": 32, "BLOCK_M2": 32, "BLOCK_N2": 16, "num_warps": 2,
        "num_stages": 1}
 DTYPES = [torch.float16, torch.bfloat16]
@@ -40,6 +49,58 @@ def grads(q, k, v, do, cfg=CFG, *, causal, scale=None, **kw):
     return attn_bwd(q, k, v, out, lse, do, cfg, causal=causal, scale=scale, **kw)
 
 
+class Case:
+    """One case's ``q, k, v, do`` with its forward pass (out, LSE) and reference gradients
+    memoised per ``(causal, scale)``, and its gradients per config (the same inputs and
+    config give the same bits). Nothing here may write into these tensors."""
+
+    def __init__(self, q, k, v, do):
+        self.q, self.k, self.v, self.do = q, k, v, do
+        self._fwd, self._refs, self._grads = {}, {}, {}
+
+    def fwd(self, *, causal, scale=None):
+        if (causal, scale) not in self._fwd:
+            self._fwd[causal, scale] = attn_fwd(self.q, self.k, self.v, FWD_CFG, causal=causal,
+                                                scale=scale, return_lse=True)
+        return self._fwd[causal, scale]
+
+    def run(self, cfg=CFG, *, causal, scale=None, **kw):
+        """A fresh backward launch (on the memoised forward)."""
+        out, lse = self.fwd(causal=causal, scale=scale)
+        return attn_bwd(self.q, self.k, self.v, out, lse, self.do, cfg, causal=causal,
+                        scale=scale, **kw)
+
+    def grads(self, cfg=CFG, *, causal, scale=None):
+        """The backward of ``cfg``, launched once per case (knobs left out are their
+        defaults, as the launcher reads them)."""
+        key = (tuple(sorted({**DEFAULTS, **cfg}.items())), causal, scale)
+        if key not in self._grads:
+            self._grads[key] = self.run(cfg, causal=causal, scale=scale)
+        return self._grads[key]
+
+    def check(self, got, *, causal, scale=None):
+        """``assert_grads_close`` against the memoised references."""
+        if (causal, scale) not in self._refs:
+            self._refs[causal, scale] = grad_references(self.q, self.k, self.v, self.do,
+                                                        causal=causal, scale=scale)
+        return assert_grads_close(got, self.q, self.k, self.v, self.do, causal=causal,
+                                  scale=scale, refs=self._refs[causal, scale])
+
+
+@pytest.fixture(scope="module")
+def cases():
+    """``cases(b, hq, hkv, nq, nk, d, dtype, seed=0, layout="bhnd")`` -> the module's one
+    :class:`Case` of those inputs (``make``'s arguments)."""
+    memo = {}
+
+    def get(*shape_and_dtype, seed=0, layout="bhnd"):
+        key = (*shape_and_dtype, seed, layout)
+        if key not in memo:
+            memo[key] = Case(*make(*shape_and_dtype, seed=seed, layout=layout))
+        return memo[key]
+    return get
+
+
 SHAPES = [
     # (b, hq, hkv, nq, nk, d)
     (2, 2, 2, 77, 133, 64),  # Nq < Nk
@@ -53,9 +114,9 @@ SHAPES = [
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}h{}:{}q{}k{}d{}".format(*s))
-def test_gradients_match_float64(shape, causal, dtype):
-    q, k, v, do = make(*shape, dtype)
-    assert_grads_close(grads(q, k, v, do, causal=causal), q, k, v, do, causal=causal)
+def test_gradients_match_float64(cases, shape, causal, dtype):
+    case = cases(*shape, dtype)
+    case.check(case.grads(causal=causal), causal=causal)
 
 
 # tiles larger and smaller than the sequences, so every loop phase (causal band, unmasked
@@ -73,34 +134,34 @@ CONFIGS = [
 @pytest.mark.parametrize("split", [0, 1], ids=["one-loop", "split"])
 @pytest.mark.parametrize("nq,nk", [(45, 70), (70, 45)], ids=["q<k", "q>k"])
 @pytest.mark.parametrize("cfg", CONFIGS, ids=["16", "fa2", "transposed"])
-def test_configs_cover_every_loop_phase(cfg, nq, nk, split):
-    q, k, v, do = make(1, 4, 2, nq, nk, 32, torch.float16, seed=nq)
+def test_configs_cover_every_loop_phase(cases, cfg, nq, nk, split):
+    case = cases(1, 4, 2, nq, nk, 32, torch.float16, seed=nq)
     cfg = {**cfg, "SPLIT_LOOPS": split}
-    assert_grads_close(grads(q, k, v, do, cfg, causal=True), q, k, v, do, causal=True)
+    case.check(case.grads(cfg, causal=True), causal=True)
 
 
 @pytest.mark.parametrize("split", [0, 1], ids=["one-loop", "split"])
 @pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
-def test_tma_loads_match_float64(layout, split):
+def test_tma_loads_match_float64(cases, layout, split):
     """USE_TMA: Q/dO (dK/dV kernel) and K/V (dQ kernel) through tensor descriptors, whose
     zero fill covers the ragged ends and the padded head dim (96 -> 128): GQA, causal with
     Nq != Nk both ways, strided (B, N, H, D) storage, KV_SPLITS too."""
     for nq, nk in ((45, 70), (70, 45)):
-        q, k, v, do = make(1, 4, 2, nq, nk, 96, torch.float16, seed=nq + split, layout=layout)
+        case = cases(1, 4, 2, nq, nk, 96, torch.float16, seed=nq + split, layout=layout)
         for extra in ({}, {"KV_SPLITS": 2}):
             cfg = {**CONFIGS[1], "SPLIT_LOOPS": split, "USE_TMA": 1, **extra}
             for causal in (False, True):
-                assert_grads_close(grads(q, k, v, do, cfg, causal=causal), q, k, v, do,
-                                   causal=causal)
+                case.check(case.grads(cfg, causal=causal), causal=causal)
 
 
-def test_tma_falls_back_to_plain_loads_on_unaligned_strides():
+def test_tma_falls_back_to_plain_loads_on_unaligned_strides(cases):
     from flashtune.kernel_templates.attn_bwd.launcher import kernel_args
-    q, k, v, do = make(1, 2, 2, 20, 24, 32, torch.float16)
+    case = cases(1, 2, 2, 20, 24, 32, torch.float16)
+    q, k, v, do = case.q, case.k, case.v, case.do
     q_odd = torch.empty(1, 2, 20, 33, dtype=q.dtype, device=DEVICE)[..., :32]
     q_odd.copy_(q)  # row stride 33 elements: not a 16-byte multiple
     cfg = {**CONFIGS[1], "USE_TMA": 1}
-    out, lse = attn_fwd(q, k, v, FWD_CFG, causal=False, return_lse=True)
+    out, lse = case.fwd(causal=False)
     delta = torch.empty(1, 2, 20, device=DEVICE)
     for qq, expect in ((q, True), (q_odd, False)):
         launches = kernel_args(qq, k, v, out, lse, do, delta, torch.empty_like(q),
@@ -108,36 +169,36 @@ def test_tma_falls_back_to_plain_loads_on_unaligned_strides():
                                scale=0.2, upcast_dot=False)
         assert launches["dkdv"][2]["USE_TMA"] is expect and launches["dq"][2]["USE_TMA"] is expect
     got = attn_bwd(q_odd, k, v, out, lse, do, cfg)
-    assert_grads_close(got, q, k, v, do, causal=False)
+    case.check(got, causal=False)
 
 
-def test_every_diagonal_offset_is_masked_exactly():
+def test_every_diagonal_offset_is_masked_exactly(cases):
     """Nk - Nq around the multiples of the 16-row tiles, Nq = 2 mod 16: a block boundary
     off by one row in any loop split shows up in one of these."""
     for split in (0, 1):
         cfg = {"BLOCK_M1": 16, "BLOCK_N1": 16, "BLOCK_M2": 16, "BLOCK_N2": 16, "num_warps": 2,
                "num_stages": 1, "SPLIT_LOOPS": split}
         for off in (-17, -15, -2, -1, 0, 1, 2, 14, 15, 17):
-            q, k, v, do = make(1, 1, 1, 34, 34 + off, 16, torch.float16, seed=off + 20)
-            got = grads(q, k, v, do, cfg, causal=True)
-            assert_grads_close(got, q, k, v, do, causal=True)
+            case = cases(1, 1, 1, 34, 34 + off, 16, torch.float16, seed=off + 20)
+            case.check(case.grads(cfg, causal=True), causal=True)
 
 
 @pytest.mark.parametrize("d", [16, 128, 256])
-def test_small_and_large_head_dims(d):
-    q, k, v, do = make(1, 2, 1, 29, 40, d, torch.float16, seed=d)
-    assert_grads_close(grads(q, k, v, do, causal=True), q, k, v, do, causal=True)
+def test_small_and_large_head_dims(cases, d):
+    case = cases(1, 2, 1, 29, 40, d, torch.float16, seed=d)
+    case.check(case.grads(causal=True), causal=True)
 
 
-def test_rows_that_see_no_key_get_zero_gradients_not_nan():
-    # Nq > Nk, causal: the first 56 of 133 rows see no key (LSE = -inf)
-    q, k, v, do = make(1, 2, 2, 133, 77, 32, torch.float16, seed=5)
-    dq, dk, dv = grads(q, k, v, do, causal=True)
+def test_rows_that_see_no_key_get_zero_gradients_not_nan(cases):
+    # Nq > Nk, causal: the first 56 of 133 rows see no key (LSE = -inf); the inputs of
+    # test_gradients_match_float64's b1h2:2q133k77d32-causal-fp16
+    dq, dk, dv = cases(1, 2, 2, 133, 77, 32, torch.float16).grads(causal=True)
     assert torch.all(dq[:, :, :56] == 0) and dq[:, :, 56:].abs().sum() > 0
     assert torch.isfinite(dk).all() and torch.isfinite(dv).all()
     # one key: only the last query sees it, with P = 1, so dS = dP - delta = 0 up to rounding
-    q, k, v, do = make(1, 2, 2, 20, 1, 32, torch.float16, seed=6)
-    dq, dk, dv = grads(q, k, v, do, causal=True)
+    case = cases(1, 2, 2, 20, 1, 32, torch.float16, seed=6)
+    do = case.do
+    dq, dk, dv = case.grads(causal=True)
     assert torch.all(dq[:, :, :19] == 0)
     assert dq.abs().max() < 1e-5 and dk.abs().max() < 1e-5
     assert torch.equal(dv, do[:, :, 19:])
@@ -170,12 +231,11 @@ def test_lse_gradient_enters_through_delta():
         assert rel < 2e-3, rel
 
 
-def test_configs_agree_and_runs_are_deterministic():
-    q, k, v, do = make(1, 4, 2, 45, 45, 32, torch.float16, seed=3)
-    out, lse = attn_fwd(q, k, v, FWD_CFG, causal=True, return_lse=True)
-    a = attn_bwd(q, k, v, out, lse, do, CFG, causal=True)
-    again = attn_bwd(q, k, v, out, lse, do, CFG, causal=True)
-    other = attn_bwd(q, k, v, out, lse, do, {**CONFIGS[2], "SPLIT_LOOPS": 1}, causal=True)
+def test_configs_agree_and_runs_are_deterministic(cases):
+    case = cases(1, 4, 2, 45, 45, 32, torch.float16, seed=3)
+    a = case.run(CFG, causal=True)
+    again = case.run(CFG, causal=True)
+    other = case.grads({**CONFIGS[2], "SPLIT_LOOPS": 1}, causal=True)
     for x, y, z in zip(a, again, other):
         assert torch.equal(x, y)  # no atomics: bit for bit
         assert ((x.double() - z.double()).norm() / z.double().norm()).item() < 2e-3
@@ -183,17 +243,17 @@ def test_configs_agree_and_runs_are_deterministic():
 
 @pytest.mark.parametrize("splits", [2, 4, 8], ids=lambda s: f"kv_splits{s}")
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_kv_splits_match_float64_and_stay_deterministic(splits, causal):
+def test_kv_splits_match_float64_and_stay_deterministic(cases, splits, causal):
     """dK/dV over slices of the GQA group (group 8 here; 4:1 for the causal Nq > Nk case),
     partial sums added in slice order: right against float64, bit-identical when run again,
     and close to the unsplit result."""
     for shape in [(1, 8, 1, 37, 53, 32), (2, 8, 2, 61, 29, 64)]:
-        q, k, v, do = make(*shape, torch.float16, seed=5)
+        case = cases(*shape, torch.float16, seed=5)
         cfg = {**CFG, "KV_SPLITS": splits}
-        got = grads(q, k, v, do, cfg, causal=causal)
-        assert_grads_close(got, q, k, v, do, causal=causal)
-        again = grads(q, k, v, do, cfg, causal=causal)
-        one = grads(q, k, v, do, CFG, causal=causal)
+        got = case.grads(cfg, causal=causal)
+        case.check(got, causal=causal)
+        again = case.run(cfg, causal=causal)
+        one = case.grads(CFG, causal=causal)
         for x, y, z in zip(got, again, one):
             assert torch.equal(x, y)
             assert ((x.double() - z.double()).norm() / z.double().norm()).item() < 2e-3
@@ -204,25 +264,28 @@ def test_kv_splits_match_float64_and_stay_deterministic(splits, causal):
                                    {"ONE_LAUNCH": 1, "REVERSE_DQ": 1, "KV_SPLITS": 2},
                                    {"ONE_LAUNCH": 1, "USE_TMA": 1, "SPLIT_LOOPS": 1}],
                          ids=["one-launch", "reverse-dq", "both-kv-splits", "one-launch-tma"])
-def test_one_launch_and_reverse_dq_give_the_same_bits(knobs):
+def test_one_launch_and_reverse_dq_give_the_same_bits(cases, knobs):
     """ONE_LAUNCH (dK/dV and dQ programs in one grid) and REVERSE_DQ (dQ tiles last-first)
     only reorder programs: right against float64 on GQA/MQA causal shapes with Nq != Nk both
     ways and a padded head dim, and bit-identical to the separate launches."""
     from flashtune.kernel_templates.attn_bwd.launcher import kernel_args
 
     for shape in [(1, 4, 2, 45, 70, 32), (2, 4, 1, 70, 45, 96)]:
-        q, k, v, do = make(*shape, torch.float16, seed=shape[3])
+        case = cases(*shape, torch.float16, seed=shape[3])
         for causal in (False, True) if "REVERSE_DQ" not in knobs else (True,):
             base = {**CONFIGS[1], **{n: v for n, v in knobs.items()
                                      if n not in ("ONE_LAUNCH", "REVERSE_DQ")}}
-            got = grads(q, k, v, do, {**base, **knobs}, causal=causal)
-            assert_grads_close(got, q, k, v, do, causal=causal)
-            for x, y in zip(got, grads(q, k, v, do, base, causal=causal)):
+            got = case.grads({**base, **knobs}, causal=causal)
+            case.check(got, causal=causal)
+            for x, y in zip(got, case.grads(base, causal=causal)):
                 assert torch.equal(x, y)
-    out, lse = attn_fwd(q, k, v, FWD_CFG, causal=True, return_lse=True)
-    launches = kernel_args(q, k, v, out, lse, do, lse, *grads(q, k, v, do, causal=True),
-                           {**CONFIGS[1], **knobs}, causal=True, scale=0.1, upcast_dot=False,
-                           part_k=torch.empty(8, 45, 96), part_v=torch.empty(8, 45, 96))
+    q, k, v, do = case.q, case.k, case.v, case.do
+    out, lse = case.fwd(causal=True)
+    # the launches' arguments only: dQ/dK/dV stand-ins of the launcher's layout
+    launches = kernel_args(q, k, v, out, lse, do, lse, torch.empty_like(q), torch.empty_like(k),
+                           torch.empty_like(v), {**CONFIGS[1], **knobs}, causal=True,
+                           scale=0.1, upcast_dot=False, part_k=torch.empty(8, 45, 96),
+                           part_v=torch.empty(8, 45, 96))
     if knobs.get("ONE_LAUNCH"):  # cdiv(45, 64) * 2 * 1 * splits dK/dV + cdiv(70, 64) * 2 * 4 dQ
         splits = knobs.get("KV_SPLITS", 1)
         assert list(launches) == ["preprocess", "fused"] + ["kv_reduce"] * (splits > 1)
@@ -239,16 +302,16 @@ def test_reverse_dq_is_refused_where_it_reorders_nothing():
     assert SPEC.space.check({**CFG, "REVERSE_DQ": 1}, causal, interpreter_device()) is None
 
 
-def test_kv_splits_follow_the_group():
+def test_kv_splits_follow_the_group(cases):
     from flashtune.kernel_templates.attn_bwd.launcher import kv_splits
 
     assert [kv_splits({"KV_SPLITS": s}, 8) for s in (1, 2, 4, 8)] == [1, 2, 4, 8]
     assert [kv_splits({"KV_SPLITS": s}, 6) for s in (1, 2, 4, 8)] == [1, 2, 2, 2]
     assert kv_splits({"KV_SPLITS": 8}, 1) == 1 and kv_splits({}, 8) == 1
     # without GQA the knob changes nothing: the same bits
-    q, k, v, do = make(1, 2, 2, 30, 41, 32, torch.float16, seed=6)
-    for x, y in zip(grads(q, k, v, do, {**CFG, "KV_SPLITS": 4}, causal=True),
-                    grads(q, k, v, do, CFG, causal=True)):
+    case = cases(1, 2, 2, 30, 41, 32, torch.float16, seed=6)
+    for x, y in zip(case.run({**CFG, "KV_SPLITS": 4}, causal=True),
+                    case.run(CFG, causal=True)):
         assert torch.equal(x, y)
 
 

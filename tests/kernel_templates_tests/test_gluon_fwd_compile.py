@@ -1,4 +1,5 @@
-"""The Gluon FA3-style forward (``benchmarks/gluon_fwd.py``) compiles for Hopper on the CPU.
+"""The Gluon FA3-style forward (``flashtune/kernel_templates/attn_fwd_gluon``) compiles for
+Hopper on the CPU.
 
 Its numerics can only be checked on a GPU (Gluon has no interpreter mode:
 ``benchmarks/explore_fwd_gluon.py`` does that first); what the CPU can check is that every
@@ -18,13 +19,18 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gluon_fwd.py"
+from flashtune.kernel_templates.attn_fwd_gluon import protocol
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _compile(cases: list[dict]) -> list[dict]:
+    # in a process of its own: this one runs triton under the interpreter
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(SCRIPT), json.dumps(cases)], capture_output=True,
-                          check=False, text=True, env=env, timeout=600, cwd=SCRIPT.parent)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, "-m", "flashtune.kernel_templates.attn_fwd_gluon",
+                           json.dumps(cases)], capture_output=True, check=False, text=True,
+                          env=env, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
@@ -55,12 +61,10 @@ def test_the_swept_configs_compile() -> None:
         assert got["shared"] <= 227 * 1024, got
 
 
-def test_the_barrier_protocol_model_finds_no_deadlock() -> None:
-    """``benchmarks/gluon_fwd_protocol.py`` runs the kernel's mbarrier protocol (producer,
+def test_the_barrier_protocol_model_finds_no_deadlock(capsys) -> None:
+    """``attn_fwd_gluon/protocol.py`` runs the kernel's mbarrier protocol (producer,
     consumers, causal consumers that see fewer blocks, ping-pong turns) in random
     interleavings; it fails on a deadlock or a barrier a phase ahead of its waiter (it does
     for a missing drain loop, a wrong ``kv_empty`` count or a wrong turn parity)."""
-    proc = subprocess.run([sys.executable, str(SCRIPT.with_name("gluon_fwd_protocol.py"))],
-                          capture_output=True, check=False, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "no deadlock" in proc.stdout
+    protocol.main()  # raises AssertionError on the first bad interleaving
+    assert "no deadlock" in capsys.readouterr().out

@@ -1,4 +1,4 @@
-"""A model check of ``gluon_fwd.py``'s barrier protocol (no GPU, no triton).
+"""A model check of the Gluon forward's barrier protocol (``kernel.py``; no GPU, no triton).
 
 Each partition of the kernel (the producer, one or two consumers) is written here as the
 sequence of its mbarrier operations, in the kernel's order; a scheduler runs them in random
@@ -8,24 +8,35 @@ complete). Every wait also carries the absolute phase it means, and the model fa
 barrier has run a whole phase past a waiter (parity would then lie) or if no partition can
 move (deadlock).
 
-    python benchmarks/gluon_fwd_protocol.py    # all n_total <= 8, every n_mine, stages 2-4
+    python -m flashtune.kernel_templates.attn_fwd_gluon.protocol
+    # all n_total <= 8, every n_mine, stages 2-4: check_all()
 
 It checks the protocol, not the kernel: keep it in step with ``_producer``/``_consumer``.
 """
 
+from __future__ import annotations
+
 import random
+from typing import Any, Iterator
+
+__all__ = ["Bar", "check_all", "main", "run"]
 
 
 class Bar:
-    def __init__(self, count):
+    """An mbarrier: a phase completes after ``count`` arrivals."""
+
+    def __init__(self, count: int) -> None:
         self.count, self.pending, self.phase = count, count, 0
 
-    def arrive(self):
+    def arrive(self) -> None:
+        """One arrival; the last of a phase completes it."""
         self.pending -= 1
         if self.pending == 0:
             self.phase, self.pending = self.phase + 1, self.count
 
-    def passes(self, parity, absolute):
+    def passes(self, parity: int, absolute: int) -> bool:
+        """Whether ``wait(parity)`` passes now, for a waiter that means phase ``absolute``
+        (``AssertionError`` when the barrier has run a whole phase past it)."""
         if self.phase >= absolute + 2:
             raise AssertionError(f"barrier ran ahead: phase {self.phase}, waiter {absolute}")
         ok = (self.phase & 1) != parity
@@ -33,7 +44,15 @@ class Bar:
         return ok
 
 
-def run(n_total, n_mine0, stages, consumers, pingpong, seed):
+# ("arrive", barrier) or ("wait", barrier, parity, absolute phase)
+Op = tuple[Any, ...]
+
+
+def run(n_total: int, n_mine0: int, stages: int, consumers: int, pingpong: int,
+        seed: int) -> None:
+    """One random interleaving of a CTA's partitions: the producer loads ``n_total`` key
+    blocks into ``stages`` buffers, consumer 0 uses ``n_mine0`` of them (fewer when causal),
+    the others all; ``AssertionError`` on a deadlock or a barrier a phase ahead."""
     S = stages
     k_ready = [Bar(1) for _ in range(S)]
     v_ready = [Bar(1) for _ in range(S)]
@@ -41,7 +60,7 @@ def run(n_total, n_mine0, stages, consumers, pingpong, seed):
     turn = [Bar(1), Bar(1)]
     q_bar = [Bar(1) for _ in range(consumers)]
 
-    def producer():
+    def producer() -> Iterator[Op]:
         for c in range(consumers):
             yield ("arrive", q_bar[c])
         for j in range(n_total):
@@ -49,12 +68,12 @@ def run(n_total, n_mine0, stages, consumers, pingpong, seed):
             yield ("arrive", k_ready[j % S])
             yield ("arrive", v_ready[j % S])
 
-    def consumer(cid, n_mine):
-        def my_turn(step):
+    def consumer(cid: int, n_mine: int) -> Iterator[Op]:
+        def my_turn(step: int) -> Iterator[Op]:
             if pingpong:
                 yield ("wait", turn[cid], (step & 1) ^ (1 - cid), step - 1 if cid == 0 else step)
 
-        def their_turn():
+        def their_turn() -> Iterator[Op]:
             if pingpong:
                 yield ("arrive", turn[1 - cid])
 
@@ -99,7 +118,10 @@ def run(n_total, n_mine0, stages, consumers, pingpong, seed):
             alive[i] = False
 
 
-def main():
+def check_all() -> int:
+    """Every ``n_total`` <= 8, every ``n_mine`` of consumer 0, stages 2-4, one or two
+    consumers, with and without ping-pong, 30 seeds each; returns the number of
+    interleavings run (``AssertionError`` on the first bad one)."""
     runs = 0
     for n_total in range(1, 9):
         for n_mine0 in range(1, n_total + 1):
@@ -110,7 +132,12 @@ def main():
                     for seed in range(30):
                         run(n_total, n_mine0, stages, consumers, pingpong, seed)
                         runs += 1
-    print(f"{runs} interleavings: no deadlock, no barrier a phase ahead of its waiter")
+    return runs
+
+
+def main() -> None:
+    """:func:`check_all`, and a line saying so."""
+    print(f"{check_all()} interleavings: no deadlock, no barrier a phase ahead of its waiter")
 
 
 if __name__ == "__main__":

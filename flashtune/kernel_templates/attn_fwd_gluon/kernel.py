@@ -1,39 +1,18 @@
-"""A Hopper flash-attention forward in Gluon, FlashAttention-3's structure (experiment).
+"""The Gluon forward's kernel: ``gluon_attn_fwd_kernel`` and its partitions (``@gluon.jit``
+only; the package doc describes the structure, :mod:`.launcher` launches it).
 
-Issue 7's remaining gap to cuDNN is what Triton's ``tl`` cannot say on Hopper in 3.6 (see
-``benchmarks/README.md``): wgmma left in flight while the softmax runs, and producer/consumer
-warp specialization with explicit barriers. Gluon (``triton.experimental.gluon``) says both.
-This kernel is FA3's forward (Shah et al. 2024, Algorithm 1 and 2) written in Gluon:
+* ``_producer`` (1 warp): each consumer's Q tile once, then K and V tiles into a ring of
+  ``NUM_STAGES`` buffers behind the ``k_ready`` / ``v_ready`` / ``kv_empty`` mbarriers;
+* ``_consumer`` (a warpgroup each): ``S_j = Q K_j^T`` and ``O += P_{j-1} V_{j-1}`` as async
+  wgmma, the softmax of ``S_j`` (``_softmax_block``) while the second is in flight, the
+  epilogue; ``_my_turn`` / ``_their_turn`` are the ping-pong barriers (``PINGPONG``).
 
-* a **producer** partition (1 warp, 24 registers) issues the TMA loads: each consumer's Q
-  tile once, then K and V tiles into a ring of ``NUM_STAGES`` buffers; ``k_ready`` /
-  ``v_ready`` mbarriers say a buffer is full, ``kv_empty`` (one arrival per consumer) that
-  every consumer is done with it;
-* ``NUM_CONSUMERS`` **consumer** warpgroups (4 warps each), each owning ``ROWS`` query rows of
-  the CTA's ``NUM_CONSUMERS * ROWS``; the warp scheduler runs one's softmax while the other's
-  wgmmas use the tensor cores (inter-warpgroup overlap, without FA3's explicit ping-pong
-  barriers);
-* inside a consumer, **intra-warpgroup overlap** (FA3 Algorithm 2): ``S_j = Q K_j^T`` and
-  ``O += P_{j-1} V_{j-1}`` are issued back to back as async wgmma, the wait lets only the
-  first complete, and the softmax of ``S_j`` runs while ``P_{j-1} V_{j-1}`` is still on the
-  tensor cores; ``O`` is rescaled after that second wait;
-* exp2 with the softmax scale folded in; masking (causal diagonal, ragged key end) only on
-  the blocks that need it; causal query tiles launched longest first; ``lse`` in natural log
-  as ``attn_fwd`` stores it.
-
-Layout: Q, K, V, O contiguous ``(B, H, N, D)``, read through 2-D descriptors over
-``(B * H * N, D)``. A tile that runs past a head's end reads the next head's rows: keys are
-masked (``>= Nk``), query rows are never stored. D is 64 or 128 (the wgmma N of ``P V``), fp16
-or bf16. Not registered as a template: its numerics cannot be checked under the CPU
-interpreter, so it is checked on the GPU (``explore_fwd_gluon.py``) before anything else.
+:mod:`.protocol` models the barrier protocol of ``_producer`` and ``_consumer``: keep the two
+in step.
 """
 
 from __future__ import annotations
 
-import math
-from typing import Any
-
-import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -42,9 +21,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-LOG2E = 1.4426950408889634
 
 
 @gluon.jit
@@ -268,128 +244,3 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, seqlen_q, seql
                          v_ready, kv_empty, q_row, kv_row, n_total, ROWS, BLOCK_N, NUM_STAGES,
                          NUM_CONSUMERS)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
-
-
-DEFAULT_CONFIG = {"ROWS": 64, "BLOCK_N": 128, "NUM_STAGES": 2, "NUM_CONSUMERS": 2,
-                  "PINGPONG": 0}
-
-
-def _layout(block: list[int], dtype: Any) -> Any:
-    return gl.NVMMASharedLayout.get_default_for(block, dtype)
-
-
-def launch_meta(config: dict[str, int]) -> dict[str, int]:
-    """Warps and register split: the consumers take 4 warps each, the producer 1 warp (a
-    warpgroup's registers); ``maxnreg`` so the whole CTA fits the 64K-register file."""
-    consumers = config["NUM_CONSUMERS"]
-    groups = consumers + 1  # warpgroups: consumers + the producer's
-    maxnreg = (65536 // (groups * 128)) // 8 * 8
-    producer = 24
-    consumer = min(240, ((maxnreg * groups - producer) // consumers) // 8 * 8)
-    return {"num_warps": 4, "maxnreg": maxnreg, "PRODUCER_REGS": producer,
-            "CONSUMER_REGS": consumer}
-
-
-def gluon_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
-                   scale: float | None = None, config: dict[str, int] | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, lse)`` for ``(B, H, N, D)`` inputs, as ``attn_fwd(..., return_lse=True)``."""
-    cfg = dict(DEFAULT_CONFIG, **(config or {}))
-    batch, heads_q, seqlen_q, head_dim = q.shape
-    heads_kv, seqlen_k = k.shape[1], k.shape[2]
-    if head_dim not in (64, 128):
-        raise ValueError(f"head_dim must be 64 or 128 for the Gluon forward, got {head_dim}")
-    if heads_q % heads_kv:
-        raise ValueError(f"heads_q ({heads_q}) must be a multiple of heads_kv ({heads_kv})")
-    q, k, v = (t.contiguous() for t in (q, k, v))
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    out = torch.empty_like(q)
-    lse = torch.empty((batch, heads_q, seqlen_q), device=q.device, dtype=torch.float32)
-    gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    rows, bn = cfg["ROWS"], cfg["BLOCK_N"]
-    q_desc = TensorDescriptor(q.view(-1, head_dim), [batch * heads_q * seqlen_q, head_dim],
-                              [head_dim, 1], [rows, head_dim], _layout([rows, head_dim], gdt))
-    kv_shape = [batch * heads_kv * seqlen_k, head_dim]
-    k_desc = TensorDescriptor(k.view(-1, head_dim), kv_shape, [head_dim, 1], [bn, head_dim],
-                              _layout([bn, head_dim], gdt))
-    v_desc = TensorDescriptor(v.view(-1, head_dim), kv_shape, [head_dim, 1], [bn, head_dim],
-                              _layout([bn, head_dim], gdt))
-    meta = launch_meta(cfg)
-    grid = (-(-seqlen_q // (cfg["NUM_CONSUMERS"] * rows)), batch * heads_q)
-    gluon_attn_fwd_kernel[grid](
-        q_desc, k_desc, v_desc, out, lse, seqlen_q, seqlen_k, heads_q, heads_q // heads_kv,
-        scale * LOG2E, HEAD_D=head_dim, ROWS=rows, BLOCK_N=bn, NUM_STAGES=cfg["NUM_STAGES"],
-        NUM_CONSUMERS=cfg["NUM_CONSUMERS"], CAUSAL=bool(causal),
-        PINGPONG=bool(cfg["PINGPONG"]), PRODUCER_REGS=meta["PRODUCER_REGS"], CONSUMER_REGS=meta["CONSUMER_REGS"],
-        num_warps=meta["num_warps"], maxnreg=meta["maxnreg"])
-    return out, lse
-
-
-def compile_sm90(config: dict[str, int], head_dim: int = 128, causal: bool = False,
-                 dtype: str = "bf16") -> Any:
-    """Compile for Hopper on the CPU (no GPU needed): the compiled kernel (``.asm``,
-    ``.metadata.shared``). Run without ``TRITON_INTERPRET``."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    cfg = dict(DEFAULT_CONFIG, **config)
-    gdt = gl.bfloat16 if dtype == "bf16" else gl.float16
-    rows, bn = cfg["ROWS"], cfg["BLOCK_N"]
-    qd = f"tensordesc<{dtype}[{rows}, {head_dim}],{_layout([rows, head_dim], gdt)!r}>"
-    kd = f"tensordesc<{dtype}[{bn}, {head_dim}],{_layout([bn, head_dim], gdt)!r}>"
-    meta = launch_meta(cfg)
-    const = {"HEAD_D": head_dim, "ROWS": rows, "BLOCK_N": bn, "NUM_STAGES": cfg["NUM_STAGES"],
-             "NUM_CONSUMERS": cfg["NUM_CONSUMERS"], "CAUSAL": bool(causal),
-             "PINGPONG": bool(cfg["PINGPONG"]),
-             "PRODUCER_REGS": meta["PRODUCER_REGS"], "CONSUMER_REGS": meta["CONSUMER_REGS"]}
-    kern = gluon_attn_fwd_kernel
-    names = kern.arg_names
-    types = {"q_desc": qd, "k_desc": kd, "v_desc": kd, "o_ptr": f"*{dtype}",
-             "lse_ptr": "*fp32", "qk_scale": "fp32"}
-    sig = {n: "constexpr" if n in const else types.get(n, "i32") for n in names}
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in ("o_ptr", "lse_ptr")}
-    src = GluonASTSource(fn=kern, signature=sig, attrs=attrs,
-                         constexprs={(names.index(k),): v for k, v in const.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": meta["num_warps"], "maxnreg": meta["maxnreg"]})
-
-
-def ptxas_stats(ptx: str) -> dict[str, Any]:
-    """ptxas' registers and spill-store bytes for sm_90a, the PTX's ``setmaxnreg`` values and
-    its wgmma wait depths (``wgmma.wait_group N``: N > 0 is a wgmma left in flight)."""
-    import re
-    import subprocess
-    import tempfile
-    from pathlib import Path
-
-    from triton.backends.nvidia.compiler import get_ptxas
-
-    with tempfile.TemporaryDirectory() as d:
-        src = Path(d) / "k.ptx"
-        src.write_text(ptx)
-        r = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", str(src), "-o",
-                            str(src) + ".o"], capture_output=True, text=True, check=True)
-    log = r.stderr + r.stdout
-    return {"registers": [int(x) for x in re.findall(r"Used (\d+) registers", log)],
-            "spill_store_bytes": [int(x) for x in re.findall(r"(\d+) bytes spill stores", log)],
-            "setmaxnreg": sorted(set(re.findall(r"setmaxnreg\.(\w+)\.sync\.aligned\.u32\s+(\d+)",
-                                                ptx))),
-            "wgmma_wait_depths": sorted({int(x) for x in re.findall(
-                r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)})}
-
-
-if __name__ == "__main__":
-    import json
-    import os
-    import sys
-
-    if os.environ.get("TRITON_INTERPRET"):
-        sys.exit("unset TRITON_INTERPRET: this compiles for sm_90")
-    for case in json.loads(sys.argv[1]) if len(sys.argv) > 1 else [{}]:
-        d = case.pop("head_dim", 128)
-        causal = case.pop("causal", False)
-        c = compile_sm90(case, d, causal)
-        print(json.dumps({"config": dict(DEFAULT_CONFIG, **case), "head_dim": d,
-                          "causal": causal, "shared": c.metadata.shared,
-                          "warps": c.metadata.num_warps, **ptxas_stats(c.asm["ptx"])}))

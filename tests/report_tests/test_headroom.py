@@ -1,20 +1,14 @@
-"""``benchmarks/headroom.py``: the ceilings a perfect tuner reaches, on sweeps built so the
-answer is known by hand."""
+"""``flashtune.report.headroom``: the ceilings a perfect tuner reaches, on sweeps built so
+the answer is known by hand."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "headroom.py"
-_spec = importlib.util.spec_from_file_location("headroom", SCRIPT)
-assert _spec and _spec.loader
-headroom = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(headroom)
+from flashtune.report import headroom
 
 
 def cfg(bm: int, nreg: int = 0, reverse: int = 0) -> dict:

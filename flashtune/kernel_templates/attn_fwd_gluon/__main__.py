@@ -1,0 +1,42 @@
+"""Compile the Gluon forward for sm_90 on the CPU and print what the compiler made of it.
+
+    python -m flashtune.kernel_templates.attn_fwd_gluon \
+        '[{"head_dim": 64, "causal": true}, {"PINGPONG": 1}]'
+
+Each case is a config over ``DEFAULT_CONFIG`` plus optional ``head_dim`` (128) and ``causal``
+(false); one JSON line per case: the config, shared memory bytes, warps, and
+:func:`~flashtune.kernel_templates.attn_fwd_gluon.launcher.ptxas_stats`. No GPU needed; run
+it without ``TRITON_INTERPRET``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def main(argv: list[str]) -> int:
+    """Compile each case of ``argv[0]`` (a JSON list; default: the default config) and print
+    its figures."""
+    if os.environ.get("TRITON_INTERPRET"):
+        print("unset TRITON_INTERPRET: this compiles for sm_90", file=sys.stderr)
+        return 2
+    from flashtune.kernel_templates.attn_fwd_gluon.launcher import (
+        DEFAULT_CONFIG,
+        compile_sm90,
+        ptxas_stats,
+    )
+
+    for case in json.loads(argv[0]) if argv else [{}]:
+        d = case.pop("head_dim", 128)
+        causal = case.pop("causal", False)
+        c = compile_sm90(case, d, causal)
+        print(json.dumps({"config": dict(DEFAULT_CONFIG, **case), "head_dim": d,
+                          "causal": causal, "shared": c.metadata.shared,
+                          "warps": c.metadata.num_warps, **ptxas_stats(c.asm["ptx"])}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
