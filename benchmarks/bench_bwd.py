@@ -74,10 +74,10 @@ def main(argv: list[str] | None = None) -> None:
     import triton
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from flashtune.core.device import cuda_device
     from flashtune.autotune.grids import standard_grid
-    from flashtune.core.case import TOLERANCE
     from flashtune.autotune.timing import bench, tflops
+    from flashtune.core.case import TOLERANCE
+    from flashtune.core.device import cuda_device
     from flashtune.kernel_templates import get_template
     from flashtune.kernel_templates.attn_bwd.reference import attn_bwd_reference
 

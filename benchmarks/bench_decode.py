@@ -72,9 +72,9 @@ def main() -> None:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     import flashtune
+    from flashtune.autotune.timing import bench
     from flashtune.core.device import cuda_device
     from flashtune.core.problem import AttentionProblem
-    from flashtune.autotune.timing import bench
     from flashtune.kernel_templates import get_template
     from flashtune.kernel_templates.attn_decode import attn_decode_kvcache
     from flashtune.kernel_templates.attn_decode.reference import attn_decode_reference

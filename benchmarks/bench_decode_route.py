@@ -67,7 +67,9 @@ def main() -> None:
                 row = {"batch": b, "nq": nq, "nk": nk}
                 for name, spec in (("fwd", fwd), ("decode", dec)):
                     cfg = spec.default_config(p, dev)
-                    fn = (lambda s=spec, c=cfg: s.launcher(q, k, v, c, causal=True))
+                    def fn(s=spec, c=cfg):
+                        return s.launcher(q, k, v, c, causal=True)
+
                     err = ((fn().float() - ref).norm() / ref.norm()).item()
                     assert err < 2e-2, (name, row, err)
                     row[name + "_us"] = graph_us(fn)

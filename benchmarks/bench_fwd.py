@@ -22,9 +22,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import flashtune  # noqa: E402
-from flashtune.core.device import cuda_device  # noqa: E402
 from flashtune.autotune.grids import standard_grid  # noqa: E402
 from flashtune.autotune.timing import bench, tflops  # noqa: E402
+from flashtune.core.device import cuda_device  # noqa: E402
 from flashtune.kernel_templates import get_template  # noqa: E402
 from flashtune.kernel_templates.attn_fwd.reference import attn_fwd_reference  # noqa: E402
 

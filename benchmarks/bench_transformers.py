@@ -26,8 +26,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import flashtune.integrations.transformers  # noqa: E402,F401  (registers "flashtune")
 from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
+
+import flashtune.integrations.transformers  # noqa: E402,F401  (registers "flashtune")
 
 CONTENDERS = {
     "flashtune": ("flashtune", None),

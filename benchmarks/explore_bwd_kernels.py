@@ -9,8 +9,8 @@ shared ``num_warps``/``num_stages`` cannot give them).
 Per shape (standard grid: batch x N = 16384, hidden 2048; bf16): every config of the grid
 is compiled first in a process pool (``JITFunction.warmup``), then the dK/dV kernel and the
 dQ kernel are timed alone (``do_bench`` median), and the whole backward at the template
-default. ``--knobs JSON``: these knob values in every config of the grid. ``--ab FILE`` also times the default config with the kernels of another
-``kernel.py`` with the same signatures (A/B of two kernel versions, same run).
+default. ``--knobs JSON``: these knob values in every config of the grid. ``--ab FILE`` also
+times the default config with the kernels of another ``kernel.py`` with the same signatures (A/B of two kernel versions, same run).
 """
 
 from __future__ import annotations
@@ -92,8 +92,8 @@ def main() -> None:
     os.environ.setdefault("TRITON_CACHE_DIR", "/tmp/flashtune-explore-cache")
     import torch
 
-    from flashtune.core.device import cuda_device
     from flashtune.autotune.timing import bench, tflops
+    from flashtune.core.device import cuda_device
     from flashtune.kernel_templates import get_template
     from flashtune.kernel_templates.attn_bwd.launcher import kernel_args
 
@@ -225,9 +225,9 @@ def compare_full(args: argparse.Namespace, rounds: int = 3) -> None:
 
     import torch
 
-    from flashtune.core.device import cuda_device
     from flashtune.autotune.precompile import precompile
     from flashtune.autotune.timing import bench, tflops
+    from flashtune.core.device import cuda_device
     from flashtune.kernel_templates import get_template
 
     spec, fwd = get_template("attn_bwd"), get_template("attn_fwd")

@@ -52,10 +52,10 @@ def main() -> None:
     import triton
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    from flashtune.autotune.timing import bench, tflops
+    from flashtune.core.case import TOLERANCE
     from flashtune.core.device import cuda_device
     from flashtune.core.problem import AttentionProblem
-    from flashtune.core.case import TOLERANCE
-    from flashtune.autotune.timing import bench, tflops
     from flashtune.kernel_templates import get_template
     from flashtune.kernel_templates.attn_bwd.reference import attn_bwd_reference
     from flashtune.kernel_templates.attn_bwd.space import check

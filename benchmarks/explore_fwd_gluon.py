@@ -34,9 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_fwd import SDPA_BACKENDS, check, sdpa_fn
 
-from flashtune.core.device import cuda_device
 from flashtune.autotune.grids import standard_grid
 from flashtune.autotune.timing import bench, tflops
+from flashtune.core.device import cuda_device
 from flashtune.kernel_templates import get_template
 from flashtune.kernel_templates.attn_fwd.reference import attn_fwd_reference
 from flashtune.kernel_templates.attn_fwd_gluon.launcher import DEFAULT_CONFIG, gluon_attn_fwd

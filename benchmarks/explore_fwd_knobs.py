@@ -30,12 +30,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_fwd import SDPA_BACKENDS, check, sdpa_fn  # noqa: E402
 
 import flashtune  # noqa: E402
-from flashtune.core.device import cuda_device  # noqa: E402
 from flashtune.autotune.grids import STANDARD_HIDDEN, STANDARD_TOKENS  # noqa: E402
 from flashtune.autotune.precompile import precompile  # noqa: E402
-from flashtune.core.problem import AttentionProblem  # noqa: E402
 from flashtune.autotune.runners import LocalRunner  # noqa: E402
 from flashtune.autotune.timing import bench, tflops  # noqa: E402
+from flashtune.core.device import cuda_device  # noqa: E402
+from flashtune.core.problem import AttentionProblem  # noqa: E402
 from flashtune.db.jsonutil import canonical_json  # noqa: E402
 from flashtune.kernel_templates import get_template  # noqa: E402
 

@@ -31,11 +31,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_fwd import SDPA_BACKENDS, check, sdpa_fn  # noqa: E402
 
 import flashtune  # noqa: E402
-from flashtune.core.device import cuda_device  # noqa: E402
 from flashtune.autotune.grids import standard_grid  # noqa: E402
 from flashtune.autotune.jobs import tune  # noqa: E402
 from flashtune.autotune.options import TuneOptions  # noqa: E402
 from flashtune.autotune.timing import bench, tflops  # noqa: E402
+from flashtune.core.device import cuda_device  # noqa: E402
 from flashtune.kernel_templates import get_template  # noqa: E402
 from flashtune.kernel_templates.attn_fwd.reference import attn_fwd_reference  # noqa: E402
 from flashtune.kernel_templates.attn_fwd.space import block_d  # noqa: E402

@@ -30,8 +30,9 @@ import argparse
 import json
 import math
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 __all__ = ["SINGLE_KNOBS", "geomean", "headroom", "main", "parse_fix", "problem_label",
            "summary_lines", "tuned_ratios"]

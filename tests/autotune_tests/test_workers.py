@@ -9,8 +9,8 @@ import pytest
 
 from flashtune.autotune.jobs import tune
 from flashtune.autotune.options import TuneOptions
-from flashtune.core.problem import AttentionProblem
 from flashtune.autotune.workers import WorkerError, plan_tasks, tune_on_gpus
+from flashtune.core.problem import AttentionProblem
 from flashtune.db import TrialState, canonical_json, open_store
 
 P1 = AttentionProblem(1, 2, 2, 40, 40, 16, True, "fp16")

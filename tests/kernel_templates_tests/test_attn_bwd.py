@@ -14,13 +14,13 @@ import torch
 
 import flashtune
 from flashtune.core.device import current_device, interpreter_device
+from flashtune.core.errors import ConfigError
 from flashtune.core.problem import AttentionProblem
 from flashtune.db.records import TrialState
-from flashtune.core.errors import ConfigError
 from flashtune.kernel_templates import get_template
 from flashtune.kernel_templates.attn_bwd import attn_bwd
-from flashtune.kernel_templates.attn_fwd import attn_fwd
 from flashtune.kernel_templates.attn_bwd.space import DEFAULTS
+from flashtune.kernel_templates.attn_fwd import attn_fwd
 from flashtune.kernel_templates.attn_fwd.reference import attn_fwd_reference
 from tests.conftest import DEVICE
 from tests.helpers import assert_grads_close, grad_references
@@ -375,7 +375,7 @@ def test_precompile_warms_every_backward_kernel_with_the_launchers_arguments():
     launches = attn_bwd_warmup_args(p, SPEC.default_config(p, interpreter_device()))
     assert [kern.fn.__name__ for kern, *_ in launches] == [
         "attn_bwd_preprocess", "attn_bwd_dkdv", "attn_bwd_dq"]
-    for kern, args, kwargs, grid in launches:
+    for kern, args, kwargs, _grid in launches:
         names = list(kern.arg_names)  # every parameter given exactly once
         assert names[len(args):] == [n for n in kwargs if n not in ("num_warps", "num_stages")]
         assert kwargs["BLOCK_D"] == 128 and kwargs["HEAD_DIM"] == 96
@@ -385,7 +385,7 @@ def test_precompile_warms_every_backward_kernel_with_the_launchers_arguments():
     assert [kern.fn.__name__ for kern, *_ in split] == [
         "attn_bwd_preprocess", "attn_bwd_dkdv", "attn_bwd_kv_reduce", "attn_bwd_dq"]
     assert split[1][3] == (3, 8) and split[1][2]["KV_SPLITS"] == 2
-    for kern, args, kwargs, grid in split:
+    for kern, args, kwargs, _grid in split:
         names = list(kern.arg_names)
         assert names[len(args):] == [n for n in kwargs if n not in ("num_warps", "num_stages")]
     # USE_TMA: the stand-ins are aligned, so descriptors of the launchers' box shapes

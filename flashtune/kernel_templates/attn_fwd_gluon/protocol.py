@@ -17,7 +17,8 @@ It checks the protocol, not the kernel: keep it in step with ``_producer``/``_co
 from __future__ import annotations
 
 import random
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 __all__ = ["Bar", "check_all", "main", "run"]
 
