@@ -316,9 +316,14 @@ def _tune_one(problem: AttentionProblem, options: TuneOptions, store: TuningStor
 def _confirm(store: TuningStore, opened: OpenStudy, problem: AttentionProblem,
              options: TuneOptions, default: Mapping[str, int],
              runner: Any) -> tuple[bool, dict[str, Any]]:
-    """Re-time the study's ``top_k_confirm`` fastest configs and the default interleaved,
-    offer the fastest there as the study's best, and close ``runner``. Returns whether it
-    became the best, and the re-timed results by canonical config."""
+    """Re-time the study's ``top_k_confirm`` fastest configs, the default and the stored
+    best interleaved, offer the fastest there as the study's best, and close ``runner``.
+    Returns whether it became the best, and the re-timed results by canonical config.
+
+    The stored best takes part, so the offer is decided on numbers of one measurement and
+    replaces the record even when it is slower than what an earlier run recorded (the
+    figure users get is this run's, not the luckiest one ever taken).
+    """
     from flashtune.autotune.runners import TrialResult, time_interleaved
 
     dev, tpl, prob = ids = opened.ids
@@ -334,10 +339,15 @@ def _confirm(store: TuningStore, opened: OpenStudy, problem: AttentionProblem,
     default_trial = by_config.get(canonical_json(default))
     if default_trial is not None and default_trial not in top:
         top.append(default_trial)
+    stored = store.get_best(*ids)
+    configs = [t.config for t in top]
+    stored_key = canonical_json(dict(stored.config)) if stored is not None else None
+    if stored is not None and stored_key not in {canonical_json(c) for c in configs}:
+        configs.append(dict(stored.config))
     retimed: dict[str, TrialResult] = {}
     try:
-        if len(top) > 1:
-            retimed = time_interleaved(runner, [t.config for t in top])
+        if len(configs) > 1:
+            retimed = time_interleaved(runner, configs)
     finally:
         _close(runner)
     winner = None
@@ -351,9 +361,23 @@ def _confirm(store: TuningStore, opened: OpenStudy, problem: AttentionProblem,
         ms, tf = (r.median_ms, r.tflops) if r is not None else (t.median_ms, t.tflops)
         if ms is not None and (win_ms is None or ms < win_ms):
             winner, win_ms, win_tf = t, ms, tf
+    # the stored best was measured beside the winner (it is the winner, or it lost): the
+    # record follows this measurement
+    fresh = stored_key is not None and stored_key in retimed and retimed[stored_key].ok
+    if winner is not None and fresh and stored is not None:
+        s = retimed[stored_key]
+        if canonical_json(winner.config) != stored_key and s.median_ms is not None \
+                and win_ms is not None and s.median_ms <= win_ms:
+            winner = None  # a stored best from outside this study's trials won: keep it,
+            win_ms = None  # with this run's figure
+            store.offer_best(*ids, config=stored.config, median_ms=s.median_ms,
+                             tflops=s.tflops, trial_id=stored.trial_id,
+                             trials_count=stored.trials_count, software=stored.software,
+                             refreshes=stored.config)
     became_best = False
     if winner is not None and win_ms is not None:
         n_trials = len(store.list_trials(device_id=dev, template_id=tpl, problem_id=prob))
         became_best = store.offer_best(*ids, config=winner.config, median_ms=win_ms,
-                                       tflops=win_tf, trial_id=winner.id, trials_count=n_trials)
+                                       tflops=win_tf, trial_id=winner.id, trials_count=n_trials,
+                                       refreshes=stored.config if fresh and stored else None)
     return became_best, retimed

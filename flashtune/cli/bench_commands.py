@@ -89,7 +89,7 @@ def render_bench(result: Mapping[str, Any]) -> str:
     impls = [n for n in IMPLS if any(n in r for r in rows)]
     ceiling = result.get("ceiling_tflops")
     header = ["shape", "config", *(_SHORT[n] for n in impls), "vs flash", "vs cudnn",
-              "of ceiling"]
+              "of ceiling", "vs recorded"]
     body = []
     for r in rows:
         mine, fa2, cud = (tflops_of(r, n) for n in ("flashtune", "sdpa_flash", "sdpa_cudnn"))
@@ -98,7 +98,8 @@ def render_bench(result: Mapping[str, Any]) -> str:
                        ("error" if "error" in r.get(n, {}) else "-") for n in impls),
                      f"{mine / fa2:.2f}x" if mine and fa2 else "-",
                      f"{mine / cud:.2f}x" if mine and cud else "-",
-                     f"{mine / ceiling:.0%}" if mine and ceiling else "-"])
+                     f"{mine / ceiling:.0%}" if mine and ceiling else "-",
+                     f"{r['drift']:.2f}x" if r.get("drift") else "-"])
     lines = [_table(header, body, right=set(range(2, len(header))))]
     s = result.get("summary", {})
     parts = [f"{label} {s[key]:.2f}x" for key, label in (
@@ -110,6 +111,10 @@ def render_bench(result: Mapping[str, Any]) -> str:
         lines.append("flashtune (geomean): " + ", ".join(parts))
     if ceiling:
         lines.append(f"bf16 matmul ceiling measured in this run: {ceiling:.0f} TFLOP/s")
+    if s.get("drift_geomean"):
+        lines.append(f"stored winners measured against their recorded TFLOP/s: geomean "
+                     f"{s['drift_geomean']:.2f}x (min {s['drift_min']:.2f}x, max "
+                     f"{s['drift_max']:.2f}x); below 0.95x: re-tune (flashtune tune ...)")
     errors = sorted({f"{n}: {r[n]['error']}" for r in rows for n in impls
                      if "error" in r.get(n, {})})
     for e in errors[:8]:

@@ -140,12 +140,16 @@ def trial_software(s: Session, trial_id: int | None) -> SoftwareVersions:
 
 
 def put_best(s: Session, study: tuple[int, int, int], values: Mapping[str, Any],
-             tuned_at: datetime, policy: str) -> str:
+             tuned_at: datetime, policy: str, *, refreshes: str | None = None) -> str:
     """Write one best config of ``study`` (device, template, problem ids) under ``policy``
     (see ``TuningStore.import_best``; ``offer_best`` is keep-faster); returns
-    ``"added"``, ``"replaced"``, ``"kept"`` (keep-faster, not faster) or ``"skipped"``."""
+    ``"added"``, ``"replaced"``, ``"kept"`` (keep-faster, not faster) or ``"skipped"``.
+    ``refreshes``: the canonical JSON of the config the offer was timed against; while that
+    is still the stored one, the offer replaces it whatever its time (``offer_best``)."""
     device_id, template_id, problem_id = study
     row = best_row(s, device_id, template_id, problem_id)
+    if row is not None and refreshes is not None and row.config_json == refreshes:
+        policy = "overwrite"
     if row is None:
         s.add(BestConfig(device_id=device_id, template_id=template_id, problem_id=problem_id,
                          tuned_at=tuned_at, **values))

@@ -321,16 +321,19 @@ class SQLAlchemyStore(TransactionRunner, TuningStore):
     def offer_best(self, device_id: int, template_id: int, problem_id: int, *,
                    config: Mapping[str, Any], median_ms: float, tflops: float | None,
                    trial_id: int | None, trials_count: int,
-                   software: SoftwareVersions | None = None) -> bool:
+                   software: SoftwareVersions | None = None,
+                   refreshes: Mapping[str, Any] | None = None) -> bool:
         values = rows.best_values(config, median_ms, tflops, trial_id, trials_count)
         given = None if software is None else rows.software_values(software)
+        against = None if refreshes is None else canonical_json(dict(refreshes))
 
         def work(s: Session) -> bool:
             versions = given if given is not None else \
                 rows.software_values(rows.trial_software(s, trial_id))
             # a concurrent first offer fails on the unique constraint: retried as a comparison
             outcome = rows.put_best(s, (device_id, template_id, problem_id),
-                                    {**values, **versions}, utcnow(), "keep-faster")
+                                    {**values, **versions}, utcnow(), "keep-faster",
+                                    refreshes=against)
             return outcome != "kept"
 
         return self._run("offer_best", work, write=True, conflict_retries=CONFLICT_RETRIES)

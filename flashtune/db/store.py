@@ -221,8 +221,15 @@ class TuningStore(abc.ABC):
     def offer_best(self, device_id: int, template_id: int, problem_id: int, *,
                    config: Mapping[str, Any], median_ms: float, tflops: float | None,
                    trial_id: int | None, trials_count: int,
-                   software: SoftwareVersions | None = None) -> bool:
+                   software: SoftwareVersions | None = None,
+                   refreshes: Mapping[str, Any] | None = None) -> bool:
         """Make ``config`` the study's best if there is none or it is strictly faster.
+
+        ``refreshes`` is the stored best's config when the offer was timed beside it in the
+        same measurement (the tuner's confirmation round): while it is still the stored
+        best, the offer replaces it whatever the two recorded times say, so the record
+        follows a fresh measurement rather than the luckiest one ever taken (compare and
+        swap: if another writer changed the best in between, keep-faster applies).
 
         The best config keeps the ``software`` it was tuned under; None (the default)
         takes the versions of ``trial_id``'s run, read in the same transaction (empty

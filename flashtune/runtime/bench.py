@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import platform
+import statistics
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -271,7 +272,11 @@ def _bench_problem(p: AttentionProblem, spec: Any, choice: Any, device: Any, tor
     row: dict[str, Any] = {"problem": p.key(), "label": p.describe(),
                            "flops": p.flops(backward=spec.op == "bwd"),
                            "config": choice.config, "source": choice.source,
-                           "default_config": default}
+                           "default_config": default,
+                           # what the tuner recorded for this very problem (exact entries
+                           # only: a bucket's or a neighbour's figure is another shape's)
+                           "recorded_tflops": choice.tflops if choice.source == "exact"
+                           else None}
     make = _backward_fns if spec.op == "bwd" else _forward_fns
     fns, error = make(p, spec, {"flashtune": choice.config, "flashtune_default": default},
                       baselines, device, torch_device, row)
@@ -297,9 +302,12 @@ def _bench_problem(p: AttentionProblem, spec: Any, choice: Any, device: Any, tor
                 row[name] = {"error": _first_line(exc)}
                 del times[name]
     for name, ts in times.items():
-        ms = sorted(ts)[len(ts) // 2]
+        ms = statistics.median(ts)  # as the tuner's interleaved re-timing takes it
         row[name] = {"median_ms": ms, "tflops": tflops(row["flops"], ms),
                      "rel_err_vs_fp32": checked[name], "round_medians_ms": ts}
+    measured = tflops_of(row, "flashtune")
+    row["drift"] = (measured / row["recorded_tflops"]
+                    if measured and row["recorded_tflops"] else None)
     return row
 
 def tflops_of(row: Mapping[str, Any], name: str) -> float | None:
@@ -330,4 +338,9 @@ def summarize(rows: Sequence[Mapping[str, Any]], ceiling: float | None) -> dict[
         fractions = [t / ceiling for t in (tflops_of(r, "flashtune") for r in rows) if t]
         out["flashtune_of_ceiling_geomean"] = _geomean(fractions)
     out["all_checked"] = all("tflops" in r.get("flashtune", {}) for r in rows)
+    drifts = [r["drift"] for r in rows if r.get("drift")]
+    if drifts:  # measured / recorded TFLOP/s of the stored winners served for their problem
+        out["drift_geomean"] = _geomean(drifts)
+        out["drift_min"] = min(drifts)
+        out["drift_max"] = max(drifts)
     return out

@@ -174,3 +174,36 @@ def test_a_search_that_has_measured_every_valid_config_stops_asking(monkeypatch,
     assert res.trials == len(keep)
     assert "every valid config of the space is measured; search ends" in caplog.text
     assert res.trials + res.states["PRUNED_STATIC"] < space.size
+
+
+def test_a_rerun_records_this_runs_figure_not_the_luckiest_one(tmp_path):
+    """The stored best is re-timed beside the candidates, and the record follows that
+    measurement: a best stored with a lucky (too fast) figure is corrected by the next run
+    (issue 22: tune recorded 528 TFLOP/s that bench never saw)."""
+    from flashtune.db import open_store
+
+    url = f"sqlite:///{tmp_path / 'ft.db'}"
+
+    def factory(spec, problem, device, options):
+        return ReplayRunner.from_json(FIXTURE)
+
+    options = TuneOptions(trials=6, sampler="random", seed=0, top_k_confirm=3)
+    [first] = tune([PROBLEM], options, db_url=url, progress=False, _runner_factory=factory,
+                   _device=H100, _space=SPACE)
+    with open_store(url) as store:
+        [best] = store.list_best()
+        ids = (best.device.id, best.template.id, best.problem.id)
+        recorded = ReplayRunner.from_json(FIXTURE).evaluate(best.config).median_ms
+        assert best.median_ms == recorded
+        # a lucky earlier figure, faster than the config can run
+        assert store.offer_best(*ids, config=best.config, median_ms=recorded / 2,
+                                tflops=None, trial_id=best.trial_id, trials_count=1,
+                                refreshes=best.config)
+        assert store.get_best(*ids).median_ms == recorded / 2
+    tune([PROBLEM], TuneOptions(trials=2, sampler="random", seed=1, top_k_confirm=3),
+         db_url=url, progress=False, _runner_factory=factory, _device=H100, _space=SPACE)
+    with open_store(url, read_only=True) as store:
+        [again] = store.list_best()
+    runner = ReplayRunner.from_json(FIXTURE)
+    assert again.median_ms == runner.evaluate(again.config).median_ms  # a real measurement
+    assert again.median_ms <= recorded  # never worse than the config it replaced

@@ -53,8 +53,10 @@ def test_two_workers_share_one_study(tmp_path):
         # rather than by comparing timings (a re-timing on a loaded machine may be any
         # slower): the stored best is a measured trial of this study, with its config, that
         # a worker's confirmation could pick (the default config, or the fastest trial that
-        # worker saw, and it saw at least its own), and no worker reported a faster best
-        # than the one kept (keep-faster across concurrent offers)
+        # worker saw, and it saw at least its own), and its figure is one a worker measured
+        # and reported: each confirmation re-times the stored best beside its candidates
+        # and the record follows that measurement, so the last one to write is what every
+        # later read sees (each worker reads the best after its own offer)
         [best] = store.list_best()
         winner = {t.id: t for t in trials}[best.trial_id]
         assert winner.state is TrialState.COMPLETE and winner.config == best.config
@@ -64,7 +66,7 @@ def test_two_workers_share_one_study(tmp_path):
                        for run_id in {t.run_id for t in trials}]
         assert (canonical_json(winner.config) == canonical_json(results[0].default_config)
                 or winner.median_ms <= max(own_fastest))
-        assert best.median_ms == min(r.best_ms for r in results)
+        assert best.median_ms in {r.best_ms for r in results}
 
 
 def test_a_dead_worker_is_reported_and_the_rest_finishes(tmp_path, monkeypatch):

@@ -128,9 +128,25 @@ def test_the_dispatchers_tuned_config_is_what_is_benchmarked(tmp_path):
     p = AttentionProblem(1, 4, 2, 64, 64, 32, True, "fp16")
     [tuned] = tune([p], TuneOptions(trials=2, sampler="random", seed=1, interpret=True),
                    db_url=url, progress=False)
-    [row] = bench_attention([p], baselines=[], db_url=url)["rows"]
+    result = bench_attention([p], baselines=[], db_url=url)
+    [row] = result["rows"]
     assert row["source"] == "exact" and row["config"] == tuned.best_config
     assert row["flashtune"]["tflops"] > 0
+    # the stored winner's drift from what the tuner recorded for this very problem
+    assert row["recorded_tflops"] == pytest.approx(tuned.best_tflops)
+    assert row["drift"] == pytest.approx(row["flashtune"]["tflops"] / tuned.best_tflops)
+    assert result["summary"]["drift_geomean"] == pytest.approx(row["drift"])
+    from flashtune.cli.bench_commands import render_bench
+
+    table = render_bench(result)
+    assert "vs recorded" in table.splitlines()[0]
+    assert f"{row['drift']:.2f}x" in table.splitlines()[1]
+    assert "stored winners measured against their recorded TFLOP/s: geomean" in table
+    # a neighbour's entry serves a shape it was not tuned for: no drift is claimed
+    near = dataclasses.replace(p, seqlen_q=80, seqlen_k=80)
+    [other] = bench_attention([near], baselines=[], db_url=url)["rows"]
+    assert other["source"] != "exact" and other["recorded_tflops"] is None
+    assert other["drift"] is None
 
 
 def test_bad_input_names_the_option(tmp_path):

@@ -317,6 +317,33 @@ def test_a_best_config_keeps_the_software_of_its_trials_run(store: TuningStore) 
         flashtune=later.flashtune_version, torch="2.7.0")
 
 
+def test_an_offer_timed_beside_the_stored_best_refreshes_it(store: TuningStore) -> None:
+    """``refreshes``: compare and swap on the stored config; keep-faster once it changed."""
+    s = make_study(store)
+    run = store.create_run(*s.ids, study_name="s", sampler="tpe")
+    a = store.record_trial(run.id, {"BLOCK_M": 64}, TrialState.COMPLETE, median_ms=1.0)
+    b = store.record_trial(run.id, {"BLOCK_M": 128}, TrialState.COMPLETE, median_ms=1.1)
+    assert store.offer_best(*s.ids, config=a.config, median_ms=1.0, tflops=None,
+                            trial_id=a.id, trials_count=2)
+    # a later measurement of the same config, slower: without refreshes the record stays
+    assert not store.offer_best(*s.ids, config=a.config, median_ms=1.2, tflops=None,
+                                trial_id=a.id, trials_count=2)
+    assert store.get_best(*s.ids).median_ms == 1.0
+    # timed beside the stored best: the record follows the fresh figure
+    assert store.offer_best(*s.ids, config=a.config, median_ms=1.2, tflops=None,
+                            trial_id=a.id, trials_count=2, refreshes=a.config)
+    assert store.get_best(*s.ids).median_ms == 1.2
+    # b beat a in one measurement, though slower than a's old record: it replaces a
+    assert store.offer_best(*s.ids, config=b.config, median_ms=1.15, tflops=None,
+                            trial_id=b.id, trials_count=2, refreshes=a.config)
+    best = store.get_best(*s.ids)
+    assert (best.config, best.median_ms) == (b.config, 1.15)
+    # an offer measured against a config that is no longer the best: keep-faster
+    assert not store.offer_best(*s.ids, config=a.config, median_ms=1.18, tflops=None,
+                                trial_id=a.id, trials_count=2, refreshes=a.config)
+    assert store.get_best(*s.ids).config == b.config
+
+
 def test_offer_best_takes_explicit_software_and_none_without_a_trial(store: TuningStore,
                                                                      study: Study) -> None:
     assert store.offer_best(*study.ids, config={"BLOCK_M": 64}, median_ms=2.0, tflops=None,
