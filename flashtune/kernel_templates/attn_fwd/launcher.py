@@ -1,6 +1,6 @@
 """attn_fwd launcher: takes an explicit, already-validated config, allocates and launches.
 
-Input checking lives in :mod:`flashtune.runtime.ops`; this layer trusts its arguments so the
+Input checking lives in :mod:`flashtune.runtime.checks`; this layer trusts its arguments so the
 tuner and the dispatcher pay for checks once. :func:`kernel_args` is the one place that maps
 tensors and a config to the kernel's arguments; the launcher and the precompiler
 (:mod:`flashtune.autotune.precompile`, which passes shape-only stand-ins) both use it, so a
