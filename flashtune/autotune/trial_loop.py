@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from flashtune.autotune import stop
 from flashtune.autotune.isolation import isolated
 from flashtune.autotune.options import TuneOptions, TuneResult, check_tunable
 from flashtune.autotune.study import (
@@ -205,6 +206,7 @@ def _tune_one(problem: AttentionProblem, options: TuneOptions, store: TuningStor
 
     try:
         while not out_of_budget():
+            stop.check()
             # ask a batch of fresh candidates (static prunes and duplicates are told at once)
             batch: list[tuple[Any, dict[str, int]]] = []
             while len(batch) < batch_size and evaluated + len(batch) < options.trials \
@@ -246,6 +248,7 @@ def _tune_one(problem: AttentionProblem, options: TuneOptions, store: TuningStor
                     if err:
                         log.debug("precompile %s: %s", k, err)
             for trial, cfg in batch:
+                stop.check()  # a SIGTERM whose exception a finalizer swallowed
                 rec = store.claim_trial(run_id, cfg)
                 if rec is None:  # a concurrent worker of this study measures it
                     _tell(study, trial, state=optuna.trial.TrialState.FAIL)
@@ -278,6 +281,7 @@ def _tune_one(problem: AttentionProblem, options: TuneOptions, store: TuningStor
                     log.info("%s trial %d/%d %s: %s %s", problem.describe(), evaluated,
                              options.trials, cfg, res.state.value,
                              f"{res.median_ms:.4g} ms" if res.median_ms else (res.message or ""))
+        stop.check()  # a request that came with the last trial: no confirmation round
     except KeyboardInterrupt:
         status = RunStatus.INTERRUPTED
         raise
@@ -363,9 +367,9 @@ def _confirm(store: TuningStore, opened: OpenStudy, problem: AttentionProblem,
             winner, win_ms, win_tf = t, ms, tf
     # the stored best was measured beside the winner (it is the winner, or it lost): the
     # record follows this measurement
-    fresh = stored_key is not None and stored_key in retimed and retimed[stored_key].ok
-    if winner is not None and fresh and stored is not None:
-        s = retimed[stored_key]
+    s = retimed.get(stored_key) if stored_key is not None else None
+    fresh = s is not None and s.ok
+    if winner is not None and s is not None and s.ok and stored is not None:
         if canonical_json(winner.config) != stored_key and s.median_ms is not None \
                 and win_ms is not None and s.median_ms <= win_ms:
             winner = None  # a stored best from outside this study's trials won: keep it,

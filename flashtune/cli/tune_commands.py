@@ -49,23 +49,19 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-class _Terminated(KeyboardInterrupt):
-    """What SIGTERM raises: every ``except KeyboardInterrupt`` (the job's, the libraries')
-    handles it as Ctrl-C, but it is not *exactly* ``KeyboardInterrupt``. CPython 3.11
-    remembers an exact ``KeyboardInterrupt`` that passed out of code run by ``exec(str)``
-    (triton, dataclasses and namedtuple build functions that way) and, under ``python -m``,
-    then ends the process with SIGINT even though the exception was caught and 143 returned
-    (python/cpython gh-128130); a subclass is not remembered."""
-
-
 def _sigterm_as_interrupt() -> Any:
     """While a tune runs, SIGTERM (``kill``, ``timeout``, a batch scheduler's pre-emption)
     stops it as Ctrl-C does: the trial in flight is failed, the run recorded INTERRUPTED,
     and the command exits 143. Returns the previous handler (None when signals cannot be
-    set here, outside the main thread)."""
+    set here, outside the main thread). The request is also recorded
+    (:mod:`flashtune.autotune.stop`): where the exception is lost (raised inside a garbage
+    collector's callback), the trial loop raises it at the next trial."""
+    from flashtune.autotune import stop
 
     def handler(signum: int, frame: Any) -> None:
-        raise _Terminated("SIGTERM")
+        stop.request("SIGTERM")
+        if not stop.in_finalizer(frame):  # there CPython would print and drop it
+            raise stop.Terminated("SIGTERM")
 
     try:
         return signal.signal(signal.SIGTERM, handler)
@@ -276,6 +272,7 @@ def tune_command(ctx: click.Context, template: str, batch: int | None, heads: in
         refuse_under_interpreter(problems, backward=template == "attn_bwd")
     _check_gpus(gpus, interpret)
 
+    from flashtune.autotune import stop
     from flashtune.core.errors import FlashtuneError
 
     previous = _sigterm_as_interrupt()
@@ -291,13 +288,14 @@ def tune_command(ctx: click.Context, template: str, batch: int | None, heads: in
         if finished:
             click.echo(render_results(finished))
         raise fail(exc) from exc
-    except _Terminated:
+    except stop.Terminated:
         click.echo("flashtune: terminated (SIGTERM); the run is recorded as interrupted "
                    "and the same command resumes it", err=True)
         ctx.exit(128 + signal.SIGTERM)
     except KeyboardInterrupt:
         raise click.Abort() from None
     finally:
+        stop.clear()
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
     click.echo(render_results(results))
