@@ -309,16 +309,6 @@ def _sync(on_gpu: bool) -> None:
         torch.cuda.synchronize()
 
 
-def _wall_ms(fn: Callable[[], Any], reps: int = 2) -> float:
-    """Median host wall time of ``fn`` (CPU tensors, the interpreter)."""
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t) * 1e3)
-    return _median(times)
-
-
 def host_ms(fn: Callable[[], Any], on_gpu: bool, reps: int = HOST_REPS) -> float:
     """Median host time to issue one call of ``fn`` (a sync before each, none after): its
     Python, checks and launches, with an idle GPU queue."""
@@ -654,6 +644,8 @@ class ShapeRun:
 
     def _timer(self, variant: str) -> Callable[[Callable[[], Any]], float]:
         if not self.on_gpu:
+            from flashtune.runtime.bench import _wall_ms
+
             return lambda fn: _wall_ms(fn, CPU_REPS)
         from triton.testing import do_bench
 

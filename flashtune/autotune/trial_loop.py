@@ -354,8 +354,10 @@ def _confirm(store: TuningStore, opened: OpenStudy, problem: AttentionProblem,
             retimed = time_interleaved(runner, configs)
     finally:
         _close(runner)
-    winner = None
-    win_ms = win_tf = None
+    # (config, ms, TFLOP/s, trial id, software) of each candidate: this run's re-timing
+    # where there is one; the stored best only when re-timed here (software None: its
+    # trial's run's, read by the store)
+    candidates: list[tuple[dict[str, Any], float, float | None, int | None, Any]] = []
     for t in top:
         r = retimed.get(canonical_json(t.config))
         if r is not None and not r.ok:  # e.g. a measurement error that re-measuring kept
@@ -363,25 +365,22 @@ def _confirm(store: TuningStore, opened: OpenStudy, problem: AttentionProblem,
                         problem.describe(), t.config, r.message)
             continue
         ms, tf = (r.median_ms, r.tflops) if r is not None else (t.median_ms, t.tflops)
-        if ms is not None and (win_ms is None or ms < win_ms):
-            winner, win_ms, win_tf = t, ms, tf
-    # the stored best was measured beside the winner (it is the winner, or it lost): the
-    # record follows this measurement
+        if ms is not None:
+            candidates.append((t.config, ms, tf, t.id, None))
     s = retimed.get(stored_key) if stored_key is not None else None
-    fresh = s is not None and s.ok
-    if winner is not None and s is not None and s.ok and stored is not None:
-        if canonical_json(winner.config) != stored_key and s.median_ms is not None \
-                and win_ms is not None and s.median_ms <= win_ms:
-            winner = None  # a stored best from outside this study's trials won: keep it,
-            win_ms = None  # with this run's figure
-            store.offer_best(*ids, config=stored.config, median_ms=s.median_ms,
-                             tflops=s.tflops, trial_id=stored.trial_id,
-                             trials_count=stored.trials_count, software=stored.software,
-                             refreshes=stored.config)
+    fresh = stored is not None and s is not None and s.ok and s.median_ms is not None
+    if fresh and stored_key not in {canonical_json(c[0]) for c in candidates}:
+        assert stored is not None and s is not None and s.median_ms is not None  # fresh
+        candidates.append((dict(stored.config), s.median_ms, s.tflops, stored.trial_id,
+                           stored.software))
     became_best = False
-    if winner is not None and win_ms is not None:
+    if candidates:
+        config, win_ms, win_tf, trial_id, software = min(candidates, key=lambda c: c[1])
         n_trials = len(store.list_trials(device_id=dev, template_id=tpl, problem_id=prob))
-        became_best = store.offer_best(*ids, config=winner.config, median_ms=win_ms,
-                                       tflops=win_tf, trial_id=winner.id, trials_count=n_trials,
+        # the stored best was timed beside the winner (it is the winner, or it lost): the
+        # record follows this measurement
+        became_best = store.offer_best(*ids, config=config, median_ms=win_ms, tflops=win_tf,
+                                       trial_id=trial_id, trials_count=n_trials,
+                                       software=software,
                                        refreshes=stored.config if fresh and stored else None)
     return became_best, retimed

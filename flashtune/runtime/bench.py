@@ -106,7 +106,7 @@ def _wall_ms(fn: Callable[[], Any], reps: int = 2) -> float:
         t = time.perf_counter()
         fn()
         times.append((time.perf_counter() - t) * 1e3)
-    return sorted(times)[len(times) // 2]
+    return statistics.median(times)
 
 
 def _first_line(exc: BaseException) -> str:
