@@ -28,7 +28,14 @@ from typing import Any
 
 import click
 
-from flashtune.cli.options import TemplateChoice, check_head_dims, db_url, fail, shape_options
+from flashtune.cli.options import (
+    TemplateChoice,
+    check_head_dims,
+    check_template_op,
+    db_url,
+    fail,
+    shape_options,
+)
 from flashtune.cli.tune_commands import (
     _SHAPE_NAMES,
     _decide_interpret,
@@ -128,7 +135,7 @@ BENCH_OPS = ("fwd", "bwd")
 
 
 @click.command("bench")
-@click.option("--template", type=TemplateChoice(ops=BENCH_OPS), default="attn_fwd",
+@click.option("--template", type=TemplateChoice(listed=False), default="attn_fwd",
               show_default=True, help="The forward, or the backward (dQ, dK, dV given dO).")
 @shape_options
 @click.option("--plan", type=click.Path(dir_okay=False), default=None, metavar="FILE",
@@ -186,7 +193,9 @@ def bench_command(ctx: click.Context, template: str, plan: str | None, preset_na
             from flashtune.report.plots import MATPLOTLIB_MISSING
 
             raise click.UsageError(MATPLOTLIB_MISSING + "; or pass --no-plot") from None
-    if _decide_interpret(interpret):
+    interpreting = _decide_interpret(interpret)  # before anything imports triton
+    check_template_op(template, BENCH_OPS)
+    if interpreting:
         if not chosen:
             raise click.UsageError("the standard grid (batch x seqlen = 16384) would take hours "
                                    "under the Triton interpreter; give a small shape (--batch "

@@ -16,6 +16,7 @@ from flashtune.autotune.strategies import MAX_SEED, SAMPLERS, cmaes_installed
 from flashtune.core.problem import DTYPES, SUPPORTED_HEAD_DIMS
 
 __all__ = ["SAMPLERS", "DTYPE_CHOICES", "HEAD_DIMS", "MAX_SEED", "FiniteFloatRange", "TemplateChoice",
+           "check_template_op",
            "check_head_dims", "cmaes_installed", "db_url", "device_filter_option", "fail",
            "json_option", "search_options", "shape_options", "template_filter_option",
            "template_option"]
@@ -58,24 +59,36 @@ def _check_head_dim(ctx: click.Context, param: click.Parameter, value: int | Non
 
 def template_names(ops: tuple[str, ...] | None = None) -> list[str]:
     """The registered templates (of ``ops`` when given). Imports the kernels, so torch and
-    triton: only called when a command runs with a template name, never for ``--help``."""
+    triton: for shell completion and for commands once they have decided interpreter mode,
+    never while options are parsed."""
     from flashtune.kernel_templates import catalog
 
     return sorted(n for n, s in catalog().items() if ops is None or s.op in ops)
 
 
+def check_template_op(name: str, ops: tuple[str, ...], option: str = "--template") -> None:
+    """BadParameter naming ``option`` unless template ``name`` computes one of ``ops``
+    (imports the kernels: call once the command has decided interpreter mode)."""
+    names = template_names(ops)
+    if name not in names:
+        raise click.BadParameter(f"template {name!r} is not of op {' or '.join(ops)}; "
+                                 f"choose one of {', '.join(names)}", param_hint=f"'{option}'")
+
+
 class TemplateChoice(click.ParamType):
-    """A template name checked against the registry when the command runs, so that
-    ``--help`` stays light and a template registered by a plugin (or a test) is accepted
-    without a CLI change."""
+    """A template name checked against the names the registry knows without importing a
+    kernel (its template folders and what is registered already: a plugin's, a test's).
+    Parsing must not import triton: ``tune`` and ``bench`` set the interpreter mode after
+    it, and triton reads that on import. A command that needs the template's op checks it
+    later (:func:`check_template_op`)."""
 
     name = "template"
 
-    def __init__(self, ops: tuple[str, ...] | None = None) -> None:
-        self.ops = ops  # only templates of these ops (None: every one)
+    def __init__(self, *, listed: bool = True) -> None:
+        self.listed = listed  # show the names in --help (False: NAME, for op subsets)
 
     def get_metavar(self, param: click.Parameter, ctx: click.Context | None = None) -> str:
-        if self.ops is not None:  # the op of a template is known only by importing it
+        if not self.listed:
             return "NAME"
         from flashtune.kernel_templates import known_names
 
@@ -83,18 +96,19 @@ class TemplateChoice(click.ParamType):
 
     def convert(self, value: Any, param: click.Parameter | None,
                 ctx: click.Context | None) -> Any:
-        names = template_names(self.ops)
+        from flashtune.kernel_templates import known_names
+
+        names = known_names()
         if value not in names:
-            which = f" of op {' or '.join(self.ops)}" if self.ops else ""
-            self.fail(f"unknown template {value!r}; known templates{which}: "
-                      f"{', '.join(names)}", param, ctx)
+            self.fail(f"unknown template {value!r}; known templates: {', '.join(names)}",
+                      param, ctx)
         return value
 
     def shell_complete(self, ctx: click.Context, param: click.Parameter,
                        incomplete: str) -> list[Any]:
         from click.shell_completion import CompletionItem
 
-        return [CompletionItem(n) for n in template_names(self.ops) if n.startswith(incomplete)]
+        return [CompletionItem(n) for n in template_names() if n.startswith(incomplete)]
 
 
 def check_head_dims(values: Any, option: str) -> None:

@@ -55,3 +55,41 @@ def test_bench_ops_agree_with_the_benchmark() -> None:
     from flashtune.runtime.bench import BENCH_OPS
 
     assert bench_commands.BENCH_OPS == BENCH_OPS
+
+
+_PARSE_PROBE = """
+import sys
+from flashtune.cli.options import TemplateChoice
+assert TemplateChoice().convert("attn_bwd", None, None) == "attn_bwd"
+print("TRITON=" + str("triton" in sys.modules))
+"""
+
+
+def test_parsing_a_template_name_imports_no_triton() -> None:
+    # tune and bench set the interpreter mode after parsing, and triton reads it on import
+    # (before this, `flashtune tune` on a CPU machine compiled for a GPU it does not have)
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-c", _PARSE_PROBE], capture_output=True,
+                          text=True, env=env, cwd=root, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "TRITON=False"
+
+
+def test_bench_refuses_a_template_of_another_op(tmp_path) -> None:
+    from click.testing import CliRunner
+
+    from flashtune.cli.main import cli
+
+    result = CliRunner().invoke(cli, ["bench", "--template", "attn_decode", "--batch", "1",
+                                      "--heads", "2", "--seqlen", "16", "--head-dim", "16",
+                                      "--out", str(tmp_path / "b.json"), "--no-plot"])
+    assert result.exit_code == 2
+    assert ("Invalid value for '--template': template 'attn_decode' is not of op fwd or bwd; "
+            "choose one of attn_bwd, attn_fwd") in result.output
