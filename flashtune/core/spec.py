@@ -18,11 +18,87 @@ from flashtune.core.device import DeviceFingerprint
 from flashtune.core.problem import AttentionProblem
 from flashtune.core.space import Config, SearchSpace
 
-__all__ = ["OPS", "DefaultConfig", "Launch", "MakeCase", "TemplateSpec", "WarmupLaunches"]
+__all__ = ["KINDS", "OPS", "USER_OPS", "DefaultConfig", "Launch", "Limits", "MakeCase",
+           "TemplateSpec", "WarmupLaunches"]
 
 # what an implementation computes: the forward (optionally saving the LSE), the backward
 # (dQ, dK, dV from the forward's output and LSE), or decoding against a KV cache
 OPS = ("fwd", "bwd", "decode")
+# the ops a user calls and the tuner chooses an implementation for (``tune --op``): the
+# forward, and the forward of short queries against a long KV cache
+USER_OPS = ("fwd", "decode")
+# how an implementation is built: a ``tl`` Triton kernel, a Gluon kernel (compiled code
+# only: no interpreter), or a kernel of another library (torch SDPA's backends), no knobs
+KINDS = ("triton", "gluon", "extern")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What an implementation can serve, declared with it; the tuner searches it only for
+    problems it can serve and the router sends it only calls it can serve
+    (:meth:`refuse`).
+
+    Attributes:
+        head_dims: the head dims it serves (None: every one flashtune accepts).
+        dtypes: the problem dtypes it serves.
+        gqa: whether ``heads_q`` may differ from ``heads_kv`` (GQA/MQA).
+        causal_unaligned: whether it serves causal problems with ``seqlen_q != seqlen_k``
+            (flashtune's causal mask is bottom-right aligned; torch SDPA's ``is_causal``
+            is top-left, so an SDPA backend serves causal only when the two agree).
+        lse: whether it can return the log-sum-exp (``return_lse``, the autograd forward).
+        needs_gpu: whether it runs only on a CUDA GPU (no Triton interpreter).
+        capabilities: the compute capabilities ``(major, minor)`` it runs on (None: any);
+            e.g. ``((9, 0),)`` for Hopper-only code.
+        max_seqlen_q: the longest query it serves (None: no limit).
+        available: ``available(device) -> reason | None``: a check that only the running
+            process can answer (a library built without a backend); None: always.
+    """
+
+    head_dims: tuple[int, ...] | None = None
+    dtypes: tuple[str, ...] = ("fp16", "bf16")
+    gqa: bool = True
+    causal_unaligned: bool = True
+    lse: bool = True
+    needs_gpu: bool = False
+    capabilities: tuple[tuple[int, int], ...] | None = None
+    max_seqlen_q: int | None = None
+    available: Callable[[DeviceFingerprint], str | None] | None = field(default=None,
+                                                                        compare=False)
+
+    def refuse(self, problem: AttentionProblem, device: DeviceFingerprint, *,
+               return_lse: bool = False) -> str | None:
+        """Why this implementation cannot serve ``problem`` on ``device`` (None: it can).
+
+        Arguments:
+            problem: the call's or the tuning job's problem.
+            device: where it runs (the interpreter's fingerprint on a CPU machine).
+            return_lse: whether the LSE is asked for too.
+        Returns:
+            One line naming what it lacks, or None.
+        """
+        p = problem
+        if self.needs_gpu and device.is_interpreter:
+            return "needs a CUDA GPU (it does not run under the Triton interpreter)"
+        if self.capabilities is not None and device.capability not in self.capabilities:
+            have = ", ".join(f"sm_{a}{b}" for a, b in self.capabilities)
+            return f"runs on {have} only, not on {device.name} ({device.compute_capability})"
+        if self.head_dims is not None and p.head_dim not in self.head_dims:
+            return f"head_dim {p.head_dim} (it serves {list(self.head_dims)})"
+        if p.dtype not in self.dtypes:
+            return f"dtype {p.dtype} (it serves {', '.join(self.dtypes)})"
+        if not self.gqa and p.heads_q != p.heads_kv:
+            return f"GQA/MQA (heads_q {p.heads_q} != heads_kv {p.heads_kv})"
+        if not self.causal_unaligned and p.causal and p.seqlen_q != p.seqlen_k \
+                and p.seqlen_q != 1:
+            return (f"causal with seqlen_q {p.seqlen_q} != seqlen_k {p.seqlen_k} (it aligns "
+                    f"the mask top-left)")
+        if self.max_seqlen_q is not None and p.seqlen_q > self.max_seqlen_q:
+            return f"seqlen_q {p.seqlen_q} (it serves at most {self.max_seqlen_q})"
+        if return_lse and not self.lse:
+            return "cannot return the LSE"
+        if self.available is not None:
+            return self.available(device)
+        return None
 
 # ``(kernel, args, kwargs, grid)``: ``kernel.warmup(*args, grid=grid, **kwargs)`` compiles it
 Launch = tuple[Any, tuple[Any, ...], dict[str, Any], tuple[int, ...]]
@@ -72,6 +148,11 @@ class TemplateSpec:
         tunable: whether ``flashtune tune`` may search it.
         problem_type: the problem class its entries are keyed on (export/import parse the
             ``problem`` objects of a file with it).
+        kind: one of :data:`KINDS`.
+        serves: the user ops (:data:`USER_OPS`) it is a candidate for when the tuner
+            searches across implementations (``tune --op``); empty for a part of another
+            op (attn_bwd).
+        limits: what it can serve (:class:`Limits`).
     """
 
     name: str
@@ -86,8 +167,24 @@ class TemplateSpec:
     kernel: object | None = field(default=None, compare=False)
     tunable: bool = True
     problem_type: type[AttentionProblem] = AttentionProblem
+    kind: str = "triton"
+    serves: tuple[str, ...] = ()
+    limits: Limits = Limits()
 
     def __post_init__(self) -> None:
         if self.op not in OPS:
             raise ValueError(f"op of template {self.name!r} is {self.op!r}; expected one of "
                              f"{', '.join(OPS)}")
+        if self.kind not in KINDS:
+            raise ValueError(f"kind of template {self.name!r} is {self.kind!r}; expected one "
+                             f"of {', '.join(KINDS)}")
+        unknown = [o for o in self.serves if o not in USER_OPS]
+        if unknown:
+            raise ValueError(f"template {self.name!r} serves {unknown}; the user ops are "
+                             f"{', '.join(USER_OPS)}")
+
+    def refuse(self, problem: AttentionProblem, device: DeviceFingerprint, *,
+               return_lse: bool = False) -> str | None:
+        """Why this implementation cannot serve ``problem`` on ``device`` (None: it can);
+        :meth:`Limits.refuse`."""
+        return self.limits.refuse(problem, device, return_lse=return_lse)

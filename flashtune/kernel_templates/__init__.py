@@ -11,11 +11,12 @@ from flashtune.kernel_templates.registry import (
     TemplateSpec,
     catalog,
     get_template,
+    implementations,
     known_names,
     register_template,
     template_names,
     unregister_template,
 )
 
-__all__ = ["TemplateSpec", "catalog", "get_template", "known_names", "register_template",
-           "template_names", "unregister_template"]
+__all__ = ["TemplateSpec", "catalog", "get_template", "implementations", "known_names",
+           "register_template", "template_names", "unregister_template"]

@@ -27,8 +27,9 @@ from types import MappingProxyType
 from flashtune.core.errors import UnknownTemplateError
 from flashtune.core.spec import TemplateSpec
 
-__all__ = ["TemplateSpec", "catalog", "get_template", "hash_files", "known_names",
-           "register_template", "source_hash", "template_names", "unregister_template"]
+__all__ = ["TemplateSpec", "catalog", "get_template", "hash_files", "implementations",
+           "known_names", "register_template", "source_hash", "template_names",
+           "unregister_template"]
 
 _REGISTRY: dict[str, TemplateSpec] = {}
 _PACKAGE = Path(__file__).resolve().parent  # flashtune/kernel_templates
@@ -264,3 +265,22 @@ def catalog() -> Mapping[str, TemplateSpec]:
     """
     _load_builtins()
     return MappingProxyType(_REGISTRY)
+
+
+def implementations(op: str) -> list[TemplateSpec]:
+    """The implementations the tuner searches across for the user op ``op`` and the router
+    chooses between: every registered spec whose ``serves`` names it.
+
+    Arguments:
+        op: one of :data:`~flashtune.core.spec.USER_OPS` (``"fwd"``, ``"decode"``).
+    Returns:
+        Their specs, sorted by name.
+    Raises:
+        ValueError for an unknown op.
+    """
+    from flashtune.core.spec import USER_OPS
+
+    if op not in USER_OPS:
+        raise ValueError(f"unknown op {op!r}; the ops are {', '.join(USER_OPS)}")
+    _load_builtins()
+    return [spec for _, spec in sorted(_REGISTRY.items()) if op in spec.serves]

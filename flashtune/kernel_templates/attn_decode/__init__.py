@@ -11,6 +11,7 @@ from flashtune.kernel_templates.attn_decode.launcher import attn_decode, attn_de
 from flashtune.kernel_templates.attn_decode.reference import attn_decode_reference
 from flashtune.kernel_templates.attn_decode.space import SPACE, default_config
 from flashtune.kernel_templates.attn_decode.warmup import warmup_launches
+from flashtune.core.spec import Limits
 from flashtune.kernel_templates.registry import TemplateSpec, register_template, source_hash
 
 _HERE = Path(__file__).parent
@@ -26,6 +27,8 @@ SPEC = register_template(TemplateSpec(
     make_case=functools.partial(forward_case, attn_decode_reference),
     warmup_launches=warmup_launches,
     kernel=attn_decode_split_kernel,  # precompile warms the combine kernel too
+    serves=("decode",),
+    limits=Limits(max_seqlen_q=16),  # flashtune.runtime.kvcache.DECODE_MAX_QUERIES
 ))
 
 __all__ = ["SPACE", "SPEC", "attn_decode", "attn_decode_kvcache", "attn_decode_reference",

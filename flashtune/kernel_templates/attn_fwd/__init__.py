@@ -26,6 +26,7 @@ SPEC = register_template(TemplateSpec(
     make_case=functools.partial(forward_case, attn_fwd_reference),
     warmup_launches=warmup_launches,
     kernel=attn_fwd_kernel,
+    serves=("fwd", "decode"),
 ))
 
 __all__ = ["SPEC", "attn_fwd", "attn_fwd_reference", "attn_fwd_kernel", "default_config", "SPACE"]
