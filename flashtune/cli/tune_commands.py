@@ -24,6 +24,7 @@ from typing import Any
 import click
 
 from flashtune.cli.options import (
+    TemplateChoice,
     check_head_dims,
     db_url,
     fail,
@@ -32,8 +33,12 @@ from flashtune.cli.options import (
     template_option,
 )
 
-__all__ = ["INTERPRETER_MAX_FLOPS", "format_config", "format_tflops", "refuse_under_interpreter",
-           "render_results", "tune_command"]
+__all__ = ["INTERPRETER_MAX_FLOPS", "OP_CHOICES", "format_config", "format_tflops",
+           "refuse_under_interpreter", "render_op_results", "render_results", "tune_command"]
+
+# flashtune.core.spec.USER_OPS, written out: parsing imports nothing of the library's kernels
+# (a test keeps the two equal)
+OP_CHOICES = ("fwd", "decode")
 
 _SHAPE_NAMES = ("batch", "heads", "kv_heads", "seqlen", "kv_seqlen", "head_dim", "causal")
 _REQUIRED = ("batch", "heads", "seqlen", "head_dim")
@@ -234,8 +239,37 @@ def render_results(results: Sequence[Any]) -> str:
     return _table(header, rows, right={2, 3, 4, 5, 6})
 
 
+def _margin(ratio: float | None, name: str | None) -> str:
+    return "-" if ratio is None or name is None else f"{ratio:.2f}x {name}"
+
+
+def render_op_results(results: Sequence[Any]) -> str:
+    """The closing table of ``tune --op``: one row per
+    :class:`~flashtune.autotune.select.OpResult`, then the implementations skipped."""
+    rows = []
+    for r in results:
+        win, up, ext = r.winner, r.runner_up, r.best_extern
+        rows.append((r.problem.describe(), win.implementation if win else "none",
+                     format_config(win.config) if win else "-",
+                     f"{win.median_ms:.4g}" if win and win.median_ms else "-",
+                     format_tflops(win.tflops if win else None),
+                     _margin(r.margin, up.implementation if up else None),
+                     _margin(r.extern_margin, ext.implementation if ext else None)))
+    text = _table(("shape", "implementation", "config", "ms", "TFLOP/s", "over runner-up",
+                   "over extern"), rows, right={3, 4})
+    skipped = [f"  {r.problem.describe()}: {name} skipped: {why}"
+               for r in results for name, why in r.skipped]
+    return text + ("\n" + "\n".join(skipped) if skipped else "")
+
+
 @click.command("tune")
 @template_option
+@click.option("--op", type=click.Choice(OP_CHOICES), default=None,
+              help="Search across the implementations of this op (every one that can serve "
+                   "the shape here, or those named by --impl) and store the fastest with "
+                   "its margins; without it, --template's configs are tuned.")
+@click.option("--impl", "impls", type=TemplateChoice(), multiple=True, metavar="NAME",
+              help="With --op: search only this implementation (repeatable).")
 @shape_options
 @click.option("--plan", type=click.Path(dir_okay=False), default=None, metavar="FILE",
               help="TOML file of [[shape]] tables to tune.")
@@ -251,7 +285,8 @@ def render_results(results: Sequence[Any]) -> str:
                    "the trial timeout) kills instead of the job. Default: on with a GPU, off "
                    "under the interpreter.")
 @click.pass_context
-def tune_command(ctx: click.Context, template: str, batch: int | None, heads: int | None,
+def tune_command(ctx: click.Context, template: str, op: str | None, impls: tuple[str, ...],
+                 batch: int | None, heads: int | None,
                  kv_heads: int | None, seqlen: int | None, kv_seqlen: int | None,
                  head_dim: int | None, causal: bool, dtype: str | None, plan: str | None,
                  preset_name: str | None, trials: int, timeout_s: float | None,
@@ -262,7 +297,21 @@ def tune_command(ctx: click.Context, template: str, batch: int | None, heads: in
 
     Give exactly one of: a shape (--batch --heads [--kv-heads] --seqlen [--kv-seqlen]
     --head-dim [--causal] [--dtype]), --plan FILE, or --preset NAME.
+
+    With --op, every implementation of the op that can serve the shape on this machine
+    (flashtune's Triton and Gluon kernels, torch SDPA's backends) is searched, the leaders
+    are timed side by side, and the fastest is stored as the op's choice for the shape; an
+    implementation that cannot run here (a GPU-only one on a CPU machine) is skipped with a
+    line saying why.
     """
+    if impls and op is None:
+        raise click.UsageError("--impl needs --op (the op whose implementations to search)")
+    if op is not None and ctx.get_parameter_source("template") \
+            is not click.core.ParameterSource.DEFAULT:
+        raise click.UsageError("give --op (search across implementations) or --template "
+                               "(tune one template's configs), not both")
+    if op is not None and gpus_text is not None:
+        raise click.UsageError("--op tunes on the current GPU; --gpus is for --template")
     shape = dict(batch=batch, heads=heads, kv_heads=kv_heads, seqlen=seqlen,
                  kv_seqlen=kv_seqlen, head_dim=head_dim, causal=causal)
     problems = _problems(shape, dtype, plan, preset_name)
@@ -281,6 +330,12 @@ def tune_command(ctx: click.Context, template: str, batch: int | None, heads: in
         options = jobs.TuneOptions(template=template, trials=trials, timeout_s=timeout_s,
                                    sampler=sampler, seed=seed, patience=patience,
                                    interpret=interpret, workers=workers, isolate=isolate)
+        if op is not None:
+            select = importlib.import_module("flashtune.autotune.select")
+            op_results = select.tune_op(problems, op, options, impls=impls or None,
+                                        db_url=db_url(ctx), progress=progress)
+            click.echo(render_op_results(op_results))
+            return
         results = jobs.tune(problems, options, db_url=db_url(ctx), progress=progress,
                             gpus=gpus)
     except FlashtuneError as exc:

@@ -99,18 +99,21 @@ _attention_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool, float |
 @torch.library.custom_op("flashtune::attention_fwd", mutates_args=())
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                   scale: float | None, return_lse: bool,
-                  config_json: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+                  config_json: str | None, impl: str | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     # the LSE is always computed here: the backward needs it (return_lse only says what
-    # flashtune.attention hands back)
+    # flashtune.attention hands back); the route is one of flashtune's own kernels, whose
+    # LSE attn_bwd is checked with (paired)
     config = json.loads(config_json) if config_json else None
-    out, lse = _attention(q, k, v, causal, scale, True, config)
+    out, lse = _attention(q, k, v, causal, scale, True, config, impl, paired=True)
     return out, lse
 
 
 @_attention_op.register_fake
 def _attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                     scale: float | None, return_lse: bool,
-                    config_json: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+                    config_json: str | None, impl: str | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     return out, q.new_empty(tuple(q.shape[:3]), dtype=torch.float32)
 
@@ -134,7 +137,7 @@ def _attention_bwd_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
 
 
 def _op_setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-    q, k, v, causal, scale, _, _ = inputs
+    q, k, v, causal, scale, _, _, _ = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.causal, ctx.scale = causal, scale
@@ -144,7 +147,7 @@ def _op_backward(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor) -> Any:
     q, k, v, out, lse = ctx.saved_tensors
     dq, dk, dv = torch.ops.flashtune.attention_bwd(q, k, v, out, lse, dout.contiguous(),
                                                    dlse, ctx.causal, ctx.scale)
-    return dq, dk, dv, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None
 
 
 _attention_op.register_autograd(_op_backward, setup_context=_op_setup_context)

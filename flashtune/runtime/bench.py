@@ -13,9 +13,13 @@ the plot). Per problem:
   :func:`~flashtune.autotune.timing.bench`, cold L2 before every call; on CPU tensors the
   host wall time) and the median of the per-round medians is kept.
 
-Implementations: ``flashtune`` (the dispatcher's choice: tuned exact/nearest, else the
-default; its source is recorded), ``flashtune_default`` (the template default), and the
-baselines of :data:`BASELINES`: SDPA's ``flash`` (FlashAttention-2), ``cudnn`` and
+Implementations: ``flashtune`` (for the forward, what :func:`flashtune.attention` runs: the
+op's stored choice of implementation and config, else attn_fwd's tuned config, else its
+default; for the backward, the dispatcher's config; its implementation and source are
+recorded), ``flashtune_default`` (the template default), for the forward ``impl_<name>``
+for each of flashtune's own implementations of the op that can serve the shape (its own
+tuned config: ``attn_fwd``, ``attn_fwd_gluon``...), and the baselines of
+:data:`BASELINES`: SDPA's ``flash`` (FlashAttention-2), ``cudnn`` and
 ``efficient`` backends, and FlexAttention (``torch.compile``-d on a GPU). A baseline that
 does not support a problem or device is reported with its error, as data.
 
@@ -166,8 +170,8 @@ def bench_attention(problems: Sequence[AttentionProblem], *, template: str = "at
         "ceiling_tflops": matmul_ceiling_tflops() if ceiling and torch_device == "cuda" else None,
         "rows": []}
     for p in problems:
-        row = _bench_problem(p, spec, dispatcher.choose(p, device), device, torch_device,
-                             baselines, rounds)
+        row = _bench_problem(p, spec, _served(p, spec, dispatcher, device, db_url), device,
+                             torch_device, baselines, rounds, db_url)
         result["rows"].append(row)
         result["wall_s"] = time.time() - t0
         result["summary"] = summarize(result["rows"], result["ceiling_tflops"])
@@ -178,6 +182,41 @@ def bench_attention(problems: Sequence[AttentionProblem], *, template: str = "at
     result.setdefault("summary", summarize([], result["ceiling_tflops"]))
     result.setdefault("wall_s", time.time() - t0)
     return result
+
+
+def _served(p: AttentionProblem, spec: Any, dispatcher: Any, device: Any,
+            db_url: str | None) -> Any:
+    """What a call of ``p`` runs with: for the forward the router's answer (its op choice,
+    else the dispatcher's config), for the backward the dispatcher's config."""
+    if spec.op != "fwd":
+        return dispatcher.choose(p, device)
+    from flashtune.runtime import routing
+
+    for router in routing._ROUTERS.values():
+        router.reload(db_url=db_url)
+    ops = ("decode", "fwd") if p.seqlen_q <= 16 else ("fwd",)
+    for op in ops:
+        chosen = routing._ROUTERS[op].choose(p, device)
+        if chosen is not None:
+            return chosen
+    return dispatcher.choose(p, device)
+
+
+def _own_implementations(p: AttentionProblem, device: Any,
+                         db_url: str | None) -> dict[str, tuple[Any, dict[str, int]]]:
+    """``impl_<name>``: each of flashtune's own forward implementations that can serve
+    ``p`` on ``device``, with its own tuned config (else its default)."""
+    from flashtune.kernel_templates import implementations
+    from flashtune.runtime.lookup import Dispatcher
+
+    out = {}
+    for spec in implementations("fwd"):
+        if spec.kind == "extern" or spec.refuse(p, device) is not None:
+            continue
+        dispatcher = Dispatcher(spec)
+        dispatcher.reload(db_url=db_url)
+        out[f"impl_{spec.name}"] = (spec, dict(dispatcher.choose(p, device).config))
+    return out
 
 
 def _inputs(p: AttentionProblem, torch_device: str, names: Sequence[str]) -> list[Any]:
@@ -197,7 +236,8 @@ def _baseline(name: str, q: Any, k: Any, v: Any, causal: bool) -> Callable[[], A
     return _flex(q, k, v, causal) if name == "flex" else _sdpa(name, q, k, v, causal)
 
 
-def _forward_fns(p: AttentionProblem, spec: Any, configs: Mapping[str, Mapping[str, int]],
+def _forward_fns(p: AttentionProblem, spec: Any,
+                 configs: Mapping[str, tuple[Any, Mapping[str, int]]],
                  baselines: Sequence[str], device: Any, torch_device: str,
                  row: dict[str, Any]) -> tuple[
                      dict[str, Callable[[], Any]], Callable[[Any], float]]:
@@ -212,9 +252,9 @@ def _forward_fns(p: AttentionProblem, spec: Any, configs: Mapping[str, Mapping[s
     sq, skv = (slice(0, 1), slice(0, p.heads_q // p.heads_kv)), (slice(0, 1), slice(0, 1))
     ref, _ = attn_fwd_reference(q[sq], k[skv], v[skv], causal=p.causal, dtype=torch.float32)
 
-    def launch(config: Mapping[str, int]) -> Callable[[], Any]:
-        return lambda: spec.launcher(q, k, v, config, causal=p.causal)
-    fns = {name: launch(c) for name, c in configs.items()}
+    def launch(impl: Any, config: Mapping[str, int]) -> Callable[[], Any]:
+        return lambda: impl.launcher(q, k, v, config, causal=p.causal)
+    fns = {name: launch(*c) for name, c in configs.items()}
     for name in baselines:
         try:
             fns[name] = _baseline(name, q, k, v, p.causal)
@@ -223,7 +263,8 @@ def _forward_fns(p: AttentionProblem, spec: Any, configs: Mapping[str, Mapping[s
     return fns, lambda out: relative_error(out[sq], ref)
 
 
-def _backward_fns(p: AttentionProblem, spec: Any, configs: Mapping[str, Mapping[str, int]],
+def _backward_fns(p: AttentionProblem, spec: Any,
+                  configs: Mapping[str, tuple[Any, Mapping[str, int]]],
                   baselines: Sequence[str], device: Any, torch_device: str,
                   row: dict[str, Any]) -> tuple[
                       dict[str, Callable[[], Any]], Callable[[Any], float]]:
@@ -244,9 +285,9 @@ def _backward_fns(p: AttentionProblem, spec: Any, configs: Mapping[str, Mapping[
     out, lse = fwd.launcher(q, k, v, fwd.default_config(p, device), causal=p.causal,
                             return_lse=True)
 
-    def launch(config: Mapping[str, int]) -> Callable[[], Any]:
-        return lambda: spec.launcher(q, k, v, out, lse, do, config, causal=p.causal)
-    fns = {name: launch(c) for name, c in configs.items()}
+    def launch(impl: Any, config: Mapping[str, int]) -> Callable[[], Any]:
+        return lambda: impl.launcher(q, k, v, out, lse, do, config, causal=p.causal)
+    fns = {name: launch(*c) for name, c in configs.items()}
     ql, kl, vl = (t.detach().requires_grad_(True) for t in (q, k, v))
 
     def grads(o: Any) -> Callable[[], Any]:
@@ -263,14 +304,18 @@ def _backward_fns(p: AttentionProblem, spec: Any, configs: Mapping[str, Mapping[
 
 
 def _bench_problem(p: AttentionProblem, spec: Any, choice: Any, device: Any, torch_device: str,
-                   baselines: Sequence[str], rounds: int) -> dict[str, Any]:
+                   baselines: Sequence[str], rounds: int,
+                   db_url: str | None = None) -> dict[str, Any]:
     """One problem's row: every implementation checked against fp32, then timed."""
     from flashtune.autotune.timing import bench, tflops
     from flashtune.core.case import TOLERANCE
 
+    from flashtune.kernel_templates import get_template
+
     default = spec.default_config(p, device)
     row: dict[str, Any] = {"problem": p.key(), "label": p.describe(),
                            "flops": p.flops(backward=spec.op == "bwd"),
+                           "implementation": choice.template,
                            "config": choice.config, "source": choice.source,
                            "default_config": default,
                            # what the tuner recorded for this very problem (exact entries
@@ -278,8 +323,11 @@ def _bench_problem(p: AttentionProblem, spec: Any, choice: Any, device: Any, tor
                            "recorded_tflops": choice.tflops if choice.source == "exact"
                            else None}
     make = _backward_fns if spec.op == "bwd" else _forward_fns
-    fns, error = make(p, spec, {"flashtune": choice.config, "flashtune_default": default},
-                      baselines, device, torch_device, row)
+    configs = {"flashtune": (get_template(choice.template), choice.config),
+               "flashtune_default": (spec, default)}
+    if spec.op == "fwd":
+        configs.update(_own_implementations(p, device, db_url))
+    fns, error = make(p, spec, configs, baselines, device, torch_device, row)
     checked: dict[str, float] = {}
     for name, fn in fns.items():
         try:
@@ -325,7 +373,8 @@ def summarize(rows: Sequence[Mapping[str, Any]], ceiling: float | None) -> dict[
     and its default against each other and every baseline), and flashtune's mean fraction
     of the matmul ceiling."""
     out: dict[str, Any] = {}
-    for mine in ("flashtune", "flashtune_default"):
+    own = sorted({name for r in rows for name in r if name.startswith("impl_")})
+    for mine in ("flashtune", "flashtune_default", *own):
         for other in ("flashtune_default", *BASELINES):
             if other == mine:
                 continue

@@ -63,9 +63,10 @@ class ConfigChoice:
         tuned_problem: the problem the config was tuned for (None for default/explicit).
         origin: where the config came from (``db <url>``, ``dir <path>``,
             ``package <path>``, ``template default``, ``argument``).
-        template: the kernel template the config is for (``attn_fwd``; ``attn_decode``
+        template: the implementation the config is for (``attn_fwd``; ``attn_decode``
             when :func:`flashtune.attention` routes a short-query call to the split-KV
-            decode kernel).
+            decode kernel; whichever implementation an op's stored choice names, e.g.
+            ``attn_fwd_gluon`` or ``sdpa_cudnn``, when ``source`` comes from one).
     """
 
     config: dict[str, int]

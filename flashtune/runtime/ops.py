@@ -21,6 +21,7 @@ from typing import Any, Literal, overload
 import torch
 
 from flashtune.core.device import interpreting
+from flashtune.core.errors import InputError
 from flashtune.core.problem import AttentionProblem
 from flashtune.kernel_templates import get_template
 from flashtune.runtime.autograd import _attention_fn
@@ -43,15 +44,17 @@ __all__ = ["attention", "lookup_config", "reload_configs", "warmup"]
 @overload
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = ...,
               scale: float | None = ..., return_lse: Literal[False] = ...,
-              config: Mapping[str, int] | None = ...) -> torch.Tensor: ...
+              config: Mapping[str, int] | None = ...,
+              impl: str | None = ...) -> torch.Tensor: ...
 @overload
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = ...,
               scale: float | None = ..., return_lse: Literal[True],
-              config: Mapping[str, int] | None = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
+              config: Mapping[str, int] | None = ...,
+              impl: str | None = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
 @overload
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = ...,
               scale: float | None = ..., return_lse: bool = ...,
-              config: Mapping[str, int] | None = ...
+              config: Mapping[str, int] | None = ..., impl: str | None = ...
               ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -64,8 +67,10 @@ def attention(
     scale: float | None = None,
     return_lse: bool = False,
     config: Mapping[str, int] | None = None,
+    impl: str | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Exact attention ``softmax(q k^T * scale) v`` with a flash-attention Triton kernel.
+    """Exact attention ``softmax(q k^T * scale) v`` with the fastest implementation tuned
+    for the shape: one of flashtune's kernels (Triton, Gluon) or an SDPA backend of torch's.
 
     Arguments:
         q: ``(batch, heads_q, seqlen_q, head_dim)``.
@@ -81,17 +86,25 @@ def attention(
             zeros (and LSE ``-inf``).
         scale: softmax scale; default ``1 / sqrt(head_dim)``.
         return_lse: also return the float32 log-sum-exp ``(batch, heads_q, seqlen_q)``.
-        config: explicit kernel config (keys of the ``attn_fwd`` space; ``USE_TMA`` and
-            ``REVERSE_M`` optional). Default: the tuned config for this device and shape,
-            found as :func:`lookup_config` describes.
+        config: explicit kernel config (keys of the ``attn_fwd`` space, or of ``impl``'s;
+            ``USE_TMA`` and ``REVERSE_M`` optional). Default: the tuned choice for this
+            device and shape, found as :func:`lookup_config` describes.
+        impl: run this implementation (``"attn_fwd"``, ``"attn_fwd_gluon"``,
+            ``"sdpa_cudnn"``...; its tuned config for the shape unless ``config`` is
+            given); an error if it cannot serve the call. Default: the router's choice.
+            With gradients: None and ``"attn_fwd"`` run attn_fwd with attn_bwd; an SDPA
+            backend runs its own backward; others have no backward (InputError).
     Returns:
-        ``out`` of ``q``'s shape and dtype (contiguous), or ``(out, lse)``.
+        ``out`` of ``q``'s shape and dtype (contiguous from flashtune's kernels; an SDPA
+        backend's output follows torch's layout), or ``(out, lse)``.
     Raises:
         InputError / InputTypeError (``ValueError`` / ``TypeError``) for bad tensors (and
         on CUDA for ``batch x heads_q`` over 65535, the launch grid's limit: split the
         batch), ConfigError (``ValueError``) for a config outside the space, DeviceError
         for CPU tensors without the interpreter. All before any launch.
     """
+    if impl is not None and impl != "attn_fwd":
+        return _attention_impl(q, k, v, causal, scale, return_lse, config, impl)
     if torch.compiler.is_compiling():
         out, lse = torch.ops.flashtune.attention_fwd(
             q, k, v, bool(causal), scale, bool(return_lse),
@@ -111,6 +124,27 @@ def attention(
     return result
 
 
+def _attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                    scale: float | None, return_lse: bool, config: Mapping[str, int] | None,
+                    impl: str) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """:func:`attention` with ``impl`` other than attn_fwd: an SDPA backend runs as it is
+    (torch's autograd and torch.compile know it); a kernel of flashtune's goes through the
+    custom op under torch.compile and has no backward of its own."""
+    spec = get_template(impl)
+    if spec.kind != "extern":
+        if _wants_grad(q, k, v):
+            raise InputError(f"impl {impl!r} has no backward; for gradients run attn_fwd "
+                             f"(impl=None or 'attn_fwd') or an SDPA backend (sdpa_*)")
+        if torch.compiler.is_compiling():
+            out, lse = torch.ops.flashtune.attention_fwd(
+                q, k, v, bool(causal), scale, bool(return_lse),
+                None if config is None else json.dumps(dict(config), sort_keys=True), impl)
+            return (out, lse) if return_lse else out
+    result: torch.Tensor | tuple[torch.Tensor, torch.Tensor] = _attention(
+        q, k, v, causal, scale, return_lse, config, impl)
+    return result
+
+
 def _wants_grad(q: Any, k: Any, v: Any) -> bool:
     """Whether :func:`attention` takes its autograd path (attn_fwd, never the decode
     route) for these arguments (the test :func:`attention` makes inline)."""
@@ -120,10 +154,15 @@ def _wants_grad(q: Any, k: Any, v: Any) -> bool:
 
 
 def lookup_config(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                  causal: bool = False) -> ConfigChoice:
-    """Which config :func:`attention` runs these inputs with, and why.
+                  causal: bool = False, return_lse: bool = False) -> ConfigChoice:
+    """Which implementation and config :func:`attention` runs these inputs with, and why.
 
-    Short-query problems (at most 16 queries) may be routed to the split-KV decode template
+    First the op's stored choice (``flashtune tune --op``, which times every implementation
+    side by side; ``choice.template`` is the implementation): made for this exact problem,
+    its bucket, the nearest problem or a similar device, and able to serve the call (an
+    SDPA backend never gets a causal call it would mask differently, nor an LSE it cannot
+    return); short-query problems ask the ``decode`` op's choices before the ``fwd`` op's.
+    Without one, the per-template route below. Short-query problems (at most 16 queries) may be routed to the split-KV decode template
     (``choice.template == "attn_decode"``; see
     :func:`~flashtune.runtime.kvcache.decode_route`), unless a tensor requires grad with
     grad mode on (then :func:`attention` runs attn_fwd, and so does this answer); then the
@@ -144,7 +183,8 @@ def lookup_config(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     Arguments:
         q, k, v: the tensors :func:`attention` would get (same rules, ``requires_grad``
             included); only their metadata is read, nothing is launched.
-        causal: as for :func:`attention`.
+        causal, return_lse: as for :func:`attention` (an implementation that cannot return
+            the LSE is not chosen for a call that asks for it).
     Returns:
         The :class:`~flashtune.runtime.lookup.ConfigChoice` (``config``, ``source``,
         ``template``, ``tflops``, ``median_ms``, ``tuned_problem``, ``origin``), memoised
@@ -159,7 +199,7 @@ def lookup_config(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     problem, device = AttentionProblem.from_tensors(q, k, causal=causal), _device_of(q)
     if _wants_grad(q, k, v):  # attention's autograd path: attn_fwd, whatever the shape
         return _copy(_choose(problem, device, tune=False))
-    return _copy(_route(problem, device, tune=False))
+    return _copy(_route(problem, device, tune=False, return_lse=return_lse))
 
 
 def _copy(choice: ConfigChoice) -> ConfigChoice:

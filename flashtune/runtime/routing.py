@@ -13,11 +13,17 @@ plans (the interpreter, a Triton without the internals :mod:`~flashtune.kernel_t
 uses, a launch hook installed) calls check their inputs and go through the launcher, with
 the route memoised per shape in ``_FAST``.
 
-Routing itself: short-query problems may go to attn_decode
-(:func:`~flashtune.runtime.kvcache.decode_route`), the rest to attn_fwd; with
-``FLASHTUNE_AUTOTUNE=1`` an attn_fwd problem without an exact tuned config is tuned on its
-first call, once per process. :func:`_reload` drops what every dispatcher loaded and every
-memoised route and plan (``flashtune.reload_configs`` and that tuning run call it).
+Routing itself (:func:`_route`): the op's stored choice first
+(:class:`~flashtune.runtime.choices.OpRouter`: ``flashtune tune --op`` decided which
+implementation -- a Triton or Gluon kernel of flashtune's, or an SDPA backend of torch's --
+is fastest for the shape; exact, bucket, nearest, device alias), for short queries the
+``decode`` op's before the ``fwd`` op's; without a choice that can serve the call, the
+documented default: short-query problems may go to attn_decode
+(:func:`~flashtune.runtime.kvcache.decode_route`), the rest to attn_fwd with its tuned configs
+(database, config folder, shipped table; else its default); with ``FLASHTUNE_AUTOTUNE=1`` an
+attn_fwd problem without an exact tuned config is tuned on its first call, once per process.
+:func:`_reload` drops what every dispatcher and router loaded and every memoised route and
+plan (``flashtune.reload_configs`` and that tuning run call it).
 """
 
 from __future__ import annotations
@@ -33,29 +39,56 @@ import torch
 
 from flashtune.core.device import DeviceFingerprint, current_device
 from flashtune.core.errors import ConfigError
+from flashtune.core.errors import InputError
 from flashtune.core.problem import AttentionProblem
 from flashtune.core.space import Config
-from flashtune.kernel_templates import direct, get_template
+from flashtune.core.spec import USER_OPS, TemplateSpec
+from flashtune.kernel_templates import direct, get_template, implementations
 from flashtune.kernel_templates.attn_decode.plan import AttnDecodeDensePlan
 from flashtune.kernel_templates.attn_fwd.plan import AttnFwdPlan
 from flashtune.kernel_templates.direct import current_device as _current_device
 from flashtune.kernel_templates.direct import current_stream as _current_stream
 from flashtune.runtime import kvcache
 from flashtune.runtime.checks import check_attention_inputs, check_grid
+from flashtune.runtime.choices import OpRouter
 from flashtune.runtime.lookup import ConfigChoice, Dispatcher
 
 log = logging.getLogger(__name__)
+
+
+class _LaunchPlan:
+    """A CUDA call signature routed to an implementation without a direct-launch plan (an
+    SDPA backend, the Gluon kernel): its launcher with the call's config and options bound;
+    call it as ``plan(q, k, v, stream)``."""
+
+    __slots__ = ("_cfg", "_launcher", "_options", "device_index")
+
+    def __init__(self, spec: TemplateSpec, cfg: Config, causal: bool, scale: float | None,
+                 return_lse: bool, device_index: int) -> None:
+        self._launcher, self._cfg = spec.launcher, cfg
+        self._options = {"causal": causal, "scale": scale, "return_lse": return_lse}
+        self.device_index = device_index
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stream: Any) -> Any:
+        return self._launcher(q, k, v, self._cfg, **self._options)
+
 
 _FWD = get_template("attn_fwd")
 _BWD = get_template("attn_bwd")
 _DEC = get_template("attn_decode")
 _DISPATCH = Dispatcher(_FWD)
 _DISPATCH_BWD = Dispatcher(_BWD)
-# (q.shape, k.shape, dtype, device index, causal) -> (routed to attn_decode?, config): the
-# per-call lookup
-_FAST: dict[tuple[Any, ...], tuple[bool, Config]] = {}
+# each implementation's own tuned configs (attn_fwd's and attn_decode's are the ones above
+# and kvcache's; the others are made when an ``impl=`` call first asks)
+_DISPATCHERS: dict[str, Dispatcher] = {_FWD.name: _DISPATCH, _BWD.name: _DISPATCH_BWD,
+                                       _DEC.name: kvcache.DISPATCH}
+# the stored choices of each op, across its implementations
+_ROUTERS = {op: OpRouter(op, {s.name: s for s in implementations(op)}) for op in USER_OPS}
+# (q.shape, k.shape, dtype, device index, causal, return_lse, paired) -> (implementation,
+# config): the per-call lookup
+_FAST: dict[tuple[Any, ...], tuple[TemplateSpec, Config]] = {}
 # the plan key (see _plan_key) -> the launch plan of a CUDA call signature
-_PLANS: dict[tuple[Any, ...], AttnFwdPlan | AttnDecodeDensePlan] = {}
+_PLANS: dict[tuple[Any, ...], AttnFwdPlan | AttnDecodeDensePlan | _LaunchPlan] = {}
 _DIRECT = direct.supported()
 _Tensor = torch.Tensor
 _AUTOTUNED: set[AttentionProblem] = set()
@@ -74,10 +107,29 @@ def _device_of(q: torch.Tensor) -> DeviceFingerprint:
     return _device(q.device.type, q.device.index)
 
 
+def _dispatcher(spec: TemplateSpec) -> Dispatcher:
+    """The implementation's own tuned configs (made on first use)."""
+    found = _DISPATCHERS.get(spec.name)
+    if found is None:
+        found = _DISPATCHERS.setdefault(spec.name, Dispatcher(spec))
+    return found
+
+
+def _implementation(impl: str) -> TemplateSpec:
+    """The implementation ``impl`` of the forward (``attention(..., impl=)``), or
+    InputError naming the ones there are."""
+    spec = get_template(impl)
+    if not spec.serves:
+        names = sorted({s.name for op in USER_OPS for s in implementations(op)})
+        raise InputError(f"impl {impl!r} is not an attention forward; the implementations: "
+                         f"{', '.join(names)}")
+    return spec
+
+
 def _explicit_config(config: Mapping[str, Any], problem: AttentionProblem,
-                     device: DeviceFingerprint) -> Config:
-    cfg = _FWD.space.validate(config)
-    reason = _FWD.space.check(cfg, problem, device)
+                     device: DeviceFingerprint, spec: TemplateSpec = _FWD) -> Config:
+    cfg = spec.space.validate(config)
+    reason = spec.space.check(cfg, problem, device)
     if reason is not None:
         raise ConfigError(f"config {cfg} cannot run {problem.describe()} on {device.name}: {reason}")
     return cfg
@@ -140,36 +192,51 @@ def _choose(problem: AttentionProblem, device: DeviceFingerprint, *,
     return choice
 
 
-def _route(problem: AttentionProblem, device: DeviceFingerprint, *,
-           tune: bool = True) -> ConfigChoice:
-    """attn_decode's choice when :func:`~flashtune.runtime.kvcache.decode_route` takes the
-    problem (short queries), else attn_fwd's (see :func:`_choose` for ``tune``)."""
+def _route(problem: AttentionProblem, device: DeviceFingerprint, *, tune: bool = True,
+           return_lse: bool = False, paired: bool = False) -> ConfigChoice:
+    """The implementation and config a call runs with (see the module docstring): the op's
+    stored choice that can serve the call (``paired``: its LSE feeds attn_bwd, so only
+    flashtune's own kernels), else attn_decode's when
+    :func:`~flashtune.runtime.kvcache.decode_route` takes the problem (short queries),
+    else attn_fwd's (see :func:`_choose` for ``tune``)."""
+    ops = ("decode", "fwd") if problem.seqlen_q <= kvcache.DECODE_MAX_QUERIES else ("fwd",)
+    for op in ops:
+        chosen = _ROUTERS[op].choose(problem, device, return_lse=return_lse, paired=paired)
+        if chosen is not None:
+            return chosen
     choice = kvcache.decode_route(problem, device, _DISPATCH)
     return choice if choice is not None else _choose(problem, device, tune=tune)
 
 
-def _resolve(q: torch.Tensor, k: torch.Tensor, causal: bool,
-             key: tuple[Any, ...]) -> tuple[bool, Config]:
-    choice = _route(AttentionProblem.from_tensors(q, k, causal=causal), _device_of(q))
-    decode = choice.template == _DEC.name
-    check_grid(q, k, decode=decode)  # once per key: it holds the shapes and the device
-    route = _FAST[key] = (decode, choice.config)
+def _resolve(q: torch.Tensor, k: torch.Tensor, causal: bool, return_lse: bool, paired: bool,
+             key: tuple[Any, ...]) -> tuple[TemplateSpec, Config]:
+    choice = _route(AttentionProblem.from_tensors(q, k, causal=causal), _device_of(q),
+                    return_lse=return_lse, paired=paired)
+    spec = get_template(choice.template)
+    if spec.kind != "extern":  # once per key: it holds the shapes and the device
+        check_grid(q, k, decode=spec is _DEC)
+    route = _FAST[key] = (spec, choice.config)
     return route
 
 
 def _plan_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-              scale: Any, return_lse: bool) -> tuple[Any, ...]:
+              scale: Any, return_lse: bool, paired: bool = False) -> tuple[Any, ...]:
     """Everything the input checks, the config choice and Triton's specialisation read."""
     return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(),
             q.dtype, k.dtype, v.dtype, q.get_device(), k.get_device(), v.get_device(),
-            causal, scale, return_lse, (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15 == 0)
+            causal, scale, return_lse, paired,
+            (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15 == 0)
 
 
-def _new_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: Config, causal: bool,
-              scale: float | None, return_lse: bool, key: tuple[Any, ...],
-              decode: bool) -> AttnFwdPlan | AttnDecodeDensePlan | None:
+def _new_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: TemplateSpec,
+              cfg: Config, causal: bool, scale: float | None, return_lse: bool,
+              key: tuple[Any, ...]) -> AttnFwdPlan | AttnDecodeDensePlan | _LaunchPlan | None:
     global _DIRECT
-    plan_type = AttnDecodeDensePlan if decode else AttnFwdPlan
+    if spec is not _FWD and spec is not _DEC:
+        launch = _PLANS[key] = _LaunchPlan(spec, cfg, causal, scale, return_lse,
+                                           q.get_device())
+        return launch
+    plan_type = AttnDecodeDensePlan if spec is _DEC else AttnFwdPlan
     try:
         plan = plan_type(q, k, v, cfg, causal=causal, scale=scale, return_lse=return_lse)
     except Exception as exc:  # noqa: BLE001 - Triton internals moved: launch the normal way
@@ -183,34 +250,52 @@ def _new_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: Config, ca
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                scale: float | None, return_lse: bool,
-               config: Mapping[str, int] | None) -> Any:
+               config: Mapping[str, int] | None, impl: str | None = None,
+               paired: bool = False) -> Any:
     """:func:`flashtune.attention` without gradients: ``out``, or ``(out, lse)`` with
-    ``return_lse`` (see the module docstring for the path it takes)."""
+    ``return_lse`` (see the module docstring for the path it takes); ``impl`` forces an
+    implementation (``config`` is then one of its configs), ``paired`` routes only to
+    kernels whose LSE feeds attn_bwd."""
     key = None
-    if config is None and _DIRECT and type(q) is _Tensor and type(k) is _Tensor \
-            and type(v) is _Tensor and q.is_cuda:
-        key = _plan_key(q, k, v, causal, scale, return_lse)
+    if config is None and impl is None and _DIRECT and type(q) is _Tensor \
+            and type(k) is _Tensor and type(v) is _Tensor and q.is_cuda:
+        key = _plan_key(q, k, v, causal, scale, return_lse, paired)
         plan = _PLANS.get(key)
         if plan is not None and _current_device() == plan.device_index \
                 and not direct.hooks_installed():
             return plan(q, k, v, _current_stream(plan.device_index))
     check_attention_inputs(q, k, v, scale)
-    if config is None:
-        fast_key = (q.shape, k.shape, q.dtype, q.get_device(), causal)
-        decode, cfg = _FAST.get(fast_key) or _resolve(q, k, causal, fast_key)
+    if config is None and impl is None:
+        fast_key = (q.shape, k.shape, q.dtype, q.get_device(), causal, return_lse, paired)
+        spec, cfg = _FAST.get(fast_key) or _resolve(q, k, causal, return_lse, paired,
+                                                    fast_key)
         if key is not None and _current_device() == q.get_device() \
                 and not direct.hooks_installed():
-            plan = _new_plan(q, k, v, cfg, causal, scale, return_lse, key, decode)
+            plan = _new_plan(q, k, v, spec, cfg, causal, scale, return_lse, key)
             if plan is not None:
                 return plan(q, k, v, _current_stream(plan.device_index))
-        if decode:
-            return _DEC.launcher(q, k, v, cfg, causal=causal, scale=scale,
-                                 return_lse=return_lse)
     else:
-        check_grid(q, k)
-        cfg = _explicit_config(config, AttentionProblem.from_tensors(q, k, causal=causal),
-                               _device_of(q))
-    return _FWD.launcher(q, k, v, cfg, causal=causal, scale=scale, return_lse=return_lse)
+        spec, cfg = _forced(q, k, causal, return_lse, config, impl)
+    return spec.launcher(q, k, v, cfg, causal=causal, scale=scale, return_lse=return_lse)
+
+
+def _forced(q: torch.Tensor, k: torch.Tensor, causal: bool, return_lse: bool,
+            config: Mapping[str, int] | None,
+            impl: str | None) -> tuple[TemplateSpec, Config]:
+    """The implementation and config of a call that names them (``impl=``, ``config=``):
+    checked against the implementation's limits and space; an ``impl`` without a config
+    runs that implementation's own tuned config for the shape (else its default)."""
+    spec = _FWD if impl is None else _implementation(impl)
+    problem, device = AttentionProblem.from_tensors(q, k, causal=causal), _device_of(q)
+    reason = spec.refuse(problem, device, return_lse=return_lse)
+    if reason is not None:
+        raise InputError(f"impl {spec.name!r} cannot serve {problem.describe()} on "
+                         f"{device.name}: {reason}")
+    if spec.kind != "extern":
+        check_grid(q, k, decode=spec is _DEC)
+    if config is not None:
+        return spec, _explicit_config(config, problem, device, spec)
+    return spec, _dispatcher(spec).choose(problem, device).config
 
 
 def _forward_config(q: torch.Tensor, k: torch.Tensor, causal: bool,
@@ -226,8 +311,10 @@ def _forward_config(q: torch.Tensor, k: torch.Tensor, causal: bool,
 def _reload(*, device_alias: bool | None = None, db_url: str | None = None) -> None:
     """Drop the configs every dispatcher (attn_fwd, attn_bwd, attn_decode) loaded and the
     memoised routes and launch plans; the arguments are :func:`flashtune.reload_configs`'s."""
-    for dispatcher in (_DISPATCH, _DISPATCH_BWD, kvcache.DISPATCH):
+    for dispatcher in list(_DISPATCHERS.values()):
         dispatcher.reload(device_alias=device_alias, db_url=db_url)
+    for router in _ROUTERS.values():
+        router.reload(device_alias=device_alias, db_url=db_url)
     _FAST.clear()
     _PLANS.clear()
     kvcache.reset()

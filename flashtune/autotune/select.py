@@ -1,0 +1,314 @@
+"""Search across implementations: for each shape, the fastest implementation of an op and its
+config (Inductor's ``select_algorithm``: Triton templates and extern kernels timed side by
+side, the fastest kept).
+
+:func:`tune_op` does, per problem:
+
+1. **Applicable implementations.** Every implementation serving the op
+   (:func:`flashtune.kernel_templates.implementations`), or those named; each declares its
+   limits (:meth:`~flashtune.core.spec.TemplateSpec.refuse`). One that cannot serve the
+   problem on this device (a GPU-only kernel under the interpreter, a head dim it lacks,
+   GQA for an SDPA backend...) is skipped with its reason. A named one (``impls``) that
+   cannot serve a problem is an error before any work starts.
+2. **Search each.** Each applicable implementation is tuned as ``tune --template`` tunes it
+   (:func:`~flashtune.autotune.trial_loop.tune_on_device`: Optuna over its space, every
+   candidate checked against the fp32 reference before it is timed, the top configs
+   confirmed); a space of one point (an extern: no knobs) is measured once.
+3. **Leaders side by side.** The best config of each implementation is re-timed
+   interleaved with the others (:func:`time_side_by_side`: same seeded inputs, L2 flushed
+   by :func:`~flashtune.autotune.timing.bench`, ``rounds`` rounds A, B, C, A, B, C...), so
+   clock and thermal drift hit them alike.
+4. **Record.** The fastest there is stored as the op's choice for the (device, problem)
+   (``store.put_choice``) with its margin over the runner-up and over the fastest extern,
+   and every leader's time: what ``flashtune show --op`` lists and the router serves.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from flashtune.autotune.options import TuneOptions, TuneResult
+from flashtune.core.device import DeviceFingerprint, cuda_device, interpreter_device
+from flashtune.core.errors import InputError
+from flashtune.core.problem import AttentionProblem
+from flashtune.core.spec import USER_OPS, TemplateSpec
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Leader", "OpResult", "applicable", "time_side_by_side", "tune_op"]
+
+SIDE_BY_SIDE_ROUNDS = 5
+
+
+@dataclass(frozen=True)
+class Leader:
+    """One implementation's best config as timed beside the others (``median_ms`` None
+    when it failed there, with ``message``)."""
+
+    implementation: str
+    kind: str
+    config: dict[str, int]
+    median_ms: float | None
+    tflops: float | None
+    message: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"implementation": self.implementation, "config": dict(self.config),
+                "median_ms": self.median_ms}
+
+
+@dataclass(frozen=True)
+class OpResult:
+    """What :func:`tune_op` decided for one problem.
+
+    ``winner`` is None when no implementation completed (every one failed its checks or
+    none applies); ``margin`` is the runner-up's time over the winner's, ``extern_margin``
+    the fastest extern's over the winner's (1.0 when the winner is that extern).
+    """
+
+    problem: AttentionProblem
+    op: str
+    device_name: str
+    leaders: tuple[Leader, ...]  # fastest first; failures last
+    skipped: tuple[tuple[str, str], ...]  # (implementation, why it cannot serve the problem)
+    results: tuple[TuneResult, ...]  # each implementation's search
+
+    @property
+    def ranked(self) -> list[Leader]:
+        return [x for x in self.leaders if x.median_ms is not None]
+
+    @property
+    def winner(self) -> Leader | None:
+        ranked = self.ranked
+        return ranked[0] if ranked else None
+
+    @property
+    def runner_up(self) -> Leader | None:
+        ranked = self.ranked
+        return ranked[1] if len(ranked) > 1 else None
+
+    @property
+    def best_extern(self) -> Leader | None:
+        return next((x for x in self.ranked if x.kind == "extern"), None)
+
+    def _over(self, other: Leader | None) -> float | None:
+        win = self.winner
+        if win is None or other is None or not win.median_ms or other.median_ms is None:
+            return None
+        return other.median_ms / win.median_ms
+
+    @property
+    def margin(self) -> float | None:
+        return self._over(self.runner_up)
+
+    @property
+    def extern_margin(self) -> float | None:
+        return self._over(self.best_extern)
+
+
+def applicable(op: str, problem: AttentionProblem, device: DeviceFingerprint,
+               impls: Sequence[str] | None = None
+               ) -> tuple[list[TemplateSpec], list[tuple[str, str]]]:
+    """The implementations of ``op`` that can serve ``problem`` on ``device``, and the others
+    with the reason each cannot.
+
+    Arguments:
+        op: one of :data:`~flashtune.core.spec.USER_OPS`.
+        problem: the shape.
+        device: where it would run.
+        impls: only these implementations (each must serve ``op``); None: every one.
+    Returns:
+        ``(specs, skipped)``: the specs that can, sorted by name; ``(name, reason)`` for
+        the others.
+    Raises:
+        InputError for an unknown op, or a named implementation that does not serve it;
+        UnknownTemplateError for an unknown name.
+    """
+    from flashtune.kernel_templates import get_template, implementations
+
+    if op not in USER_OPS:
+        raise InputError(f"op must be one of {', '.join(USER_OPS)}, got {op!r}")
+    if impls is None:
+        specs = implementations(op)
+    else:
+        specs = []
+        for name in dict.fromkeys(impls):
+            spec = get_template(name)
+            if op not in spec.serves:
+                serving = ", ".join(s.name for s in implementations(op))
+                raise InputError(f"implementation {name!r} does not serve op {op!r}; the "
+                                 f"implementations of {op!r}: {serving}")
+            specs.append(spec)
+    ok, skipped = [], []
+    for spec in specs:
+        reason = spec.refuse(problem, device)
+        if reason is None:
+            ok.append(spec)
+        else:
+            skipped.append((spec.name, reason))
+    return ok, skipped
+
+
+def _check_forced(op: str, problems: Sequence[AttentionProblem], device: DeviceFingerprint,
+                  impls: Sequence[str]) -> None:
+    """InputError, before any work, when a named implementation cannot serve a problem."""
+    for problem in problems:
+        _, skipped = applicable(op, problem, device, impls)
+        if skipped:
+            name, reason = skipped[0]
+            raise InputError(f"--impl {name} cannot serve {problem.describe()} on "
+                             f"{device.name}: {reason}")
+
+
+def time_side_by_side(runners: Sequence[tuple[Any, Mapping[str, int]]],
+                      rounds: int = SIDE_BY_SIDE_ROUNDS) -> list[tuple[float | None, str | None]]:
+    """Time each ``(runner, config)`` interleaved with the others: ``rounds`` rounds, each
+    timing every one once (:meth:`LocalRunner.time_config`: CUDA events over many launches,
+    L2 flushed); the median of a runner's round medians is its time. A runner without GPU
+    timing (the interpreter, a replay) is evaluated once instead.
+
+    Returns:
+        ``(median_ms, None)`` or ``(None, message)`` per runner, in order.
+    """
+    from flashtune.autotune.runners import _first_line
+
+    samples: list[list[float]] = [[] for _ in runners]
+    failed: dict[int, str] = {}
+    gpu = [callable(getattr(r, "time_config", None)) and not getattr(r, "interpreting", True)
+           for r, _ in runners]
+    for i, (runner, config) in enumerate(runners):
+        if not gpu[i]:
+            res = runner.evaluate(config)
+            if res.ok and res.median_ms is not None:
+                samples[i].append(res.median_ms)
+            else:
+                failed[i] = res.message or res.state.value
+    for _ in range(max(1, rounds)):
+        for i, (runner, config) in enumerate(runners):
+            if not gpu[i] or i in failed:
+                continue
+            try:
+                samples[i].append(runner.time_config(config)[0])
+            except Exception as exc:  # noqa: BLE001 - failures are data
+                failed[i] = _first_line(exc)
+    return [(None, failed[i]) if i in failed or not samples[i]
+            else (statistics.median(samples[i]), None) for i in range(len(runners))]
+
+
+def _leader_runner(spec: TemplateSpec, problem: AttentionProblem, device: DeviceFingerprint,
+                   options: TuneOptions, factory: Callable[..., Any] | None) -> Any:
+    """A runner in this process for the side-by-side timing: the leaders passed their
+    checks already, so no isolation; every runner draws the same seeded inputs."""
+    if factory is not None:
+        return factory(spec, problem, device, options)
+    from flashtune.autotune.runners import LocalRunner
+
+    return LocalRunner(spec, problem, device, seed=options.seed or 0,
+                       timeout_s=options.trial_timeout_s)
+
+
+def tune_op(problems: Sequence[AttentionProblem], op: str, options: TuneOptions, *,
+            impls: Sequence[str] | None = None, db_url: str | None = None,
+            progress: bool = True, rounds: int = SIDE_BY_SIDE_ROUNDS,
+            _runner_factory: Callable[..., Any] | None = None,
+            _device: DeviceFingerprint | None = None) -> list[OpResult]:
+    """Choose, per problem, the fastest implementation of ``op`` and its config, and store
+    the choice; see the module docstring.
+
+    Arguments:
+        problems: the shapes, in order.
+        op: ``"fwd"`` or ``"decode"``.
+        options: trials and budgets per implementation (``options.template`` is ignored).
+        impls: search only these implementations (each must serve ``op`` and every
+            problem); None: every applicable one.
+        db_url: the tuning database (None: ``$FLASHTUNE_DB`` or the default file).
+        progress: a progress bar per implementation and problem.
+        rounds: rounds of the side-by-side timing of the leaders.
+    Returns:
+        One :class:`OpResult` per problem.
+    Raises:
+        InputError for an unknown op, a named implementation that cannot serve a problem
+        (before any work), or a problem the runtime would refuse; the store's errors.
+    """
+    from flashtune.autotune.options import check_tunable
+    from flashtune.autotune.trial_loop import tune_on_device
+    from flashtune.db import default_db_url, open_store
+    from flashtune.db.records import SoftwareVersions
+
+    url = default_db_url() if db_url is None else str(db_url)
+    device = _device or (interpreter_device() if options.interpret else cuda_device())
+    if op not in USER_OPS:
+        raise InputError(f"op must be one of {', '.join(USER_OPS)}, got {op!r}")
+    check_tunable(problems, "attn_fwd", custom_runner=True)  # head dims, before any work
+    if impls is not None:
+        _check_forced(op, problems, device, impls)
+    import flashtune
+
+    software = SoftwareVersions(cuda=device.cuda_version, driver=device.driver_version,
+                                flashtune=flashtune.__version__, torch=device.torch_version,
+                                triton=device.triton_version)
+    out = []
+    for problem in problems:
+        specs, skipped = applicable(op, problem, device, impls)
+        for name, reason in skipped:
+            log.warning("%s: %s skipped: %s", problem.describe(), name, reason)
+        results = []
+        for spec in specs:
+            results.extend(tune_on_device(
+                [problem], replace(options, template=spec.name), db_url=url,
+                progress=progress, runner_factory=_runner_factory, device=device))
+        leaders = _side_by_side(specs, results, problem, device, options, rounds,
+                                _runner_factory)
+        result = OpResult(problem, op, device.name, leaders, tuple(skipped), tuple(results))
+        win = result.winner
+        if win is not None:
+            ext, up = result.best_extern, result.runner_up
+            spec = next(s for s in specs if s.name == win.implementation)
+            with open_store(url) as store:
+                dev = store.ensure_device(device)
+                store.put_choice(dev.id, op, problem.key(), implementation=spec.name,
+                                 source_hash=spec.source_hash, config=win.config,
+                                 median_ms=win.median_ms, tflops=win.tflops,
+                                 runner_up=up.implementation if up else None,
+                                 runner_up_ms=up.median_ms if up else None,
+                                 extern=ext.implementation if ext else None,
+                                 extern_ms=ext.median_ms if ext else None,
+                                 candidates=[x.as_dict() for x in leaders],
+                                 software=software)
+        out.append(result)
+    return out
+
+
+def _side_by_side(specs: Sequence[TemplateSpec], results: Sequence[TuneResult],
+                  problem: AttentionProblem, device: DeviceFingerprint, options: TuneOptions,
+                  rounds: int, factory: Callable[..., Any] | None) -> tuple[Leader, ...]:
+    """Each implementation's best config timed beside the others' (see
+    :func:`time_side_by_side`); fastest first, failures last."""
+    from flashtune.autotune.timing import tflops
+
+    entries = [(spec, dict(r.best_config)) for spec, r in zip(specs, results, strict=True)
+               if r.best_config is not None]
+    runners = []
+    try:
+        for spec, config in entries:
+            runners.append((_leader_runner(spec, problem, device, options, factory), config))
+        timed = time_side_by_side(runners, rounds)
+    finally:
+        for runner, _ in runners:
+            close = getattr(runner, "close", None)
+            if callable(close):
+                close()
+    flops = problem.flops()
+    leaders = [Leader(spec.name, spec.kind, config, ms,
+                      tflops(flops, ms) if ms else None, message)
+               for (spec, config), (ms, message) in zip(entries, timed, strict=True)]
+    for spec, r in zip(specs, results, strict=True):
+        if r.best_config is None:
+            leaders.append(Leader(spec.name, spec.kind, {}, None, None,
+                                  "no config passed its checks"))
+    leaders.sort(key=lambda x: (x.median_ms is None, x.median_ms or 0.0, x.implementation))
+    return tuple(leaders)

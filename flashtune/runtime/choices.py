@@ -1,0 +1,162 @@
+"""The op router: which implementation, and which of its configs, serves a call.
+
+``flashtune tune --op`` stores, per (device, op, shape), the implementation that won the
+side-by-side timing (:mod:`flashtune.autotune.select`). :class:`OpRouter` serves those
+choices at run time through the lookup chain of :mod:`flashtune.runtime.lookup`: a choice
+made for this exact problem on this device (``exact``), else for a problem of its bucket
+(``bucket``), else the nearest one (``nearest``), else one made on a similar device
+(``device-alias``, opt-in). A choice serves a call only when its implementation can give
+what the call asks for (:meth:`~flashtune.core.spec.TemplateSpec.refuse`: an SDPA backend
+never gets a causal call whose mask it would align differently, nor a ``return_lse`` it
+cannot return) and its config passes the implementation's validity predicate for the call's
+problem; otherwise the chain goes on. With no choice that serves it, :meth:`OpRouter.choose`
+answers None and the caller takes the per-template route (the documented default: attn_fwd's
+tuned configs, the shipped table, the template default; short queries over long caches on
+attn_decode).
+
+Choices come from :func:`flashtune.runtime.sources.load_choices` (the database read-only,
+``$FLASHTUNE_CONFIG_DIR``, the shipped ``flashtune/configs``), read once per process and
+device; a choice tuned for another source hash of its implementation is stale and not
+served. Answers are memoised per (device, problem, LSE asked, paired): after the first call
+a lookup is one dict read.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+from flashtune.core.problem import AttentionProblem
+from flashtune.core.spec import TemplateSpec
+from flashtune.runtime.lookup import ConfigChoice
+from flashtune.runtime.sources import ChoiceEntry, DeviceKey, device_key, load_choices
+
+log = logging.getLogger(__name__)
+
+__all__ = ["OpRouter"]
+
+
+class OpRouter:
+    """Per-process resolution of one op's stored choices (see the module docstring).
+
+    Arguments:
+        op: the user op (``"fwd"``, ``"decode"``).
+        specs: the implementations that may serve it, by name (the registry's).
+    """
+
+    def __init__(self, op: str, specs: Mapping[str, TemplateSpec]) -> None:
+        self.op = op
+        self.specs = dict(specs)
+        self._lock = threading.RLock()
+        self._tables: dict[DeviceKey, tuple[list[ChoiceEntry], list[ChoiceEntry]]] = {}
+        self._memo: dict[tuple[Any, ...], ConfigChoice | None] = {}
+        self._aliases: bool | None = None
+        self._db_url: str | None = None
+        self._warned: set[str] = set()
+
+    def reload(self, *, device_alias: bool | None = None, db_url: str | None = None) -> None:
+        """Forget loaded choices and memoised answers."""
+        with self._lock:
+            self._tables.clear()
+            self._memo.clear()
+            self._warned.clear()
+            self._aliases, self._db_url = device_alias, db_url
+
+    def _table(self, device: Any) -> tuple[list[ChoiceEntry], list[ChoiceEntry]]:
+        key = device_key(device)
+        table = self._tables.get(key)
+        if table is not None:
+            return table
+        with self._lock:
+            table = self._tables.get(key)
+            if table is not None:
+                return table
+            from flashtune.runtime.lookup import _env_flag
+
+            aliases = _env_flag("FLASHTUNE_DEVICE_ALIAS") if self._aliases is None \
+                else self._aliases
+            hashes = {name: spec.source_hash for name, spec in self.specs.items()}
+            entries, problems = load_choices(self.op, hashes, device.name, aliases=aliases,
+                                             db_url=self._db_url)
+            for reason in problems:
+                if reason not in self._warned:
+                    self._warned.add(reason)
+                    log.warning("flashtune: %s; op %s choices from the other sources only",
+                                reason, self.op)
+            own = [e for e in entries if e.device == key]
+            alias = [e for e in entries if aliases and e.device != key
+                     and (e.device[1], e.device[3]) == (key[1], key[3])]
+            table = self._tables[key] = (own, alias)
+            return table
+
+    def choose(self, problem: AttentionProblem, device: Any, *, return_lse: bool = False,
+               paired: bool = False) -> ConfigChoice | None:
+        """The stored choice that serves this call, or None.
+
+        Arguments:
+            problem: the call's problem.
+            device: its device fingerprint.
+            return_lse: the call asks for the LSE.
+            paired: the call's LSE feeds flashtune's backward (the ``torch.compile`` path):
+                only flashtune's own kernels, whose LSE that backward is checked with.
+        Returns:
+            A :class:`ConfigChoice` whose ``template`` is the implementation, or None.
+        """
+        memo_key = (device_key(device), problem, return_lse, paired)
+        try:
+            return self._memo[memo_key]
+        except KeyError:
+            pass
+        with self._lock:
+            if memo_key not in self._memo:
+                self._memo[memo_key] = self._walk(problem, device, return_lse, paired)
+            return self._memo[memo_key]
+
+    def _serves(self, entry: ChoiceEntry, problem: AttentionProblem, device: Any,
+                return_lse: bool, paired: bool) -> bool:
+        spec = self.specs.get(entry.implementation)
+        if spec is None or (paired and spec.kind == "extern"):
+            return False
+        if spec.refuse(problem, device, return_lse=return_lse) is not None:
+            return False
+        try:
+            config = spec.space.validate(entry.config)
+        except ValueError:
+            return False
+        return spec.space.check(config, problem, device) is None
+
+    def _walk(self, problem: AttentionProblem, device: Any, return_lse: bool,
+              paired: bool) -> ConfigChoice | None:
+        own, alias = self._table(device)
+        for e in own:
+            if e.problem == problem and self._serves(e, problem, device, return_lse, paired):
+                return _choice(e, "exact")
+        bucket = problem.bucket()
+        for source, entries, same_bucket in (("bucket", own, True), ("nearest", own, False),
+                                             ("device-alias", alias, False)):
+            best: tuple[float, float, int] | None = None
+            pick = None
+            for i, e in enumerate(entries):
+                if same_bucket and e.problem.bucket() != bucket:
+                    continue
+                dist = problem.distance(e.problem)
+                if not math.isfinite(dist) \
+                        or not self._serves(e, problem, device, return_lse, paired):
+                    continue
+                rank = (dist, e.median_ms / max(e.problem.flops(), 1.0), i)
+                if best is None or rank < best:
+                    best, pick = rank, e
+            if pick is not None:
+                log.info("%s: op %s served by %s as chosen for %s (%s, %s)", problem.describe(),
+                         self.op, pick.implementation, pick.problem.describe(), source,
+                         pick.origin)
+                return _choice(pick, source)
+        return None
+
+
+def _choice(entry: ChoiceEntry, source: str) -> ConfigChoice:
+    return ConfigChoice(dict(entry.config), source, entry.tflops, entry.median_ms,
+                        entry.problem, entry.origin, entry.implementation)

@@ -1,0 +1,156 @@
+"""Search across implementations (flashtune.autotune.select): which implementations apply,
+forced ones checked before any work, the side-by-side timing, and the whole path
+``tune_op`` -> stored choice -> router -> ``attention`` under the interpreter, with torch's
+math SDPA standing in for an extern candidate."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flashtune
+from flashtune.autotune.options import TuneOptions
+from flashtune.autotune.runners import TrialResult
+from flashtune.autotune.select import applicable, time_side_by_side, tune_op
+from flashtune.core.device import interpreter_device
+from flashtune.core.errors import InputError
+from flashtune.core.problem import AttentionProblem
+from flashtune.db import open_store
+from flashtune.db.records import TrialState
+
+TINY = AttentionProblem(1, 2, 2, 48, 48, 32, False, "fp16")
+DEV = interpreter_device()
+
+
+def test_applicable_skips_what_cannot_run_here_with_the_reason():
+    specs, skipped = applicable("fwd", TINY, DEV)
+    names = [s.name for s in specs]
+    assert "attn_fwd" in names and "sdpa_math" in names
+    reasons = dict(skipped)
+    for gpu_only in ("sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "attn_fwd_gluon"):
+        assert "GPU" in reasons[gpu_only], reasons
+    decode = [s.name for s in applicable("decode", AttentionProblem(
+        1, 2, 2, 1, 200, 32, True, "fp16"), DEV)[0]]
+    assert "attn_decode" in decode and "attn_fwd" in decode
+    # attn_decode serves at most 16 queries
+    assert "attn_decode" in dict(applicable("decode", TINY, DEV)[1])
+
+
+def test_applicable_refuses_an_unknown_op_and_an_implementation_of_another_op():
+    with pytest.raises(InputError, match="op must be one of"):
+        applicable("bwd", TINY, DEV)
+    with pytest.raises(InputError, match="does not serve op 'fwd'"):
+        applicable("fwd", TINY, DEV, ["attn_decode"])
+
+
+def test_a_forced_implementation_that_cannot_serve_fails_before_any_work(tmp_path):
+    url = f"sqlite:///{tmp_path / 't.db'}"
+    with pytest.raises(InputError, match="--impl sdpa_cudnn cannot serve .*GPU"):
+        tune_op([TINY], "fwd", TuneOptions(trials=1, interpret=True),
+                impls=["sdpa_cudnn"], db_url=url, progress=False, _device=DEV)
+    assert not (tmp_path / "t.db").exists()
+    gqa = AttentionProblem(1, 4, 2, 48, 48, 32, False, "fp16")
+    with pytest.raises(InputError, match="GQA"):
+        tune_op([TINY, gqa], "fwd", TuneOptions(trials=1, interpret=True),
+                impls=["sdpa_math"], db_url=url, progress=False, _device=DEV)
+
+
+class _Timed:
+    """A runner with GPU-style timing: ``time_config`` returns the next of ``times``."""
+
+    interpreting = False
+    flops = 1.0
+
+    def __init__(self, times, fail_at=None):
+        self.times = list(times)
+        self.calls = 0
+        self.fail_at = fail_at
+
+    def time_config(self, config):
+        self.calls += 1
+        if self.fail_at is not None and self.calls == self.fail_at:
+            raise RuntimeError("launch failed\nmore")
+        t = self.times.pop(0)
+        return t, t, t
+
+    def evaluate(self, config):  # pragma: no cover - GPU-style runners are timed
+        raise AssertionError("a GPU runner is timed, not evaluated")
+
+
+class _Evaluated:
+    interpreting = True
+
+    def __init__(self, result):
+        self.result = result
+
+    def evaluate(self, config):
+        return self.result
+
+
+def test_side_by_side_takes_the_median_of_rounds_and_keeps_failures_as_data():
+    a = _Timed([1.0, 5.0, 1.2, 1.1, 0.9])
+    b = _Timed([2.0, 2.0, 2.0, 2.0, 2.0], fail_at=3)
+    c = _Evaluated(TrialResult(TrialState.COMPLETE, median_ms=7.0))
+    d = _Evaluated(TrialResult(TrialState.WRONG_RESULT, "relative error 1"))
+    out = time_side_by_side([(a, {}), (b, {}), (c, {}), (d, {})], rounds=5)
+    assert out[0] == (1.1, None)
+    assert out[1][0] is None and "launch failed" in out[1][1] and "more" not in out[1][1]
+    assert out[2] == (7.0, None)
+    assert out[3] == (None, "relative error 1")
+    assert a.calls == 5 and b.calls == 3  # interleaved; a failed runner is not timed again
+
+
+def test_tune_op_stores_the_choice_and_attention_serves_it(tmp_path, monkeypatch):
+    url = f"sqlite:///{tmp_path / 'op.db'}"
+    results = tune_op([TINY], "fwd", TuneOptions(trials=2, interpret=True, seed=0),
+                      db_url=url, progress=False, rounds=1, _device=DEV)
+    (r,) = results
+    ran = {x.implementation for x in r.leaders}
+    assert ran == {"attn_fwd", "sdpa_math"}
+    assert {name for name, _ in r.skipped} >= {"sdpa_cudnn", "attn_fwd_gluon"}
+    win = r.winner
+    assert win is not None and r.runner_up is not None
+    assert r.margin == pytest.approx(r.runner_up.median_ms / win.median_ms)
+    assert r.best_extern.implementation == "sdpa_math"
+    with open_store(url) as store:
+        (choice,) = store.list_choices(op="fwd")
+    assert choice.implementation == win.implementation
+    assert choice.problem_key == TINY.key()
+    assert choice.runner_up == r.runner_up.implementation
+    assert choice.extern == "sdpa_math"
+    assert len(choice.candidates) == 2
+
+    # the runtime serves the stored choice, exactly for this problem
+    monkeypatch.setenv("FLASHTUNE_DB", url)
+    flashtune.reload_configs()
+    try:
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(1, 2, 48, 32, generator=g).half() for _ in range(3))
+        got = flashtune.lookup_config(q, k, v)
+        assert (got.source, got.template) == ("exact", win.implementation)
+        ref = torch.softmax((q.float() @ k.float().transpose(-1, -2)) / 32 ** 0.5, -1) \
+            @ v.float()
+        out = flashtune.attention(q, k, v)
+        assert (out.float() - ref).norm() / ref.norm() < 5e-3
+        # a call asking for the LSE is never sent to the math backend, which has none
+        with_lse = flashtune.lookup_config(q, k, v, return_lse=True)
+        assert with_lse.template != "sdpa_math"
+        out, lse = flashtune.attention(q, k, v, return_lse=True)
+        assert lse.shape == (1, 2, 48)
+    finally:
+        monkeypatch.delenv("FLASHTUNE_DB")
+        flashtune.reload_configs()
+
+
+def test_a_forced_extern_runs_it_and_refuses_what_it_cannot_give():
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 40, 32, generator=g).half() for _ in range(3))
+    out = flashtune.attention(q, k, v, causal=True, impl="sdpa_math")
+    ref = flashtune.attention(q, k, v, causal=True, impl="attn_fwd")
+    assert (out.float() - ref.float()).norm() / ref.float().norm() < 5e-3
+    with pytest.raises(InputError, match="impl 'sdpa_math' cannot serve .*LSE"):
+        flashtune.attention(q, k, v, impl="sdpa_math", return_lse=True)
+    with pytest.raises(InputError, match="impl 'sdpa_math' cannot serve .*causal"):
+        flashtune.attention(q, k[:, :, :30], v[:, :, :30], causal=True, impl="sdpa_math")
+    with pytest.raises(InputError, match="not an attention forward"):
+        flashtune.attention(q, k, v, impl="attn_bwd")
