@@ -93,14 +93,17 @@ def render_bench(result: Mapping[str, Any]) -> str:
     from flashtune.runtime.bench import IMPLS, tflops_of
 
     rows = result["rows"]
-    impls = [n for n in IMPLS if any(n in r for r in rows)]
+    own = sorted({n for r in rows for n in r if n.startswith("impl_")})
+    impls = [n for n in (*IMPLS[:2], *own, *IMPLS[2:]) if any(n in r for r in rows)]
     ceiling = result.get("ceiling_tflops")
-    header = ["shape", "config", *(_SHORT[n] for n in impls), "vs flash", "vs cudnn",
-              "of ceiling", "vs recorded"]
+    header = ["shape", "route", *(_SHORT.get(n, n[len("impl_"):]) for n in impls),
+              "vs flash", "vs cudnn", "of ceiling", "vs recorded"]
     body = []
     for r in rows:
         mine, fa2, cud = (tflops_of(r, n) for n in ("flashtune", "sdpa_flash", "sdpa_cudnn"))
-        body.append([r["label"], r["source"],
+        route = f"{r['implementation']} ({r['source']})" if "implementation" in r \
+            else r["source"]
+        body.append([r["label"], route,
                      *(format_tflops(t) if (t := tflops_of(r, n)) else
                        ("error" if "error" in r.get(n, {}) else "-") for n in impls),
                      f"{mine / fa2:.2f}x" if mine and fa2 else "-",
@@ -113,7 +116,9 @@ def render_bench(result: Mapping[str, Any]) -> str:
         ("flashtune_vs_flashtune_default_geomean", "vs default"),
         ("flashtune_vs_sdpa_flash_geomean", "vs SDPA flash"),
         ("flashtune_vs_sdpa_cudnn_geomean", "vs SDPA cuDNN"),
-        ("flashtune_vs_flex_geomean", "vs FlexAttention")) if s.get(key)]
+        ("flashtune_vs_flex_geomean", "vs FlexAttention"),
+        ("flashtune_vs_best_baseline_geomean", "vs the fastest baseline of each shape"),
+        ("flashtune_vs_best_baseline_min", "its minimum")) if s.get(key)]
     if parts:
         lines.append("flashtune (geomean): " + ", ".join(parts))
     if ceiling:

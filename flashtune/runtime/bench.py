@@ -383,6 +383,14 @@ def summarize(rows: Sequence[Mapping[str, Any]], ceiling: float | None) -> dict[
             if ratios:
                 out[f"{mine}_vs_{other}_geomean"] = _geomean(ratios)
                 out[f"{mine}_vs_{other}_min"] = min(ratios)
+    # against the fastest baseline of each row (the target: never slower than the best of
+    # what torch offers for the shape)
+    best = [(tflops_of(r, "flashtune"), max((t for t in (tflops_of(r, b) for b in BASELINES)
+                                             if t), default=None)) for r in rows]
+    ratios = [a / b for a, b in best if a and b]
+    if ratios:
+        out["flashtune_vs_best_baseline_geomean"] = _geomean(ratios)
+        out["flashtune_vs_best_baseline_min"] = min(ratios)
     if ceiling:
         fractions = [t / ceiling for t in (tflops_of(r, "flashtune") for r in rows) if t]
         out["flashtune_of_ceiling_geomean"] = _geomean(fractions)
