@@ -48,8 +48,8 @@ since torch 2.5 and repeats K/V heads). Whether the fused ops accept unequal hea
 What torch's own dispatcher checks and these limits do not say (a call outside it fails in
 the op, and the tuner records that trial as a failure): cuDNN serves head dims above 128
 only on sm_90 with cuDNN >= 9.10, and no key length of 1; flash's backward refuses head dims
-above 192 on sm_86/89/120. On sm_90 torch picks cuDNN by default (newer cuDNN only),
-elsewhere flash.
+above 192 on sm_86/89/120; the efficient backend takes bf16 only from sm_80. On sm_90 torch
+picks cuDNN by default (newer cuDNN only), elsewhere flash.
 """
 
 from __future__ import annotations
