@@ -12,7 +12,7 @@ from flashtune.cli.exchange_commands import POLICIES
 from flashtune.cli.main import cli
 from flashtune.db.exchange import config_file_name, read_document
 from flashtune.db.store import IMPORT_POLICIES
-from flashtune.kernel_templates import catalog  # noqa: E402
+from flashtune.kernel_templates import catalog, known_names  # noqa: E402
 from tests.db_tests.exchange_support import OLD_SOURCE, dump, populate, without_exported_at
 from tests.db_tests.support import A100, H100
 
@@ -112,7 +112,8 @@ def test_export_errors_are_one_line(db: str, tmp_path: Path) -> None:
                           str(tmp_path / "out"))
     assert code == 2 and output.endswith(
         "Error: Invalid value for '--template': unknown template 'attn_nope'; known "
-        "templates: attn_bwd, attn_decode, attn_fwd\n")
+        f"templates: {', '.join(known_names())}\n")
+    assert "sdpa_cudnn, sdpa_efficient, sdpa_flash, sdpa_math" in output
     code, output = invoke("--db", db, "export")
     assert code == 2 and "Missing option '-o'" in output
 

@@ -26,6 +26,7 @@ from flashtune.core.errors import StoreError
 from flashtune.core.problem import AttentionProblem
 from flashtune.db import SoftwareVersions, TrialState, open_store
 from flashtune.db.records import ImportedBest
+from flashtune.kernel_templates import known_names
 
 SHAPE = ["--batch", "2", "--heads", "8", "--kv-heads", "2", "--seqlen", "256",
          "--head-dim", "64"]
@@ -188,7 +189,9 @@ def test_tune_template_option(jobs: Calls) -> None:
 
 def test_tune_help_lists_the_templates() -> None:
     result = run("tune", "--help")
-    assert "attn_bwd|attn_decode|attn_fwd" in result.output
+    assert f"[{'|'.join(known_names())}]" in result.output
+    assert "[attn_bwd|attn_decode|attn_fwd|" in result.output
+    assert "|sdpa_cudnn|sdpa_efficient|sdpa_flash|sdpa_math]" in result.output
 
 
 def test_tune_seed_range_ends_at_2_to_the_32_minus_1(jobs: Calls) -> None:

@@ -140,7 +140,8 @@ def test_registering_another_spec_under_a_taken_name_is_refused(toy: TemplateSpe
 
 
 def test_every_builtin_folder_is_registered_under_its_name() -> None:
-    for name in ("attn_fwd", "attn_bwd", "attn_decode"):
+    for name in ("attn_fwd", "attn_bwd", "attn_decode", "sdpa_cudnn", "sdpa_efficient",
+                 "sdpa_flash", "sdpa_math"):
         assert get_template(name).name == name
         assert name in known_names()
     assert {get_template(n).op for n in ("attn_fwd", "attn_bwd", "attn_decode")} == \

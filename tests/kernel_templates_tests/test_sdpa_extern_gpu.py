@@ -1,0 +1,92 @@
+"""torch SDPA's fused backends (cuDNN, flash, efficient) as externs on a GPU: output and LSE
+against the float64 reference on odd shapes, strided inputs, and gradients through autograd
+(``FLASHTUNE_TEST_DEVICE=cuda pytest -m gpu``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashtune.core.problem import AttentionProblem
+from flashtune.kernel_templates import get_template
+from tests.helpers import assert_close_to_reference, assert_grads_close
+
+pytestmark = pytest.mark.gpu
+
+FUSED = ("sdpa_cudnn", "sdpa_flash", "sdpa_efficient")
+DTYPES = [torch.float16, torch.bfloat16]
+SHAPES = [
+    # (b, hq, nq, nk, d, causal)
+    (2, 3, 1000, 1000, 64, False),
+    (1, 4, 1000, 1000, 128, True),   # causal, Nq == Nk
+    (2, 2, 77, 1000, 64, False),     # Nq < Nk
+    (3, 4, 1, 1000, 128, True),      # decode-like: one query row sees every key
+    (2, 2, 1, 1000, 64, False),
+]
+
+
+def _usable(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    """Skip with the spec's reason when this GPU, torch build or shape is not served."""
+    from flashtune.core.device import cuda_device
+
+    b, h, nq, nk, d, causal = shape
+    problem = AttentionProblem(b, h, h, nq, nk, d, causal,
+                               "fp16" if dtype == torch.float16 else "bf16")
+    reason = get_template(name).refuse(problem, cuda_device(), return_lse=True)
+    if reason is not None:
+        pytest.skip(f"{name}: {reason}")
+
+
+def make_qkv(b, h, nq, nk, d, dtype, *, seed=0, layout="bhnd"):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def rand(n):
+        if layout == "bnhd":  # (B, N, H, D) storage seen as (B, H, N, D)
+            return torch.randn(b, n, h, d, generator=g, device="cuda").to(dtype).transpose(1, 2)
+        return torch.randn(b, h, n, d, generator=g, device="cuda").to(dtype)
+    return rand(nq), rand(nk), rand(nk)
+
+
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}h{}q{}k{}d{}{}".format(
+    *s[:5], "c" if s[5] else ""))
+@pytest.mark.parametrize("name", FUSED)
+def test_output_and_lse_match_the_reference(name, shape, dtype, layout):
+    _usable(name, shape, dtype)
+    b, h, nq, nk, d, causal = shape
+    q, k, v = make_qkv(b, h, nq, nk, d, dtype, layout=layout)
+    out, lse = get_template(name).launcher(q, k, v, {}, causal=causal, return_lse=True)
+    assert lse.shape == (b, h, nq) and lse.dtype == torch.float32
+    assert_close_to_reference(out, q, k, v, causal=causal, lse=lse)
+    alone = get_template(name).launcher(q, k, v, {}, causal=causal)
+    assert torch.equal(alone, out)
+
+
+@pytest.mark.parametrize("name", FUSED)
+def test_a_scale_is_passed_through(name):
+    shape = (1, 2, 333, 333, 64, True)
+    _usable(name, shape, torch.bfloat16)
+    q, k, v = make_qkv(*shape[:5], torch.bfloat16, seed=5)
+    out, lse = get_template(name).launcher(q, k, v, {}, causal=True, scale=0.3, return_lse=True)
+    assert_close_to_reference(out, q, k, v, causal=True, scale=0.3, lse=lse)
+
+
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("shape", [(2, 3, 1000, 1000, 64, False), (1, 4, 1000, 1000, 128, True),
+                                   (2, 2, 77, 1000, 64, False)],
+                         ids=["full", "causal", "nq<nk"])
+@pytest.mark.parametrize("name", FUSED)
+def test_gradients_through_autograd_match_the_reference(name, shape, dtype, layout):
+    _usable(name, shape, dtype)
+    b, h, nq, nk, d, causal = shape
+    q, k, v = make_qkv(b, h, nq, nk, d, dtype, seed=1, layout=layout)
+    dout = torch.randn(b, h, nq, d, device="cuda",
+                       generator=torch.Generator(device="cuda").manual_seed(2)).to(dtype)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = get_template(name).launcher(*leaves, {}, causal=causal)
+    assert out.requires_grad
+    out.backward(dout)
+    grads = [t.grad for t in leaves]
+    assert_grads_close(grads, q, k, v, dout, causal=causal)
