@@ -3,8 +3,8 @@
 Records are plain values, detached from any database session: safe to keep, pass between
 threads and compare. The dataclasses are frozen; the ``dict`` fields (``key``, ``params``,
 ``config``, ``problem_key``, a choice's ``candidates``) are fresh copies decoded for each
-record, and callers must treat them as read-only (mutating one changes nothing in the database and surprises other holders).
-Timestamps are timezone-aware UTC ``datetime`` objects.
+record, and callers must treat them as read-only (mutating one changes nothing in the
+database and surprises other holders). Timestamps are timezone-aware UTC ``datetime`` objects.
 """
 
 from __future__ import annotations
