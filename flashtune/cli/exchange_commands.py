@@ -1,16 +1,22 @@
-"""``flashtune export`` / ``flashtune import``: tuned best configs as per-device JSON files.
+"""``flashtune export`` / ``flashtune import``: tuned best configs and op choices as
+per-device JSON files.
 
 ``export`` opens the store read-only and never creates it (a database file that does not
 exist has nothing to export: a message, exit 0). ``-o DIR`` (an existing directory, or a
 path not ending in ``.json``) writes one file per device and template, named by
-:func:`flashtune.db.exchange.config_file_name`; ``-o FILE.json`` takes exactly one.
+:func:`flashtune.db.exchange.config_file_name`, and one per device and user op for the
+tuner's op choices (which implementation serves each shape), named by
+:func:`flashtune.db.exchange.choice_file_name`; ``-o FILE.json`` takes exactly one.
+``--template`` alone exports only template files, ``--op`` alone only op choice files,
+both: both, filtered.
 
 ``--format vllm`` writes vLLM-style files instead: one per device x template x (dtype,
 head_dim, causal), each a flat JSON object from a shape key to a config (see
-:mod:`flashtune.db.exchange_vllm`).
+:mod:`flashtune.db.exchange_vllm`). That format carries per-template Triton configs only:
+op choices are never in it (the command says how many were left out).
 
-``import`` reads and validates EVERY file before it opens the database: one rejection is
-a one-line error, exit 1, and nothing is written. Then all documents go in one
+``import`` reads and validates EVERY file (template files and op choice files alike) before
+it opens the database: one rejection is a one-line error, exit 1, and nothing is written. Then all documents go in one
 transaction, and the per-file report is printed. See :mod:`flashtune.db.exchange`.
 """
 
@@ -23,7 +29,13 @@ from typing import Any
 
 import click
 
-from flashtune.cli.options import db_url, device_filter_option, fail, template_filter_option
+from flashtune.cli.options import (
+    db_url,
+    device_filter_option,
+    fail,
+    op_filter_option,
+    template_filter_option,
+)
 
 __all__ = ["FORMATS", "POLICIES", "export_command", "import_command"]
 
@@ -62,51 +74,79 @@ def _entries(n: int) -> str:
 @click.command("export")
 @device_filter_option
 @template_filter_option
+@op_filter_option("Only the op choices of this user op (with --template too: both kinds).")
 @click.option("-o", "--output", required=True, metavar="PATH",
               type=click.Path(dir_okay=True, file_okay=True, path_type=Path),
-              help="A directory (one file per device and template) or one FILE.json.")
+              help="A directory (one file per device and template, and per device and op) "
+                   "or one FILE.json.")
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="flashtune",
               show_default=True,
               help="flashtune: validated documents that `flashtune import` and "
                    "$FLASHTUNE_CONFIG_DIR read; vllm: vLLM-style files, one per device, "
-                   "template, dtype, head_dim and causal, mapping shape keys to configs.")
+                   "template, dtype, head_dim and causal, mapping shape keys to configs "
+                   "(Triton configs only: op choices are not exported).")
 @click.pass_context
 def export_command(ctx: click.Context, device: str | None, template: str | None,
-                   output: Path, fmt: str) -> None:
-    """Export best configs as per-device JSON files (database opened read-only).
+                   op: str | None, output: Path, fmt: str) -> None:
+    """Export best configs and op choices as per-device JSON files (database opened
+    read-only).
 
-    Only configs tuned for the current template sources are written (older ones would
-    never be served). -o DIR writes one file per device and template (with --format vllm:
-    per device, template, dtype, head_dim and causal); -o FILE.json needs exactly one.
+    Only configs tuned for the current template sources, and op choices whose winner was
+    decided at its current source, are written (older ones would never be served). -o DIR
+    writes one file per device and template and one per device and op (with --format vllm:
+    per device, template, dtype, head_dim and causal; the vLLM format carries Triton
+    configs only, never op choices); -o FILE.json needs exactly one.
     """
     from flashtune.core.errors import FlashtuneError
     from flashtune.db import open_store
     from flashtune.db.engine import default_db_url, missing_sqlite_file, safe_url
-    from flashtune.db.exchange import document_to_json, export_documents
+    from flashtune.db.exchange import (
+        choice_document_to_json,
+        document_to_json,
+        export_choice_documents,
+        export_documents,
+    )
     from flashtune.db.exchange_vllm import vllm_files, vllm_to_json
     from flashtune.kernel_templates import catalog
 
+    if fmt == "vllm" and op is not None:
+        raise click.UsageError("--op selects op choice files, which the vLLM format does not "
+                               "carry (Triton configs only); drop --op or use --format "
+                               "flashtune")
     single = _to_single_file(output)
     url = db_url(ctx) or default_db_url(create=False)
     missing = missing_sqlite_file(url)
     if missing is not None:
         click.echo(f"nothing to export (database {missing} does not exist yet)")
         return
+    templates = op is None or template is not None
+    ops = template is None or op is not None
     try:
+        specs = catalog()
         with open_store(url, read_only=True, create=False) as store:
-            docs = export_documents(store, specs=catalog(), device_name=device,
-                                    template_name=template)
+            docs = export_documents(store, specs=specs, device_name=device,
+                                    template_name=template) if templates else []
+            choices = export_choice_documents(store, specs=specs, device_name=device,
+                                              op=op) if ops else []
         # (file name, text, entries) per file to write
-        files = ([(d.file_name(), document_to_json(d), len(d.entries)) for d in docs]
-                 if fmt == "flashtune" else
-                 [(f.name, vllm_to_json(f), len(f.configs)) for f in vllm_files(docs)])
+        if fmt == "flashtune":
+            files = [(d.file_name(), document_to_json(d), len(d.entries)) for d in docs]
+            files += [(c.file_name(), choice_document_to_json(c), len(c.entries))
+                      for c in choices]
+            files.sort(key=lambda f: f[0])
+        else:
+            files = [(f.name, vllm_to_json(f), len(f.configs)) for f in vllm_files(docs)]
     except (FlashtuneError, ValueError) as exc:
         raise fail(exc) from exc
+    left_out = sum(len(c.entries) for c in choices) if fmt == "vllm" else 0
     if not files:
-        filters = "".join(f" {k}={v}" for k, v in (("device", device), ("template", template))
-                          if v)
-        click.echo(f"nothing to export from {safe_url(url)}: no best configs tuned for the "
-                   f"current template sources{filters and ' matching' + filters}")
+        filters = "".join(f" {k}={v}" for k, v in (("device", device), ("template", template),
+                                                    ("op", op)) if v)
+        what = ("no best configs tuned for the current template sources" if templates else
+                "no op choices decided for the current implementation sources")
+        click.echo(f"nothing to export from {safe_url(url)}: {what}"
+                   f"{filters and ' matching' + filters}")
+        _note_left_out(left_out)
         return
     if single and len(files) != 1:
         names = ", ".join(name for name, _, _ in files)
@@ -123,6 +163,13 @@ def export_command(ctx: click.Context, device: str | None, template: str | None,
             click.echo(f"wrote {path} ({_entries(n)})")
     except OSError as exc:
         raise fail(exc) from exc
+    _note_left_out(left_out)
+
+
+def _note_left_out(n: int) -> None:
+    if n:
+        click.echo(f"vLLM format carries Triton configs only; {n} op choice"
+                   f"{'' if n == 1 else 's'} not exported (use --format flashtune for them)")
 
 
 def _json_files(paths: Sequence[Path]) -> list[Path]:
@@ -155,10 +202,12 @@ def _json_files(paths: Sequence[Path]) -> list[Path]:
                    "overwrite it, or skip the imported one.")
 @click.pass_context
 def import_command(ctx: click.Context, paths: tuple[Path, ...], policy: str) -> None:
-    """Import exported config files, all or nothing.
+    """Import exported config files and op choice files, all or nothing.
 
     A directory stands for its *.json files. Every file is validated first: one bad file
-    writes nothing. Then all are written in one transaction.
+    (an op choice naming an implementation this flashtune does not know, a config outside
+    its implementation's space...) writes nothing. Then all are written in one
+    transaction.
     """
     from flashtune.core.errors import FlashtuneError
     from flashtune.db import open_store

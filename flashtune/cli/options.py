@@ -14,12 +14,13 @@ import click
 # light: no torch, triton or optuna
 from flashtune.autotune.strategies import MAX_SEED, SAMPLERS, cmaes_installed
 from flashtune.core.problem import DTYPES, SUPPORTED_HEAD_DIMS
+from flashtune.core.spec import USER_OPS
 
 __all__ = ["SAMPLERS", "DTYPE_CHOICES", "HEAD_DIMS", "MAX_SEED", "FiniteFloatRange", "TemplateChoice",
            "check_template_op",
            "check_head_dims", "cmaes_installed", "db_url", "device_filter_option", "fail",
-           "json_option", "search_options", "shape_options", "template_filter_option",
-           "template_option"]
+           "json_option", "op_filter_option", "search_options", "shape_options",
+           "template_filter_option", "template_option"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -149,6 +150,12 @@ template_filter_option = click.option(
     help="Only this template.")
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+
+
+def op_filter_option(help_text: str) -> Callable[[F], F]:
+    """``--op fwd|decode``: a user op (``flashtune.core.spec.USER_OPS``), with the
+    command's own ``help_text``."""
+    return click.option("--op", type=click.Choice(USER_OPS), default=None, help=help_text)
 
 
 def shape_options(func: F) -> F:

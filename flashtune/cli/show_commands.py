@@ -1,10 +1,17 @@
-"""``flashtune show``: list the stored best configs.
+"""``flashtune show``: list the stored best configs, or (``--op``) the op choices.
 
 The store is opened read-only and never created: a database file that does not exist yet
 prints ``no tuned configs (database ... does not exist yet)`` and exits 0, like an empty
 one. Other database errors are one-line messages with exit code 1. ``--software`` adds the
 versions each config was tuned under to the table (``--json`` always has them, as
 ``software``).
+
+``--op fwd|decode`` lists the tuner's op choices instead: per device and shape, the
+implementation (and config) that serves it, its time and throughput, and its margins:
+``1.07x over attn_fwd`` (the runner-up's time over the winner's) and the same over the
+fastest extern implementation timed beside it (``winner`` when that extern won).
+``--template`` then keeps the choices won by that implementation. Without ``--op`` the
+table of best configs ends with a line counting the op choices, when there are any.
 """
 
 from __future__ import annotations
@@ -19,11 +26,12 @@ from flashtune.cli.options import (
     device_filter_option,
     fail,
     json_option,
+    op_filter_option,
     template_filter_option,
 )
 from flashtune.cli.tune_commands import format_config, format_tflops
 
-__all__ = ["best_to_dict", "show_command"]
+__all__ = ["best_to_dict", "choice_to_dict", "show_command"]
 
 _SHAPE_ORDER = ("batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_k", "head_dim", "causal",
                 "dtype")
@@ -49,6 +57,38 @@ def best_to_dict(best: Any) -> dict[str, Any]:
     }
 
 
+def choice_to_dict(choice: Any) -> dict[str, Any]:
+    """A :class:`~flashtune.db.ChoiceRecord` as JSON-ready values (margins included)."""
+    return {
+        "device": choice.device.name,
+        "compute_capability": choice.device.compute_capability,
+        "op": choice.op,
+        "problem": dict(choice.problem_key),
+        "bucket": choice.bucket,
+        "implementation": choice.implementation,
+        "source_hash": choice.source_hash,
+        "config": dict(choice.config),
+        "median_ms": choice.median_ms,
+        "tflops": choice.tflops,
+        "runner_up": choice.runner_up,
+        "runner_up_ms": choice.runner_up_ms,
+        "margin": choice.margin,
+        "extern": choice.extern,
+        "extern_ms": choice.extern_ms,
+        "extern_margin": choice.extern_margin,
+        "candidates": [dict(c) for c in choice.candidates],
+        "decided_at": choice.decided_at.isoformat(),
+        "software": choice.software.as_dict(),  # "" where unknown
+    }
+
+
+def _margin(rival: str | None, margin: float | None, winner: str) -> str:
+    """``1.07x over attn_fwd``; ``winner`` when the rival is the winner; ``-`` for none."""
+    if rival is None or margin is None:
+        return "-"
+    return "winner" if rival == winner else f"{margin:.2f}x over {rival}"
+
+
 def _shape(key: dict[str, Any]) -> str:
     if all(k in key for k in _SHAPE_ORDER):
         causal = " causal" if key["causal"] else ""
@@ -66,8 +106,25 @@ def _render(rows: list[dict[str, Any]], software: bool = False) -> str:
              str(r["trials"]), r["tuned_at"][:19].replace("T", " "),
              *(r["software"][k] or "-" for k in (_SOFTWARE_ORDER if software else ())))
             for r in rows]
+    return _table(header, body, {4, 5, 6})
+
+
+def _render_choices(rows: list[dict[str, Any]], software: bool = False) -> str:
+    header = ("device", "op", "shape", "implementation", "config", "median ms", "TFLOP/s",
+              "vs runner-up", "vs extern", "decided_at",
+              *(_SOFTWARE_ORDER if software else ()))
+    body = [(r["device"], r["op"], _shape(r["problem"]), r["implementation"],
+             format_config(r["config"]), f"{r['median_ms']:.4f}", format_tflops(r["tflops"]),
+             _margin(r["runner_up"], r["margin"], r["implementation"]),
+             _margin(r["extern"], r["extern_margin"], r["implementation"]),
+             r["decided_at"][:19].replace("T", " "),
+             *(r["software"][k] or "-" for k in (_SOFTWARE_ORDER if software else ())))
+            for r in rows]
+    return _table(header, body, {5, 6})
+
+
+def _table(header: tuple[str, ...], body: list[tuple[str, ...]], right: set[int]) -> str:
     widths = [max(len(c) for c in col) for col in zip(header, *body)]
-    right = {4, 5, 6}
     return "\n".join("  ".join(c.rjust(w) if i in right else c.ljust(w)
                                for i, (c, w) in enumerate(zip(row, widths))).rstrip()
                      for row in [header, *body])
@@ -76,14 +133,17 @@ def _render(rows: list[dict[str, Any]], software: bool = False) -> str:
 @click.command("show")
 @device_filter_option
 @template_filter_option
+@op_filter_option("List the op choices of this user op instead: which implementation "
+                  "(and config) serves each shape, and its margins over the runner-up and "
+                  "the fastest extern implementation (--template: won by it).")
 @json_option
 @click.option("--software", is_flag=True,
               help="Also list the flashtune, torch, Triton, CUDA and driver versions each "
                    "config was tuned under ('-': unknown; --json always has them).")
 @click.pass_context
 def show_command(ctx: click.Context, device: str | None, template: str | None,
-                 as_json: bool, software: bool) -> None:
-    """List the stored best configs (database opened read-only)."""
+                 op: str | None, as_json: bool, software: bool) -> None:
+    """List the stored best configs, or an op's choices (database opened read-only)."""
     from flashtune.core.errors import StoreError
     from flashtune.db import open_store
     from flashtune.db.engine import default_db_url, missing_sqlite_file, safe_url
@@ -94,20 +154,37 @@ def show_command(ctx: click.Context, device: str | None, template: str | None,
         if as_json:
             click.echo("[]")
         else:
-            click.echo(f"no tuned configs (database {missing} does not exist yet; "
+            what = "op choices" if op else "tuned configs"
+            click.echo(f"no {what} (database {missing} does not exist yet; "
                        "run `flashtune tune` first)")
         return
     try:
         with open_store(url, read_only=True, create=False) as store:
-            rows = [best_to_dict(b) for b in
-                    store.list_best(device_name=device, template_name=template)]
+            if op is not None:
+                rows = [choice_to_dict(c) for c in store.list_choices(device_name=device, op=op)
+                        if template is None or c.implementation == template]
+                ops: dict[str, int] = {}
+            else:
+                rows = [best_to_dict(b) for b in
+                        store.list_best(device_name=device, template_name=template)]
+                ops = {}
+                if not as_json:
+                    for c in store.list_choices(device_name=device):
+                        ops[c.op] = ops.get(c.op, 0) + 1
     except StoreError as exc:
         raise fail(exc) from exc
     if as_json:
         click.echo(json.dumps(rows, indent=2))
-    elif not rows:
-        filters = "".join(f" {k}={v}" for k, v in (("device", device), ("template", template))
-                          if v)
-        click.echo(f"no tuned configs in {safe_url(url)}{filters and ' matching' + filters}")
+        return
+    filters = "".join(f" {k}={v}" for k, v in (("device", device), ("template", template),
+                                                ("op", op)) if v)
+    if not rows:
+        what = "op choices" if op else "tuned configs"
+        click.echo(f"no {what} in {safe_url(url)}{filters and ' matching' + filters}")
     else:
-        click.echo(_render(rows, software))
+        click.echo(_render_choices(rows, software) if op else _render(rows, software))
+    if ops:
+        n = sum(ops.values())
+        counts = ", ".join(f"{k}: {v}" for k, v in sorted(ops.items()))
+        click.echo(f"{n} op choice{'' if n == 1 else 's'} stored ({counts}): list them with "
+                   "`flashtune show --op OP`")

@@ -16,6 +16,7 @@ from flashtune.db.engine import default_db_url, make_engine
 from flashtune.db.jsonutil import canonical_json, config_hash
 from flashtune.db.records import (
     BestConfigRecord,
+    ChoiceRecord,
     DeviceRecord,
     ProblemRecord,
     RunRecord,
@@ -32,6 +33,7 @@ from flashtune.db.store import TuningStore
 __all__ = [
     "HEAD_REVISION",
     "BestConfigRecord",
+    "ChoiceRecord",
     "DeviceRecord",
     "ProblemRecord",
     "RunRecord",

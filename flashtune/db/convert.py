@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
 from flashtune.db.jsonutil import loads_object
-from flashtune.db.models import BestConfig, Device, Problem, Run, Template, Trial
+from flashtune.db.models import BestConfig, Choice, Device, Problem, Run, Template, Trial
 from flashtune.db.records import (
     BestConfigRecord,
+    ChoiceRecord,
     DeviceRecord,
     ProblemRecord,
     RunRecord,
@@ -53,8 +56,9 @@ def trial(row: Trial) -> TrialRecord:
         compile_s=row.compile_s, started_at=row.started_at, finished_at=row.finished_at)
 
 
-def software(row: BestConfig | Run) -> SoftwareVersions:
-    """The versions a best config was tuned under, or those a run recorded."""
+def software(row: BestConfig | Choice | Run) -> SoftwareVersions:
+    """The versions a best config was tuned under (a choice timed under), or those a run
+    recorded."""
     return SoftwareVersions(cuda=row.cuda_version or "", driver=row.driver_version or "",
                             flashtune=row.flashtune_version or "",
                             torch=row.torch_version or "", triton=row.triton_version or "")
@@ -66,3 +70,14 @@ def best(row: BestConfig, dev: Device, tpl: Template, prob: Problem) -> BestConf
         config=loads_object(row.config_json), median_ms=row.median_ms, tflops=row.tflops,
         trial_id=row.trial_id, trials_count=row.trials_count, tuned_at=row.tuned_at,
         software=software(row))
+
+
+def choice(row: Choice, dev: Device) -> ChoiceRecord:
+    candidates = json.loads(row.candidates_json or "[]")
+    return ChoiceRecord(
+        id=row.id, device=device(dev), op=row.op, problem_key=loads_object(row.key_json),
+        bucket=row.bucket, implementation=row.implementation, source_hash=row.source_hash,
+        config=loads_object(row.config_json), median_ms=row.median_ms, tflops=row.tflops,
+        runner_up=row.runner_up, runner_up_ms=row.runner_up_ms, extern=row.extern,
+        extern_ms=row.extern_ms, candidates=tuple(dict(c) for c in candidates),
+        decided_at=row.decided_at, software=software(row))

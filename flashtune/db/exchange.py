@@ -32,12 +32,21 @@ document's), and :func:`import_documents` stores it with the config.
 is checked (the checks live in :mod:`flashtune.db.exchange_checks`), and a rejection is
 one :class:`flashtune.core.errors.ImportRejected` line naming the file, what was wrong and what
 was expected. :func:`import_documents` writes every document in one transaction.
+
+**Op choice files.** The tuner's cross-implementation decisions (which implementation, and
+config, serves each shape of a user op on a device) travel in files of their own, one per
+device and op, named by :func:`choice_file_name` (``device_name=<device>,op=<op>.json``);
+their format and checks are in :mod:`flashtune.db.exchange_choices`, and
+:func:`export_choice_documents` writes them. :func:`parse_document` and
+:func:`read_document` read either kind (by the ``format`` key: ``flashtune-configs`` or
+``flashtune-choices``) and :func:`import_documents` writes both kinds in its one
+transaction. The vLLM format (:mod:`flashtune.db.exchange_vllm`) carries per-template
+Triton configs only, never op choices.
 """
 
 from __future__ import annotations
 
 import os
-import stat
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
@@ -48,24 +57,40 @@ from typing import Any
 from flashtune.core.errors import ImportRejected, UnknownTemplateError
 from flashtune.core.spec import TemplateSpec
 from flashtune.db import exchange_checks as checks
-from flashtune.db.exchange_checks import FORMAT, SCHEMA_VERSION, SOFTWARE_KEYS
+from flashtune.db import exchange_choices as choices
+from flashtune.db.exchange_checks import FORMAT, SCHEMA_VERSION, DeviceInfo
+from flashtune.db.exchange_choices import (
+    CHOICE_FORMAT,
+    ChoiceDocument,
+    ChoiceDocumentEntry,
+    choice_document_to_json,
+    choice_file_name,
+    export_choice_documents,
+)
 from flashtune.db.jsonutil import canonical_json
-from flashtune.db.records import BestConfigRecord, ImportedBest, SoftwareVersions
+from flashtune.db.records import BestConfigRecord, ImportedBest, ImportedChoice, SoftwareVersions
 from flashtune.db.store import IMPORT_OUTCOMES, IMPORT_POLICIES, TuningStore
 
 __all__ = [
+    "CHOICE_FORMAT",
     "FORMAT",
     "MAX_DEPTH",
     "MAX_ENTRIES",
     "MAX_FILE_BYTES",
     "SCHEMA_VERSION",
+    "ChoiceDocument",
+    "ChoiceDocumentEntry",
     "ConfigDocument",
     "ConfigEntry",
     "DeviceInfo",
+    "Document",
     "FileReport",
     "ImportReport",
+    "choice_document_to_json",
+    "choice_file_name",
     "config_file_name",
     "document_to_json",
+    "export_choice_documents",
     "export_documents",
     "import_documents",
     "parse_document",
@@ -130,22 +155,6 @@ def vllm_config_file_name(device_name: str, template: str, *, dtype: str, head_d
 
 
 @dataclass(frozen=True)
-class DeviceInfo:
-    """The hardware key of the device a document's configs were tuned on."""
-
-    name: str
-    compute_capability: str
-    sm_count: int
-    shared_mem_per_block: int
-    total_memory: int
-
-    def hardware_key(self) -> tuple[str, str, int, int, int]:
-        """Same fields, same order as ``DeviceFingerprint.hardware_key()``."""
-        return (self.name, self.compute_capability, self.sm_count,
-                self.shared_mem_per_block, self.total_memory)
-
-
-@dataclass(frozen=True)
 class ConfigEntry:
     """One tuned problem: its key, bucket, validated config, timings and the software it
     was tuned under (None: the document's; a parsed entry always has its own)."""
@@ -177,6 +186,10 @@ class ConfigDocument:
         return config_file_name(self.device.name, self.template)
 
 
+# a document of either kind: a template's best configs, or an op's choices
+Document = ConfigDocument | ChoiceDocument
+
+
 # -- writing and reading --------------------------------------------------------------------
 
 def document_to_json(doc: ConfigDocument) -> str:
@@ -192,13 +205,13 @@ def document_to_json(doc: ConfigDocument) -> str:
     Raises:
         ValueError for NaN, a naive timestamp or unknown ``software`` keys.
     """
-    software = _software_block(doc.software)
+    software = checks.software_block(doc.software)
     entries = []
     for e in sorted(doc.entries, key=lambda e: canonical_json(e.problem)):
         entry = {"problem": dict(e.problem), "bucket": e.bucket, "config": dict(e.config),
                  "median_ms": e.median_ms, "tflops": e.tflops, "trials": e.trials,
-                 "tuned_at": _iso(e.tuned_at)}
-        own = software if e.software is None else _software_block(e.software)
+                 "tuned_at": checks.iso(e.tuned_at)}
+        own = software if e.software is None else checks.software_block(e.software)
         if own != software:
             entry[checks.ENTRY_SOFTWARE] = own
         entries.append(entry)
@@ -208,22 +221,14 @@ def document_to_json(doc: ConfigDocument) -> str:
         "device": {f.name: getattr(doc.device, f.name) for f in fields(DeviceInfo)},
         "software": software,
         "template": {"name": doc.template, "source_hash": doc.source_hash},
-        "exported_at": _iso(doc.exported_at),
+        "exported_at": checks.iso(doc.exported_at),
         "entries": entries,
     }
     return checks.dumps(data)
 
 
-def _software_block(software: Mapping[str, str]) -> dict[str, str]:
-    """``software`` with every key of ``SOFTWARE_KEYS`` (missing ones empty)."""
-    unknown = sorted(set(software) - set(SOFTWARE_KEYS))
-    if unknown:
-        raise ValueError(f"unknown software keys {unknown}; expected some of {SOFTWARE_KEYS}")
-    return {k: str(software.get(k, "")) for k in SOFTWARE_KEYS}
-
-
 def parse_document(data: str | bytes, *, specs: Mapping[str, TemplateSpec],
-                   origin: str = "<input>") -> ConfigDocument:
+                   origin: str = "<input>") -> Document:
     """Validate ``data`` (a whole file) strictly and return its document.
 
     Arguments:
@@ -232,51 +237,43 @@ def parse_document(data: str | bytes, *, specs: Mapping[str, TemplateSpec],
             (:func:`flashtune.kernel_templates.catalog`): their spaces validate the configs.
         origin: what to call the input in messages (a path, a URL).
     Returns:
-        The :class:`ConfigDocument`; configs come back validated by the template's space,
-        optional knobs filled in, and every entry with its software (its own block, or
-        a copy of the document's).
+        The :class:`ConfigDocument` of a per-template file (``"format":
+        "flashtune-configs"``): configs validated by the template's space, optional knobs
+        filled in, every entry with its software (its own block, or a copy of the
+        document's). The :class:`ChoiceDocument` of an op choice file (``"format":
+        "flashtune-choices"``; see :mod:`flashtune.db.exchange_choices`).
     Raises:
         ImportRejected with one line ``"<origin>: <what is wrong>; expected <what>"`` for
         anything but a well-formed ``schema_version`` 1 or 2 document of a registered
-        template (see the module docstring and :mod:`flashtune.db.exchange_checks`).
+        template, or a well-formed op choice document of registered implementations (see
+        the module docstring and :mod:`flashtune.db.exchange_checks`).
     """
     try:
-        return _document(checks.load(data, max_bytes=MAX_FILE_BYTES, max_depth=MAX_DEPTH),
-                         specs)
+        obj = checks.load(data, max_bytes=MAX_FILE_BYTES, max_depth=MAX_DEPTH)
+        if isinstance(obj, dict) and obj.get("format") == CHOICE_FORMAT:
+            return choices.parse_choice_object(obj, specs)
+        return _document(obj, specs)
     except checks.Bad as exc:
         raise ImportRejected(f"{checks.printable(origin)}: {exc}") from None
 
 
 def read_document(path: str | os.PathLike[str], *,
-                  specs: Mapping[str, TemplateSpec]) -> ConfigDocument:
+                  specs: Mapping[str, TemplateSpec]) -> Document:
     """:func:`parse_document` of the file at ``path`` (the origin in messages).
 
     Arguments:
-        path: a JSON file written by :func:`document_to_json` (``flashtune export``).
+        path: a JSON file written by :func:`document_to_json` or
+            :func:`choice_document_to_json` (``flashtune export``).
         specs: as for :func:`parse_document`.
     Returns:
-        Its :class:`ConfigDocument`.
+        Its :class:`ConfigDocument` or :class:`ChoiceDocument`.
     Raises:
         ImportRejected as :func:`parse_document` does, and also for a file over
         ``MAX_FILE_BYTES`` or not a regular file (refused before it is read) and for an
         unreadable one.
     """
-    origin = os.fspath(path)
-    shown = checks.printable(origin)
-    limit = MAX_FILE_BYTES
-    try:
-        info = os.stat(path)
-        if not stat.S_ISREG(info.st_mode):
-            raise ImportRejected(f"{shown}: is not a regular file; expected a JSON file")
-        if info.st_size > limit:
-            raise ImportRejected(f"{shown}: is {info.st_size} bytes; expected at most "
-                                 f"{limit} bytes (MAX_FILE_BYTES)")
-        with open(path, "rb") as f:
-            data = f.read(limit + 1)
-    except OSError as exc:
-        raise ImportRejected(f"{shown}: cannot be read ({exc.strerror or exc}); expected a "
-                             "readable JSON file") from None
-    return parse_document(data, specs=specs, origin=origin)
+    data = checks.read_file(path, MAX_FILE_BYTES)
+    return parse_document(data, specs=specs, origin=os.fspath(path))
 
 
 def _document(obj: Any, specs: Mapping[str, TemplateSpec]) -> ConfigDocument:
@@ -298,12 +295,6 @@ def _document(obj: Any, specs: Mapping[str, TemplateSpec]) -> ConfigDocument:
         seen.add(key)
         entries.append(ConfigEntry(**values))
     return ConfigDocument(device, software, template, source_hash, tuple(entries), exported_at)
-
-
-def _iso(when: datetime) -> str:
-    if not isinstance(when, datetime) or when.tzinfo is None:
-        raise ValueError(f"expected a timezone-aware datetime, got {when!r}")
-    return when.astimezone(timezone.utc).isoformat()
 
 
 # -- export ---------------------------------------------------------------------------------
@@ -352,13 +343,7 @@ def _export_group(store: TuningStore, records: list[BestConfigRecord],
                   specs: Mapping[str, TemplateSpec]) -> ConfigDocument:
     """The document of one device name (rows that differ only in total memory, which moves
     by a few MiB between drivers, are merged: the fastest entry per problem wins)."""
-    devices = {r.device.id: r.device for r in records}
-    if len({d.hardware_key()[:4] for d in devices.values()}) > 1:
-        keys = ", ".join(str(d.hardware_key()) for d in devices.values())
-        raise ValueError(f"device name {records[0].device.name!r} has several hardware keys "
-                         f"in {store.url} ({keys}); expected one per name, since one file "
-                         "holds one device: export with --device from separate databases")
-    device = devices[max(devices)]  # the most recently added row
+    device = checks.one_device([r.device for r in records], store.url)
     fastest: dict[str, BestConfigRecord] = {}
     for r in records:
         held = fastest.get(r.problem.key_json)
@@ -376,24 +361,35 @@ def _export_group(store: TuningStore, records: list[BestConfigRecord],
                                   software=r.software.as_dict())
                       for r in fastest.values()),
         exported_at=datetime.now(timezone.utc))
-    return parse_document(document_to_json(raw), specs=specs,
-                          origin=f"export of {raw.file_name()}")
+    origin = f"export of {raw.file_name()}"
+    try:
+        return _document(checks.load(document_to_json(raw), max_bytes=MAX_FILE_BYTES,
+                                     max_depth=MAX_DEPTH), specs)
+    except checks.Bad as exc:
+        raise ImportRejected(f"{origin}: {exc}") from None
 
 
 # -- import ---------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class FileReport:
-    """What the import did with one document's entries."""
+    """What the import did with one document's entries; ``op`` is set (and ``template``
+    empty) for an op choice file."""
 
     origin: str
     device: str
     template: str
     added: int = 0
     replaced: int = 0
-    kept: int = 0  # keep-faster: the stored config was as fast or faster
-    skipped: int = 0  # skip policy: the problem already had a best config
-    stale: int = 0  # tuned for another source_hash of the template: not imported
+    kept: int = 0  # keep-faster: the stored config (choice) was as fast or faster
+    skipped: int = 0  # skip policy: the problem already had a best config (choice)
+    stale: int = 0  # tuned (decided) for another source_hash: not imported
+    op: str | None = None
+
+    @property
+    def what(self) -> str:
+        """``"attn_fwd"``, or ``"op fwd"`` for an op choice file."""
+        return self.template if self.op is None else f"op {self.op}"
 
 
 @dataclass(frozen=True)
@@ -411,14 +407,17 @@ class ImportReport:
 
     def lines(self) -> list[str]:
         """One line per file and a total line, for printing."""
-        out = [f"{checks.printable(f.origin)}: {f.device} {f.template}: "
+        out = [f"{checks.printable(f.origin)}: {f.device} {f.what}: "
                f"{_tally(partial(getattr, f))}" for f in self.files]
         n = len(self.files)
         out.append(f"imported {n} file{'' if n == 1 else 's'} (policy {self.policy}): "
                    f"{_tally(self.total)}")
-        if self.total("stale"):
+        if any(f.stale for f in self.files if f.op is None):
             out.append("stale entries were tuned for another version of their template's "
                        "source and were not imported")
+        if any(f.stale for f in self.files if f.op is not None):
+            out.append("stale op choices were decided for another version of their "
+                       "implementation's source and were not imported")
         return out
 
 
@@ -426,62 +425,81 @@ def _tally(count: Callable[[str], Any]) -> str:
     return ", ".join(f"{count(c)} {c}" for c in _COUNTS)
 
 
-def import_documents(store: TuningStore, docs: Sequence[tuple[str, ConfigDocument]], *,
+def import_documents(store: TuningStore, docs: Sequence[tuple[str, Document]], *,
                      specs: Mapping[str, TemplateSpec],
                      policy: str = "keep-faster") -> ImportReport:
     """Write the entries of ``docs`` (``(origin, document)`` pairs) under ``policy``, ALL in
-    one transaction (:meth:`TuningStore.import_best`): all or nothing.
+    one transaction (:meth:`TuningStore.import_entries`): all or nothing.
 
-    ``"keep-faster"`` replaces a stored best config only with a strictly faster one (so
-    merging several machines' exports keeps the fastest), ``"overwrite"`` always replaces,
-    ``"skip"`` never does. Entries whose document was tuned for another ``source_hash``
-    than the registered template's are counted as stale and not written. Entries of
-    several documents for one problem are applied in order. A written entry keeps its
-    software (its own, or its document's).
+    ``"keep-faster"`` replaces a stored best config (op choice) only with a strictly faster
+    one (so merging several machines' exports keeps the fastest), ``"overwrite"`` always
+    replaces, ``"skip"`` never does. Entries whose document was tuned for another
+    ``source_hash`` than the registered template's are counted as stale and not written;
+    so are op choices whose winner was decided at another source hash than its current
+    one. Entries of several documents for one problem are applied in order. A written
+    entry keeps its software (its own, or its document's).
 
     Arguments:
         store: the tuning database to write.
-        docs: ``(origin, document)`` pairs (origin: what the report calls each file).
-        specs: the registered templates, name -> spec: a document whose ``source_hash``
-            is not its template's current one is stale.
+        docs: ``(origin, document)`` pairs (origin: what the report calls each file);
+            per-template documents and op choice documents, in any mix.
+        specs: the registered implementations, name -> spec: a document whose
+            ``source_hash`` is not its template's current one is stale.
         policy: ``"keep-faster"``, ``"overwrite"`` or ``"skip"``.
     Returns:
         The :class:`ImportReport`: per file, how many entries were added, replaced, kept,
         skipped or stale.
     Raises:
         ValueError for an unknown ``policy``; UnknownTemplateError for a document of an
-        unregistered template; ImportRejected for a document whose device name the store
-        (or another document) holds with other hardware; StoreError when the transaction
+        unregistered template, or an op choice document naming an unregistered
+        implementation; ImportRejected for a document whose device name the store (or
+        another document) holds with other hardware; StoreError when the transaction
         fails. Nothing is written on any of them.
     """
     if policy not in IMPORT_POLICIES:
         raise ValueError(f"unknown import policy {policy!r}; expected one of "
                          f"{', '.join(IMPORT_POLICIES)}")
-    unknown = sorted({doc.template for _, doc in docs} - set(specs))
+    named = {doc.template for _, doc in docs if isinstance(doc, ConfigDocument)} | \
+        {n for _, doc in docs if isinstance(doc, ChoiceDocument) for n in doc.implementations}
+    unknown = sorted(named - set(specs))
     if unknown:
-        raise UnknownTemplateError(f"unknown template {unknown[0]!r}; known templates: "
+        kind = "template" if any(isinstance(d, ConfigDocument) and d.template == unknown[0]
+                                 for _, d in docs) else "implementation"
+        raise UnknownTemplateError(f"unknown {kind} {unknown[0]!r}; known {kind}s: "
                                    f"{', '.join(sorted(specs)) or 'none'}")
-    batch: list[ImportedBest] = []
-    spans: list[tuple[str, ConfigDocument, int, int, bool]] = []
+    hashes = {n: s.source_hash for n, s in specs.items()}
+    bests: list[ImportedBest] = []
+    picked: list[ImportedChoice] = []
+    # per document: where its written entries lie in its batch, and how many are stale
+    spans: list[tuple[str, Document, int, int, int]] = []
     for origin, doc in docs:
+        if isinstance(doc, ChoiceDocument):
+            current, stale = choices.imported_choices(doc, hashes)
+            start = len(picked)
+            picked.extend(current)
+            spans.append((origin, doc, start, len(picked), stale))
+            continue
         fresh = doc.source_hash == specs[doc.template].source_hash
-        start = len(batch)
+        start = len(bests)
         if fresh:
-            batch.extend(_imported(doc, e) for e in doc.entries)
-        spans.append((origin, doc, start, len(batch), fresh))
+            bests.extend(_imported(doc, e) for e in doc.entries)
+        spans.append((origin, doc, start, len(bests), 0 if fresh else len(doc.entries)))
     _check_one_device_per_name(store, [(o, d) for o, d, a, b, _ in spans if b > a])
-    outcomes = store.import_best(batch, policy=policy)
+    best_outcomes, choice_outcomes = store.import_entries(bests, picked, policy=policy)
     files = []
-    for origin, doc, start, end, fresh in spans:
-        tally = Counter(outcomes[start:end])
-        files.append(FileReport(origin, doc.device.name, doc.template,
-                                stale=0 if fresh else len(doc.entries),
-                                **{c: tally[c] for c in IMPORT_OUTCOMES}))
+    for origin, doc, start, end, stale in spans:
+        choice = isinstance(doc, ChoiceDocument)
+        tally = Counter((choice_outcomes if choice else best_outcomes)[start:end])
+        files.append(FileReport(
+            origin, doc.device.name, "" if isinstance(doc, ChoiceDocument) else doc.template,
+            added=tally["added"], replaced=tally["replaced"], kept=tally["kept"],
+            skipped=tally["skipped"], stale=stale,
+            op=doc.op if isinstance(doc, ChoiceDocument) else None))
     return ImportReport(policy, tuple(files))
 
 
 def _check_one_device_per_name(store: TuningStore,
-                               docs: Sequence[tuple[str, ConfigDocument]]) -> None:
+                               docs: Sequence[tuple[str, Document]]) -> None:
     """Refuse documents that would give one device name several hardware keys (compute
     capability, SM count, shared memory; total memory may differ) in ``store``: the
     dispatcher and export both take a name for one GPU, and export could no longer write

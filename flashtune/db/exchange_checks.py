@@ -1,4 +1,6 @@
-"""The validation half of :mod:`flashtune.db.exchange`: strict JSON loading and field checks.
+"""The validation half of :mod:`flashtune.db.exchange`: strict JSON loading and field checks,
+and what both kinds of exchanged files share (the device block, software blocks, times,
+configs, problem keys, reading a file safely).
 
 Every check raises :class:`Bad` with ``"<where> <what is wrong>; expected <what>"``, one
 line (values are shown with ``repr``, clipped); ``exchange.parse_document`` prefixes the
@@ -11,20 +13,25 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
-from collections.abc import Callable, Mapping
+import stat
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from itertools import accumulate
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from flashtune._version import __version__
+from flashtune.core.errors import ImportRejected
 from flashtune.core.problem import AttentionProblem
 from flashtune.core.spec import TemplateSpec
 
 __all__ = ["ENTRY_SOFTWARE", "FORMAT", "NAME_RULE", "SCHEMA_VERSION", "SOFTWARE_KEYS", "Bad",
-           "device", "dumps", "entry", "entry_list", "fields", "header", "integer", "is_name",
-           "kind", "load", "number", "printable", "show", "software", "string", "template",
-           "timestamp"]
+           "DeviceInfo", "config", "device", "dumps", "entry", "entry_list", "fields",
+           "header", "integer", "is_name", "iso", "kind", "load", "number", "one_device",
+           "printable", "problem", "read_file", "show", "software", "software_block",
+           "string", "template", "timestamp"]
 
 FORMAT = "flashtune-configs"
 SCHEMA_VERSION = 2  # the newest this code reads; it writes 1 where 1 can hold a document
@@ -55,6 +62,22 @@ _MAX_INT_DIGITS = 100  # far past any valid field; int() of more is slow
 
 class Bad(Exception):
     """One validation failure (the message, without the origin)."""
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """The hardware key of the device a document's configs were tuned on."""
+
+    name: str
+    compute_capability: str
+    sm_count: int
+    shared_mem_per_block: int
+    total_memory: int
+
+    def hardware_key(self) -> tuple[str, str, int, int, int]:
+        """Same fields, same order as ``DeviceFingerprint.hardware_key()``."""
+        return (self.name, self.compute_capability, self.sm_count,
+                self.shared_mem_per_block, self.total_memory)
 
 
 def printable(text: object) -> str:
@@ -92,6 +115,69 @@ def is_name(text: object) -> bool:
 
 def dumps(data: Any) -> str:
     return json.dumps(data, sort_keys=True, indent=1, allow_nan=False) + "\n"
+
+
+def iso(when: datetime) -> str:
+    """An aware datetime as ISO 8601 text in UTC; ``ValueError`` for a naive one."""
+    if not isinstance(when, datetime) or when.tzinfo is None:
+        raise ValueError(f"expected a timezone-aware datetime, got {when!r}")
+    return when.astimezone(timezone.utc).isoformat()
+
+
+def software_block(versions: Mapping[str, str]) -> dict[str, str]:
+    """``versions`` with every key of ``SOFTWARE_KEYS`` (missing ones empty); ``ValueError``
+    for an unknown key."""
+    unknown = sorted(set(versions) - set(SOFTWARE_KEYS))
+    if unknown:
+        raise ValueError(f"unknown software keys {unknown}; expected some of {SOFTWARE_KEYS}")
+    return {k: str(versions.get(k, "")) for k in SOFTWARE_KEYS}
+
+
+class _Device(Protocol):
+    """What :func:`one_device` reads of a device (a ``DeviceRecord``)."""
+
+    @property
+    def id(self) -> int: ...
+
+    @property
+    def name(self) -> str: ...
+
+    def hardware_key(self) -> tuple[str, str, int, int, int]: ...
+
+
+D = TypeVar("D", bound=_Device)
+
+
+def one_device(devices: Sequence[D], url: str) -> D:
+    """The device an exported file of one device name describes: of store rows that share
+    that name and differ only in total memory (which moves by a few MiB between drivers),
+    the most recently added; ``ValueError`` when they differ in more (one file holds one
+    device)."""
+    rows = {d.id: d for d in devices}
+    if len({d.hardware_key()[:4] for d in rows.values()}) > 1:
+        keys = ", ".join(str(d.hardware_key()) for d in rows.values())
+        raise ValueError(f"device name {devices[0].name!r} has several hardware keys "
+                         f"in {url} ({keys}); expected one per name, since one file "
+                         "holds one device: export with --device from separate databases")
+    return rows[max(rows)]
+
+
+def read_file(path: str | os.PathLike[str], limit: int) -> bytes:
+    """The bytes of the file at ``path``, refusing one that is not a regular file or is
+    over ``limit`` bytes before reading it: ``ImportRejected`` naming the path."""
+    shown = printable(os.fspath(path))
+    try:
+        info = os.stat(path)
+        if not stat.S_ISREG(info.st_mode):
+            raise ImportRejected(f"{shown}: is not a regular file; expected a JSON file")
+        if info.st_size > limit:
+            raise ImportRejected(f"{shown}: is {info.st_size} bytes; expected at most "
+                                 f"{limit} bytes (MAX_FILE_BYTES)")
+        with open(path, "rb") as f:
+            return f.read(limit + 1)
+    except OSError as exc:
+        raise ImportRejected(f"{shown}: cannot be read ({exc.strerror or exc}); expected a "
+                             "readable JSON file") from None
 
 
 # -- loading --------------------------------------------------------------------------------
@@ -301,40 +387,21 @@ def entry(value: Any, where: str, spec: TemplateSpec, problem_type: type[Attenti
           version: int = SCHEMA_VERSION) -> dict[str, Any]:
     """The ``ConfigEntry`` fields of one entry of a ``version`` document; the config
     validated by ``spec.space``; ``software`` only when the entry has its own."""
-    from flashtune.core.errors import ConfigError
-
     if version < 2 and isinstance(value, dict) and ENTRY_SOFTWARE in value:
         raise Bad(f"{where} has the key {ENTRY_SOFTWARE!r}, which schema_version {version} "
                   "does not allow; expected schema_version 2 for an entry's own software")
     e = fields(value, where, ENTRY_KEYS, (ENTRY_SOFTWARE,) if version >= 2 else ())
-    problem = _problem(e["problem"], f"{where}.problem", problem_type)
+    key = problem(e["problem"], f"{where}.problem", problem_type)
     bucket = string(e["bucket"], f"{where}.bucket")
-    if bucket != problem.bucket():
-        raise Bad(f"{where}.bucket is {show(bucket)}; expected {problem.bucket()!r} (the "
+    if bucket != key.bucket():
+        raise Bad(f"{where}.bucket is {show(bucket)}; expected {key.bucket()!r} (the "
                   "problem's bucket)")
-    config = e["config"]
-    params = tuple(spec.space.params)
-    if not isinstance(config, dict):
-        raise Bad(f"{where}.config is {kind(config)}; expected an object with the keys "
-                  f"{', '.join(params)}")
-    unknown = [k for k in config if k not in params]
-    if unknown:
-        raise Bad(f"{where}.config has the unknown key {show(unknown[0])}; expected keys "
-                  f"among {', '.join(params)}")
-    for name, v in config.items():
-        allowed = spec.space.params[name]
-        if isinstance(v, bool) or not isinstance(v, int) or v not in allowed:
-            raise Bad(f"{where}.config.{name} is {kind(v)}, outside the search space; "
-                      f"expected one of {', '.join(map(str, allowed))}")
-    try:
-        config = spec.space.validate(config, argname=f"{where}.config")
-    except ConfigError as exc:
-        raise Bad(str(exc)) from None
     tflops = e["tflops"]
     own = {} if ENTRY_SOFTWARE not in e else \
         {"software": software(e[ENTRY_SOFTWARE], f"{where}.{ENTRY_SOFTWARE}")}
     return dict(
-        **own, problem=problem.key(), bucket=bucket, config=config,
+        **own, problem=key.key(), bucket=bucket,
+        config=config(e["config"], f"{where}.config", spec),
         median_ms=number(e["median_ms"], f"{where}.median_ms", lambda v: 0 < v < 1e7,
                          "a finite number of milliseconds > 0 and < 1e7"),
         tflops=None if tflops is None else number(
@@ -344,7 +411,36 @@ def entry(value: Any, where: str, spec: TemplateSpec, problem_type: type[Attenti
         tuned_at=timestamp(e["tuned_at"], f"{where}.tuned_at"))
 
 
-def _problem(value: Any, where: str, problem_type: type[AttentionProblem]) -> AttentionProblem:
+def config(value: Any, where: str, spec: TemplateSpec) -> dict[str, int]:
+    """The config at ``where``, checked against ``spec.space`` (every key a parameter,
+    every value an allowed int) and returned as ``space.validate`` gives it (optional
+    knobs filled in); an extern implementation's empty space takes only ``{}``."""
+    from flashtune.core.errors import ConfigError
+
+    params = tuple(spec.space.params)
+    expected = f"the keys {', '.join(params)}" if params else "no keys (an empty space)"
+    if not isinstance(value, dict):
+        raise Bad(f"{where} is {kind(value)}; expected an object with {expected}")
+    unknown = [k for k in value if k not in params]
+    if unknown:
+        raise Bad(f"{where} has the unknown key {show(unknown[0])}; expected "
+                  + (f"keys among {', '.join(params)}" if params else
+                     f"{{}}: {spec.name} has no parameters"))
+    for name, v in value.items():
+        allowed = spec.space.params[name]
+        if isinstance(v, bool) or not isinstance(v, int) or v not in allowed:
+            raise Bad(f"{where}.{name} is {kind(v)}, outside the search space; "
+                      f"expected one of {', '.join(map(str, allowed))}")
+    try:
+        return spec.space.validate(value, argname=where)
+    except ConfigError as exc:
+        raise Bad(str(exc)) from None
+
+
+def problem(value: Any, where: str,
+            problem_type: type[AttentionProblem] = AttentionProblem) -> AttentionProblem:
+    """The problem whose key is at ``where``: exactly ``problem_type``'s fields, each of
+    its declared type, and a valid problem."""
     names = tuple(problem_type.__dataclass_fields__)
     p = fields(value, where, names)
     for name, f in problem_type.__dataclass_fields__.items():

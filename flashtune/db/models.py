@@ -28,9 +28,11 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-__all__ = ["Base", "BestConfig", "Device", "Problem", "Run", "Template", "Trial", "utcnow"]
+__all__ = ["Base", "BestConfig", "Choice", "Device", "Problem", "Run", "Template", "Trial",
+           "utcnow"]
 
 VERSION_LENGTH = 200  # a best config's version strings: as long as a config file's may be
+OP_LENGTH = 16  # a user op's name (flashtune.core.spec.USER_OPS: "fwd", "decode")
 
 
 def utcnow() -> datetime:
@@ -178,6 +180,50 @@ class BestConfig(Base):
     trials_count: Mapped[int] = mapped_column(Integer, default=0)
     tuned_at: Mapped[datetime]
     # the software it was tuned under (its trial's run's, or an imported file's); since 0004
+    flashtune_version: Mapped[str] = mapped_column(String(VERSION_LENGTH), default="",
+                                                   server_default="")
+    torch_version: Mapped[str] = mapped_column(String(VERSION_LENGTH), default="",
+                                               server_default="")
+    triton_version: Mapped[str] = mapped_column(String(VERSION_LENGTH), default="",
+                                                server_default="")
+    cuda_version: Mapped[str] = mapped_column(String(VERSION_LENGTH), default="",
+                                              server_default="")
+    driver_version: Mapped[str] = mapped_column(String(VERSION_LENGTH), default="",
+                                                server_default="")
+
+
+class Choice(Base):
+    """The tuner's cross-implementation decision for one user op and problem on one device:
+    which implementation (and config) won, by how much, and what else was timed; since 0005.
+
+    Implementations are named, not joined to ``ft_templates``: an extern implementation
+    (torch SDPA's backends) has no trials of its own, and a decision outlives the rows of
+    the studies that led to it. ``source_hash`` is the winner's when it was decided.
+    """
+
+    __tablename__ = "ft_choices"
+    __table_args__ = (
+        UniqueConstraint("device_id", "op", "key_json", name="uq_ft_choices_device_op_key"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    device_id: Mapped[int] = mapped_column(ForeignKey("ft_devices.id"))
+    op: Mapped[str] = mapped_column(String(OP_LENGTH))
+    key_json: Mapped[str] = mapped_column(Text)  # canonical JSON of the problem key
+    bucket: Mapped[str] = mapped_column(String(200), index=True)
+    implementation: Mapped[str] = mapped_column(String(200))
+    source_hash: Mapped[str] = mapped_column(String(64))
+    config_json: Mapped[str] = mapped_column(Text)
+    median_ms: Mapped[float] = mapped_column(Float)
+    tflops: Mapped[float | None] = mapped_column(Float)
+    runner_up: Mapped[str | None] = mapped_column(String(200))
+    runner_up_ms: Mapped[float | None] = mapped_column(Float)
+    # the fastest extern implementation timed beside the winner (may be the winner)
+    extern: Mapped[str | None] = mapped_column(String(200))
+    extern_ms: Mapped[float | None] = mapped_column(Float)
+    # canonical JSON list of {implementation, config, median_ms}: everything timed
+    candidates_json: Mapped[str] = mapped_column(Text, default="[]", server_default="[]")
+    decided_at: Mapped[datetime]
     flashtune_version: Mapped[str] = mapped_column(String(VERSION_LENGTH), default="",
                                                    server_default="")
     torch_version: Mapped[str] = mapped_column(String(VERSION_LENGTH), default="",

@@ -2,9 +2,9 @@
 
 Records are plain values, detached from any database session: safe to keep, pass between
 threads and compare. The dataclasses are frozen; the ``dict`` fields (``key``, ``params``,
-``config``) are fresh copies decoded for each record, and callers must treat them as
-read-only (mutating one changes nothing in the database and surprises other holders).
-Timestamps are timezone-aware UTC ``datetime`` objects.
+``config``, ``problem_key``, a choice's ``candidates``) are fresh copies decoded for each
+record, and callers must treat them as read-only (mutating one changes nothing in the
+database and surprises other holders). Timestamps are timezone-aware UTC ``datetime`` objects.
 """
 
 from __future__ import annotations
@@ -17,8 +17,10 @@ from typing import Any
 
 __all__ = [
     "BestConfigRecord",
+    "ChoiceRecord",
     "DeviceRecord",
     "ImportedBest",
+    "ImportedChoice",
     "ProblemRecord",
     "RunRecord",
     "RunStatus",
@@ -218,6 +220,91 @@ class ImportedBest:
     trials_count: int
     tuned_at: datetime  # timezone-aware
     software: SoftwareVersions = SoftwareVersions()  # what the entry was tuned under
+
+    def hardware_key(self) -> tuple[str, str, int, int, int]:
+        return (self.device_name, self.compute_capability, self.sm_count,
+                self.shared_mem_per_block, self.total_memory)
+
+
+@dataclass(frozen=True)
+class ChoiceRecord:
+    """The tuner's decision for one user op and problem on one device: which implementation
+    (and config) won when the leaders of every implementation were timed side by side, and
+    by how much.
+
+    Attributes:
+        op: the user op (``flashtune.core.spec.USER_OPS``: ``"fwd"``, ``"decode"``).
+        problem_key: the problem's key (``AttentionProblem.key()``).
+        bucket: the problem's bucket.
+        implementation: the winner (a registered implementation's name).
+        source_hash: the winner's source hash when it was decided.
+        config: the winner's config (``{}`` for an extern implementation).
+        median_ms, tflops: the winner's time and throughput in the decision.
+        runner_up, runner_up_ms: the fastest other implementation and its time, or None.
+        extern, extern_ms: the fastest extern implementation timed beside the winner (may
+            be the winner itself) and its time, or None when none was timed.
+        candidates: everything timed in the decision, ``{"implementation", "config",
+            "median_ms"}`` each.
+        decided_at: when it was decided (or, for an imported one, when the file says).
+        software: what it was timed under.
+    """
+
+    id: int
+    device: DeviceRecord
+    op: str
+    problem_key: dict[str, Any]
+    bucket: str
+    implementation: str
+    source_hash: str
+    config: dict[str, Any]
+    median_ms: float
+    tflops: float | None
+    runner_up: str | None
+    runner_up_ms: float | None
+    extern: str | None
+    extern_ms: float | None
+    candidates: tuple[dict[str, Any], ...]
+    decided_at: datetime
+    software: SoftwareVersions
+
+    @property
+    def margin(self) -> float | None:
+        """How many times slower the runner-up was (``runner_up_ms / median_ms``), or None."""
+        return None if self.runner_up_ms is None else self.runner_up_ms / self.median_ms
+
+    @property
+    def extern_margin(self) -> float | None:
+        """How many times slower the best extern implementation was (``extern_ms /
+        median_ms``; 1.0 when the winner is that extern), or None."""
+        return None if self.extern_ms is None else self.extern_ms / self.median_ms
+
+
+@dataclass(frozen=True)
+class ImportedChoice:
+    """An op choice read from an exported file, to be written by
+    ``TuningStore.import_choices``: its device by the hardware key fields (found or
+    created), the decision by value. Files carry no candidates: ``candidates`` is empty
+    unless the caller knows them."""
+
+    device_name: str
+    compute_capability: str
+    sm_count: int
+    shared_mem_per_block: int
+    total_memory: int
+    op: str
+    problem_key: dict[str, Any]
+    implementation: str
+    source_hash: str
+    config: dict[str, Any]
+    median_ms: float
+    tflops: float | None
+    decided_at: datetime  # timezone-aware
+    runner_up: str | None = None
+    runner_up_ms: float | None = None
+    extern: str | None = None
+    extern_ms: float | None = None
+    candidates: tuple[dict[str, Any], ...] = ()
+    software: SoftwareVersions = SoftwareVersions()
 
     def hardware_key(self) -> tuple[str, str, int, int, int]:
         return (self.device_name, self.compute_capability, self.sm_count,

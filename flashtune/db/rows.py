@@ -7,27 +7,45 @@ Each function taking a session works inside a transaction the caller already hol
 ``offer_best`` and ``import_best`` share :func:`best_values` and :func:`software_values`
 (checks, before anything is written) and :func:`put_best` (the compare-and-set on the
 locked best-config row); ``offer_best`` takes the software of its trial's run from
-:func:`trial_software`.
+:func:`trial_software`. Op choices have the same pair: :func:`choice_values` checks a
+decision before anything is written, :func:`put_choice` writes it under a policy
+(``put_choice`` of the store overwrites, ``import_choices`` takes the caller's).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
 from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from flashtune.core.errors import InputError
+from flashtune.core.problem import AttentionProblem
+from flashtune.core.spec import USER_OPS
 from flashtune.db import convert
 from flashtune.db.jsonutil import canonical_json
-from flashtune.db.models import VERSION_LENGTH, BestConfig, Device, Problem, Run, Template, Trial
+from flashtune.db.models import (
+    VERSION_LENGTH,
+    BestConfig,
+    Choice,
+    Device,
+    Problem,
+    Run,
+    Template,
+    Trial,
+)
 from flashtune.db.records import SoftwareVersions
 
 __all__ = ["add_device", "add_problem", "add_template", "aware_utc", "best_row", "best_values",
-           "device_row", "find_device", "find_problem", "find_template", "problem_row",
-           "put_best", "software_values", "template_row", "trial_software"]
+           "check_op", "choice_row", "choice_values", "device_row", "find_device",
+           "find_problem", "find_template", "problem_row", "put_best", "put_choice",
+           "software_values", "template_row", "trial_software"]
+
+NAME_LENGTH = 200  # an implementation's name, as ft_choices keeps it
+HASH_LENGTH = 64  # a source hash, as ft_choices keeps it
 
 HardwareKey = tuple[str, str, int, int, int]
 
@@ -170,3 +188,137 @@ def aware_utc(when: datetime, name: str) -> datetime:
     if not isinstance(when, datetime) or when.tzinfo is None:
         raise ValueError(f"{name} must be a timezone-aware datetime, got {when!r}")
     return when.astimezone(timezone.utc)
+
+
+# -- op choices -------------------------------------------------------------------------------
+
+def check_op(op: object) -> str:
+    """``op`` when it is a user op (``USER_OPS``), else ``InputError`` naming them."""
+    if not isinstance(op, str) or op not in USER_OPS:
+        raise InputError(f"op {op!r} is not a user op; expected one of {', '.join(USER_OPS)}")
+    return op
+
+
+def _positive_ms(name: str, value: object) -> float:
+    if isinstance(value, bool) or not (isinstance(value, (int, float))
+                                       and math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a finite positive number, got {value!r}")
+    return float(value)
+
+
+def _name(what: str, value: object, length: int = NAME_LENGTH) -> str:
+    if not isinstance(value, str) or not value or len(value) > length:
+        raise ValueError(f"{what} must be a non-empty string of at most {length} characters, "
+                         f"got {value!r:.80}")
+    return value
+
+
+def _rival(what: str, name: object, ms: object) -> tuple[str | None, float | None]:
+    """A runner-up or extern: its name and time, both given or both None."""
+    if name is None and ms is None:
+        return None, None
+    if name is None or ms is None:
+        raise ValueError(f"{what} and {what}_ms go together: got {what}={name!r}, "
+                         f"{what}_ms={ms!r}")
+    return _name(what, name), _positive_ms(f"{what}_ms", ms)
+
+
+def _config(config: object, what: str = "config") -> dict[str, int]:
+    if not isinstance(config, Mapping) or any(
+            not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, int)
+            for k, v in config.items()):
+        raise ValueError(f"{what} must map parameter names to ints, got {config!r:.80}")
+    return {k: int(v) for k, v in config.items()}
+
+
+def _candidates(candidates: object) -> str:
+    """The canonical JSON list of everything timed: each an object with at least
+    ``implementation`` (a name), ``config`` (names to ints) and ``median_ms`` (a finite
+    positive number, or None for one that failed when re-timed)."""
+    if isinstance(candidates, (str, bytes, Mapping)) or not isinstance(candidates, Sequence):
+        raise ValueError(f"candidates must be a sequence of mappings, got {candidates!r:.80}")
+    out = []
+    for i, c in enumerate(candidates):
+        where = f"candidates[{i}]"
+        if not isinstance(c, Mapping) or not {"implementation", "config", "median_ms"} <= set(c):
+            raise ValueError(f"{where} must be a mapping with implementation, config and "
+                             f"median_ms, got {c!r:.80}")
+        item = dict(c)
+        _name(f"{where}.implementation", item["implementation"])
+        item["config"] = _config(item["config"], f"{where}.config")
+        if item["median_ms"] is not None:
+            item["median_ms"] = _positive_ms(f"{where}.median_ms", item["median_ms"])
+        out.append(item)
+    return canonical_json(out)
+
+
+def choice_values(op: str, problem_key: Mapping[str, Any], *, implementation: str,
+                  source_hash: str, config: Mapping[str, Any], median_ms: float,
+                  tflops: float | None, runner_up: str | None, runner_up_ms: float | None,
+                  extern: str | None, extern_ms: float | None,
+                  candidates: Sequence[Mapping[str, Any]],
+                  software: SoftwareVersions) -> dict[str, Any]:
+    """An op choice row's values (all but device and time), checked before anything is
+    written: ``InputError`` for an op that is not a user op, ``ValueError`` for anything
+    else impossible (a problem key that is not an attention problem's, a time that is not
+    a finite positive number, a runner-up without its time, the winner as its own
+    runner-up, a config that does not map names to ints, an over-long name or version)."""
+    check_op(op)
+    if not isinstance(problem_key, Mapping):
+        raise ValueError(f"problem_key must be a mapping, got {problem_key!r:.80}")
+    try:
+        problem = AttentionProblem.from_key(problem_key)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"problem_key {dict(problem_key)!r:.200} is not an attention "
+                         f"problem's key ({exc})") from None
+    extra = sorted(set(problem_key) - set(problem.key()))
+    if extra:
+        raise ValueError(f"problem_key has the unknown keys {extra}; expected exactly "
+                         f"{sorted(problem.key())}")
+    winner = _name("implementation", implementation)
+    runner, runner_ms = _rival("runner_up", runner_up, runner_up_ms)
+    if runner == winner:
+        raise ValueError(f"runner_up {runner!r} is the winner itself; expected another "
+                         "implementation, or None")
+    ext, ext_ms = _rival("extern", extern, extern_ms)
+    if tflops is not None and (isinstance(tflops, bool) or not (
+            isinstance(tflops, (int, float)) and math.isfinite(tflops))):
+        raise ValueError(f"tflops must be a finite number or None, got {tflops!r}")
+    return dict(op=op, key_json=canonical_json(problem.key()), bucket=problem.bucket(),
+                implementation=winner,
+                source_hash=_name("source_hash", source_hash, HASH_LENGTH),
+                config_json=canonical_json(_config(config)),
+                median_ms=_positive_ms("median_ms", median_ms),
+                tflops=None if tflops is None else float(tflops),
+                runner_up=runner, runner_up_ms=runner_ms, extern=ext, extern_ms=ext_ms,
+                candidates_json=_candidates(candidates), **software_values(software))
+
+
+def choice_row(s: Session, device_id: int, op: str, key_json: str) -> Choice | None:
+    """The choice of (device, op, problem), locked for the rest of the transaction (as
+    :func:`best_row`)."""
+    return s.scalars(select(Choice).where(
+        Choice.device_id == device_id, Choice.op == op,
+        Choice.key_json == key_json).with_for_update()).one_or_none()
+
+
+def put_choice(s: Session, device_id: int, values: Mapping[str, Any], decided_at: datetime,
+               policy: str) -> tuple[str, Choice]:
+    """Write one op choice of ``device_id`` (``values`` from :func:`choice_values`) under
+    ``policy`` (as :func:`put_best`: keep-faster compares ``median_ms``); returns the
+    outcome (``"added"``, ``"replaced"``, ``"kept"``, ``"skipped"``) and the stored row."""
+    row = choice_row(s, device_id, values["op"], values["key_json"])
+    if row is None:
+        row = Choice(device_id=device_id, decided_at=decided_at, **values)
+        s.add(row)
+        s.flush()
+        return "added", row
+    if policy == "skip":
+        return "skipped", row
+    if policy == "keep-faster" and not values["median_ms"] < row.median_ms:
+        return "kept", row
+    for name, value in values.items():
+        setattr(row, name, value)
+    row.decided_at = decided_at
+    s.flush()
+    return "replaced", row

@@ -45,7 +45,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-HEAD_REVISION = "0004"
+HEAD_REVISION = "0005"
 VERSION_TABLE = "flashtune_alembic_version"
 MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
 _PG_LOCK_KEY = 0x666C_6173_6874_756E  # "flashtun": advisory lock held while migrating

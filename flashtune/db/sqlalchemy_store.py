@@ -21,11 +21,22 @@ from sqlalchemy.orm import Session
 from flashtune._version import __version__
 from flashtune.db import convert, rows, schema
 from flashtune.db.jsonutil import canonical_json, hash_canonical
-from flashtune.db.models import BestConfig, Device, Problem, Run, Template, Trial, utcnow
+from flashtune.db.models import (
+    BestConfig,
+    Choice,
+    Device,
+    Problem,
+    Run,
+    Template,
+    Trial,
+    utcnow,
+)
 from flashtune.db.records import (
     BestConfigRecord,
+    ChoiceRecord,
     DeviceRecord,
     ImportedBest,
+    ImportedChoice,
     ProblemRecord,
     RunRecord,
     RunStatus,
@@ -340,35 +351,56 @@ class SQLAlchemyStore(TransactionRunner, TuningStore):
 
     def import_best(self, entries: Sequence[ImportedBest], *,
                     policy: str = "keep-faster") -> list[str]:
+        return self.import_entries(entries, (), policy=policy)[0]
+
+    def import_choices(self, entries: Sequence[ImportedChoice], *,
+                       policy: str = "keep-faster") -> list[str]:
+        return self.import_entries((), entries, policy=policy)[1]
+
+    def import_entries(self, bests: Sequence[ImportedBest], choices: Sequence[ImportedChoice],
+                       *, policy: str = "keep-faster") -> tuple[list[str], list[str]]:
         if policy not in IMPORT_POLICIES:
             raise ValueError(f"unknown import policy {policy!r}; expected one of "
                              f"{', '.join(IMPORT_POLICIES)}")
-        prepared = [(e, canonical_json(dict(e.problem_key)),
-                     {**rows.best_values(e.config, e.median_ms, e.tflops, None,
-                                         e.trials_count),
-                      **rows.software_values(e.software)},
-                     rows.aware_utc(e.tuned_at, "tuned_at")) for e in entries]
+        best_batch = [(e, canonical_json(dict(e.problem_key)),
+                       {**rows.best_values(e.config, e.median_ms, e.tflops, None,
+                                           e.trials_count),
+                        **rows.software_values(e.software)},
+                       rows.aware_utc(e.tuned_at, "tuned_at")) for e in bests]
+        choice_batch = [(c, _choice_values(c), rows.aware_utc(c.decided_at, "decided_at"))
+                        for c in choices]
 
-        def work(s: Session) -> list[str]:
+        def work(s: Session) -> tuple[list[str], list[str]]:
             devices: dict[Any, int] = {}
             templates: dict[Any, int] = {}
             problems: dict[Any, int] = {}
-            outcomes = []
-            for e, key_json, values, tuned_at in prepared:
-                hw, tpl, prob = e.hardware_key(), (e.template_name, e.source_hash), \
-                    (e.template_name, key_json)
+
+            def device_id(hw: rows.HardwareKey) -> int:
                 if hw not in devices:
                     devices[hw] = rows.device_row(s, hw).id
+                return devices[hw]
+
+            best_outcomes = []
+            for e, key_json, values, tuned_at in best_batch:
+                tpl, prob = (e.template_name, e.source_hash), (e.template_name, key_json)
                 if tpl not in templates:
                     templates[tpl] = rows.template_row(s, *tpl).id
                 if prob not in problems:
                     problems[prob] = rows.problem_row(s, *prob, e.bucket).id
-                outcomes.append(rows.put_best(s, (devices[hw], templates[tpl], problems[prob]),
-                                              values, tuned_at, policy))
-            return outcomes
+                best_outcomes.append(rows.put_best(
+                    s, (device_id(e.hardware_key()), templates[tpl], problems[prob]),
+                    values, tuned_at, policy))
+            choice_outcomes = [
+                rows.put_choice(s, device_id(c.hardware_key()), values, decided_at, policy)[0]
+                for c, values, decided_at in choice_batch]
+            return best_outcomes, choice_outcomes
 
-        return self._run(f"import_best({len(prepared)} entries)", work, write=True,
-                         conflict_retries=CONFLICT_RETRIES)
+        what = ", ".join(f"{len(batch)} {kind}" for kind, batch in
+                         (("best configs", best_batch), ("choices", choice_batch)) if batch)
+        operation = (f"import_best({len(best_batch)} entries)" if not choice_batch else
+                     f"import_choices({len(choice_batch)} entries)" if not best_batch else
+                     f"import_entries({what})")
+        return self._run(operation, work, write=True, conflict_retries=CONFLICT_RETRIES)
 
     def _best_query(self) -> Any:
         return (select(BestConfig, Device, Template, Problem)
@@ -400,10 +432,45 @@ class SQLAlchemyStore(TransactionRunner, TuningStore):
             stmt = stmt.where(Template.source_hash == source_hash)
         return self._run("list_best", lambda s: [convert.best(*r) for r in s.execute(stmt)])
 
+    # -- op choices -------------------------------------------------------------------------
+
+    def put_choice(self, device_id: int, op: str, problem_key: Mapping[str, Any], *,
+                   implementation: str, source_hash: str, config: Mapping[str, int],
+                   median_ms: float, tflops: float | None, runner_up: str | None = None,
+                   runner_up_ms: float | None = None, extern: str | None = None,
+                   extern_ms: float | None = None,
+                   candidates: Sequence[Mapping[str, Any]] = (),
+                   software: SoftwareVersions | None = None) -> ChoiceRecord:
+        values = rows.choice_values(
+            op, problem_key, implementation=implementation, source_hash=source_hash,
+            config=config, median_ms=median_ms, tflops=tflops, runner_up=runner_up,
+            runner_up_ms=runner_up_ms, extern=extern, extern_ms=extern_ms,
+            candidates=candidates, software=software or SoftwareVersions())
+
+        def work(s: Session) -> ChoiceRecord:
+            device = get_row(s, Device, device_id, self.url)
+            _, row = rows.put_choice(s, device.id, values, utcnow(), "overwrite")
+            return convert.choice(row, device)
+
+        # a concurrent first decision fails on the unique constraint: retried as a replace
+        return self._run(f"put_choice({op})", work, write=True,
+                         conflict_retries=CONFLICT_RETRIES)
+
+    def list_choices(self, *, device_name: str | None = None,
+                     op: str | None = None) -> list[ChoiceRecord]:
+        stmt = (select(Choice, Device).join(Device, Choice.device_id == Device.id)
+                .order_by(Device.name, Device.id, Choice.op, Choice.bucket, Choice.key_json))
+        if device_name is not None:
+            stmt = stmt.where(Device.name == device_name)
+        if op is not None:
+            stmt = stmt.where(Choice.op == rows.check_op(op))
+        return self._run("list_choices",
+                         lambda s: [convert.choice(*r) for r in s.execute(stmt)])
+
     # -- the database -----------------------------------------------------------------------
 
     def info(self) -> dict[str, Any]:
-        models = (Device, Template, Problem, Run, Trial, BestConfig)
+        models = (Device, Template, Problem, Run, Trial, BestConfig, Choice)
 
         def work(s: Session) -> dict[str, Any]:
             counts = {m.__tablename__: int(s.scalar(select(func.count()).select_from(m)) or 0)
@@ -422,6 +489,14 @@ def _lock_study(s: Session, run: Run) -> None:
     and a claim could miss a concurrent one); SQLite's ``BEGIN IMMEDIATE`` already
     serializes every writer. Re-entrant within a transaction."""
     s.execute(select(Problem.id).where(Problem.id == run.problem_id).with_for_update())
+
+
+def _choice_values(c: ImportedChoice) -> dict[str, Any]:
+    return rows.choice_values(
+        c.op, c.problem_key, implementation=c.implementation, source_hash=c.source_hash,
+        config=c.config, median_ms=c.median_ms, tflops=c.tflops, runner_up=c.runner_up,
+        runner_up_ms=c.runner_up_ms, extern=c.extern, extern_ms=c.extern_ms,
+        candidates=c.candidates, software=c.software)
 
 
 def _maybe(to_record: Callable[[R], T], row: R | None) -> T | None:

@@ -16,8 +16,10 @@ from typing import TYPE_CHECKING, Any
 from flashtune._version import __version__
 from flashtune.db.records import (
     BestConfigRecord,
+    ChoiceRecord,
     DeviceRecord,
     ImportedBest,
+    ImportedChoice,
     ProblemRecord,
     RunRecord,
     RunStatus,
@@ -38,7 +40,8 @@ IMPORT_OUTCOMES = ("added", "replaced", "kept", "skipped")
 
 
 class TuningStore(abc.ABC):
-    """Persistent record of tuning: devices, templates, problems, runs, trials, best configs.
+    """Persistent record of tuning: devices, templates, problems, runs, trials, best configs,
+    and op choices (which implementation serves a user op's problem on a device).
 
     **Studies.** A study is one (device, template, problem) triple. Runs are the processes
     that worked on it; trial numbers count within the study (0, 1, 2... across all runs),
@@ -48,7 +51,7 @@ class TuningStore(abc.ABC):
     own short transaction and returns when it has committed; nothing is held between calls.
     Several processes may use one database at once (SQLite in WAL mode with
     ``BEGIN IMMEDIATE`` write transactions, or PostgreSQL): get-or-create methods, trial
-    numbering, :meth:`offer_best` and :meth:`import_best` are atomic. A store must not
+    numbering, :meth:`offer_best`, :meth:`put_choice` and the imports are atomic. A store must not
     cross ``fork()``: open one per process.
 
     **Immutability.** Methods return frozen dataclasses from :mod:`flashtune.db.records`,
@@ -270,6 +273,61 @@ class TuningStore(abc.ABC):
                   source_hash: str | None = None) -> list[BestConfigRecord]:
         """Best configs matching every filter given (one query), sorted by device name,
         template name, problem bucket and key."""
+
+    # -- op choices -------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def put_choice(self, device_id: int, op: str, problem_key: Mapping[str, Any], *,
+                   implementation: str, source_hash: str, config: Mapping[str, int],
+                   median_ms: float, tflops: float | None, runner_up: str | None = None,
+                   runner_up_ms: float | None = None, extern: str | None = None,
+                   extern_ms: float | None = None,
+                   candidates: Sequence[Mapping[str, Any]] = (),
+                   software: SoftwareVersions | None = None) -> ChoiceRecord:
+        """Record the tuner's decision for user op ``op`` and ``problem_key`` on device
+        ``device_id``: the winning ``implementation`` (at ``source_hash``) with its
+        ``config``, time and throughput, the runner-up and the fastest extern
+        implementation timed beside it with their times, and every candidate timed
+        (``{"implementation", "config", "median_ms"}`` each).
+
+        An upsert: a new decision replaces the stored one for (device, op, problem)
+        whatever either time says (the tuner re-timed every leader side by side, so the
+        newest decision is the best informed). The bucket is the problem's
+        (``AttentionProblem.from_key(problem_key).bucket()``), ``decided_at`` now;
+        ``software`` None records empty versions (unknown). Atomic.
+
+        Returns the stored :class:`ChoiceRecord`. Raises ``InputError`` (a ``ValueError``)
+        for an ``op`` not in ``USER_OPS``, ``ValueError`` for another impossible value
+        (see :func:`flashtune.db.rows.choice_values`), both before anything is written;
+        ``StoreError`` for an unknown device or a read-only store.
+        """
+
+    @abc.abstractmethod
+    def list_choices(self, *, device_name: str | None = None,
+                     op: str | None = None) -> list[ChoiceRecord]:
+        """Op choices matching every filter given (one query), sorted by device name, op,
+        problem bucket and key; ``InputError`` for an ``op`` not in ``USER_OPS``."""
+
+    @abc.abstractmethod
+    def import_choices(self, entries: Sequence[ImportedChoice], *,
+                       policy: str = "keep-faster") -> list[str]:
+        """Write op choices read from files, all in ONE transaction: all or nothing.
+
+        :meth:`import_best`'s semantics: devices are found or created; ``policy``
+        decides what happens where (device, op, problem) already has a choice
+        (``"keep-faster"``: replace only with a strictly faster ``median_ms``,
+        ``"overwrite"``, ``"skip"``); entries apply in order; each keeps its
+        ``decided_at`` and ``software``. Returns one outcome per entry (``"added"``,
+        ``"replaced"``, ``"kept"``, ``"skipped"``). An unknown policy or an impossible
+        value raises ``ValueError`` (``InputError`` for an op) before anything is written.
+        """
+
+    @abc.abstractmethod
+    def import_entries(self, bests: Sequence[ImportedBest], choices: Sequence[ImportedChoice],
+                       *, policy: str = "keep-faster") -> tuple[list[str], list[str]]:
+        """:meth:`import_best` of ``bests`` and :meth:`import_choices` of ``choices`` in ONE
+        transaction (what an import of a folder holding both kinds of files needs to be all
+        or nothing); returns both outcome lists."""
 
     # -- the database -----------------------------------------------------------------------
 

@@ -16,22 +16,30 @@ there (``$FLASHTUNE_DB`` or a ``db_url`` naming a SQLite file that does not exis
 ``$FLASHTUNE_CONFIG_DIR`` missing or not a folder: a typo), is skipped with a reason,
 returned to the caller (which warns once): an inference process never dies over its
 configs.
+
+:func:`load_choices` reads the tuner's op choices (which implementation, and config,
+serves each shape of a user op) from the same three sources, files named by
+:func:`flashtune.db.exchange.choice_file_name`. A choice is served only when its winner is
+an implementation the caller names with the source hash it was decided at; others are
+stale (logged at info level, once per source).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from flashtune.core.problem import AttentionProblem
+from flashtune.core.spec import USER_OPS
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DeviceKey", "TunedEntry", "device_key", "load_entries", "source_dirs"]
+__all__ = ["ChoiceEntry", "DeviceKey", "TunedEntry", "device_key", "load_choices",
+           "load_entries", "source_dirs"]
 
 # how the runtime matches a device: the hardware key without total memory, which moves
 # by a few MiB between drivers on the same card
@@ -66,8 +74,10 @@ def source_dirs() -> list[tuple[str, Path]]:
     return dirs
 
 
-def _from_db(template: str, source_hash: str, url: str | None) -> Iterator[TunedEntry]:
-    from flashtune.db import default_db_url, open_store
+def _db_url(url: str | None) -> str | None:
+    """The database to read (``url``, ``$FLASHTUNE_DB``, else the default file), or None
+    when it is the default file and does not exist yet (nothing tuned: silently empty)."""
+    from flashtune.db import default_db_url
     from flashtune.db.engine import missing_sqlite_file, safe_url
 
     url = url or os.environ.get("FLASHTUNE_DB", "").strip()
@@ -79,6 +89,16 @@ def _from_db(template: str, source_hash: str, url: str | None) -> Iterator[Tuned
             raise FileNotFoundError(f"{safe_url(url)}: the file {missing} does not exist; "
                                     f"check the path ($FLASHTUNE_DB, --db), or run `flashtune "
                                     f"tune` to create it")
+        return None
+    return url
+
+
+def _from_db(template: str, source_hash: str, url: str | None) -> Iterator[TunedEntry]:
+    from flashtune.db import open_store
+    from flashtune.db.engine import safe_url
+
+    url = _db_url(url)
+    if url is None:
         return
     with open_store(url, read_only=True, create=False) as store:
         best = store.list_best(template_name=template, source_hash=source_hash)
@@ -89,11 +109,12 @@ def _from_db(template: str, source_hash: str, url: str | None) -> Iterator[Tuned
 
 
 def _from_file(path: Path, kind: str, template: str, source_hash: str) -> Iterator[TunedEntry]:
-    from flashtune.db.exchange import read_document
+    from flashtune.db.exchange import ConfigDocument, read_document
     from flashtune.kernel_templates import catalog
 
     doc = read_document(path, specs=catalog())
-    if doc.template != template or doc.file_name() != path.name:
+    if not isinstance(doc, ConfigDocument) or doc.template != template \
+            or doc.file_name() != path.name:
         raise ValueError(f"{path} holds {doc.file_name()}, not what its name says")
     if doc.source_hash != source_hash:
         log.info("%s: tuned for %s source %s, this is %s: stale, not served", path, template,
@@ -149,4 +170,144 @@ def load_entries(template: str, source_hash: str, device_name: str, *,
                 entries.extend(_from_file(path, kind, template, source_hash))
             except Exception as exc:  # noqa: BLE001 - a bad file never stops the process
                 problems.append(f"{kind} config file skipped: {' '.join(str(exc).split())}")
+    return entries, problems
+
+
+# -- op choices -------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ChoiceEntry:
+    """One op choice as the router serves it: on ``device``, ``problem`` runs
+    ``implementation`` with ``config``, which beat the runner-up by ``margin``
+    (``runner_up_ms / median_ms``; None when nothing else was timed)."""
+
+    device: DeviceKey
+    problem: AttentionProblem
+    implementation: str
+    config: dict[str, int]
+    median_ms: float
+    tflops: float | None
+    origin: str  # "db <url>", "dir <path>" or "package <path>"
+    margin: float | None
+
+
+class _Stale:
+    """Counts the choices of one source that are not served, for one info line."""
+
+    def __init__(self, origin: str) -> None:
+        self.origin = origin
+        self.skipped: dict[str, int] = {}
+
+    def keep(self, implementation: str, source_hash: str | None,
+             hashes: Mapping[str, str]) -> bool:
+        """Whether a choice of ``implementation`` decided at ``source_hash`` is served
+        (else it is counted)."""
+        if implementation in hashes and source_hash == hashes[implementation]:
+            return True
+        self.skipped[implementation] = self.skipped.get(implementation, 0) + 1
+        return False
+
+    def log(self, hashes: Mapping[str, str]) -> None:
+        """One info line naming what was not served, if anything."""
+        if self.skipped:
+            what = ", ".join(
+                f"{n} of {name} ({'decided at another source' if name in hashes else 'unknown'})"
+                for name, n in sorted(self.skipped.items()))
+            log.info("%s: op choices not served (stale): %s", self.origin, what)
+
+
+def _choices_from_db(op: str, hashes: Mapping[str, str], url: str | None) -> list[ChoiceEntry]:
+    from flashtune.db import open_store
+    from flashtune.db.engine import safe_url
+
+    url = _db_url(url)
+    if url is None:
+        return []
+    with open_store(url, read_only=True, create=False) as store:
+        stored = store.list_choices(op=op)
+    stale = _Stale(f"db {safe_url(url)}")
+    out = [ChoiceEntry(device_key(c.device), AttentionProblem.from_key(c.problem_key),
+                       c.implementation, dict(c.config), c.median_ms, c.tflops, stale.origin,
+                       c.margin)
+           for c in stored if stale.keep(c.implementation, c.source_hash, hashes)]
+    stale.log(hashes)
+    return out
+
+
+def _choices_from_file(path: Path, kind: str, op: str,
+                       hashes: Mapping[str, str]) -> list[ChoiceEntry]:
+    from flashtune.db.exchange_choices import read_choice_document
+    from flashtune.kernel_templates import catalog
+
+    doc = read_choice_document(path, specs=catalog(), strict=False)
+    if doc.op != op or doc.file_name() != path.name:
+        raise ValueError(f"{path} holds {doc.file_name()}, not what its name says")
+    key = device_key(doc.device)
+    stale = _Stale(f"{kind} {path}")
+    out = [ChoiceEntry(key, AttentionProblem.from_key(e.problem), e.implementation,
+                       dict(e.config), e.median_ms, e.tflops, stale.origin,
+                       None if e.runner_up_ms is None else e.runner_up_ms / e.median_ms)
+           for e in doc.entries
+           if stale.keep(e.implementation, doc.implementations.get(e.implementation), hashes)]
+    stale.log(hashes)
+    return out
+
+
+def _choice_files(folder: Path, op: str, device_name: str | None) -> list[Path]:
+    """The op choice file of ``device_name`` (by the exporter's naming function), or every
+    op choice file of ``op`` in ``folder`` when ``device_name`` is None (device aliases)."""
+    from flashtune.db.exchange import choice_file_name
+
+    if not folder.is_dir():
+        return []
+    if device_name is not None:
+        path = folder / choice_file_name(device_name, op)
+        return [path] if path.is_file() else []
+    suffix = f",op={op}.json"
+    return sorted(p for p in folder.iterdir()
+                  if p.name.startswith("device_name=") and p.name.endswith(suffix))
+
+
+def load_choices(op: str, hashes: Mapping[str, str], device_name: str, *,
+                 aliases: bool = False, db_url: str | None = None
+                 ) -> tuple[list[ChoiceEntry], list[str]]:
+    """Every servable op choice of every source, in precedence order (database, then
+    ``$FLASHTUNE_CONFIG_DIR``, then the package's ``flashtune/configs``), and why any
+    source failed; never raises over a source.
+
+    Arguments:
+        op: the user op (``"fwd"``, ``"decode"``).
+        hashes: implementation name -> its current source hash: a choice whose winner is
+            not named here, or was decided at another hash, is stale and skipped (one
+            info line per source).
+        device_name: the device whose files are read (the database holds every device).
+        aliases: read the files of every device too (device aliases).
+        db_url: the database (None: ``$FLASHTUNE_DB``, else the default file).
+    Returns:
+        ``(entries, problems)``: the choices, earlier sources first; one line per source
+        skipped (locked, corrupt, missing when named, an invalid file...).
+    """
+    entries: list[ChoiceEntry] = []
+    problems: list[str] = []
+    if op not in USER_OPS:
+        return [], [f"op {op!r} is not a user op; expected one of {', '.join(USER_OPS)}"]
+    try:
+        entries.extend(_choices_from_db(op, hashes, db_url))
+    except Exception as exc:  # noqa: BLE001 - locked, corrupt, newer schema...: skip it
+        problems.append(f"tuning database skipped: {' '.join(str(exc).split())}")
+    for kind, folder in source_dirs():
+        if kind == "dir" and not folder.is_dir():
+            what = "is not a folder" if folder.exists() else "does not exist"
+            problems.append(f"$FLASHTUNE_CONFIG_DIR {folder} skipped: it {what}")
+            continue
+        try:
+            paths = _choice_files(folder, op, None if aliases else device_name)
+        except Exception as exc:  # noqa: BLE001 - an unreadable folder never stops the process
+            problems.append(f"{kind} op choices {folder} skipped: {exc}")
+            continue
+        for path in paths:
+            try:
+                entries.extend(_choices_from_file(path, kind, op, hashes))
+            except Exception as exc:  # noqa: BLE001 - a bad file never stops the process
+                problems.append(f"{kind} op choice file skipped: {' '.join(str(exc).split())}")
     return entries, problems

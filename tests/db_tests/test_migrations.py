@@ -1,4 +1,4 @@
-"""Schema history: the frozen 0001-0003 databases, upgrades, refusals, and sharing with
+"""Schema history: the frozen 0001-0004 databases, upgrades, refusals, and sharing with
 Optuna."""
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from tests.db_tests.support import ASSETS, wipe_postgres
 ASSET = ASSETS / "flashtune_0001.db"
 ASSET_0002 = ASSETS / "flashtune_0002.db"
 ASSET_0003 = ASSETS / "flashtune_0003.db"
+ASSET_0004 = ASSETS / "flashtune_0004.db"
 RUN_1 = SoftwareVersions(cuda="12.4", driver="", flashtune="0.1.0", torch="2.5.1+cu124",
                          triton="3.1.0")  # what run 1 of the 0001 asset recorded
 
@@ -62,7 +63,7 @@ def old_db(tmp_path: Path) -> Path:
 def test_head_revision_matches_the_migration_scripts() -> None:
     script = ScriptDirectory.from_config(alembic_config())
     assert script.get_current_head() == HEAD_REVISION
-    assert known_revisions() == ("0001", "0002", "0003", "0004")
+    assert known_revisions() == ("0001", "0002", "0003", "0004", "0005")
 
 
 @pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
@@ -289,6 +290,97 @@ def test_the_0004_backfill_on_every_backend(backend: str, tmp_path: Path,
         engine.dispose()
         if backend == "postgresql":
             wipe_postgres(url)
+
+
+# -- 0005: op choices --------------------------------------------------------------------------
+
+FT_OLD_TABLES = ("ft_devices", "ft_templates", "ft_problems", "ft_runs", "ft_trials",
+                 "ft_best_configs")
+CHOSEN = {"batch": 1, "heads_q": 4, "heads_kv": 4, "seqlen_q": 77, "seqlen_k": 133,
+          "head_dim": 64, "causal": False, "dtype": "bf16"}  # problem 2 of the 0003 asset
+
+
+def tables(path: Path) -> set[str]:
+    return {r[0] for r in rows(path, "SELECT name FROM sqlite_master WHERE type='table'")}
+
+
+def content(path: Path) -> dict[str, list[tuple]]:
+    return {t: rows(path, f"SELECT * FROM {t} ORDER BY id") for t in FT_OLD_TABLES}
+
+
+@pytest.fixture
+def db_0004(tmp_path: Path) -> Path:
+    path = tmp_path / "flashtune_0004.db"
+    shutil.copyfile(ASSET_0004, path)
+    return path
+
+
+def test_the_0004_asset_is_refused_unchanged_with_the_upgrade_command(db_0004: Path) -> None:
+    before = fingerprint(db_0004)
+    url = f"sqlite:///{db_0004}"
+    for read_only in (False, True):
+        with pytest.raises(SchemaError) as info:
+            open_store(url, read_only=read_only)
+        assert str(info.value) == (f"database {url} is at schema revision 0004, this "
+                                   f"flashtune needs {HEAD_REVISION}: run `flashtune --db "
+                                   f"{url} db upgrade`")
+    assert fingerprint(db_0004) == before
+
+
+def test_upgrading_the_0003_asset_adds_an_empty_choices_table(db_0003: Path) -> None:
+    """0003 -> head: every old row is as it was (but for 0004's software columns), and
+    ft_choices is there, empty, ready for the tuner's decisions."""
+    before = content(db_0003)
+    url = f"sqlite:///{db_0003}"
+    assert upgrade(url) == ("0003", HEAD_REVISION)
+    assert "ft_choices" in tables(db_0003)
+    assert rows(db_0003, "SELECT count(*) FROM ft_choices") == [(0,)]
+    after = content(db_0003)
+    assert {t: after[t] for t in FT_OLD_TABLES if t != "ft_best_configs"} == \
+        {t: before[t] for t in FT_OLD_TABLES if t != "ft_best_configs"}
+    assert [r[:10] for r in after["ft_best_configs"]] == before["ft_best_configs"]
+    with open_store(url) as store:
+        assert store.list_choices() == []
+        [device] = store.list_devices()
+        choice = store.put_choice(device.id, "fwd", CHOSEN, implementation="attn_fwd",
+                                  source_hash="5f0c2a9e41d7b3c8", config={"BLOCK_M": 64},
+                                  median_ms=0.031, tflops=12.5)
+        assert store.list_choices(device_name=device.name) == [choice]
+        assert choice.bucket == "bf16-d64-full-hq4-hkv4-b1-nq128-nk256"
+    assert rows(db_0003, "PRAGMA integrity_check") == [("ok",)]
+    assert rows(db_0003, "PRAGMA foreign_key_check") == []
+
+
+def test_upgrading_the_0004_asset_keeps_its_data(db_0004: Path) -> None:
+    url = f"sqlite:///{db_0004}"
+    before = content(db_0004)
+    assert upgrade(url) == ("0004", HEAD_REVISION)
+    assert content(db_0004) == before
+    with open_store(url) as store:
+        best = {b.id: b for b in store.list_best()}
+        assert sorted(best) == [1, 2, 3, 4]
+        assert (best[4].trial_id, best[4].median_ms, best[4].software.torch) == \
+            (None, 0.021, "2.7.0")
+        assert best[1].software == RUN_1
+        assert store.list_choices() == [] and store.info()["counts"]["ft_choices"] == 0
+
+
+def test_downgrading_0005_drops_only_the_choices(db_0004: Path) -> None:
+    url = f"sqlite:///{db_0004}"
+    before = content(db_0004)
+    upgrade(url)
+    with open_store(url) as store:
+        store.put_choice(1, "decode", {**CHOSEN, "seqlen_q": 1}, implementation="attn_decode",
+                         source_hash="a0748953ade86dbe", config={"BLOCK_N": 64},
+                         median_ms=0.01, tflops=None)
+    downgrade(url, "0004")
+    assert rows(db_0004, f"SELECT version_num FROM {VERSION_TABLE}") == [("0004",)]
+    assert "ft_choices" not in tables(db_0004)
+    assert content(db_0004) == before
+    assert rows(db_0004, "PRAGMA foreign_key_check") == []
+    upgrade(url)
+    with open_store(url) as store:
+        assert store.list_choices() == []  # the decision went with the table
 
 
 def test_downgrade_then_upgrade_round_trips(old_db: Path) -> None:

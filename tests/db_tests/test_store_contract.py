@@ -135,7 +135,8 @@ def test_info_counts_rows(store: TuningStore, study: Study) -> None:
     info = store.info()
     assert info["revision"] == info["head"] == HEAD_REVISION
     assert info["counts"] == {"ft_devices": 1, "ft_templates": 1, "ft_problems": 1,
-                              "ft_runs": 1, "ft_trials": 1, "ft_best_configs": 0}
+                              "ft_runs": 1, "ft_trials": 1, "ft_best_configs": 0,
+                              "ft_choices": 0}
     assert info["read_only"] is False and info["url"] == store.url
 
 

@@ -1,0 +1,223 @@
+"""``flashtune.runtime.sources.load_choices``: op choices from the database, from
+``$FLASHTUNE_CONFIG_DIR`` and from the package, in that order; stale or unknown winners
+skipped; a bad source reported, never raised."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sqlite3
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from flashtune.core.device import DeviceFingerprint
+from flashtune.db import open_store
+from flashtune.db.exchange import DeviceInfo, choice_document_to_json, choice_file_name
+from flashtune.db.schema import VERSION_TABLE
+from flashtune.kernel_templates import catalog, register_template, unregister_template
+from flashtune.runtime import sources
+from flashtune.runtime.sources import ChoiceEntry, load_choices
+from tests.db_tests.choice_support import (
+    DECODE,
+    DECODE_CFG,
+    DECODE_PROBLEMS,
+    EXTERN,
+    EXTERN_HASH,
+    FWD,
+    FWD_CFG,
+    FWD_PROBLEMS,
+    OLD,
+    choice_document,
+    entry,
+    extern_spec,
+)
+
+HERE = DeviceFingerprint("NVIDIA_H100_80GB_HBM3", "9.0", 132, 232448, 85520809984)
+TWIN = DeviceFingerprint("NVIDIA_H100_PCIe", "9.0", 114, 232448, 85520809984)
+KEY = ("NVIDIA_H100_80GB_HBM3", "9.0", 132, 232448)
+
+
+@pytest.fixture
+def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
+    """Isolated sources (the default database absent until written, an empty config dir,
+    a package dir) and the toy extern registered, so the registry's catalog knows it."""
+    cache = tmp_path / "cache"
+    (cache / "flashtune").mkdir(parents=True)
+    cdir, pdir = tmp_path / "configs", tmp_path / "package"
+    cdir.mkdir()
+    pdir.mkdir()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
+    monkeypatch.delenv("FLASHTUNE_DB", raising=False)
+    monkeypatch.setenv("FLASHTUNE_CONFIG_DIR", str(cdir))
+    real_dirs = sources.source_dirs
+    monkeypatch.setattr(sources, "source_dirs",
+                        lambda: [d for d in real_dirs() if d[0] == "dir"] + [("package", pdir)])
+    register_template(extern_spec())
+    hashes = {n: s.source_hash for n, s in catalog().items()}
+    try:
+        yield {"db": f"sqlite:///{cache / 'flashtune' / 'flashtune.db'}", "dir": cdir,
+               "package": pdir, "hashes": hashes}
+    finally:
+        unregister_template(EXTERN)
+
+
+def decide(url: str, op: str, i: int, implementation: str = "attn_fwd", *,
+           device: DeviceFingerprint = HERE, **kwargs: Any) -> None:
+    problem = (FWD_PROBLEMS if op == "fwd" else DECODE_PROBLEMS)[i]
+    values: dict[str, Any] = dict(source_hash=FWD, config=FWD_CFG, median_ms=1.0,
+                                  tflops=200.0)
+    values.update(kwargs)
+    with open_store(url) as store:
+        d = store.ensure_device(device)
+        store.put_choice(d.id, op, problem.key(), implementation=implementation, **values)
+
+
+def write(folder: Path, *entries: Any, op: str = "fwd", device: DeviceFingerprint = HERE,
+          **kwargs: Any) -> Path:
+    doc = choice_document(*entries, op=op, device=DeviceInfo(*device.hardware_key()),
+                          **kwargs)
+    path = folder / choice_file_name(device.name, op)
+    path.write_text(choice_document_to_json(doc))
+    return path
+
+
+def test_the_database_alone(env: dict) -> None:
+    decide(env["db"], "fwd", 0, runner_up=EXTERN, runner_up_ms=1.25, extern=EXTERN,
+           extern_ms=1.25)
+    decide(env["db"], "fwd", 1, EXTERN, source_hash=EXTERN_HASH, config={}, median_ms=0.5,
+           tflops=None)
+    decide(env["db"], "decode", 0, "attn_decode", source_hash=DECODE, config=DECODE_CFG)
+    entries, problems = load_choices("fwd", env["hashes"], HERE.name)
+    assert problems == []
+    assert [(e.implementation, e.config, e.margin) for e in entries] == [
+        ("attn_fwd", FWD_CFG, 1.25), (EXTERN, {}, None)]  # sorted by bucket
+    first = entries[0]
+    assert isinstance(first, ChoiceEntry) and first.device == KEY
+    assert first.problem == FWD_PROBLEMS[0] and first.origin == f"db {env['db']}"
+    assert (first.median_ms, first.tflops) == (1.0, 200.0)
+    [decode] = load_choices("decode", env["hashes"], HERE.name)[0]
+    assert (decode.implementation, decode.problem) == ("attn_decode", DECODE_PROBLEMS[0])
+
+
+def test_a_db_url_argument_wins_over_the_default(env: dict, tmp_path: Path) -> None:
+    other = f"sqlite:///{tmp_path / 'other.db'}"
+    decide(other, "fwd", 0)
+    [e] = load_choices("fwd", env["hashes"], HERE.name, db_url=other)[0]
+    assert e.origin == f"db {other}"
+    assert load_choices("fwd", env["hashes"], HERE.name) == ([], [])  # default: not there
+
+
+def test_stale_and_unknown_winners_are_skipped_with_one_info_line(
+        env: dict, caplog: pytest.LogCaptureFixture) -> None:
+    decide(env["db"], "fwd", 0, source_hash=OLD)  # decided at an old attn_fwd source
+    decide(env["db"], "fwd", 1, "attn_fwd_gluon", config={"BLOCK_M": 64})  # unknown here
+    decide(env["db"], "fwd", 2)
+    with caplog.at_level(logging.INFO, logger="flashtune.runtime.sources"):
+        entries, problems = load_choices("fwd", env["hashes"], HERE.name)
+    assert problems == [] and [e.problem for e in entries] == [FWD_PROBLEMS[2]]
+    [line] = [r.getMessage() for r in caplog.records if "not served" in r.getMessage()]
+    assert line == (f"db {env['db']}: op choices not served (stale): 1 of attn_fwd (decided "
+                    "at another source), 1 of attn_fwd_gluon (unknown)")
+    # the caller decides what is current: with the old hash, the old decision is served
+    old = load_choices("fwd", {**env["hashes"], "attn_fwd": OLD}, HERE.name)[0]
+    assert [e.problem for e in old] == [FWD_PROBLEMS[0]]
+
+
+def test_files_of_the_config_dir_and_the_package(env: dict) -> None:
+    write(env["package"], entry(FWD_PROBLEMS[0], median_ms=3.0))
+    write(env["dir"], entry(FWD_PROBLEMS[0], median_ms=2.0),
+          entry(FWD_PROBLEMS[1], implementation=EXTERN, config={}, runner_up="attn_fwd",
+                runner_up_ms=1.5))
+    decide(env["db"], "fwd", 0)
+    entries, problems = load_choices("fwd", env["hashes"], HERE.name)
+    assert problems == []
+    # precedence order: the database, then $FLASHTUNE_CONFIG_DIR, then the package
+    assert [(e.origin.split()[0], e.problem, e.median_ms) for e in entries] == [
+        ("db", FWD_PROBLEMS[0], 1.0), ("dir", FWD_PROBLEMS[1], 1.0),
+        ("dir", FWD_PROBLEMS[0], 2.0), ("package", FWD_PROBLEMS[0], 3.0)]
+    dir_extern = entries[1]
+    assert dir_extern.origin == f"dir {env['dir'] / choice_file_name(HERE.name, 'fwd')}"
+    assert (dir_extern.implementation, dir_extern.config, dir_extern.margin) == \
+        (EXTERN, {}, 1.5)
+    assert dir_extern.device == KEY
+    # configs come validated: attn_fwd's optional knobs are filled in
+    assert entries[2].config == {**FWD_CFG, "USE_TMA": 0, "REVERSE_M": 0}
+    assert load_choices("decode", env["hashes"], HERE.name) == ([], [])
+
+
+def test_other_devices_files_are_read_only_for_aliases(env: dict) -> None:
+    write(env["dir"], entry(), device=TWIN)
+    assert load_choices("fwd", env["hashes"], HERE.name) == ([], [])
+    [e] = load_choices("fwd", env["hashes"], HERE.name, aliases=True)[0]
+    assert e.device[0] == TWIN.name
+
+
+def test_the_file_name_is_the_exporters(env: dict) -> None:
+    path = write(env["dir"], entry())
+    assert path.name == f"device_name={HERE.name},op=fwd.json"
+    path.rename(path.with_name("renamed.json"))
+    assert load_choices("fwd", env["hashes"], HERE.name) == ([], [])
+    # a decode file under the fwd name is refused, with the reason
+    write(env["dir"], entry(DECODE_PROBLEMS[0], implementation="attn_decode",
+                            config=DECODE_CFG, runner_up=None, runner_up_ms=None,
+                            extern=None, extern_ms=None), op="decode")
+    (env["dir"] / choice_file_name(HERE.name, "decode")).rename(
+        env["dir"] / choice_file_name(HERE.name, "fwd"))
+    entries, [problem] = load_choices("fwd", env["hashes"], HERE.name)
+    assert entries == [] and "not what its name says" in problem
+
+
+def test_a_file_naming_an_implementation_unknown_here_serves_the_rest(env: dict) -> None:
+    """A file from a flashtune with more implementations is read leniently: the entries of
+    the unknown one are stale, the others served (an import would refuse the file)."""
+    write(env["dir"], entry(FWD_PROBLEMS[0], implementation="attn_fwd_gluon",
+                            config={"BLOCK_M": 64}),
+          entry(FWD_PROBLEMS[1]),
+          implementations={"attn_fwd_gluon": "abcdefabcdefabcd", "attn_fwd": FWD,
+                           EXTERN: EXTERN_HASH})
+    entries, problems = load_choices("fwd", env["hashes"], HERE.name)
+    assert problems == [] and [e.problem for e in entries] == [FWD_PROBLEMS[1]]
+
+
+@pytest.mark.parametrize("damage", ["garbage-db", "newer-schema-db", "corrupt-json",
+                                    "bad-config", "dir-is-a-file", "dir-missing",
+                                    "db-named-but-missing", "not-a-user-op"])
+def test_a_bad_source_is_reported_and_the_others_still_serve(
+        env: dict, damage: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    db_path = Path(env["db"].removeprefix("sqlite:///"))
+    write(env["package"], entry(FWD_PROBLEMS[2]))  # a good source
+    op = "fwd"
+    if damage == "garbage-db":
+        db_path.write_bytes(b"this is not a database" * 100)
+    elif damage == "newer-schema-db":
+        decide(env["db"], "fwd", 0)
+        with sqlite3.connect(db_path) as conn:
+            conn.execute(f"UPDATE {VERSION_TABLE} SET version_num = '9999'")
+    elif damage == "corrupt-json":
+        path = write(env["dir"], entry())
+        path.write_text(path.read_text()[:-40])
+    elif damage == "bad-config":
+        path = write(env["dir"], entry())
+        data = json.loads(path.read_text())
+        data["entries"][0]["config"]["BLOCK_M"] = 7
+        path.write_text(json.dumps(data))
+    elif damage == "dir-is-a-file":
+        env["dir"].rmdir()
+        env["dir"].write_text("a file where a folder should be")
+    elif damage == "dir-missing":
+        env["dir"].rmdir()
+    elif damage == "db-named-but-missing":
+        monkeypatch.setenv("FLASHTUNE_DB", f"sqlite:///{db_path.parent / 'typo.db'}")
+    else:
+        op = "bwd"
+    entries, problems = load_choices(op, env["hashes"], HERE.name)
+    assert len(problems) == 1, problems
+    if op == "bwd":
+        assert entries == [] and "not a user op" in problems[0]
+        return
+    assert [(e.origin.split()[0], e.problem) for e in entries] == \
+        [("package", FWD_PROBLEMS[2])]
+    assert not (db_path.parent / "typo.db").exists()  # never created
