@@ -309,7 +309,6 @@ def _bench_problem(p: AttentionProblem, spec: Any, choice: Any, device: Any, tor
     """One problem's row: every implementation checked against fp32, then timed."""
     from flashtune.autotune.timing import bench, tflops
     from flashtune.core.case import TOLERANCE
-
     from flashtune.kernel_templates import get_template
 
     default = spec.default_config(p, device)

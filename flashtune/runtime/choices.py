@@ -31,7 +31,7 @@ from typing import Any
 
 from flashtune.core.problem import AttentionProblem
 from flashtune.core.spec import TemplateSpec
-from flashtune.runtime.lookup import ConfigChoice
+from flashtune.runtime.lookup import _SOURCE_LOCK, _SOURCE_WARNED, ConfigChoice, _warn_once
 from flashtune.runtime.sources import ChoiceEntry, DeviceKey, device_key, load_choices
 
 log = logging.getLogger(__name__)
@@ -55,14 +55,12 @@ class OpRouter:
         self._memo: dict[tuple[Any, ...], ConfigChoice | None] = {}
         self._aliases: bool | None = None
         self._db_url: str | None = None
-        self._warned: set[str] = set()
 
     def reload(self, *, device_alias: bool | None = None, db_url: str | None = None) -> None:
         """Forget loaded choices and memoised answers."""
         with self._lock:
             self._tables.clear()
             self._memo.clear()
-            self._warned.clear()
             self._aliases, self._db_url = device_alias, db_url
 
     def _table(self, device: Any) -> tuple[list[ChoiceEntry], list[ChoiceEntry]]:
@@ -81,11 +79,11 @@ class OpRouter:
             hashes = {name: spec.source_hash for name, spec in self.specs.items()}
             entries, problems = load_choices(self.op, hashes, device.name, aliases=aliases,
                                              db_url=self._db_url)
+            # a bad source is one warning per process, shared with the per-template
+            # dispatchers, which read the same sources
             for reason in problems:
-                if reason not in self._warned:
-                    self._warned.add(reason)
-                    log.warning("flashtune: %s; op %s choices from the other sources only",
-                                reason, self.op)
+                _warn_once(_SOURCE_WARNED, _SOURCE_LOCK, reason, "flashtune: %s; serving "
+                           "what the other sources have (else defaults)", reason)
             own = [e for e in entries if e.device == key]
             alias = [e for e in entries if aliases and e.device != key
                      and (e.device[1], e.device[3]) == (key[1], key[3])]

@@ -38,8 +38,7 @@ from typing import Any
 import torch
 
 from flashtune.core.device import DeviceFingerprint, current_device
-from flashtune.core.errors import ConfigError
-from flashtune.core.errors import InputError
+from flashtune.core.errors import ConfigError, InputError
 from flashtune.core.problem import AttentionProblem
 from flashtune.core.space import Config
 from flashtune.core.spec import USER_OPS, TemplateSpec

@@ -49,9 +49,9 @@ def test_a_forced_implementation_that_cannot_serve_fails_before_any_work(tmp_pat
         tune_op([TINY], "fwd", TuneOptions(trials=1, interpret=True),
                 impls=["sdpa_cudnn"], db_url=url, progress=False, _device=DEV)
     assert not (tmp_path / "t.db").exists()
-    gqa = AttentionProblem(1, 4, 2, 48, 48, 32, False, "fp16")
-    with pytest.raises(InputError, match="GQA"):
-        tune_op([TINY, gqa], "fwd", TuneOptions(trials=1, interpret=True),
+    unaligned = AttentionProblem(1, 2, 2, 48, 64, 32, True, "fp16")
+    with pytest.raises(InputError, match="sdpa_math cannot serve .*causal"):
+        tune_op([TINY, unaligned], "fwd", TuneOptions(trials=1, interpret=True),
                 impls=["sdpa_math"], db_url=url, progress=False, _device=DEV)
 
 

@@ -87,7 +87,7 @@ def test_route_is_resolved_once_per_shape(env, monkeypatch):
     for _ in range(3):
         flashtune.attention(q, k, v)
     assert len(calls) == 1
-    assert next(iter(routing._FAST.values()))[0] is True  # memoised as the decode route
+    assert next(iter(routing._FAST.values()))[0].name == "attn_decode"  # memoised as the decode route
 
 
 def test_inputs_that_need_grad_stay_on_the_differentiable_forward(env):

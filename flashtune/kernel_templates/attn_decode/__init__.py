@@ -6,12 +6,12 @@ import functools
 from pathlib import Path
 
 from flashtune.core.case import forward_case
+from flashtune.core.spec import Limits
 from flashtune.kernel_templates.attn_decode.kernel import attn_decode_split_kernel
 from flashtune.kernel_templates.attn_decode.launcher import attn_decode, attn_decode_kvcache
 from flashtune.kernel_templates.attn_decode.reference import attn_decode_reference
 from flashtune.kernel_templates.attn_decode.space import SPACE, default_config
 from flashtune.kernel_templates.attn_decode.warmup import warmup_launches
-from flashtune.core.spec import Limits
 from flashtune.kernel_templates.registry import TemplateSpec, register_template, source_hash
 
 _HERE = Path(__file__).parent
