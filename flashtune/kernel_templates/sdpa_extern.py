@@ -40,10 +40,12 @@ torch (and for cuDNN, cuDNN). :func:`extern_hash` hashes the backend name, torch
 string and, for ``sdpa_cudnn``, the cuDNN version, so timings recorded under another torch
 (or cuDNN) are stale, as a Triton template's are after its code changes.
 
-GQA: only ``sdpa_math`` serves ``heads_q != heads_kv`` (its aten op takes ``enable_gqa``
-since torch 2.5 and repeats K/V heads). Whether the fused ops accept unequal heads without
-``F.scaled_dot_product_attention``'s own handling is not checked here, so they declare
-``gqa=False``.
+GQA: ``sdpa_cudnn`` and ``sdpa_flash`` take ``heads_q`` a multiple of ``heads_kv`` as they
+are (on an H100 with torch 2.11 both matched the fp32 reference, no K/V copy:
+``benchmarks/probe_sdpa_gqa.py``, ``benchmarks/results/probe_sdpa_gqa_h100.json``; the GPU
+tests cover it); the efficient op refuses unequal heads ("Expected query.size(2) ==
+key.size(2)"), so it declares ``gqa=False``; ``sdpa_math`` takes ``enable_gqa`` (torch >= 2.5)
+and repeats K/V heads.
 
 What torch's own dispatcher checks and these limits do not say (a call outside it fails in
 the op, and the tuner records that trial as a failure): cuDNN serves head dims above 128
@@ -140,7 +142,7 @@ def sdpa_cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: Mappin
     Raises:
         ConfigError for a config other than ``{}``; InputError for GQA or unaligned causal.
     """
-    is_causal = _is_causal("sdpa_cudnn", q, k, config, causal)
+    is_causal = _is_causal("sdpa_cudnn", q, k, config, causal, gqa=True)
     res = _CUDNN(q, k, v, None, _needs_lse(return_lse, q, k, v), 0.0, is_causal, False,
                  scale=scale)
     if not return_lse:
@@ -159,7 +161,7 @@ def sdpa_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: Mappin
     Arguments, returns and errors as :func:`sdpa_cudnn` (the output is a
     ``(batch, seqlen_q, heads, head_dim)`` buffer seen with q's shape).
     """
-    is_causal = _is_causal("sdpa_flash", q, k, config, causal)
+    is_causal = _is_causal("sdpa_flash", q, k, config, causal, gqa=True)
     res = _FLASH(q, k, v, 0.0, is_causal, False, scale=scale)
     if not return_lse:
         return res[0]
@@ -287,9 +289,9 @@ _FUSED_HEAD_DIMS = tuple(d for d in SUPPORTED_HEAD_DIMS if d % 8 == 0 and d <= 2
 _LAUNCHERS: dict[str, Callable[..., Any]] = {
     "cudnn": sdpa_cudnn, "flash": sdpa_flash, "efficient": sdpa_efficient, "math": sdpa_math}
 _LIMITS = {
-    "cudnn": Limits(head_dims=_FUSED_HEAD_DIMS, gqa=False, causal_unaligned=False,
+    "cudnn": Limits(head_dims=_FUSED_HEAD_DIMS, gqa=True, causal_unaligned=False,
                     needs_gpu=True, available=_cudnn_available),
-    "flash": Limits(head_dims=_FUSED_HEAD_DIMS, gqa=False, causal_unaligned=False,
+    "flash": Limits(head_dims=_FUSED_HEAD_DIMS, gqa=True, causal_unaligned=False,
                     needs_gpu=True, available=_flash_available),
     "efficient": Limits(head_dims=tuple(d for d in SUPPORTED_HEAD_DIMS if d % 8 == 0),
                         gqa=False, causal_unaligned=False, needs_gpu=True,

@@ -16,12 +16,14 @@ pytestmark = pytest.mark.gpu
 FUSED = ("sdpa_cudnn", "sdpa_flash", "sdpa_efficient")
 DTYPES = [torch.float16, torch.bfloat16]
 SHAPES = [
-    # (b, hq, nq, nk, d, causal)
+    # (b, hq, nq, nk, d, causal[, hkv])
     (2, 3, 1000, 1000, 64, False),
     (1, 4, 1000, 1000, 128, True),   # causal, Nq == Nk
     (2, 2, 77, 1000, 64, False),     # Nq < Nk
     (3, 4, 1, 1000, 128, True),      # decode-like: one query row sees every key
     (2, 2, 1, 1000, 64, False),
+    (2, 8, 1000, 1000, 128, True, 2),  # GQA 4:1
+    (1, 8, 1, 1000, 64, True, 1),      # MQA decode
 ]
 
 
@@ -29,33 +31,36 @@ def _usable(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
     """Skip with the spec's reason when this GPU, torch build or shape is not served."""
     from flashtune.core.device import cuda_device
 
-    b, h, nq, nk, d, causal = shape
-    problem = AttentionProblem(b, h, h, nq, nk, d, causal,
+    b, h, nq, nk, d, causal = shape[:6]
+    problem = AttentionProblem(b, h, shape[6] if len(shape) > 6 else h, nq, nk, d, causal,
                                "fp16" if dtype == torch.float16 else "bf16")
     reason = get_template(name).refuse(problem, cuda_device(), return_lse=True)
     if reason is not None:
         pytest.skip(f"{name}: {reason}")
 
 
-def make_qkv(b, h, nq, nk, d, dtype, *, seed=0, layout="bhnd"):
+def make_qkv(b, h, nq, nk, d, dtype, *, seed=0, layout="bhnd", hkv=None):
     g = torch.Generator(device="cuda").manual_seed(seed)
 
-    def rand(n):
+    def rand(n, heads):
         if layout == "bnhd":  # (B, N, H, D) storage seen as (B, H, N, D)
-            return torch.randn(b, n, h, d, generator=g, device="cuda").to(dtype).transpose(1, 2)
-        return torch.randn(b, h, n, d, generator=g, device="cuda").to(dtype)
-    return rand(nq), rand(nk), rand(nk)
+            return torch.randn(b, n, heads, d, generator=g, device="cuda").to(dtype) \
+                .transpose(1, 2)
+        return torch.randn(b, heads, n, d, generator=g, device="cuda").to(dtype)
+    hkv = hkv or h
+    return rand(nq, h), rand(nk, hkv), rand(nk, hkv)
 
 
 @pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}h{}q{}k{}d{}{}".format(
-    *s[:5], "c" if s[5] else ""))
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}h{}q{}k{}d{}{}{}".format(
+    *s[:5], "c" if s[5] else "", f"kv{s[6]}" if len(s) > 6 else ""))
 @pytest.mark.parametrize("name", FUSED)
 def test_output_and_lse_match_the_reference(name, shape, dtype, layout):
     _usable(name, shape, dtype)
-    b, h, nq, nk, d, causal = shape
-    q, k, v = make_qkv(b, h, nq, nk, d, dtype, layout=layout)
+    b, h, nq, nk, d, causal = shape[:6]
+    q, k, v = make_qkv(b, h, nq, nk, d, dtype, layout=layout,
+                       hkv=shape[6] if len(shape) > 6 else None)
     out, lse = get_template(name).launcher(q, k, v, {}, causal=causal, return_lse=True)
     assert lse.shape == (b, h, nq) and lse.dtype == torch.float32
     assert_close_to_reference(out, q, k, v, causal=causal, lse=lse)
@@ -75,13 +80,15 @@ def test_a_scale_is_passed_through(name):
 @pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 @pytest.mark.parametrize("shape", [(2, 3, 1000, 1000, 64, False), (1, 4, 1000, 1000, 128, True),
-                                   (2, 2, 77, 1000, 64, False)],
-                         ids=["full", "causal", "nq<nk"])
+                                   (2, 2, 77, 1000, 64, False),
+                                   (1, 8, 1000, 1000, 128, True, 2)],
+                         ids=["full", "causal", "nq<nk", "gqa"])
 @pytest.mark.parametrize("name", FUSED)
 def test_gradients_through_autograd_match_the_reference(name, shape, dtype, layout):
     _usable(name, shape, dtype)
-    b, h, nq, nk, d, causal = shape
-    q, k, v = make_qkv(b, h, nq, nk, d, dtype, seed=1, layout=layout)
+    b, h, nq, nk, d, causal = shape[:6]
+    q, k, v = make_qkv(b, h, nq, nk, d, dtype, seed=1, layout=layout,
+                       hkv=shape[6] if len(shape) > 6 else None)
     dout = torch.randn(b, h, nq, d, device="cuda",
                        generator=torch.Generator(device="cuda").manual_seed(2)).to(dtype)
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
