@@ -134,11 +134,14 @@ def export_command(ctx: click.Context, device: str | None, template: str | None,
             files += [(c.file_name(), choice_document_to_json(c), len(c.entries))
                       for c in choices]
             files.sort(key=lambda f: f[0])
-        else:
-            files = [(f.name, vllm_to_json(f), len(f.configs)) for f in vllm_files(docs)]
+        else:  # Triton templates only: op choices and other kinds' configs are left out
+            triton = [d for d in docs if specs[d.template].kind == "triton"]
+            files = [(f.name, vllm_to_json(f), len(f.configs)) for f in vllm_files(triton)]
     except (FlashtuneError, ValueError) as exc:
         raise fail(exc) from exc
-    left_out = sum(len(c.entries) for c in choices) if fmt == "vllm" else 0
+    left_out = (sum(len(c.entries) for c in choices),
+                sum(len(d.entries) for d in docs if specs[d.template].kind != "triton")) \
+        if fmt == "vllm" else (0, 0)
     if not files:
         filters = "".join(f" {k}={v}" for k, v in (("device", device), ("template", template),
                                                     ("op", op)) if v)
@@ -166,10 +169,17 @@ def export_command(ctx: click.Context, device: str | None, template: str | None,
     _note_left_out(left_out)
 
 
-def _note_left_out(n: int) -> None:
-    if n:
-        click.echo(f"vLLM format carries Triton configs only; {n} op choice"
-                   f"{'' if n == 1 else 's'} not exported (use --format flashtune for them)")
+def _note_left_out(left_out: tuple[int, int]) -> None:
+    """What ``--format vllm`` did not write: op choices, and best configs of
+    implementations that are not Triton templates."""
+    choices, others = left_out
+    parts = [f"{n} {one if n == 1 else many}" for n, one, many in
+             ((choices, "op choice", "op choices"),
+              (others, "config of a non-Triton implementation",
+               "configs of non-Triton implementations")) if n]
+    if parts:
+        click.echo(f"vLLM format carries Triton configs only; {' and '.join(parts)} not "
+                   "exported (use --format flashtune for them)")
 
 
 def _json_files(paths: Sequence[Path]) -> list[Path]:
@@ -198,8 +208,8 @@ def _json_files(paths: Sequence[Path]) -> list[Path]:
                 type=click.Path(exists=True, path_type=Path))
 @click.option("--policy", type=click.Choice(POLICIES), default="keep-faster",
               show_default=True,
-              help="Where a problem already has a best config: keep the faster one, "
-                   "overwrite it, or skip the imported one.")
+              help="Where a problem already has a best config (or an op choice): keep the "
+                   "faster one, overwrite it, or skip the imported one.")
 @click.pass_context
 def import_command(ctx: click.Context, paths: tuple[Path, ...], policy: str) -> None:
     """Import exported config files and op choice files, all or nothing.

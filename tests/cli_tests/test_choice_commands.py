@@ -228,3 +228,24 @@ def test_show_op_when_there_are_none(db: str, tmp_path: Path) -> None:
     assert output.startswith("no op choices (database") and not missing.exists()
     code, output = invoke("--db", db, "show", "--op", "bwd")
     assert code == 2 and "Invalid value for '--op'" in output
+
+
+def test_the_vllm_format_leaves_out_configs_of_non_triton_implementations(
+        tmp_path: Path) -> None:
+    """A best config of an implementation that is not a Triton template (here the toy
+    extern's empty one) is not written as a vLLM file, and the command says so."""
+    url = f"sqlite:///{tmp_path / 'x.db'}"
+    populate(url, H100, {0: 1.0})
+    with open_store(url) as store:
+        d = store.ensure_device(H100)
+        t = store.ensure_template(EXTERN, extern_spec().source_hash)
+        p = store.ensure_problem(EXTERN, FWD_PROBLEMS[1].key(), FWD_PROBLEMS[1].bucket())
+        store.offer_best(d.id, t.id, p.id, config={}, median_ms=0.5, tflops=None,
+                         trial_id=None, trials_count=1)
+    out = tmp_path / "v"
+    code, output = invoke("--db", url, "export", "--format", "vllm", "-o", str(out))
+    assert code == 0, output
+    assert output.splitlines()[-1] == ("vLLM format carries Triton configs only; 1 config of "
+                                       "a non-Triton implementation not exported (use "
+                                       "--format flashtune for them)")
+    assert [p.name.split(",")[0] for p in out.iterdir()] == ["template=attn_fwd"]
