@@ -2,11 +2,12 @@
 # Issue 22's GPU investigation, in steps that each fit one device command:
 #   bash benchmarks/route_fwd.sh tune <plan.toml>...   # tune --op fwd for the plans' shapes
 #   bash benchmarks/route_fwd.sh bench <name> <plan.toml>  # routed forward vs SDPA, JSON
-# The database is $FLASHTUNE_DB (default sqlite:////tmp/flashtune-route.db); it starts with
+# The database is $FLASHTUNE_DB (default .route/flashtune.db, git-ignored); it starts with
 # the shipped tables imported, so attn_fwd's search warm-starts from them. Set OUT for where
 # the JSON goes (default benchmarks/results).
 set -u
-DB=${FLASHTUNE_DB:-sqlite:////tmp/flashtune-route.db}
+DB=${FLASHTUNE_DB:-sqlite:///.route/flashtune.db}
+mkdir -p .route
 OUT=${OUT:-benchmarks/results}
 ft() { python -m flashtune --db "$DB" "$@"; }
 if [ ! -f "${DB#sqlite:///}" ]; then ft import flashtune/configs; fi
