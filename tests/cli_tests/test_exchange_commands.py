@@ -112,7 +112,7 @@ def test_export_errors_are_one_line(db: str, tmp_path: Path) -> None:
                           str(tmp_path / "out"))
     assert code == 2 and output.endswith(
         "Error: Invalid value for '--template': unknown template 'attn_nope'; known "
-        "templates: attn_bwd, attn_decode, attn_fwd\n")
+        "templates: attn_bwd, attn_decode, attn_fwd, attn_fwd_gluon\n")
     code, output = invoke("--db", db, "export")
     assert code == 2 and "Missing option '-o'" in output
 

@@ -188,7 +188,7 @@ def test_tune_template_option(jobs: Calls) -> None:
 
 def test_tune_help_lists_the_templates() -> None:
     result = run("tune", "--help")
-    assert "attn_bwd|attn_decode|attn_fwd" in result.output
+    assert "attn_bwd|attn_decode|attn_fwd|attn_fwd_gluon" in result.output
 
 
 def test_tune_seed_range_ends_at_2_to_the_32_minus_1(jobs: Calls) -> None:
@@ -484,7 +484,7 @@ def test_show_unknown_template_lists_the_known_ones(populated: str) -> None:
     assert result.exit_code == 2
     line = error_line(result)
     assert "'--template'" in line and "'bogus'" in line
-    assert "attn_bwd, attn_decode, attn_fwd" in line
+    assert "attn_bwd, attn_decode, attn_fwd, attn_fwd_gluon" in line
 
 
 def test_show_json_round_trip(populated: str) -> None:
