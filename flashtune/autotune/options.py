@@ -115,7 +115,8 @@ def check_tunable(problems: Sequence[AttentionProblem], template: str, *,
                   custom_runner: bool) -> None:
     """Refuse, before any work starts, a problem the runtime would refuse too (InputError,
     e.g. its head_dim) and, unless a custom runner factory measures the candidates, a
-    template that cannot be tuned yet (ConfigError)."""
+    template that cannot be tuned yet or needs a GPU under the Triton interpreter
+    (ConfigError)."""
     from flashtune.core.errors import ConfigError, InputError
     from flashtune.core.problem import SUPPORTED_HEAD_DIMS
 
@@ -127,6 +128,12 @@ def check_tunable(problems: Sequence[AttentionProblem], template: str, *,
         return
     from flashtune.kernel_templates import get_template
 
-    if not get_template(template).tunable:
+    spec = get_template(template)
+    if not spec.tunable:
         raise ConfigError(f"template {template!r} cannot be tuned yet (no candidate "
                           f"runner for it); it runs with its default config")
+    from flashtune.core.device import interpreting
+
+    if spec.limits.needs_gpu and interpreting():  # every trial would fail
+        raise ConfigError(f"template {template!r} ({spec.kind}) needs a CUDA GPU: it does "
+                          f"not run under the Triton interpreter; tune it on a GPU")

@@ -140,8 +140,8 @@ def test_registering_another_spec_under_a_taken_name_is_refused(toy: TemplateSpe
 
 
 def test_every_builtin_folder_is_registered_under_its_name() -> None:
-    for name in ("attn_fwd", "attn_bwd", "attn_decode", "sdpa_cudnn", "sdpa_efficient",
-                 "sdpa_flash", "sdpa_math"):
+    for name in ("attn_fwd", "attn_bwd", "attn_decode", "attn_fwd_gluon", "sdpa_cudnn",
+                 "sdpa_efficient", "sdpa_flash", "sdpa_math"):
         assert get_template(name).name == name
         assert name in known_names()
     assert {get_template(n).op for n in ("attn_fwd", "attn_bwd", "attn_decode")} == \
@@ -199,7 +199,7 @@ def test_the_source_hash_covers_the_helpers_a_launcher_imports() -> None:
 
 
 def test_the_registered_hashes_are_those_of_their_files() -> None:
-    for name in ("attn_fwd", "attn_bwd", "attn_decode"):
+    for name in ("attn_fwd", "attn_bwd", "attn_decode", "attn_fwd_gluon"):
         spec = get_template(name)
         folder = Path(spec.launcher.__code__.co_filename).parent
         assert spec.source_hash == source_hash(folder / "kernel.py", folder / "launcher.py")

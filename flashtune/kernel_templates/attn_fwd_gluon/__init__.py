@@ -1,5 +1,6 @@
-"""attn_fwd_gluon: a Hopper flash-attention forward in Gluon, FlashAttention-3's structure
-(an experiment; not registered as a template yet).
+"""attn_fwd_gluon: a Hopper flash-attention forward in Gluon with FlashAttention-3's
+structure, an implementation of the user op ``fwd`` (sm_90, head dims 64 and 128, fp16 and
+bf16, GQA, bottom-right causal, the LSE); the tuner searches it beside ``attn_fwd``.
 
 Issue 7's remaining gap to cuDNN is what Triton's ``tl`` cannot say on Hopper in 3.6 (see
 ``benchmarks/README.md``): wgmma left in flight while the softmax runs, and producer/consumer
@@ -23,11 +24,48 @@ This kernel is FA3's forward (Shah et al. 2024, Algorithm 1 and 2) written in Gl
   as ``attn_fwd`` stores it.
 
 ``kernel.py`` holds the ``@gluon.jit`` code, ``launcher.py`` plans and launches it (and
-compiles it for sm_90 without a GPU), ``protocol.py`` model-checks its barrier protocol.
-Its numerics cannot be checked under the CPU interpreter (Gluon has none), so it is checked
-on the GPU (``benchmarks/explore_fwd_gluon.py``) before anything else; on the CPU,
-``tests/kernel_templates_tests/test_gluon_fwd_compile.py`` compiles it for sm_90. Importing
-this package imports nothing of Gluon: the modules do.
+compiles it for sm_90 without a GPU), ``space.py`` is the search space, whose validity
+predicate reads ``sm90_compile.json`` (registers, spills, shared memory of every point,
+compiled on the CPU by ``prefilter.py``), ``warmup.py`` the compile-only launch,
+``protocol.py`` model-checks the barrier protocol. Gluon has no interpreter mode, so the
+spec declares ``needs_gpu`` and sm_90 only (``Limits``); its numerics are checked on the GPU
+(``tests/kernel_templates_tests/test_attn_fwd_gluon.py``, marked ``gpu``, and
+``benchmarks/explore_fwd_gluon.py``), and the tuner checks every trial against the float32
+reference like any implementation's. Importing this package imports triton's Gluon frontend
+(no GPU needed) but compiles nothing.
 """
 
 from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+from flashtune.core.case import forward_case
+from flashtune.core.spec import Limits
+from flashtune.kernel_templates.attn_fwd.reference import attn_fwd_reference
+from flashtune.kernel_templates.attn_fwd_gluon.kernel import gluon_attn_fwd_kernel
+from flashtune.kernel_templates.attn_fwd_gluon.launcher import HEAD_DIMS, attn_fwd_gluon
+from flashtune.kernel_templates.attn_fwd_gluon.space import SPACE, default_config
+from flashtune.kernel_templates.attn_fwd_gluon.warmup import warmup_launches
+from flashtune.kernel_templates.registry import TemplateSpec, register_template, source_hash
+
+_HERE = Path(__file__).parent
+
+SPEC = register_template(TemplateSpec(
+    name="attn_fwd_gluon",
+    op="fwd",
+    source_hash=source_hash(_HERE / "kernel.py", _HERE / "launcher.py"),
+    launcher=attn_fwd_gluon,
+    reference=attn_fwd_reference,
+    space=SPACE,
+    default_config=default_config,
+    make_case=functools.partial(forward_case, attn_fwd_reference),
+    warmup_launches=warmup_launches,
+    kernel=gluon_attn_fwd_kernel,
+    kind="gluon",
+    serves=("fwd",),
+    limits=Limits(head_dims=HEAD_DIMS, dtypes=("fp16", "bf16"), gqa=True,
+                  causal_unaligned=True, lse=True, needs_gpu=True, capabilities=((9, 0),)),
+))
+
+__all__ = ["SPACE", "SPEC", "attn_fwd_gluon", "default_config", "gluon_attn_fwd_kernel"]

@@ -3,10 +3,16 @@
     python -m flashtune.kernel_templates.attn_fwd_gluon \
         '[{"head_dim": 64, "causal": true}, {"PINGPONG": 1}]'
 
-Each case is a config over ``DEFAULT_CONFIG`` plus optional ``head_dim`` (128) and ``causal``
-(false); one JSON line per case: the config, shared memory bytes, warps, and
+Each case is a config over ``DEFAULT_CONFIG`` plus optional ``head_dim`` (128), ``causal``
+(false) and ``dtype`` ("bf16"); one JSON line per case: the config, shared memory bytes,
+warps, and
 :func:`~flashtune.kernel_templates.attn_fwd_gluon.launcher.ptxas_stats`. No GPU needed; run
 it without ``TRITON_INTERPRET``.
+
+    python -m flashtune.kernel_templates.attn_fwd_gluon --prefilter [--jobs N]
+
+writes ``sm90_compile.json``, the table behind the space's validity predicate
+(:mod:`.prefilter`).
 """
 
 from __future__ import annotations
@@ -18,7 +24,11 @@ import sys
 
 def main(argv: list[str]) -> int:
     """Compile each case of ``argv[0]`` (a JSON list; default: the default config) and print
-    its figures."""
+    its figures; with ``--prefilter``, :func:`.prefilter.main`."""
+    if argv and argv[0] == "--prefilter":
+        from flashtune.kernel_templates.attn_fwd_gluon.prefilter import main as prefilter
+
+        return prefilter(argv)
     if os.environ.get("TRITON_INTERPRET"):
         print("unset TRITON_INTERPRET: this compiles for sm_90", file=sys.stderr)
         return 2
@@ -31,9 +41,10 @@ def main(argv: list[str]) -> int:
     for case in json.loads(argv[0]) if argv else [{}]:
         d = case.pop("head_dim", 128)
         causal = case.pop("causal", False)
-        c = compile_sm90(case, d, causal)
+        dtype = case.pop("dtype", "bf16")
+        c = compile_sm90(case, d, causal, dtype)
         print(json.dumps({"config": dict(DEFAULT_CONFIG, **case), "head_dim": d,
-                          "causal": causal, "shared": c.metadata.shared,
+                          "causal": causal, "dtype": dtype, "shared": c.metadata.shared,
                           "warps": c.metadata.num_warps, **ptxas_stats(c.asm["ptx"])}))
     return 0
 

@@ -1,27 +1,32 @@
 """Host side of the Gluon forward: the launch planned from a config (warps and the register
-split, TMA descriptors, the grid), :func:`gluon_attn_fwd` to run it on a Hopper GPU, and
-:func:`compile_sm90` to compile the same kernel for sm_90 without one (:func:`ptxas_stats`
-reads the result; ``python -m flashtune.kernel_templates.attn_fwd_gluon`` prints both).
+split, TMA descriptors, the grid; :func:`kernel_args`), :func:`attn_fwd_gluon` to run it on a
+Hopper GPU (the registered launcher), and :func:`compile_sm90` to compile the same kernel for
+sm_90 without one (:func:`ptxas_stats` reads the result; ``python -m
+flashtune.kernel_templates.attn_fwd_gluon`` prints both).
 
 Layout: Q, K, V, O contiguous ``(B, H, N, D)``, read through 2-D descriptors over
 ``(B * H * N, D)``. A tile that runs past a head's end reads the next head's rows: keys are
 masked (``>= Nk``), query rows are never stored. D is 64 or 128 (the wgmma N of ``P V``),
-fp16 or bf16.
+fp16 or bf16. Inputs that are not contiguous, or whose base address is not 16-byte aligned
+(the tensor-copy engine's rule), are copied first: the kernel addresses rows through TMA
+descriptors and has no stride arguments.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from flashtune.core.errors import ConfigError, DeviceError, InputError, InputTypeError
 from flashtune.kernel_templates.attn_fwd_gluon.kernel import gluon_attn_fwd_kernel
 
 LOG2E = 1.4426950408889634
-
+HEAD_DIMS = (64, 128)
 
 # ROWS query rows per consumer, BLOCK_N keys per K/V tile, NUM_STAGES K/V buffers,
 # NUM_CONSUMERS consumer warpgroups (1 or 2), PINGPONG (two consumers take turns to issue)
@@ -33,7 +38,7 @@ def _layout(block: list[int], dtype: Any) -> Any:
     return gl.NVMMASharedLayout.get_default_for(block, dtype)
 
 
-def launch_meta(config: dict[str, int]) -> dict[str, int]:
+def launch_meta(config: Mapping[str, int]) -> dict[str, int]:
     """Warps and register split: the consumers take 4 warps each, the producer 1 warp (a
     warpgroup's registers); ``maxnreg`` so the whole CTA fits the 64K-register file."""
     consumers = config["NUM_CONSUMERS"]
@@ -45,53 +50,142 @@ def launch_meta(config: dict[str, int]) -> dict[str, int]:
             "CONSUMER_REGS": consumer}
 
 
-def gluon_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
-                   scale: float | None = None, config: dict[str, int] | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention forward with the Gluon kernel and an explicit config (a Hopper GPU only).
-
-    Arguments:
-        q: ``(batch, heads_q, seqlen_q, head_dim)``, fp16 or bf16, ``head_dim`` 64 or 128.
-        k, v: ``(batch, heads_kv, seqlen_k, head_dim)``, same dtype and device as ``q``;
-            ``heads_q`` a multiple of ``heads_kv`` (GQA/MQA). Inputs that are not
-            contiguous are copied.
-        causal: bottom-right aligned mask, as ``attn_fwd``: query ``i`` sees key ``j`` iff
-            ``j <= i + seqlen_k - seqlen_q``.
-        scale: softmax scale, default ``1 / sqrt(head_dim)``.
-        config: knobs over :data:`DEFAULT_CONFIG`.
-    Returns:
-        ``(out, lse)`` as ``attn_fwd(..., return_lse=True)``: ``out`` shaped like ``q``;
-        ``lse`` float32 ``(batch, heads_q, seqlen_q)``, natural log, ``-inf`` for rows that
-        see no key.
-    """
-    cfg = dict(DEFAULT_CONFIG, **(config or {}))
+def kernel_args(q: Any, k: Any, v: Any, out: Any, lse: Any, config: Mapping[str, int], *,
+                causal: bool, scale: float
+                ) -> tuple[tuple[Any, ...], dict[str, Any], tuple[int, int]]:
+    """``(args, kwargs, grid)`` of ``gluon_attn_fwd_kernel`` for contiguous, 16-byte aligned
+    tensors (or shape-only stand-ins: a descriptor reads its base's address and dtype only)
+    and a full ``config``; ``scale`` >= 0."""
     batch, heads_q, seqlen_q, head_dim = q.shape
     heads_kv, seqlen_k = k.shape[1], k.shape[2]
-    if head_dim not in (64, 128):
-        raise ValueError(f"head_dim must be 64 or 128 for the Gluon forward, got {head_dim}")
-    if heads_q % heads_kv:
-        raise ValueError(f"heads_q ({heads_q}) must be a multiple of heads_kv ({heads_kv})")
-    q, k, v = (t.contiguous() for t in (q, k, v))
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    rows, bn = config["ROWS"], config["BLOCK_N"]
+    q_desc = TensorDescriptor(q, [batch * heads_q * seqlen_q, head_dim], [head_dim, 1],
+                              [rows, head_dim], _layout([rows, head_dim], gdt))
+    kv_shape = [batch * heads_kv * seqlen_k, head_dim]
+    k_desc = TensorDescriptor(k, kv_shape, [head_dim, 1], [bn, head_dim],
+                              _layout([bn, head_dim], gdt))
+    v_desc = TensorDescriptor(v, kv_shape, [head_dim, 1], [bn, head_dim],
+                              _layout([bn, head_dim], gdt))
+    meta = launch_meta(config)
+    args = (q_desc, k_desc, v_desc, out, lse, seqlen_q, seqlen_k, heads_q,
+            heads_q // heads_kv, scale * LOG2E)
+    kwargs = dict(
+        HEAD_D=head_dim, ROWS=rows, BLOCK_N=bn, NUM_STAGES=config["NUM_STAGES"],
+        NUM_CONSUMERS=config["NUM_CONSUMERS"], CAUSAL=bool(causal),
+        PINGPONG=bool(config["PINGPONG"]), PRODUCER_REGS=meta["PRODUCER_REGS"],
+        CONSUMER_REGS=meta["CONSUMER_REGS"], num_warps=meta["num_warps"],
+        maxnreg=meta["maxnreg"])
+    return args, kwargs, (-(-seqlen_q // (config["NUM_CONSUMERS"] * rows)), batch * heads_q)
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+           config: Mapping[str, int]) -> None:
+    """What the kernel cannot serve, refused by name."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise InputError(f"q, k, v must be 4-D (batch, heads, seqlen, head_dim), got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise InputError(f"k and v must be (batch, heads_kv, seqlen_k, head_dim) with q's "
+                         f"batch and head_dim; got q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)}")
+    if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype \
+            or v.dtype != q.dtype:
+        raise InputTypeError(f"the Gluon forward takes fp16 or bf16 q, k, v of one dtype; got "
+                             f"{q.dtype}, {k.dtype}, {v.dtype}")
+    if q.shape[3] not in HEAD_DIMS:
+        raise InputError(f"head_dim must be 64 or 128 for the Gluon forward, got {q.shape[3]} "
+                         f"(attn_fwd serves the others)")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        raise InputError(f"heads_q ({q.shape[1]}) must be a multiple of heads_kv "
+                         f"({k.shape[1]})")
+    rows = max(q.shape[0] * q.shape[1] * q.shape[2], k.shape[0] * k.shape[1] * k.shape[2])
+    if rows >= 2**31:
+        raise InputError(f"batch x heads x seqlen must stay below 2**31 rows (TMA "
+                         f"coordinates are 32-bit), got {rows}")
+    missing = sorted(set(DEFAULT_CONFIG) - set(config))
+    unknown = sorted(set(config) - set(DEFAULT_CONFIG))
+    if missing or unknown:
+        raise ConfigError(f"config needs exactly the keys {sorted(DEFAULT_CONFIG)}; missing "
+                          f"{missing}, unknown {unknown}")
+    if config["NUM_CONSUMERS"] not in (1, 2) or (config["PINGPONG"]
+                                                and config["NUM_CONSUMERS"] != 2):
+        raise ConfigError(f"NUM_CONSUMERS must be 1 or 2 and PINGPONG needs 2; got "
+                          f"{dict(config)}")
+    if q.device.type != "cuda" or k.device != q.device or v.device != q.device:
+        raise DeviceError(f"the Gluon forward runs on one CUDA GPU (sm_90) and has no "
+                          f"interpreter mode; got q, k, v on {q.device}, {k.device}, {v.device}")
+    if torch.cuda.get_device_capability(q.device) != (9, 0):
+        raise DeviceError(f"the Gluon forward runs on sm_90 (Hopper) only; {q.device} is "
+                          f"sm_{''.join(map(str, torch.cuda.get_device_capability(q.device)))}")
+
+
+def _tma_ready(t: torch.Tensor) -> torch.Tensor:
+    """``t`` contiguous with a 16-byte aligned base (a copy when it is not already)."""
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+def attn_fwd_gluon(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    config: Mapping[str, int],
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Flash-attention forward with the Gluon kernel and an explicit config (a Hopper GPU).
+
+    Arguments:
+        q: ``(batch, heads_q, seqlen_q, head_dim)``, fp16 or bf16, ``head_dim`` 64 or 128,
+            on a CUDA device of compute capability 9.0.
+        k, v: ``(batch, heads_kv, seqlen_k, head_dim)``, same dtype and device as ``q``;
+            ``heads_q`` a multiple of ``heads_kv`` (GQA/MQA, never expanded). Inputs that
+            are not contiguous, or not 16-byte aligned, are copied (see the module doc).
+        config: ``{"ROWS", "BLOCK_N", "NUM_STAGES", "NUM_CONSUMERS", "PINGPONG"}``, from the
+            template's space.
+        causal: bottom-right aligned mask, as ``attn_fwd``: query ``i`` sees key ``j`` iff
+            ``j <= i + seqlen_k - seqlen_q``.
+        scale: softmax scale, default ``1 / sqrt(head_dim)``. A negative scale runs as
+            ``-scale`` on ``-k`` (a copy of ``k``): the kernel's running maximum assumes
+            ``scale >= 0``.
+        return_lse: also return the log-sum-exp.
+    Returns:
+        ``out`` shaped like ``q`` in its dtype, or ``(out, lse)`` with ``lse`` float32
+        ``(batch, heads_q, seqlen_q)``, natural log, ``-inf`` for rows that see no key
+        (``out`` 0 there): ``attn_fwd``'s convention.
+    Raises:
+        InputError, InputTypeError, DeviceError for inputs it cannot serve (head_dim other
+        than 64 or 128, other dtypes, CPU tensors); ConfigError for a config outside its
+        knobs.
+    """
+    _check(q, k, v, config)
+    batch, heads_q, seqlen_q, head_dim = q.shape
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    if scale < 0:
+        k, scale = -k, -scale
+    q, k, v = (_tma_ready(t) for t in (q, k, v))
     out = torch.empty_like(q)
     lse = torch.empty((batch, heads_q, seqlen_q), device=q.device, dtype=torch.float32)
-    gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    rows, bn = cfg["ROWS"], cfg["BLOCK_N"]
-    q_desc = TensorDescriptor(q.view(-1, head_dim), [batch * heads_q * seqlen_q, head_dim],
-                              [head_dim, 1], [rows, head_dim], _layout([rows, head_dim], gdt))
-    kv_shape = [batch * heads_kv * seqlen_k, head_dim]
-    k_desc = TensorDescriptor(k.view(-1, head_dim), kv_shape, [head_dim, 1], [bn, head_dim],
-                              _layout([bn, head_dim], gdt))
-    v_desc = TensorDescriptor(v.view(-1, head_dim), kv_shape, [head_dim, 1], [bn, head_dim],
-                              _layout([bn, head_dim], gdt))
-    meta = launch_meta(cfg)
-    grid = (-(-seqlen_q // (cfg["NUM_CONSUMERS"] * rows)), batch * heads_q)
-    gluon_attn_fwd_kernel[grid](
-        q_desc, k_desc, v_desc, out, lse, seqlen_q, seqlen_k, heads_q, heads_q // heads_kv,
-        scale * LOG2E, HEAD_D=head_dim, ROWS=rows, BLOCK_N=bn, NUM_STAGES=cfg["NUM_STAGES"],
-        NUM_CONSUMERS=cfg["NUM_CONSUMERS"], CAUSAL=bool(causal),
-        PINGPONG=bool(cfg["PINGPONG"]), PRODUCER_REGS=meta["PRODUCER_REGS"],
-        CONSUMER_REGS=meta["CONSUMER_REGS"], num_warps=meta["num_warps"], maxnreg=meta["maxnreg"])
+    if q.numel() == 0 or k.shape[2] == 0:  # nothing to launch: no query, or no key to see
+        out.zero_()
+        lse.fill_(-math.inf)
+    else:
+        args, kwargs, grid = kernel_args(q, k, v, out, lse, config, causal=causal,
+                                         scale=scale)
+        gluon_attn_fwd_kernel[grid](*args, **kwargs)
+    return (out, lse) if return_lse else out
+
+
+def gluon_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
+                   scale: float | None = None, config: Mapping[str, int] | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`attn_fwd_gluon` with ``config`` over :data:`DEFAULT_CONFIG`, returning
+    ``(out, lse)`` (what ``benchmarks/explore_fwd_gluon.py`` calls)."""
+    cfg = dict(DEFAULT_CONFIG, **(config or {}))
+    out, lse = attn_fwd_gluon(q, k, v, cfg, causal=causal, scale=scale, return_lse=True)
     return out, lse
 
 

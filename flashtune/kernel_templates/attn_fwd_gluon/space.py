@@ -1,0 +1,204 @@
+"""attn_fwd_gluon's search space and validity predicate.
+
+The knobs are the launcher's: ``ROWS`` query rows per consumer warpgroup, ``BLOCK_N`` keys
+per K/V tile, ``NUM_STAGES`` K/V buffers, ``NUM_CONSUMERS`` consumer warpgroups and
+``PINGPONG`` (the two consumers take turns to issue their wgmmas). Tiles are powers of two
+(Gluon tensors and TMA boxes are), so FA3's 176-key tile is out; ``NUM_STAGES`` starts at 2
+(one buffer would deadlock: block ``j`` is loaded only once block ``j - 1``'s buffer is
+released, which waits for block ``j``).
+
+Whether a config fits is what ptxas makes of it: registers spill or not, shared memory fits
+the 227 KiB an sm_90 block may opt in to or not. Compiling takes seconds, so the predicate
+reads a table instead, ``sm90_compile.json`` next to this file: every point of the space
+compiled for sm_90a on the CPU per head dim, dtype and causal flag (shared bytes, registers,
+spill bytes, or the compile error), written by
+
+    python -m flashtune.kernel_templates.attn_fwd_gluon --prefilter
+
+(:mod:`.prefilter`; minutes on a few cores). The table records the template's source hash;
+``tests/kernel_templates_tests/test_attn_fwd_gluon.py`` fails when it is stale or misses a
+point of the space. The table compiles scalar arguments without the divisibility
+specialization a launch may add (``seqlen_q`` a multiple of 16): a pre-filter, and the
+tuner's trials have the last word.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from flashtune.core.device import DeviceFingerprint
+from flashtune.core.problem import AttentionProblem
+from flashtune.core.space import Config, SearchSpace
+
+log = logging.getLogger(__name__)
+
+__all__ = ["HEAD_DIMS", "PARAMS", "SMEM_LIMIT", "SPACE", "TABLE", "Compiled", "check",
+           "default_config", "entry_key", "load_table", "structural_reason"]
+
+PARAMS: dict[str, tuple[int, ...]] = {
+    # ROWS 128 fits at D64 with 64-key tiles (no spill), spills with larger tiles
+    "ROWS": (64, 128),
+    # 256-key tiles spilled 0.7-2 KB at 240 registers per consumer in every config compiled
+    # (D64 and D128, one or two consumers): left out, their compiles took most of the time
+    "BLOCK_N": (64, 128),
+    "NUM_STAGES": (2, 3, 4),
+    "NUM_CONSUMERS": (1, 2),
+    "PINGPONG": (0, 1),
+}
+HEAD_DIMS = (64, 128)  # the wgmma N of P V; the launcher refuses others
+DTYPES = ("fp16", "bf16")
+SMEM_LIMIT = 227 * 1024  # dynamic shared memory an sm_90 block may opt in to
+TABLE = Path(__file__).with_name("sm90_compile.json")
+TABLE_FORMAT = 1
+REGENERATE = "python -m flashtune.kernel_templates.attn_fwd_gluon --prefilter"
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """What compiling one config for sm_90a gave: ``error`` (its first line) or the figures."""
+
+    shared: int | None
+    registers: int | None
+    spill_bytes: int | None
+    error: str | None = None
+
+    def reason(self, smem_limit: int = SMEM_LIMIT) -> str | None:
+        """Why this compiled kernel should not run (None: it may)."""
+        if self.error is not None:
+            return f"does not compile for sm_90a: {self.error}"
+        if self.spill_bytes:
+            return (f"spills {self.spill_bytes} B of registers to local memory (ptxas, sm_90a, "
+                    f"{self.registers} registers)")
+        if self.shared is not None and self.shared > smem_limit:
+            return f"needs {self.shared} B of shared memory, an sm_90 block may use {smem_limit} B"
+        return None
+
+
+def entry_key(head_dim: int, dtype: str, causal: bool, config: Mapping[str, int]) -> str:
+    """The table's key for one compile: ``d128-bf16-causal-ROWS=64,BLOCK_N=128,...``."""
+    knobs = ",".join(f"{name}={int(config[name])}" for name in PARAMS)
+    return f"d{head_dim}-{dtype}-{'causal' if causal else 'full'}-{knobs}"
+
+
+def structural_reason(config: Mapping[str, int]) -> str | None:
+    """What the kernel's own static asserts refuse (never compiled, not in the table)."""
+    if config["PINGPONG"] and config["NUM_CONSUMERS"] != 2:
+        return "PINGPONG takes turns between two consumers (NUM_CONSUMERS 2)"
+    return None
+
+
+def _entry(raw: Any, where: str) -> tuple[str, Compiled]:
+    """One table entry, checked field by field (``ValueError`` naming ``where``)."""
+    if not isinstance(raw, dict):
+        raise ValueError(f"{where}: an entry must be an object, got {type(raw).__name__}")
+    fields = {"head_dim", "dtype", "causal", "config", "shared", "registers", "spill_bytes",
+              "error"}
+    if set(raw) != fields:
+        raise ValueError(f"{where}: an entry has the keys {sorted(fields)}, got {sorted(raw)}")
+    config = raw["config"]
+    if not isinstance(config, dict) or set(config) != set(PARAMS) \
+            or any(type(config[n]) is not int for n in PARAMS):
+        raise ValueError(f"{where}: config must map {list(PARAMS)} to ints, got {config!r}")
+    if type(raw["head_dim"]) is not int or raw["dtype"] not in DTYPES \
+            or type(raw["causal"]) is not bool:
+        raise ValueError(f"{where}: head_dim int, dtype in {DTYPES}, causal bool; got "
+                         f"{raw['head_dim']!r}, {raw['dtype']!r}, {raw['causal']!r}")
+    for name in ("shared", "registers", "spill_bytes"):
+        if raw[name] is not None and type(raw[name]) is not int:
+            raise ValueError(f"{where}: {name} must be an int or null, got {raw[name]!r}")
+    if raw["error"] is not None and not isinstance(raw["error"], str):
+        raise ValueError(f"{where}: error must be a string or null, got {raw['error']!r}")
+    if raw["error"] is None and None in (raw["shared"], raw["registers"], raw["spill_bytes"]):
+        raise ValueError(f"{where}: an entry without an error needs shared, registers and "
+                         f"spill_bytes")
+    return (entry_key(raw["head_dim"], raw["dtype"], raw["causal"], config),
+            Compiled(raw["shared"], raw["registers"], raw["spill_bytes"], raw["error"]))
+
+
+def parse_table(doc: Any, where: str = "table") -> dict[str, Compiled]:
+    """The entries of a table document (``json.load`` of ``sm90_compile.json``), checked.
+
+    Raises:
+        ValueError naming what is wrong and where.
+    """
+    if not isinstance(doc, dict) or doc.get("format") != TABLE_FORMAT \
+            or not isinstance(doc.get("entries"), list):
+        raise ValueError(f"{where}: expected an object with format {TABLE_FORMAT} and a list "
+                         f"of entries; regenerate it: {REGENERATE}")
+    table: dict[str, Compiled] = {}
+    for i, raw in enumerate(doc["entries"]):
+        key, compiled = _entry(raw, f"{where}, entry {i}")
+        if key in table:
+            raise ValueError(f"{where}, entry {i}: {key} appears twice")
+        table[key] = compiled
+    return table
+
+
+@functools.lru_cache(maxsize=1)
+def load_table(path: Path = TABLE) -> dict[str, Compiled]:
+    """The sm_90 compile table, read and checked once (a stale source hash is logged).
+
+    Raises:
+        OSError when it cannot be read; ValueError when it is not a valid table.
+    """
+    with open(path, encoding="utf-8") as f:
+        doc = json.load(f)
+    table = parse_table(doc, str(path))
+    from flashtune.kernel_templates.registry import source_hash
+
+    here = path.parent
+    current = source_hash(here / "kernel.py", here / "launcher.py")
+    if doc.get("source_hash") != current:
+        log.warning("%s was compiled from attn_fwd_gluon source %s, the source is now %s: its "
+                    "verdicts may be stale; regenerate it: %s", path, doc.get("source_hash"),
+                    current, REGENERATE)
+    return table
+
+
+def check(config: Mapping[str, int], problem: AttentionProblem,
+          device: DeviceFingerprint) -> str | None:
+    """Why ``config`` cannot (or should not) run ``problem`` on ``device``; None if it can.
+
+    Structural rules first, then the sm_90 compile table: a config that failed to compile,
+    spills, or needs more shared memory than the block may use (227 KiB, or the device's
+    opt-in limit when lower) is refused with the table's figures.
+    """
+    reason = structural_reason(config)
+    if reason is not None:
+        return reason
+    if problem.head_dim not in HEAD_DIMS:
+        return f"head_dim {problem.head_dim}: the Gluon forward serves {list(HEAD_DIMS)}"
+    compiled = load_table().get(entry_key(problem.head_dim, problem.dtype, problem.causal,
+                                          config))
+    if compiled is None:
+        return f"not in the sm_90 compile table ({TABLE.name}); regenerate it: {REGENERATE}"
+    limit = SMEM_LIMIT
+    if not device.is_interpreter and 0 < device.shared_mem_per_block < limit:
+        limit = device.shared_mem_per_block
+    return compiled.reason(limit)
+
+
+SPACE = SearchSpace(params=PARAMS, predicate=check)
+
+# what an untuned shape runs, best guess first (FA3's 128-row CTA: two consumers of 64 rows)
+_DEFAULTS: tuple[Config, ...] = (
+    {"ROWS": 64, "BLOCK_N": 128, "NUM_STAGES": 2, "NUM_CONSUMERS": 2, "PINGPONG": 0},
+    {"ROWS": 64, "BLOCK_N": 64, "NUM_STAGES": 3, "NUM_CONSUMERS": 2, "PINGPONG": 0},
+    {"ROWS": 64, "BLOCK_N": 64, "NUM_STAGES": 2, "NUM_CONSUMERS": 2, "PINGPONG": 0},
+    {"ROWS": 64, "BLOCK_N": 64, "NUM_STAGES": 2, "NUM_CONSUMERS": 1, "PINGPONG": 0},
+)
+
+
+def default_config(problem: AttentionProblem, device: DeviceFingerprint) -> Config:
+    """A safe config for ``problem``: the first of the defaults the predicate accepts (the
+    first one for a problem no config serves: the predicate names why)."""
+    for config in _DEFAULTS:
+        if check(config, problem, device) is None:
+            return dict(config)
+    return dict(_DEFAULTS[0])

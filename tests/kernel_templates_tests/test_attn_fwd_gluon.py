@@ -1,0 +1,312 @@
+"""attn_fwd_gluon as a registered implementation of ``fwd``: its spec and limits, its space
+and the sm_90 compile table behind its predicate (CPU), the compile-only launch, and (GPU,
+sm_90) its numerics through the spec's launcher and every valid config of the space.
+
+Gluon has no interpreter mode: on the CPU the kernel is only compiled
+(``test_gluon_fwd_compile.py`` and the table checks here); ``FLASHTUNE_TEST_DEVICE=cuda`` on
+a Hopper runs the rest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from flashtune.core.device import DeviceFingerprint, interpreter_device
+from flashtune.core.errors import ConfigError, DeviceError, InputError, InputTypeError
+from flashtune.core.problem import AttentionProblem
+from flashtune.kernel_templates import get_template, implementations
+from flashtune.kernel_templates.attn_fwd.reference import attn_fwd_reference
+from flashtune.kernel_templates.attn_fwd_gluon import space
+from flashtune.kernel_templates.attn_fwd_gluon.prefilter import cases
+from flashtune.kernel_templates.registry import source_hash
+from tests.helpers import assert_close_to_reference
+
+ROOT = Path(__file__).resolve().parents[2]
+FOLDER = ROOT / "flashtune" / "kernel_templates" / "attn_fwd_gluon"
+SPEC = get_template("attn_fwd_gluon")
+H100 = DeviceFingerprint("NVIDIA_H100_80GB_HBM3", "9.0", 132, 232448, 85 * 2**30)
+A100 = DeviceFingerprint("NVIDIA_A100_SXM4_80GB", "8.0", 108, 166912, 85 * 2**30)
+
+
+def _problem(d: int = 128, causal: bool = False, dtype: str = "bf16", *, hq: int = 8,
+             hkv: int = 8, nq: int = 1000, nk: int = 1000) -> AttentionProblem:
+    return AttentionProblem(2, hq, hkv, nq, nk, d, causal, dtype)
+
+
+def _config(**knobs: int) -> dict[str, int]:
+    return {"ROWS": 64, "BLOCK_N": 128, "NUM_STAGES": 2, "NUM_CONSUMERS": 2, "PINGPONG": 0,
+            **knobs}
+
+
+def _entry(compiled: space.Compiled, config: dict[str, int], **problem: object) -> dict:
+    doc = {"head_dim": 128, "dtype": "bf16", "causal": False, "config": config,
+           "shared": compiled.shared, "registers": compiled.registers,
+           "spill_bytes": compiled.spill_bytes, "error": compiled.error}
+    doc.update(problem)
+    return doc
+
+
+# -- the spec and its limits -------------------------------------------------------------------
+
+def test_it_is_registered_as_a_gluon_implementation_of_fwd() -> None:
+    assert SPEC.name == "attn_fwd_gluon" and SPEC.op == "fwd" and SPEC.kind == "gluon"
+    assert SPEC.serves == ("fwd",) and SPEC.tunable
+    assert SPEC in implementations("fwd") and SPEC not in implementations("decode")
+    assert SPEC.reference is attn_fwd_reference
+    assert SPEC.source_hash == source_hash(FOLDER / "kernel.py", FOLDER / "launcher.py")
+    assert SPEC.warmup_launches is not None
+    # importing it (attn_fwd's reference included) moves no other template's hash
+    assert get_template("attn_fwd").source_hash == "26cc4bcd80fd449b"
+
+
+def test_its_limits_refuse_what_it_cannot_serve() -> None:
+    assert "needs a CUDA GPU" in SPEC.refuse(_problem(), interpreter_device())
+    assert "sm_90" in SPEC.refuse(_problem(), A100)
+    assert "head_dim 96" in SPEC.refuse(_problem(96), H100)
+    for d in (64, 128):
+        for dtype in ("fp16", "bf16"):
+            # GQA, causal with Nq != Nk (bottom-right, as attn_fwd), the LSE
+            p = _problem(d, True, dtype, hq=8, hkv=2, nq=333, nk=517)
+            assert SPEC.refuse(p, H100, return_lse=True) is None
+
+
+def test_tune_refuses_it_under_the_interpreter_up_front() -> None:
+    from flashtune.autotune.options import check_tunable
+
+    assert os.environ.get("TRITON_INTERPRET") == "1"  # tests/conftest.py on the CPU
+    with pytest.raises(ConfigError, match="'attn_fwd_gluon' .gluon. needs a CUDA GPU"):
+        check_tunable([_problem()], "attn_fwd_gluon", custom_runner=False)
+    check_tunable([_problem()], "attn_fwd_gluon", custom_runner=True)  # a replay, say
+    check_tunable([_problem()], "attn_fwd", custom_runner=False)
+
+
+def test_the_launcher_refuses_what_it_cannot_serve_by_name() -> None:
+    def t(*shape: int, dtype: torch.dtype = torch.float16) -> torch.Tensor:
+        return torch.zeros(shape, dtype=dtype)
+
+    q, k = t(1, 2, 16, 128), t(1, 2, 16, 128)
+    with pytest.raises(InputError, match="head_dim must be 64 or 128.*got 96"):
+        SPEC.launcher(t(1, 2, 16, 96), t(1, 2, 16, 96), t(1, 2, 16, 96), _config())
+    with pytest.raises(InputTypeError, match="fp16 or bf16"):
+        f32 = t(1, 2, 16, 128, dtype=torch.float32)
+        SPEC.launcher(f32, f32, f32, _config())
+    with pytest.raises(InputError, match="multiple of heads_kv"):
+        SPEC.launcher(t(1, 3, 16, 128), k, k, _config())
+    with pytest.raises(ConfigError, match="PINGPONG needs 2"):
+        SPEC.launcher(q, k, k, _config(NUM_CONSUMERS=1, PINGPONG=1))
+    with pytest.raises(ConfigError, match="unknown \\['BLOCK_M'\\]"):
+        SPEC.launcher(q, k, k, {**_config(), "BLOCK_M": 64})
+    with pytest.raises(DeviceError, match="no interpreter mode"):
+        SPEC.launcher(q, k, k, _config())
+
+
+# -- the space and its predicate -----------------------------------------------------------------
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_the_default_config_is_valid_for_every_problem_it_serves(d: int) -> None:
+    for causal in (False, True):
+        for dtype in ("fp16", "bf16"):
+            for p in (_problem(d, causal, dtype), _problem(d, causal, dtype, hq=8, hkv=1,
+                                                           nq=77, nk=1000)):
+                config = SPEC.default_config(p, H100)
+                assert SPEC.space.validate(config) == config
+                assert SPEC.space.check(config, p, H100) is None, config
+                assert SPEC.space.check(config, p, interpreter_device()) is None
+
+
+def test_the_predicate_rejects_spills_shared_memory_and_compile_errors_with_a_reason() -> None:
+    table = space.load_table()
+    p = _problem(128)
+    spills = [c for c in SPEC.space if (space.structural_reason(c) is None
+              and table[space.entry_key(128, "bf16", False, c)].spill_bytes)]
+    assert spills, "the space holds no spilling config at D128: the test needs another"
+    assert "spills" in SPEC.space.check(spills[0], p, H100)
+    # 4 stages of 128-key K and V tiles at D128: 256 KiB
+    big = _config(BLOCK_N=128, NUM_STAGES=4)
+    assert "shared memory" in SPEC.space.check(big, p, H100)
+    # a device that allows less than the compiled kernel needs
+    small = DeviceFingerprint("small", "9.0", 132, 64 * 1024, 0)
+    assert "an sm_90 block may use 65536 B" in SPEC.space.check(_config(), p, small)
+    assert "PINGPONG" in SPEC.space.check(_config(NUM_CONSUMERS=1, PINGPONG=1), p, H100)
+    assert "head_dim 96" in SPEC.space.check(_config(), _problem(96), H100)
+    broken = space.Compiled(None, None, None, "CompilationError: out of resources")
+    assert broken.reason().startswith("does not compile for sm_90a: CompilationError")
+
+
+def test_the_space_has_room_to_search_at_both_head_dims() -> None:
+    for d in (64, 128):
+        for causal in (False, True):
+            valid = SPEC.space.valid_configs(_problem(d, causal), H100)
+            assert len(valid) >= 8, (d, causal, valid)
+            assert any(c["PINGPONG"] for c in valid) and any(c["NUM_CONSUMERS"] == 1
+                                                             for c in valid)
+
+
+# -- the sm_90 compile table ---------------------------------------------------------------------
+
+def test_the_table_holds_every_point_of_the_space_and_the_current_source() -> None:
+    doc = json.loads(space.TABLE.read_text())
+    assert doc["source_hash"] == SPEC.source_hash, (
+        f"sm90_compile.json is stale: regenerate it with {space.REGENERATE}")
+    table = space.load_table()
+    want = {space.entry_key(c["head_dim"], c["dtype"], c["causal"], c["config"])
+            for c in cases()}
+    assert len(want) == 36 * 8  # 36 configs pass the structural rule, x 2 D x 2 dtypes x causal
+    assert want == set(table), (sorted(want - set(table))[:3], sorted(set(table) - want)[:3])
+
+
+def test_the_table_is_checked_when_read(tmp_path: Path) -> None:
+    ok = space.Compiled(1024, 168, 0)
+    good = {"format": space.TABLE_FORMAT, "entries": [_entry(ok, _config())]}
+    assert space.parse_table(good) == {space.entry_key(128, "bf16", False, _config()): ok}
+    bad_docs = {
+        "format": {"format": 99, "entries": []},
+        "keys": {"format": 1, "entries": [{"head_dim": 128}]},
+        "config": {"format": 1, "entries": [_entry(ok, {"ROWS": 64})]},
+        "a bool for an int": {"format": 1, "entries": [_entry(ok, _config(), head_dim=True)]},
+        "figures": {"format": 1, "entries": [_entry(space.Compiled(None, 1, 0), _config())]},
+        "twice": {"format": 1, "entries": [_entry(ok, _config()), _entry(ok, _config())]},
+    }
+    for what, doc in bad_docs.items():
+        with pytest.raises(ValueError, match="table"):
+            space.parse_table(doc)
+            pytest.fail(what)
+    path = tmp_path / "sm90_compile.json"
+    path.write_text(json.dumps(bad_docs["twice"]))
+    with pytest.raises(ValueError, match="appears twice"):
+        space.load_table(path)
+
+
+def _recompile(entries: list[dict]) -> list[dict]:
+    # in a process of its own: this one runs triton under the interpreter
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    cases_arg = [dict(e["config"], head_dim=e["head_dim"], causal=e["causal"],
+                      dtype=e["dtype"]) for e in entries]
+    proc = subprocess.run([sys.executable, "-m", "flashtune.kernel_templates.attn_fwd_gluon",
+                           json.dumps(cases_arg)], capture_output=True, check=False, text=True,
+                          env=env, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+@pytest.mark.slow
+def test_recompiling_agrees_with_the_table() -> None:
+    """The default config at D64 causal fp16, and a spilling config at D128: the compiler's
+    figures now are the table's."""
+    doc = json.loads(space.TABLE.read_text())
+    entries = doc["entries"]
+    default = next(e for e in entries if e["config"] == _config() and e["head_dim"] == 64
+                   and e["causal"] and e["dtype"] == "fp16")
+    spilling = next(e for e in entries if e["spill_bytes"] and e["head_dim"] == 128)
+    for want, got in zip([default, spilling], _recompile([default, spilling]), strict=True):
+        assert (got["shared"], max(got["registers"]), sum(got["spill_store_bytes"])) == \
+            (want["shared"], want["registers"], want["spill_bytes"]), (want, got)
+
+
+# -- the compile-only launch -----------------------------------------------------------------------
+
+def test_the_warmup_launch_specializes_as_the_launch_does() -> None:
+    """``warmup_launches`` builds from shapes alone what the launcher builds from tensors
+    (contiguous, aligned): the same kernel signature, constants and grid, so a precompiled
+    kernel is the one the launch looks up."""
+    from triton.runtime.jit import mangle_type
+
+    from flashtune.kernel_templates.attn_fwd_gluon.launcher import kernel_args
+
+    p = _problem(64, True, "fp16", hq=6, hkv=2, nq=333, nk=517)
+    config = _config(ROWS=64, BLOCK_N=64, NUM_STAGES=3)
+    [(kernel, args, kwargs, grid)] = SPEC.warmup_launches(p, config)
+    assert kernel is SPEC.kernel
+    q = torch.zeros(2, 6, 333, 64, dtype=torch.float16)
+    k = torch.zeros(2, 2, 517, 64, dtype=torch.float16)
+    lse = torch.zeros(2, 6, 333)
+    want_args, want_kwargs, want_grid = kernel_args(q, k, k, torch.zeros_like(q), lse, config,
+                                                    causal=True, scale=64 ** -0.5)
+    assert [mangle_type(a, True) for a in args] == [mangle_type(a, True) for a in want_args]
+    assert args[5:] == want_args[5:]  # the scalars
+    assert (kwargs, grid) == (want_kwargs, want_grid) and grid == (3, 12)
+
+
+# -- GPU (sm_90) -------------------------------------------------------------------------------------
+
+def _rand(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.randn(*shape, device="cuda", dtype=torch.float32).to(dtype)
+
+
+CASES = [  # (batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, causal)
+    (2, 4, 4, 1000, 1000, 128, False),  # ragged: 1000 is no multiple of a tile
+    (2, 4, 4, 1000, 1000, 64, True),
+    (1, 8, 2, 77, 133, 64, True),  # GQA 4:1, causal Nq < Nk
+    (2, 6, 2, 333, 517, 128, True),
+    (1, 4, 1, 384, 130, 128, True),  # MQA, causal Nq > Nk: rows that see no key
+    (1, 4, 4, 1, 1000, 64, False),  # one query
+    (3, 2, 2, 64, 64, 128, True),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("case", CASES,
+                         ids=lambda s: "b{}h{}:{}q{}k{}d{}{}".format(*s[:6], "c" if s[6] else ""))
+def test_matches_the_reference_through_the_spec_launcher(case, dtype) -> None:
+    b, hq, hkv, nq, nk, d, causal = case
+    q, k, v = _rand(b, hq, nq, d, dtype=dtype), _rand(b, hkv, nk, d, dtype=dtype), \
+        _rand(b, hkv, nk, d, dtype=dtype)
+    p = AttentionProblem.from_tensors(q, k, causal=causal)
+    from flashtune.core.device import cuda_device
+
+    config = SPEC.default_config(p, cuda_device())
+    out = SPEC.launcher(q, k, v, config, causal=causal)
+    assert_close_to_reference(out, q, k, v, causal=causal)
+    out2, lse = SPEC.launcher(q, k, v, config, causal=causal, return_lse=True)
+    assert torch.equal(out, out2)
+    assert_close_to_reference(out2, q, k, v, causal=causal, lse=lse)
+
+
+@pytest.mark.gpu
+def test_copies_what_it_cannot_address_and_takes_a_negative_scale() -> None:
+    """Transposed views and a base 2 bytes past a 16-byte boundary are copied; a negative
+    scale runs as ``-scale`` on ``-k``."""
+    dtype = torch.bfloat16
+    q = _rand(2, 300, 4, 128, dtype=dtype).transpose(1, 2)
+    k = _rand(2 * 2 * 260 * 128 + 1, dtype=dtype)[1:].view(2, 2, 260, 128)
+    v = _rand(2, 260, 2, 128, dtype=dtype).transpose(1, 2)
+    assert k.data_ptr() % 16 and not q.is_contiguous()
+    for scale in (None, -0.05):
+        out, lse = SPEC.launcher(q, k, v, _config(), causal=True, scale=scale, return_lse=True)
+        assert_close_to_reference(out, q, k, v, causal=True, scale=scale, lse=lse)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+def test_every_valid_config_of_the_space_compiles_and_runs(d: int) -> None:
+    from flashtune.core.device import cuda_device
+
+    b, hq, hkv, nq, nk = 1, 4, 2, 333, 517
+    q, k, v = _rand(b, hq, nq, d, dtype=torch.bfloat16), \
+        _rand(b, hkv, nk, d, dtype=torch.bfloat16), _rand(b, hkv, nk, d, dtype=torch.bfloat16)
+    for causal in (False, True):
+        p = AttentionProblem.from_tensors(q, k, causal=causal)
+        valid = SPEC.space.valid_configs(p, cuda_device())
+        assert valid
+        ref, ref_lse = attn_fwd_reference(q, k, v, causal=causal, dtype=torch.float32)
+        for config in valid:
+            out, lse = SPEC.launcher(q, k, v, config, causal=causal, return_lse=True)
+            rel = ((out.float() - ref).norm() / ref.norm()).item()
+            assert rel < 2e-2, (config, causal, rel)
+            assert torch.allclose(lse, ref_lse, atol=1e-2), (config, causal)
+
+
+@pytest.mark.gpu
+def test_the_warmup_launch_compiles_on_the_gpu() -> None:
+    p = _problem(128, True, "bf16", hq=4, hkv=2, nq=333, nk=517)
+    for kernel, args, kwargs, grid in SPEC.warmup_launches(p, _config()):
+        kernel.warmup(*args, grid=grid, **kwargs)
