@@ -112,8 +112,7 @@ def test_export_errors_are_one_line(db: str, tmp_path: Path) -> None:
                           str(tmp_path / "out"))
     assert code == 2 and output.endswith(
         "Error: Invalid value for '--template': unknown template 'attn_nope'; known "
-        f"templates: {', '.join(known_names())}
-")
+        f"templates: {', '.join(known_names())}\n")
     assert "attn_fwd, attn_fwd_gluon, sdpa_cudnn, sdpa_efficient, sdpa_flash, sdpa_math" \
         in output
     code, output = invoke("--db", db, "export")
