@@ -15,7 +15,7 @@ what=$1; shift
 case $what in
   tune)
     for plan in "$@"; do
-      ft tune --op fwd --plan "$plan" --trials "${TRIALS:-6}" --workers 8 --no-progress
+      ft tune --op fwd --plan "$plan" --trials "${TRIALS:-6}" --workers 8 --no-progress ${TUNE_ARGS:-}
     done ;;
   bench)
     name=$1; plan=$2

@@ -224,7 +224,9 @@ def tune_op(problems: Sequence[AttentionProblem], op: str, options: TuneOptions,
         op: ``"fwd"`` or ``"decode"``.
         options: trials and budgets per implementation (``options.template`` is ignored).
         impls: search only these implementations (each must serve ``op`` and every
-            problem); None: every applicable one.
+            problem); None: every applicable one. The others' stored best configs still
+            take part in the side-by-side timing, so the stored choice is made across
+            every implementation measured here.
         db_url: the tuning database (None: ``$FLASHTUNE_DB`` or the default file).
         progress: a progress bar per implementation and problem.
         rounds: rounds of the side-by-side timing of the leaders.
@@ -261,8 +263,13 @@ def tune_op(problems: Sequence[AttentionProblem], op: str, options: TuneOptions,
             results.extend(tune_on_device(
                 [problem], replace(options, template=spec.name), db_url=url,
                 progress=progress, runner_factory=_runner_factory, device=device))
-        leaders = _side_by_side(specs, results, problem, device, options, rounds,
-                                _runner_factory)
+        # with --impl, the other applicable implementations' stored bests still take part
+        # in the side-by-side timing: --impl narrows the search, not the choice
+        entries = [(spec, r.best_config) for spec, r in zip(specs, results, strict=True)]
+        if impls is not None:
+            entries += _stored_leaders(url, op, problem, device,
+                                       {s.name for s in specs})
+        leaders = _side_by_side(entries, problem, device, options, rounds, _runner_factory)
         result = OpResult(problem, op, device.name, leaders, tuple(skipped), tuple(results))
         win = result.winner
         if win is not None:
@@ -283,15 +290,35 @@ def tune_op(problems: Sequence[AttentionProblem], op: str, options: TuneOptions,
     return out
 
 
-def _side_by_side(specs: Sequence[TemplateSpec], results: Sequence[TuneResult],
+def _stored_leaders(url: str, op: str, problem: AttentionProblem, device: DeviceFingerprint,
+                    searched: set[str]) -> list[tuple[TemplateSpec, dict[str, int] | None]]:
+    """The stored best config of every implementation of ``op`` that can serve ``problem``
+    here and was not searched in this run (those with one)."""
+    from flashtune.db import open_store
+
+    out: list[tuple[TemplateSpec, dict[str, int] | None]] = []
+    specs = [s for s in applicable(op, problem, device)[0] if s.name not in searched]
+    if not specs:
+        return out
+    with open_store(url) as store:
+        dev = store.ensure_device(device)
+        for spec in specs:
+            tpl = store.ensure_template(spec.name, spec.source_hash)
+            prob = store.ensure_problem(spec.name, problem.key(), problem.bucket())
+            best = store.get_best(dev.id, tpl.id, prob.id)
+            if best is not None:
+                out.append((spec, dict(best.config)))
+    return out
+
+
+def _side_by_side(candidates: Sequence[tuple[TemplateSpec, Mapping[str, int] | None]],
                   problem: AttentionProblem, device: DeviceFingerprint, options: TuneOptions,
                   rounds: int, factory: Callable[..., Any] | None) -> tuple[Leader, ...]:
-    """Each implementation's best config timed beside the others' (see
+    """Each implementation's best config (None: it has none) timed beside the others' (see
     :func:`time_side_by_side`); fastest first, failures last."""
     from flashtune.autotune.timing import tflops
 
-    entries = [(spec, dict(r.best_config)) for spec, r in zip(specs, results, strict=True)
-               if r.best_config is not None]
+    entries = [(spec, dict(config)) for spec, config in candidates if config is not None]
     runners = []
     try:
         for spec, config in entries:
@@ -306,8 +333,8 @@ def _side_by_side(specs: Sequence[TemplateSpec], results: Sequence[TuneResult],
     leaders = [Leader(spec.name, spec.kind, config, ms,
                       tflops(flops, ms) if ms else None, message)
                for (spec, config), (ms, message) in zip(entries, timed, strict=True)]
-    for spec, r in zip(specs, results, strict=True):
-        if r.best_config is None:
+    for spec, config in candidates:
+        if config is None:
             leaders.append(Leader(spec.name, spec.kind, {}, None, None,
                                   "no config passed its checks"))
     leaders.sort(key=lambda x: (x.median_ms is None, x.median_ms or 0.0, x.implementation))

@@ -154,3 +154,17 @@ def test_a_forced_extern_runs_it_and_refuses_what_it_cannot_give():
         flashtune.attention(q, k[:, :, :30], v[:, :, :30], causal=True, impl="sdpa_math")
     with pytest.raises(InputError, match="not an attention forward"):
         flashtune.attention(q, k, v, impl="attn_bwd")
+
+
+def test_impl_narrows_the_search_not_the_choice(tmp_path):
+    url = f"sqlite:///{tmp_path / 'n.db'}"
+    opts = TuneOptions(trials=1, interpret=True, seed=0)
+    tune_op([TINY], "fwd", opts, impls=["attn_fwd"], db_url=url, progress=False, rounds=1,
+            _device=DEV)
+    (r,) = tune_op([TINY], "fwd", opts, impls=["sdpa_math"], db_url=url, progress=False,
+                   rounds=1, _device=DEV)
+    assert {res.template for res in r.results} == {"sdpa_math"}  # only it was searched
+    assert {x.implementation for x in r.leaders} == {"attn_fwd", "sdpa_math"}  # both timed
+    with open_store(url) as store:
+        (choice,) = store.list_choices(op="fwd")
+    assert {c["implementation"] for c in choice.candidates} == {"attn_fwd", "sdpa_math"}
