@@ -17,9 +17,14 @@ from flashtune.core.errors import InputError
 from flashtune.core.problem import AttentionProblem
 from flashtune.db import open_store
 from flashtune.db.records import TrialState
+from tests.conftest import DEVICE
 
 TINY = AttentionProblem(1, 2, 2, 48, 48, 32, False, "fp16")
 DEV = interpreter_device()
+# these tests run the Triton interpreter's path (CPU tensors); a GPU run tests the same
+# search in the device's own runs (benchmarks/route_fwd.sh)
+interpreter_only = pytest.mark.skipif(DEVICE != "cpu", reason="runs kernels under the "
+                                      "Triton interpreter on CPU tensors")
 
 
 def test_applicable_skips_what_cannot_run_here_with_the_reason():
@@ -100,6 +105,7 @@ def test_side_by_side_takes_the_median_of_rounds_and_keeps_failures_as_data():
     assert a.calls == 5 and b.calls == 3  # interleaved; a failed runner is not timed again
 
 
+@interpreter_only
 def test_tune_op_stores_the_choice_and_attention_serves_it(tmp_path, monkeypatch):
     url = f"sqlite:///{tmp_path / 'op.db'}"
     results = tune_op([TINY], "fwd", TuneOptions(trials=2, interpret=True, seed=0),
@@ -142,6 +148,7 @@ def test_tune_op_stores_the_choice_and_attention_serves_it(tmp_path, monkeypatch
         flashtune.reload_configs()
 
 
+@interpreter_only
 def test_a_forced_extern_runs_it_and_refuses_what_it_cannot_give():
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(1, 2, 40, 32, generator=g).half() for _ in range(3))
@@ -156,6 +163,7 @@ def test_a_forced_extern_runs_it_and_refuses_what_it_cannot_give():
         flashtune.attention(q, k, v, impl="attn_bwd")
 
 
+@interpreter_only
 def test_impl_narrows_the_search_not_the_choice(tmp_path):
     url = f"sqlite:///{tmp_path / 'n.db'}"
     opts = TuneOptions(trials=1, interpret=True, seed=0)
