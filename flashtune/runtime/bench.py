@@ -322,7 +322,8 @@ def _bench_problem(p: AttentionProblem, spec: Any, choice: Any, device: Any, tor
                            "recorded_tflops": choice.tflops if choice.source == "exact"
                            else None}
     make = _backward_fns if spec.op == "bwd" else _forward_fns
-    configs = {"flashtune": (get_template(choice.template), choice.config),
+    served = get_template(choice.template) if spec.op == "fwd" else spec
+    configs = {"flashtune": (served, choice.config),
                "flashtune_default": (spec, default)}
     if spec.op == "fwd":
         configs.update(_own_implementations(p, device, db_url))
