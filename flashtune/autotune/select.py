@@ -240,6 +240,7 @@ def tune_op(problems: Sequence[AttentionProblem], op: str, options: TuneOptions,
     from flashtune.autotune.trial_loop import tune_on_device
     from flashtune.db import default_db_url, open_store
     from flashtune.db.records import SoftwareVersions
+    from flashtune.kernel_templates import get_template
 
     url = default_db_url() if db_url is None else str(db_url)
     device = _device or (interpreter_device() if options.interpret else cuda_device())
@@ -248,10 +249,10 @@ def tune_op(problems: Sequence[AttentionProblem], op: str, options: TuneOptions,
     check_tunable(problems, "attn_fwd", custom_runner=True)  # head dims, before any work
     if impls is not None:
         _check_forced(op, problems, device, impls)
-    import flashtune
+    from flashtune._version import __version__
 
     software = SoftwareVersions(cuda=device.cuda_version, driver=device.driver_version,
-                                flashtune=flashtune.__version__, torch=device.torch_version,
+                                flashtune=__version__, torch=device.torch_version,
                                 triton=device.triton_version)
     out = []
     for problem in problems:
@@ -272,9 +273,9 @@ def tune_op(problems: Sequence[AttentionProblem], op: str, options: TuneOptions,
         leaders = _side_by_side(entries, problem, device, options, rounds, _runner_factory)
         result = OpResult(problem, op, device.name, leaders, tuple(skipped), tuple(results))
         win = result.winner
-        if win is not None:
+        if win is not None and win.median_ms is not None:
             ext, up = result.best_extern, result.runner_up
-            spec = next(s for s in specs if s.name == win.implementation)
+            spec = get_template(win.implementation)  # searched here, or a stored leader
             with open_store(url) as store:
                 dev = store.ensure_device(device)
                 store.put_choice(dev.id, op, problem.key(), implementation=spec.name,
@@ -333,8 +334,8 @@ def _side_by_side(candidates: Sequence[tuple[TemplateSpec, Mapping[str, int] | N
     leaders = [Leader(spec.name, spec.kind, config, ms,
                       tflops(flops, ms) if ms else None, message)
                for (spec, config), (ms, message) in zip(entries, timed, strict=True)]
-    for spec, config in candidates:
-        if config is None:
+    for spec, missing in candidates:
+        if missing is None:
             leaders.append(Leader(spec.name, spec.kind, {}, None, None,
                                   "no config passed its checks"))
     leaders.sort(key=lambda x: (x.median_ms is None, x.median_ms or 0.0, x.implementation))

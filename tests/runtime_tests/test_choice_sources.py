@@ -113,14 +113,14 @@ def test_a_db_url_argument_wins_over_the_default(env: dict, tmp_path: Path) -> N
 def test_stale_and_unknown_winners_are_skipped_with_one_info_line(
         env: dict, caplog: pytest.LogCaptureFixture) -> None:
     decide(env["db"], "fwd", 0, source_hash=OLD)  # decided at an old attn_fwd source
-    decide(env["db"], "fwd", 1, "attn_fwd_gluon", config={"BLOCK_M": 64})  # unknown here
+    decide(env["db"], "fwd", 1, "no_such_impl", config={"BLOCK_M": 64})  # unknown here
     decide(env["db"], "fwd", 2)
     with caplog.at_level(logging.INFO, logger="flashtune.runtime.sources"):
         entries, problems = load_choices("fwd", env["hashes"], HERE.name)
     assert problems == [] and [e.problem for e in entries] == [FWD_PROBLEMS[2]]
     [line] = [r.getMessage() for r in caplog.records if "not served" in r.getMessage()]
     assert line == (f"db {env['db']}: op choices not served (stale): 1 of attn_fwd (decided "
-                    "at another source), 1 of attn_fwd_gluon (unknown)")
+                    "at another source), 1 of no_such_impl (unknown)")
     # the caller decides what is current: with the old hash, the old decision is served
     old = load_choices("fwd", {**env["hashes"], "attn_fwd": OLD}, HERE.name)[0]
     assert [e.problem for e in old] == [FWD_PROBLEMS[0]]
@@ -173,10 +173,10 @@ def test_the_file_name_is_the_exporters(env: dict) -> None:
 def test_a_file_naming_an_implementation_unknown_here_serves_the_rest(env: dict) -> None:
     """A file from a flashtune with more implementations is read leniently: the entries of
     the unknown one are stale, the others served (an import would refuse the file)."""
-    write(env["dir"], entry(FWD_PROBLEMS[0], implementation="attn_fwd_gluon",
+    write(env["dir"], entry(FWD_PROBLEMS[0], implementation="no_such_impl",
                             config={"BLOCK_M": 64}),
           entry(FWD_PROBLEMS[1]),
-          implementations={"attn_fwd_gluon": "abcdefabcdefabcd", "attn_fwd": FWD,
+          implementations={"no_such_impl": "abcdefabcdefabcd", "attn_fwd": FWD,
                            EXTERN: EXTERN_HASH})
     entries, problems = load_choices("fwd", env["hashes"], HERE.name)
     assert problems == [] and [e.problem for e in entries] == [FWD_PROBLEMS[1]]
