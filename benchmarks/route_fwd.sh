@@ -19,7 +19,7 @@ case $what in
     done ;;
   bench)
     name=$1; plan=$2
-    ft bench --plan "$plan" --baselines sdpa_flash,sdpa_cudnn --rounds 3 --no-plot \
+    ft bench --plan "$plan" --baselines sdpa_flash,sdpa_cudnn --rounds "${ROUNDS:-3}" --no-plot \
       --out "$OUT/route_fwd_${name}_h100.json" ;;
   show)
     ft show --op fwd ;;
