@@ -28,15 +28,16 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from flashtune.core.problem import AttentionProblem
 from flashtune.core.spec import USER_OPS
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 __all__ = ["ChoiceEntry", "DeviceKey", "TunedEntry", "device_key", "load_choices",
            "load_entries", "source_dirs"]
@@ -126,19 +127,46 @@ def _from_file(path: Path, kind: str, template: str, source_hash: str) -> Iterat
                          e.median_ms, e.tflops, f"{kind} {path}")
 
 
-def _files(folder: Path, template: str, device_name: str | None) -> list[Path]:
-    """The file of ``device_name`` (by the exporter's naming function), or every file of
-    ``template`` in ``folder`` when ``device_name`` is None (device aliases)."""
-    from flashtune.db.exchange import config_file_name
-
+def _files(folder: Path, exact: str | None, suffix: str) -> list[Path]:
+    """The file named ``exact`` (a device's, by the exporter's naming function), or with
+    ``exact`` None every exported file in ``folder`` whose name ends with ``suffix`` (device
+    aliases)."""
     if not folder.is_dir():
         return []
-    if device_name is not None:
-        path = folder / config_file_name(device_name, template)
+    if exact is not None:
+        path = folder / exact
         return [path] if path.is_file() else []
-    suffix = f",template={template}.json"
     return sorted(p for p in folder.iterdir()
                   if p.name.startswith("device_name=") and p.name.endswith(suffix))
+
+
+def _gather(from_db: Callable[[], Iterable[_T]], files: Callable[[Path], list[Path]],
+            from_file: Callable[[Path, str], Iterable[_T]], what: str
+            ) -> tuple[list[_T], list[str]]:
+    """The entries of the database, then of every config folder, in precedence order, and
+    one line per source that failed (``what``: ``"config"``, ``"op choice"``, for it)."""
+    entries: list[_T] = []
+    problems: list[str] = []
+    try:
+        entries.extend(from_db())
+    except Exception as exc:  # noqa: BLE001 - locked, corrupt, newer schema...: skip it
+        problems.append(f"tuning database skipped: {' '.join(str(exc).split())}")
+    for kind, folder in source_dirs():
+        if kind == "dir" and not folder.is_dir():
+            what_is = "is not a folder" if folder.exists() else "does not exist"
+            problems.append(f"$FLASHTUNE_CONFIG_DIR {folder} skipped: it {what_is}")
+            continue
+        try:
+            paths = files(folder)
+        except Exception as exc:  # noqa: BLE001 - an unreadable folder never stops the process
+            problems.append(f"{kind} {what}s {folder} skipped: {exc}")
+            continue
+        for path in paths:
+            try:
+                entries.extend(from_file(path, kind))
+            except Exception as exc:  # noqa: BLE001 - a bad file never stops the process
+                problems.append(f"{kind} {what} file skipped: {' '.join(str(exc).split())}")
+    return entries, problems
 
 
 def load_entries(template: str, source_hash: str, device_name: str, *,
@@ -149,28 +177,13 @@ def load_entries(template: str, source_hash: str, device_name: str, *,
     Files of other devices are read only when ``aliases`` is set (the database always holds
     every device it has).
     """
-    entries: list[TunedEntry] = []
-    problems: list[str] = []
-    try:
-        entries.extend(_from_db(template, source_hash, db_url))
-    except Exception as exc:  # noqa: BLE001 - locked, corrupt, newer schema...: skip it
-        problems.append(f"tuning database skipped: {' '.join(str(exc).split())}")
-    for kind, folder in source_dirs():
-        if kind == "dir" and not folder.is_dir():
-            what = "is not a folder" if folder.exists() else "does not exist"
-            problems.append(f"$FLASHTUNE_CONFIG_DIR {folder} skipped: it {what}")
-            continue
-        try:
-            paths = _files(folder, template, None if aliases else device_name)
-        except Exception as exc:  # noqa: BLE001 - an unreadable folder never stops the process
-            problems.append(f"{kind} configs {folder} skipped: {exc}")
-            continue
-        for path in paths:
-            try:
-                entries.extend(_from_file(path, kind, template, source_hash))
-            except Exception as exc:  # noqa: BLE001 - a bad file never stops the process
-                problems.append(f"{kind} config file skipped: {' '.join(str(exc).split())}")
-    return entries, problems
+    from flashtune.db.exchange import config_file_name
+
+    return _gather(lambda: _from_db(template, source_hash, db_url),
+                   lambda folder: _files(
+                       folder, None if aliases else config_file_name(device_name, template),
+                       f",template={template}.json"),
+                   lambda path, kind: _from_file(path, kind, template, source_hash), "config")
 
 
 # -- op choices -------------------------------------------------------------------------------
@@ -253,21 +266,6 @@ def _choices_from_file(path: Path, kind: str, op: str,
     return out
 
 
-def _choice_files(folder: Path, op: str, device_name: str | None) -> list[Path]:
-    """The op choice file of ``device_name`` (by the exporter's naming function), or every
-    op choice file of ``op`` in ``folder`` when ``device_name`` is None (device aliases)."""
-    from flashtune.db.exchange import choice_file_name
-
-    if not folder.is_dir():
-        return []
-    if device_name is not None:
-        path = folder / choice_file_name(device_name, op)
-        return [path] if path.is_file() else []
-    suffix = f",op={op}.json"
-    return sorted(p for p in folder.iterdir()
-                  if p.name.startswith("device_name=") and p.name.endswith(suffix))
-
-
 def load_choices(op: str, hashes: Mapping[str, str], device_name: str, *,
                  aliases: bool = False, db_url: str | None = None
                  ) -> tuple[list[ChoiceEntry], list[str]]:
@@ -287,27 +285,12 @@ def load_choices(op: str, hashes: Mapping[str, str], device_name: str, *,
         ``(entries, problems)``: the choices, earlier sources first; one line per source
         skipped (locked, corrupt, missing when named, an invalid file...).
     """
-    entries: list[ChoiceEntry] = []
-    problems: list[str] = []
+    from flashtune.db.exchange import choice_file_name
+
     if op not in USER_OPS:
         return [], [f"op {op!r} is not a user op; expected one of {', '.join(USER_OPS)}"]
-    try:
-        entries.extend(_choices_from_db(op, hashes, db_url))
-    except Exception as exc:  # noqa: BLE001 - locked, corrupt, newer schema...: skip it
-        problems.append(f"tuning database skipped: {' '.join(str(exc).split())}")
-    for kind, folder in source_dirs():
-        if kind == "dir" and not folder.is_dir():
-            what = "is not a folder" if folder.exists() else "does not exist"
-            problems.append(f"$FLASHTUNE_CONFIG_DIR {folder} skipped: it {what}")
-            continue
-        try:
-            paths = _choice_files(folder, op, None if aliases else device_name)
-        except Exception as exc:  # noqa: BLE001 - an unreadable folder never stops the process
-            problems.append(f"{kind} op choices {folder} skipped: {exc}")
-            continue
-        for path in paths:
-            try:
-                entries.extend(_choices_from_file(path, kind, op, hashes))
-            except Exception as exc:  # noqa: BLE001 - a bad file never stops the process
-                problems.append(f"{kind} op choice file skipped: {' '.join(str(exc).split())}")
-    return entries, problems
+    return _gather(lambda: _choices_from_db(op, hashes, db_url),
+                   lambda folder: _files(
+                       folder, None if aliases else choice_file_name(device_name, op),
+                       f",op={op}.json"),
+                   lambda path, kind: _choices_from_file(path, kind, op, hashes), "op choice")
