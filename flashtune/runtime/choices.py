@@ -24,14 +24,20 @@ a lookup is one dict read.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 from collections.abc import Mapping
 from typing import Any
 
 from flashtune.core.problem import AttentionProblem
 from flashtune.core.spec import TemplateSpec
-from flashtune.runtime.lookup import _SOURCE_LOCK, _SOURCE_WARNED, ConfigChoice, _warn_once
+from flashtune.runtime.lookup import (
+    _SOURCE_LOCK,
+    _SOURCE_WARNED,
+    ConfigChoice,
+    _warn_once,
+    pick_nearest,
+    split_by_device,
+)
 from flashtune.runtime.sources import ChoiceEntry, DeviceKey, device_key, load_choices
 
 log = logging.getLogger(__name__)
@@ -84,10 +90,7 @@ class OpRouter:
             for reason in problems:
                 _warn_once(_SOURCE_WARNED, _SOURCE_LOCK, reason, "flashtune: %s; serving "
                            "what the other sources have (else defaults)", reason)
-            own = [e for e in entries if e.device == key]
-            alias = [e for e in entries if aliases and e.device != key
-                     and (e.device[1], e.device[3]) == (key[1], key[3])]
-            table = self._tables[key] = (own, alias)
+            table = self._tables[key] = split_by_device(entries, key, aliases)
             return table
 
     def choose(self, problem: AttentionProblem, device: Any, *, return_lse: bool = False,
@@ -132,21 +135,10 @@ class OpRouter:
         for e in own:
             if e.problem == problem and self._serves(e, problem, device, return_lse, paired):
                 return _choice(e, "exact")
-        bucket = problem.bucket()
         for source, entries, same_bucket in (("bucket", own, True), ("nearest", own, False),
                                              ("device-alias", alias, False)):
-            best: tuple[float, float, int] | None = None
-            pick = None
-            for i, e in enumerate(entries):
-                if same_bucket and e.problem.bucket() != bucket:
-                    continue
-                dist = problem.distance(e.problem)
-                if not math.isfinite(dist) \
-                        or not self._serves(e, problem, device, return_lse, paired):
-                    continue
-                rank = (dist, e.median_ms / max(e.problem.flops(), 1.0), i)
-                if best is None or rank < best:
-                    best, pick = rank, e
+            pick = pick_nearest(entries, problem, same_bucket,
+                                lambda e: self._serves(e, problem, device, return_lse, paired))
             if pick is not None:
                 log.info("%s: op %s served by %s as chosen for %s (%s, %s)", problem.describe(),
                          self.op, pick.implementation, pick.problem.describe(), source,

@@ -29,15 +29,30 @@ import logging
 import math
 import os
 import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from flashtune.core.problem import AttentionProblem
 from flashtune.runtime.sources import DeviceKey, TunedEntry, device_key, load_entries
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ConfigChoice", "Dispatcher", "SOURCES"]
+__all__ = ["ConfigChoice", "Dispatcher", "SOURCES", "pick_nearest", "split_by_device"]
+
+
+class _Entry(Protocol):
+    """What the chain reads of a stored entry (a tuned config or an op choice)."""
+
+    @property
+    def device(self) -> DeviceKey: ...
+    @property
+    def problem(self) -> AttentionProblem: ...
+    @property
+    def median_ms(self) -> float: ...
+
+
+_E = TypeVar("_E", bound=_Entry)
 
 SOURCES = ("explicit", "exact", "bucket", "nearest", "device-alias", "default")
 
@@ -133,9 +148,7 @@ class Dispatcher:
             for reason in problems:
                 _warn_once(_SOURCE_WARNED, _SOURCE_LOCK, reason, "flashtune: %s; serving what "
                            "the other sources have (else defaults)", reason)
-            own = [e for e in entries if e.device == key]
-            alias = [e for e in entries if aliases and e.device != key
-                     and (e.device[1], e.device[3]) == (key[1], key[3])]
+            own, alias = split_by_device(entries, key, aliases)
             table = self._tables[key] = _Table(own, alias)
             log.debug("%s on %s: %d tuned configs, %d from similar devices", self.spec.name,
                       device.name, len(own), len(alias))
@@ -169,19 +182,8 @@ class Dispatcher:
 
     def _pick(self, entries: list[TunedEntry], problem: AttentionProblem, device: Any,
               same_bucket: bool) -> TunedEntry | None:
-        bucket = problem.bucket()
-        best: tuple[float, float, int] | None = None
-        pick = None
-        for i, e in enumerate(entries):
-            if same_bucket and e.problem.bucket() != bucket:
-                continue
-            dist = problem.distance(e.problem)
-            if not math.isfinite(dist) or not self._usable(e, problem, device):
-                continue
-            rank = (dist, e.median_ms / max(e.problem.flops(), 1.0), i)
-            if best is None or rank < best:
-                best, pick = rank, e
-        return pick
+        return pick_nearest(entries, problem, same_bucket,
+                            lambda e: self._usable(e, problem, device))
 
     def _walk(self, problem: AttentionProblem, device: Any) -> ConfigChoice:
         table = self._table(device)
@@ -209,6 +211,53 @@ class Dispatcher:
 
     def _warn_once(self, key: Any, msg: str, *args: Any) -> None:
         _warn_once(self._warned, self._lock, key, msg, *args)
+
+
+def split_by_device(entries: Sequence[_E], key: DeviceKey,
+                    aliases: bool) -> tuple[list[_E], list[_E]]:
+    """The entries tuned on the device of ``key`` itself, and (with ``aliases``) those tuned
+    on another device of the same compute capability and shared-memory size.
+
+    Arguments:
+        entries: tuned configs or op choices, in source order.
+        key: the running device's :func:`~flashtune.runtime.sources.device_key`.
+        aliases: whether similar devices' entries are served.
+    Returns:
+        ``(own, alias)``, each in source order.
+    """
+    own = [e for e in entries if e.device == key]
+    alias = [e for e in entries if aliases and e.device != key
+             and (e.device[1], e.device[3]) == (key[1], key[3])]
+    return own, alias
+
+
+def pick_nearest(entries: Sequence[_E], problem: AttentionProblem, same_bucket: bool,
+                 usable: Callable[[_E], bool]) -> _E | None:
+    """The entry nearest ``problem`` (:meth:`AttentionProblem.distance`; with
+    ``same_bucket`` only those of its bucket) that ``usable`` accepts; ties go to the faster
+    measured one, then to the earlier source.
+
+    Arguments:
+        entries: tuned configs or op choices, in source order.
+        problem: the call's problem.
+        same_bucket: only entries of ``problem``'s bucket.
+        usable: whether an entry can serve this call.
+    Returns:
+        The entry, or None when none is at a finite distance and usable.
+    """
+    bucket = problem.bucket()
+    best: tuple[float, float, int] | None = None
+    pick = None
+    for i, e in enumerate(entries):
+        if same_bucket and e.problem.bucket() != bucket:
+            continue
+        dist = problem.distance(e.problem)
+        if not math.isfinite(dist) or not usable(e):
+            continue
+        rank = (dist, e.median_ms / max(e.problem.flops(), 1.0), i)
+        if best is None or rank < best:
+            best, pick = rank, e
+    return pick
 
 
 def _warn_once(seen: set[Any], lock: Any, key: Any, msg: str, *args: Any) -> None:
