@@ -169,9 +169,10 @@ def bench_attention(problems: Sequence[AttentionProblem], *, template: str = "at
         "rounds": rounds, "baselines": baselines,
         "ceiling_tflops": matmul_ceiling_tflops() if ceiling and torch_device == "cuda" else None,
         "rows": []}
+    served = _Served(dispatcher, db_url)
     for p in problems:
-        row = _bench_problem(p, spec, _served(p, spec, dispatcher, device, db_url), device,
-                             torch_device, baselines, rounds, db_url)
+        row = _bench_problem(p, spec, served.choice(p, spec, device), device, torch_device,
+                             baselines, rounds, served)
         result["rows"].append(row)
         result["wall_s"] = time.time() - t0
         result["summary"] = summarize(result["rows"], result["ceiling_tflops"])
@@ -184,39 +185,43 @@ def bench_attention(problems: Sequence[AttentionProblem], *, template: str = "at
     return result
 
 
-def _served(p: AttentionProblem, spec: Any, dispatcher: Any, device: Any,
-            db_url: str | None) -> Any:
-    """What a call of ``p`` runs with: for the forward the router's answer (its op choice,
-    else the dispatcher's config), for the backward the dispatcher's config."""
-    if spec.op != "fwd":
-        return dispatcher.choose(p, device)
-    from flashtune.runtime import routing
+class _Served:
+    """What bench reads of the tuned state, loaded once per run from its own database (not
+    the process's routers): the op choices, and each own implementation's tuned configs."""
 
-    for router in routing._ROUTERS.values():
-        router.reload(db_url=db_url)
-    ops = ("decode", "fwd") if p.seqlen_q <= 16 else ("fwd",)
-    for op in ops:
-        chosen = routing._ROUTERS[op].choose(p, device)
-        if chosen is not None:
-            return chosen
-    return dispatcher.choose(p, device)
+    def __init__(self, dispatcher: Any, db_url: str | None) -> None:
+        from flashtune.core.spec import USER_OPS
+        from flashtune.kernel_templates import implementations
+        from flashtune.runtime.choices import OpRouter
+        from flashtune.runtime.lookup import Dispatcher
 
+        self.dispatcher = dispatcher
+        self.routers = {op: OpRouter(op, {s.name: s for s in implementations(op)})
+                        for op in USER_OPS}
+        self.own = [Dispatcher(s) for s in implementations("fwd") if s.kind != "extern"]
+        for router in self.routers.values():
+            router.reload(db_url=db_url)
+        for own in self.own:
+            own.reload(db_url=db_url)
 
-def _own_implementations(p: AttentionProblem, device: Any,
-                         db_url: str | None) -> dict[str, tuple[Any, dict[str, int]]]:
-    """``impl_<name>``: each of flashtune's own forward implementations that can serve
-    ``p`` on ``device``, with its own tuned config (else its default)."""
-    from flashtune.kernel_templates import implementations
-    from flashtune.runtime.lookup import Dispatcher
+    def choice(self, p: AttentionProblem, spec: Any, device: Any) -> Any:
+        """What a call of ``p`` runs with: for the forward the router's answer (its op
+        choice, else the dispatcher's config), for the backward the dispatcher's config."""
+        if spec.op == "fwd":
+            from flashtune.runtime.routing import _route_ops
 
-    out = {}
-    for spec in implementations("fwd"):
-        if spec.kind == "extern" or spec.refuse(p, device) is not None:
-            continue
-        dispatcher = Dispatcher(spec)
-        dispatcher.reload(db_url=db_url)
-        out[f"impl_{spec.name}"] = (spec, dict(dispatcher.choose(p, device).config))
-    return out
+            for op in _route_ops(p):
+                chosen = self.routers[op].choose(p, device)
+                if chosen is not None:
+                    return chosen
+        return self.dispatcher.choose(p, device)
+
+    def own_implementations(self, p: AttentionProblem,
+                            device: Any) -> dict[str, tuple[Any, dict[str, int]]]:
+        """``impl_<name>``: each of flashtune's own forward implementations that can serve
+        ``p`` on ``device``, with its own tuned config (else its default)."""
+        return {f"impl_{d.spec.name}": (d.spec, dict(d.choose(p, device).config))
+                for d in self.own if d.spec.refuse(p, device) is None}
 
 
 def _inputs(p: AttentionProblem, torch_device: str, names: Sequence[str]) -> list[Any]:
@@ -305,7 +310,7 @@ def _backward_fns(p: AttentionProblem, spec: Any,
 
 def _bench_problem(p: AttentionProblem, spec: Any, choice: Any, device: Any, torch_device: str,
                    baselines: Sequence[str], rounds: int,
-                   db_url: str | None = None) -> dict[str, Any]:
+                   served: _Served | None = None) -> dict[str, Any]:
     """One problem's row: every implementation checked against fp32, then timed."""
     from flashtune.autotune.timing import bench, tflops
     from flashtune.core.case import TOLERANCE
@@ -322,11 +327,11 @@ def _bench_problem(p: AttentionProblem, spec: Any, choice: Any, device: Any, tor
                            "recorded_tflops": choice.tflops if choice.source == "exact"
                            else None}
     make = _backward_fns if spec.op == "bwd" else _forward_fns
-    served = get_template(choice.template) if spec.op == "fwd" else spec
-    configs = {"flashtune": (served, choice.config),
+    routed = get_template(choice.template) if spec.op == "fwd" else spec
+    configs = {"flashtune": (routed, choice.config),
                "flashtune_default": (spec, default)}
-    if spec.op == "fwd":
-        configs.update(_own_implementations(p, device, db_url))
+    if spec.op == "fwd" and served is not None:
+        configs.update(served.own_implementations(p, device))
     fns, error = make(p, spec, configs, baselines, device, torch_device, row)
     checked: dict[str, float] = {}
     for name, fn in fns.items():

@@ -191,6 +191,12 @@ def _choose(problem: AttentionProblem, device: DeviceFingerprint, *,
     return choice
 
 
+def _route_ops(problem: AttentionProblem) -> tuple[str, ...]:
+    """The ops whose stored choices may serve ``problem``, in order: short queries ask the
+    decode op's first."""
+    return ("decode", "fwd") if problem.seqlen_q <= kvcache.DECODE_MAX_QUERIES else ("fwd",)
+
+
 def _route(problem: AttentionProblem, device: DeviceFingerprint, *, tune: bool = True,
            return_lse: bool = False, paired: bool = False) -> ConfigChoice:
     """The implementation and config a call runs with (see the module docstring): the op's
@@ -198,8 +204,7 @@ def _route(problem: AttentionProblem, device: DeviceFingerprint, *, tune: bool =
     flashtune's own kernels), else attn_decode's when
     :func:`~flashtune.runtime.kvcache.decode_route` takes the problem (short queries),
     else attn_fwd's (see :func:`_choose` for ``tune``)."""
-    ops = ("decode", "fwd") if problem.seqlen_q <= kvcache.DECODE_MAX_QUERIES else ("fwd",)
-    for op in ops:
+    for op in _route_ops(problem):
         chosen = _ROUTERS[op].choose(problem, device, return_lse=return_lse, paired=paired)
         if chosen is not None:
             return chosen
