@@ -12,7 +12,7 @@ import json
 import logging
 import statistics
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -26,7 +26,8 @@ from flashtune.db.records import TrialState
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LocalRunner", "ReplayRunner", "Runner", "TrialResult", "time_interleaved"]
+__all__ = ["LocalRunner", "ReplayRunner", "Runner", "TrialResult", "time_interleaved",
+           "time_pairs"]
 
 # timed calls per config under the interpreter (timings there are recorded but meaningless)
 INTERPRETER_REPS = 2
@@ -244,36 +245,49 @@ class ReplayRunner:
 
 def time_interleaved(runner: Any, configs: Iterable[Mapping[str, int]],
                      rounds: int = 3) -> dict[str, TrialResult]:
-    """Re-time ``configs`` round-robin (config A, B, C, A, B, C...) so clock and thermal
-    drift hit them alike; keyed by canonical config JSON. The median of the per-round
-    medians is reported; a config whose timing fails (e.g. a measurement error that a
-    re-measurement did not cure) is a RUNTIME_ERROR. Runners without GPU timing (the
-    interpreter, replay) are simply evaluated once per config."""
+    """Re-time ``configs`` of one runner round-robin (:func:`time_pairs`); keyed by
+    canonical config JSON."""
     configs = [dict(c) for c in configs]
-    keys = [canonical_json(c) for c in configs]
-    gpu = callable(getattr(runner, "time_config", None)) and \
-        not getattr(runner, "interpreting", True)
-    if not gpu:
-        return {k: runner.evaluate(c) for k, c in zip(keys, configs)}
-    samples: dict[str, list[tuple[float, float, float]]] = {k: [] for k in keys}
-    failed: dict[str, TrialResult] = {}
-    for _ in range(max(1, rounds)):
-        for key, cfg in zip(keys, configs):
-            if key in failed:
-                continue
-            try:
-                samples[key].append(runner.time_config(cfg))
-            except Exception as exc:
-                failed[key] = TrialResult(TrialState.RUNTIME_ERROR, _first_line(exc))
+    results = time_pairs([(runner, c) for c in configs], rounds)
+    return {canonical_json(c): r for c, r in zip(configs, results, strict=True)}
+
+
+def time_pairs(pairs: Sequence[tuple[Any, Mapping[str, int]]],
+               rounds: int = 3) -> list[TrialResult]:
+    """Time each ``(runner, config)`` round-robin (A, B, C, A, B, C...) so clock and thermal
+    drift hit them alike: one runner's configs (the confirmation) or the leaders of several
+    implementations (:mod:`flashtune.autotune.select`). The median of the per-round medians
+    is reported; a pair whose timing fails (e.g. a measurement error that a re-measurement
+    did not cure) is a RUNTIME_ERROR and is not timed again. Runners without GPU timing (the
+    interpreter, replay) are simply evaluated once per config.
+
+    Returns:
+        One :class:`TrialResult` per pair, in order.
+    """
     from flashtune.autotune.timing import tflops
 
-    out: dict[str, TrialResult] = dict(failed)
-    for key, got in samples.items():
-        if key in failed or not got:
-            continue
-        med = statistics.median(g[0] for g in got)
-        out[key] = TrialResult(TrialState.COMPLETE, None, med,
-                               statistics.median(g[1] for g in got),
-                               statistics.median(g[2] for g in got),
-                               tflops(runner.flops, med) if med > 0 and runner.flops else None)
-    return out
+    def gpu(runner: Any) -> bool:
+        return callable(getattr(runner, "time_config", None)) and \
+            not getattr(runner, "interpreting", True)
+
+    out: list[TrialResult | None] = [None if gpu(r) else r.evaluate(dict(c)) for r, c in pairs]
+    samples: list[list[tuple[float, float, float]]] = [[] for _ in pairs]
+    for _ in range(max(1, rounds)):
+        for i, (runner, config) in enumerate(pairs):
+            if out[i] is not None:
+                continue
+            try:
+                samples[i].append(runner.time_config(dict(config)))
+            except Exception as exc:
+                out[i] = TrialResult(TrialState.RUNTIME_ERROR, _first_line(exc))
+    done: list[TrialResult] = []
+    for (runner, _), result, got in zip(pairs, out, samples, strict=True):
+        if result is None:
+            med = statistics.median(g[0] for g in got)
+            flops = getattr(runner, "flops", None)
+            result = TrialResult(TrialState.COMPLETE, None, med,
+                                 statistics.median(g[1] for g in got),
+                                 statistics.median(g[2] for g in got),
+                                 tflops(flops, med) if med > 0 and flops else None)
+        done.append(result)
+    return done

@@ -26,7 +26,6 @@ side, the fastest kept).
 from __future__ import annotations
 
 import logging
-import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -166,37 +165,17 @@ def _check_forced(op: str, problems: Sequence[AttentionProblem], device: DeviceF
 
 def time_side_by_side(runners: Sequence[tuple[Any, Mapping[str, int]]],
                       rounds: int = SIDE_BY_SIDE_ROUNDS) -> list[tuple[float | None, str | None]]:
-    """Time each ``(runner, config)`` interleaved with the others: ``rounds`` rounds, each
-    timing every one once (:meth:`LocalRunner.time_config`: CUDA events over many launches,
-    L2 flushed); the median of a runner's round medians is its time. A runner without GPU
-    timing (the interpreter, a replay) is evaluated once instead.
+    """Time each ``(runner, config)`` interleaved with the others
+    (:func:`~flashtune.autotune.runners.time_pairs`: ``rounds`` rounds, the median of a
+    runner's round medians; a runner without GPU timing is evaluated once).
 
     Returns:
         ``(median_ms, None)`` or ``(None, message)`` per runner, in order.
     """
-    from flashtune.autotune.runners import _first_line
+    from flashtune.autotune.runners import time_pairs
 
-    samples: list[list[float]] = [[] for _ in runners]
-    failed: dict[int, str] = {}
-    gpu = [callable(getattr(r, "time_config", None)) and not getattr(r, "interpreting", True)
-           for r, _ in runners]
-    for i, (runner, config) in enumerate(runners):
-        if not gpu[i]:
-            res = runner.evaluate(config)
-            if res.ok and res.median_ms is not None:
-                samples[i].append(res.median_ms)
-            else:
-                failed[i] = res.message or res.state.value
-    for _ in range(max(1, rounds)):
-        for i, (runner, config) in enumerate(runners):
-            if not gpu[i] or i in failed:
-                continue
-            try:
-                samples[i].append(runner.time_config(config)[0])
-            except Exception as exc:  # noqa: BLE001 - failures are data
-                failed[i] = _first_line(exc)
-    return [(None, failed[i]) if i in failed or not samples[i]
-            else (statistics.median(samples[i]), None) for i in range(len(runners))]
+    return [(r.median_ms, None) if r.ok and r.median_ms is not None
+            else (None, r.message or r.state.value) for r in time_pairs(runners, rounds)]
 
 
 def _leader_runner(spec: TemplateSpec, problem: AttentionProblem, device: DeviceFingerprint,
