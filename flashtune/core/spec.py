@@ -18,15 +18,21 @@ from flashtune.core.device import DeviceFingerprint
 from flashtune.core.problem import AttentionProblem
 from flashtune.core.space import Config, SearchSpace
 
-__all__ = ["KINDS", "OPS", "USER_OPS", "DefaultConfig", "Launch", "Limits", "MakeCase",
-           "TemplateSpec", "WarmupLaunches"]
+__all__ = ["BWD_PREFIX", "KINDS", "OPS", "USER_OPS", "DefaultConfig", "Launch", "Limits",
+           "MakeCase", "TemplateSpec", "WarmupLaunches", "join_pair", "split_pair"]
 
 # what an implementation computes: the forward (optionally saving the LSE), the backward
-# (dQ, dK, dV from the forward's output and LSE), or decoding against a KV cache
-OPS = ("fwd", "bwd", "decode")
+# (dQ, dK, dV from the forward's output and LSE), decoding against a KV cache, or a training
+# step (a forward that saves what its backward needs, and that backward: a pair)
+OPS = ("fwd", "bwd", "decode", "train")
 # the ops a user calls and the tuner chooses an implementation for (``tune --op``): the
-# forward, and the forward of short queries against a long KV cache
-USER_OPS = ("fwd", "decode")
+# forward; the training step (a forward whose inputs require grad, and its backward); the
+# forward of short queries against a long KV cache
+USER_OPS = ("fwd", "train", "decode")
+# a training pair's config: the forward's knobs as they are, the backward's under this prefix
+# (``{"BLOCK_M": 128, ..., "bwd.BLOCK_M1": 64, ...}``: one flat JSON object of ints, as every
+# config is)
+BWD_PREFIX = "bwd."
 # how an implementation is built: a ``tl`` Triton kernel, a Gluon kernel (compiled code
 # only: no interpreter), or a kernel of another library (torch SDPA's backends), no knobs
 KINDS = ("triton", "gluon", "extern")
@@ -100,6 +106,44 @@ class Limits:
             return self.available(device)
         return None
 
+    def both(self, other: Limits) -> Limits:
+        """What two kernels run one after the other (a training pair's forward and backward)
+        can serve together: every limit of each."""
+        def meet(a: tuple[Any, ...] | None, b: tuple[Any, ...] | None) -> tuple[Any, ...] | None:
+            return b if a is None else a if b is None else tuple(x for x in a if x in b)
+
+        lengths = [n for n in (self.max_seqlen_q, other.max_seqlen_q) if n is not None]
+        checks = [f for f in (self.available, other.available) if f is not None]
+
+        def available(device: DeviceFingerprint) -> str | None:
+            return next((r for r in (f(device) for f in checks) if r is not None), None)
+
+        return Limits(head_dims=meet(self.head_dims, other.head_dims),
+                      dtypes=meet(self.dtypes, other.dtypes) or (),
+                      gqa=self.gqa and other.gqa,
+                      causal_unaligned=self.causal_unaligned and other.causal_unaligned,
+                      lse=self.lse and other.lse, needs_gpu=self.needs_gpu or other.needs_gpu,
+                      capabilities=meet(self.capabilities, other.capabilities),
+                      max_seqlen_q=min(lengths) if lengths else None,
+                      available=available if checks else None)
+
+
+def split_pair(config: Mapping[str, int]) -> tuple[dict[str, int], dict[str, int]]:
+    """A training pair's config as ``(forward config, backward config)``
+    (:data:`BWD_PREFIX`); a config without backward keys gives an empty backward one."""
+    fwd, bwd = {}, {}
+    for name, value in config.items():
+        if name.startswith(BWD_PREFIX):
+            bwd[name[len(BWD_PREFIX):]] = value
+        else:
+            fwd[name] = value
+    return fwd, bwd
+
+
+def join_pair(fwd: Mapping[str, int], bwd: Mapping[str, int]) -> dict[str, int]:
+    """The one config of a training pair (the inverse of :func:`split_pair`)."""
+    return {**fwd, **{BWD_PREFIX + name: value for name, value in bwd.items()}}
+
 # ``(kernel, args, kwargs, grid)``: ``kernel.warmup(*args, grid=grid, **kwargs)`` compiles it
 Launch = tuple[Any, tuple[Any, ...], dict[str, Any], tuple[int, ...]]
 DefaultConfig = Callable[[AttentionProblem, DeviceFingerprint], Config]
@@ -151,8 +195,11 @@ class TemplateSpec:
         kind: one of :data:`KINDS`.
         serves: the user ops (:data:`USER_OPS`) it is a candidate for when the tuner
             searches across implementations (``tune --op``); empty for a part of another
-            op (attn_bwd).
+            op (attn_bwd). A forward serves ``train`` when it has a backward: its own
+            autograd (an extern: torch differentiates it) or ``backward``.
         limits: what it can serve (:class:`Limits`).
+        backward: the backward template (``"attn_bwd"``) that a training step pairs with this
+            forward (its LSE is that backward's input); None: none, or torch's autograd.
     """
 
     name: str
@@ -170,6 +217,7 @@ class TemplateSpec:
     kind: str = "triton"
     serves: tuple[str, ...] = ()
     limits: Limits = Limits()
+    backward: str | None = None
 
     def __post_init__(self) -> None:
         if self.op not in OPS:
@@ -182,6 +230,10 @@ class TemplateSpec:
         if unknown:
             raise ValueError(f"template {self.name!r} serves {unknown}; the user ops are "
                              f"{', '.join(USER_OPS)}")
+        if "train" in self.serves and self.op == "fwd" and self.kind != "extern" \
+                and self.backward is None:
+            raise ValueError(f"template {self.name!r} serves train but names no backward "
+                             f"template to pair with")
 
     def refuse(self, problem: AttentionProblem, device: DeviceFingerprint, *,
                return_lse: bool = False) -> str | None:

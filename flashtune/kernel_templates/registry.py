@@ -269,10 +269,13 @@ def catalog() -> Mapping[str, TemplateSpec]:
 
 def implementations(op: str) -> list[TemplateSpec]:
     """The implementations the tuner searches across for the user op ``op`` and the router
-    chooses between: every registered spec whose ``serves`` names it.
+    chooses between: every registered spec whose ``serves`` names it; for ``train``, each
+    one's training step (:func:`flashtune.kernel_templates.training.train_spec`: the forward
+    paired with its backward, under the forward's name).
 
     Arguments:
-        op: one of :data:`~flashtune.core.spec.USER_OPS` (``"fwd"``, ``"decode"``).
+        op: one of :data:`~flashtune.core.spec.USER_OPS` (``"fwd"``, ``"train"``,
+            ``"decode"``).
     Returns:
         Their specs, sorted by name.
     Raises:
@@ -283,4 +286,9 @@ def implementations(op: str) -> list[TemplateSpec]:
     if op not in USER_OPS:
         raise ValueError(f"unknown op {op!r}; the ops are {', '.join(USER_OPS)}")
     _load_builtins()
-    return [spec for _, spec in sorted(_REGISTRY.items()) if op in spec.serves]
+    specs = [spec for _, spec in sorted(_REGISTRY.items()) if op in spec.serves]
+    if op == "train":
+        from flashtune.kernel_templates.training import train_spec
+
+        return [train_spec(s) for s in specs]
+    return specs

@@ -328,6 +328,6 @@ def extern_spec(backend: str) -> TemplateSpec:
         warmup_launches=None,
         tunable=True,
         kind="extern",
-        serves=("fwd", "decode"),
+        serves=("fwd", "train", "decode"),
         limits=_LIMITS[backend],
     )

@@ -21,21 +21,19 @@ from typing import Any, Literal, overload
 import torch
 
 from flashtune.core.device import interpreting
-from flashtune.core.errors import InputError
 from flashtune.core.problem import AttentionProblem
 from flashtune.kernel_templates import get_template
-from flashtune.runtime.autograd import _attention_fn
-from flashtune.runtime.checks import check_attention_inputs, check_grid
+from flashtune.runtime.autograd import _train
+from flashtune.runtime.checks import check_attention_inputs
 from flashtune.runtime.lookup import ConfigChoice
 from flashtune.runtime.routing import (
     _DISPATCH,
     _attention,
-    _choose,
     _device,
     _device_of,
-    _forward_config,
     _reload,
     _route,
+    _train_choice,
 )
 
 __all__ = ["attention", "lookup_config", "reload_configs", "warmup"]
@@ -115,10 +113,9 @@ def attention(
                                     or getattr(k, "requires_grad", False)
                                     or getattr(v, "requires_grad", False)):
         check_attention_inputs(q, k, v, scale)
-        check_grid(q, k)  # attn_fwd's grid, and attn_bwd's for the gradients
-        out, lse = _attention_fn(q, k, v, bool(causal), scale, _forward_config(
-            q, k, causal, config))
-        return (out, lse) if return_lse else out
+        trained: torch.Tensor | tuple[torch.Tensor, torch.Tensor] = _train(
+            q, k, v, bool(causal), scale, bool(return_lse), config)
+        return trained
     result: torch.Tensor | tuple[torch.Tensor, torch.Tensor] = _attention(
         q, k, v, causal, scale, return_lse, config)
     return result
@@ -129,12 +126,15 @@ def _attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
                     impl: str) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """:func:`attention` with ``impl`` other than attn_fwd: an SDPA backend runs as it is
     (torch's autograd and torch.compile know it); a kernel of flashtune's goes through the
-    custom op under torch.compile and has no backward of its own."""
+    custom op under torch.compile, and with gradients pairs with its backward template (one
+    without is an InputError)."""
     spec = get_template(impl)
     if spec.kind != "extern":
-        if _wants_grad(q, k, v):
-            raise InputError(f"impl {impl!r} has no backward; for gradients run attn_fwd "
-                             f"(impl=None or 'attn_fwd') or an SDPA backend (sdpa_*)")
+        if _wants_grad(q, k, v) and not torch.compiler.is_compiling():
+            check_attention_inputs(q, k, v, scale)
+            trained: torch.Tensor | tuple[torch.Tensor, torch.Tensor] = _train(
+                q, k, v, bool(causal), scale, bool(return_lse), config, impl)
+            return trained
         if torch.compiler.is_compiling():
             out, lse = torch.ops.flashtune.attention_fwd(
                 q, k, v, bool(causal), scale, bool(return_lse),
@@ -197,8 +197,8 @@ def lookup_config(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     """
     check_attention_inputs(q, k, v, None)
     problem, device = AttentionProblem.from_tensors(q, k, causal=causal), _device_of(q)
-    if _wants_grad(q, k, v):  # attention's autograd path: attn_fwd, whatever the shape
-        return _copy(_choose(problem, device, tune=False))
+    if _wants_grad(q, k, v):  # attention's training route, whatever the shape
+        return _copy(_train_choice(problem, device, return_lse=return_lse, tune=False))
     return _copy(_route(problem, device, tune=False, return_lse=return_lse))
 
 

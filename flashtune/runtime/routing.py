@@ -13,7 +13,7 @@ plans (the interpreter, a Triton without the internals :mod:`~flashtune.kernel_t
 uses, a launch hook installed) calls check their inputs and go through the launcher, with
 the route memoised per shape in ``_FAST``.
 
-Routing itself (:func:`_route`): the op's stored choice first
+Routing a call without gradients (:func:`_route`): the op's stored choice first
 (:class:`~flashtune.runtime.choices.OpRouter`: ``flashtune tune --op`` decided which
 implementation -- a Triton or Gluon kernel of flashtune's, or an SDPA backend of torch's --
 is fastest for the shape; exact, bucket, nearest, device alias), for short queries the
@@ -22,6 +22,10 @@ documented default: short-query problems may go to attn_decode
 (:func:`~flashtune.runtime.kvcache.decode_route`), the rest to attn_fwd with its tuned configs
 (database, config folder, shipped table; else its default); with ``FLASHTUNE_AUTOTUNE=1`` an
 attn_fwd problem without an exact tuned config is tuned on its first call, once per process.
+A call with gradients takes its training route (:func:`_train_route`, memoised per call
+signature in ``_TRAIN_FAST``): the ``train`` op's stored choice (a forward of flashtune's
+with its backward's config, or an SDPA backend that torch differentiates), else attn_fwd's
+config with attn_bwd's tuned config (else its default).
 :func:`_reload` drops what every dispatcher and router loaded and every memoised route and
 plan (``flashtune.reload_configs`` and that tuning run call it).
 """
@@ -41,7 +45,7 @@ from flashtune.core.device import DeviceFingerprint, current_device
 from flashtune.core.errors import ConfigError, InputError
 from flashtune.core.problem import AttentionProblem
 from flashtune.core.space import Config
-from flashtune.core.spec import USER_OPS, TemplateSpec
+from flashtune.core.spec import USER_OPS, TemplateSpec, join_pair, split_pair
 from flashtune.kernel_templates import direct, get_template, implementations
 from flashtune.kernel_templates.attn_decode.plan import AttnDecodeDensePlan
 from flashtune.kernel_templates.attn_fwd.plan import AttnFwdPlan
@@ -53,6 +57,18 @@ from flashtune.runtime.choices import OpRouter
 from flashtune.runtime.lookup import ConfigChoice, Dispatcher
 
 log = logging.getLogger(__name__)
+
+
+class TrainRoute:
+    """How a call with gradients runs: ``fwd`` (the forward implementation's spec) with
+    ``fwd_config``, then ``bwd`` (its backward template's spec) with ``bwd_config``; for an
+    extern ``bwd`` is None (torch's autograd differentiates it)."""
+
+    __slots__ = ("bwd", "bwd_config", "fwd", "fwd_config")
+
+    def __init__(self, fwd: TemplateSpec, fwd_config: Config, bwd: TemplateSpec | None,
+                 bwd_config: Config) -> None:
+        self.fwd, self.fwd_config, self.bwd, self.bwd_config = fwd, fwd_config, bwd, bwd_config
 
 
 class _LaunchPlan:
@@ -83,9 +99,11 @@ _DISPATCHERS: dict[str, Dispatcher] = {_FWD.name: _DISPATCH, _BWD.name: _DISPATC
                                        _DEC.name: kvcache.DISPATCH}
 # the stored choices of each op, across its implementations
 _ROUTERS = {op: OpRouter(op, {s.name: s for s in implementations(op)}) for op in USER_OPS}
-# (q.shape, k.shape, dtype, device index, causal, return_lse, paired) -> (implementation,
-# config): the per-call lookup
+# (q.shape, k.shape, dtype, device index, causal, return_lse) -> (implementation, config):
+# the per-call lookup
 _FAST: dict[tuple[Any, ...], tuple[TemplateSpec, Config]] = {}
+# the same key and ``paired`` -> the training route of a call with gradients (_train_route)
+_TRAIN_FAST: dict[tuple[Any, ...], TrainRoute] = {}
 # the plan key (see _plan_key) -> the launch plan of a CUDA call signature
 _PLANS: dict[tuple[Any, ...], AttnFwdPlan | AttnDecodeDensePlan | _LaunchPlan] = {}
 _DIRECT = direct.supported()
@@ -198,24 +216,23 @@ def _route_ops(problem: AttentionProblem) -> tuple[str, ...]:
 
 
 def _route(problem: AttentionProblem, device: DeviceFingerprint, *, tune: bool = True,
-           return_lse: bool = False, paired: bool = False) -> ConfigChoice:
-    """The implementation and config a call runs with (see the module docstring): the op's
-    stored choice that can serve the call (``paired``: its LSE feeds attn_bwd, so only
-    flashtune's own kernels), else attn_decode's when
+           return_lse: bool = False) -> ConfigChoice:
+    """The implementation and config a call without gradients runs with (see the module
+    docstring): the op's stored choice that can serve the call, else attn_decode's when
     :func:`~flashtune.runtime.kvcache.decode_route` takes the problem (short queries),
     else attn_fwd's (see :func:`_choose` for ``tune``)."""
     for op in _route_ops(problem):
-        chosen = _ROUTERS[op].choose(problem, device, return_lse=return_lse, paired=paired)
+        chosen = _ROUTERS[op].choose(problem, device, return_lse=return_lse)
         if chosen is not None:
             return chosen
     choice = kvcache.decode_route(problem, device, _DISPATCH)
     return choice if choice is not None else _choose(problem, device, tune=tune)
 
 
-def _resolve(q: torch.Tensor, k: torch.Tensor, causal: bool, return_lse: bool, paired: bool,
+def _resolve(q: torch.Tensor, k: torch.Tensor, causal: bool, return_lse: bool,
              key: tuple[Any, ...]) -> tuple[TemplateSpec, Config]:
     choice = _route(AttentionProblem.from_tensors(q, k, causal=causal), _device_of(q),
-                    return_lse=return_lse, paired=paired)
+                    return_lse=return_lse)
     spec = get_template(choice.template)
     if spec.kind != "extern":  # once per key: it holds the shapes and the device
         check_grid(q, k, decode=spec is _DEC)
@@ -223,12 +240,81 @@ def _resolve(q: torch.Tensor, k: torch.Tensor, causal: bool, return_lse: bool, p
     return route
 
 
+def _train_choice(problem: AttentionProblem, device: DeviceFingerprint, *,
+                  return_lse: bool = False, paired: bool = False,
+                  tune: bool = True) -> ConfigChoice:
+    """The training step a call with gradients runs (``choice.template`` the forward's
+    implementation, ``choice.config`` the pair's config, ``{}`` for an extern): the
+    ``train`` op's stored choice that can serve it (``paired``: flashtune's own pairs only,
+    the ``torch.compile`` path), else the documented default, attn_fwd's config (see
+    :func:`_choose` for ``tune``) with attn_bwd's tuned config (else its default)."""
+    chosen = _ROUTERS["train"].choose(problem, device, return_lse=return_lse, paired=paired)
+    if chosen is not None:
+        return chosen
+    fwd = _choose(problem, device, tune=tune)
+    bwd = _DISPATCH_BWD.choose(problem, device)
+    source = fwd.source if fwd.source == bwd.source else f"{fwd.source}+{bwd.source}"
+    return ConfigChoice(join_pair(fwd.config, bwd.config), source,
+                        tuned_problem=fwd.tuned_problem, origin=fwd.origin,
+                        template=_FWD.name)
+
+
+def _train_route(q: torch.Tensor, k: torch.Tensor, causal: bool, return_lse: bool,
+                 config: Mapping[str, Any] | None = None, impl: str | None = None,
+                 paired: bool = False) -> TrainRoute:
+    """The :class:`TrainRoute` of a call with gradients, memoised per call signature when
+    neither ``config`` nor ``impl`` is given: the routed choice (:func:`_train_choice`);
+    else ``impl`` (attn_fwd when None) with ``config`` (the forward's keys, and the
+    backward's under ``bwd.``; without them the backward's tuned config), checked against
+    the implementation's limits and spaces."""
+    if config is None and impl is None:
+        key = (q.shape, k.shape, q.dtype, q.get_device(), causal, return_lse, paired)
+        route = _TRAIN_FAST.get(key)
+        if route is not None:
+            return route
+    problem, device = AttentionProblem.from_tensors(q, k, causal=causal), _device_of(q)
+    if config is None and impl is None:
+        choice = _train_choice(problem, device, return_lse=return_lse, paired=paired)
+        spec = get_template(choice.template)
+        fcfg, bcfg = split_pair(choice.config)
+    else:
+        spec = _FWD if impl is None else _implementation(impl)
+        if "train" not in spec.serves:
+            raise InputError(f"impl {spec.name!r} has no backward; for gradients run one "
+                             f"of {', '.join(s.name for s in implementations('train'))}")
+        reason = spec.refuse(problem, device, return_lse=return_lse)
+        if reason is None and return_lse and spec.backward is None:
+            reason = "its LSE has no gradient (torch's backward ignores it)"
+        if reason is not None:
+            raise InputError(f"impl {spec.name!r} cannot serve {problem.describe()} with "
+                             f"gradients on {device.name}: {reason}")
+        fcfg, bcfg = split_pair(config or {})
+        if config is None:
+            fcfg = _dispatcher(spec).choose(problem, device).config
+        else:
+            fcfg = _explicit_config(fcfg, problem, device, spec)
+        if spec.backward is not None:
+            bwd = get_template(spec.backward)
+            bcfg = _explicit_config(bcfg, problem, device, bwd) if bcfg \
+                else _dispatcher(bwd).choose(problem, device).config
+        elif bcfg:
+            raise ConfigError(f"config has backward keys {sorted(bcfg)}, but {spec.name!r} "
+                              f"has no backward template (torch differentiates it)")
+    bwd_spec = get_template(spec.backward) if spec.backward is not None else None
+    if spec.kind != "extern":
+        check_grid(q, k)  # the forward's grid, and the backward's
+    route = TrainRoute(spec, fcfg, bwd_spec, bcfg)
+    if config is None and impl is None:
+        _TRAIN_FAST[key] = route
+    return route
+
+
 def _plan_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-              scale: Any, return_lse: bool, paired: bool = False) -> tuple[Any, ...]:
+              scale: Any, return_lse: bool) -> tuple[Any, ...]:
     """Everything the input checks, the config choice and Triton's specialisation read."""
     return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(),
             q.dtype, k.dtype, v.dtype, q.get_device(), k.get_device(), v.get_device(),
-            causal, scale, return_lse, paired,
+            causal, scale, return_lse,
             (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15 == 0)
 
 
@@ -254,25 +340,22 @@ def _new_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: TemplateS
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                scale: float | None, return_lse: bool,
-               config: Mapping[str, int] | None, impl: str | None = None,
-               paired: bool = False) -> Any:
+               config: Mapping[str, int] | None, impl: str | None = None) -> Any:
     """:func:`flashtune.attention` without gradients: ``out``, or ``(out, lse)`` with
     ``return_lse`` (see the module docstring for the path it takes); ``impl`` forces an
-    implementation (``config`` is then one of its configs), ``paired`` routes only to
-    kernels whose LSE feeds attn_bwd."""
+    implementation (``config`` is then one of its configs)."""
     key = None
     if config is None and impl is None and _DIRECT and type(q) is _Tensor \
             and type(k) is _Tensor and type(v) is _Tensor and q.is_cuda:
-        key = _plan_key(q, k, v, causal, scale, return_lse, paired)
+        key = _plan_key(q, k, v, causal, scale, return_lse)
         plan = _PLANS.get(key)
         if plan is not None and _current_device() == plan.device_index \
                 and not direct.hooks_installed():
             return plan(q, k, v, _current_stream(plan.device_index))
     check_attention_inputs(q, k, v, scale)
     if config is None and impl is None:
-        fast_key = (q.shape, k.shape, q.dtype, q.get_device(), causal, return_lse, paired)
-        spec, cfg = _FAST.get(fast_key) or _resolve(q, k, causal, return_lse, paired,
-                                                    fast_key)
+        fast_key = (q.shape, k.shape, q.dtype, q.get_device(), causal, return_lse)
+        spec, cfg = _FAST.get(fast_key) or _resolve(q, k, causal, return_lse, fast_key)
         if key is not None and _current_device() == q.get_device() \
                 and not direct.hooks_installed():
             plan = _new_plan(q, k, v, spec, cfg, causal, scale, return_lse, key)
@@ -302,16 +385,6 @@ def _forced(q: torch.Tensor, k: torch.Tensor, causal: bool, return_lse: bool,
     return spec, _dispatcher(spec).choose(problem, device).config
 
 
-def _forward_config(q: torch.Tensor, k: torch.Tensor, causal: bool,
-                    config: Mapping[str, int] | None) -> Config:
-    """attn_fwd's config for :func:`flashtune.attention`'s autograd path: ``config``
-    checked, else the dispatcher's choice (tuned first with ``FLASHTUNE_AUTOTUNE=1``)."""
-    problem = AttentionProblem.from_tensors(q, k, causal=causal)
-    if config is not None:
-        return _explicit_config(config, problem, _device_of(q))
-    return _choose(problem, _device_of(q)).config
-
-
 def _reload(*, device_alias: bool | None = None, db_url: str | None = None) -> None:
     """Drop the configs every dispatcher (attn_fwd, attn_bwd, attn_decode) loaded and the
     memoised routes and launch plans; the arguments are :func:`flashtune.reload_configs`'s."""
@@ -320,5 +393,6 @@ def _reload(*, device_alias: bool | None = None, db_url: str | None = None) -> N
     for router in _ROUTERS.values():
         router.reload(device_alias=device_alias, db_url=db_url)
     _FAST.clear()
+    _TRAIN_FAST.clear()
     _PLANS.clear()
     kvcache.reset()

@@ -57,7 +57,8 @@ def _entry(compiled: space.Compiled, config: dict[str, int], **problem: object) 
 
 def test_it_is_registered_as_a_gluon_implementation_of_fwd() -> None:
     assert SPEC.name == "attn_fwd_gluon" and SPEC.op == "fwd" and SPEC.kind == "gluon"
-    assert SPEC.serves == ("fwd",) and SPEC.tunable
+    assert SPEC.serves == ("fwd", "train") and SPEC.tunable
+    assert SPEC.backward == "attn_bwd"  # its LSE is attn_bwd's input: a training pair
     assert SPEC in implementations("fwd") and SPEC not in implementations("decode")
     assert SPEC.reference is attn_fwd_reference
     assert SPEC.source_hash == source_hash(FOLDER / "kernel.py", FOLDER / "launcher.py")

@@ -51,7 +51,7 @@ def test_each_backend_is_an_extern_with_one_empty_config(name: str) -> None:
     spec = get_template(name)
     assert name in known_names()
     assert (spec.name, spec.op, spec.kind, spec.serves) == (name, "fwd", "extern",
-                                                            ("fwd", "decode"))
+                                                            ("fwd", "train", "decode"))
     assert spec.space.size == 1 and list(spec.space) == [{}]
     assert spec.space.valid_configs(_problem(), interpreter_device()) == [{}]
     assert spec.default_config(_problem(), interpreter_device()) == {}

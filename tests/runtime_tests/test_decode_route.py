@@ -10,7 +10,8 @@ import torch
 import flashtune
 from flashtune.core.device import interpreter_device
 from flashtune.core.problem import AttentionProblem
-from flashtune.runtime import kvcache, ops, routing
+from flashtune.core.spec import join_pair
+from flashtune.runtime import autograd, kvcache, routing
 from tests.conftest import DEVICE
 from tests.decode_helpers import make_cache
 from tests.helpers import assert_close_to_reference
@@ -102,12 +103,13 @@ def test_lookup_config_reports_the_template_a_call_with_grad_runs(env, monkeypat
     q, k, v = qkv(1, MIN_KEYS + 3)
     q.requires_grad_(True)
     used = []
-    real = ops._attention_fn  # attention's autograd path: attn_fwd with this config
-    monkeypatch.setattr(ops, "_attention_fn", lambda *a: used.append(a[5]) or real(*a))
+    real = autograd.pair_fn  # the training route: attn_fwd and attn_bwd with these configs
+    monkeypatch.setattr(autograd, "pair_fn",
+                        lambda *a: used.append(join_pair(a[6], a[8])) or real(*a))
     choice = flashtune.lookup_config(q, k, v)
     assert choice.template == "attn_fwd"
     flashtune.attention(q, k, v)
-    assert used == [choice.config]  # what lookup_config said
+    assert used == [choice.config]  # what lookup_config said: the pair's config
     with torch.no_grad():  # no autograd path: the decode route
         assert flashtune.lookup_config(q, k, v).template == "attn_decode"
     assert flashtune.lookup_config(q.detach(), k, v).template == "attn_decode"

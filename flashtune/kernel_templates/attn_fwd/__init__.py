@@ -26,7 +26,8 @@ SPEC = register_template(TemplateSpec(
     make_case=functools.partial(forward_case, attn_fwd_reference),
     warmup_launches=warmup_launches,
     kernel=attn_fwd_kernel,
-    serves=("fwd", "decode"),
+    serves=("fwd", "train", "decode"),
+    backward="attn_bwd",
 ))
 
 __all__ = ["SPEC", "attn_fwd", "attn_fwd_reference", "attn_fwd_kernel", "default_config", "SPACE"]

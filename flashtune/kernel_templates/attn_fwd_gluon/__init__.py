@@ -63,7 +63,8 @@ SPEC = register_template(TemplateSpec(
     warmup_launches=warmup_launches,
     kernel=gluon_attn_fwd_kernel,
     kind="gluon",
-    serves=("fwd",),
+    serves=("fwd", "train"),
+    backward="attn_bwd",
     limits=Limits(head_dims=HEAD_DIMS, dtypes=("fp16", "bf16"), gqa=True,
                   causal_unaligned=True, lse=True, needs_gpu=True, capabilities=((9, 0),)),
 ))
