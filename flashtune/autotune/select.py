@@ -13,8 +13,14 @@ side, the fastest kept).
 2. **Search each.** Each applicable implementation is tuned as ``tune --template`` tunes it
    (:func:`~flashtune.autotune.trial_loop.tune_on_device`: Optuna over its space, every
    candidate checked against the fp32 reference before it is timed, the top configs
-   confirmed); a space of one point (an extern: no knobs) is measured once.
-3. **Leaders side by side.** The best config of each implementation is re-timed
+   confirmed); a space of one point (an extern: no knobs) is measured once. For ``train``
+   a pair of flashtune's kernels is its forward's search and its backward's, each on its
+   own (the backward once per problem however many forwards pair with it), joined into
+   the pair's config (:mod:`flashtune.kernel_templates.training`); an extern's training
+   step has nothing to search.
+3. **Leaders side by side.** The best config of each implementation is checked again as
+   the op runs it (for ``train``: the whole step, the output and dQ, dK, dV against fp32
+   autograd) and re-timed
    interleaved with the others (:func:`time_side_by_side`: same seeded inputs, L2 flushed
    by :func:`~flashtune.autotune.timing.bench`, ``rounds`` rounds A, B, C, A, B, C...), so
    clock and thermal drift hit them alike.
@@ -25,6 +31,7 @@ side, the fastest kept).
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -34,7 +41,7 @@ from flashtune.autotune.options import TuneOptions, TuneResult
 from flashtune.core.device import DeviceFingerprint, cuda_device, interpreter_device
 from flashtune.core.errors import InputError
 from flashtune.core.problem import AttentionProblem
-from flashtune.core.spec import USER_OPS, TemplateSpec
+from flashtune.core.spec import USER_OPS, TemplateSpec, join_pair
 
 log = logging.getLogger(__name__)
 
@@ -131,17 +138,17 @@ def applicable(op: str, problem: AttentionProblem, device: DeviceFingerprint,
 
     if op not in USER_OPS:
         raise InputError(f"op must be one of {', '.join(USER_OPS)}, got {op!r}")
+    serving = {s.name: s for s in implementations(op)}
     if impls is None:
-        specs = implementations(op)
+        specs = list(serving.values())
     else:
         specs = []
         for name in dict.fromkeys(impls):
-            spec = get_template(name)
-            if op not in spec.serves:
-                serving = ", ".join(s.name for s in implementations(op))
+            get_template(name)  # an unknown name: UnknownTemplateError listing the known
+            if name not in serving:
                 raise InputError(f"implementation {name!r} does not serve op {op!r}; the "
-                                 f"implementations of {op!r}: {serving}")
-            specs.append(spec)
+                                 f"implementations of {op!r}: {', '.join(serving)}")
+            specs.append(serving[name])
     ok, skipped = [], []
     for spec in specs:
         reason = spec.refuse(problem, device)
@@ -200,8 +207,9 @@ def tune_op(problems: Sequence[AttentionProblem], op: str, options: TuneOptions,
 
     Arguments:
         problems: the shapes, in order.
-        op: ``"fwd"`` or ``"decode"``.
-        options: trials and budgets per implementation (``options.template`` is ignored).
+        op: ``"fwd"``, ``"train"`` or ``"decode"``.
+        options: trials and budgets per implementation (per template: a training pair
+            searches its forward and its backward with them) (``options.template`` is ignored).
         impls: search only these implementations (each must serve ``op`` and every
             problem); None: every applicable one. The others' stored best configs still
             take part in the side-by-side timing, so the stored choice is made across
@@ -216,10 +224,9 @@ def tune_op(problems: Sequence[AttentionProblem], op: str, options: TuneOptions,
         (before any work), or a problem the runtime would refuse; the store's errors.
     """
     from flashtune.autotune.options import check_tunable
-    from flashtune.autotune.trial_loop import tune_on_device
     from flashtune.db import default_db_url, open_store
     from flashtune.db.records import SoftwareVersions
-    from flashtune.kernel_templates import get_template
+    from flashtune.kernel_templates import implementations
 
     url = default_db_url() if db_url is None else str(db_url)
     device = _device or (interpreter_device() if options.interpret else cuda_device())
@@ -238,14 +245,12 @@ def tune_op(problems: Sequence[AttentionProblem], op: str, options: TuneOptions,
         specs, skipped = applicable(op, problem, device, impls)
         for name, reason in skipped:
             log.warning("%s: %s skipped: %s", problem.describe(), name, reason)
-        results = []
-        for spec in specs:
-            results.extend(tune_on_device(
-                [problem], replace(options, template=spec.name), db_url=url,
-                progress=progress, runner_factory=_runner_factory, device=device))
+        results: list[TuneResult] = []
+        search = functools.partial(_search, results, problem, options, url, progress,
+                                   _runner_factory, device)
+        entries = [(spec, _searched(spec, search)) for spec in specs]
         # with --impl, the other applicable implementations' stored bests still take part
         # in the side-by-side timing: --impl narrows the search, not the choice
-        entries = [(spec, r.best_config) for spec, r in zip(specs, results, strict=True)]
         if impls is not None:
             entries += _stored_leaders(url, op, problem, device,
                                        {s.name for s in specs})
@@ -254,7 +259,7 @@ def tune_op(problems: Sequence[AttentionProblem], op: str, options: TuneOptions,
         win = result.winner
         if win is not None and win.median_ms is not None:
             ext, up = result.best_extern, result.runner_up
-            spec = get_template(win.implementation)  # searched here, or a stored leader
+            spec = {s.name: s for s in implementations(op)}[win.implementation]
             with open_store(url) as store:
                 dev = store.ensure_device(device)
                 store.put_choice(dev.id, op, problem.key(), implementation=spec.name,
@@ -270,11 +275,43 @@ def tune_op(problems: Sequence[AttentionProblem], op: str, options: TuneOptions,
     return out
 
 
+def _search(results: list[TuneResult], problem: AttentionProblem, options: TuneOptions,
+            url: str, progress: bool, factory: Callable[..., Any] | None,
+            device: DeviceFingerprint, name: str) -> dict[str, int] | None:
+    """Template ``name``'s best config for ``problem`` (:func:`~flashtune.autotune.
+    trial_loop.tune_on_device`), its search appended to ``results``; a template searched
+    already for the problem (a backward two pairs share) is not searched again."""
+    from flashtune.autotune.trial_loop import tune_on_device
+
+    found = next((r for r in results if r.template == name), None)
+    if found is None:
+        found, = tune_on_device([problem], replace(options, template=name), db_url=url,
+                                progress=progress, runner_factory=factory, device=device)
+        results.append(found)
+    return found.best_config
+
+
+def _searched(spec: TemplateSpec,
+              search: Callable[[str], dict[str, int] | None]) -> dict[str, int] | None:
+    """An implementation's best config for the problem (None: none passed its checks):
+    its own search (``search(template name)``); for a training pair the forward's and the
+    backward's, each searched on its own (two kernels, two launches: their times add), then
+    joined; for an extern's training step ``{}`` (no knobs)."""
+    if spec.op != "train":
+        return search(spec.name)
+    if spec.backward is None:
+        return {}
+    fwd, bwd = search(spec.name), search(spec.backward)
+    return None if fwd is None or bwd is None else join_pair(fwd, bwd)
+
+
 def _stored_leaders(url: str, op: str, problem: AttentionProblem, device: DeviceFingerprint,
                     searched: set[str]) -> list[tuple[TemplateSpec, dict[str, int] | None]]:
     """The stored best config of every implementation of ``op`` that can serve ``problem``
-    here and was not searched in this run (those with one)."""
+    here and was not searched in this run (those with one; a training pair's from its
+    forward's and its backward's stored bests)."""
     from flashtune.db import open_store
+    from flashtune.kernel_templates import get_template
 
     out: list[tuple[TemplateSpec, dict[str, int] | None]] = []
     specs = [s for s in applicable(op, problem, device)[0] if s.name not in searched]
@@ -282,12 +319,18 @@ def _stored_leaders(url: str, op: str, problem: AttentionProblem, device: Device
         return out
     with open_store(url) as store:
         dev = store.ensure_device(device)
+
+        def best(name: str) -> dict[str, int] | None:
+            template = get_template(name)
+            tpl = store.ensure_template(name, template.source_hash)
+            prob = store.ensure_problem(name, problem.key(), problem.bucket())
+            found = store.get_best(dev.id, tpl.id, prob.id)
+            return None if found is None else dict(found.config)
+
         for spec in specs:
-            tpl = store.ensure_template(spec.name, spec.source_hash)
-            prob = store.ensure_problem(spec.name, problem.key(), problem.bucket())
-            best = store.get_best(dev.id, tpl.id, prob.id)
-            if best is not None:
-                out.append((spec, dict(best.config)))
+            config = _searched(spec, best)
+            if config is not None:
+                out.append((spec, config))
     return out
 
 
@@ -303,7 +346,15 @@ def _side_by_side(candidates: Sequence[tuple[TemplateSpec, Mapping[str, int] | N
     try:
         for spec, config in entries:
             runners.append((_leader_runner(spec, problem, device, options, factory), config))
-        timed = time_side_by_side(runners, rounds)
+        # every candidate is checked before it is timed (a training pair's or an extern's
+        # step is checked here for the first time), and its kernels compiled
+        checked = [runner.evaluate(config) for runner, config in runners]
+        ok = [i for i, r in enumerate(checked) if r.ok]
+        timed_ok = time_side_by_side([runners[i] for i in ok], rounds)
+        timed: list[tuple[float | None, str | None]] = [
+            (None, r.message or r.state.value) for r in checked]
+        for i, t in zip(ok, timed_ok, strict=True):
+            timed[i] = t
     finally:
         for runner, _ in runners:
             close = getattr(runner, "close", None)

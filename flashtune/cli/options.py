@@ -153,7 +153,7 @@ json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON i
 
 
 def op_filter_option(help_text: str) -> Callable[[F], F]:
-    """``--op fwd|decode``: a user op (``flashtune.core.spec.USER_OPS``), with the
+    """``--op fwd|train|decode``: a user op (``flashtune.core.spec.USER_OPS``), with the
     command's own ``help_text``."""
     return click.option("--op", type=click.Choice(USER_OPS), default=None, help=help_text)
 

@@ -6,7 +6,7 @@ one. Other database errors are one-line messages with exit code 1. ``--software`
 versions each config was tuned under to the table (``--json`` always has them, as
 ``software``).
 
-``--op fwd|decode`` lists the tuner's op choices instead: per device and shape, the
+``--op fwd|train|decode`` lists the tuner's op choices instead: per device and shape, the
 implementation (and config) that serves it, its time and throughput, and its margins:
 ``1.07x over attn_fwd`` (the runner-up's time over the winner's) and the same over the
 fastest extern implementation timed beside it (``winner`` when that extern won).

@@ -38,7 +38,7 @@ __all__ = ["INTERPRETER_MAX_FLOPS", "OP_CHOICES", "format_config", "format_tflop
 
 # flashtune.core.spec.USER_OPS, written out: parsing imports nothing of the library's kernels
 # (a test keeps the two equal)
-OP_CHOICES = ("fwd", "decode")
+OP_CHOICES = ("fwd", "train", "decode")
 
 _SHAPE_NAMES = ("batch", "heads", "kv_heads", "seqlen", "kv_seqlen", "head_dim", "causal")
 _REQUIRED = ("batch", "heads", "seqlen", "head_dim")
@@ -302,7 +302,9 @@ def tune_command(ctx: click.Context, template: str, op: str | None, impls: tuple
     (flashtune's Triton and Gluon kernels, torch SDPA's backends) is searched, the leaders
     are timed side by side, and the fastest is stored as the op's choice for the shape; an
     implementation that cannot run here (a GPU-only one on a CPU machine) is skipped with a
-    line saying why.
+    line saying why. --op train chooses the training step: a forward that saves the LSE and
+    its backward (flashtune's pairs, each kernel searched on its own, then the pair timed
+    as one step) or an SDPA backend's forward and backward.
     """
     if impls and op is None:
         raise click.UsageError("--impl needs --op (the op whose implementations to search)")
@@ -318,7 +320,7 @@ def tune_command(ctx: click.Context, template: str, op: str | None, impls: tuple
     gpus = _parse_gpus(gpus_text)
     interpret = _decide_interpret(interpret)
     if interpret:
-        refuse_under_interpreter(problems, backward=template == "attn_bwd")
+        refuse_under_interpreter(problems, backward=template == "attn_bwd" or op == "train")
     _check_gpus(gpus, interpret)
 
     from flashtune.autotune import stop

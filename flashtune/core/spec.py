@@ -19,7 +19,8 @@ from flashtune.core.problem import AttentionProblem
 from flashtune.core.space import Config, SearchSpace
 
 __all__ = ["BWD_PREFIX", "KINDS", "OPS", "USER_OPS", "DefaultConfig", "Launch", "Limits",
-           "MakeCase", "TemplateSpec", "WarmupLaunches", "join_pair", "split_pair"]
+           "MakeCase", "TemplateSpec", "WarmupLaunches", "join_pair", "op_implementations",
+           "split_pair"]
 
 # what an implementation computes: the forward (optionally saving the LSE), the backward
 # (dQ, dK, dV from the forward's output and LSE), decoding against a KV cache, or a training
@@ -138,6 +139,18 @@ def split_pair(config: Mapping[str, int]) -> tuple[dict[str, int], dict[str, int
         else:
             fwd[name] = value
     return fwd, bwd
+
+
+def op_implementations(specs: Mapping[str, TemplateSpec], op: str) -> dict[str, TemplateSpec]:
+    """The implementations of the user op ``op`` among ``specs``, name -> spec, as the tuner
+    and the router see them: ``specs.for_op(op)`` when the mapping has it (the registry's
+    :func:`~flashtune.kernel_templates.catalog`: a forward's training step is a spec of its
+    own, with its pair's space and source hash), else every spec whose ``serves`` names
+    ``op``."""
+    for_op = getattr(specs, "for_op", None)
+    if callable(for_op):
+        return dict(for_op(op))
+    return {name: spec for name, spec in specs.items() if op in spec.serves}
 
 
 def join_pair(fwd: Mapping[str, int], bwd: Mapping[str, int]) -> dict[str, int]:

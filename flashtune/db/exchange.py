@@ -55,7 +55,7 @@ from functools import partial
 from typing import Any
 
 from flashtune.core.errors import ImportRejected, UnknownTemplateError
-from flashtune.core.spec import TemplateSpec
+from flashtune.core.spec import TemplateSpec, op_implementations
 from flashtune.db import exchange_checks as checks
 from flashtune.db import exchange_choices as choices
 from flashtune.db.exchange_checks import FORMAT, SCHEMA_VERSION, DeviceInfo
@@ -467,14 +467,14 @@ def import_documents(store: TuningStore, docs: Sequence[tuple[str, Document]], *
                                  for _, d in docs) else "implementation"
         raise UnknownTemplateError(f"unknown {kind} {unknown[0]!r}; known {kind}s: "
                                    f"{', '.join(sorted(specs)) or 'none'}")
-    hashes = {n: s.source_hash for n, s in specs.items()}
     bests: list[ImportedBest] = []
     picked: list[ImportedChoice] = []
     # per document: where its written entries lie in its batch, and how many are stale
     spans: list[tuple[str, Document, int, int, int]] = []
     for origin, doc in docs:
         if isinstance(doc, ChoiceDocument):
-            current, stale = choices.imported_choices(doc, hashes)
+            current, stale = choices.imported_choices(
+                doc, {n: s.source_hash for n, s in op_implementations(specs, doc.op).items()})
             start = len(picked)
             picked.extend(current)
             spans.append((origin, doc, start, len(picked), stale))

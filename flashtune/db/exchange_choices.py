@@ -50,7 +50,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from flashtune.core.errors import ImportRejected
-from flashtune.core.spec import USER_OPS, TemplateSpec
+from flashtune.core.spec import USER_OPS, TemplateSpec, op_implementations
 from flashtune.db import exchange_checks as checks
 from flashtune.db.exchange_checks import DeviceInfo
 from flashtune.db.jsonutil import canonical_json
@@ -231,6 +231,7 @@ def parse_choice_object(obj: Any, specs: Mapping[str, TemplateSpec], *,
     names = _implementations(obj["implementations"], specs, op, strict)
     exported_at = checks.timestamp(obj["exported_at"], "exported_at")
     items = checks.entry_list(obj["entries"], MAX_ENTRIES)
+    specs = op_implementations(specs, op)  # a training step's spec: its pair's space, hash
     hashes = {n: s.source_hash for n, s in specs.items()}
     entries, seen, named = [], set(), set[str]()
     for i, item in enumerate(items):
@@ -394,10 +395,10 @@ def export_choice_documents(store: TuningStore, *, specs: Mapping[str, TemplateS
     docs: list[ChoiceDocument] = []
     for user_op in USER_OPS if op is None else (check_op(op),):
         groups: dict[str, list[ChoiceRecord]] = {}
+        serving = op_implementations(specs, user_op)
         for c in store.list_choices(device_name=device_name, op=user_op):
-            spec = specs.get(c.implementation)
-            if spec is not None and spec.source_hash == c.source_hash \
-                    and user_op in spec.serves:
+            spec = serving.get(c.implementation)
+            if spec is not None and spec.source_hash == c.source_hash:
                 groups.setdefault(c.device.name, []).append(c)
         docs.extend(_export_group(store.url, user_op, records, specs)
                     for records in groups.values())
@@ -413,6 +414,7 @@ def _export_group(url: str, op: str, records: list[ChoiceRecord],
         if key not in fastest or r.median_ms < fastest[key].median_ms:
             fastest[key] = r
     latest = max(fastest.values(), key=lambda r: (r.decided_at, canonical_json(r.problem_key)))
+    serving = op_implementations(specs, op)
     names: dict[str, str] = {}
     entries = []
     for r in fastest.values():
@@ -422,7 +424,7 @@ def _export_group(url: str, op: str, records: list[ChoiceRecord],
         extern, extern_ms = _exportable(r, "extern", r.extern, r.extern_ms, op, specs)
         for rival in (runner_up, extern):
             if rival is not None and rival != r.implementation:
-                names[rival] = specs[rival].source_hash
+                names[rival] = serving[rival].source_hash
         entries.append(ChoiceDocumentEntry(
             problem=dict(r.problem_key), implementation=r.implementation,
             config=dict(r.config), median_ms=r.median_ms, tflops=r.tflops,

@@ -27,7 +27,7 @@ from types import MappingProxyType
 from flashtune.core.errors import UnknownTemplateError
 from flashtune.core.spec import TemplateSpec
 
-__all__ = ["TemplateSpec", "catalog", "get_template", "hash_files", "implementations",
+__all__ = ["Catalog", "TemplateSpec", "catalog", "get_template", "hash_files", "implementations",
            "known_names", "register_template", "source_hash", "template_names",
            "unregister_template"]
 
@@ -256,15 +256,37 @@ def known_names() -> list[str]:
     return sorted(set(_builtin_folders()) | set(_REGISTRY))
 
 
-def catalog() -> Mapping[str, TemplateSpec]:
+class Catalog(Mapping[str, TemplateSpec]):
+    """A read-only live view of the registry, name -> spec, that also answers
+    :meth:`for_op` (:func:`~flashtune.core.spec.op_implementations` asks it)."""
+
+    def __init__(self) -> None:
+        self._view = MappingProxyType(_REGISTRY)
+
+    def __getitem__(self, name: str) -> TemplateSpec:
+        return self._view[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._view)
+
+    def __len__(self) -> int:
+        return len(self._view)
+
+    def for_op(self, op: str) -> dict[str, TemplateSpec]:
+        """The implementations of the user op ``op``, name -> spec (:func:`implementations`)."""
+        return {spec.name: spec for spec in implementations(op)}
+
+
+def catalog() -> Catalog:
     """The registry as a read-only mapping: what layers that may not import the kernels (the
-    store's export and import checks) are handed.
+    store's export and import checks) are handed; its ``for_op(op)`` gives an op's
+    implementations as the tuner and the router see them (a training step's spec).
 
     Returns:
         name -> :class:`TemplateSpec` of every registered template (a live view).
     """
     _load_builtins()
-    return MappingProxyType(_REGISTRY)
+    return Catalog()
 
 
 def implementations(op: str) -> list[TemplateSpec]:

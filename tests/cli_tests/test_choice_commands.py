@@ -146,7 +146,7 @@ def test_export_import_export_round_trips_both_kinds(db: str, tmp_path: Path) ->
     (lambda d: d["implementations"].update(no_such_impl=FWD),
      "implementations names 'no_such_impl', an unknown implementation; expected one of "
      "attn_fwd"),
-    (lambda d: d.update(op="bwd"), "op is the string 'bwd'; expected one of 'fwd', 'decode'"),
+    (lambda d: d.update(op="bwd"), "op is the string 'bwd'; expected one of 'fwd', 'train', 'decode'"),
     (lambda d: next(e for e in d["entries"] if e["implementation"] == "attn_fwd")["config"]
      .update(BLOCK_M=7), "config.BLOCK_M is the integer 7, outside the search space"),
     (lambda d: next(e for e in d["entries"] if e["implementation"] == EXTERN)["config"]

@@ -105,7 +105,7 @@ def test_choice_file_name_refuses_unsafe_names(device: str) -> None:
 
 @pytest.mark.parametrize("op", ["bwd", "FWD", "", "fwd/..", None])
 def test_choice_file_name_refuses_what_is_not_a_user_op(op: object) -> None:
-    with pytest.raises(ValueError, match="not a user op; expected one of fwd, decode"):
+    with pytest.raises(ValueError, match="not a user op; expected one of fwd, train, decode"):
         choice_file_name("H100", op)  # type: ignore[arg-type]
 
 
@@ -182,7 +182,7 @@ BAD = [
      {**GOOD, "implementations": {**GOOD["implementations"], "attn_bwd": FWD}},
      "'attn_bwd', which does not serve op 'fwd' \\(it serves no user op\\)"),
     ("bad-op", {**GOOD, "op": "bwd"}, "op is the string 'bwd'; expected one of 'fwd', "
-                                     "'decode' \\(a user op\\)"),
+                                     "'train', 'decode' \\(a user op\\)"),
     ("op-not-string", {**GOOD, "op": 1}, "op is the integer 1"),
     ("config-outside-the-space", with_entry(GOOD, config={**FWD_CFG, "BLOCK_M": 7}),
      "entries\\[0\\].config.BLOCK_M is the integer 7, outside the search space"),

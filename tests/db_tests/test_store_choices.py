@@ -103,7 +103,7 @@ def test_choices_are_keyed_on_device_op_and_problem(store: TuningStore) -> None:
     assert store.list_choices(device_name=H100.name, op="decode") == [b]
     assert store.list_choices(device_name="nope") == []
     with pytest.raises(InputError, match="op 'bwd' is not a user op; expected one of fwd, "
-                                         "decode"):
+                                         "train, decode"):
         store.list_choices(op="bwd")
 
 
