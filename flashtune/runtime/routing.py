@@ -289,17 +289,19 @@ def _train_route(q: torch.Tensor, k: torch.Tensor, causal: bool, return_lse: boo
             raise InputError(f"impl {spec.name!r} cannot serve {problem.describe()} with "
                              f"gradients on {device.name}: {reason}")
         fcfg, bcfg = split_pair(config or {})
-        if config is None:
-            fcfg = _dispatcher(spec).choose(problem, device).config
-        else:
-            fcfg = _explicit_config(fcfg, problem, device, spec)
-        if spec.backward is not None:
-            bwd = get_template(spec.backward)
-            bcfg = _explicit_config(bcfg, problem, device, bwd) if bcfg \
-                else _dispatcher(bwd).choose(problem, device).config
-        elif bcfg:
+        if bcfg and spec.backward is None:
             raise ConfigError(f"config has backward keys {sorted(bcfg)}, but {spec.name!r} "
                               f"has no backward template (torch differentiates it)")
+        if bcfg:  # the pair's config: checked as one, so errors name its keys
+            from flashtune.kernel_templates.training import train_spec
+
+            fcfg, bcfg = split_pair(_explicit_config(config or {}, problem, device,
+                                                     train_spec(spec)))
+        else:
+            fcfg = _dispatcher(spec).choose(problem, device).config if config is None \
+                else _explicit_config(fcfg, problem, device, spec)
+            if spec.backward is not None:
+                bcfg = _dispatcher(get_template(spec.backward)).choose(problem, device).config
     bwd_spec = get_template(spec.backward) if spec.backward is not None else None
     if spec.kind != "extern":
         check_grid(q, k)  # the forward's grid, and the backward's
