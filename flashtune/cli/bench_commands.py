@@ -164,12 +164,21 @@ BENCH_OPS = ("fwd", "bwd")
 @click.option("--no-plot", is_flag=True, help="Do not draw the plot.")
 @click.option("--interpret", is_flag=True,
               help="Run on CPU under the Triton interpreter (automatic without a GPU).")
+@click.option("--train", is_flag=True,
+              help="The training step: forward and backward as flashtune.attention runs a "
+                   "call with gradients (the train op's choice), against the baselines' "
+                   "forward and backward through autograd.")
 @click.pass_context
 def bench_command(ctx: click.Context, template: str, plan: str | None, preset_name: str | None,
                   head_dims: str, seqlens: str, baselines: str, rounds: int, out_path: str,
-                  plot_path: str | None, no_plot: bool, interpret: bool,
+                  plot_path: str | None, no_plot: bool, interpret: bool, train: bool,
                   **shape: Any) -> None:
-    """Benchmark the forward (or backward): tuned and default flashtune vs SDPA and Flex."""
+    """Benchmark the forward (or backward, or the training step): tuned and default
+    flashtune vs SDPA and Flex."""
+    if train and ctx.get_parameter_source("template") \
+            is not click.core.ParameterSource.DEFAULT:
+        raise click.UsageError("--train benchmarks the training step of the routed forward; "
+                               "give it without --template")
     dtype = shape.pop("dtype")
     names = [b for b in baselines.split(",") if b]
     from flashtune.runtime.bench import BASELINES
@@ -205,7 +214,7 @@ def bench_command(ctx: click.Context, template: str, plan: str | None, preset_na
             raise click.UsageError("the standard grid (batch x seqlen = 16384) would take hours "
                                    "under the Triton interpreter; give a small shape (--batch "
                                    "--heads --seqlen --head-dim) or --plan FILE")
-        refuse_under_interpreter(problems, backward=template == "attn_bwd",
+        refuse_under_interpreter(problems, backward=template == "attn_bwd" or train,
                                  doing="benchmarking")
     out = Path(out_path)
     _check_output(out, "--out")
@@ -229,7 +238,7 @@ def bench_command(ctx: click.Context, template: str, plan: str | None, preset_na
                    f"{row['label']}: flashtune not timed", err=True)
 
     result = bench_attention(problems, template=template, baselines=names, rounds=rounds,
-                             db_url=db_url(ctx), on_row=on_row)
+                             db_url=db_url(ctx), on_row=on_row, train=train)
     write(out, json.dumps(result, indent=1))
     click.echo(render_bench(result))
     if plot is not None:

@@ -34,9 +34,11 @@ import platform
 import statistics
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from flashtune.core.problem import AttentionProblem
+from flashtune.core.spec import join_pair
 
 __all__ = ["BASELINES", "BENCH_OPS", "IMPLS", "bench_attention", "matmul_ceiling_tflops",
            "summarize", "tflops_of"]
@@ -120,7 +122,8 @@ def _first_line(exc: BaseException) -> str:
 def bench_attention(problems: Sequence[AttentionProblem], *, template: str = "attn_fwd",
                     baselines: Iterable[str] = BASELINES, rounds: int = 1,
                     db_url: str | None = None, device: Any = None, ceiling: bool = True,
-                    on_row: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+                    on_row: Callable[[dict[str, Any]], None] | None = None,
+                    train: bool = False) -> dict[str, Any]:
     """Benchmark ``template`` (``attn_fwd`` or ``attn_bwd``) on ``problems``; returns the run
     as a JSON-ready dict (``rows`` one per problem, ``summary`` the geomean ratios,
     ``ceiling_tflops``).
@@ -129,6 +132,11 @@ def bench_attention(problems: Sequence[AttentionProblem], *, template: str = "at
         template: ``attn_fwd`` (the output) or ``attn_bwd`` (dQ, dK, dV from the forward's
             output and LSE; the baselines' backward through autograd; FLOPs 2.5x the
             forward's).
+        train: the training step instead (``template`` must be attn_fwd): the forward and
+            its backward as :func:`flashtune.attention` runs a call with gradients (the
+            ``train`` op's choice, else attn_fwd with attn_bwd's tuned config), the
+            baselines' forward and backward through autograd, each step checked on its
+            output and dQ, dK, dV; FLOPs 3.5x the forward's.
         problems: the shapes (any dtype/GQA/causal; tensors live on the GPU, or on the CPU
             under the Triton interpreter, where timings mean nothing).
         baselines: names from :data:`BASELINES`; unknown names raise ``ValueError``.
@@ -160,10 +168,16 @@ def bench_attention(problems: Sequence[AttentionProblem], *, template: str = "at
         raise ValueError(f"cannot benchmark template {template!r} (op {spec.op!r}); choose "
                          f"one of op {' or '.join(BENCH_OPS)}")
     dispatcher = Dispatcher(spec)
+    if train:
+        from flashtune.kernel_templates.training import train_spec
+
+        if spec.op != "fwd":
+            raise ValueError(f"the training step is a forward's; got template {template!r}")
+        spec = train_spec(spec)
     dispatcher.reload(db_url=db_url)
     t0 = time.time()
     result: dict[str, Any] = {
-        "benchmark": template, "device": device.to_dict(), "torch": torch.__version__,
+        "benchmark": "train" if train else template, "device": device.to_dict(), "torch": torch.__version__,
         "triton": triton.__version__, "source_hash": spec.source_hash, "db": db_url,
         "host": platform.node(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "rounds": rounds, "baselines": baselines,
@@ -191,7 +205,7 @@ class _Served:
 
     def __init__(self, dispatcher: Any, db_url: str | None) -> None:
         from flashtune.core.spec import USER_OPS
-        from flashtune.kernel_templates import implementations
+        from flashtune.kernel_templates import get_template, implementations
         from flashtune.runtime.choices import OpRouter
         from flashtune.runtime.lookup import Dispatcher
 
@@ -199,14 +213,25 @@ class _Served:
         self.routers = {op: OpRouter(op, {s.name: s for s in implementations(op)})
                         for op in USER_OPS}
         self.own = [Dispatcher(s) for s in implementations("fwd") if s.kind != "extern"]
+        self.backward = Dispatcher(get_template("attn_bwd"))
         for router in self.routers.values():
             router.reload(db_url=db_url)
-        for own in self.own:
+        for own in [*self.own, self.backward]:
             own.reload(db_url=db_url)
+        self.trains = {s.name: s for s in implementations("train")}
 
     def choice(self, p: AttentionProblem, spec: Any, device: Any) -> Any:
         """What a call of ``p`` runs with: for the forward the router's answer (its op
-        choice, else the dispatcher's config), for the backward the dispatcher's config."""
+        choice, else the dispatcher's config), for the backward the dispatcher's config,
+        for the training step the train op's choice, else attn_fwd's config and attn_bwd's
+        joined."""
+        if spec.op == "train":
+            chosen = self.routers["train"].choose(p, device)
+            if chosen is not None:
+                return chosen
+            fwd, bwd = self.dispatcher.choose(p, device), self.backward.choose(p, device)
+            return replace(fwd, config=join_pair(fwd.config, bwd.config), tflops=None,
+                           median_ms=None)
         if spec.op == "fwd":
             from flashtune.runtime.routing import _route_ops
 
@@ -216,12 +241,19 @@ class _Served:
                     return chosen
         return self.dispatcher.choose(p, device)
 
-    def own_implementations(self, p: AttentionProblem,
-                            device: Any) -> dict[str, tuple[Any, dict[str, int]]]:
+    def own_implementations(self, p: AttentionProblem, device: Any,
+                            train: bool = False) -> dict[str, tuple[Any, dict[str, int]]]:
         """``impl_<name>``: each of flashtune's own forward implementations that can serve
-        ``p`` on ``device``, with its own tuned config (else its default)."""
-        return {f"impl_{d.spec.name}": (d.spec, dict(d.choose(p, device).config))
-                for d in self.own if d.spec.refuse(p, device) is None}
+        ``p`` on ``device``, with its own tuned config (else its default); with ``train``
+        its training pair, with attn_bwd's tuned config."""
+        if not train:
+            return {f"impl_{d.spec.name}": (d.spec, dict(d.choose(p, device).config))
+                    for d in self.own if d.spec.refuse(p, device) is None}
+        bwd = self.backward.choose(p, device).config
+        return {f"impl_{d.spec.name}": (self.trains[d.spec.name],
+                                        join_pair(d.choose(p, device).config, bwd))
+                for d in self.own if d.spec.name in self.trains
+                and self.trains[d.spec.name].refuse(p, device) is None}
 
 
 def _inputs(p: AttentionProblem, torch_device: str, names: Sequence[str]) -> list[Any]:
@@ -308,6 +340,51 @@ def _backward_fns(p: AttentionProblem, spec: Any,
     return fns, error
 
 
+def _train_fns(p: AttentionProblem, spec: Any,
+               configs: Mapping[str, tuple[Any, Mapping[str, int]]],
+               baselines: Sequence[str], device: Any, torch_device: str,
+               row: dict[str, Any]) -> tuple[
+                   dict[str, Callable[[], Any]], Callable[[Any], float]]:
+    """The training step's implementations (flashtune's through its
+    :class:`~flashtune.kernel_templates.training.TrainStep`, the baselines' forward and
+    ``torch.autograd.grad``): each returns ``(out, dq, dk, dv)``; the error is the largest
+    of the four vs fp32 autograd on a slice."""
+    import torch
+
+    from flashtune.core.case import relative_error
+    from flashtune.kernel_templates.attn_bwd.reference import attn_bwd_reference
+    from flashtune.kernel_templates.attn_fwd.reference import attn_fwd_reference
+
+    q, k, v, do = _inputs(p, torch_device, ("q", "k", "v", "do"))
+    sq, skv = (slice(0, 1), slice(0, p.heads_q // p.heads_kv)), (slice(0, 1), slice(0, 1))
+    ref_out, _ = attn_fwd_reference(q[sq], k[skv], v[skv], causal=p.causal,
+                                    dtype=torch.float32)
+    refs = (ref_out, *attn_bwd_reference(q[sq], k[skv], v[skv], do[sq], causal=p.causal,
+                                         dtype=torch.float32))
+    ql, kl, vl = (t.detach().requires_grad_(True) for t in (q, k, v))
+
+    def launch(impl: Any, config: Mapping[str, int]) -> Callable[[], Any]:
+        return lambda: impl.launcher(ql, kl, vl, do, config, causal=p.causal)
+    fns = {name: launch(*c) for name, c in configs.items()}
+
+    def step(forward: Callable[[], Any]) -> Callable[[], Any]:
+        def run() -> Any:
+            with torch.enable_grad():
+                out = forward()
+                return (out.detach(), *torch.autograd.grad(out, (ql, kl, vl), do))
+        return run
+    for name in baselines:
+        try:
+            fns[name] = step(_baseline(name, ql, kl, vl, p.causal))
+        except Exception as exc:  # noqa: BLE001 - an unsupported baseline is data
+            row[name] = {"error": _first_line(exc)}
+
+    def error(got: Any) -> float:
+        return max(relative_error(g[s], r)
+                   for g, s, r in zip(got, (sq, sq, skv, skv), refs, strict=True))
+    return fns, error
+
+
 def _bench_problem(p: AttentionProblem, spec: Any, choice: Any, device: Any, torch_device: str,
                    baselines: Sequence[str], rounds: int,
                    served: _Served | None = None) -> dict[str, Any]:
@@ -318,7 +395,8 @@ def _bench_problem(p: AttentionProblem, spec: Any, choice: Any, device: Any, tor
 
     default = spec.default_config(p, device)
     row: dict[str, Any] = {"problem": p.key(), "label": p.describe(),
-                           "flops": p.flops(backward=spec.op == "bwd"),
+                           "flops": p.flops() + p.flops(backward=True) if spec.op == "train"
+                           else p.flops(backward=spec.op == "bwd"),
                            "implementation": choice.template,
                            "config": choice.config, "source": choice.source,
                            "default_config": default,
@@ -326,12 +404,14 @@ def _bench_problem(p: AttentionProblem, spec: Any, choice: Any, device: Any, tor
                            # only: a bucket's or a neighbour's figure is another shape's)
                            "recorded_tflops": choice.tflops if choice.source == "exact"
                            else None}
-    make = _backward_fns if spec.op == "bwd" else _forward_fns
+    make = {"bwd": _backward_fns, "train": _train_fns}.get(spec.op, _forward_fns)
     routed = get_template(choice.template) if spec.op == "fwd" else spec
+    if spec.op == "train" and served is not None:
+        routed = served.trains[choice.template]
     configs = {"flashtune": (routed, choice.config),
                "flashtune_default": (spec, default)}
-    if spec.op == "fwd" and served is not None:
-        configs.update(served.own_implementations(p, device))
+    if spec.op in ("fwd", "train") and served is not None:
+        configs.update(served.own_implementations(p, device, train=spec.op == "train"))
     fns, error = make(p, spec, configs, baselines, device, torch_device, row)
     checked: dict[str, float] = {}
     for name, fn in fns.items():
