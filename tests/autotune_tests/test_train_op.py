@@ -258,3 +258,45 @@ def test_an_op_file_of_train_choices_round_trips_and_a_bad_pair_config_is_reject
     data["entries"][0]["config"]["bwd.BLOCK_M1"] = 7
     with pytest.raises(ImportRejected, match=r"bwd\.BLOCK_M1"):
         parse_choice_document(json.dumps(data), specs=catalog())
+
+
+# -- on the GPU ---------------------------------------------------------------------------------
+
+GPU_SHAPES = [AttentionProblem(2, 8, 2, 333, 333, 128, True, "bf16"),  # GQA, ragged, causal
+              AttentionProblem(1, 4, 4, 200, 517, 64, False, "fp16")]  # Nq != Nk
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("problem", GPU_SHAPES, ids=["gqa-causal", "nq-ne-nk"])
+def test_every_training_step_that_serves_a_shape_passes_its_check_on_the_gpu(problem):
+    from flashtune.core.device import cuda_device
+
+    device = cuda_device()
+    specs, skipped = applicable("train", problem, device)
+    assert "attn_fwd" in [s.name for s in specs], skipped
+    for spec in specs:
+        if spec.name == "sdpa_math":
+            continue  # the reference's own algorithm; slow at these sizes
+        runner = LocalRunner(spec, problem, device)
+        result = runner.evaluate(spec.default_config(problem, device) if spec.backward
+                                 else {})
+        assert result.ok, (spec.name, result)
+
+
+@pytest.mark.gpu
+def test_the_gluon_forward_trains_with_attn_bwd_on_hopper():
+    from flashtune.core.device import cuda_device
+
+    problem = GPU_SHAPES[0]
+    if train_spec(get_template("attn_fwd_gluon")).refuse(problem, cuda_device()):
+        pytest.skip("the Gluon forward runs on sm_90 only")
+    q, k, v = (t.cuda() for t in _qkv(problem))
+    q, k, v = (t.to(torch.bfloat16).detach().requires_grad_() for t in (q, k, v))
+    out = flashtune.attention(q, k, v, causal=True, impl="attn_fwd_gluon")
+    from flashtune.kernel_templates.attn_bwd.reference import attn_bwd_reference
+
+    do = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), do)
+    ref = attn_bwd_reference(q, k, v, do, causal=True, dtype=torch.float32)
+    for g, r in zip(got, ref, strict=True):
+        assert float((g.float() - r).norm() / r.norm()) < 2e-2
