@@ -334,6 +334,11 @@ def _stored_leaders(url: str, op: str, problem: AttentionProblem, device: Device
     return out
 
 
+def _op_of(candidates: Sequence[tuple[TemplateSpec, Any]]) -> str | None:
+    """The op the candidates' specs compute (``train`` for training steps)."""
+    return candidates[0][0].op if candidates else None
+
+
 def _side_by_side(candidates: Sequence[tuple[TemplateSpec, Mapping[str, int] | None]],
                   problem: AttentionProblem, device: DeviceFingerprint, options: TuneOptions,
                   rounds: int, factory: Callable[..., Any] | None) -> tuple[Leader, ...]:
@@ -360,7 +365,9 @@ def _side_by_side(candidates: Sequence[tuple[TemplateSpec, Mapping[str, int] | N
             close = getattr(runner, "close", None)
             if callable(close):
                 close()
-    flops = problem.flops()
+    # the work of what was timed: a training step's is its forward's and its backward's
+    flops = problem.flops() + (problem.flops(backward=True) if _op_of(candidates) == "train"
+                               else 0.0)
     leaders = [Leader(spec.name, spec.kind, config, ms,
                       tflops(flops, ms) if ms else None, message)
                for (spec, config), (ms, message) in zip(entries, timed, strict=True)]

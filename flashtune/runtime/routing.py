@@ -111,6 +111,11 @@ _Tensor = torch.Tensor
 _AUTOTUNED: set[AttentionProblem] = set()
 _AUTOTUNE_LOCK = threading.Lock()
 AUTOTUNE_TRIALS = 30
+# the training step of a call nothing tuned serves, by compute capability: on sm_90 cuDNN's
+# forward and backward (it beat flashtune's tuned pairs by 1.04-1.54x on every training
+# shape tuned on the H100: benchmarks/results/route_train_tuned_h100.json); elsewhere, and
+# where it cannot serve the call, attn_fwd with attn_bwd
+TRAIN_DEFAULT: tuple[tuple[tuple[int, int], ...], str] = (((9, 0),), "sdpa_cudnn")
 _BAD_TRIALS: set[str] = set()  # bad $FLASHTUNE_AUTOTUNE_TRIALS values already warned about
 
 
@@ -246,11 +251,18 @@ def _train_choice(problem: AttentionProblem, device: DeviceFingerprint, *,
     """The training step a call with gradients runs (``choice.template`` the forward's
     implementation, ``choice.config`` the pair's config, ``{}`` for an extern): the
     ``train`` op's stored choice that can serve it (``paired``: flashtune's own pairs only,
-    the ``torch.compile`` path), else the documented default, attn_fwd's config (see
-    :func:`_choose` for ``tune``) with attn_bwd's tuned config (else its default)."""
+    the ``torch.compile`` path), else the documented default: on the compute capabilities
+    of :data:`TRAIN_DEFAULT` its SDPA backend where it serves the call, else attn_fwd's
+    config (see :func:`_choose` for ``tune``) with attn_bwd's tuned config (else its
+    default)."""
     chosen = _ROUTERS["train"].choose(problem, device, return_lse=return_lse, paired=paired)
     if chosen is not None:
         return chosen
+    extern = _ROUTERS["train"].specs.get(TRAIN_DEFAULT[1])
+    if not paired and extern is not None and device.capability in TRAIN_DEFAULT[0] \
+            and extern.refuse(problem, device, return_lse=return_lse) is None:
+        return ConfigChoice({}, "default", origin=f"default training step on "
+                            f"{device.compute_capability}", template=extern.name)
     fwd = _choose(problem, device, tune=tune)
     bwd = _DISPATCH_BWD.choose(problem, device)
     source = fwd.source if fwd.source == bwd.source else f"{fwd.source}+{bwd.source}"

@@ -158,6 +158,9 @@ def test_tune_train_stores_the_fastest_step_and_attention_with_grad_runs_it(
     assert [r.template for r in result.results] == ["attn_fwd", "attn_bwd"]
     timed = {x.implementation: x for x in result.leaders}
     assert set(timed) == {"attn_fwd", "sdpa_math"} and all(x.median_ms for x in timed.values())
+    step_flops = SQUARE.flops() + SQUARE.flops(backward=True)  # what a step does
+    for x in timed.values():
+        assert x.tflops == pytest.approx(step_flops / x.median_ms / 1e9)
     pair_cfg = timed["attn_fwd"].config
     assert split_pair(pair_cfg)[1]  # the pair's config holds the backward's
     with open_store(url) as store:
@@ -300,3 +303,29 @@ def test_the_gluon_forward_trains_with_attn_bwd_on_hopper():
     ref = attn_bwd_reference(q, k, v, do, causal=True, dtype=torch.float32)
     for g, r in zip(got, ref, strict=True):
         assert float((g.float() - r).norm() / r.norm()) < 2e-2
+
+
+def test_untuned_training_on_hopper_defaults_to_cudnn_where_it_serves(tmp_path, monkeypatch):
+    from dataclasses import replace
+
+    from flashtune.core.device import DeviceFingerprint
+    from flashtune.runtime import routing
+
+    monkeypatch.setenv("FLASHTUNE_DB", f"sqlite:///{tmp_path / 'none.db'}")
+    flashtune.reload_configs()
+    h100 = DeviceFingerprint(name="NVIDIA H100 80GB HBM3", compute_capability="9.0",
+                             sm_count=132, shared_mem_per_block=232448,
+                             total_memory=80 * 2**30)
+    spec = routing._ROUTERS["train"].specs["sdpa_cudnn"]  # as if cuDNN were loaded here
+    monkeypatch.setitem(routing._ROUTERS["train"].specs, "sdpa_cudnn",
+                        replace(spec, limits=replace(spec.limits, available=None)))
+    choice = routing._train_choice(SQUARE, h100, tune=False)
+    assert (choice.template, choice.source, choice.config) == ("sdpa_cudnn", "default", {})
+    # not where it cannot serve the call (the LSE asked for, causal with Nq != Nk), off
+    # sm_90, or on the torch.compile path (flashtune's own pairs)
+    for problem, device, kw in ((SQUARE, h100, {"return_lse": True}), (GQA, h100, {}),
+                                (SQUARE, replace(h100, compute_capability="8.0"), {}),
+                                (SQUARE, h100, {"paired": True})):
+        other = routing._train_choice(problem, device, tune=False, **kw)
+        assert other.template == "attn_fwd" and split_pair(other.config)[1], (problem, kw)
+    flashtune.reload_configs()
