@@ -11,7 +11,15 @@ import torch
 import flashtune
 from flashtune.autotune.options import TuneOptions
 from flashtune.autotune.runners import TrialResult
-from flashtune.autotune.select import applicable, time_side_by_side, tune_op
+from flashtune.autotune.select import (
+    EXTERN_TIE,
+    Leader,
+    OpResult,
+    applicable,
+    prefer_extern_on_ties,
+    time_side_by_side,
+    tune_op,
+)
 from flashtune.core.device import interpreter_device
 from flashtune.core.errors import InputError
 from flashtune.core.problem import AttentionProblem
@@ -103,6 +111,31 @@ def test_side_by_side_takes_the_median_of_rounds_and_keeps_failures_as_data():
     assert out[2] == (7.0, None)
     assert out[3] == (None, "relative error 1")
     assert a.calls == 5 and b.calls == 3  # interleaved; a failed runner is not timed again
+
+
+def _leader(name: str, kind: str, ms: float | None) -> Leader:
+    return Leader(name, kind, {}, ms, None if ms is None else 1.0 / ms)
+
+
+def test_an_own_kernel_must_beat_the_fastest_extern_by_more_than_the_tie():
+    gluon, attn = _leader("attn_fwd_gluon", "gluon", 1.00), _leader("attn_fwd", "triton", 1.05)
+    cudnn, flash = _leader("sdpa_cudnn", "extern", 1.015), _leader("sdpa_flash", "extern", 1.3)
+    failed = _leader("sdpa_efficient", "extern", None)
+    # 1.5% ahead of cuDNN: inside the tie, cuDNN stays first, the rest keep their order
+    got = prefer_extern_on_ties((gluon, cudnn, attn, flash, failed))
+    assert [x.implementation for x in got] == ["sdpa_cudnn", "attn_fwd_gluon", "attn_fwd",
+                                               "sdpa_flash", "sdpa_efficient"]
+    r = OpResult(TINY, "fwd", "dev", got, (), ())
+    assert r.winner is cudnn and r.runner_up is gluon and r.extern_margin == 1.0
+    assert r.margin == pytest.approx(1.0 / 1.015)  # the runner-up was faster: below 1
+    # ahead by more than the tie: the own kernel wins
+    slower = _leader("sdpa_cudnn", "extern", 1.0 + EXTERN_TIE + 0.005)
+    assert prefer_extern_on_ties((gluon, slower))[0] is gluon
+    assert prefer_extern_on_ties((gluon, slower), tie=0.05)[0] is slower
+    # an extern already first, or no extern timed: nothing moves
+    assert prefer_extern_on_ties((cudnn, gluon)) == (cudnn, gluon)
+    assert prefer_extern_on_ties((gluon, attn, failed)) == (gluon, attn, failed)
+    assert prefer_extern_on_ties(()) == ()
 
 
 @interpreter_only
