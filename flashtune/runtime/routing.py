@@ -19,9 +19,11 @@ implementation -- a Triton or Gluon kernel of flashtune's, or an SDPA backend of
 is fastest for the shape; exact, bucket, nearest, device alias), for short queries the
 ``decode`` op's before the ``fwd`` op's; without a choice that can serve the call, the
 documented default: short-query problems may go to attn_decode
-(:func:`~flashtune.runtime.kvcache.decode_route`), the rest to attn_fwd with its tuned configs
-(database, config folder, shipped table; else its default); with ``FLASHTUNE_AUTOTUNE=1`` an
-attn_fwd problem without an exact tuned config is tuned on its first call, once per process.
+(:func:`~flashtune.runtime.kvcache.decode_route`), the rest to attn_fwd with the user's own
+tuned configs (database, config folder), else by compute capability (:data:`FWD_DEFAULT`: on
+sm_90 cuDNN's forward where it serves the call), else attn_fwd with its shipped table or its
+default; with ``FLASHTUNE_AUTOTUNE=1`` an attn_fwd problem without an exact tuned config is
+tuned on its first call, once per process.
 A call with gradients takes its training route (:func:`_train_route`, memoised per call
 signature in ``_TRAIN_FAST``): the ``train`` op's stored choice (a forward of flashtune's
 with its backward's config, or an SDPA backend that torch differentiates), else attn_fwd's
@@ -116,6 +118,16 @@ AUTOTUNE_TRIALS = 30
 # shape tuned on the H100: benchmarks/results/route_train_tuned_h100.json); elsewhere, and
 # where it cannot serve the call, attn_fwd with attn_bwd
 TRAIN_DEFAULT: tuple[tuple[tuple[int, int], ...], str] = (((9, 0),), "sdpa_cudnn")
+# the forward of a call without gradients that no op choice and no tuning of the user's serves
+# (only attn_fwd's shipped table or its default would), by compute capability: on sm_90
+# cuDNN's (over the H100 standard grid and 15 real-model shapes, attn_fwd tuned measured
+# 0.81-0.93x cuDNN, geomean, and cuDNN won the side-by-side timing of 19 of 24 grid shapes
+# and every real-model shape: benchmarks/results/route_fwd_*_h100.json); elsewhere, and
+# where it cannot serve the call, attn_fwd
+FWD_DEFAULT: tuple[tuple[tuple[int, int], ...], str] = (((9, 0),), "sdpa_cudnn")
+# the origins of tuned configs that are the user's own (their database, their config folder):
+# served as tuned; the package's shipped table is not
+_USERS_OWN = ("db ", "dir ")
 _BAD_TRIALS: set[str] = set()  # bad $FLASHTUNE_AUTOTUNE_TRIALS values already warned about
 
 
@@ -225,13 +237,25 @@ def _route(problem: AttentionProblem, device: DeviceFingerprint, *, tune: bool =
     """The implementation and config a call without gradients runs with (see the module
     docstring): the op's stored choice that can serve the call, else attn_decode's when
     :func:`~flashtune.runtime.kvcache.decode_route` takes the problem (short queries),
-    else attn_fwd's (see :func:`_choose` for ``tune``)."""
+    else attn_fwd's tuned config from the user's database or config folder (see
+    :func:`_choose` for ``tune``), else on the compute capabilities of :data:`FWD_DEFAULT`
+    its SDPA backend where it serves the call, else attn_fwd's shipped or default config."""
     for op in _route_ops(problem):
         chosen = _ROUTERS[op].choose(problem, device, return_lse=return_lse)
         if chosen is not None:
             return chosen
     choice = kvcache.decode_route(problem, device, _DISPATCH)
-    return choice if choice is not None else _choose(problem, device, tune=tune)
+    if choice is not None:
+        return choice
+    choice = _choose(problem, device, tune=tune)
+    if choice.origin.startswith(_USERS_OWN):
+        return choice
+    extern = _ROUTERS["fwd"].specs.get(FWD_DEFAULT[1])
+    if extern is not None and device.capability in FWD_DEFAULT[0] \
+            and extern.refuse(problem, device, return_lse=return_lse) is None:
+        return ConfigChoice({}, "default", origin=f"default forward on "
+                            f"{device.compute_capability}", template=extern.name)
+    return choice
 
 
 def _resolve(q: torch.Tensor, k: torch.Tensor, causal: bool, return_lse: bool,

@@ -431,3 +431,31 @@ def test_torch_compile_without_graph_breaks(env):
     torch.testing.assert_close(compiled(q, k, v), block(q, k, v))
     explained = torch._dynamo.explain(block)(q, k, v)
     assert explained.graph_break_count == 0
+
+
+def test_untuned_forwards_on_hopper_default_to_cudnn_where_it_serves(env, monkeypatch):
+    """With no op choice and no tuning of the user's, an sm_90 forward runs cuDNN's SDPA
+    (``routing.FWD_DEFAULT``) where it serves the call, not attn_fwd's shipped or default
+    config; the user's own tuned attn_fwd config, a call cuDNN cannot serve and another
+    compute capability keep attn_fwd."""
+    from dataclasses import replace
+
+    h100 = DeviceFingerprint("NVIDIA_H100_80GB_HBM3", "9.0", 132, 232448, 80 * 2**30)
+    spec = routing._ROUTERS["fwd"].specs["sdpa_cudnn"]  # as if cuDNN were loaded here
+    monkeypatch.setitem(routing._ROUTERS["fwd"].specs, "sdpa_cudnn",
+                        replace(spec, limits=replace(spec.limits, available=None)))
+    shipped, untuned, mine = prob(40, causal=True), prob(80), prob(48, causal=True)
+    write_doc(env["package"], h100, [(shipped, cfg(32, 16), 1.0)])
+    populate(env["db"], [(h100, mine, cfg(16, 32), 1.0)])
+    flashtune.reload_configs()
+    for p in (shipped, untuned):
+        for lse in (False, True):
+            got = routing._route(p, h100, tune=False, return_lse=lse)
+            assert (got.template, got.source, got.config) == ("sdpa_cudnn", "default", {})
+            assert got.origin == "default forward on 9.0"
+    assert routing._route(shipped, replace(h100, compute_capability="8.0"),
+                          tune=False).template == "attn_fwd"
+    own = routing._route(mine, h100, tune=False)
+    assert (own.template, own.source, own.config) == ("attn_fwd", "exact", cfg(16, 32))
+    unaligned = prob(40, 60, causal=True)  # bottom-right causal: SDPA's mask is top-left
+    assert routing._route(unaligned, h100, tune=False).template == "attn_fwd"

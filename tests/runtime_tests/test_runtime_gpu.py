@@ -21,6 +21,44 @@ def _qkv(b=2, hq=8, hkv=2, n=333, d=128, dtype=torch.bfloat16):
     return mk(hq), mk(hkv), mk(hkv)
 
 
+@pytest.fixture(autouse=True)
+def attn_fwd_route(monkeypatch, request):
+    """These tests are about attn_fwd's launch plans: untuned calls route to it, not to the
+    sm_90 default (cuDNN's forward, ``routing.FWD_DEFAULT``), except in the test of that
+    default."""
+    if "cudnn_default" not in request.node.name:
+        monkeypatch.setattr(routing, "FWD_DEFAULT", ((), routing.FWD_DEFAULT[1]))
+    flashtune.reload_configs()
+    yield
+    flashtune.reload_configs()
+
+
+def test_an_untuned_call_on_hopper_runs_the_cudnn_default_and_captures(tmp_path,
+                                                                       monkeypatch):
+    """On sm_90 a call nothing of the user's is tuned for runs cuDNN's forward; it matches
+    the reference, returns the LSE, and replays from a CUDA graph."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the cuDNN forward default is sm_90's")
+    monkeypatch.setenv("FLASHTUNE_DB", f"sqlite:///{tmp_path / 'none.db'}")
+    flashtune.reload_configs()
+    q, k, v = _qkv(hkv=8)
+    choice = flashtune.lookup_config(q, k, v, causal=True)
+    assert (choice.template, choice.source) == ("sdpa_cudnn", "default"), choice
+    out, lse = flashtune.attention(q, k, v, causal=True, return_lse=True)
+    ref, ref_lse = attn_fwd_reference(q, k, v, causal=True, dtype=torch.float32)
+    assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
+    assert torch.allclose(lse, ref_lse, atol=1e-2)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = flashtune.attention(q, k, v, causal=True)
+    q.copy_(torch.randn_like(q))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref, _ = attn_fwd_reference(q, k, v, causal=True, dtype=torch.float32)
+    assert ((captured.float() - ref).norm() / ref.norm()).item() < 1e-2
+
+
 def _compiled_kernels() -> int:
     return sum(len(cache[0]) for cache in SPEC.kernel.device_caches.values())
 
