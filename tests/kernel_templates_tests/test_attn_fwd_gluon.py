@@ -42,7 +42,7 @@ def _problem(d: int = 128, causal: bool = False, dtype: str = "bf16", *, hq: int
 
 def _config(**knobs: int) -> dict[str, int]:
     return {"ROWS": 64, "BLOCK_N": 128, "NUM_STAGES": 2, "NUM_CONSUMERS": 2, "PINGPONG": 0,
-            **knobs}
+            "PERSISTENT": 0, **knobs}
 
 
 def _entry(compiled: space.Compiled, config: dict[str, int], **problem: object) -> dict:
@@ -104,6 +104,12 @@ def test_the_launcher_refuses_what_it_cannot_serve_by_name() -> None:
         SPEC.launcher(t(1, 3, 16, 128), k, k, _config())
     with pytest.raises(ConfigError, match="PINGPONG needs 2"):
         SPEC.launcher(q, k, k, _config(NUM_CONSUMERS=1, PINGPONG=1))
+    with pytest.raises(ConfigError, match="NUM_CONSUMERS must be 1, 2 or 3"):
+        SPEC.launcher(q, k, k, _config(NUM_CONSUMERS=4))
+    with pytest.raises(ConfigError, match="PERSISTENT must be 0 or 1"):
+        SPEC.launcher(q, k, k, _config(PERSISTENT=2))
+    with pytest.raises(ConfigError, match="missing \\['PERSISTENT'\\]"):
+        SPEC.launcher(q, k, k, {n: v for n, v in _config().items() if n != "PERSISTENT"})
     with pytest.raises(ConfigError, match="unknown \\['BLOCK_M'\\]"):
         SPEC.launcher(q, k, k, {**_config(), "BLOCK_M": 64})
     with pytest.raises(DeviceError, match="no interpreter mode"):
@@ -128,9 +134,13 @@ def test_the_predicate_rejects_spills_shared_memory_and_compile_errors_with_a_re
     table = space.load_table()
     p = _problem(128)
     spills = [c for c in SPEC.space if (space.structural_reason(c) is None
-              and table[space.entry_key(128, "bf16", False, c)].spill_bytes)]
+              and (table[space.entry_key(128, "bf16", False, c)].spill_bytes or 0)
+              > space.SPILL_LIMIT)]
     assert spills, "the space holds no spilling config at D128: the test needs another"
     assert "spills" in SPEC.space.check(spills[0], p, H100)
+    # a few hoisted predicates stored once (the persistent loop's) pass; more do not
+    assert space.Compiled(1024, 240, space.SPILL_LIMIT).reason() is None
+    assert "at most 256 B allowed" in space.Compiled(1024, 240, space.SPILL_LIMIT + 4).reason()
     # 4 stages of 128-key K and V tiles at D128: 256 KiB
     big = _config(BLOCK_N=128, NUM_STAGES=4)
     assert "shared memory" in SPEC.space.check(big, p, H100)
@@ -150,6 +160,11 @@ def test_the_space_has_room_to_search_at_both_head_dims() -> None:
             assert len(valid) >= 8, (d, causal, valid)
             assert any(c["PINGPONG"] for c in valid) and any(c["NUM_CONSUMERS"] == 1
                                                              for c in valid)
+            # the persistent kernel of the default tiles and of ping-pong is searchable
+            assert _config(PERSISTENT=1) in valid and _config(PERSISTENT=1, PINGPONG=1) in valid
+            # FA3's 192-row tile: three consumers of 64 rows over 64-key tiles
+            assert _config(NUM_CONSUMERS=3, BLOCK_N=64) in valid
+            assert _config(NUM_CONSUMERS=3, BLOCK_N=64, PERSISTENT=1) in valid
 
 
 # -- the sm_90 compile table ---------------------------------------------------------------------
@@ -161,7 +176,7 @@ def test_the_table_holds_every_point_of_the_space_and_the_current_source() -> No
     table = space.load_table()
     want = {space.entry_key(c["head_dim"], c["dtype"], c["causal"], c["config"])
             for c in cases()}
-    assert len(want) == 36 * 8  # 36 configs pass the structural rule, x 2 D x 2 dtypes x causal
+    assert len(want) == 96 * 8  # 96 configs pass the structural rule, x 2 D x 2 dtypes x causal
     assert want == set(table), (sorted(want - set(table))[:3], sorted(set(table) - want)[:3])
 
 
@@ -238,10 +253,42 @@ def test_the_warmup_launch_specializes_as_the_launch_does() -> None:
     assert (kwargs, grid) == (want_kwargs, want_grid) and grid == (3, 12)
 
 
+def test_a_persistent_launch_plans_a_cta_per_sm_or_per_tile() -> None:
+    """``PERSISTENT`` launches ``min(tiles, SMs)`` CTAs on one grid axis (the planning SM
+    count for shape-only stand-ins), with the tile count's inputs among the arguments; the
+    grid-launched kernel keeps its (query blocks, batch x heads) grid."""
+    from flashtune.kernel_templates.attn_fwd_gluon.launcher import PLANNING_SMS, kernel_args
+
+    def plan(nq: int, persistent: int) -> tuple:
+        q = torch.zeros(2, 6, nq, 64, dtype=torch.float16)
+        k = torch.zeros(2, 2, 517, 64, dtype=torch.float16)
+        args, kwargs, grid = kernel_args(q, k, k, torch.zeros_like(q), torch.zeros(2, 6, nq),
+                                         _config(PERSISTENT=persistent), causal=True,
+                                         scale=0.125)
+        return args, kwargs, grid
+
+    args, kwargs, grid = plan(333, 1)
+    assert grid == (3 * 12, 1) and kwargs["PERSISTENT"] is True  # 36 tiles: a CTA each
+    assert args[5:10] == (333, 517, 6, 3, 12)  # seqlen_q, seqlen_k, heads_q, group, B x Hq
+    assert plan(4000, 1)[2] == (PLANNING_SMS, 1)  # 32 x 12 tiles: a CTA per SM
+    assert plan(4000, 0)[2] == (32, 12)
+    p = _problem(64, True, "fp16", hq=6, hkv=2, nq=4000, nk=517)
+    assert SPEC.warmup_launches(p, _config(PERSISTENT=1))[0][3] == (PLANNING_SMS, 1)
+
+
 # -- GPU (sm_90) -------------------------------------------------------------------------------------
 
 def _rand(*shape: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.randn(*shape, device="cuda", dtype=torch.float32).to(dtype)
+
+
+def _precompile(p: AttentionProblem, configs: list[dict[str, int]]) -> None:
+    """Compile ``configs`` for ``p`` in the tuner's process pool first (a cache hit at
+    launch): ~100 kernels compile in a minute on 16 cores, not in minutes one by one."""
+    from flashtune.autotune.precompile import precompile
+
+    errors = {c: e for c, e in precompile(SPEC, p, configs, workers=None).items() if e}
+    assert not errors, errors
 
 
 CASES = [  # (batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, causal)
@@ -300,12 +347,43 @@ def test_every_valid_config_of_the_space_compiles_and_runs(d: int) -> None:
         p = AttentionProblem.from_tensors(q, k, causal=causal)
         valid = SPEC.space.valid_configs(p, cuda_device())
         assert valid
+        _precompile(p, valid)
         ref, ref_lse = attn_fwd_reference(q, k, v, causal=causal, dtype=torch.float32)
         for config in valid:
             out, lse = SPEC.launcher(q, k, v, config, causal=causal, return_lse=True)
             rel = ((out.float() - ref).norm() / ref.norm()).item()
             assert rel < 2e-2, (config, causal, rel)
             assert torch.allclose(lse, ref_lse, atol=1e-2), (config, causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [
+    (3, 12, 4, 1000, 1000, 128, False),  # 288 tiles of 128 rows: 2-3 a CTA, ragged end
+    (2, 16, 4, 1900, 2100, 64, True),  # GQA 4:1, causal Nq < Nk: tiles of every length
+    (2, 16, 16, 2100, 700, 128, True),  # causal Nq > Nk: tiles whose rows see no key
+], ids=["d128-full", "d64-causal-gqa", "d128-causal-nokey"])
+def test_persistent_ctas_serve_many_tiles_each(case) -> None:
+    """Every valid ``PERSISTENT`` config on problems of more tiles than SMs, so each CTA
+    carries its barrier phases and ring slots from tile to tile (the protocol model's
+    persistent cases) and reuses its Q buffers: output and LSE against float32."""
+    from flashtune.core.device import cuda_device
+    from flashtune.kernel_templates.attn_fwd_gluon.launcher import persistent_ctas
+
+    b, hq, hkv, nq, nk, d, causal = case
+    q, k, v = _rand(b, hq, nq, d, dtype=torch.bfloat16), \
+        _rand(b, hkv, nk, d, dtype=torch.bfloat16), _rand(b, hkv, nk, d, dtype=torch.bfloat16)
+    p = AttentionProblem.from_tensors(q, k, causal=causal)
+    configs = [c for c in SPEC.space.valid_configs(p, cuda_device()) if c["PERSISTENT"]]
+    assert len(configs) >= 4, configs
+    _precompile(p, configs)
+    ref, ref_lse = attn_fwd_reference(q, k, v, causal=causal, dtype=torch.float32)
+    for config in configs:
+        tiles = -(-nq // (config["ROWS"] * config["NUM_CONSUMERS"])) * b * hq
+        assert tiles > persistent_ctas(q, tiles), (config, tiles)  # several tiles a CTA
+        out, lse = SPEC.launcher(q, k, v, config, causal=causal, return_lse=True)
+        rel = ((out.float() - ref).norm() / ref.norm()).item()
+        assert rel < 2e-2, (config, rel)
+        assert torch.allclose(lse, ref_lse, atol=1e-2), config
 
 
 @pytest.mark.gpu

@@ -54,10 +54,17 @@ def test_the_default_config_compiles_into_fa3s_structure() -> None:
 def test_the_swept_configs_compile() -> None:
     cases = [{"BLOCK_N": 64, "NUM_STAGES": 3}, {"NUM_CONSUMERS": 1},
              {"ROWS": 128, "BLOCK_N": 64}, {"PINGPONG": 1, "causal": True},
-             {"PINGPONG": 1, "head_dim": 64}]
+             {"PINGPONG": 1, "head_dim": 64}, {"PERSISTENT": 1, "causal": True},
+             {"PERSISTENT": 1, "PINGPONG": 1, "head_dim": 64},
+             {"NUM_CONSUMERS": 3, "BLOCK_N": 64, "head_dim": 64, "PERSISTENT": 1}]
+    # warps: 4 per consumer + the producer's warpgroup (padded to 4 with three consumers)
+    warps = {1: 8, 2: 12, 3: 16}
     for case, got in zip(cases, _compile([dict(c) for c in cases]), strict=True):
-        assert got["warps"] == (8 if case.get("NUM_CONSUMERS") == 1 else 12), got
+        assert got["warps"] == warps[case.get("NUM_CONSUMERS", 2)], got
         assert 1 in got["wgmma_wait_depths"], got
+        if case.get("NUM_CONSUMERS") == 3:  # 24 / 160 registers, no spill at 64-key tiles
+            assert ["inc", "160"] in got["setmaxnreg"], got
+            assert got["spill_store_bytes"] == [0], got
         assert got["shared"] <= 227 * 1024, got
 
 
@@ -68,3 +75,12 @@ def test_the_barrier_protocol_model_finds_no_deadlock(capsys) -> None:
     for a missing drain loop, a wrong ``kv_empty`` count or a wrong turn parity)."""
     protocol.main()  # raises AssertionError on the first bad interleaving
     assert "no deadlock" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("mutation", protocol.MUTATIONS)
+def test_the_protocol_model_catches_each_planted_bug(mutation: str) -> None:
+    """The model can fail: a missing drain loop deadlocks, a producer that does not wait for
+    ``q_empty`` overwrites a Q buffer being read, phases restarted per tile of a persistent
+    CTA and a ``kv_empty`` counting one consumer let a barrier run a phase ahead."""
+    with pytest.raises(AssertionError):
+        protocol.check_all(mutation, seeds=5)

@@ -1,11 +1,20 @@
 """The Gluon forward's kernel: ``gluon_attn_fwd_kernel`` and its partitions (``@gluon.jit``
 only; the package doc describes the structure, :mod:`.launcher` launches it).
 
-* ``_producer`` (1 warp): each consumer's Q tile once, then K and V tiles into a ring of
-  ``NUM_STAGES`` buffers behind the ``k_ready`` / ``v_ready`` / ``kv_empty`` mbarriers;
-* ``_consumer`` (a warpgroup each): ``S_j = Q K_j^T`` and ``O += P_{j-1} V_{j-1}`` as async
+* ``_producer`` (1 warp): per tile, each consumer's Q tile (once its buffer is free:
+  ``q_empty``), then K and V tiles into a ring of ``NUM_STAGES`` buffers behind the
+  ``k_ready`` / ``v_ready`` / ``kv_empty`` mbarriers;
+* ``_consumer`` (a warpgroup each, one to three): ``S_j = Q K_j^T`` and ``O += P_{j-1} V_{j-1}`` as async
   wgmma, the softmax of ``S_j`` (``_softmax_block``) while the second is in flight, the
   epilogue; ``_my_turn`` / ``_their_turn`` are the ping-pong barriers (``PINGPONG``).
+
+A CTA serves the tiles ``first, first + stride, ... < end`` (``_tile`` maps a tile index to
+its query block and head): one tile when the grid has a CTA per tile, several when
+``PERSISTENT`` (a CTA per SM looping over the tiles, FA3's persistent kernel: the producer
+loads the next tile's Q and first K/V blocks while the consumers finish the last ``P V`` and
+the epilogue of this one). Barrier phases run on over the tiles: ring slot and phase come
+from a count of key blocks over the CTA's tiles (``kv_base + j``), the ping-pong turn from a
+count of steps, ``q_bar`` / ``q_empty`` from the tile count.
 
 :mod:`.protocol` models the barrier protocol of ``_producer`` and ``_consumer``: keep the two
 in step.
@@ -24,25 +33,85 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
-              kv_empty, q_row, kv_row, n_blocks,
-              ROWS: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-              NUM_CONSUMERS: gl.constexpr):
+def _coords(t, n_mblocks, CAUSAL: gl.constexpr):
+    """Tile ``t`` of a persistent CTA: ``(bh, m_block)``, in the order a grid launch runs
+    them: query blocks of one head are consecutive tiles (CTAs running side by side share K
+    and V in L2), causal ones longest first, so the short ones fill the tail."""
+    bh = t // n_mblocks
+    m_block = t % n_mblocks
+    if CAUSAL:
+        m_block = n_mblocks - 1 - m_block
+    return bh, m_block
+
+
+@gluon.jit
+def _tile(bh, m_block, heads_q, group, seqlen_q, seqlen_k, ROWS: gl.constexpr,
+          BLOCK_N: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr):
+    """The tile of query block ``m_block`` of ``bh`` (batch x heads_q):
+    ``(q_row, kv_row, n_total)``."""
+    b = bh // heads_q
+    h = bh % heads_q
+    heads_kv = heads_q // group
+    q_row = bh * seqlen_q + m_block * (NUM_CONSUMERS * ROWS)
+    kv_row = (b * heads_kv + h // group) * seqlen_k
+    n_total = gl.cdiv(seqlen_k, BLOCK_N)
+    if CAUSAL:  # the keys the tile's last row sees
+        n_total = gl.minimum(n_total, gl.cdiv((m_block + 1) * (NUM_CONSUMERS * ROWS)
+                                              + (seqlen_k - seqlen_q), BLOCK_N))
+    n_total = gl.maximum(n_total, 1)
+    return q_row, kv_row, n_total
+
+
+@gluon.jit
+def _producer_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
+                   v_ready, kv_empty, bh, m_block, kv_base, tile_i, heads_q, group, seqlen_q,
+                   seqlen_k, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+                   NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
+                   PERSISTENT: gl.constexpr):
+    """The loads of the tile (``bh``, ``m_block``), after ``kv_base`` key blocks and ``tile_i`` tiles of this CTA;
+    returns the tile's key blocks."""
+    q_row, kv_row, n_total = _tile(bh, m_block, heads_q, group, seqlen_q, seqlen_k, ROWS,
+                                   BLOCK_N, NUM_CONSUMERS, CAUSAL)
     for c in gl.static_range(NUM_CONSUMERS):
+        if PERSISTENT:  # consumer c is done with the last tile's Q (a fresh barrier passes)
+            mbarrier.wait(q_empty.index(c), (tile_i & 1) ^ 1)
         mbarrier.expect(q_bar.index(c), q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [q_row + c * ROWS, 0], q_bar.index(c),
                                         q_smem.index(c))
-    for j in range(n_blocks):
-        st = j % NUM_STAGES
-        ph = (j // NUM_STAGES) & 1
+    for j in range(n_total):
+        g = kv_base + j
+        st = g % NUM_STAGES
+        ph = (g // NUM_STAGES) & 1
         # a fresh mbarrier counts as phase 1 complete: the first NUM_STAGES waits pass
         mbarrier.wait(kv_empty.index(st), ph ^ 1)
         mbarrier.expect(k_ready.index(st), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [kv_row + j * BLOCK_N, 0], k_ready.index(st),
-                                        k_smem.index(st))
+        tma.async_copy_global_to_shared(k_desc, [kv_row + j * BLOCK_N, 0],
+                                        k_ready.index(st), k_smem.index(st))
         mbarrier.expect(v_ready.index(st), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [kv_row + j * BLOCK_N, 0], v_ready.index(st),
-                                        v_smem.index(st))
+        tma.async_copy_global_to_shared(v_desc, [kv_row + j * BLOCK_N, 0],
+                                        v_ready.index(st), v_smem.index(st))
+    return n_total
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
+              v_ready, kv_empty, first, end, stride, n_mblocks, heads_q, group, seqlen_q,
+              seqlen_k, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+              NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr):
+    if PERSISTENT:
+        kv_base = 0
+        tile_i = 0
+        for t in range(first, end, stride):
+            bh, m_block = _coords(t, n_mblocks, CAUSAL)
+            kv_base += _producer_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar,
+                                      q_empty, k_ready, v_ready, kv_empty, bh, m_block,
+                                      kv_base, tile_i, heads_q, group, seqlen_q, seqlen_k,
+                                      ROWS, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, True)
+            tile_i += 1
+    else:  # a grid launch: (first, end) are the CTA's (m_block, bh)
+        _producer_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
+                       v_ready, kv_empty, end, first, 0, 0, heads_q, group, seqlen_q,
+                       seqlen_k, ROWS, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, False)
 
 
 @gluon.jit
@@ -91,11 +160,14 @@ def _their_turn(turn, cid, PINGPONG: gl.constexpr):
 
 
 @gluon.jit
-def _consumer(cid, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, turn, o_ptr,
-              lse_ptr, bh, m_block, seqlen_q, seqlen_k, n_total, qk_scale,
-              HEAD_D: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
-              NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
-              PINGPONG: gl.constexpr):
+def _consumer_tile(cid, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty,
+                   turn, o_ptr, lse_ptr, bh, m_block, kv_base, tile_i, heads_q, group,
+                   seqlen_q, seqlen_k, qk_scale,
+                   HEAD_D: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+                   NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
+                   CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr):
+    """Consumer ``cid``'s part of the tile (``bh``, ``m_block``), after ``kv_base`` key blocks and ``tile_i``
+    tiles of this CTA; returns the tile's key blocks."""
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -105,36 +177,43 @@ def _consumer(cid, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, tu
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
+    steps = kv_base + tile_i  # ping-pong steps of the earlier tiles (n_total + 1 each)
+    _, _, n_total = _tile(bh, m_block, heads_q, group, seqlen_q, seqlen_k, ROWS, BLOCK_N,
+                          NUM_CONSUMERS, CAUSAL)
     q_start = m_block * (NUM_CONSUMERS * ROWS) + cid * ROWS
     n_mine = n_total
     if CAUSAL:  # the keys this consumer's last row sees
-        n_mine = gl.minimum(n_total, gl.cdiv(q_start + ROWS + (seqlen_k - seqlen_q), BLOCK_N))
+        n_mine = gl.minimum(n_total,
+                            gl.cdiv(q_start + ROWS + (seqlen_k - seqlen_q), BLOCK_N))
     n_mine = gl.maximum(n_mine, 1)  # rows that see no key still run block 0, fully masked
 
     m_i = gl.full([ROWS], -float("inf"), gl.float32, row_s)
     l_i = gl.full([ROWS], 0.0, gl.float32, row_s)
     acc = gl.zeros([ROWS, HEAD_D], gl.float32, o_layout)
-    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)  # per tile: no live range
+    # across the epilogue (hoisted, its registers spilled in the persistent loop)
 
-    mbarrier.wait(q_bar.index(cid), 0)
+    mbarrier.wait(q_bar.index(cid), tile_i & 1)
     q = q_smem.index(cid)
 
     # block 0: S_0, its softmax
-    _my_turn(turn, cid, 0, PINGPONG)
-    mbarrier.wait(k_ready.index(0), 0)
-    qk = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False,
+    st0 = kv_base % NUM_STAGES
+    _my_turn(turn, cid, steps, PINGPONG)
+    mbarrier.wait(k_ready.index(st0), (kv_base // NUM_STAGES) & 1)
+    qk = warpgroup_mma(q, k_smem.index(st0).permute((1, 0)), s_zero, use_acc=False,
                        is_async=True)
     _their_turn(turn, cid, PINGPONG)
     qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
     p, alpha, m_i, l_i = _softmax_block(qk, 0, m_i, l_i, q_start, seqlen_q, seqlen_k,
                                         qk_scale, s_layout, ROWS, BLOCK_N, CAUSAL)
     for j in range(1, n_mine):
-        st = j % NUM_STAGES
-        ph = (j // NUM_STAGES) & 1
-        prev = (j - 1) % NUM_STAGES
-        prev_ph = ((j - 1) // NUM_STAGES) & 1
+        g = kv_base + j
+        st = g % NUM_STAGES
+        ph = (g // NUM_STAGES) & 1
+        prev = (g - 1) % NUM_STAGES
+        prev_ph = ((g - 1) // NUM_STAGES) & 1
         # issue S_j = Q K_j^T, then O += P_{j-1} V_{j-1}; wait only for the first
-        _my_turn(turn, cid, j, PINGPONG)
+        _my_turn(turn, cid, steps + j, PINGPONG)
         mbarrier.wait(k_ready.index(st), ph)
         qk = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False,
                            is_async=True)
@@ -149,10 +228,13 @@ def _consumer(cid, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, tu
         acc, p16 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p16))
         mbarrier.arrive(kv_empty.index(prev), count=1)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+    if PERSISTENT:  # every S of the tile is done: the producer may load the next tile's Q
+        mbarrier.arrive(q_empty.index(cid), count=1)
     # the last block's P V
-    last = (n_mine - 1) % NUM_STAGES
-    _my_turn(turn, cid, n_mine, PINGPONG)
-    mbarrier.wait(v_ready.index(last), ((n_mine - 1) // NUM_STAGES) & 1)
+    g_last = kv_base + n_mine - 1
+    last = g_last % NUM_STAGES
+    _my_turn(turn, cid, steps + n_mine, PINGPONG)
+    mbarrier.wait(v_ready.index(last), (g_last // NUM_STAGES) & 1)
     p16 = gl.convert_layout(p.to(dtype), p_layout)
     acc = warpgroup_mma(p16, v_smem.index(last), acc, is_async=True)
     _their_turn(turn, cid, PINGPONG)
@@ -160,9 +242,10 @@ def _consumer(cid, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, tu
     mbarrier.arrive(kv_empty.index(last), count=1)
     # blocks the producer loads for the other consumers: keep the barrier phases in step
     for j in range(n_mine, n_total):
-        st = j % NUM_STAGES
-        ph = (j // NUM_STAGES) & 1
-        _my_turn(turn, cid, j + 1, PINGPONG)  # the other consumer's steps alternate still
+        g = kv_base + j
+        st = g % NUM_STAGES
+        ph = (g // NUM_STAGES) & 1
+        _my_turn(turn, cid, steps + j + 1, PINGPONG)  # the other's steps alternate still
         _their_turn(turn, cid, PINGPONG)
         mbarrier.wait(k_ready.index(st), ph)
         mbarrier.wait(v_ready.index(st), ph)
@@ -180,34 +263,61 @@ def _consumer(cid, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, tu
     rows_s = q_start + gl.arange(0, ROWS, layout=row_s)
     gl.store(lse_ptr + bh.to(gl.int64) * seqlen_q + rows_s, lse, mask=rows_s < seqlen_q)
 
+    return n_total
+
+
+@gluon.jit
+def _consumer(cid, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty, turn,
+              o_ptr, lse_ptr, first, end, stride, n_mblocks, heads_q, group, seqlen_q,
+              seqlen_k, qk_scale,
+              HEAD_D: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+              NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
+              PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr):
+    if PERSISTENT:  # key blocks and tiles of the CTA so far: ring slots and phases run on
+        kv_base = 0
+        tile_i = 0
+        for t in range(first, end, stride):
+            bh, m_block = _coords(t, n_mblocks, CAUSAL)
+            kv_base += _consumer_tile(cid, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
+                                      v_ready, kv_empty, turn, o_ptr, lse_ptr, bh, m_block,
+                                      kv_base, tile_i, heads_q, group, seqlen_q, seqlen_k,
+                                      qk_scale, HEAD_D, ROWS, BLOCK_N, NUM_STAGES,
+                                      NUM_CONSUMERS, CAUSAL, PINGPONG, True)
+            tile_i += 1
+    else:  # a grid launch: (first, end) are the CTA's (m_block, bh)
+        _consumer_tile(cid, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty,
+                       turn, o_ptr, lse_ptr, end, first, 0, 0, heads_q, group, seqlen_q,
+                       seqlen_k, qk_scale, HEAD_D, ROWS, BLOCK_N, NUM_STAGES, NUM_CONSUMERS,
+                       CAUSAL, PINGPONG, False)
+
 
 @gluon.jit
 def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, seqlen_q, seqlen_k, heads_q,
-                          group, qk_scale,
+                          group, batch_heads, qk_scale,
                           HEAD_D: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
                           NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
                           CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
+                          PERSISTENT: gl.constexpr,
                           PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
-    m_block = gl.program_id(0)
-    if CAUSAL:  # the longest rows (most key blocks) first, so the short ones fill the tail
-        m_block = gl.num_programs(0) - 1 - m_block
-    bh = gl.program_id(1)
-    b = bh // heads_q
-    h = bh % heads_q
-    heads_kv = heads_q // group
-    q_row = bh * seqlen_q + m_block * (NUM_CONSUMERS * ROWS)
-    kv_row = (b * heads_kv + h // group) * seqlen_k
-    n_total = gl.cdiv(seqlen_k, BLOCK_N)
-    if CAUSAL:  # the keys the CTA's last row sees
-        n_total = gl.minimum(n_total, gl.cdiv((m_block + 1) * (NUM_CONSUMERS * ROWS)
-                                              + (seqlen_k - seqlen_q), BLOCK_N))
-    n_total = gl.maximum(n_total, 1)
+    n_mblocks = gl.cdiv(seqlen_q, NUM_CONSUMERS * ROWS)
+    if PERSISTENT:  # a CTA per SM (or fewer), each taking every stride-th tile
+        first = gl.program_id(0)
+        end = n_mblocks * batch_heads
+        stride = gl.num_programs(0)
+    else:  # a CTA per tile: (query block, batch x head), passed as (first, end) below
+        first = gl.program_id(0)
+        if CAUSAL:  # the longest rows (most key blocks) first, so the short ones fill the tail
+            first = gl.num_programs(0) - 1 - first
+        end = gl.program_id(1)
+        stride = 1
 
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, ROWS, HEAD_D], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_D], v_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1],
+                                        mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -216,31 +326,57 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, seqlen_q, seql
     mbarrier.init(turn.index(1), count=1)
     for c in gl.static_range(NUM_CONSUMERS):
         mbarrier.init(q_bar.index(c), count=1)
+        mbarrier.init(q_empty.index(c), count=1)
     for s in gl.static_range(NUM_STAGES):
         mbarrier.init(k_ready.index(s), count=1)
         mbarrier.init(v_ready.index(s), count=1)
         mbarrier.init(kv_empty.index(s), count=NUM_CONSUMERS)
 
-    gl.static_assert(NUM_CONSUMERS == 1 or NUM_CONSUMERS == 2)
+    gl.static_assert(NUM_CONSUMERS >= 1 and NUM_CONSUMERS <= 3)
     gl.static_assert(not PINGPONG or NUM_CONSUMERS == 2)
+    # (a partition's tuple cannot be named: the frontend reads a name as a tensor)
     if NUM_CONSUMERS == 1:
         gl.warp_specialize([
-            (_consumer, (0, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, turn,
-                         o_ptr, lse_ptr, bh, m_block, seqlen_q, seqlen_k, n_total, qk_scale,
-                         HEAD_D, ROWS, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, PINGPONG)),
-            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready,
-                         v_ready, kv_empty, q_row, kv_row, n_total, ROWS, BLOCK_N, NUM_STAGES,
-                         NUM_CONSUMERS)),
+            (_consumer, (0, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty,
+                         turn, o_ptr, lse_ptr, first, end, stride, n_mblocks, heads_q, group,
+                         seqlen_q, seqlen_k, qk_scale, HEAD_D, ROWS, BLOCK_N, NUM_STAGES,
+                         NUM_CONSUMERS, CAUSAL, PINGPONG, PERSISTENT)),
+            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty,
+                         k_ready, v_ready, kv_empty, first, end, stride, n_mblocks, heads_q,
+                         group, seqlen_q, seqlen_k, ROWS, BLOCK_N, NUM_STAGES, NUM_CONSUMERS,
+                         CAUSAL, PERSISTENT)),
         ], [1], [PRODUCER_REGS])
-    else:
+    elif NUM_CONSUMERS == 2:
         gl.warp_specialize([
-            (_consumer, (0, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, turn,
-                         o_ptr, lse_ptr, bh, m_block, seqlen_q, seqlen_k, n_total, qk_scale,
-                         HEAD_D, ROWS, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, PINGPONG)),
-            (_consumer, (1, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, turn,
-                         o_ptr, lse_ptr, bh, m_block, seqlen_q, seqlen_k, n_total, qk_scale,
-                         HEAD_D, ROWS, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, PINGPONG)),
-            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready,
-                         v_ready, kv_empty, q_row, kv_row, n_total, ROWS, BLOCK_N, NUM_STAGES,
-                         NUM_CONSUMERS)),
+            (_consumer, (0, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty,
+                         turn, o_ptr, lse_ptr, first, end, stride, n_mblocks, heads_q, group,
+                         seqlen_q, seqlen_k, qk_scale, HEAD_D, ROWS, BLOCK_N, NUM_STAGES,
+                         NUM_CONSUMERS, CAUSAL, PINGPONG, PERSISTENT)),
+            (_consumer, (1, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty,
+                         turn, o_ptr, lse_ptr, first, end, stride, n_mblocks, heads_q, group,
+                         seqlen_q, seqlen_k, qk_scale, HEAD_D, ROWS, BLOCK_N, NUM_STAGES,
+                         NUM_CONSUMERS, CAUSAL, PINGPONG, PERSISTENT)),
+            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty,
+                         k_ready, v_ready, kv_empty, first, end, stride, n_mblocks, heads_q,
+                         group, seqlen_q, seqlen_k, ROWS, BLOCK_N, NUM_STAGES, NUM_CONSUMERS,
+                         CAUSAL, PERSISTENT)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    else:  # FA3's 192-row tile at head dim 64: three consumer warpgroups
+        gl.warp_specialize([
+            (_consumer, (0, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty,
+                         turn, o_ptr, lse_ptr, first, end, stride, n_mblocks, heads_q, group,
+                         seqlen_q, seqlen_k, qk_scale, HEAD_D, ROWS, BLOCK_N, NUM_STAGES,
+                         NUM_CONSUMERS, CAUSAL, PINGPONG, PERSISTENT)),
+            (_consumer, (1, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty,
+                         turn, o_ptr, lse_ptr, first, end, stride, n_mblocks, heads_q, group,
+                         seqlen_q, seqlen_k, qk_scale, HEAD_D, ROWS, BLOCK_N, NUM_STAGES,
+                         NUM_CONSUMERS, CAUSAL, PINGPONG, PERSISTENT)),
+            (_consumer, (2, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty,
+                         turn, o_ptr, lse_ptr, first, end, stride, n_mblocks, heads_q, group,
+                         seqlen_q, seqlen_k, qk_scale, HEAD_D, ROWS, BLOCK_N, NUM_STAGES,
+                         NUM_CONSUMERS, CAUSAL, PINGPONG, PERSISTENT)),
+            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty,
+                         k_ready, v_ready, kv_empty, first, end, stride, n_mblocks, heads_q,
+                         group, seqlen_q, seqlen_k, ROWS, BLOCK_N, NUM_STAGES, NUM_CONSUMERS,
+                         CAUSAL, PERSISTENT)),
+        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])

@@ -7,13 +7,15 @@ flashtune.kernel_templates.attn_fwd_gluon`` prints both).
 Layout: Q, K, V, O contiguous ``(B, H, N, D)``, read through 2-D descriptors over
 ``(B * H * N, D)``. A tile that runs past a head's end reads the next head's rows: keys are
 masked (``>= Nk``), query rows are never stored. D is 64 or 128 (the wgmma N of ``P V``),
-fp16 or bf16. Inputs that are not contiguous, or whose base address is not 16-byte aligned
+fp16 or bf16. The grid has a CTA per tile (query block x head), or with ``PERSISTENT`` a CTA
+per SM looping over the tiles. Inputs that are not contiguous, or whose base address is not 16-byte aligned
 (the tensor-copy engine's rule), are copied first: the kernel addresses rows through TMA
 descriptors and has no stride arguments.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -29,9 +31,12 @@ LOG2E = 1.4426950408889634
 HEAD_DIMS = (64, 128)
 
 # ROWS query rows per consumer, BLOCK_N keys per K/V tile, NUM_STAGES K/V buffers,
-# NUM_CONSUMERS consumer warpgroups (1 or 2), PINGPONG (two consumers take turns to issue)
+# NUM_CONSUMERS consumer warpgroups (1-3), PINGPONG (two consumers take turns to issue),
+# PERSISTENT (a CTA per SM looping over the tiles instead of a CTA per tile)
 DEFAULT_CONFIG: dict[str, int] = {"ROWS": 64, "BLOCK_N": 128, "NUM_STAGES": 2,
-                                  "NUM_CONSUMERS": 2, "PINGPONG": 0}
+                                  "NUM_CONSUMERS": 2, "PINGPONG": 0, "PERSISTENT": 0}
+# the SMs a persistent launch plans for when it has shapes only (warmup): an H100 SXM's
+PLANNING_SMS = 132
 
 
 def _layout(block: list[int], dtype: Any) -> Any:
@@ -40,7 +45,8 @@ def _layout(block: list[int], dtype: Any) -> Any:
 
 def launch_meta(config: Mapping[str, int]) -> dict[str, int]:
     """Warps and register split: the consumers take 4 warps each, the producer 1 warp (a
-    warpgroup's registers); ``maxnreg`` so the whole CTA fits the 64K-register file."""
+    warpgroup's registers); ``maxnreg`` so the whole CTA fits the 64K-register file: 24 /
+    240 with two consumers (FA3's split), 24 / 160 with three."""
     consumers = config["NUM_CONSUMERS"]
     groups = consumers + 1  # warpgroups: consumers + the producer's
     maxnreg = (65536 // (groups * 128)) // 8 * 8
@@ -48,6 +54,24 @@ def launch_meta(config: Mapping[str, int]) -> dict[str, int]:
     consumer = min(240, ((maxnreg * groups - producer) // consumers) // 8 * 8)
     return {"num_warps": 4, "maxnreg": maxnreg, "PRODUCER_REGS": producer,
             "CONSUMER_REGS": consumer}
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
+
+
+def persistent_ctas(t: Any, tiles: int) -> int:
+    """CTAs of a persistent launch of ``tiles`` tiles for tensor ``t``'s GPU: one per SM
+    (a CTA takes the whole register file), fewer when there are fewer tiles;
+    :data:`PLANNING_SMS` for a shape-only stand-in."""
+    device = getattr(t, "device", None)
+    if device is not None and getattr(device, "type", None) == "cuda":
+        sms = _sm_count(device.index if device.index is not None
+                        else torch.cuda.current_device())
+    else:
+        sms = PLANNING_SMS
+    return max(1, min(tiles, sms))
 
 
 def kernel_args(q: Any, k: Any, v: Any, out: Any, lse: Any, config: Mapping[str, int], *,
@@ -69,14 +93,17 @@ def kernel_args(q: Any, k: Any, v: Any, out: Any, lse: Any, config: Mapping[str,
                               _layout([bn, head_dim], gdt))
     meta = launch_meta(config)
     args = (q_desc, k_desc, v_desc, out, lse, seqlen_q, seqlen_k, heads_q,
-            heads_q // heads_kv, scale * LOG2E)
+            heads_q // heads_kv, batch * heads_q, scale * LOG2E)
     kwargs = dict(
         HEAD_D=head_dim, ROWS=rows, BLOCK_N=bn, NUM_STAGES=config["NUM_STAGES"],
         NUM_CONSUMERS=config["NUM_CONSUMERS"], CAUSAL=bool(causal),
-        PINGPONG=bool(config["PINGPONG"]), PRODUCER_REGS=meta["PRODUCER_REGS"],
-        CONSUMER_REGS=meta["CONSUMER_REGS"], num_warps=meta["num_warps"],
-        maxnreg=meta["maxnreg"])
-    return args, kwargs, (-(-seqlen_q // (config["NUM_CONSUMERS"] * rows)), batch * heads_q)
+        PINGPONG=bool(config["PINGPONG"]), PERSISTENT=bool(config["PERSISTENT"]),
+        PRODUCER_REGS=meta["PRODUCER_REGS"], CONSUMER_REGS=meta["CONSUMER_REGS"],
+        num_warps=meta["num_warps"], maxnreg=meta["maxnreg"])
+    m_blocks = -(-seqlen_q // (config["NUM_CONSUMERS"] * rows))
+    if config["PERSISTENT"]:
+        return args, kwargs, (persistent_ctas(q, m_blocks * batch * heads_q), 1)
+    return args, kwargs, (m_blocks, batch * heads_q)
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -108,10 +135,12 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if missing or unknown:
         raise ConfigError(f"config needs exactly the keys {sorted(DEFAULT_CONFIG)}; missing "
                           f"{missing}, unknown {unknown}")
-    if config["NUM_CONSUMERS"] not in (1, 2) or (config["PINGPONG"]
-                                                and config["NUM_CONSUMERS"] != 2):
-        raise ConfigError(f"NUM_CONSUMERS must be 1 or 2 and PINGPONG needs 2; got "
+    if config["NUM_CONSUMERS"] not in (1, 2, 3) or (config["PINGPONG"]
+                                                   and config["NUM_CONSUMERS"] != 2):
+        raise ConfigError(f"NUM_CONSUMERS must be 1, 2 or 3 and PINGPONG needs 2; got "
                           f"{dict(config)}")
+    if config["PERSISTENT"] not in (0, 1):
+        raise ConfigError(f"PERSISTENT must be 0 or 1; got {dict(config)}")
     if q.device.type != "cuda" or k.device != q.device or v.device != q.device:
         raise DeviceError(f"the Gluon forward runs on one CUDA GPU (sm_90) and has no "
                           f"interpreter mode; got q, k, v on {q.device}, {k.device}, {v.device}")
@@ -144,8 +173,8 @@ def attn_fwd_gluon(
         k, v: ``(batch, heads_kv, seqlen_k, head_dim)``, same dtype and device as ``q``;
             ``heads_q`` a multiple of ``heads_kv`` (GQA/MQA, never expanded). Inputs that
             are not contiguous, or not 16-byte aligned, are copied (see the module doc).
-        config: ``{"ROWS", "BLOCK_N", "NUM_STAGES", "NUM_CONSUMERS", "PINGPONG"}``, from the
-            template's space.
+        config: ``{"ROWS", "BLOCK_N", "NUM_STAGES", "NUM_CONSUMERS", "PINGPONG",
+            "PERSISTENT"}``, from the template's space.
         causal: bottom-right aligned mask, as ``attn_fwd``: query ``i`` sees key ``j`` iff
             ``j <= i + seqlen_k - seqlen_q``.
         scale: softmax scale, default ``1 / sqrt(head_dim)``. A negative scale runs as
@@ -207,7 +236,7 @@ def compile_sm90(config: dict[str, int], head_dim: int = 128, causal: bool = Fal
     meta = launch_meta(cfg)
     const = {"HEAD_D": head_dim, "ROWS": rows, "BLOCK_N": bn, "NUM_STAGES": cfg["NUM_STAGES"],
              "NUM_CONSUMERS": cfg["NUM_CONSUMERS"], "CAUSAL": bool(causal),
-             "PINGPONG": bool(cfg["PINGPONG"]),
+             "PINGPONG": bool(cfg["PINGPONG"]), "PERSISTENT": bool(cfg["PERSISTENT"]),
              "PRODUCER_REGS": meta["PRODUCER_REGS"], "CONSUMER_REGS": meta["CONSUMER_REGS"]}
     kern = gluon_attn_fwd_kernel
     names = kern.arg_names

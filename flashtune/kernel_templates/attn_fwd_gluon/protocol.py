@@ -9,9 +9,13 @@ barrier has run a whole phase past a waiter (parity would then lie) or if no par
 move (deadlock).
 
     python -m flashtune.kernel_templates.attn_fwd_gluon.protocol
-    # all n_total <= 8, every n_mine, stages 2-4: check_all()
+    # one tile of up to 8 key blocks (every n_mine) or 2-4 tiles, stages 2-4: check_all()
 
-It checks the protocol, not the kernel: keep it in step with ``_producer``/``_consumer``.
+A persistent CTA (``PERSISTENT``) runs several tiles: the model runs a sequence of them, with
+the phases carried over as the kernel carries them (``kv_base``, steps, the tile count) and
+``q_empty`` guarding each consumer's Q buffer. :data:`MUTATIONS` are bugs the model must catch
+(a test plants each). It checks the protocol, not the kernel: keep it in step with
+``_producer``/``_consumer``.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import random
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["Bar", "check_all", "main", "run"]
+__all__ = ["MUTATIONS", "Bar", "check_all", "main", "run"]
 
 
 class Bar:
@@ -48,28 +52,56 @@ class Bar:
 # ("arrive", barrier) or ("wait", barrier, parity, absolute phase)
 Op = tuple[Any, ...]
 
+# deliberate bugs the model must catch (tests/kernel_templates_tests/test_gluon_fwd_compile.py)
+MUTATIONS = ("no_drain", "no_q_empty_wait", "phases_per_tile", "kv_empty_count_1")
 
-def run(n_total: int, n_mine0: int, stages: int, consumers: int, pingpong: int,
-        seed: int) -> None:
-    """One random interleaving of a CTA's partitions: the producer loads ``n_total`` key
-    blocks into ``stages`` buffers, consumer 0 uses ``n_mine0`` of them (fewer when causal),
-    the others all; ``AssertionError`` on a deadlock or a barrier a phase ahead."""
+
+def run(n_total: int | list[int], n_mine0: int | list[int], stages: int, consumers: int,
+        pingpong: int, seed: int, mutation: str | None = None) -> None:
+    """One random interleaving of a CTA's partitions over its tiles: for tile ``i`` the
+    producer loads each consumer's Q (once that consumer has released the last tile's) and
+    ``n_total[i]`` key blocks into ``stages`` buffers; consumer 0 uses ``n_mine0[i]`` of them
+    (fewer when causal), the others all. Integers mean one tile (a CTA per tile); lists, a
+    persistent CTA. ``AssertionError`` on a deadlock, a barrier a phase ahead of its waiter,
+    or a Q buffer overwritten while its consumer still reads it; ``mutation`` (one of
+    :data:`MUTATIONS`) plants a bug."""
+    totals = [n_total] if isinstance(n_total, int) else list(n_total)
+    mines0 = [n_mine0] if isinstance(n_mine0, int) else list(n_mine0)
     S = stages
     k_ready = [Bar(1) for _ in range(S)]
     v_ready = [Bar(1) for _ in range(S)]
-    kv_empty = [Bar(consumers) for _ in range(S)]
+    kv_empty = [Bar(1 if mutation == "kv_empty_count_1" else consumers) for _ in range(S)]
     turn = [Bar(1), Bar(1)]
     q_bar = [Bar(1) for _ in range(consumers)]
+    q_empty = [Bar(1) for _ in range(consumers)]
+    q_reading = [False] * consumers  # consumer c reads its Q buffer (its S wgmmas)
+
+    def bases() -> Iterator[tuple[int, int, int]]:
+        """(tile index, key blocks before it, steps before it) per tile."""
+        kv = 0
+        for i, n in enumerate(totals):
+            if mutation == "phases_per_tile":
+                kv = 0
+            yield i, kv, kv + i
+            kv += n
+
+    def load_q(c: int) -> Iterator[Op]:
+        assert not q_reading[c], f"Q buffer {c} overwritten while consumer {c} reads it"
+        yield ("arrive", q_bar[c])
 
     def producer() -> Iterator[Op]:
-        for c in range(consumers):
-            yield ("arrive", q_bar[c])
-        for j in range(n_total):
-            yield ("wait", kv_empty[j % S], ((j // S) & 1) ^ 1, j // S - 1)
-            yield ("arrive", k_ready[j % S])
-            yield ("arrive", v_ready[j % S])
+        for i, kv, _ in bases():
+            for c in range(consumers):
+                if mutation != "no_q_empty_wait":
+                    yield ("wait", q_empty[c], (i & 1) ^ 1, i - 1)
+                yield from load_q(c)
+            for j in range(totals[i]):
+                g = kv + j
+                yield ("wait", kv_empty[g % S], ((g // S) & 1) ^ 1, g // S - 1)
+                yield ("arrive", k_ready[g % S])
+                yield ("arrive", v_ready[g % S])
 
-    def consumer(cid: int, n_mine: int) -> Iterator[Op]:
+    def consumer(cid: int) -> Iterator[Op]:
         def my_turn(step: int) -> Iterator[Op]:
             if pingpong:
                 yield ("wait", turn[cid], (step & 1) ^ (1 - cid), step - 1 if cid == 0 else step)
@@ -78,30 +110,40 @@ def run(n_total: int, n_mine0: int, stages: int, consumers: int, pingpong: int,
             if pingpong:
                 yield ("arrive", turn[1 - cid])
 
-        yield ("wait", q_bar[cid], 0, 0)
-        yield from my_turn(0)
-        yield ("wait", k_ready[0], 0, 0)
-        yield from their_turn()
-        for j in range(1, n_mine):
-            yield from my_turn(j)
-            yield ("wait", k_ready[j % S], (j // S) & 1, j // S)
-            yield ("wait", v_ready[(j - 1) % S], ((j - 1) // S) & 1, (j - 1) // S)
-            yield from their_turn()
-            yield ("arrive", kv_empty[(j - 1) % S])
-        last = n_mine - 1
-        yield from my_turn(n_mine)
-        yield ("wait", v_ready[last % S], (last // S) & 1, last // S)
-        yield from their_turn()
-        yield ("arrive", kv_empty[last % S])
-        for j in range(n_mine, n_total):
-            yield from my_turn(j + 1)
-            yield from their_turn()
-            yield ("wait", k_ready[j % S], (j // S) & 1, j // S)
-            yield ("wait", v_ready[j % S], (j // S) & 1, j // S)
-            yield ("arrive", kv_empty[j % S])
+        def wait(bar: list[Bar], g: int) -> Op:
+            return ("wait", bar[g % S], (g // S) & 1, g // S)
 
-    n_mines = [n_mine0] + [n_total] * (consumers - 1)
-    parts = [producer()] + [consumer(c, n_mines[c]) for c in range(consumers)]
+        for i, kv, steps in bases():
+            n_tot = totals[i]
+            n_mine = mines0[i] if cid == 0 else n_tot
+            yield ("wait", q_bar[cid], i & 1, i)
+            q_reading[cid] = True
+            yield from my_turn(steps)
+            yield wait(k_ready, kv)
+            yield from their_turn()
+            for j in range(1, n_mine):
+                yield from my_turn(steps + j)
+                yield wait(k_ready, kv + j)
+                yield wait(v_ready, kv + j - 1)
+                yield from their_turn()
+                yield ("arrive", kv_empty[(kv + j - 1) % S])
+            q_reading[cid] = False
+            yield ("arrive", q_empty[cid])
+            last = kv + n_mine - 1
+            yield from my_turn(steps + n_mine)
+            yield wait(v_ready, last)
+            yield from their_turn()
+            yield ("arrive", kv_empty[last % S])
+            if mutation == "no_drain":
+                continue
+            for j in range(n_mine, n_tot):
+                yield from my_turn(steps + j + 1)
+                yield from their_turn()
+                yield wait(k_ready, kv + j)
+                yield wait(v_ready, kv + j)
+                yield ("arrive", kv_empty[(kv + j) % S])
+
+    parts = [producer()] + [consumer(c) for c in range(consumers)]
     ops = [next(p) for p in parts]
     alive = [True] * len(parts)
     rnd = random.Random(seed)
@@ -119,20 +161,31 @@ def run(n_total: int, n_mine0: int, stages: int, consumers: int, pingpong: int,
             alive[i] = False
 
 
-def check_all() -> int:
-    """Every ``n_total`` <= 8, every ``n_mine`` of consumer 0, stages 2-4, one or two
-    consumers, with and without ping-pong, 30 seeds each; returns the number of
-    interleavings run (``AssertionError`` on the first bad one)."""
-    runs = 0
+def _shapes(consumers: int) -> Iterator[tuple[Any, Any]]:
+    """``(n_total, n_mine0)`` cases: one tile of up to 8 key blocks with every causal split,
+    then persistent CTAs of 2-4 tiles (causal tiles shrink, as the scheduler orders them)."""
     for n_total in range(1, 9):
         for n_mine0 in range(1, n_total + 1):
-            for stages in (2, 3, 4):
-                for consumers, pingpong in ((1, 0), (2, 0), (2, 1)):
-                    if consumers == 1 and n_mine0 != n_total:
-                        continue
-                    for seed in range(30):
-                        run(n_total, n_mine0, stages, consumers, pingpong, seed)
-                        runs += 1
+            if consumers == 1 and n_mine0 != n_total:
+                continue
+            yield n_total, n_mine0
+    for totals in ([3, 3], [1, 1, 1], [5, 2, 1], [4, 3, 2, 1], [2, 7, 1], [6, 6, 6]):
+        for split in (0, 1):
+            mines = [max(1, n - split) if consumers > 1 else n for n in totals]
+            yield totals, mines
+
+
+def check_all(mutation: str | None = None, seeds: int = 30) -> int:
+    """Every case of :func:`_shapes`, stages 2-4, one to three consumers (two with and
+    without ping-pong), ``seeds`` seeds each; returns the number of interleavings run
+    (``AssertionError`` on the first bad one)."""
+    runs = 0
+    for stages in (2, 3, 4):
+        for consumers, pingpong in ((1, 0), (2, 0), (2, 1), (3, 0)):
+            for totals, mines in _shapes(consumers):
+                for seed in range(seeds):
+                    run(totals, mines, stages, consumers, pingpong, seed, mutation)
+                    runs += 1
     return runs
 
 

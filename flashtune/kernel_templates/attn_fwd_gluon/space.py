@@ -2,12 +2,14 @@
 
 The knobs are the launcher's: ``ROWS`` query rows per consumer warpgroup, ``BLOCK_N`` keys
 per K/V tile, ``NUM_STAGES`` K/V buffers, ``NUM_CONSUMERS`` consumer warpgroups and
-``PINGPONG`` (the two consumers take turns to issue their wgmmas). Tiles are powers of two
+``PINGPONG`` (the two consumers take turns to issue their wgmmas) and ``PERSISTENT`` (a CTA
+per SM looping over the tiles instead of a CTA per tile). Tiles are powers of two
 (Gluon tensors and TMA boxes are), so FA3's 176-key tile is out; ``NUM_STAGES`` starts at 2
 (one buffer would deadlock: block ``j`` is loaded only once block ``j - 1``'s buffer is
 released, which waits for block ``j``).
 
-Whether a config fits is what ptxas makes of it: registers spill or not, shared memory fits
+Whether a config fits is what ptxas makes of it: registers spill (more than
+:data:`SPILL_LIMIT` bytes) or not, shared memory fits
 the 227 KiB an sm_90 block may opt in to or not. Compiling takes seconds, so the predicate
 reads a table instead, ``sm90_compile.json`` next to this file: every point of the space
 compiled for sm_90a on the CPU per head dim, dtype and causal flag (shared bytes, registers,
@@ -38,7 +40,7 @@ from flashtune.core.space import Config, SearchSpace
 
 log = logging.getLogger(__name__)
 
-__all__ = ["HEAD_DIMS", "PARAMS", "SMEM_LIMIT", "SPACE", "TABLE", "Compiled", "check",
+__all__ = ["HEAD_DIMS", "PARAMS", "SMEM_LIMIT", "SPILL_LIMIT", "SPACE", "TABLE", "Compiled", "check",
            "default_config", "entry_key", "load_table", "structural_reason"]
 
 PARAMS: dict[str, tuple[int, ...]] = {
@@ -48,12 +50,24 @@ PARAMS: dict[str, tuple[int, ...]] = {
     # (D64 and D128, one or two consumers): left out, their compiles took most of the time
     "BLOCK_N": (64, 128),
     "NUM_STAGES": (2, 3, 4),
-    "NUM_CONSUMERS": (1, 2),
+    # 3: FA3's 192-row tile for head dim 64, at 160 registers a consumer (64-key tiles
+    # compile without spills at D64 and D128; 128-key tiles spill 1.6 KB at D64)
+    "NUM_CONSUMERS": (1, 2, 3),
     "PINGPONG": (0, 1),
+    # a CTA per SM looping over the tiles (the next tile's loads overlap this one's epilogue)
+    "PERSISTENT": (0, 1),
 }
 HEAD_DIMS = (64, 128)  # the wgmma N of P V; the launcher refuses others
 DTYPES = ("fp16", "bf16")
 SMEM_LIMIT = 227 * 1024  # dynamic shared memory an sm_90 block may opt in to
+# spill-store bytes a config may have. The persistent kernel's consumers spill 72-216 B at
+# 240 registers (sm_90a SASS, D64 and D128): the per-thread column predicates of the first
+# key block, hoisted out of the tile loop, stored once at the start and reloaded only on a
+# masked block; the inner loop stays in registers. The limit also lets through a few ROWS 128
+# configs that spill 40-240 B: the tuner's timing judges them. Larger spills (ROWS 128 at
+# D128: 0.7-5 KiB, 256-key tiles: 0.7-2 KiB, three consumers over 128-key tiles: 1.6 KiB
+# and more) are the inner loop's and are refused.
+SPILL_LIMIT = 256
 TABLE = Path(__file__).with_name("sm90_compile.json")
 TABLE_FORMAT = 1
 REGENERATE = "python -m flashtune.kernel_templates.attn_fwd_gluon --prefilter"
@@ -72,9 +86,9 @@ class Compiled:
         """Why this compiled kernel should not run (None: it may)."""
         if self.error is not None:
             return f"does not compile for sm_90a: {self.error}"
-        if self.spill_bytes:
+        if self.spill_bytes and self.spill_bytes > SPILL_LIMIT:
             return (f"spills {self.spill_bytes} B of registers to local memory (ptxas, sm_90a, "
-                    f"{self.registers} registers)")
+                    f"{self.registers} registers; at most {SPILL_LIMIT} B allowed)")
         if self.shared is not None and self.shared > smem_limit:
             return f"needs {self.shared} B of shared memory, an sm_90 block may use {smem_limit} B"
         return None
@@ -186,19 +200,29 @@ def check(config: Mapping[str, int], problem: AttentionProblem,
 
 SPACE = SearchSpace(params=PARAMS, predicate=check)
 
-# what an untuned shape runs, best guess first (FA3's 128-row CTA: two consumers of 64 rows)
-_DEFAULTS: tuple[Config, ...] = (
-    {"ROWS": 64, "BLOCK_N": 128, "NUM_STAGES": 2, "NUM_CONSUMERS": 2, "PINGPONG": 0},
-    {"ROWS": 64, "BLOCK_N": 64, "NUM_STAGES": 3, "NUM_CONSUMERS": 2, "PINGPONG": 0},
-    {"ROWS": 64, "BLOCK_N": 64, "NUM_STAGES": 2, "NUM_CONSUMERS": 2, "PINGPONG": 0},
-    {"ROWS": 64, "BLOCK_N": 64, "NUM_STAGES": 2, "NUM_CONSUMERS": 1, "PINGPONG": 0},
-)
+# what an untuned shape runs, best first where the predicate allows it. On the H100 (bf16,
+# standard grid, benchmarks/results/explore_fwd_gluon_persistent_h100.json) 3 stages of
+# 128-key tiles led, persistent without a mask (1.03-1.23x the grid launch at N 512-4k:
+# the next tile's loads overlap this one's epilogue), grid-launched with one (the static
+# round-robin of a persistent CTA leaves causal tiles unbalanced: 0.72-1.01x)
+def _knobs(stages: int, persistent: int, block_n: int = 128, consumers: int = 2) -> Config:
+    return {"ROWS": 64, "BLOCK_N": block_n, "NUM_STAGES": stages, "NUM_CONSUMERS": consumers,
+            "PINGPONG": 0, "PERSISTENT": persistent}
+
+
+_FALLBACKS: tuple[Config, ...] = (_knobs(2, 0), _knobs(3, 0, 64), _knobs(2, 0, 64),
+                                  _knobs(2, 0, 64, 1))
+_DEFAULTS: dict[bool, tuple[Config, ...]] = {
+    False: (_knobs(3, 1), _knobs(2, 1)) + _FALLBACKS,  # no mask
+    True: (_knobs(3, 0),) + _FALLBACKS,  # causal
+}
 
 
 def default_config(problem: AttentionProblem, device: DeviceFingerprint) -> Config:
     """A safe config for ``problem``: the first of the defaults the predicate accepts (the
     first one for a problem no config serves: the predicate names why)."""
-    for config in _DEFAULTS:
+    defaults = _DEFAULTS[bool(problem.causal)]
+    for config in defaults:
         if check(config, problem, device) is None:
             return dict(config)
-    return dict(_DEFAULTS[0])
+    return dict(defaults[0])
