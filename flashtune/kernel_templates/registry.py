@@ -28,7 +28,7 @@ from flashtune.core.errors import UnknownTemplateError
 from flashtune.core.spec import TemplateSpec
 
 __all__ = ["Catalog", "TemplateSpec", "catalog", "get_template", "hash_files", "implementations",
-           "known_names", "register_template", "source_hash", "template_names",
+           "known_names", "register_template", "source_hash", "template_names", "train_step",
            "unregister_template"]
 
 _REGISTRY: dict[str, TemplateSpec] = {}
@@ -292,7 +292,7 @@ def catalog() -> Catalog:
 def implementations(op: str) -> list[TemplateSpec]:
     """The implementations the tuner searches across for the user op ``op`` and the router
     chooses between: every registered spec whose ``serves`` names it; for ``train``, each
-    one's training step (:func:`flashtune.kernel_templates.training.train_spec`: the forward
+    one's training step (:func:`train_step`: the forward
     paired with its backward, under the forward's name).
 
     Arguments:
@@ -309,8 +309,17 @@ def implementations(op: str) -> list[TemplateSpec]:
         raise ValueError(f"unknown op {op!r}; the ops are {', '.join(USER_OPS)}")
     _load_builtins()
     specs = [spec for _, spec in sorted(_REGISTRY.items()) if op in spec.serves]
-    if op == "train":
-        from flashtune.kernel_templates.training import train_spec
+    return [train_step(s) for s in specs] if op == "train" else specs
 
-        return [train_spec(s) for s in specs]
-    return specs
+
+def train_step(spec: TemplateSpec) -> TemplateSpec:
+    """The training step of the forward ``spec`` (a forward and the backward template it
+    names, or an extern's step through torch's autograd):
+    :func:`flashtune.kernel_templates.training.train_spec` with the backward looked up here.
+
+    Raises:
+        ValueError when ``spec`` does not serve ``train``; KeyError for an unknown backward.
+    """
+    from flashtune.kernel_templates.training import train_spec
+
+    return train_spec(spec, get_template(spec.backward) if spec.backward else None)

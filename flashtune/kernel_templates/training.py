@@ -227,20 +227,24 @@ def _train_spec(fwd: TemplateSpec, bwd: TemplateSpec | None) -> TemplateSpec:
                    limits=fwd.limits.both(bwd.limits))
 
 
-def train_spec(spec: TemplateSpec) -> TemplateSpec:
-    """The training step of the forward ``spec`` (see the module docstring): named as the
-    forward, of op ``train``; its launcher a :class:`TrainStep`.
+def train_spec(spec: TemplateSpec, backward: TemplateSpec | None) -> TemplateSpec:
+    """The training step of the forward ``spec`` with ``backward``, the spec its
+    ``spec.backward`` names (None for an extern, which torch differentiates; see the module
+    docstring): named as the forward, of op ``train``; its launcher a :class:`TrainStep`.
+    Built once per (forward, backward) source. ``registry.train_step`` looks the backward up.
 
     Raises:
-        ValueError when ``spec`` does not serve ``train``.
+        ValueError when ``spec`` does not serve ``train``, or ``backward`` is not the
+        template ``spec.backward`` names.
     """
-    from flashtune.kernel_templates.registry import get_template
-
     if "train" not in spec.serves:
         raise ValueError(f"template {spec.name!r} does not serve train (it has no backward)")
-    bwd = get_template(spec.backward) if spec.backward else None
-    key = (spec.name, spec.source_hash, bwd and bwd.name, bwd and bwd.source_hash)
+    if (backward.name if backward is not None else None) != spec.backward:
+        raise ValueError(f"template {spec.name!r} pairs with backward {spec.backward!r}, got "
+                         f"{backward.name if backward is not None else None!r}")
+    key = (spec.name, spec.source_hash, backward.name if backward is not None else None,
+           backward.source_hash if backward is not None else None)
     found = _SPECS.get(key)
     if found is None:
-        found = _SPECS.setdefault(key, _train_spec(spec, bwd))
+        found = _SPECS.setdefault(key, _train_spec(spec, backward))
     return found

@@ -169,11 +169,11 @@ def bench_attention(problems: Sequence[AttentionProblem], *, template: str = "at
                          f"one of op {' or '.join(BENCH_OPS)}")
     dispatcher = Dispatcher(spec)
     if train:
-        from flashtune.kernel_templates.training import train_spec
+        from flashtune.kernel_templates.registry import train_step
 
         if spec.op != "fwd":
             raise ValueError(f"the training step is a forward's; got template {template!r}")
-        spec = train_spec(spec)
+        spec = train_step(spec)
     dispatcher.reload(db_url=db_url)
     t0 = time.time()
     result: dict[str, Any] = {

@@ -329,10 +329,10 @@ def _train_route(q: torch.Tensor, k: torch.Tensor, causal: bool, return_lse: boo
             raise ConfigError(f"config has backward keys {sorted(bcfg)}, but {spec.name!r} "
                               f"has no backward template (torch differentiates it)")
         if bcfg:  # the pair's config: checked as one, so errors name its keys
-            from flashtune.kernel_templates.training import train_spec
+            from flashtune.kernel_templates.registry import train_step
 
             fcfg, bcfg = split_pair(_explicit_config(config or {}, problem, device,
-                                                     train_spec(spec)))
+                                                     train_step(spec)))
         else:
             fcfg = _dispatcher(spec).choose(problem, device).config if config is None \
                 else _explicit_config(fcfg, problem, device, spec)

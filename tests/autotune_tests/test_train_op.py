@@ -23,6 +23,7 @@ from flashtune.db import open_store
 from flashtune.db.exchange_choices import export_choice_documents, parse_choice_document
 from flashtune.db.records import SoftwareVersions, TrialState
 from flashtune.kernel_templates import catalog, get_template, implementations
+from flashtune.kernel_templates.registry import train_step
 from flashtune.kernel_templates.training import TrainStep, train_spec
 from flashtune.runtime import autograd
 from tests.conftest import DEVICE
@@ -51,9 +52,16 @@ def test_the_implementations_of_train_are_forwards_with_a_backward():
                 f"bwd.{n}" for n in bwd.space.params}
             assert spec.source_hash not in (forward.source_hash, bwd.source_hash)
     assert op_implementations(catalog(), "train") == specs
-    assert train_spec(get_template("attn_fwd")) is specs["attn_fwd"]  # built once
+    assert train_step(get_template("attn_fwd")) is specs["attn_fwd"]  # built once
     with pytest.raises(ValueError, match="attn_decode.*no backward"):
-        train_spec(get_template("attn_decode"))
+        train_step(get_template("attn_decode"))
+    # the pair is the forward's own: another backward (or none for a kernel that has one)
+    # is refused by name
+    with pytest.raises(ValueError, match="pairs with backward 'attn_bwd', got 'attn_decode'"):
+        train_spec(get_template("attn_fwd"), get_template("attn_decode"))
+    with pytest.raises(ValueError, match="pairs with backward 'attn_bwd', got None"):
+        train_spec(get_template("attn_fwd"), None)
+    assert train_spec(get_template("attn_fwd"), get_template("attn_bwd")) is specs["attn_fwd"]
 
 
 def test_a_pair_config_splits_into_the_forward_s_and_the_backward_s():
@@ -61,7 +69,7 @@ def test_a_pair_config_splits_into_the_forward_s_and_the_backward_s():
     joined = join_pair(fwd, bwd)
     assert joined == {"BLOCK_M": 64, "num_warps": 4, "bwd.BLOCK_M1": 32, "bwd.num_warps": 8}
     assert split_pair(joined) == (fwd, bwd)
-    spec = train_spec(get_template("attn_fwd"))
+    spec = train_step(get_template("attn_fwd"))
     cfg = spec.default_config(GQA, DEV)
     assert spec.space.validate(cfg) == cfg and spec.space.check(cfg, GQA, DEV) is None
     d128 = AttentionProblem(1, 2, 2, 64, 64, 128, False, "fp16")
@@ -92,7 +100,7 @@ def test_applicable_train_skips_an_extern_that_masks_causal_differently():
 @interpreter_only
 @pytest.mark.parametrize("problem", [GQA, SQUARE], ids=["gqa-causal-unaligned", "square"])
 def test_a_pair_s_step_is_checked_as_a_whole(problem):
-    spec = train_spec(get_template("attn_fwd"))
+    spec = train_step(get_template("attn_fwd"))
     cfg = spec.default_config(problem, DEV)
     assert LocalRunner(spec, problem, DEV).evaluate(cfg).ok
 
@@ -110,12 +118,12 @@ def test_a_pair_s_step_is_checked_as_a_whole(problem):
 
 @interpreter_only
 def test_an_extern_s_step_runs_through_torch_s_autograd():
-    spec = train_spec(get_template("sdpa_math"))
+    spec = train_step(get_template("sdpa_math"))
     assert LocalRunner(spec, SQUARE, DEV).evaluate({}).ok
 
 
 def _store_pair_choice(url, problem, cfg):
-    spec = train_spec(get_template("attn_fwd"))
+    spec = train_step(get_template("attn_fwd"))
     with open_store(url) as store:
         dev = store.ensure_device(DEV)
         store.put_choice(dev.id, "train", problem.key(), implementation="attn_fwd",
@@ -183,7 +191,7 @@ def test_tune_train_stores_the_fastest_step_and_attention_with_grad_runs_it(
 def test_a_stored_pair_runs_with_its_own_forward_and_backward_configs(tmp_path, monkeypatch):
     url = f"sqlite:///{tmp_path / 't.db'}"
     monkeypatch.setenv("FLASHTUNE_DB", url)
-    spec = train_spec(get_template("attn_fwd"))
+    spec = train_step(get_template("attn_fwd"))
     cfg = {**spec.default_config(GQA, DEV), "BLOCK_M": 32, "BLOCK_N": 32,
            "bwd.BLOCK_M1": 32, "bwd.BLOCK_N1": 16}
     cfg = spec.space.validate(cfg)
@@ -234,7 +242,7 @@ def test_forced_implementations_with_gradients():
         flashtune.attention(q, k, v, impl="attn_fwd_gluon")
     with pytest.raises(InputError, match="'sdpa_math' cannot serve .*LSE"):
         flashtune.attention(q, k, v, causal=True, impl="sdpa_math", return_lse=True)
-    spec = train_spec(get_template("attn_fwd"))
+    spec = train_step(get_template("attn_fwd"))
     cfg = spec.default_config(SQUARE, DEV)
     fwd_only, _ = split_pair(cfg)
     for config in (cfg, fwd_only):  # the pair's config, or the forward's alone
@@ -246,7 +254,7 @@ def test_forced_implementations_with_gradients():
 
 def test_an_op_file_of_train_choices_round_trips_and_a_bad_pair_config_is_rejected(tmp_path):
     url = f"sqlite:///{tmp_path / 't.db'}"
-    spec = train_spec(get_template("attn_fwd"))
+    spec = train_step(get_template("attn_fwd"))
     cfg = spec.default_config(GQA, DEV)
     _store_pair_choice(url, GQA, cfg)
     with open_store(url) as store:
@@ -291,7 +299,7 @@ def test_the_gluon_forward_trains_with_attn_bwd_on_hopper():
     from flashtune.core.device import cuda_device
 
     problem = GPU_SHAPES[0]
-    if train_spec(get_template("attn_fwd_gluon")).refuse(problem, cuda_device()):
+    if train_step(get_template("attn_fwd_gluon")).refuse(problem, cuda_device()):
         pytest.skip("the Gluon forward runs on sm_90 only")
     q, k, v = (t.cuda() for t in _qkv(problem))
     q, k, v = (t.to(torch.bfloat16).detach().requires_grad_() for t in (q, k, v))
