@@ -22,8 +22,10 @@ documented default: short-query problems may go to attn_decode
 (:func:`~flashtune.runtime.kvcache.decode_route`), the rest to attn_fwd with the user's own
 tuned configs (database, config folder), else by compute capability (:data:`FWD_DEFAULT`: on
 sm_90 cuDNN's forward where it serves the call), else attn_fwd with its shipped table or its
-default; with ``FLASHTUNE_AUTOTUNE=1`` an attn_fwd problem without an exact tuned config is
-tuned on its first call, once per process.
+default; with ``FLASHTUNE_AUTOTUNE=1`` a problem that attn_fwd serves by default and has no
+exact tuned config for is tuned on its first call, once per process (not one the sm_90 default
+serves: tuning attn_fwd alone would not beat it; ``tune --op fwd`` searches across
+implementations).
 A call with gradients takes its training route (:func:`_train_route`, memoised per call
 signature in ``_TRAIN_FAST``): the ``train`` op's stored choice (a forward of flashtune's
 with its backward's config, or an SDPA backend that torch differentiates), else attn_fwd's
@@ -247,15 +249,16 @@ def _route(problem: AttentionProblem, device: DeviceFingerprint, *, tune: bool =
     choice = kvcache.decode_route(problem, device, _DISPATCH)
     if choice is not None:
         return choice
-    choice = _choose(problem, device, tune=tune)
-    if choice.origin.startswith(_USERS_OWN):
-        return choice
+    choice = _choose(problem, device, tune=False)
     extern = _ROUTERS["fwd"].specs.get(FWD_DEFAULT[1])
-    if extern is not None and device.capability in FWD_DEFAULT[0] \
+    if not choice.origin.startswith(_USERS_OWN) and extern is not None \
+            and device.capability in FWD_DEFAULT[0] \
             and extern.refuse(problem, device, return_lse=return_lse) is None:
+        # not tuned here with FLASHTUNE_AUTOTUNE=1 either: attn_fwd alone would not beat
+        # this default (`tune --op fwd` searches across implementations)
         return ConfigChoice({}, "default", origin=f"default forward on "
                             f"{device.compute_capability}", template=extern.name)
-    return choice
+    return _choose(problem, device, tune=tune) if tune else choice
 
 
 def _resolve(q: torch.Tensor, k: torch.Tensor, causal: bool, return_lse: bool,

@@ -459,3 +459,13 @@ def test_untuned_forwards_on_hopper_default_to_cudnn_where_it_serves(env, monkey
     assert (own.template, own.source, own.config) == ("attn_fwd", "exact", cfg(16, 32))
     unaligned = prob(40, 60, causal=True)  # bottom-right causal: SDPA's mask is top-left
     assert routing._route(unaligned, h100, tune=False).template == "attn_fwd"
+    # FLASHTUNE_AUTOTUNE=1 tunes attn_fwd only where attn_fwd is the default
+    from flashtune.autotune import jobs
+
+    tuned = []
+    monkeypatch.setattr(jobs, "tune", lambda problems, options, **kw: tuned.extend(problems))
+    monkeypatch.setattr(routing, "_AUTOTUNED", set())
+    monkeypatch.setenv("FLASHTUNE_AUTOTUNE", "1")
+    assert routing._route(untuned, h100).template == "sdpa_cudnn"
+    assert routing._route(unaligned, h100).template == "attn_fwd"
+    assert tuned == [unaligned]
