@@ -3,18 +3,20 @@ only; the package doc describes the structure, :mod:`.launcher` launches it).
 
 * ``_producer`` (1 warp): per tile, each consumer's Q tile (once its buffer is free:
   ``q_empty``), then K and V tiles into a ring of ``NUM_STAGES`` buffers behind the
-  ``k_ready`` / ``v_ready`` / ``kv_empty`` mbarriers;
-* ``_consumer`` (a warpgroup each, one to three): ``S_j = Q K_j^T`` and ``O += P_{j-1} V_{j-1}`` as async
-  wgmma, the softmax of ``S_j`` (``_softmax_block``) while the second is in flight, the
-  epilogue; ``_my_turn`` / ``_their_turn`` are the ping-pong barriers (``PINGPONG``).
+  ``k_ready`` / ``v_ready`` / ``kv_empty`` mbarriers (``_producer_tile``);
+* ``_consumer`` (a warpgroup each, one to three): ``S_j = Q K_j^T`` and
+  ``O += P_{j-1} V_{j-1}`` as async wgmma, the softmax of ``S_j`` (``_softmax_block``) while
+  the second is in flight, the epilogue (``_consumer_tile``); ``_my_turn`` / ``_their_turn``
+  are the ping-pong barriers (``PINGPONG``).
 
-A CTA serves the tiles ``first, first + stride, ... < end`` (``_tile`` maps a tile index to
-its query block and head): one tile when the grid has a CTA per tile, several when
-``PERSISTENT`` (a CTA per SM looping over the tiles, FA3's persistent kernel: the producer
-loads the next tile's Q and first K/V blocks while the consumers finish the last ``P V`` and
-the epilogue of this one). Barrier phases run on over the tiles: ring slot and phase come
-from a count of key blocks over the CTA's tiles (``kv_base + j``), the ping-pong turn from a
-count of steps, ``q_bar`` / ``q_empty`` from the tile count.
+A CTA serves one tile (query block ``m_block`` of ``bh``, batch x head) when the grid has a
+CTA per tile, or with ``PERSISTENT`` the tiles ``first, first + stride, ... < end`` (a CTA per
+SM looping over the tiles, FA3's persistent kernel: the producer loads the next tile's Q and
+first K/V blocks while the consumers finish the last ``P V`` and the epilogue of this one;
+``_coords`` maps a tile index to its ``(bh, m_block)``, ``_tile`` a tile to its rows and key
+blocks). Barrier phases run on over the tiles: ring slot and phase come from a count of key
+blocks over the CTA's tiles (``kv_base + j``), the ping-pong turn from a count of steps,
+``q_bar`` / ``q_empty`` from the tile count.
 
 :mod:`.protocol` models the barrier protocol of ``_producer`` and ``_consumer``: keep the two
 in step.
