@@ -398,10 +398,10 @@ def prefer_extern_on_ties(leaders: Sequence[Leader], tie: float = EXTERN_TIE
     if not ranked or ranked[0].kind == "extern":
         return tuple(leaders)
     ext = next((x for x in ranked if x.kind == "extern"), None)
-    if ext is None or ext.median_ms is None or ranked[0].median_ms is None \
-            or ext.median_ms > ranked[0].median_ms * (1.0 + tie):
+    own_ms = ranked[0].median_ms or 0.0  # ranked: timed leaders only
+    if ext is None or (ext.median_ms or 0.0) > own_ms * (1.0 + tie):
         return tuple(leaders)
     log.info("%s leads %s by %.1f%%, within the %.0f%% tie: the extern stays the choice",
              ranked[0].implementation, ext.implementation,
-             100.0 * (ext.median_ms / ranked[0].median_ms - 1.0), 100.0 * tie)
+             100.0 * ((ext.median_ms or 0.0) / own_ms - 1.0), 100.0 * tie)
     return (ext,) + tuple(x for x in leaders if x is not ext)

@@ -239,11 +239,11 @@ def train_spec(spec: TemplateSpec, backward: TemplateSpec | None) -> TemplateSpe
     """
     if "train" not in spec.serves:
         raise ValueError(f"template {spec.name!r} does not serve train (it has no backward)")
-    if (backward.name if backward is not None else None) != spec.backward:
+    bwd_name, bwd_hash = (backward.name, backward.source_hash) if backward else (None, None)
+    if bwd_name != spec.backward:
         raise ValueError(f"template {spec.name!r} pairs with backward {spec.backward!r}, got "
-                         f"{backward.name if backward is not None else None!r}")
-    key = (spec.name, spec.source_hash, backward.name if backward is not None else None,
-           backward.source_hash if backward is not None else None)
+                         f"{bwd_name!r}")
+    key = (spec.name, spec.source_hash, bwd_name, bwd_hash)
     found = _SPECS.get(key)
     if found is None:
         found = _SPECS.setdefault(key, _train_spec(spec, backward))

@@ -250,15 +250,27 @@ def _route(problem: AttentionProblem, device: DeviceFingerprint, *, tune: bool =
     if choice is not None:
         return choice
     choice = _choose(problem, device, tune=False)
-    extern = _ROUTERS["fwd"].specs.get(FWD_DEFAULT[1])
-    if not choice.origin.startswith(_USERS_OWN) and extern is not None \
-            and device.capability in FWD_DEFAULT[0] \
-            and extern.refuse(problem, device, return_lse=return_lse) is None:
+    if not choice.origin.startswith(_USERS_OWN):
         # not tuned here with FLASHTUNE_AUTOTUNE=1 either: attn_fwd alone would not beat
         # this default (`tune --op fwd` searches across implementations)
-        return ConfigChoice({}, "default", origin=f"default forward on "
-                            f"{device.compute_capability}", template=extern.name)
+        default = _capability_default("fwd", problem, device, return_lse)
+        if default is not None:
+            return default
     return _choose(problem, device, tune=tune) if tune else choice
+
+
+def _capability_default(op: str, problem: AttentionProblem, device: DeviceFingerprint,
+                        return_lse: bool) -> ConfigChoice | None:
+    """The extern that serves ``op`` untuned on ``device``'s compute capability
+    (:data:`FWD_DEFAULT`, :data:`TRAIN_DEFAULT`), if it can serve the call; else None."""
+    capabilities, name = FWD_DEFAULT if op == "fwd" else TRAIN_DEFAULT
+    extern = _ROUTERS[op].specs.get(name)
+    if extern is None or device.capability not in capabilities \
+            or extern.refuse(problem, device, return_lse=return_lse) is not None:
+        return None
+    what = "forward" if op == "fwd" else "training step"
+    return ConfigChoice({}, "default", origin=f"default {what} on {device.compute_capability}",
+                        template=extern.name)
 
 
 def _resolve(q: torch.Tensor, k: torch.Tensor, causal: bool, return_lse: bool,
@@ -285,11 +297,9 @@ def _train_choice(problem: AttentionProblem, device: DeviceFingerprint, *,
     chosen = _ROUTERS["train"].choose(problem, device, return_lse=return_lse, paired=paired)
     if chosen is not None:
         return chosen
-    extern = _ROUTERS["train"].specs.get(TRAIN_DEFAULT[1])
-    if not paired and extern is not None and device.capability in TRAIN_DEFAULT[0] \
-            and extern.refuse(problem, device, return_lse=return_lse) is None:
-        return ConfigChoice({}, "default", origin=f"default training step on "
-                            f"{device.compute_capability}", template=extern.name)
+    default = None if paired else _capability_default("train", problem, device, return_lse)
+    if default is not None:
+        return default
     fwd = _choose(problem, device, tune=tune)
     bwd = _DISPATCH_BWD.choose(problem, device)
     source = fwd.source if fwd.source == bwd.source else f"{fwd.source}+{bwd.source}"

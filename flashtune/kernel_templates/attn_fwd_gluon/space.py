@@ -86,7 +86,7 @@ class Compiled:
         """Why this compiled kernel should not run (None: it may)."""
         if self.error is not None:
             return f"does not compile for sm_90a: {self.error}"
-        if self.spill_bytes and self.spill_bytes > SPILL_LIMIT:
+        if (self.spill_bytes or 0) > SPILL_LIMIT:
             return (f"spills {self.spill_bytes} B of registers to local memory (ptxas, sm_90a, "
                     f"{self.registers} registers; at most {SPILL_LIMIT} B allowed)")
         if self.shared is not None and self.shared > smem_limit:
