@@ -20,20 +20,27 @@ tensors, which checks the pipeline and numerics on small shapes; its timings mea
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import click
 
+from flashtune.cli.bench_modes import (
+    MODEL_BASELINES,
+    MODEL_FAMILIES,
+    MODEL_OPTIONS,
+    run_dispatch_bench,
+    run_model_bench,
+)
 from flashtune.cli.options import (
     TemplateChoice,
     check_head_dims,
+    check_output,
     check_template_op,
     db_url,
     fail,
+    parse_ints,
     shape_options,
 )
 from flashtune.cli.tune_commands import (
@@ -50,41 +57,6 @@ __all__ = ["bench_command", "render_bench"]
 STANDARD_SEQLENS = "512,1024,2048,4096,8192,16384"
 _SHORT = {"flashtune": "flashtune", "flashtune_default": "default", "sdpa_flash": "sdpa flash",
           "sdpa_cudnn": "sdpa cudnn", "sdpa_efficient": "sdpa efficient", "flex": "flex"}
-
-
-def _ints(text: str, option: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(x) for x in text.split(","))
-    except ValueError:
-        raise click.BadParameter(f"expected comma-separated integers like 64,128, got {text!r}",
-                                 param_hint=f"'{option}'") from None
-    if not values or any(x < 1 for x in values):
-        raise click.BadParameter(f"expected positive integers, got {text!r}",
-                                 param_hint=f"'{option}'")
-    return values
-
-
-def _check_output(path: Path, option: str) -> None:
-    """BadParameter naming ``option`` unless a file can be written at ``path``: its folder
-    is created (as the run would) and a scratch file written in it and removed."""
-    hint = f"'{option}'"
-    if path.is_dir():
-        raise click.BadParameter(f"{path} is a directory", param_hint=hint)
-    folder = path.parent
-    existing = folder
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        raise click.BadParameter(f"cannot write {path}: {existing} is not a folder",
-                                 param_hint=hint)
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        fd, scratch = tempfile.mkstemp(dir=folder, prefix=".flashtune-bench-")
-        os.close(fd)
-        os.unlink(scratch)
-    except OSError as exc:
-        raise click.BadParameter(f"cannot write in folder {folder}: "
-                                 f"{exc.strerror or exc}", param_hint=hint) from None
 
 
 def render_bench(result: Mapping[str, Any]) -> str:
@@ -168,13 +140,65 @@ BENCH_OPS = ("fwd", "bwd")
               help="The training step: forward and backward as flashtune.attention runs a "
                    "call with gradients (the train op's choice), against the baselines' "
                    "forward and backward through autograd.")
+@click.option("--model", "model_family", type=click.Choice(MODEL_FAMILIES), default=None,
+              help="End to end in a transformers model (random weights, bf16): prefill or "
+                   "inference at --seqlens with --batch, a training step, and for llama greedy "
+                   "generation; attn_implementation='flashtune' against sdpa as torch picks "
+                   "it and forced to each --baselines backend (default "
+                   f"{MODEL_BASELINES}). Presets: llama (Llama-3-8B layers, 8 of them), bert "
+                   "(BERT-large), vit (ViT-L/16); --heads --kv-heads and the options below "
+                   "override them.")
+@click.option("--layers", type=click.IntRange(min=1), default=None, help="--model: layers.")
+@click.option("--hidden", type=click.IntRange(min=1), default=None,
+              help="--model: hidden size (heads x head dim).")
+@click.option("--intermediate", type=click.IntRange(min=1), default=None,
+              help="--model: MLP width.")
+@click.option("--train-batch", type=click.IntRange(min=1), default=None,
+              help="--model: training step batch.")
+@click.option("--train-seqlen", type=click.IntRange(min=1), default=None,
+              help="--model: training step sequence length.")
+@click.option("--gen-batch", type=click.IntRange(min=1), default=None,
+              help="--model llama: prompts generated for at once.")
+@click.option("--gen-prompt", type=click.IntRange(min=1), default=None,
+              help="--model llama: prompt length before generating.")
+@click.option("--new-tokens", type=click.IntRange(min=1), default=None,
+              help="--model llama: tokens generated (greedy, KV cache).")
+@click.option("--phases", default=None,
+              help="--model: phases to run, comma-separated (llama: prefill,train,generate; "
+                   "bert, vit: forward,train; default all).")
+@click.option("--dispatch", is_flag=True,
+              help="The host cost of one flashtune.attention call (small shapes, loops of "
+                   "--calls calls) against torch's SDPA (as torch picks, and forced to flash "
+                   "and cuDNN), the routed implementation's own launch and a bare Triton "
+                   "launch; default shapes, or the one the shape options give.")
+@click.option("--calls", type=click.IntRange(min=1), default=2000, show_default=True,
+              help="--dispatch: calls per timed loop.")
 @click.pass_context
 def bench_command(ctx: click.Context, template: str, plan: str | None, preset_name: str | None,
                   head_dims: str, seqlens: str, baselines: str, rounds: int, out_path: str,
                   plot_path: str | None, no_plot: bool, interpret: bool, train: bool,
+                  model_family: str | None, dispatch: bool, calls: int,
                   **shape: Any) -> None:
     """Benchmark the forward (or backward, or the training step): tuned and default
-    flashtune vs SDPA and Flex."""
+    flashtune vs SDPA and Flex; or, with --model, a transformers model end to end."""
+    model_params = {k: shape.pop(k) for k in MODEL_OPTIONS}
+    if dispatch:
+        if model_family is not None:
+            raise click.UsageError("give --dispatch or --model, not both")
+        run_dispatch_bench(ctx, {**model_params, **shape, "calls": calls, "rounds": rounds,
+                                 "out_path": out_path, "interpret": interpret})
+        return
+    if ctx.get_parameter_source("calls") is not click.core.ParameterSource.DEFAULT:
+        raise click.UsageError("--calls only applies with --dispatch")
+    if model_family is not None:
+        run_model_bench(ctx, model_family, {
+            **model_params, **shape, "seqlens": seqlens, "baselines": baselines,
+            "rounds": rounds, "out_path": out_path, "interpret": interpret})
+        return
+    given = [f"--{k.replace('_', '-')}" for k in MODEL_OPTIONS
+             if ctx.get_parameter_source(k) is not click.core.ParameterSource.DEFAULT]
+    if given:
+        raise click.UsageError(f"{', '.join(given)} only apply with --model")
     if train and ctx.get_parameter_source("template") \
             is not click.core.ParameterSource.DEFAULT:
         raise click.UsageError("--train benchmarks the training step of the routed forward; "
@@ -193,9 +217,9 @@ def bench_command(ctx: click.Context, template: str, plan: str | None, preset_na
     else:
         from flashtune.autotune.grids import standard_grid
 
-        dims = _ints(head_dims, "--head-dims")
+        dims = parse_ints(head_dims, "--head-dims")
         check_head_dims(dims, "--head-dims")
-        problems = standard_grid(dims, seqlens=_ints(seqlens, "--seqlens"),
+        problems = standard_grid(dims, seqlens=parse_ints(seqlens, "--seqlens"),
                                  dtype=dtype or "bf16")
     plot = None if no_plot else Path(plot_path or Path(out_path).with_suffix(".png"))
     if plot is not None:
@@ -217,9 +241,9 @@ def bench_command(ctx: click.Context, template: str, plan: str | None, preset_na
         refuse_under_interpreter(problems, backward=template == "attn_bwd" or train,
                                  doing="benchmarking")
     out = Path(out_path)
-    _check_output(out, "--out")
+    check_output(out, "--out")
     if plot is not None:
-        _check_output(plot, "--plot")
+        check_output(plot, "--plot")
     from flashtune.runtime.bench import bench_attention
 
     partial: dict[str, Any] = {"rows": []}

@@ -6,7 +6,10 @@ Light to import: click and flashtune's light modules, never torch, triton or opt
 from __future__ import annotations
 
 import math
+import os
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import click
@@ -18,8 +21,8 @@ from flashtune.core.spec import USER_OPS
 
 __all__ = ["SAMPLERS", "DTYPE_CHOICES", "HEAD_DIMS", "MAX_SEED", "FiniteFloatRange", "TemplateChoice",
            "check_template_op",
-           "check_head_dims", "cmaes_installed", "db_url", "device_filter_option", "fail",
-           "json_option", "op_filter_option", "search_options", "shape_options",
+           "check_head_dims", "check_output", "cmaes_installed", "db_url", "device_filter_option", "fail",
+           "json_option", "op_filter_option", "parse_ints", "search_options", "shape_options",
            "template_filter_option", "template_option"]
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -198,3 +201,38 @@ def search_options(func: F) -> F:
         click.option("--progress/--no-progress", default=True, show_default=True,
                      help="Show a progress bar."),
     ], func)
+
+
+def parse_ints(text: str, option: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers like 64,128, got {text!r}",
+                                 param_hint=f"'{option}'") from None
+    if not values or any(x < 1 for x in values):
+        raise click.BadParameter(f"expected positive integers, got {text!r}",
+                                 param_hint=f"'{option}'")
+    return values
+
+
+def check_output(path: Path, option: str) -> None:
+    """BadParameter naming ``option`` unless a file can be written at ``path``: its folder
+    is created (as the run would) and a scratch file written in it and removed."""
+    hint = f"'{option}'"
+    if path.is_dir():
+        raise click.BadParameter(f"{path} is a directory", param_hint=hint)
+    folder = path.parent
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise click.BadParameter(f"cannot write {path}: {existing} is not a folder",
+                                 param_hint=hint)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, scratch = tempfile.mkstemp(dir=folder, prefix=".flashtune-bench-")
+        os.close(fd)
+        os.unlink(scratch)
+    except OSError as exc:
+        raise click.BadParameter(f"cannot write in folder {folder}: "
+                                 f"{exc.strerror or exc}", param_hint=hint) from None

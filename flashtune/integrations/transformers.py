@@ -23,7 +23,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from flashtune.runtime.sdpa import scaled_dot_product_attention
 
-__all__ = ["NAME", "flashtune_attention_forward"]
+__all__ = ["NAME", "flashtune_attention_forward", "sdpa_arguments"]
 
 NAME = "flashtune"
 
@@ -52,6 +52,31 @@ def flashtune_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
         ValueError for ``softcap`` or ``position_bias`` (the message names the
         implementation to use instead).
     """
+    out = scaled_dot_product_attention(**sdpa_arguments(module, query, key, value,
+                                                        attention_mask, dropout, scaling,
+                                                        is_causal, **kwargs))
+    return out.transpose(1, 2).contiguous(), None
+
+
+def sdpa_arguments(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                   value: torch.Tensor, attention_mask: torch.Tensor | None,
+                   dropout: float = 0.0, scaling: float | None = None,
+                   is_causal: bool | None = None, **kwargs: Any) -> dict[str, Any]:
+    """The keyword arguments :func:`flashtune_attention_forward` hands
+    :func:`flashtune.scaled_dot_product_attention` for one of transformers' calls
+    (``flashtune bench --model`` asks :func:`~flashtune.runtime.sdpa.describe_route` where
+    they go).
+
+    Arguments:
+        module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs: as
+            for :func:`flashtune_attention_forward`.
+    Returns:
+        ``query``, ``key``, ``value``, ``attn_mask``, ``dropout_p`` (0 outside training),
+        ``is_causal`` (as transformers' SDPA path decides it), ``scale`` and ``enable_gqa``.
+    Raises:
+        ValueError for ``softcap`` or ``position_bias``, as
+        :func:`flashtune_attention_forward`.
+    """
     if kwargs.get("softcap") is not None:
         raise ValueError("flashtune attention does not support `softcap`; use "
                          "attn_implementation='eager' for this model")
@@ -63,11 +88,9 @@ def flashtune_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
     # As transformers' SDPA path: causal only for several query rows and no explicit mask
     # (one row decoding against the cache sees every cached key).
     causal = bool(q_length > 1 and attention_mask is None and causal)
-    out = scaled_dot_product_attention(
-        query, key, value, attn_mask=attention_mask,
-        dropout_p=dropout if module.training else 0.0, is_causal=causal, scale=scaling,
-        enable_gqa=query.shape[1] != key.shape[1])
-    return out.transpose(1, 2).contiguous(), None
+    return {"query": query, "key": key, "value": value, "attn_mask": attention_mask,
+            "dropout_p": dropout if module.training else 0.0, "is_causal": causal,
+            "scale": scaling, "enable_gqa": query.shape[1] != key.shape[1]}
 
 
 def _skip_flash_package_import() -> None:

@@ -7,7 +7,9 @@ keys ``j <= i``, whatever the lengths), and ``enable_gqa`` must be set for
 head_dim, ...) runs ``torch.nn.functional.scaled_dot_product_attention`` with the same
 arguments; the first fallback of each reason is logged once at DEBUG level on the
 ``flashtune`` logger, so ``logging.getLogger("flashtune").setLevel("DEBUG")`` shows why a
-model does not run on flashtune.
+model does not run on flashtune, and every fallback is counted by reason
+(:func:`fallback_counts`; ``flashtune bench --model`` prints them). :func:`describe_route`
+says where one call would go without running it.
 
 How top-left causal maps to flashtune's bottom-right kernel: with ``Lq <= Lk`` no query
 sees a key past ``Lq - 1``, so the call runs on the first ``Lq`` keys, where both alignments
@@ -19,6 +21,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+from collections import Counter
 from typing import Any
 
 import torch
@@ -26,14 +29,34 @@ import torch
 from flashtune.core.device import interpreting
 from flashtune.core.problem import SUPPORTED_HEAD_DIMS
 from flashtune.runtime.checks import SUPPORTED_DTYPES, grid_problem
-from flashtune.runtime.ops import attention
+from flashtune.runtime.ops import attention, lookup_config
 
 log = logging.getLogger(__name__)
 
-__all__ = ["fallback_reason", "scaled_dot_product_attention"]
+__all__ = ["describe_route", "fallback_counts", "fallback_reason", "reset_fallback_counts",
+           "scaled_dot_product_attention"]
 
 _LOGGED: set[str] = set()
+_COUNTS: Counter[str] = Counter()  # fallbacks by reason, since the last reset
 _LOCK = threading.Lock()
+
+
+def fallback_counts() -> dict[str, int]:
+    """How many calls of :func:`scaled_dot_product_attention` went to torch, by reason.
+
+    Returns:
+        ``{reason: calls}`` (the reason as :func:`fallback_reason` words it) since the
+        process started or the last :func:`reset_fallback_counts`; a copy, the caller's to
+        change. Calls flashtune serves are not counted (their path pays nothing for this).
+    """
+    with _LOCK:
+        return dict(_COUNTS)
+
+
+def reset_fallback_counts() -> None:
+    """Start :func:`fallback_counts` from zero."""
+    with _LOCK:
+        _COUNTS.clear()
 
 
 def fallback_reason(query: Any, key: Any, value: Any, attn_mask: Any = None,
@@ -114,16 +137,50 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     reason = fallback_reason(query, key, value, attn_mask, dropout_p, is_causal, scale,
                              enable_gqa)
     if reason is not None:
-        if reason not in _LOGGED:
-            with _LOCK:
-                if reason not in _LOGGED:
-                    _LOGGED.add(reason)
-                    log.debug("flashtune SDPA: falling back to torch: %s", reason)
+        with _LOCK:
+            _COUNTS[reason] += 1
+            if reason not in _LOGGED:
+                _LOGGED.add(reason)
+                log.debug("flashtune SDPA: falling back to torch: %s", reason)
         return torch.nn.functional.scaled_dot_product_attention(
             query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
             scale=scale, enable_gqa=enable_gqa)
-    if is_causal and query.shape[2] < key.shape[2]:
-        lq = query.shape[2]
-        key, value = key[:, :, :lq], value[:, :, :lq]
+    key, value = _top_left(query, key, value, is_causal)
     return attention(query, key, value, causal=bool(is_causal),
                      scale=None if scale is None else float(scale))
+
+
+def _top_left(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              is_causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values torch's top-left causal call sees (see the module doc)."""
+    if is_causal and query.shape[2] < key.shape[2]:
+        lq = query.shape[2]
+        return key[:, :, :lq], value[:, :, :lq]
+    return key, value
+
+
+def describe_route(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
+                   is_causal: bool = False, scale: float | None = None,
+                   enable_gqa: bool = False) -> str:
+    """Where :func:`scaled_dot_product_attention` would send these arguments, without
+    running anything.
+
+    Arguments:
+        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa: as for
+            :func:`scaled_dot_product_attention`.
+    Returns:
+        One line: ``"torch SDPA: <reason>"`` for a fallback, else the implementation
+        flashtune routes the call to and the source of its choice, as
+        :func:`flashtune.lookup_config` answers (e.g. ``"sdpa_cudnn (default)"``,
+        ``"attn_fwd_gluon (exact)"``).
+    Raises:
+        What :func:`flashtune.lookup_config` raises for a call it would refuse.
+    """
+    reason = fallback_reason(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                             enable_gqa)
+    if reason is not None:
+        return f"torch SDPA: {reason}"
+    key, value = _top_left(query, key, value, is_causal)
+    choice = lookup_config(query, key, value, causal=bool(is_causal))
+    return f"{choice.template} ({choice.source})"

@@ -94,3 +94,33 @@ def test_gradients_flow_through_flashtune():
     F.scaled_dot_product_attention(*ref, is_causal=True).sum().backward()
     for got, want in zip((q.grad, k.grad, v.grad), ref):
         assert ((got.float() - want.grad).norm() / want.grad.norm()).item() < 1e-2
+
+
+def test_fallbacks_are_counted_by_reason_and_served_calls_are_not():
+    q, k, v = _t(1, 2, 9, 32), _t(1, 2, 9, 32), _t(1, 2, 9, 32, seed=8)
+    mask = torch.ones(9, 9, dtype=torch.bool, device=DEVICE)
+    sdpa_mod.reset_fallback_counts()
+    for _ in range(3):
+        flashtune.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    flashtune.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+    flashtune.scaled_dot_product_attention(q, k, v)  # served: not a fallback
+    counts = sdpa_mod.fallback_counts()
+    assert counts == {sdpa_mod.fallback_reason(q, k, v, attn_mask=mask): 3,
+                      sdpa_mod.fallback_reason(q, k, v, dropout_p=0.5): 1}
+    counts.clear()  # a copy: the caller's to change
+    assert sum(sdpa_mod.fallback_counts().values()) == 4
+    sdpa_mod.reset_fallback_counts()
+    assert sdpa_mod.fallback_counts() == {}
+
+
+def test_describe_route_names_the_fallback_or_flashtune_s_choice_without_running():
+    q, k, v = _t(1, 2, 9, 32), _t(1, 2, 20, 32), _t(1, 2, 20, 32, seed=9)
+    mask = torch.ones(9, 20, dtype=torch.bool, device=DEVICE)
+    sdpa_mod.reset_fallback_counts()
+    assert sdpa_mod.describe_route(q, k, v, attn_mask=mask) == \
+        "torch SDPA: " + sdpa_mod.fallback_reason(q, k, v, attn_mask=mask)
+    # top-left causal with Lq < Lk runs on the first Lq keys: the route is that call's
+    want = flashtune.lookup_config(q, k[:, :, :9], v[:, :, :9], causal=True)
+    assert sdpa_mod.describe_route(q, k, v, is_causal=True) == \
+        f"{want.template} ({want.source})"
+    assert sdpa_mod.fallback_counts() == {}  # nothing ran

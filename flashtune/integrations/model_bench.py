@@ -1,0 +1,518 @@
+"""``flashtune bench --model``: flashtune inside a real model, end to end, against torch's SDPA.
+
+One randomly initialised transformers model (Llama-, BERT- or ViT-shaped: :data:`PRESETS`,
+layers and widths overridable) in bf16 runs each phase with its attention implementation
+switched between the contenders, same weights, same inputs, same run:
+
+* ``prefill`` (``llama``: the prompt's forward, last-token logits, as a server's prefill) or
+  ``forward`` (``bert``, ``vit``: inference on a batch), at each requested length;
+* ``train``: forward, loss and backward of a batch (no optimizer step: it is the same work
+  for every contender);
+* ``generate`` (``llama``): greedy generation of ``new`` tokens after a prompt, KV cache on;
+  its decode time is the generation's minus the prompt's prefill, timed beside it.
+
+Contenders: ``flashtune`` (``attn_implementation="flashtune"``: what
+:func:`flashtune.scaled_dot_product_attention` routes each call to), ``sdpa`` (torch's own
+choice of backend) and ``sdpa_<backend>`` (``sdpa`` inside ``sdpa_kernel(<backend>)``). Each
+contender's output is checked against ``sdpa``'s before it is timed; then the contenders
+are timed in rotation, ``rounds`` times (median kept), so a drift in clocks hits all alike.
+
+Per phase it also records the calls flashtune handed to torch (by reason:
+:func:`flashtune.runtime.sdpa.fallback_counts`), where each distinct attention call of the
+model is routed (:func:`~flashtune.runtime.sdpa.describe_route`, from an untimed pass), and on
+a GPU attention's share of the device time (``torch.profiler``: kernels whose names are
+attention kernels, :data:`ATTENTION_KERNEL`, over all kernels) for flashtune and ``sdpa``.
+
+On CPU (``interpret=True``, under ``TRITON_INTERPRET=1``) the same pipeline runs a tiny model
+(:data:`TINY`): it proves the wiring and numerics, its timings mean nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import platform
+import re
+import statistics
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from flashtune.integrations.transformers import NAME, sdpa_arguments
+from flashtune.runtime.sdpa import describe_route, fallback_counts, reset_fallback_counts
+
+__all__ = ["ATTENTION_KERNEL", "CONTENDERS", "FAMILIES", "PRESETS", "TINY", "ModelSpec",
+           "Workload", "attention_share", "bench_model", "default_workload", "render_model"]
+
+FAMILIES = ("llama", "bert", "vit")
+CONTENDERS = ("flashtune", "sdpa", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa_math")
+DEFAULT_CONTENDERS = ("flashtune", "sdpa", "sdpa_flash", "sdpa_cudnn")
+# kernels that compute attention: flashtune's (attn_fwd/bwd/decode, Gluon), FA2 in torch
+# (pytorch_flash::flash_fwd_kernel), cuDNN's SDPA (..._sdpa_...), the efficient backend
+# (fmha_cutlass...). torch's math path (matmuls and a softmax) is not counted.
+ATTENTION_KERNEL = re.compile(r"attn|attention|flash|fmha|sdpa", re.IGNORECASE)
+PROBE = "ft_probe"  # the untimed pass's attention function ("flash" in a name makes
+# transformers look for a flash-attention package)
+# a contender's output vs sdpa's: logits (bf16 models: about 1e-2 between backends), and a
+# training step's loss and per-parameter gradient norms (bf16 gradients differ more)
+REL_TOL = {"train": 5e-2}
+FORWARD_TOL = 2e-2
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model's shape: family (``llama``, ``bert``, ``vit``), layers, hidden size, query
+    and key/value heads, MLP width, vocabulary (``llama``, ``bert``), image and patch size
+    (``vit``), attention dropout (in training only)."""
+
+    family: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int = 0
+    image: int = 0
+    patch: int = 0
+    dropout: float = 0.0
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def check(self) -> None:
+        """ValueError naming the field that makes no model."""
+        if self.family not in FAMILIES:
+            raise ValueError(f"model family {self.family!r}: choose from {', '.join(FAMILIES)}")
+        for name in ("layers", "hidden", "heads", "kv_heads", "intermediate"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.hidden % self.heads:
+            raise ValueError(f"hidden {self.hidden} is not a multiple of heads {self.heads}")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"heads {self.heads} is not a multiple of kv_heads "
+                             f"{self.kv_heads}")
+        if self.family != "llama" and self.kv_heads != self.heads:
+            raise ValueError(f"{self.family} has no grouped-query attention: kv_heads must "
+                             f"equal heads ({self.heads})")
+
+    def config(self) -> Any:
+        """The transformers config."""
+        if self.family == "llama":
+            from transformers import LlamaConfig
+
+            return LlamaConfig(vocab_size=self.vocab, hidden_size=self.hidden,
+                               intermediate_size=self.intermediate,
+                               num_hidden_layers=self.layers, num_attention_heads=self.heads,
+                               num_key_value_heads=self.kv_heads,
+                               max_position_embeddings=32768, attention_dropout=self.dropout,
+                               pad_token_id=0, bos_token_id=None, eos_token_id=None)
+        if self.family == "bert":
+            from transformers import BertConfig
+
+            return BertConfig(vocab_size=self.vocab, hidden_size=self.hidden,
+                              intermediate_size=self.intermediate,
+                              num_hidden_layers=self.layers, num_attention_heads=self.heads,
+                              max_position_embeddings=4096, hidden_dropout_prob=0.0,
+                              attention_probs_dropout_prob=self.dropout)
+        from transformers import ViTConfig
+
+        cfg = ViTConfig(hidden_size=self.hidden, intermediate_size=self.intermediate,
+                        num_hidden_layers=self.layers, num_attention_heads=self.heads,
+                        image_size=self.image, patch_size=self.patch, hidden_dropout_prob=0.0,
+                        attention_probs_dropout_prob=self.dropout)
+        cfg.num_labels = 1000  # ImageNet's classes
+        return cfg
+
+    def build(self, dtype: torch.dtype, device: str) -> Any:
+        """The model, randomly initialised (seeded by the caller), in eval mode."""
+        from transformers import AutoModelForCausalLM, BertForMaskedLM, ViTForImageClassification
+
+        # (transformers' constructors are untyped: called through Any)
+        make: Any = AutoModelForCausalLM.from_config if self.family == "llama" else \
+            (BertForMaskedLM if self.family == "bert" else ViTForImageClassification)._from_config
+        with torch.device(device):  # initialised where it runs: no host copy of the weights
+            model = make(self.config(), dtype=dtype, attn_implementation="sdpa")
+        return model.eval()
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What to run: the inference batch and lengths (``llama``: prompts; ``bert``: tokens;
+    ``vit``: ignored, a sequence is the image's patches and the class token), the training
+    batch and length, and for ``llama`` the generation's batch, prompt and new tokens.
+    ``phases`` names the phases to run."""
+
+    batch: int
+    seqlens: tuple[int, ...]
+    train_batch: int
+    train_seqlen: int
+    gen_batch: int = 0
+    gen_prompt: int = 0
+    new_tokens: int = 0
+    phases: tuple[str, ...] = ("prefill", "train", "generate")
+
+
+# Llama-3-8B's layer (4096 wide, 32 query and 8 KV heads of 128, MLP 14336, vocab 128256), 8
+# of its 32 layers; BERT-large (24 x 1024, 16 heads of 64, attention dropout 0.1 as trained);
+# ViT-L/16 at 224 px (24 x 1024, 16 heads of 64, 197 tokens)
+PRESETS: dict[str, ModelSpec] = {
+    "llama": ModelSpec("llama", 8, 4096, 32, 8, 14336, vocab=128256),
+    "bert": ModelSpec("bert", 24, 1024, 16, 16, 4096, vocab=30522, dropout=0.1),
+    "vit": ModelSpec("vit", 24, 1024, 16, 16, 4096, image=224, patch=16),
+}
+# under the interpreter: head dim 16, a few tokens, so a phase takes seconds on a CPU
+TINY: dict[str, ModelSpec] = {
+    "llama": ModelSpec("llama", 2, 64, 4, 2, 128, vocab=128),
+    "bert": ModelSpec("bert", 2, 64, 4, 4, 128, vocab=128, dropout=0.1),
+    "vit": ModelSpec("vit", 2, 64, 4, 4, 128, image=32, patch=8),
+}
+
+
+def default_workload(family: str, *, tiny: bool = False) -> Workload:
+    """The issue's measures: Llama prefill of one 2k and one 8k prompt, a training step on
+    2 x 4096 tokens, 64 tokens generated for 8 prompts of 2048; BERT 32 x 512 tokens; ViT
+    64 images. ``tiny``: a few tokens each, for the interpreter."""
+    if family == "llama":
+        if tiny:
+            return Workload(1, (24,), 2, 16, 2, 12, 3)
+        return Workload(1, (2048, 8192), 2, 4096, 8, 2048, 64)
+    phases = ("forward", "train")
+    if family == "bert":
+        return Workload(2, (24,), 2, 16, phases=phases) if tiny else \
+            Workload(32, (512,), 32, 512, phases=phases)
+    return Workload(2, (0,), 2, 0, phases=phases) if tiny else \
+        Workload(64, (0,), 64, 0, phases=phases)
+
+
+@dataclass
+class _Phase:
+    """One phase's inputs and what to call: ``run()`` for timing, ``output()`` for the
+    check (a tensor to compare between contenders)."""
+
+    name: str
+    label: str
+    tokens: int
+    run: Callable[[], Any]
+    output: Callable[[], torch.Tensor]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def attention_share(kernels: Sequence[tuple[str, float]]) -> float | None:
+    """The fraction of device time spent in attention kernels (:data:`ATTENTION_KERNEL`),
+    given ``(kernel name, device time)`` pairs; None when there are no kernels."""
+    total = sum(t for _, t in kernels)
+    if total <= 0:
+        return None
+    return sum(t for name, t in kernels if ATTENTION_KERNEL.search(name)) / total
+
+
+def _profile_share(fn: Callable[[], Any]) -> float | None:
+    """:func:`attention_share` of one call of ``fn`` under ``torch.profiler`` (GPU only)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    kernels = [(e.name, float(e.self_device_time_total)) for e in prof.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA]
+    return attention_share(kernels)
+
+
+@contextlib.contextmanager
+def _contender(model: Any, name: str) -> Iterator[None]:
+    """``model`` runs its attention as contender ``name`` inside the block."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    model.set_attn_implementation(NAME if name == "flashtune" else "sdpa")
+    if name in ("flashtune", "sdpa"):
+        yield
+        return
+    backend = {"sdpa_flash": SDPBackend.FLASH_ATTENTION,
+               "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
+               "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION,
+               "sdpa_math": SDPBackend.MATH}[name]
+    with sdpa_kernel(backend):
+        yield
+
+
+@contextlib.contextmanager
+def _probing(model: Any) -> Iterator[dict[str, dict[str, Any]]]:
+    """Inside the block ``model`` runs flashtune's attention and records, per distinct call
+    (shapes, dtype, causal, mask, dropout, gradients), how many times it came and where
+    flashtune routes it (a fallback to torch says why)."""
+    from transformers import AttentionInterface
+
+    from flashtune.integrations.transformers import flashtune_attention_forward
+
+    calls: dict[str, dict[str, Any]] = {}
+
+    def probe(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+              value: torch.Tensor, attention_mask: torch.Tensor | None, *args: Any,
+              **kwargs: Any) -> Any:
+        a = sdpa_arguments(module, query, key, value, attention_mask, *args, **kwargs)
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+        label = (f"q {tuple(query.shape)} k {tuple(key.shape)} {str(query.dtype)[6:]}"
+                 f"{' causal' if a['is_causal'] else ''}"
+                 f"{' mask' if attention_mask is not None else ''}"
+                 f"{' dropout' if a['dropout_p'] else ''}{' grad' if grad else ''}")
+        if label not in calls:
+            calls[label] = {"call": label, "calls": 0, "route": describe_route(**a)}
+        calls[label]["calls"] += 1
+        return flashtune_attention_forward(module, query, key, value, attention_mask, *args,
+                                           **kwargs)
+
+    AttentionInterface.register(PROBE, probe)
+    model.set_attn_implementation(PROBE)
+    try:
+        yield calls
+    finally:
+        model.set_attn_implementation(NAME)
+
+
+def _phases(spec: ModelSpec, work: Workload, model: Any, device: str) -> list[_Phase]:
+    gen = torch.Generator(device=device).manual_seed(1)
+    phases: list[_Phase] = []
+    dtype = next(model.parameters()).dtype
+
+    def ids(batch: int, n: int) -> torch.Tensor:
+        return torch.randint(1, spec.vocab, (batch, n), device=device, generator=gen)
+
+    def pixels(batch: int) -> torch.Tensor:
+        return torch.randn(batch, 3, spec.image, spec.image, device=device, generator=gen,
+                           dtype=torch.float32).to(dtype)
+
+    def inputs(batch: int, n: int) -> dict[str, torch.Tensor]:
+        if spec.family == "vit":
+            return {"pixel_values": pixels(batch)}
+        x = ids(batch, n)
+        return {"input_ids": x} if spec.family == "bert" else \
+            {"input_ids": x, "logits_to_keep": 1}  # type: ignore[dict-item]
+
+    def tokens(batch: int, n: int) -> int:
+        return batch * ((spec.image // spec.patch) ** 2 + 1 if spec.family == "vit" else n)
+
+    def infer(x: Mapping[str, Any]) -> Callable[[], torch.Tensor]:
+        def run() -> torch.Tensor:
+            model.eval()
+            with torch.no_grad():
+                logits: torch.Tensor = model(**x).logits
+            return logits
+        return run
+
+    infer_phase = "prefill" if spec.family == "llama" else "forward"
+    if infer_phase in work.phases:
+        for n in (work.seqlens if spec.family != "vit" else (0,)):
+            x = inputs(work.batch, n)
+            label = f"B{work.batch} x {tokens(1, n)} tokens"
+            phases.append(_Phase(infer_phase, label, tokens(work.batch, n), infer(x), infer(x)))
+    if "train" in work.phases:
+        x = inputs(work.train_batch, work.train_seqlen)
+        x.pop("logits_to_keep", None)
+        if spec.family == "vit":
+            x["labels"] = torch.randint(0, 1000, (work.train_batch,), device=device,
+                                        generator=gen)
+        else:
+            x["labels"] = x["input_ids"]
+
+        def step(x: Mapping[str, Any] = x) -> torch.Tensor:
+            model.train()
+            loss = model(**x).loss
+            loss.backward()
+            grads = torch.stack([p.grad.float().norm() for p in model.parameters()
+                                 if p.grad is not None])
+            model.zero_grad(set_to_none=True)
+            model.eval()
+            return torch.cat([loss.detach().float().reshape(1), grads])
+
+        phases.append(_Phase("train", f"B{work.train_batch} x "
+                                      f"{tokens(1, work.train_seqlen)} tokens",
+                             tokens(work.train_batch, work.train_seqlen), step, step))
+    if "generate" in work.phases and spec.family == "llama":
+        prompt = ids(work.gen_batch, work.gen_prompt)
+        mask = torch.ones_like(prompt)
+
+        def generate() -> torch.Tensor:
+            with torch.no_grad():
+                out = model.generate(input_ids=prompt, attention_mask=mask,
+                                     max_new_tokens=work.new_tokens,
+                                     min_new_tokens=work.new_tokens, do_sample=False,
+                                     pad_token_id=0)
+            new: torch.Tensor = out[:, work.gen_prompt:]
+            return new
+
+        prefill = infer({"input_ids": prompt, "logits_to_keep": 1})
+        phases.append(_Phase("generate", f"B{work.gen_batch} x {work.gen_prompt} + "
+                                         f"{work.new_tokens} new", work.gen_batch *
+                             work.new_tokens, generate, generate, {"prefill": prefill}))
+    return phases
+
+
+def _timer(device: str) -> Callable[[Callable[[], Any]], float]:
+    def ms(fn: Callable[[], Any]) -> float:
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return (time.perf_counter() - t) * 1e3
+    return ms
+
+
+def _first_line(exc: BaseException) -> str:
+    return (f"{type(exc).__name__}: " + (str(exc).strip().splitlines() or [""])[0])[:200]
+
+
+def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    if got.dtype in (torch.int64, torch.int32):  # generated tokens: the share that differ
+        return float((got != ref).float().mean())
+    got, ref = got.float(), ref.float()
+    return float((got - ref).norm() / ref.norm().clamp_min(1e-12))
+
+
+def bench_model(spec: ModelSpec, work: Workload, *, contenders: Sequence[str] = DEFAULT_CONTENDERS,
+                rounds: int = 3, interpret: bool = False,
+                on_phase: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Run every phase of ``work`` on a model shaped ``spec`` for each contender (see the
+    module doc) and return the run as a JSON-ready dict (``phases``: one row each, with
+    ``ms`` per contender, ``speedup`` of flashtune over each, the check, the fallbacks, the
+    routes and attention's share). ``on_phase`` gets each row as it is measured.
+
+    Raises:
+        ValueError for an unknown contender or a spec that makes no model; RuntimeError
+        without a GPU unless ``interpret``.
+    """
+    import transformers
+
+    spec.check()
+    unknown = [c for c in contenders if c not in CONTENDERS]
+    if unknown:
+        raise ValueError(f"unknown contenders {unknown}; choose from {', '.join(CONTENDERS)}")
+    contenders = ["flashtune", *(c for c in contenders if c != "flashtune")]
+    if "sdpa" not in contenders:
+        contenders.append("sdpa")  # the reference every contender is checked against
+    device = "cpu" if interpret else "cuda"
+    if not interpret and not torch.cuda.is_available():
+        raise RuntimeError("no CUDA GPU: bench --model measures a model on the GPU "
+                           "(--interpret runs a tiny one on CPU to check the pipeline)")
+    torch.manual_seed(0)
+    model = spec.build(torch.bfloat16, device)
+    ms = _timer(device)
+    rows = []
+    for phase in _phases(spec, work, model, device):
+        row: dict[str, Any] = {"phase": phase.name, "label": phase.label,
+                               "tokens": phase.tokens, "ms": {}, "errors": {}, "check": {}}
+        ref = None
+        outputs: dict[str, torch.Tensor] = {}
+        for name in ["sdpa", *(c for c in contenders if c != "sdpa")]:
+            try:
+                with _contender(model, name):
+                    if name == "flashtune":
+                        reset_fallback_counts()
+                        with _probing(model) as calls:
+                            outputs[name] = phase.output()
+                        row["routes"] = list(calls.values())
+                        row["fallbacks"] = fallback_counts()
+                    else:
+                        outputs[name] = phase.output()
+            except Exception as exc:  # a backend that cannot run the model: data
+                row["errors"][name] = _first_line(exc)
+                continue
+            if name == "sdpa":
+                ref = outputs[name]
+            elif ref is not None and not (phase.name == "train" and spec.dropout):
+                # (generated tokens are compared, not judged: one near-tie in bf16 changes
+                # the rest; with dropout each run draws its own mask)
+                row["check"][name] = err = _rel_err(outputs[name], ref)
+                tol = REL_TOL.get(phase.name, FORWARD_TOL)
+                if phase.name != "generate" and err > tol:
+                    row["errors"][name] = (f"output differs from sdpa's: relative error "
+                                           f"{err:.2e} > {tol}")
+        timed = [c for c in contenders if c not in row["errors"]]
+        samples: dict[str, list[float]] = {c: [] for c in timed}
+        prefill: dict[str, list[float]] = {c: [] for c in timed}
+        for name in timed:  # warm-up: compile, route, fill the caches
+            with _contender(model, name):
+                phase.run()
+        for _ in range(rounds):
+            for name in timed:
+                with _contender(model, name):
+                    samples[name].append(ms(phase.run))
+                    if "prefill" in phase.extra:
+                        prefill[name].append(ms(phase.extra["prefill"]))
+        row["ms"] = {c: statistics.median(xs) for c, xs in samples.items()}
+        row["round_ms"] = samples
+        if "prefill" in phase.extra:
+            row["prefill_ms"] = {c: statistics.median(xs) for c, xs in prefill.items()}
+            row["decode_ms_per_token"] = {
+                c: max(row["ms"][c] - row["prefill_ms"][c], 0.0) / work.new_tokens
+                for c in timed}
+        mine = row["ms"].get("flashtune")
+        row["speedup"] = {c: t / mine for c, t in row["ms"].items()
+                          if mine and c != "flashtune"}
+        best = [row["ms"][c] for c in ("sdpa", "sdpa_cudnn") if c in row["ms"]]
+        if mine and best:
+            row["speedup_vs_best_of_sdpa_and_cudnn"] = min(best) / mine
+        if device == "cuda":
+            row["attention_share"] = {}
+            for name in ("flashtune", "sdpa"):
+                if name in timed:
+                    with _contender(model, name):
+                        row["attention_share"][name] = _profile_share(phase.run)
+        rows.append(row)
+        if on_phase is not None:
+            on_phase(row)
+    return {"benchmark": "model", "model": asdict(spec), "workload": asdict(work),
+            "contenders": contenders, "rounds": rounds, "interpret": interpret,
+            "device": torch.cuda.get_device_name() if device == "cuda" else "cpu-interpreter",
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            "host": platform.node(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "phases": rows}
+
+
+def render_model(result: Mapping[str, Any]) -> str:
+    """The closing table: ms per phase and contender, flashtune's speedup over each,
+    attention's share, then the calls flashtune handed to torch."""
+    contenders = list(result["contenders"])
+    header = ["phase", "shape", *contenders, *(f"vs {c}" for c in contenders[1:]),
+              "attention share"]
+    body = []
+    for r in result["phases"]:
+        share = r.get("attention_share", {})
+        body.append([r["phase"], r["label"],
+                     *(f"{r['ms'][c]:.2f}" if c in r["ms"] else "error" for c in contenders),
+                     *(f"{r['speedup'][c]:.3f}x" if c in r.get("speedup", {}) else "-"
+                       for c in contenders[1:]),
+                     " / ".join(f"{c} {share[c]:.0%}" for c in share if share[c] is not None)
+                     or "-"])
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *body)]
+    lines = ["  ".join(str(x).ljust(w) if i < 2 else str(x).rjust(w)
+                       for i, (x, w) in enumerate(zip(line, widths)))
+             for line in [header, *body]]
+    m = result["model"]
+    lines.insert(0, f"{m['family']}: {m['layers']} layers, hidden {m['hidden']}, "
+                    f"{m['heads']}:{m['kv_heads']} heads of {m['hidden'] // m['heads']}, bf16, "
+                    f"{result['device']} (ms, median of {result['rounds']} rounds; vs X: "
+                    f"X's time over flashtune's)")
+    for r in result["phases"]:
+        if "decode_ms_per_token" in r:
+            d = r["decode_ms_per_token"]
+            lines.append(f"{r['phase']} {r['label']}: decode ms/token " + ", ".join(
+                f"{c} {d[c]:.3f}" for c in contenders if c in d))
+        for c, e in r["errors"].items():
+            lines.append(f"{r['phase']} {r['label']}: {c} not timed: {e}")
+        falls = r.get("fallbacks", {})
+        total = sum(x["calls"] for x in r.get("routes", []))
+        if falls:
+            lines.append(f"{r['phase']} {r['label']}: {sum(falls.values())} of {total} "
+                         f"attention calls fell back to torch: " + "; ".join(
+                             f"{n} x {why}" for why, n in falls.items()))
+        else:
+            lines.append(f"{r['phase']} {r['label']}: all {total} attention calls ran on "
+                         "flashtune's route: " + "; ".join(sorted(
+                             {x['route'] for x in r.get("routes", [])})))
+    return "\n".join(lines)
+

@@ -1,0 +1,125 @@
+"""flashtune.integrations.model_bench (``flashtune bench --model``): the tiny models under the
+interpreter run every phase, are checked against sdpa, and report fallbacks and routes."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from flashtune.integrations import model_bench as mb  # noqa: E402
+from tests.conftest import DEVICE  # noqa: E402
+
+
+def _run(family, **work):
+    spec = mb.TINY[family]
+    w = replace(mb.default_workload(family, tiny=True), **work)
+    return mb.bench_model(spec, w, contenders=("flashtune", "sdpa"), rounds=1,
+                          interpret=DEVICE == "cpu")
+
+
+def test_llama_runs_every_phase_on_flashtune_checked_against_sdpa():
+    result = _run("llama")
+    json.dumps(result)  # JSON-ready as it is
+    rows = {r["phase"]: r for r in result["phases"]}
+    assert list(rows) == ["prefill", "train", "generate"]
+    for name in ("prefill", "train"):
+        r = rows[name]
+        assert r["errors"] == {}, r["errors"]
+        assert 0 <= r["check"]["flashtune"] <= mb.REL_TOL.get(name, mb.FORWARD_TOL)
+        assert set(r["ms"]) == {"flashtune", "sdpa"} and r["ms"]["flashtune"] > 0
+        assert r["speedup"]["sdpa"] == pytest.approx(r["ms"]["sdpa"] / r["ms"]["flashtune"])
+        assert r["fallbacks"] == {}
+        # one attention call per layer, every one on flashtune's own route
+        assert sum(c["calls"] for c in r["routes"]) == mb.TINY["llama"].layers
+        assert all(not c["route"].startswith("torch") for c in r["routes"])
+    assert any("causal" in c["call"] and "grad" in c["call"] for c in rows["train"]["routes"])
+    gen = rows["generate"]
+    w = mb.default_workload("llama", tiny=True)
+    # the prompt's forward, then one step per new token after the first, per layer
+    assert sum(c["calls"] for c in gen["routes"]) == w.new_tokens * mb.TINY["llama"].layers
+    assert any(c["call"].startswith("q (2, 4, 1, 16)") for c in gen["routes"])  # decode
+    assert gen["decode_ms_per_token"]["flashtune"] >= 0
+    assert 0 <= gen["check"]["flashtune"] <= 1  # the share of generated tokens that differ
+    text = mb.render_model(result)
+    assert "generate" in text and "all 6 attention calls ran on flashtune's route" in text
+
+
+def test_bert_training_with_dropout_is_counted_as_falling_back_and_not_compared():
+    result = _run("bert")
+    fwd, train = result["phases"]
+    assert fwd["phase"] == "forward" and fwd["fallbacks"] == {} and fwd["errors"] == {}
+    layers = mb.TINY["bert"].layers
+    assert train["fallbacks"] == {"dropout_p > 0": layers}
+    assert "flashtune" not in train["check"]  # each run draws its own dropout mask
+    assert f"{layers} of {layers} attention calls fell back to torch: {layers} x dropout_p > 0" \
+        in mb.render_model(result)
+
+
+def test_vit_forward_and_train():
+    result = _run("vit", phases=("forward",))
+    (row,) = result["phases"]
+    tokens = (mb.TINY["vit"].image // mb.TINY["vit"].patch) ** 2 + 1
+    assert row["label"] == f"B2 x {tokens} tokens" and row["errors"] == {}
+    assert row["check"]["flashtune"] <= mb.FORWARD_TOL
+
+
+def test_a_contender_whose_output_is_wrong_is_reported_and_not_timed(monkeypatch):
+    real = mb._rel_err
+    monkeypatch.setattr(mb, "_rel_err", lambda got, ref: 0.5 if got is not ref else real(got, ref))
+    result = _run("llama", phases=("prefill",))
+    (row,) = result["phases"]
+    assert "relative error 5.00e-01" in row["errors"]["flashtune"]
+    assert "flashtune" not in row["ms"] and row["speedup"] == {}
+    assert "flashtune not timed" in mb.render_model(result)
+
+
+def test_attention_share_counts_attention_kernels_of_every_backend():
+    kernels = [("attn_fwd_kernel", 2.0), ("gluon_attn_fwd_kernel", 1.0),
+               ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128>>", 1.0),
+               ("cudnn_generated_fort_native_sdpa_sm90_knob_7_64x128x128", 1.0),
+               ("fmha_cutlassF_bf16_aligned_64x128_rf_sm80", 1.0),
+               ("sm90_xmma_gemm_bf16bf16_bf16f32", 3.0), ("softmax_warp_forward", 1.0)]
+    assert mb.attention_share(kernels) == pytest.approx(6 / 10)
+    assert mb.attention_share([]) is None
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(hidden=66), "hidden 66 is not a multiple of heads 4"),
+    (dict(kv_heads=3), "heads 4 is not a multiple of kv_heads 3"),
+    (dict(layers=0), "layers must be at least 1"),
+])
+def test_a_spec_that_makes_no_model_names_the_field(change, match):
+    with pytest.raises(ValueError, match=match):
+        replace(mb.TINY["llama"], **change).check()
+    with pytest.raises(ValueError, match="no grouped-query attention"):
+        replace(mb.TINY["bert"], kv_heads=2).check()
+
+
+def test_unknown_contender_is_refused_before_any_work():
+    with pytest.raises(ValueError, match="unknown contenders"):
+        mb.bench_model(mb.TINY["llama"], mb.default_workload("llama", tiny=True),
+                       contenders=("flashtune", "flex"), interpret=True)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU refusal")
+def test_without_a_gpu_and_without_interpret_it_says_so():
+    with pytest.raises(RuntimeError, match="no CUDA GPU.*--interpret"):
+        mb.bench_model(mb.TINY["llama"], mb.default_workload("llama", tiny=True))
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_a_small_llama_reports_attention_share_and_routes():
+    spec = replace(mb.PRESETS["llama"], layers=2, hidden=1024, heads=8, kv_heads=2,
+                   intermediate=2048, vocab=1024)
+    work = mb.Workload(1, (1024,), 1, 512, 2, 256, 4)
+    result = mb.bench_model(spec, work, contenders=("flashtune", "sdpa", "sdpa_flash"),
+                            rounds=1)
+    for row in result["phases"]:
+        assert row["errors"] == {}, row["errors"]
+        assert 0 < row["attention_share"]["flashtune"] < 1
+        assert row["fallbacks"] == {}
