@@ -5,7 +5,8 @@ The hot path on CUDA after the first call of a call signature (:func:`_attention
 read keyed by the tensors' metadata (shapes, strides, dtypes, devices, 16-byte alignment) and
 ``causal``/``scale``/``return_lse``, which finds an
 :class:`~flashtune.kernel_templates.attn_fwd.plan.AttnFwdPlan` -- the resolved config's
-compiled kernel with its fixed arguments -- then the output allocation and the launch. The
+compiled kernel with its fixed arguments -- then the output allocation and the launch (an
+SDPA backend's plan is its op with the options bound, :class:`_BoundPlan`). The
 key holds everything the input checks and Triton's specialisation depend on, so a hit needs
 neither again. No database query, file read or recompile per call; configs come from
 :class:`flashtune.runtime.lookup.Dispatcher`, loaded once per process and device. Without
@@ -19,7 +20,8 @@ implementation -- a Triton or Gluon kernel of flashtune's, or an SDPA backend of
 is fastest for the shape; exact, bucket, nearest, device alias), for short queries the
 ``decode`` op's before the ``fwd`` op's; without a choice that can serve the call, the
 documented default: short-query problems may go to attn_decode
-(:func:`~flashtune.runtime.kvcache.decode_route`), the rest to attn_fwd with the user's own
+(:func:`~flashtune.runtime.kvcache.decode_route`; untuned by the user, on sm_90 cuDNN's
+forward instead where it serves the call, :data:`DECODE_DEFAULT`), the rest to attn_fwd with the user's own
 tuned configs (database, config folder), else by compute capability (:data:`FWD_DEFAULT`: on
 sm_90 cuDNN's forward where it serves the call), else attn_fwd with its shipped table or its
 default; with ``FLASHTUNE_AUTOTUNE=1`` a problem that attn_fwd serves by default and has no
@@ -39,7 +41,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from functools import cache
 from typing import Any
 
@@ -55,6 +57,7 @@ from flashtune.kernel_templates.attn_decode.plan import AttnDecodeDensePlan
 from flashtune.kernel_templates.attn_fwd.plan import AttnFwdPlan
 from flashtune.kernel_templates.direct import current_device as _current_device
 from flashtune.kernel_templates.direct import current_stream as _current_stream
+from flashtune.kernel_templates.sdpa_extern import bound_inference
 from flashtune.runtime import kvcache
 from flashtune.runtime.checks import check_attention_inputs, check_grid
 from flashtune.runtime.choices import OpRouter
@@ -92,6 +95,21 @@ class _LaunchPlan:
         return self._launcher(q, k, v, self._cfg, **self._options)
 
 
+class _BoundPlan:
+    """A CUDA call signature routed to an SDPA backend: its op with the options bound and
+    the checks done (:func:`~flashtune.kernel_templates.sdpa_extern.bound_inference`);
+    call it as ``plan(q, k, v, stream)``."""
+
+    __slots__ = ("_fn", "device_index")
+
+    def __init__(self, fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Any],
+                 device_index: int) -> None:
+        self._fn, self.device_index = fn, device_index
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stream: Any) -> Any:
+        return self._fn(q, k, v)
+
+
 _FWD = get_template("attn_fwd")
 _BWD = get_template("attn_bwd")
 _DEC = get_template("attn_decode")
@@ -109,7 +127,7 @@ _FAST: dict[tuple[Any, ...], tuple[TemplateSpec, Config]] = {}
 # the same key and ``paired`` -> the training route of a call with gradients (_train_route)
 _TRAIN_FAST: dict[tuple[Any, ...], TrainRoute] = {}
 # the plan key (see _plan_key) -> the launch plan of a CUDA call signature
-_PLANS: dict[tuple[Any, ...], AttnFwdPlan | AttnDecodeDensePlan | _LaunchPlan] = {}
+_PLANS: dict[tuple[Any, ...], AttnFwdPlan | AttnDecodeDensePlan | _LaunchPlan | _BoundPlan] = {}
 _DIRECT = direct.supported()
 _Tensor = torch.Tensor
 _AUTOTUNED: set[AttentionProblem] = set()
@@ -127,6 +145,12 @@ TRAIN_DEFAULT: tuple[tuple[tuple[int, int], ...], str] = (((9, 0),), "sdpa_cudnn
 # and every real-model shape: benchmarks/results/route_fwd_*_h100.json); elsewhere, and
 # where it cannot serve the call, attn_fwd
 FWD_DEFAULT: tuple[tuple[tuple[int, int], ...], str] = (((9, 0),), "sdpa_cudnn")
+# the same for a short-query call attn_decode would take untuned (its shipped or default
+# config): on sm_90 cuDNN's, where it serves the call (a Llama-3-8B-shaped model generating
+# with transformers on the H100 ran 8.2 ms a token on attn_decode's default against 7.7 on
+# cuDNN: benchmarks/results/model_llama_h100.json; one split-KV kernel measured 0.92x cuDNN
+# tuned at B1 N1k, decode_tuned_graph_h100.json); elsewhere attn_decode
+DECODE_DEFAULT: tuple[tuple[tuple[int, int], ...], str] = (((9, 0),), "sdpa_cudnn")
 # the origins of tuned configs that are the user's own (their database, their config folder):
 # served as tuned; the package's shipped table is not
 _USERS_OWN = ("db ", "dir ")
@@ -248,6 +272,10 @@ def _route(problem: AttentionProblem, device: DeviceFingerprint, *, tune: bool =
             return chosen
     choice = kvcache.decode_route(problem, device, _DISPATCH)
     if choice is not None:
+        if not choice.origin.startswith(_USERS_OWN):
+            default = _capability_default("decode", problem, device, return_lse)
+            if default is not None:
+                return default
         return choice
     choice = _choose(problem, device, tune=False)
     if not choice.origin.startswith(_USERS_OWN):
@@ -262,13 +290,15 @@ def _route(problem: AttentionProblem, device: DeviceFingerprint, *, tune: bool =
 def _capability_default(op: str, problem: AttentionProblem, device: DeviceFingerprint,
                         return_lse: bool) -> ConfigChoice | None:
     """The extern that serves ``op`` untuned on ``device``'s compute capability
-    (:data:`FWD_DEFAULT`, :data:`TRAIN_DEFAULT`), if it can serve the call; else None."""
-    capabilities, name = FWD_DEFAULT if op == "fwd" else TRAIN_DEFAULT
+    (:data:`FWD_DEFAULT`, :data:`DECODE_DEFAULT`, :data:`TRAIN_DEFAULT`), if it can serve
+    the call; else None."""
+    capabilities, name = {"fwd": FWD_DEFAULT, "decode": DECODE_DEFAULT,
+                          "train": TRAIN_DEFAULT}[op]
     extern = _ROUTERS[op].specs.get(name)
     if extern is None or device.capability not in capabilities \
             or extern.refuse(problem, device, return_lse=return_lse) is not None:
         return None
-    what = "forward" if op == "fwd" else "training step"
+    what = {"fwd": "forward", "decode": "decode", "train": "training step"}[op]
     return ConfigChoice({}, "default", origin=f"default {what} on {device.compute_capability}",
                         template=extern.name)
 
@@ -371,8 +401,15 @@ def _plan_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
 
 def _new_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: TemplateSpec,
               cfg: Config, causal: bool, scale: float | None, return_lse: bool,
-              key: tuple[Any, ...]) -> AttnFwdPlan | AttnDecodeDensePlan | _LaunchPlan | None:
+              key: tuple[Any, ...]
+              ) -> AttnFwdPlan | AttnDecodeDensePlan | _LaunchPlan | _BoundPlan | None:
     global _DIRECT
+    if spec.kind == "extern":
+        fn = bound_inference(spec.name, q, k, causal=causal, scale=scale,
+                             return_lse=return_lse)
+        if fn is not None:
+            bound = _PLANS[key] = _BoundPlan(fn, q.get_device())
+            return bound
     if spec is not _FWD and spec is not _DEC:
         launch = _PLANS[key] = _LaunchPlan(spec, cfg, causal, scale, return_lse,
                                            q.get_device())

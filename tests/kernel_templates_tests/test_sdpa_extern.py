@@ -237,3 +237,20 @@ def test_the_tuner_evaluates_the_math_backend() -> None:
         result = LocalRunner(spec, problem, interpreter_device()).evaluate({})
         assert result.state is TrialState.COMPLETE, result.message
         assert result.median_ms is not None and result.median_ms > 0
+
+
+def test_bound_inference_checks_once_and_binds_only_where_it_saves_work() -> None:
+    """What the runtime memoises per call signature for an extern: the launcher's checks run
+    when it is bound (unaligned causal, the efficient backend's GQA); math, and an LSE that
+    needs reshaping, are left to the launcher (None)."""
+    q, k = torch.empty(1, 4, 5, 64), torch.empty(1, 2, 9, 64)
+    bind = sdpa_extern.bound_inference
+    with pytest.raises(InputError, match="causal"):
+        bind("sdpa_cudnn", q, k, causal=True, scale=None, return_lse=False)
+    with pytest.raises(InputError, match="GQA"):
+        bind("sdpa_efficient", q, k, causal=False, scale=None, return_lse=False)
+    assert callable(bind("sdpa_cudnn", q, k, causal=False, scale=None, return_lse=False))
+    assert callable(bind("sdpa_flash", q, k, causal=False, scale=None, return_lse=True))
+    assert bind("sdpa_cudnn", q, k, causal=False, scale=None, return_lse=True) is None
+    assert bind("sdpa_math", q, k, causal=False, scale=None, return_lse=False) is None
+    assert bind("attn_fwd", q, k, causal=False, scale=None, return_lse=False) is None

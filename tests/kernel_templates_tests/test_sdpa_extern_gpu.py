@@ -97,3 +97,30 @@ def test_gradients_through_autograd_match_the_reference(name, shape, dtype, layo
     out.backward(dout)
     grads = [t.grad for t in leaves]
     assert_grads_close(grads, q, k, v, dout, causal=causal)
+
+
+@pytest.mark.parametrize("name", FUSED)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_the_bound_call_returns_what_the_launcher_does(name, shape, return_lse):
+    """The runtime's memoised plan for an extern (``bound_inference``): the same output (and
+    LSE where it binds one) as the launcher, bit for bit."""
+    from flashtune.kernel_templates.sdpa_extern import bound_inference
+
+    _usable(name, shape, torch.bfloat16)
+    b, h, nq, nk, d, causal = shape[:6]
+    hkv = shape[6] if len(shape) > 6 else h
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(b, h, nq, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(b, hkv, nk, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn_like(k)
+    fn = bound_inference(name, q, k, causal=causal, scale=0.1, return_lse=return_lse)
+    if fn is None:
+        assert return_lse and name != "sdpa_flash"
+        return
+    with torch.no_grad():
+        want = get_template(name).launcher(q, k, v, {}, causal=causal, scale=0.1,
+                                           return_lse=return_lse)
+        got = fn(q, k, v)
+    for g_, w in zip((got,) if not return_lse else got, (want,) if not return_lse else want):
+        assert torch.equal(g_, w)

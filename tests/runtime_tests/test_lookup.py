@@ -469,3 +469,31 @@ def test_untuned_forwards_on_hopper_default_to_cudnn_where_it_serves(env, monkey
     assert routing._route(untuned, h100).template == "sdpa_cudnn"
     assert routing._route(unaligned, h100).template == "attn_fwd"
     assert tuned == [unaligned]
+
+
+def test_untuned_decodes_on_hopper_default_to_cudnn_where_it_serves(env, monkeypatch):
+    """A short-query call attn_decode would take untuned runs cuDNN's SDPA on sm_90
+    (``routing.DECODE_DEFAULT``); the user's own tuned attn_decode config, a call cuDNN
+    cannot serve (causal with Nq != Nk) and another compute capability keep attn_decode."""
+    from dataclasses import replace
+
+    from flashtune.runtime import kvcache
+
+    h100 = DeviceFingerprint("NVIDIA_H100_80GB_HBM3", "9.0", 132, 232448, 80 * 2**30)
+    spec = routing._ROUTERS["decode"].specs["sdpa_cudnn"]  # as if cuDNN were loaded here
+    monkeypatch.setitem(routing._ROUTERS["decode"].specs, "sdpa_cudnn",
+                        replace(spec, limits=replace(spec.limits, available=None)))
+    keys = kvcache.DECODE_MIN_KEYS + 7
+    untuned, mine = prob(1, keys), prob(2, keys, hq=4)
+    dec = dict(get_template("attn_decode").default_config(mine, h100))
+    populate(env["db"], [(h100, mine, dec, 1.0)], template="attn_decode")
+    flashtune.reload_configs()
+    got = routing._route(untuned, h100, tune=False)
+    assert (got.template, got.source, got.config) == ("sdpa_cudnn", "default", {})
+    assert got.origin == "default decode on 9.0"
+    assert routing._route(untuned, replace(h100, compute_capability="8.0"),
+                          tune=False).template == "attn_decode"
+    own = routing._route(mine, h100, tune=False)
+    assert (own.template, own.source) == ("attn_decode", "exact")
+    unaligned = prob(3, keys, causal=True)  # SDPA's causal mask is top-left
+    assert routing._route(unaligned, h100, tune=False).template == "attn_decode"

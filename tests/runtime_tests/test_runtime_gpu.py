@@ -23,11 +23,12 @@ def _qkv(b=2, hq=8, hkv=2, n=333, d=128, dtype=torch.bfloat16):
 
 @pytest.fixture(autouse=True)
 def attn_fwd_route(monkeypatch, request):
-    """These tests are about attn_fwd's launch plans: untuned calls route to it, not to the
-    sm_90 default (cuDNN's forward, ``routing.FWD_DEFAULT``), except in the test of that
-    default."""
+    """These tests are about attn_fwd's and attn_decode's launch plans: untuned calls route
+    to them, not to the sm_90 defaults (cuDNN's forward, ``routing.FWD_DEFAULT`` and
+    ``routing.DECODE_DEFAULT``), except in the tests of those defaults."""
     if "cudnn_default" not in request.node.name:
         monkeypatch.setattr(routing, "FWD_DEFAULT", ((), routing.FWD_DEFAULT[1]))
+        monkeypatch.setattr(routing, "DECODE_DEFAULT", ((), routing.DECODE_DEFAULT[1]))
     flashtune.reload_configs()
     yield
     flashtune.reload_configs()
@@ -57,6 +58,14 @@ def test_an_untuned_call_on_hopper_runs_the_cudnn_default_and_captures(tmp_path,
     torch.cuda.synchronize()
     ref, _ = attn_fwd_reference(q, k, v, causal=True, dtype=torch.float32)
     assert ((captured.float() - ref).norm() / ref.norm()).item() < 1e-2
+    # a decoding step (one query row, every key): cuDNN too (routing.DECODE_DEFAULT)
+    q1 = q[:, :, -1:].contiguous()
+    choice = flashtune.lookup_config(q1, k, v, causal=True)
+    assert (choice.template, choice.source) == ("sdpa_cudnn", "default"), choice
+    for _ in range(2):  # the first call builds the launch plan, the second runs it
+        out = flashtune.attention(q1, k, v, causal=True)
+    ref, _ = attn_fwd_reference(q1, k, v, causal=True, dtype=torch.float32)
+    assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
 
 
 def _compiled_kernels() -> int:
