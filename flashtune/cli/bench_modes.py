@@ -155,7 +155,7 @@ def run_model_bench(ctx: click.Context, family: str, params: dict[str, Any]) -> 
                                  param_hint="'--baselines'")
     rounds = params["rounds"]
     if ctx.get_parameter_source("rounds") is click.core.ParameterSource.DEFAULT:
-        rounds = 3
+        rounds = 5
     out = Path(params["out_path"])
     check_output(out, "--out")
     if ctx.obj and ctx.obj.get("db_url"):

@@ -254,3 +254,32 @@ def test_bound_inference_checks_once_and_binds_only_where_it_saves_work() -> Non
     assert bind("sdpa_cudnn", q, k, causal=False, scale=None, return_lse=True) is None
     assert bind("sdpa_math", q, k, causal=False, scale=None, return_lse=False) is None
     assert bind("attn_fwd", q, k, causal=False, scale=None, return_lse=False) is None
+
+
+def test_bound_inference_calls_torch_s_sdpa_only_where_torch_picks_that_backend(monkeypatch):
+    """Where ``F.scaled_dot_product_attention`` would itself run the routed backend (asked
+    once, at bind time), the bound call is that function (one tensor back to Python instead
+    of the op's nine); elsewhere, and with an LSE, the op."""
+    from torch.nn.attention import SDPBackend
+
+    assert sdpa_extern._PICKS == {"sdpa_flash": int(SDPBackend.FLASH_ATTENTION),
+                                  "sdpa_efficient": int(SDPBackend.EFFICIENT_ATTENTION),
+                                  "sdpa_cudnn": int(SDPBackend.CUDNN_ATTENTION)}
+    calls = []
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *a, **kw: calls.append(kw) or "sdpa")
+    q, k = torch.empty(1, 4, 5, 64), torch.empty(1, 2, 5, 64)
+    for picked, name, want in ((3, "sdpa_cudnn", "sdpa"), (1, "sdpa_flash", "sdpa"),
+                               (1, "sdpa_cudnn", None)):
+        monkeypatch.setattr(sdpa_extern, "_torch_picks", lambda *a, p=picked: p)
+        fn = sdpa_extern.bound_inference(name, q, k, causal=True, scale=0.5, return_lse=False)
+        if want is None:  # the op itself (not run on this CPU)
+            assert "cudnn" in fn.__code__.co_freevars and "sdpa" not in fn.__code__.co_freevars
+            continue
+        assert "sdpa" in fn.__code__.co_freevars
+        assert fn(q, k, k) == "sdpa"
+        assert calls.pop() == {"is_causal": True, "scale": 0.5, "enable_gqa": True}
+    monkeypatch.setattr(sdpa_extern, "_torch_picks", lambda *a: 1)
+    fn = sdpa_extern.bound_inference("sdpa_flash", q, k, causal=False, scale=None,
+                                     return_lse=True)
+    assert fn.__code__.co_freevars[0] == "flash"  # the LSE comes from the op
