@@ -321,10 +321,51 @@ def test_matches_the_reference_through_the_spec_launcher(case, dtype) -> None:
     assert_close_to_reference(out2, q, k, v, causal=causal, lse=lse)
 
 
+def test_the_layouts_it_reads_without_a_copy() -> None:
+    """Contiguous (B, H, N, D), and (B, N, H, D) storage seen as (B, H, N, D) (what a
+    transformers model hands over), are read as they are; other strides and bases not
+    16-byte aligned are not (the launcher copies them)."""
+    from flashtune.kernel_templates.attn_fwd_gluon.launcher import layout
+
+    bhsd = torch.empty(2, 4, 33, 64, dtype=torch.bfloat16)
+    bshd = torch.empty(2, 33, 4, 64, dtype=torch.bfloat16).transpose(1, 2)
+    assert (layout(bhsd), layout(bshd)) == ("bhsd", "bshd")
+    assert layout(torch.empty(1, 1, 33, 64).transpose(1, 2)[:, :1]) == "bhsd"  # size-1 dims
+    assert layout(torch.empty(2, 33, 8, 64)[:, :, :4].transpose(1, 2)) is None  # every 2nd head
+    assert layout(torch.empty(2, 4, 64, 33).transpose(2, 3)) is None  # D not contiguous
+    assert layout(bhsd[:, :, 1:]) is None  # a slice of each head: rows no longer meet
+    offset = torch.empty(2 * 4 * 33 * 64 + 1, dtype=torch.bfloat16)[1:].view(2, 4, 33, 64)
+    assert offset.data_ptr() % 16 and layout(offset) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("persistent", [0, 1])
+@pytest.mark.parametrize("case", [(2, 8, 2, 333, 517, 128, True), (3, 4, 4, 1000, 1000, 64, False),
+                                  (1, 8, 1, 77, 77, 128, False)],
+                         ids=lambda s: "b{}h{}:{}q{}k{}d{}{}".format(*s[:6], "c" if s[6] else ""))
+def test_inputs_in_bshd_storage_run_without_copies(case, persistent) -> None:
+    """q, k, v as transformers hands them over (``x.view(B, N, H, D).transpose(1, 2)``), and
+    q so with K/V contiguous: read where they are (no copy: the kernel's descriptors are over
+    the caller's tensors), O returned in q's layout, the reference matched."""
+    from flashtune.kernel_templates.attn_fwd_gluon import launcher
+
+    b, hq, hkv, nq, nk, d, causal = case
+    dtype = torch.bfloat16
+    q = _rand(b, nq, hq, d, dtype=dtype).transpose(1, 2)
+    k, v = (_rand(b, nk, hkv, d, dtype=dtype).transpose(1, 2) for _ in range(2))
+    config = {**_config(), "PERSISTENT": persistent}
+    for kk, vv in ((k, v), (k.contiguous(), v.contiguous())):
+        ready = launcher._tma_ready(q, kk, vv)
+        assert all(a is b_ for a, b_ in zip(ready, (q, kk, vv)))  # nothing copied
+        out, lse = SPEC.launcher(q, kk, vv, config, causal=causal, return_lse=True)
+        assert out.stride() == q.stride()
+        assert_close_to_reference(out, q, kk, vv, causal=causal, lse=lse)
+
+
 @pytest.mark.gpu
 def test_copies_what_it_cannot_address_and_takes_a_negative_scale() -> None:
-    """Transposed views and a base 2 bytes past a 16-byte boundary are copied; a negative
-    scale runs as ``-scale`` on ``-k``."""
+    """A base 2 bytes past a 16-byte boundary is copied (and V with it: K and V share one
+    descriptor shape); a negative scale runs as ``-scale`` on ``-k``."""
     dtype = torch.bfloat16
     q = _rand(2, 300, 4, 128, dtype=dtype).transpose(1, 2)
     k = _rand(2 * 2 * 260 * 128 + 1, dtype=dtype)[1:].view(2, 2, 260, 128)

@@ -50,6 +50,19 @@ def test_the_default_config_compiles_into_fa3s_structure() -> None:
             < 2 * (2 * 64 * d + 2 * 2 * 128 * d) + 2048, got
 
 
+def test_inputs_in_bshd_storage_compile_as_bhsd_ones_do() -> None:
+    """The (B, N, H, D) variant (``Q_BSHD``, ``KV_BSHD``: other descriptor coordinates and
+    O offsets, no new arguments) uses the shared memory, registers and spills of the
+    contiguous one the compile table was made from, persistent and not."""
+    cases = [{"head_dim": 128, "causal": c, "PERSISTENT": p, "NUM_STAGES": 3, "layout": lay}
+             for c, p in ((False, 1), (True, 0)) for lay in ("bhsd", "bshd")]
+    got = _compile(cases)
+    assert [g["layout"] for g in got] == ["bhsd", "bshd"] * 2
+    for bhsd, bshd in (got[0:2], got[2:4]):
+        for key in ("shared", "warps", "registers", "spill_store_bytes", "setmaxnreg"):
+            assert bhsd[key] == bshd[key], (key, bhsd, bshd)
+
+
 @pytest.mark.slow
 def test_the_swept_configs_compile() -> None:
     cases = [{"BLOCK_N": 64, "NUM_STAGES": 3}, {"NUM_CONSUMERS": 1},

@@ -4,7 +4,8 @@
         '[{"head_dim": 64, "causal": true}, {"PINGPONG": 1}]'
 
 Each case is a config over ``DEFAULT_CONFIG`` plus optional ``head_dim`` (128), ``causal``
-(false) and ``dtype`` ("bf16"); one JSON line per case: the config, shared memory bytes,
+(false), ``dtype`` ("bf16") and ``layout`` ("bhsd", or "bshd": inputs in ``(B, N, H, D)``
+storage); one JSON line per case: the config, shared memory bytes,
 warps, and
 :func:`~flashtune.kernel_templates.attn_fwd_gluon.launcher.ptxas_stats`. No GPU needed; run
 it without ``TRITON_INTERPRET``.
@@ -42,9 +43,11 @@ def main(argv: list[str]) -> int:
         d = case.pop("head_dim", 128)
         causal = case.pop("causal", False)
         dtype = case.pop("dtype", "bf16")
-        c = compile_sm90(case, d, causal, dtype)
+        layout = case.pop("layout", "bhsd")
+        c = compile_sm90(case, d, causal, dtype, layout)
         print(json.dumps({"config": dict(DEFAULT_CONFIG, **case), "head_dim": d,
-                          "causal": causal, "dtype": dtype, "shared": c.metadata.shared,
+                          "causal": causal, "dtype": dtype, "layout": layout,
+                          "shared": c.metadata.shared,
                           "warps": c.metadata.num_warps, **ptxas_stats(c.asm["ptx"])}))
     return 0
 

@@ -49,36 +49,61 @@ def _coords(t, n_mblocks, CAUSAL: gl.constexpr):
 @gluon.jit
 def _tile(bh, m_block, heads_q, group, seqlen_q, seqlen_k, ROWS: gl.constexpr,
           BLOCK_N: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr):
-    """The tile of query block ``m_block`` of ``bh`` (batch x heads_q):
-    ``(q_row, kv_row, n_total)``."""
-    b = bh // heads_q
-    h = bh % heads_q
-    heads_kv = heads_q // group
-    q_row = bh * seqlen_q + m_block * (NUM_CONSUMERS * ROWS)
-    kv_row = (b * heads_kv + h // group) * seqlen_k
+    """The key blocks of query block ``m_block`` of ``bh`` (batch x heads_q)."""
     n_total = gl.cdiv(seqlen_k, BLOCK_N)
     if CAUSAL:  # the keys the tile's last row sees
         n_total = gl.minimum(n_total, gl.cdiv((m_block + 1) * (NUM_CONSUMERS * ROWS)
                                               + (seqlen_k - seqlen_q), BLOCK_N))
-    n_total = gl.maximum(n_total, 1)
-    return q_row, kv_row, n_total
+    return gl.maximum(n_total, 1)
+
+
+@gluon.jit
+def _tile_coords(bh, m_block, heads_q, group, seqlen_q, seqlen_k, HEAD_D: gl.constexpr,
+                 ROWS: gl.constexpr, NUM_CONSUMERS: gl.constexpr, Q_BSHD: gl.constexpr,
+                 KV_BSHD: gl.constexpr):
+    """``[row, column]`` of the tile's first query row and of its KV head's first key in the
+    descriptors' 2-D views: ``(B * H * N, D)`` for ``(B, H, N, D)`` storage, ``(B * N,
+    H * D)`` for ``(B, N, H, D)`` storage (``Q_BSHD``, ``KV_BSHD``: a head is then ``D``
+    columns, not ``N`` rows, further)."""
+    b = bh // heads_q
+    h = bh % heads_q
+    hk = h // group
+    m0 = m_block * (NUM_CONSUMERS * ROWS)
+    if Q_BSHD:
+        q_row = b * seqlen_q + m0
+        q_col = h * HEAD_D
+    else:
+        q_row = bh * seqlen_q + m0
+        q_col = 0
+    if KV_BSHD:
+        kv_row = b * seqlen_k
+        kv_col = hk * HEAD_D
+    else:
+        kv_row = (b * (heads_q // group) + hk) * seqlen_k
+        kv_col = 0
+    return q_row, q_col, kv_row, kv_col
 
 
 @gluon.jit
 def _producer_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
                    v_ready, kv_empty, bh, m_block, kv_base, tile_i, heads_q, group, seqlen_q,
-                   seqlen_k, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+                   seqlen_k, ROWS: gl.constexpr,
+                   BLOCK_N: gl.constexpr,
                    NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
-                   PERSISTENT: gl.constexpr):
+                   PERSISTENT: gl.constexpr, Q_BSHD: gl.constexpr, KV_BSHD: gl.constexpr):
     """The loads of the tile (``bh``, ``m_block``), after ``kv_base`` key blocks and ``tile_i`` tiles of this CTA;
     returns the tile's key blocks."""
-    q_row, kv_row, n_total = _tile(bh, m_block, heads_q, group, seqlen_q, seqlen_k, ROWS,
-                                   BLOCK_N, NUM_CONSUMERS, CAUSAL)
+    n_total = _tile(bh, m_block, heads_q, group, seqlen_q, seqlen_k, ROWS, BLOCK_N,
+                    NUM_CONSUMERS, CAUSAL)
+    HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
+    q_row, q_col, kv_row, kv_col = _tile_coords(bh, m_block, heads_q, group, seqlen_q,
+                                                seqlen_k, HEAD_D, ROWS, NUM_CONSUMERS, Q_BSHD,
+                                                KV_BSHD)
     for c in gl.static_range(NUM_CONSUMERS):
         if PERSISTENT:  # consumer c is done with the last tile's Q (a fresh barrier passes)
             mbarrier.wait(q_empty.index(c), (tile_i & 1) ^ 1)
         mbarrier.expect(q_bar.index(c), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [q_row + c * ROWS, 0], q_bar.index(c),
+        tma.async_copy_global_to_shared(q_desc, [q_row + c * ROWS, q_col], q_bar.index(c),
                                         q_smem.index(c))
     for j in range(n_total):
         g = kv_base + j
@@ -87,10 +112,10 @@ def _producer_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empt
         # a fresh mbarrier counts as phase 1 complete: the first NUM_STAGES waits pass
         mbarrier.wait(kv_empty.index(st), ph ^ 1)
         mbarrier.expect(k_ready.index(st), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [kv_row + j * BLOCK_N, 0],
+        tma.async_copy_global_to_shared(k_desc, [kv_row + j * BLOCK_N, kv_col],
                                         k_ready.index(st), k_smem.index(st))
         mbarrier.expect(v_ready.index(st), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [kv_row + j * BLOCK_N, 0],
+        tma.async_copy_global_to_shared(v_desc, [kv_row + j * BLOCK_N, kv_col],
                                         v_ready.index(st), v_smem.index(st))
     return n_total
 
@@ -99,7 +124,8 @@ def _producer_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empt
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
               v_ready, kv_empty, first, end, stride, n_mblocks, heads_q, group, seqlen_q,
               seqlen_k, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-              NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr):
+              NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr,
+              Q_BSHD: gl.constexpr, KV_BSHD: gl.constexpr):
     if PERSISTENT:
         kv_base = 0
         tile_i = 0
@@ -108,12 +134,14 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_
             kv_base += _producer_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar,
                                       q_empty, k_ready, v_ready, kv_empty, bh, m_block,
                                       kv_base, tile_i, heads_q, group, seqlen_q, seqlen_k,
-                                      ROWS, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, True)
+                                      ROWS, BLOCK_N,
+                                      NUM_STAGES, NUM_CONSUMERS, CAUSAL, True, Q_BSHD, KV_BSHD)
             tile_i += 1
     else:  # a grid launch: (first, end) are the CTA's (m_block, bh)
         _producer_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
                        v_ready, kv_empty, end, first, 0, 0, heads_q, group, seqlen_q,
-                       seqlen_k, ROWS, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, False)
+                       seqlen_k, ROWS, BLOCK_N,
+                       NUM_STAGES, NUM_CONSUMERS, CAUSAL, False, Q_BSHD, KV_BSHD)
 
 
 @gluon.jit
@@ -167,7 +195,8 @@ def _consumer_tile(cid, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready
                    seqlen_q, seqlen_k, qk_scale,
                    HEAD_D: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
                    NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
-                   CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr):
+                   CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr,
+                   Q_BSHD: gl.constexpr):
     """Consumer ``cid``'s part of the tile (``bh``, ``m_block``), after ``kv_base`` key blocks and ``tile_i``
     tiles of this CTA; returns the tile's key blocks."""
     dtype: gl.constexpr = q_smem.dtype
@@ -180,8 +209,8 @@ def _consumer_tile(cid, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
     steps = kv_base + tile_i  # ping-pong steps of the earlier tiles (n_total + 1 each)
-    _, _, n_total = _tile(bh, m_block, heads_q, group, seqlen_q, seqlen_k, ROWS, BLOCK_N,
-                          NUM_CONSUMERS, CAUSAL)
+    n_total = _tile(bh, m_block, heads_q, group, seqlen_q, seqlen_k, ROWS, BLOCK_N,
+                    NUM_CONSUMERS, CAUSAL)
     q_start = m_block * (NUM_CONSUMERS * ROWS) + cid * ROWS
     n_mine = n_total
     if CAUSAL:  # the keys this consumer's last row sees
@@ -258,8 +287,11 @@ def _consumer_tile(cid, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready
     out = acc / gl.expand_dims(gl.where(l_o == 0.0, 1.0, l_o), 1)
     rows_o = q_start + gl.arange(0, ROWS, layout=row_o)
     cols_o = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, o_layout))
-    offs = gl.expand_dims((bh * seqlen_q + rows_o).to(gl.int64) * HEAD_D, 1) \
-        + gl.expand_dims(cols_o, 0)
+    if Q_BSHD:  # O as Q: (B, N, H, D) storage seen as (B, H, N, D)
+        o_rows = ((bh // heads_q) * seqlen_q + rows_o).to(gl.int64) * heads_q + bh % heads_q
+    else:
+        o_rows = (bh * seqlen_q + rows_o).to(gl.int64)
+    offs = gl.expand_dims(o_rows * HEAD_D, 1) + gl.expand_dims(cols_o, 0)
     gl.store(o_ptr + offs, out.to(dtype), mask=gl.expand_dims(rows_o < seqlen_q, 1))
     lse = gl.where(l_i == 0.0, -float("inf"), (m_i + gl.log2(l_i)) * 0.6931471805599453)
     rows_s = q_start + gl.arange(0, ROWS, layout=row_s)
@@ -274,7 +306,7 @@ def _consumer(cid, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_
               seqlen_k, qk_scale,
               HEAD_D: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
-              PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr):
+              PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr, Q_BSHD: gl.constexpr):
     if PERSISTENT:  # key blocks and tiles of the CTA so far: ring slots and phases run on
         kv_base = 0
         tile_i = 0
@@ -284,13 +316,13 @@ def _consumer(cid, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_
                                       v_ready, kv_empty, turn, o_ptr, lse_ptr, bh, m_block,
                                       kv_base, tile_i, heads_q, group, seqlen_q, seqlen_k,
                                       qk_scale, HEAD_D, ROWS, BLOCK_N, NUM_STAGES,
-                                      NUM_CONSUMERS, CAUSAL, PINGPONG, True)
+                                      NUM_CONSUMERS, CAUSAL, PINGPONG, True, Q_BSHD)
             tile_i += 1
     else:  # a grid launch: (first, end) are the CTA's (m_block, bh)
         _consumer_tile(cid, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty,
                        turn, o_ptr, lse_ptr, end, first, 0, 0, heads_q, group, seqlen_q,
                        seqlen_k, qk_scale, HEAD_D, ROWS, BLOCK_N, NUM_STAGES, NUM_CONSUMERS,
-                       CAUSAL, PINGPONG, False)
+                       CAUSAL, PINGPONG, False, Q_BSHD)
 
 
 @gluon.jit
@@ -299,7 +331,8 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, seqlen_q, seql
                           HEAD_D: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
                           NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
                           CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
-                          PERSISTENT: gl.constexpr,
+                          PERSISTENT: gl.constexpr, Q_BSHD: gl.constexpr,
+                          KV_BSHD: gl.constexpr,
                           PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     n_mblocks = gl.cdiv(seqlen_q, NUM_CONSUMERS * ROWS)
     if PERSISTENT:  # a CTA per SM (or fewer), each taking every stride-th tile
@@ -341,44 +374,53 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, seqlen_q, seql
         gl.warp_specialize([
             (_consumer, (0, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty,
                          turn, o_ptr, lse_ptr, first, end, stride, n_mblocks, heads_q, group,
-                         seqlen_q, seqlen_k, qk_scale, HEAD_D, ROWS, BLOCK_N, NUM_STAGES,
-                         NUM_CONSUMERS, CAUSAL, PINGPONG, PERSISTENT)),
+                         seqlen_q, seqlen_k, qk_scale, HEAD_D, ROWS,
+                         BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, PINGPONG, PERSISTENT,
+                         Q_BSHD)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty,
                          k_ready, v_ready, kv_empty, first, end, stride, n_mblocks, heads_q,
-                         group, seqlen_q, seqlen_k, ROWS, BLOCK_N, NUM_STAGES, NUM_CONSUMERS,
-                         CAUSAL, PERSISTENT)),
+                         group, seqlen_q, seqlen_k, ROWS,
+                         BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, PERSISTENT, Q_BSHD,
+                         KV_BSHD)),
         ], [1], [PRODUCER_REGS])
     elif NUM_CONSUMERS == 2:
         gl.warp_specialize([
             (_consumer, (0, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty,
                          turn, o_ptr, lse_ptr, first, end, stride, n_mblocks, heads_q, group,
-                         seqlen_q, seqlen_k, qk_scale, HEAD_D, ROWS, BLOCK_N, NUM_STAGES,
-                         NUM_CONSUMERS, CAUSAL, PINGPONG, PERSISTENT)),
+                         seqlen_q, seqlen_k, qk_scale, HEAD_D, ROWS,
+                         BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, PINGPONG, PERSISTENT,
+                         Q_BSHD)),
             (_consumer, (1, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty,
                          turn, o_ptr, lse_ptr, first, end, stride, n_mblocks, heads_q, group,
-                         seqlen_q, seqlen_k, qk_scale, HEAD_D, ROWS, BLOCK_N, NUM_STAGES,
-                         NUM_CONSUMERS, CAUSAL, PINGPONG, PERSISTENT)),
+                         seqlen_q, seqlen_k, qk_scale, HEAD_D, ROWS,
+                         BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, PINGPONG, PERSISTENT,
+                         Q_BSHD)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty,
                          k_ready, v_ready, kv_empty, first, end, stride, n_mblocks, heads_q,
-                         group, seqlen_q, seqlen_k, ROWS, BLOCK_N, NUM_STAGES, NUM_CONSUMERS,
-                         CAUSAL, PERSISTENT)),
+                         group, seqlen_q, seqlen_k, ROWS,
+                         BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, PERSISTENT, Q_BSHD,
+                         KV_BSHD)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:  # FA3's 192-row tile at head dim 64: three consumer warpgroups
         gl.warp_specialize([
             (_consumer, (0, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty,
                          turn, o_ptr, lse_ptr, first, end, stride, n_mblocks, heads_q, group,
-                         seqlen_q, seqlen_k, qk_scale, HEAD_D, ROWS, BLOCK_N, NUM_STAGES,
-                         NUM_CONSUMERS, CAUSAL, PINGPONG, PERSISTENT)),
+                         seqlen_q, seqlen_k, qk_scale, HEAD_D, ROWS,
+                         BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, PINGPONG, PERSISTENT,
+                         Q_BSHD)),
             (_consumer, (1, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty,
                          turn, o_ptr, lse_ptr, first, end, stride, n_mblocks, heads_q, group,
-                         seqlen_q, seqlen_k, qk_scale, HEAD_D, ROWS, BLOCK_N, NUM_STAGES,
-                         NUM_CONSUMERS, CAUSAL, PINGPONG, PERSISTENT)),
+                         seqlen_q, seqlen_k, qk_scale, HEAD_D, ROWS,
+                         BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, PINGPONG, PERSISTENT,
+                         Q_BSHD)),
             (_consumer, (2, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty,
                          turn, o_ptr, lse_ptr, first, end, stride, n_mblocks, heads_q, group,
-                         seqlen_q, seqlen_k, qk_scale, HEAD_D, ROWS, BLOCK_N, NUM_STAGES,
-                         NUM_CONSUMERS, CAUSAL, PINGPONG, PERSISTENT)),
+                         seqlen_q, seqlen_k, qk_scale, HEAD_D, ROWS,
+                         BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, PINGPONG, PERSISTENT,
+                         Q_BSHD)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty,
                          k_ready, v_ready, kv_empty, first, end, stride, n_mblocks, heads_q,
-                         group, seqlen_q, seqlen_k, ROWS, BLOCK_N, NUM_STAGES, NUM_CONSUMERS,
-                         CAUSAL, PERSISTENT)),
+                         group, seqlen_q, seqlen_k, ROWS,
+                         BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, PERSISTENT, Q_BSHD,
+                         KV_BSHD)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])

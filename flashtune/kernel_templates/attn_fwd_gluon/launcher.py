@@ -4,13 +4,16 @@ Hopper GPU (the registered launcher), and :func:`compile_sm90` to compile the sa
 sm_90 without one (:func:`ptxas_stats` reads the result; ``python -m
 flashtune.kernel_templates.attn_fwd_gluon`` prints both).
 
-Layout: Q, K, V, O contiguous ``(B, H, N, D)``, read through 2-D descriptors over
-``(B * H * N, D)``. A tile that runs past a head's end reads the next head's rows: keys are
-masked (``>= Nk``), query rows are never stored. D is 64 or 128 (the wgmma N of ``P V``),
-fp16 or bf16. The grid has a CTA per tile (query block x head), or with ``PERSISTENT`` a CTA
-per SM looping over the tiles. Inputs that are not contiguous, or whose base address is not 16-byte aligned
-(the tensor-copy engine's rule), are copied first: the kernel addresses rows through TMA
-descriptors and has no stride arguments.
+Layout: Q, K, V are read through 2-D TMA descriptors (:func:`layout`): contiguous
+``(B, H, N, D)`` as ``(B * H * N, D)``, and ``(B, N, H, D)`` storage seen as ``(B, H, N, D)``
+(what a transformers model hands over: ``x.view(B, N, H, D).transpose(1, 2)``) as
+``(B * N, H * D)``, a head ``D`` columns from the last (the constexprs ``Q_BSHD`` and
+``KV_BSHD``), so neither is copied; O is written in q's layout (``empty_like``). A tile that runs past a sequence's end reads the next
+rows of the view (another head's or batch's): keys are masked (``>= Nk``), query rows are
+never stored. D is 64 or 128 (the wgmma N of ``P V``), fp16 or bf16. The grid has a CTA per
+tile (query block x head), or with ``PERSISTENT`` a CTA per SM looping over the tiles.
+Other layouts, and bases or row strides not 16-byte aligned (the tensor-copy engine's
+rule), are copied to contiguous first.
 """
 
 from __future__ import annotations
@@ -74,22 +77,49 @@ def persistent_ctas(t: Any, tiles: int) -> int:
     return max(1, min(tiles, sms))
 
 
+def layout(t: Any) -> str | None:
+    """How the kernel reads a ``(B, H, N, D)`` tensor (or a shape-only stand-in) through a
+    2-D TMA view: ``"bhsd"`` (contiguous: ``(B * H * N, D)``), ``"bshd"`` (``(B, N, H, D)``
+    storage seen as ``(B, H, N, D)``, as ``x.view(B, N, H, D).transpose(1, 2)`` gives:
+    ``(B * N, H * D)``), or None (another layout, or a base not 16-byte aligned: the
+    launcher copies it to contiguous)."""
+    if t.data_ptr() % 16:
+        return None
+    batch, heads, seqlen, dim = t.shape
+    want = {"bhsd": (heads * seqlen * dim, seqlen * dim, dim, 1),
+            "bshd": (seqlen * heads * dim, dim, heads * dim, 1)}
+    got = tuple(int(x) for x in t.stride())
+    for name, strides in want.items():  # a dimension of size 1 may have any stride
+        if all(n == 1 or g == w for n, g, w in zip(t.shape, got, strides)):
+            return name
+    return None
+
+
+def _desc_shape(t: Any, how: str) -> tuple[list[int], list[int]]:
+    batch, heads, seqlen, dim = t.shape
+    if how == "bshd":
+        return [batch * seqlen, heads * dim], [heads * dim, 1]
+    return [batch * heads * seqlen, dim], [dim, 1]
+
+
 def kernel_args(q: Any, k: Any, v: Any, out: Any, lse: Any, config: Mapping[str, int], *,
                 causal: bool, scale: float
                 ) -> tuple[tuple[Any, ...], dict[str, Any], tuple[int, int]]:
-    """``(args, kwargs, grid)`` of ``gluon_attn_fwd_kernel`` for contiguous, 16-byte aligned
-    tensors (or shape-only stand-ins: a descriptor reads its base's address and dtype only)
-    and a full ``config``; ``scale`` >= 0."""
+    """``(args, kwargs, grid)`` of ``gluon_attn_fwd_kernel`` for tensors in a
+    :func:`layout`, K and V in one, ``out`` in q's (or shape-only stand-ins: a descriptor
+    reads its base's address and dtype only), and a full ``config``; ``scale`` >= 0."""
     batch, heads_q, seqlen_q, head_dim = q.shape
     heads_kv, seqlen_k = k.shape[1], k.shape[2]
     gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     rows, bn = config["ROWS"], config["BLOCK_N"]
-    q_desc = TensorDescriptor(q, [batch * heads_q * seqlen_q, head_dim], [head_dim, 1],
-                              [rows, head_dim], _layout([rows, head_dim], gdt))
-    kv_shape = [batch * heads_kv * seqlen_k, head_dim]
-    k_desc = TensorDescriptor(k, kv_shape, [head_dim, 1], [bn, head_dim],
+    q_how, kv_how = layout(q), layout(k)
+    assert q_how and kv_how and layout(v) == kv_how and layout(out) == q_how, "see layout"
+    q_desc = TensorDescriptor(q, *_desc_shape(q, q_how), [rows, head_dim],
+                              _layout([rows, head_dim], gdt))
+    kv_shape, kv_strides = _desc_shape(k, kv_how)
+    k_desc = TensorDescriptor(k, kv_shape, kv_strides, [bn, head_dim],
                               _layout([bn, head_dim], gdt))
-    v_desc = TensorDescriptor(v, kv_shape, [head_dim, 1], [bn, head_dim],
+    v_desc = TensorDescriptor(v, kv_shape, kv_strides, [bn, head_dim],
                               _layout([bn, head_dim], gdt))
     meta = launch_meta(config)
     args = (q_desc, k_desc, v_desc, out, lse, seqlen_q, seqlen_k, heads_q,
@@ -98,6 +128,7 @@ def kernel_args(q: Any, k: Any, v: Any, out: Any, lse: Any, config: Mapping[str,
         HEAD_D=head_dim, ROWS=rows, BLOCK_N=bn, NUM_STAGES=config["NUM_STAGES"],
         NUM_CONSUMERS=config["NUM_CONSUMERS"], CAUSAL=bool(causal),
         PINGPONG=bool(config["PINGPONG"]), PERSISTENT=bool(config["PERSISTENT"]),
+        Q_BSHD=q_how == "bshd", KV_BSHD=kv_how == "bshd",
         PRODUCER_REGS=meta["PRODUCER_REGS"], CONSUMER_REGS=meta["CONSUMER_REGS"],
         num_warps=meta["num_warps"], maxnreg=meta["maxnreg"])
     m_blocks = -(-seqlen_q // (config["NUM_CONSUMERS"] * rows))
@@ -149,10 +180,20 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           f"sm_{''.join(map(str, torch.cuda.get_device_capability(q.device)))}")
 
 
-def _tma_ready(t: torch.Tensor) -> torch.Tensor:
-    """``t`` contiguous with a 16-byte aligned base (a copy when it is not already)."""
-    t = t.contiguous()
-    return t if t.data_ptr() % 16 == 0 else t.clone()
+def _tma_ready(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v in a :func:`layout` the kernel reads, K and V in the same one: each as it is
+    where it can be, else contiguous with a 16-byte aligned base (a copy)."""
+    def ready(t: torch.Tensor) -> torch.Tensor:
+        if layout(t) is not None:
+            return t
+        t = t.contiguous()
+        return t if t.data_ptr() % 16 == 0 else t.clone()
+
+    q, k, v = ready(q), ready(k), ready(v)
+    if layout(k) != layout(v):  # one descriptor shape for both
+        k, v = ready(k.contiguous()), ready(v.contiguous())
+    return q, k, v
 
 
 def attn_fwd_gluon(
@@ -195,8 +236,8 @@ def attn_fwd_gluon(
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     if scale < 0:
         k, scale = -k, -scale
-    q, k, v = (_tma_ready(t) for t in (q, k, v))
-    out = torch.empty_like(q)
+    q, k, v = _tma_ready(q, k, v)
+    out = torch.empty_like(q)  # q's layout: a (B, N, H, D) caller gets its storage back
     lse = torch.empty((batch, heads_q, seqlen_q), device=q.device, dtype=torch.float32)
     if q.numel() == 0 or k.shape[2] == 0:  # nothing to launch: no query, or no key to see
         out.zero_()
@@ -219,9 +260,10 @@ def gluon_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal:
 
 
 def compile_sm90(config: dict[str, int], head_dim: int = 128, causal: bool = False,
-                 dtype: str = "bf16") -> Any:
+                 dtype: str = "bf16", layout: str = "bhsd") -> Any:
     """Compile the kernel of ``config`` (over :data:`DEFAULT_CONFIG`) for sm_90 on the CPU,
-    no GPU needed, planned as :func:`gluon_attn_fwd` launches it; returns the compiled kernel
+    no GPU needed, planned as :func:`gluon_attn_fwd` launches it for inputs in ``layout``
+    (``"bhsd"`` or ``"bshd"``, q, k and v alike); returns the compiled kernel
     (``.asm["ptx"]``, ``.metadata.shared``, ``.metadata.num_warps``). Needs a process
     without ``TRITON_INTERPRET``."""
     import triton
@@ -237,6 +279,7 @@ def compile_sm90(config: dict[str, int], head_dim: int = 128, causal: bool = Fal
     const = {"HEAD_D": head_dim, "ROWS": rows, "BLOCK_N": bn, "NUM_STAGES": cfg["NUM_STAGES"],
              "NUM_CONSUMERS": cfg["NUM_CONSUMERS"], "CAUSAL": bool(causal),
              "PINGPONG": bool(cfg["PINGPONG"]), "PERSISTENT": bool(cfg["PERSISTENT"]),
+             "Q_BSHD": layout == "bshd", "KV_BSHD": layout == "bshd",
              "PRODUCER_REGS": meta["PRODUCER_REGS"], "CONSUMER_REGS": meta["CONSUMER_REGS"]}
     kern = gluon_attn_fwd_kernel
     names = kern.arg_names
