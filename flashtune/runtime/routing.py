@@ -100,14 +100,14 @@ class _BoundPlan:
     the checks done (:func:`~flashtune.kernel_templates.sdpa_extern.bound_inference`);
     call it as ``plan(q, k, v, stream)``."""
 
-    __slots__ = ("_fn", "device_index")
+    __slots__ = ("device_index", "fn")
 
     def __init__(self, fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Any],
                  device_index: int) -> None:
-        self._fn, self.device_index = fn, device_index
+        self.fn, self.device_index = fn, device_index
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stream: Any) -> Any:
-        return self._fn(q, k, v)
+        return self.fn(q, k, v)
 
 
 _FWD = get_template("attn_fwd")
@@ -437,9 +437,11 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
             and type(k) is _Tensor and type(v) is _Tensor and q.is_cuda:
         key = _plan_key(q, k, v, causal, scale, return_lse)
         plan = _PLANS.get(key)
-        if plan is not None and _current_device() == plan.device_index \
-                and not direct.hooks_installed():
-            return plan(q, k, v, _current_stream(plan.device_index))
+        if plan is not None:
+            if plan.__class__ is _BoundPlan:  # torch's op: no Triton launch, hook or stream
+                return plan.fn(q, k, v)
+            if _current_device() == plan.device_index and not direct.hooks_installed():
+                return plan(q, k, v, _current_stream(plan.device_index))
     check_attention_inputs(q, k, v, scale)
     if config is None and impl is None:
         fast_key = (q.shape, k.shape, q.dtype, q.get_device(), causal, return_lse)
