@@ -166,7 +166,22 @@ class Dispatcher:
     # -- choosing ---------------------------------------------------------------------------
 
     def choose(self, problem: AttentionProblem, device: Any) -> ConfigChoice:
-        """The config for ``problem`` on ``device`` (memoised)."""
+        """The config for ``problem`` on ``device`` (memoised); the template default comes
+        with a warning, once per bucket (a decoding loop meets a new Nk every step, and
+        would otherwise log a line per generated token; templates the tuner cannot tune yet
+        stay quiet)."""
+        found = self.peek(problem, device)
+        if found.source == "default" and getattr(self.spec, "tunable", True):
+            self._warn_once(("default", device.name, problem.bucket()),
+                            "flashtune: no tuned %s config for %s on %s; using the template "
+                            "default for it and the other shapes of its bucket %s (run "
+                            "`flashtune tune` for this shape)", self.spec.name,
+                            problem.describe(), device.name, problem.bucket())
+        return found
+
+    def peek(self, problem: AttentionProblem, device: Any) -> ConfigChoice:
+        """:meth:`choose` without its warning: for a caller that may serve the call
+        otherwise (the router's defaults by compute capability)."""
         memo_key = (device_key(device), problem)
         found = self._memo.get(memo_key)
         if found is not None:
@@ -198,14 +213,6 @@ class Dispatcher:
                 log.info("%s: using the config tuned for %s (%s, %s)", problem.describe(),
                          entry.problem.describe(), source, entry.origin)
                 return _choice(entry, source, self.spec.name)
-        # once per bucket: a decoding loop meets a new Nk every step, and would otherwise
-        # log a line per generated token; templates the tuner cannot tune yet stay quiet
-        if getattr(self.spec, "tunable", True):
-            self._warn_once(("default", device.name, problem.bucket()),
-                            "flashtune: no tuned %s config for %s on %s; using the template "
-                            "default for it and the other shapes of its bucket %s (run "
-                            "`flashtune tune` for this shape)", self.spec.name,
-                            problem.describe(), device.name, problem.bucket())
         return ConfigChoice(dict(self.spec.default_config(problem, device)), "default",
                             origin="template default", template=self.spec.name)
 

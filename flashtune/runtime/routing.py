@@ -270,21 +270,22 @@ def _route(problem: AttentionProblem, device: DeviceFingerprint, *, tune: bool =
         chosen = _ROUTERS[op].choose(problem, device, return_lse=return_lse)
         if chosen is not None:
             return chosen
-    choice = kvcache.decode_route(problem, device, _DISPATCH)
+    # the templates' answers are peeked at first: "no tuned config, using the template
+    # default" is not true of a call the capability default serves
+    choice = kvcache.decode_route(problem, device, _DISPATCH, warn=False)
     if choice is not None:
         if not choice.origin.startswith(_USERS_OWN):
             default = _capability_default("decode", problem, device, return_lse)
             if default is not None:
                 return default
-        return choice
-    choice = _choose(problem, device, tune=False)
-    if not choice.origin.startswith(_USERS_OWN):
+        return kvcache.DISPATCH.choose(problem, device)  # memoised: the same, warned
+    if not _DISPATCH.peek(problem, device).origin.startswith(_USERS_OWN):
         # not tuned here with FLASHTUNE_AUTOTUNE=1 either: attn_fwd alone would not beat
         # this default (`tune --op fwd` searches across implementations)
         default = _capability_default("fwd", problem, device, return_lse)
         if default is not None:
             return default
-    return _choose(problem, device, tune=tune) if tune else choice
+    return _choose(problem, device, tune=tune)
 
 
 def _capability_default(op: str, problem: AttentionProblem, device: DeviceFingerprint,

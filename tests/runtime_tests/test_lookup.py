@@ -497,3 +497,32 @@ def test_untuned_decodes_on_hopper_default_to_cudnn_where_it_serves(env, monkeyp
     assert (own.template, own.source) == ("attn_decode", "exact")
     unaligned = prob(3, keys, causal=True)  # SDPA's causal mask is top-left
     assert routing._route(unaligned, h100, tune=False).template == "attn_decode"
+
+
+def test_no_template_default_warning_for_a_call_the_capability_default_serves(env, monkeypatch,
+                                                                              caplog):
+    """"no tuned ... config, using the template default" is logged only when the template
+    default runs: not for an sm_90 call cuDNN serves (forward or decode), and once per bucket
+    where it does run (another compute capability)."""
+    import logging
+    from dataclasses import replace
+
+    from flashtune.runtime import kvcache
+
+    h100 = DeviceFingerprint("NVIDIA_H100_80GB_HBM3", "9.0", 132, 232448, 80 * 2**30)
+    for op in ("fwd", "decode"):
+        spec = routing._ROUTERS[op].specs["sdpa_cudnn"]  # as if cuDNN were loaded here
+        monkeypatch.setitem(routing._ROUTERS[op].specs, "sdpa_cudnn",
+                            replace(spec, limits=replace(spec.limits, available=None)))
+    flashtune.reload_configs()
+    forward, decode = prob(80), prob(1, kvcache.DECODE_MIN_KEYS + 9)
+    with caplog.at_level(logging.WARNING, logger="flashtune"):
+        for p in (forward, decode):
+            assert routing._route(p, h100, tune=False).template == "sdpa_cudnn"
+        assert not [r for r in caplog.records if "no tuned" in r.getMessage()]
+        a100 = replace(h100, name="NVIDIA_A100_SXM4_80GB", compute_capability="8.0")
+        for _ in range(2):
+            assert routing._route(forward, a100, tune=False).template == "attn_fwd"
+            assert routing._route(decode, a100, tune=False).template == "attn_decode"
+    warned = [r.getMessage() for r in caplog.records if "no tuned" in r.getMessage()]
+    assert len(warned) == 2 and "attn_fwd" in warned[0] and "attn_decode" in warned[1], warned
