@@ -71,7 +71,7 @@ def test_its_limits_refuse_what_it_cannot_serve() -> None:
     assert "needs a CUDA GPU" in SPEC.refuse(_problem(), interpreter_device())
     assert "sm_90" in SPEC.refuse(_problem(), A100)
     assert "head_dim 96" in SPEC.refuse(_problem(96), H100)
-    for d in (64, 128):
+    for d in (64, 128, 256):
         for dtype in ("fp16", "bf16"):
             # GQA, causal with Nq != Nk (bottom-right, as attn_fwd), the LSE
             p = _problem(d, True, dtype, hq=8, hkv=2, nq=333, nk=517)
@@ -95,7 +95,7 @@ def test_the_launcher_refuses_what_it_cannot_serve_by_name() -> None:
         return torch.zeros(shape, dtype=dtype)
 
     q, k = t(1, 2, 16, 128), t(1, 2, 16, 128)
-    with pytest.raises(InputError, match="head_dim must be 64 or 128.*got 96"):
+    with pytest.raises(InputError, match=r"head_dim must be one of \[64, 128, 256\].*got 96"):
         SPEC.launcher(t(1, 2, 16, 96), t(1, 2, 16, 96), t(1, 2, 16, 96), _config())
     with pytest.raises(InputTypeError, match="fp16 or bf16"):
         f32 = t(1, 2, 16, 128, dtype=torch.float32)
@@ -118,7 +118,7 @@ def test_the_launcher_refuses_what_it_cannot_serve_by_name() -> None:
 
 # -- the space and its predicate -----------------------------------------------------------------
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_the_default_config_is_valid_for_every_problem_it_serves(d: int) -> None:
     for causal in (False, True):
         for dtype in ("fp16", "bf16"):
@@ -165,6 +165,11 @@ def test_the_space_has_room_to_search_at_both_head_dims() -> None:
             # FA3's 192-row tile: three consumers of 64 rows over 64-key tiles
             assert _config(NUM_CONSUMERS=3, BLOCK_N=64) in valid
             assert _config(NUM_CONSUMERS=3, BLOCK_N=64, PERSISTENT=1) in valid
+    for causal in (False, True):  # D256 (Gemma-2): two stages of 64-key tiles fit, not more
+        valid = SPEC.space.valid_configs(_problem(256, causal), H100)
+        assert _config(BLOCK_N=64) in valid and _config(BLOCK_N=64, PERSISTENT=1) in valid
+        assert not any(c["BLOCK_N"] == 128 and c["NUM_CONSUMERS"] > 1 for c in valid)
+        assert SPEC.default_config(_problem(256, causal), H100)["BLOCK_N"] == 64
 
 
 # -- the sm_90 compile table ---------------------------------------------------------------------
@@ -176,7 +181,7 @@ def test_the_table_holds_every_point_of_the_space_and_the_current_source() -> No
     table = space.load_table()
     want = {space.entry_key(c["head_dim"], c["dtype"], c["causal"], c["config"])
             for c in cases()}
-    assert len(want) == 96 * 8  # 96 configs pass the structural rule, x 2 D x 2 dtypes x causal
+    assert len(want) == 96 * 12  # 96 configs pass the structural rule, x 3 D x 2 dtypes x causal
     assert want == set(table), (sorted(want - set(table))[:3], sorted(set(table) - want)[:3])
 
 
@@ -299,6 +304,8 @@ CASES = [  # (batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, causal)
     (1, 4, 1, 384, 130, 128, True),  # MQA, causal Nq > Nk: rows that see no key
     (1, 4, 4, 1, 1000, 64, False),  # one query
     (3, 2, 2, 64, 64, 128, True),
+    (2, 4, 2, 333, 517, 256, True),  # D256 (Gemma-2), GQA, causal Nq < Nk
+    (1, 2, 2, 1000, 1000, 256, False),
 ]
 
 
@@ -377,7 +384,7 @@ def test_copies_what_it_cannot_address_and_takes_a_negative_scale() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_every_valid_config_of_the_space_compiles_and_runs(d: int) -> None:
     from flashtune.core.device import cuda_device
 

@@ -10,7 +10,7 @@ Layout: Q, K, V are read through 2-D TMA descriptors (:func:`layout`): contiguou
 ``(B * N, H * D)``, a head ``D`` columns from the last (the constexprs ``Q_BSHD`` and
 ``KV_BSHD``), so neither is copied; O is written in q's layout (``empty_like``). A tile that runs past a sequence's end reads the next
 rows of the view (another head's or batch's): keys are masked (``>= Nk``), query rows are
-never stored. D is 64 or 128 (the wgmma N of ``P V``), fp16 or bf16. The grid has a CTA per
+never stored. D is 64, 128 or 256 (the wgmma N of ``P V``), fp16 or bf16. The grid has a CTA per
 tile (query block x head), or with ``PERSISTENT`` a CTA per SM looping over the tiles.
 Other layouts, and bases or row strides not 16-byte aligned (the tensor-copy engine's
 rule), are copied to contiguous first.
@@ -31,7 +31,7 @@ from flashtune.core.errors import ConfigError, DeviceError, InputError, InputTyp
 from flashtune.kernel_templates.attn_fwd_gluon.kernel import gluon_attn_fwd_kernel
 
 LOG2E = 1.4426950408889634
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)  # the wgmma N of P V; 256 fits 2 stages of 64-key tiles
 
 # ROWS query rows per consumer, BLOCK_N keys per K/V tile, NUM_STAGES K/V buffers,
 # NUM_CONSUMERS consumer warpgroups (1-3), PINGPONG (two consumers take turns to issue),
@@ -152,8 +152,8 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         raise InputTypeError(f"the Gluon forward takes fp16 or bf16 q, k, v of one dtype; got "
                              f"{q.dtype}, {k.dtype}, {v.dtype}")
     if q.shape[3] not in HEAD_DIMS:
-        raise InputError(f"head_dim must be 64 or 128 for the Gluon forward, got {q.shape[3]} "
-                         f"(attn_fwd serves the others)")
+        raise InputError(f"head_dim must be one of {list(HEAD_DIMS)} for the Gluon forward, got "
+                         f"{q.shape[3]} (attn_fwd serves the others)")
     if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
         raise InputError(f"heads_q ({q.shape[1]}) must be a multiple of heads_kv "
                          f"({k.shape[1]})")
@@ -209,7 +209,7 @@ def attn_fwd_gluon(
     """Flash-attention forward with the Gluon kernel and an explicit config (a Hopper GPU).
 
     Arguments:
-        q: ``(batch, heads_q, seqlen_q, head_dim)``, fp16 or bf16, ``head_dim`` 64 or 128,
+        q: ``(batch, heads_q, seqlen_q, head_dim)``, fp16 or bf16, ``head_dim`` 64, 128 or 256,
             on a CUDA device of compute capability 9.0.
         k, v: ``(batch, heads_kv, seqlen_k, head_dim)``, same dtype and device as ``q``;
             ``heads_q`` a multiple of ``heads_kv`` (GQA/MQA, never expanded). Inputs that
@@ -228,7 +228,7 @@ def attn_fwd_gluon(
         (``out`` 0 there): ``attn_fwd``'s convention.
     Raises:
         InputError, InputTypeError, DeviceError for inputs it cannot serve (head_dim other
-        than 64 or 128, other dtypes, CPU tensors); ConfigError for a config outside its
+        than 64, 128 or 256, other dtypes, CPU tensors); ConfigError for a config outside its
         knobs.
     """
     _check(q, k, v, config)

@@ -57,7 +57,7 @@ PARAMS: dict[str, tuple[int, ...]] = {
     # a CTA per SM looping over the tiles (the next tile's loads overlap this one's epilogue)
     "PERSISTENT": (0, 1),
 }
-HEAD_DIMS = (64, 128)  # the wgmma N of P V; the launcher refuses others
+HEAD_DIMS = (64, 128, 256)  # the wgmma N of P V; the launcher refuses others
 DTYPES = ("fp16", "bf16")
 SMEM_LIMIT = 227 * 1024  # dynamic shared memory an sm_90 block may opt in to
 # spill-store bytes a config may have. The persistent kernel's consumers spill 72-216 B at
