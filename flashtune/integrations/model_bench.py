@@ -445,6 +445,10 @@ def bench_model(spec: ModelSpec, work: Workload, *, contenders: Sequence[str] = 
                         prefill[name].append(ms(phase.extra["prefill"]))
         row["ms"] = {c: statistics.median(xs) for c, xs in samples.items()}
         row["round_ms"] = samples
+        # (max - min) / median of each contender's rounds: a ratio closer to 1 than this
+        # is not resolved by the run
+        row["spread"] = {c: (max(xs) - min(xs)) / statistics.median(xs)
+                         for c, xs in samples.items() if statistics.median(xs) > 0}
         if "prefill" in phase.extra:
             row["prefill_ms"] = {c: statistics.median(xs) for c, xs in prefill.items()}
             row["decode_ms_per_token"] = {
@@ -478,7 +482,7 @@ def render_model(result: Mapping[str, Any]) -> str:
     attention's share, then the calls flashtune handed to torch."""
     contenders = list(result["contenders"])
     header = ["phase", "shape", *contenders, *(f"vs {c}" for c in contenders[1:]),
-              "attention share"]
+              "round spread", "attention share"]
     body = []
     for r in result["phases"]:
         share = r.get("attention_share", {})
@@ -486,6 +490,7 @@ def render_model(result: Mapping[str, Any]) -> str:
                      *(f"{r['ms'][c]:.2f}" if c in r["ms"] else "error" for c in contenders),
                      *(f"{r['speedup'][c]:.3f}x" if c in r.get("speedup", {}) else "-"
                        for c in contenders[1:]),
+                     f"{max(r['spread'].values()):.0%}" if r.get("spread") else "-",
                      " / ".join(f"{c} {share[c]:.0%}" for c in share if share[c] is not None)
                      or "-"])
     widths = [max(len(str(x)) for x in col) for col in zip(header, *body)]
@@ -496,7 +501,8 @@ def render_model(result: Mapping[str, Any]) -> str:
     lines.insert(0, f"{m['family']}: {m['layers']} layers, hidden {m['hidden']}, "
                     f"{m['heads']}:{m['kv_heads']} heads of {m['hidden'] // m['heads']}, bf16, "
                     f"{result['device']} (ms, median of {result['rounds']} rounds; vs X: "
-                    f"X's time over flashtune's)")
+                    f"X's time over flashtune's; round spread: the widest contender's "
+                    f"(max - min) / median, under which a ratio is not resolved)")
     for r in result["phases"]:
         if "decode_ms_per_token" in r:
             d = r["decode_ms_per_token"]

@@ -15,15 +15,15 @@ from flashtune.integrations import model_bench as mb  # noqa: E402
 from tests.conftest import DEVICE  # noqa: E402
 
 
-def _run(family, **work):
+def _run(family, rounds=1, **work):
     spec = mb.TINY[family]
     w = replace(mb.default_workload(family, tiny=True), **work)
-    return mb.bench_model(spec, w, contenders=("flashtune", "sdpa"), rounds=1,
+    return mb.bench_model(spec, w, contenders=("flashtune", "sdpa"), rounds=rounds,
                           interpret=DEVICE == "cpu")
 
 
 def test_llama_runs_every_phase_on_flashtune_checked_against_sdpa():
-    result = _run("llama")
+    result = _run("llama", rounds=2)
     json.dumps(result)  # JSON-ready as it is
     rows = {r["phase"]: r for r in result["phases"]}
     assert list(rows) == ["prefill", "train", "generate"]
@@ -33,6 +33,9 @@ def test_llama_runs_every_phase_on_flashtune_checked_against_sdpa():
         assert 0 <= r["check"]["flashtune"] <= mb.TOL
         assert set(r["ms"]) == {"flashtune", "sdpa"} and r["ms"]["flashtune"] > 0
         assert r["speedup"]["sdpa"] == pytest.approx(r["ms"]["sdpa"] / r["ms"]["flashtune"])
+        xs = r["round_ms"]["sdpa"]
+        assert len(xs) == 2 and r["ms"]["sdpa"] == pytest.approx(sum(xs) / 2)
+        assert r["spread"]["sdpa"] == pytest.approx(abs(xs[0] - xs[1]) / r["ms"]["sdpa"]) > 0
         assert r["fallbacks"] == {}
         # one attention call per layer, every one on flashtune's own route
         assert sum(c["calls"] for c in r["routes"]) == mb.TINY["llama"].layers
