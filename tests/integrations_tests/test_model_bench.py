@@ -35,7 +35,8 @@ def test_llama_runs_every_phase_on_flashtune_checked_against_sdpa():
         assert r["speedup"]["sdpa"] == pytest.approx(r["ms"]["sdpa"] / r["ms"]["flashtune"])
         xs = r["round_ms"]["sdpa"]
         assert len(xs) == 2 and r["ms"]["sdpa"] == pytest.approx(sum(xs) / 2)
-        assert r["spread"]["sdpa"] == pytest.approx(abs(xs[0] - xs[1]) / r["ms"]["sdpa"]) > 0
+        assert r["spread"]["sdpa"] == pytest.approx(abs(xs[0] - xs[1]) / r["ms"]["sdpa"])
+        assert r["spread"]["sdpa"] > 0  # two host timings of the CPU run never agree exactly
         assert r["fallbacks"] == {}
         # one attention call per layer, every one on flashtune's own route
         assert sum(c["calls"] for c in r["routes"]) == mb.TINY["llama"].layers
