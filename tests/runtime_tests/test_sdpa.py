@@ -124,3 +124,47 @@ def test_describe_route_names_the_fallback_or_flashtune_s_choice_without_running
     assert sdpa_mod.describe_route(q, k, v, is_causal=True) == \
         f"{want.template} ({want.source})"
     assert sdpa_mod.fallback_counts() == {}  # nothing ran
+
+
+def _served_cases():
+    """(query, key, value, kwargs): CUDA calls flashtune serves and ones it hands to torch."""
+    mk = lambda *s, dt=torch.bfloat16: torch.randn(*s, device="cuda").to(dt)  # noqa: E731
+    q, k = mk(2, 8, 5, 64), mk(2, 2, 9, 64)
+    kt = mk(2, 9, 2, 64).transpose(1, 2)
+    return [
+        (q, k, k, dict(enable_gqa=True)), (q, k, k, dict(enable_gqa=True, is_causal=True)),
+        (q, kt, kt, dict(enable_gqa=True, scale=0.3)), (q, k, k, {}),  # GQA without the flag
+        (q, k, k, dict(enable_gqa=True, scale=float("nan"))),
+        (q, k, k, dict(enable_gqa=True, scale=2)),  # an int: the slow path decides
+        (mk(2, 8, 12, 64), k, k, dict(enable_gqa=True, is_causal=True)),  # Lq > Lk
+        (mk(2, 8, 5, 24), mk(2, 2, 9, 24), mk(2, 2, 9, 24), dict(enable_gqa=True)),
+        (q.float(), k.float(), k.float(), dict(enable_gqa=True)),
+        (q, k, k.half(), dict(enable_gqa=True)),
+        (q, k, mk(2, 2, 9, 32), dict(enable_gqa=True)),
+        (q, k, k, dict(enable_gqa=True, dropout_p=0.1)),
+        (q, k, k, dict(enable_gqa=True, attn_mask=torch.ones(5, 9, dtype=torch.bool,
+                                                              device="cuda"))),
+        (q.transpose(2, 3).contiguous().transpose(2, 3), k, k, dict(enable_gqa=True)),
+        (mk(2, 8, 0, 64), k, k, dict(enable_gqa=True)),
+        (q.cpu(), k.cpu(), k.cpu(), dict(enable_gqa=True)),
+    ]
+
+
+@pytest.mark.gpu
+def test_the_fast_acceptance_never_serves_what_fallback_reason_refuses():
+    """``_served`` (every model call's check) agrees with :func:`fallback_reason` where it
+    says yes, and the calls it declines still get fallback_reason's verdict."""
+    served = 0
+    for q, k, v, kw in _served_cases():
+        args = dict(attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                    enable_gqa=False) | kw
+        fast = sdpa_mod._served(q, k, v, **args)
+        reason = sdpa_mod.fallback_reason(q, k, v, **args)
+        assert not (fast and reason is not None), (reason, kw, q.shape, k.shape)
+        served += fast
+    assert served == 3  # the three served calls above take the fast path
+
+
+def test_the_fast_acceptance_leaves_cpu_calls_to_fallback_reason():
+    q, k = _t(1, 2, 9, 32), _t(1, 2, 9, 32)
+    assert not sdpa_mod._served(q, k, k, None, 0.0, False, None, False)
