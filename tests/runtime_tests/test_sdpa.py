@@ -166,5 +166,5 @@ def test_the_fast_acceptance_never_serves_what_fallback_reason_refuses():
 
 
 def test_the_fast_acceptance_leaves_cpu_calls_to_fallback_reason():
-    q, k = _t(1, 2, 9, 32), _t(1, 2, 9, 32)
+    q, k = _t(1, 2, 9, 32).cpu(), _t(1, 2, 9, 32).cpu()
     assert not sdpa_mod._served(q, k, k, None, 0.0, False, None, False)
