@@ -82,6 +82,21 @@ def test_a_contender_whose_output_is_wrong_is_reported_and_not_timed(monkeypatch
     assert "flashtune not timed" in mb.render_model(result)
 
 
+def test_nothing_is_timed_unchecked_when_the_reference_fails(monkeypatch):
+    real = mb._contender
+
+    def broken_sdpa(model, name):
+        if name == "sdpa":
+            raise RuntimeError("no kernel for this shape")
+        return real(model, name)
+
+    monkeypatch.setattr(mb, "_contender", broken_sdpa)
+    (row,) = _run("llama", phases=("prefill",))["phases"]
+    assert row["errors"] == {"sdpa": "RuntimeError: no kernel for this shape",
+                             "flashtune": "not checked: sdpa, the reference, failed"}
+    assert row["ms"] == {}
+
+
 def test_attention_share_counts_attention_kernels_of_every_backend():
     kernels = [("attn_fwd_kernel", 2.0), ("gluon_attn_fwd_kernel", 1.0),
                ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128>>", 1.0),
