@@ -209,3 +209,45 @@ def test_impl_narrows_the_search_not_the_choice(tmp_path):
     with open_store(url) as store:
         (choice,) = store.list_choices(op="fwd")
     assert {c["implementation"] for c in choice.candidates} == {"attn_fwd", "sdpa_math"}
+
+
+class _Leading:
+    """A GPU-timed leader that passes its check and times ``first`` for ``n_first`` calls,
+    then ``then``."""
+
+    interpreting = False
+    flops = 1.0
+
+    def __init__(self, first: float, then: float, n_first: int = 5):
+        self.first, self.then, self.n_first, self.calls = first, then, n_first, 0
+
+    def evaluate(self, config):
+        return TrialResult(TrialState.COMPLETE, median_ms=self.first)
+
+    def time_config(self, config):
+        self.calls += 1
+        t = self.first if self.calls <= self.n_first else self.then
+        return t, t, t
+
+
+@pytest.mark.parametrize("extern_first,extern_then,retimed,winner", [
+    (1.01, 0.95, True, "sdpa_math"),   # 1% behind at first: timed again, the extern wins
+    (0.97, 1.10, True, "attn_fwd"),    # 3% ahead at first: timed again, the own kernel wins
+    (1.20, 0.50, False, "attn_fwd"),   # 20% behind: decided, not timed again
+])
+def test_a_close_call_between_own_kernel_and_extern_is_timed_again_with_more_rounds(
+        extern_first, extern_then, retimed, winner):
+    from flashtune.autotune import select
+    from flashtune.kernel_templates import get_template
+
+    own, ext = _Leading(1.0, 1.0), _Leading(extern_first, extern_then)
+    fakes = {"attn_fwd": own, "sdpa_math": ext}
+    candidates = [(get_template("attn_fwd"), {"BLOCK_M": 16}), (get_template("sdpa_math"), {})]
+    leaders = select._side_by_side(candidates, TINY, DEV, TuneOptions(trials=1), 5,
+                                   lambda spec, *a: fakes[spec.name])
+    rounds = 5 + (5 * select.CLOSE_CALL_ROUNDS if retimed else 0)
+    assert own.calls == ext.calls == rounds
+    assert leaders[0].implementation == winner
+    assert select._close_call(["triton", "extern"], [(1.0, None), (1.04, None)])
+    assert not select._close_call(["triton", "extern"], [(1.0, None), (None, "failed")])
+    assert not select._close_call(["triton", "gluon"], [(1.0, None), (1.01, None)])
