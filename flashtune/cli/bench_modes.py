@@ -48,6 +48,17 @@ def _refuse(ctx: click.Context, flags: dict[str, str], mode: str) -> None:
             raise click.UsageError(f"{flag} does not apply to {mode}")
 
 
+def _gpu_or_interpret(interpret: bool, why: str) -> None:
+    """UsageError ``no CUDA GPU found: <why>`` without a GPU unless ``interpret``; then the
+    interpreter decided, before anything imports triton."""
+    if not interpret:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise click.UsageError(f"no CUDA GPU found: {why}")
+    _decide_interpret(interpret)
+
+
 def run_dispatch_bench(ctx: click.Context, params: dict[str, Any]) -> None:
     """The ``--dispatch`` branch of ``flashtune bench``, given every bench parameter: the
     default shapes, or the one given by ``--batch --heads [--kv-heads] --seqlen
@@ -56,13 +67,8 @@ def run_dispatch_bench(ctx: click.Context, params: dict[str, Any]) -> None:
                   "seqlens": "--seqlens", "baselines": "--baselines",
                   **{k: f"--{k.replace('_', '-')}" for k in MODEL_OPTIONS}}, "--dispatch")
     interpret = params["interpret"]
-    if not interpret:
-        import torch
-
-        if not torch.cuda.is_available():
-            raise click.UsageError("no CUDA GPU found: bench --dispatch measures the host cost "
-                                   "of a GPU launch; --interpret checks the pipeline on CPU")
-    _decide_interpret(interpret)  # before anything imports triton
+    _gpu_or_interpret(interpret, "bench --dispatch measures the host cost of a GPU launch; "
+                                 "--interpret checks the pipeline on CPU")
     shape = {k: params[k] for k in _SHAPE_FLAGS}
     given = [k for k, v in shape.items() if v not in (None, False)]
     from flashtune.runtime.dispatch_bench import DEFAULT_SHAPES, DispatchShape
@@ -101,14 +107,9 @@ def run_model_bench(ctx: click.Context, family: str, params: dict[str, Any]) -> 
     _refuse(ctx, _NOT_WITH_MODEL,
             "--model (a model's attention shapes come from the model and its workload)")
     interpret = params["interpret"]
-    if not interpret:
-        import torch
-
-        if not torch.cuda.is_available():
-            raise click.UsageError("no CUDA GPU found: bench --model measures a model on the "
-                                   "GPU; --interpret runs a tiny model on CPU under the Triton "
-                                   "interpreter to check the pipeline (timings mean nothing)")
-    _decide_interpret(interpret)  # before anything imports triton
+    _gpu_or_interpret(interpret, "bench --model measures a model on the GPU; --interpret "
+                                 "runs a tiny model on CPU under the Triton interpreter to "
+                                 "check the pipeline (timings mean nothing)")
     from flashtune.integrations.model_bench import (
         CONTENDERS,
         PRESETS,

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from flashtune.integrations.transformers import NAME, sdpa_arguments
+from flashtune.runtime.bench import _first_line
 from flashtune.runtime.sdpa import describe_route, fallback_counts, reset_fallback_counts
 
 __all__ = ["ATTENTION_KERNEL", "CONTENDERS", "FAMILIES", "PRESETS", "TINY", "ModelSpec",
@@ -361,10 +362,6 @@ def _timer(device: str) -> Callable[[Callable[[], Any]], float]:
             torch.cuda.synchronize()
         return (time.perf_counter() - t) * 1e3
     return ms
-
-
-def _first_line(exc: BaseException) -> str:
-    return (f"{type(exc).__name__}: " + (str(exc).strip().splitlines() or [""])[0])[:200]
 
 
 def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:

@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from flashtune.runtime.bench import _first_line
+
 __all__ = ["DEFAULT_SHAPES", "DispatchShape", "bench_dispatch", "render_dispatch"]
 
 
@@ -173,7 +175,7 @@ def bench_dispatch(shapes: Sequence[DispatchShape] = DEFAULT_SHAPES, *, calls: i
                 if not err < 2e-2:
                     errors[name] = f"relative error {err:.2e} vs sdpa"
             except Exception as exc:  # a backend that cannot take the shape: data
-                errors[name] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:160]}"
+                errors[name] = _first_line(exc)
         timed = [n for n in fns if n not in errors]
         wall: dict[str, list[float]] = {n: [] for n in timed}
         cpu: dict[str, list[float]] = {n: [] for n in timed}

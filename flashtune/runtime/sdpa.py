@@ -59,6 +59,35 @@ def reset_fallback_counts() -> None:
         _COUNTS.clear()
 
 
+_Tensor = torch.Tensor
+_HEAD_DIMS = frozenset(SUPPORTED_HEAD_DIMS)
+_DTYPES = frozenset(SUPPORTED_DTYPES)
+
+
+def _served(query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: float,
+            is_causal: bool, scale: Any, enable_gqa: bool) -> bool:
+    """True only where :func:`_reason`'s checks all pass, for CUDA tensors on one device, in
+    a few metadata reads (the checks one by one cost about 10 us a call in Python); False
+    leaves the verdict and its reason to them."""
+    if attn_mask is not None or dropout_p or type(query) is not _Tensor \
+            or type(key) is not _Tensor or type(value) is not _Tensor:
+        return False
+    qs, ks = query.shape, key.shape
+    if len(qs) != 4 or len(ks) != 4 or value.shape != ks:
+        return False
+    b, hq, lq, e = qs
+    bk, hkv, lk, ek = ks
+    dev = query.get_device()
+    return (b == bk and e == ek and b > 0 and hq > 0 and lq > 0 and hkv > 0 and lk > 0
+            and e in _HEAD_DIMS and query.dtype in _DTYPES and key.dtype == query.dtype
+            and value.dtype == query.dtype and dev >= 0 and query.is_cuda
+            and key.get_device() == dev and value.get_device() == dev and key.is_cuda
+            and value.is_cuda and (hq == hkv or (enable_gqa and hq % hkv == 0))
+            and query.stride(-1) == 1 and key.stride(-1) == 1 and value.stride(-1) == 1
+            and (scale is None or (type(scale) is float and math.isfinite(scale)))
+            and not (is_causal and lq > lk) and b * hq <= MAX_GRID_YZ)
+
+
 def fallback_reason(query: Any, key: Any, value: Any, attn_mask: Any = None,
                     dropout_p: float = 0.0, is_causal: bool = False, scale: Any = None,
                     enable_gqa: bool = False) -> str | None:
@@ -72,6 +101,14 @@ def fallback_reason(query: Any, key: Any, value: Any, attn_mask: Any = None,
         One line saying why torch's SDPA runs the call (e.g. ``"dropout_p > 0"``), or None
         when flashtune serves it. Reads metadata only: no device sync, no launch.
     """
+    if _served(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+        return None  # the common case, every call of a model's attention: a few reads
+    return _reason(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+
+def _reason(query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: float,
+            is_causal: bool, scale: Any, enable_gqa: bool) -> str | None:
+    """:func:`fallback_reason`'s checks, one by one (the first that fails names it)."""
     if attn_mask is not None:
         return "attn_mask is given (flashtune takes causal or no mask)"
     if dropout_p:
@@ -108,36 +145,6 @@ def fallback_reason(query: Any, key: Any, value: Any, attn_mask: Any = None,
     return None
 
 
-_Tensor = torch.Tensor
-_HEAD_DIMS = frozenset(SUPPORTED_HEAD_DIMS)
-_DTYPES = frozenset(SUPPORTED_DTYPES)
-
-
-def _served(query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: float,
-            is_causal: bool, scale: Any, enable_gqa: bool) -> bool:
-    """True only where :func:`fallback_reason` returns None, for CUDA tensors on one
-    device, in a few metadata reads (its checks cost about 10 us a call in Python; this is
-    every call of a model's attention). False sends the call to :func:`fallback_reason`
-    for the verdict and its reason."""
-    if attn_mask is not None or dropout_p or type(query) is not _Tensor \
-            or type(key) is not _Tensor or type(value) is not _Tensor:
-        return False
-    qs, ks = query.shape, key.shape
-    if len(qs) != 4 or len(ks) != 4 or value.shape != ks:
-        return False
-    b, hq, lq, e = qs
-    bk, hkv, lk, ek = ks
-    dev = query.get_device()
-    return (b == bk and e == ek and b > 0 and hq > 0 and lq > 0 and hkv > 0 and lk > 0
-            and e in _HEAD_DIMS and query.dtype in _DTYPES and key.dtype == query.dtype
-            and value.dtype == query.dtype and dev >= 0 and query.is_cuda
-            and key.get_device() == dev and value.get_device() == dev and key.is_cuda
-            and value.is_cuda and (hq == hkv or (enable_gqa and hq % hkv == 0))
-            and query.stride(-1) == 1 and key.stride(-1) == 1 and value.stride(-1) == 1
-            and (scale is None or (type(scale) is float and math.isfinite(scale)))
-            and not (is_causal and lq > lk) and b * hq <= MAX_GRID_YZ)
-
-
 def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                  attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
                                  is_causal: bool = False, scale: float | None = None,
@@ -164,11 +171,8 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
         reason is logged at DEBUG level); flashtune's own checks pass for the calls it
         runs, so it raises nothing of its own.
     """
-    if _served(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
-        reason = None
-    else:
-        reason = fallback_reason(query, key, value, attn_mask, dropout_p, is_causal, scale,
-                                 enable_gqa)
+    reason = fallback_reason(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                             enable_gqa)
     if reason is not None:
         with _LOCK:
             _COUNTS[reason] += 1

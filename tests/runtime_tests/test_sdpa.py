@@ -152,14 +152,15 @@ def _served_cases():
 
 @pytest.mark.gpu
 def test_the_fast_acceptance_never_serves_what_fallback_reason_refuses():
-    """``_served`` (every model call's check) agrees with :func:`fallback_reason` where it
-    says yes, and the calls it declines still get fallback_reason's verdict."""
+    """``_served`` (every model call's check, ahead of the others in fallback_reason)
+    agrees with the checks one by one (``_reason``) where it says yes."""
     served = 0
     for q, k, v, kw in _served_cases():
         args = dict(attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                     enable_gqa=False) | kw
         fast = sdpa_mod._served(q, k, v, **args)
-        reason = sdpa_mod.fallback_reason(q, k, v, **args)
+        reason = sdpa_mod._reason(q, k, v, **args)
+        assert sdpa_mod.fallback_reason(q, k, v, **args) == (None if fast else reason)
         assert not (fast and reason is not None), (reason, kw, q.shape, k.shape)
         served += fast
     assert served == 3  # the three served calls above take the fast path
