@@ -16,8 +16,8 @@ from typing import Any
 from flashtune.core.device import DeviceFingerprint
 from flashtune.core.problem import AttentionProblem
 
-__all__ = ["FULL_REFERENCE_MAX_ELEMS", "TOLERANCE", "Case", "forward_case", "random_inputs",
-           "relative_error"]
+__all__ = ["FULL_REFERENCE_MAX_ELEMS", "TOLERANCE", "Case", "forward_case", "mods_options",
+           "random_inputs", "relative_error"]
 
 # relative Frobenius error allowed against the fp32 reference
 TOLERANCE = {"bf16": 2e-2, "fp16": 5e-3}
@@ -73,11 +73,43 @@ def random_inputs(problem: AttentionProblem, torch_device: str, generator: Any,
     return out
 
 
+def mods_options(problem: AttentionProblem, torch_device: str,
+                 generator: Any) -> dict[str, Any]:
+    """The launcher keywords of ``problem``'s score modifications (empty for a plain
+    problem, so implementations without them are called as before): ``window`` (the
+    right bound 0 when causal), ``softcap``, and for ALiBi seeded slopes ``(heads_q,)``
+    in [0, 1) (the geometric slopes of the ALiBi paper lie there)."""
+    import torch
+
+    p = problem
+    if not p.has_mods:
+        return {}
+    options: dict[str, Any] = {}
+    if p.window_left != -1 or p.window_right != -1:
+        options["window"] = (p.window_left, 0 if p.causal else p.window_right)
+    if p.softcap:
+        options["softcap"] = p.softcap
+    if p.alibi:
+        options["alibi_slopes"] = torch.rand((p.heads_q,), generator=generator,
+                                             device=torch_device, dtype=torch.float32)
+    return options
+
+
+def _sliced(options: Mapping[str, Any], heads: int) -> dict[str, Any]:
+    """``options`` for the first ``heads`` query heads (ALiBi slopes are per head)."""
+    out = dict(options)
+    if "alibi_slopes" in out:
+        out["alibi_slopes"] = out["alibi_slopes"][:heads]
+    return out
+
+
 def forward_case(reference: Callable[..., Any], problem: AttentionProblem,
                  device: DeviceFingerprint, *, torch_device: str, generator: Any,
                  launcher: Callable[..., Any], check_slice: bool = True) -> Case:
-    """``launcher(q, k, v, config, causal=)`` on random q, k, v against ``reference``'s
-    output (``reference(q, k, v, causal=, dtype=) -> (out, lse)``). For big problems (q or
+    """``launcher(q, k, v, config, causal=[, score modifications])`` on random q, k, v
+    against ``reference``'s output (``reference(q, k, v, causal=, dtype=[, window=,
+    softcap=, alibi_slopes=]) -> (out, lse)``; the modifications only for a problem that
+    has them, :func:`mods_options`). For big problems (q or
     k above ``FULL_REFERENCE_MAX_ELEMS`` elements) only batch
     0 and the first two q heads (and their kv heads) are compared, to bound memory."""
     import torch
@@ -85,17 +117,18 @@ def forward_case(reference: Callable[..., Any], problem: AttentionProblem,
     p = problem
     t = random_inputs(p, torch_device, generator)
     q, k, v = t["q"], t["k"], t["v"]
+    options = mods_options(p, torch_device, generator)
     if check_slice and max(q.numel(), k.numel()) > FULL_REFERENCE_MAX_ELEMS:
         hq = min(2, p.heads_q)
         hkv = (hq - 1) // (p.heads_q // p.heads_kv) + 1
         sl: tuple[slice, slice] = (slice(0, 1), slice(0, hq))
         ref, _ = reference(q[:1, :hq], k[:1, :hkv], v[:1, :hkv], causal=p.causal,
-                                dtype=torch.float32)
+                           dtype=torch.float32, **_sliced(options, hq))
     else:
         sl = (slice(None), slice(None))
-        ref, _ = reference(q, k, v, causal=p.causal, dtype=torch.float32)
+        ref, _ = reference(q, k, v, causal=p.causal, dtype=torch.float32, **options)
     io = sum(t.numel() * t.element_size() for t in (q, k, v, q))  # q, k, v read; o written
-    return Case(launch=lambda config: launcher(q, k, v, config, causal=p.causal),
+    return Case(launch=lambda config: launcher(q, k, v, config, causal=p.causal, **options),
                 error=lambda out: relative_error(out[sl], ref), flops=p.flops(),
                 inputs={"q": q, "k": k, "v": v, "ref": ref, "ref_slice": sl}, min_bytes=io)
 

@@ -7,6 +7,7 @@ call these functions, so the two can never drift apart.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
@@ -43,6 +44,13 @@ class AttentionProblem:
     head_dim: int
     causal: bool
     dtype: str  # "fp16" | "bf16"
+    # FlashAttention-2's score modifications (see MODS): a local window (-1: unbounded on
+    # that side; with ``causal`` the right bound is the causal one, so it stays -1), a
+    # logit softcap (0: none), ALiBi slopes (whether there are any; their values are data)
+    window_left: int = -1
+    window_right: int = -1
+    softcap: float = 0.0
+    alibi: bool = False
 
     def __post_init__(self) -> None:
         for name in ("batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_k", "head_dim"):
@@ -54,28 +62,83 @@ class AttentionProblem:
                              f"({self.heads_kv})")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        for name in ("window_left", "window_right"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < -1:
+                raise ValueError(f"{name} must be an int >= -1 (-1: unbounded), got {value!r}")
+        if self.causal and self.window_right != -1:
+            raise ValueError(f"window_right must be -1 for a causal problem (causal is the "
+                             f"right bound 0), got {self.window_right}")
+        cap = self.softcap
+        if isinstance(cap, bool) or not isinstance(cap, (int, float)) \
+                or not math.isfinite(cap) or cap < 0:
+            raise ValueError(f"softcap must be a finite number >= 0 (0: none), got {cap!r}")
+        object.__setattr__(self, "softcap", float(cap))
+        if not isinstance(self.alibi, bool):
+            raise ValueError(f"alibi must be true or false, got {self.alibi!r}")
 
     @classmethod
-    def from_tensors(cls, q: Any, k: Any, *, causal: bool) -> AttentionProblem:
-        """The problem of ``attention(q, k, v, causal=causal)`` (metadata only)."""
+    def from_tensors(cls, q: Any, k: Any, *, causal: bool,
+                     window: tuple[int, int] = (-1, -1), softcap: float | None = None,
+                     alibi: bool = False) -> AttentionProblem:
+        """The problem of ``attention(q, k, v, causal=causal, ...)`` (metadata only);
+        ``window``, ``softcap`` as :func:`flashtune.attention` takes them (a causal call's
+        right bound is dropped: causal is it)."""
         b, hq, nq, d = q.shape
+        left, right = window
         return cls(int(b), int(hq), int(k.shape[1]), int(nq), int(k.shape[2]), int(d),
-                   bool(causal), dtype_name(q.dtype))
+                   bool(causal), dtype_name(q.dtype), int(left), -1 if causal else int(right),
+                   float(softcap or 0.0), bool(alibi))
 
     @classmethod
     def from_key(cls, key: Mapping[str, Any]) -> AttentionProblem:
-        """The problem whose :meth:`key` is ``key`` (extra keys are ignored)."""
-        return cls(**{f: key[f] for f in cls.__dataclass_fields__})
+        """The problem whose :meth:`key` is ``key`` (extra keys are ignored; a missing
+        score modification is the default: keys written before they existed stay valid)."""
+        return cls(**{f: key[f] for f in cls.__dataclass_fields__ if f in key or f not in MODS})
 
     def key(self) -> dict[str, Any]:
-        """The problem as a dict of its fields: what the store and config files key on."""
-        return asdict(self)
+        """The problem as a dict of its fields, the score modifications only where set (a
+        plain problem's key is what it was before they existed): what the store and config
+        files key on."""
+        key = asdict(self)
+        for name, default in MODS.items():
+            if key[name] == default:
+                del key[name]
+        return key
+
+    @property
+    def has_mods(self) -> bool:
+        """Whether any score modification (window, softcap, ALiBi) is set."""
+        return (self.window_left, self.window_right, self.softcap, self.alibi) != _NO_MODS
+
+    def mods(self) -> tuple[str, ...]:
+        """The names of the score modifications set: ``"window"``, ``"softcap"``,
+        ``"alibi"`` (what an implementation's ``Limits.score_mods`` must hold)."""
+        names = []
+        if self.window_left != -1 or self.window_right != -1:
+            names.append("window")
+        if self.softcap:
+            names.append("softcap")
+        if self.alibi:
+            names.append("alibi")
+        return tuple(names)
+
+    def _mods_label(self) -> str:
+        parts = []
+        if self.window_left != -1 or self.window_right != -1:
+            parts.append(f"w{self.window_left}_{self.window_right}")
+        if self.softcap:
+            parts.append(f"cap{self.softcap:g}")
+        if self.alibi:
+            parts.append("alibi")
+        return "".join(f"-{p}" for p in parts)
 
     def bucket(self) -> str:
         """Sequence lengths and batch rounded up to powers of two; everything else exact."""
         return (f"{self.dtype}-d{self.head_dim}-{'causal' if self.causal else 'full'}"
                 f"-hq{self.heads_q}-hkv{self.heads_kv}-b{_pow2_ceil(self.batch)}"
-                f"-nq{_pow2_ceil(self.seqlen_q)}-nk{_pow2_ceil(self.seqlen_k)}")
+                f"-nq{_pow2_ceil(self.seqlen_q)}-nk{_pow2_ceil(self.seqlen_k)}"
+                f"{self._mods_label()}")
 
     def distance(self, other: AttentionProblem) -> float:
         """How far apart two problems are, for the nearest-tuned-shape lookup.
@@ -93,8 +156,21 @@ class AttentionProblem:
         def lg(a: float, b: float) -> float:
             return abs(math.log2(a) - math.log2(b))
 
+        # other score modifications: a config still runs them, and tiles tuned without a
+        # window are a better start than the template's default, but any problem with the
+        # same ones is nearer
+        mods = 0.0 if self.mods() == other.mods() else MODS_DISTANCE
+        if self.mods() == other.mods() and "window" in self.mods():
+            mods = 0.5 * (lg(self._window_span(), other._window_span()))
         return (lg(self.seqlen_q, other.seqlen_q) + lg(self.seqlen_k, other.seqlen_k)
-                + 0.5 * lg(self.batch * self.heads_q, other.batch * other.heads_q))
+                + 0.5 * lg(self.batch * self.heads_q, other.batch * other.heads_q) + mods)
+
+    def _window_span(self) -> int:
+        """How many keys a row of the window sees at most (for the distance)."""
+        left = self.seqlen_k if self.window_left < 0 else self.window_left
+        right = 0 if self.causal else (self.seqlen_k if self.window_right < 0
+                                       else self.window_right)
+        return max(1, min(self.seqlen_k, left + right + 1))
 
     def flops(self, *, backward: bool = False) -> float:
         """ANCHORS.md: ``4 B Hq Nq Nk D``, halved when causal; backward is 2.5x forward.
@@ -103,17 +179,49 @@ class AttentionProblem:
         visible under bottom-right alignment, which equals the half for square shapes.
         """
         pairs = float(self.seqlen_q) * self.seqlen_k
-        if self.causal:
+        if self.window_left != -1 or self.window_right != -1:
+            pairs = float(visible_pairs(self.seqlen_q, self.seqlen_k, self.window_left,
+                                        0 if self.causal else self.window_right))
+        elif self.causal:
             if self.seqlen_q == self.seqlen_k:
                 pairs /= 2
             else:
-                pairs = float(sum(max(0, min(self.seqlen_k, i + 1 + self.seqlen_k - self.seqlen_q))
-                                  for i in range(self.seqlen_q)))
+                pairs = float(visible_pairs(self.seqlen_q, self.seqlen_k, -1, 0))
         f = 4.0 * self.batch * self.heads_q * pairs * self.head_dim
         return f * 2.5 if backward else f
 
     def describe(self) -> str:
         """One line for messages: ``B=.. Hq=.. Hkv=.. Nq=.. Nk=.. D=.. dtype [causal]``."""
         causal = " causal" if self.causal else ""
+        mods = ""
+        if self.window_left != -1 or self.window_right != -1:
+            mods += f" window=({self.window_left},{self.window_right})"
+        if self.softcap:
+            mods += f" softcap={self.softcap:g}"
+        if self.alibi:
+            mods += " alibi"
         return (f"B={self.batch} Hq={self.heads_q} Hkv={self.heads_kv} Nq={self.seqlen_q} "
-                f"Nk={self.seqlen_k} D={self.head_dim} {self.dtype}{causal}")
+                f"Nk={self.seqlen_k} D={self.head_dim} {self.dtype}{causal}{mods}")
+
+
+# the score modifications' fields and their defaults (off); a key omits those at default
+MODS: dict[str, Any] = {"window_left": -1, "window_right": -1, "softcap": 0.0, "alibi": False}
+_NO_MODS = tuple(MODS.values())
+# what differing score modifications add to the nearest-problem distance (as much as four
+# doublings of both sequence lengths)
+MODS_DISTANCE = 8.0
+
+
+@functools.lru_cache(maxsize=256)
+def visible_pairs(seqlen_q: int, seqlen_k: int, left: int, right: int) -> int:
+    """How many (query, key) pairs a bottom-right aligned window ``(left, right)`` (-1:
+    unbounded; causal is right 0) lets through: query ``i`` at key position
+    ``i + seqlen_k - seqlen_q`` sees keys ``[pos - left, pos + right]`` within ``[0, seqlen_k)``."""
+    total = 0
+    shift = seqlen_k - seqlen_q
+    for i in range(seqlen_q):
+        pos = i + shift
+        lo = 0 if left < 0 else max(0, pos - left)
+        hi = seqlen_k - 1 if right < 0 else min(seqlen_k - 1, pos + right)
+        total += max(0, hi - lo + 1)
+    return total

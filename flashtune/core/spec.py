@@ -37,6 +37,8 @@ BWD_PREFIX = "bwd."
 # how an implementation is built: a ``tl`` Triton kernel, a Gluon kernel (compiled code
 # only: no interpreter), or a kernel of another library (torch SDPA's backends), no knobs
 KINDS = ("triton", "gluon", "extern")
+# the score modifications an implementation may serve (Limits.score_mods)
+SCORE_MODS: tuple[str, ...] = ("window", "softcap", "alibi")
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,9 @@ class Limits:
         capabilities: the compute capabilities ``(major, minor)`` it runs on (None: any);
             e.g. ``((9, 0),)`` for Hopper-only code.
         max_seqlen_q: the longest query it serves (None: no limit).
+        score_mods: the score modifications it serves, of ``"window"``, ``"softcap"``,
+            ``"alibi"`` (FlashAttention-2's ``window_size``, ``softcap``,
+            ``alibi_slopes``; :meth:`AttentionProblem.mods`).
         available: ``available(device) -> reason | None``: a check that only the running
             process can answer (a library built without a backend); None: always.
     """
@@ -69,6 +74,7 @@ class Limits:
     needs_gpu: bool = False
     capabilities: tuple[tuple[int, int], ...] | None = None
     max_seqlen_q: int | None = None
+    score_mods: tuple[str, ...] = ()
     available: Callable[[DeviceFingerprint], str | None] | None = field(default=None,
                                                                         compare=False)
 
@@ -89,6 +95,10 @@ class Limits:
         if self.capabilities is not None and device.capability not in self.capabilities:
             have = ", ".join(f"sm_{a}{b}" for a, b in self.capabilities)
             return f"runs on {have} only, not on {device.name} ({device.compute_capability})"
+        missing = [m for m in p.mods() if m not in self.score_mods]
+        if missing:
+            names = {"window": "a local window", "softcap": "a softcap", "alibi": "ALiBi"}
+            return f"{' and '.join(names[m] for m in missing)} (it serves no such scores)"
         if self.head_dims is not None and p.head_dim not in self.head_dims:
             return f"head_dim {p.head_dim} (it serves {list(self.head_dims)})"
         if p.dtype not in self.dtypes:
@@ -126,6 +136,7 @@ class Limits:
                       lse=self.lse and other.lse, needs_gpu=self.needs_gpu or other.needs_gpu,
                       capabilities=meet(self.capabilities, other.capabilities),
                       max_seqlen_q=min(lengths) if lengths else None,
+                      score_mods=tuple(m for m in self.score_mods if m in other.score_mods),
                       available=available if checks else None)
 
 

@@ -27,6 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from flashtune.core.problem import MODS
 from flashtune.db.exchange import ConfigDocument, vllm_config_file_name
 
 __all__ = ["SHAPE_FIELDS", "VllmFile", "parse_shape_key", "shape_key", "vllm_files",
@@ -80,14 +81,19 @@ def vllm_files(docs: Sequence[ConfigDocument]) -> list[VllmFile]:
     """The vLLM-style files of ``docs`` (see the module docstring), sorted by name.
 
     ``docs`` are validated documents (:func:`flashtune.db.exchange.export_documents`); each
-    is split by (dtype, head_dim, causal) of its problems. ``ValueError`` for a problem key
-    that is not an attention problem's, or two documents that would write one file.
+    is split by (dtype, head_dim, causal) of its problems. Entries of problems with a
+    score modification (window, softcap, ALiBi: :data:`~flashtune.core.problem.MODS`)
+    are left out: vLLM's shape keys have no field for them, and the plain shape's config
+    would be overwritten. ``ValueError`` for a problem key that is not an attention
+    problem's, or two documents that would write one file.
     """
     files: dict[str, VllmFile] = {}
     for doc in docs:
         groups: dict[tuple[Any, ...], dict[str, dict[str, int]]] = {}
         for entry in doc.entries:
             problem = entry.problem
+            if any(name in problem for name in MODS):
+                continue
             missing = [f for f in _GROUP_FIELDS if f not in problem]
             if missing:
                 raise ValueError(f"problem key {problem!r} of {doc.file_name()} has no "

@@ -19,7 +19,7 @@ import flashtune
 from flashtune.core.device import DeviceFingerprint
 from flashtune.core.errors import ImportRejected, StoreError, UnknownTemplateError
 from flashtune.core.problem import AttentionProblem
-from flashtune.db import SoftwareVersions, open_store, rows
+from flashtune.db import SoftwareVersions, TrialState, open_store, rows
 from flashtune.db.exchange import (
     ConfigDocument,
     DeviceInfo,
@@ -449,3 +449,36 @@ def test_a_failure_midway_through_the_transaction_writes_nothing(
 def test_device_fingerprints_and_device_info_share_the_key_order() -> None:
     fp = DeviceFingerprint("X", "8.9", 1, 2, 3, torch_version="2.5")
     assert DeviceInfo(*fp.hardware_key()).hardware_key() == fp.hardware_key()
+
+
+# -- score modifications --------------------------------------------------------------------
+
+def test_a_problem_with_score_modifications_round_trips(tmp_path: Path, url: str) -> None:
+    """Window, softcap and ALiBi are part of the key (issue 29): exported with the entry,
+    read back equal; a plain problem's key has none of them (older files stay valid)."""
+    mods = AttentionProblem(1, 8, 2, 4096, 4096, 128, True, "bf16", 1023, -1, 30.0, True)
+    with open_store(url) as store:
+        d = store.ensure_device(H100)
+        t = store.ensure_template("attn_fwd", SOURCE)
+        for problem, ms in ((mods, 2.0), (PROBLEMS[0], 1.0)):
+            p = store.ensure_problem("attn_fwd", problem.key(), problem.bucket())
+            run = store.create_run(d.id, t.id, p.id, study_name=problem.bucket(),
+                                   sampler="tpe", **VERSIONS)
+            trial = store.record_trial(run.id, CONFIGS[0], TrialState.COMPLETE, median_ms=ms,
+                                       tflops=1.0)
+            store.offer_best(d.id, t.id, p.id, config=CONFIGS[0], median_ms=ms, tflops=1.0,
+                             trial_id=trial.id, trials_count=1)
+    docs = export(url)
+    text = document_to_json(docs[0])
+    entries = json.loads(text)["entries"]
+    keys = sorted((e["problem"] for e in entries), key=len)
+    assert "window_left" not in keys[0] and keys[1]["window_left"] == 1023
+    assert keys[1]["softcap"] == 30.0 and keys[1]["alibi"] is True
+    fresh = other_url(tmp_path, "b.db")
+    import_(fresh, [parse_document(text, specs=SPECS)])
+    with open_store(fresh, read_only=True) as store:
+        got = {AttentionProblem.from_key(b.problem.key) for b in store.list_best()}
+    assert got == {mods, PROBLEMS[0]}
+    bad = text.replace('"window_left": 1023', '"window_left": -5')
+    with pytest.raises(ImportRejected, match="window_left is the integer -5; expected an integer from -1"):
+        parse_document(bad, specs=SPECS)

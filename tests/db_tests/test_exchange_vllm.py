@@ -107,3 +107,18 @@ def test_two_documents_for_one_file_are_refused() -> None:
     doc = _doc_with([AttentionProblem(1, 4, 4, 64, 64, 64, True, "bf16")])
     with pytest.raises(ValueError, match="two documents would both write"):
         vllm_files([doc, doc])
+
+
+def test_entries_with_score_modifications_are_left_out() -> None:
+    """vLLM's shape key has no window or softcap: such entries would overwrite the plain
+    shape's config, so the vLLM export leaves them out."""
+    plain = AttentionProblem(1, 8, 8, 512, 512, 64, True, "bf16")
+    windowed = AttentionProblem(1, 8, 8, 512, 512, 64, True, "bf16", 127)
+    base = make_document(n=1)
+    entry = base.entries[0]
+    doc = dataclasses.replace(base, entries=(
+        dataclasses.replace(entry, problem=plain.key(), config=CONFIGS[0]),
+        dataclasses.replace(entry, problem=windowed.key(), config=CONFIGS[1]),
+    ))
+    (file,) = vllm_files([doc])
+    assert list(file.configs.values()) == [CONFIGS[0]]
