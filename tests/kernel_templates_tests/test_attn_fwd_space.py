@@ -103,13 +103,15 @@ for bm, bn, w, s, d, tma in json.loads(sys.argv[1]):
     bd = block_d(d)
     const = dict(HEAD_DIM=d, BLOCK_D=bd, BLOCK_M=bm, BLOCK_N=bn, IS_CAUSAL=False,
                  STORE_LSE=True, UPCAST_DOT=False, NEG_SCALE=False, USE_TMA=bool(tma),
-                 REVERSE_M=False)
+                 REVERSE_M=False, HAS_WINDOW=False, HAS_SOFTCAP=False, HAS_ALIBI=False,
+                 VARLEN=False, Alibi=None, CuSeqQ=None, CuSeqK=None)
     descs = {"desc_q": bm, "desc_k": bn, "desc_v": bn, "desc_o": bm}
     if not tma:
         const.update({n: None for n in descs})
     sig = {n: ("constexpr" if n in const else "*fp16" if n in ("Q", "K", "V", "Out")
                else f"tensordesc<fp16[1,1,{descs[n]},{bd}]>" if n in descs
-               else "*fp32" if n == "Lse" else "fp32" if n == "sm_scale" else "i32")
+               else "*fp32" if n == "Lse" else "fp32" if n in ("sm_scale", "SOFTCAP")
+               else "i32")
            for n in names}
     src = ASTSource(fn=kern, signature=sig, attrs=attrs,
                     constexprs={(names.index(k),): v for k, v in const.items()})

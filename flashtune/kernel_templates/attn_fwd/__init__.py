@@ -6,6 +6,7 @@ import functools
 from pathlib import Path
 
 from flashtune.core.case import forward_case
+from flashtune.core.spec import SCORE_MODS, Limits
 from flashtune.kernel_templates.attn_fwd.kernel import attn_fwd_kernel
 from flashtune.kernel_templates.attn_fwd.launcher import attn_fwd
 from flashtune.kernel_templates.attn_fwd.reference import attn_fwd_reference
@@ -28,6 +29,7 @@ SPEC = register_template(TemplateSpec(
     kernel=attn_fwd_kernel,
     serves=("fwd", "train", "decode"),
     backward="attn_bwd",
+    limits=Limits(score_mods=SCORE_MODS),
 ))
 
 __all__ = ["SPEC", "attn_fwd", "attn_fwd_reference", "attn_fwd_kernel", "default_config", "SPACE"]

@@ -1,20 +1,42 @@
 """Flash-attention forward: online softmax over K/V tiles; the Nq x Nk matrix never leaves SRAM.
 
-Grid: ``(cdiv(Nq, BLOCK_M), B * Hq)``. Each program owns BLOCK_M query rows of one head and
-walks the key axis in two phases:
+Grid: ``(cdiv(Nq, BLOCK_M), B * Hq)`` (with ``VARLEN``, ``Nq`` is the longest sequence's).
+Each program owns BLOCK_M query rows of one head and walks the key axis in segments:
 
-1. blocks every row of the tile may see in full (no mask, no bounds check);
-2. the boundary blocks: the causal diagonal band and the ragged end of the key axis.
+1. with a local window only, a masked left band: the blocks at the window's lower edge;
+2. blocks every row of the tile may see in full (no mask, no bounds check);
+3. a masked right band: the causal diagonal (or the window's upper edge) and the ragged end
+   of the key axis.
 
-Causal masking is bottom-right aligned: query ``i`` sees keys ``j <= i + Nk - Nq``. A row
-that sees no key produces zeros and LSE = -inf. ``exp2`` is used with ``scale * log2(e)``
-folded into one multiplier.
+Masks are bottom-right aligned (FlashAttention-2's convention): query ``i`` sits at key
+position ``pos_i = i + Nk - Nq``; causal keeps keys ``j <= pos_i``. A row that sees no key
+produces zeros and LSE = -inf. ``exp2`` is used with ``scale * log2(e)`` folded into one
+multiplier.
+
+Score modifications, FlashAttention-2's API (each behind a constexpr flag, so a plain call
+compiles to the kernel without them):
+
+* ``HAS_WINDOW``: a local window ``(WINDOW_LEFT, WINDOW_RIGHT)`` keeps keys
+  ``pos_i - left <= j <= pos_i + right`` (-1: unbounded on that side; causal is right = 0 and
+  may keep a left bound). Blocks outside the tile's window are never loaded, so a sliding
+  window costs O(N * W); see :func:`_window_ranges` for the three segments. Causal alone
+  stays ``IS_CAUSAL`` without ``HAS_WINDOW`` (segments 2 and 3).
+* ``HAS_SOFTCAP``: ``s = softcap * tanh(scale * q.k / softcap)`` (Gemma-2, FA2's
+  ``softcap``), computed in the log2 domain as ``tanh(q.k * scale / softcap) * softcap *
+  log2(e)``.
+* ``HAS_ALIBI``: ``s -= slope[b, h] * |pos_i - j|`` (ALiBi, Press et al.; FA2's
+  ``alibi_slopes``, ``(Hq,)`` with ``stride_ab`` 0 or ``(B, Hq)``), after the mask.
+
+``VARLEN`` (FA2's ``flash_attn_varlen_func``): Q/K/V are packed ``(total, H, D)``; program
+``b`` reads its sequence's start and length from ``CuSeqQ``/``CuSeqK`` (the batch strides are
+unused), ``N_Q``/``N_K`` are that sequence's, tiles past its end return at once, and the LSE
+is ``(Hq, total_q)``.
 
 Hopper knobs (constexpr, chosen by the config):
 
 * ``USE_TMA``: Q, K, V are read and O written through host-built 4-D tensor descriptors
   ``(B, H, N, D)`` (the bulk tensor-copy engine); out-of-range rows and the padded head-dim
-  columns come back as zeros, so no load needs a mask.
+  columns come back as zeros, so no load needs a mask. Not with ``VARLEN``.
 * ``REVERSE_M``: programs take query tiles last-first, so under a causal mask the longest
   tiles start first and the short ones fill the tail of the wave.
 """
@@ -53,12 +75,38 @@ def _load_kv(k_base, v_base, desc_k, desc_v, off_b, off_hkv, start_n, offs_n, of
 
 
 @triton.jit
+def _tanh(x):
+    """tanh through exp2 (the interpreter has no portable tanh): ``1 - 2 / (e^(2x) + 1)``,
+    exact at both saturations (``e^(2x)`` = inf gives 1, 0 gives -1)."""
+    return 1.0 - 2.0 / (tl.math.exp2(x * 2.8853900817779268) + 1.0)  # 2 * log2(e)
+
+
+@triton.jit
+def _modified_scores(qk, qk_scale, cap_in, cap_out, slope, pos_m, cols,
+                     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
+    """Log2-domain scores of raw dots ``qk``: ``qk * scale * log2(e)``, or with a softcap
+    ``tanh(qk * cap_in) * cap_out`` (``cap_in = scale / softcap``, ``cap_out = softcap *
+    log2(e)``), minus ``slope * |pos - j|`` (``slope`` already times log2(e))."""
+    if HAS_SOFTCAP:
+        s = _tanh(qk * cap_in) * cap_out
+    else:
+        s = qk * qk_scale
+    if HAS_ALIBI:
+        # distances in fp32 (exact below 2^24): one FADD with a free |.| and one FFMA
+        dist = tl.abs(pos_m.to(tl.float32)[:, None] - cols.to(tl.float32)[None, :])
+        s -= slope * dist
+    return s
+
+
+@triton.jit
 def _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, off_b, off_hkv,
                     offs_m, offs_n, offs_d, stride_kn, stride_vn, lo, hi, N_K, CAUSAL_OFFSET,
-                    qk_scale,
+                    qk_scale, win_l, win_r, cap_in, cap_out, slope,
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr,
-                    USE_TMA: tl.constexpr, NEG_SCALE: tl.constexpr):
+                    USE_TMA: tl.constexpr, NEG_SCALE: tl.constexpr,
+                    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                    HAS_ALIBI: tl.constexpr):
     for start_n in tl.range(lo, hi, BLOCK_N):
         kt, v = _load_kv(k_base, v_base, desc_k, desc_v, off_b, off_hkv, start_n, offs_n,
                          offs_d, stride_kn, stride_vn, N_K, HEAD_DIM, BLOCK_D, BLOCK_N,
@@ -72,10 +120,28 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, off_b, off
             keep = (cols < N_K)[None, :]
             if IS_CAUSAL:
                 keep = keep & (cols[None, :] <= offs_m[:, None] + CAUSAL_OFFSET)
-            qk = tl.where(keep, qk * qk_scale, float("-inf"))
+            if HAS_WINDOW:
+                pos = offs_m[:, None] + CAUSAL_OFFSET
+                keep = keep & (cols[None, :] >= pos - win_l)
+                if not IS_CAUSAL:
+                    keep = keep & (cols[None, :] <= pos + win_r)
+            if HAS_SOFTCAP or HAS_ALIBI:
+                s = _modified_scores(qk, qk_scale, cap_in, cap_out, slope,
+                                     offs_m + CAUSAL_OFFSET, cols, HAS_SOFTCAP, HAS_ALIBI)
+                qk = tl.where(keep, s, float("-inf"))
+            else:
+                qk = tl.where(keep, qk * qk_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             # rows with no visible key so far keep m = -inf; subtract 0 to avoid inf - inf
             m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.math.exp2(qk - m_sub[:, None])
+        elif HAS_SOFTCAP or HAS_ALIBI:
+            # every row sees every key: m stays finite, but the scores are no longer a
+            # multiple of the dot, so they are formed before the row maximum
+            qk = _modified_scores(qk, qk_scale, cap_in, cap_out, slope, offs_m + CAUSAL_OFFSET,
+                                  start_n + offs_n, HAS_SOFTCAP, HAS_ALIBI)
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_sub = m_new
             p = tl.math.exp2(qk - m_sub[:, None])
         else:
             # every row sees every key of an unmasked block, so m stays finite; the scale is
@@ -99,22 +165,55 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, off_b, off
 
 
 @triton.jit
+def _window_ranges(start_m, N_K, causal_offset, win_l, win_r,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``(lo, full_lo, full_hi, hi)`` of a query tile under a window: keys ``[lo, full_lo)``
+    (left band) and ``[full_hi, hi)`` (right band) are walked masked, ``[full_lo, full_hi)``
+    unmasked; nothing outside ``[lo, hi)`` is loaded.
+
+    Rows ``m0..m1`` (``m1 = m0 + BLOCK_M - 1``, unclamped) sit at keys ``pos(m) = m +
+    causal_offset``. The tile sees keys ``[pos(m0) - left, pos(m1) + right]``: the walk
+    starts at that block and stops at the last key (``hi`` need not be block-aligned). Every
+    row sees ``[pos(m1) - left, pos(m0) + right]``: the whole blocks inside it, and below the
+    ragged end of the key axis, run unmasked. When there are none (a window narrower than
+    the tile) the left band is the whole walk. ``win_l``/``win_r`` are >= 0 (unbounded
+    sides come in as a bound past every key)."""
+    pos0 = start_m * BLOCK_M + causal_offset
+    pos1 = pos0 + BLOCK_M - 1
+    # floor/ceil to BLOCK_N of non-negative values only (// truncates toward zero)
+    lo = tl.maximum(pos0 - win_l, 0) // BLOCK_N * BLOCK_N
+    hi = tl.maximum(tl.minimum(N_K, pos1 + win_r + 1), lo)
+    full_lo = (tl.maximum(pos1 - win_l, 0) + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+    full_hi = tl.maximum(pos0 + win_r + 1, 0) // BLOCK_N * BLOCK_N
+    full_hi = tl.maximum(tl.minimum(full_hi, (N_K // BLOCK_N) * BLOCK_N), full_lo)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
 def attn_fwd_kernel(
     Q, K, V, Out, Lse,
     desc_q, desc_k, desc_v, desc_o,
+    Alibi, CuSeqQ, CuSeqK,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_om,
     stride_lb, stride_lh,
     H_Q, GROUP, N_Q, N_K, sm_scale,
+    # the modifications' scalars come last: a plain launch keeps every earlier parameter's
+    # place, and so (the pointers above being None) today's PTX and SASS
+    stride_ab, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, STORE_LSE: tl.constexpr, UPCAST_DOT: tl.constexpr,
     NEG_SCALE: tl.constexpr, USE_TMA: tl.constexpr, REVERSE_M: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16, "tl.dot needs tiles of at least 16")
     tl.static_assert(BLOCK_D >= HEAD_DIM, "BLOCK_D must cover HEAD_DIM")
+    tl.static_assert(not (USE_TMA and VARLEN), "VARLEN reads through pointers, not TMA")
     if REVERSE_M:
         start_m = tl.num_programs(0) - 1 - tl.program_id(0)
     else:
@@ -124,18 +223,34 @@ def attn_fwd_kernel(
     off_h = off_bh % H_Q
     off_hkv = off_h // GROUP
 
+    if VARLEN:
+        # this sequence's rows of the packed tensors; the batch strides are unused
+        q_start = tl.load(CuSeqQ + off_b)
+        k_start = tl.load(CuSeqK + off_b)
+        N_Q = tl.load(CuSeqQ + off_b + 1) - q_start
+        N_K = tl.load(CuSeqK + off_b + 1) - k_start
+        if start_m * BLOCK_M >= N_Q:
+            return
+
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     m_ok = offs_m < N_Q
     d_ok = offs_d < HEAD_DIM
 
-    k_base = K + off_b.to(tl.int64) * stride_kb + off_hkv.to(tl.int64) * stride_kh
-    v_base = V + off_b.to(tl.int64) * stride_vb + off_hkv.to(tl.int64) * stride_vh
+    if VARLEN:
+        k_base = K + k_start.to(tl.int64) * stride_kn + off_hkv.to(tl.int64) * stride_kh
+        v_base = V + k_start.to(tl.int64) * stride_vn + off_hkv.to(tl.int64) * stride_vh
+    else:
+        k_base = K + off_b.to(tl.int64) * stride_kb + off_hkv.to(tl.int64) * stride_kh
+        v_base = V + off_b.to(tl.int64) * stride_vb + off_hkv.to(tl.int64) * stride_vh
     if USE_TMA:
         q = desc_q.load([off_b, off_h, start_m * BLOCK_M, 0]).reshape(BLOCK_M, BLOCK_D)
     else:
-        q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
+        if VARLEN:
+            q_base = Q + q_start.to(tl.int64) * stride_qm + off_h.to(tl.int64) * stride_qh
+        else:
+            q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
         q_ptrs = q_base + offs_m[:, None].to(tl.int64) * stride_qm + offs_d[None, :]
         q = tl.load(q_ptrs, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
 
@@ -144,28 +259,66 @@ def attn_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    # Key ranges. Every row of this tile sees keys [0, full_hi) without masking.
+    # the modifications' scalars; None (constexpr) when off, so a plain call compiles as before
+    cap_in = None
+    cap_out = None
+    if HAS_SOFTCAP:
+        cap_in = sm_scale / SOFTCAP
+        cap_out = SOFTCAP * 1.4426950408889634
+    slope = None
+    if HAS_ALIBI:
+        slope = tl.load(Alibi + off_b.to(tl.int64) * stride_ab + off_h) * 1.4426950408889634
+
+    # Key ranges: masked [lo, full_lo), unmasked [full_lo, full_hi), masked [full_hi, hi).
     causal_offset = N_K - N_Q
-    n_full = (N_K // BLOCK_N) * BLOCK_N
-    if IS_CAUSAL:
-        first_row_sees = start_m * BLOCK_M + causal_offset + 1  # keys [0, this) for row 0 of the tile
-        full_hi = tl.minimum(n_full, tl.maximum(first_row_sees, 0) // BLOCK_N * BLOCK_N)
-        band_hi = tl.minimum(N_K, tl.maximum(start_m * BLOCK_M + BLOCK_M + causal_offset, 0))
+    win_l = None
+    win_r = None
+    if not HAS_WINDOW:
+        # Every row of this tile sees keys [0, full_hi) without masking; no left band.
+        full_lo: tl.constexpr = 0
+        n_full = (N_K // BLOCK_N) * BLOCK_N
+        if IS_CAUSAL:
+            first_row_sees = start_m * BLOCK_M + causal_offset + 1  # keys [0, this) for row 0 of the tile
+            full_hi = tl.minimum(n_full, tl.maximum(first_row_sees, 0) // BLOCK_N * BLOCK_N)
+            hi = tl.minimum(N_K, tl.maximum(start_m * BLOCK_M + BLOCK_M + causal_offset, 0))
+        else:
+            full_hi = n_full
+            hi = N_K
+        hi = tl.maximum(hi, full_hi)
     else:
-        full_hi = n_full
-        band_hi = N_K
-    band_hi = tl.maximum(band_hi, full_hi)
+        # -1 (unbounded) becomes a bound no tile reaches: |pos - j| < N_Q + N_K + BLOCK_M
+        unbounded = N_Q + N_K + BLOCK_M
+        win_l = tl.where(WINDOW_LEFT < 0, unbounded, WINDOW_LEFT)
+        if IS_CAUSAL:
+            win_r = 0
+        else:
+            win_r = tl.where(WINDOW_RIGHT < 0, unbounded, WINDOW_RIGHT)
+        lo, full_lo, full_hi, hi = _window_ranges(start_m, N_K, causal_offset, win_l, win_r,
+                                                  BLOCK_M, BLOCK_N)
+        # the left band: the window's lower edge (all of the walk when no block is seen
+        # in full by every row)
+        acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v,
+                                        off_b, off_hkv, offs_m, offs_n, offs_d, stride_kn,
+                                        stride_vn, lo, full_lo, N_K, causal_offset, qk_scale,
+                                        win_l, win_r, cap_in, cap_out, slope,
+                                        HEAD_DIM, BLOCK_D, BLOCK_N,
+                                        True, IS_CAUSAL, UPCAST_DOT, USE_TMA, NEG_SCALE,
+                                        HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
 
     acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, off_b,
                                     off_hkv, offs_m, offs_n, offs_d, stride_kn, stride_vn,
-                                    0, full_hi, N_K, causal_offset, qk_scale,
+                                    full_lo, full_hi, N_K, causal_offset, qk_scale,
+                                    win_l, win_r, cap_in, cap_out, slope,
                                     HEAD_DIM, BLOCK_D, BLOCK_N,
-                                    False, IS_CAUSAL, UPCAST_DOT, USE_TMA, NEG_SCALE)
+                                    False, IS_CAUSAL, UPCAST_DOT, USE_TMA, NEG_SCALE,
+                                    HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
     acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, off_b,
                                     off_hkv, offs_m, offs_n, offs_d, stride_kn, stride_vn,
-                                    full_hi, band_hi, N_K, causal_offset, qk_scale,
+                                    full_hi, hi, N_K, causal_offset, qk_scale,
+                                    win_l, win_r, cap_in, cap_out, slope,
                                     HEAD_DIM, BLOCK_D, BLOCK_N,
-                                    True, IS_CAUSAL, UPCAST_DOT, USE_TMA, NEG_SCALE)
+                                    True, IS_CAUSAL, UPCAST_DOT, USE_TMA, NEG_SCALE,
+                                    HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
 
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)
@@ -173,10 +326,17 @@ def attn_fwd_kernel(
     if USE_TMA:
         desc_o.store([off_b, off_h, start_m * BLOCK_M, 0], out.reshape(1, 1, BLOCK_M, BLOCK_D))
     else:
-        o_ptrs = (Out + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
-                  + offs_m[:, None].to(tl.int64) * stride_om + offs_d[None, :])
+        if VARLEN:
+            o_base = Out + q_start.to(tl.int64) * stride_om + off_h.to(tl.int64) * stride_oh
+        else:
+            o_base = Out + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
+        o_ptrs = o_base + offs_m[:, None].to(tl.int64) * stride_om + offs_d[None, :]
         tl.store(o_ptrs, out, mask=m_ok[:, None] & d_ok[None, :])
     if STORE_LSE:
         lse = tl.where(seen, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))
-        l_ptrs = Lse + off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh + offs_m
+        if VARLEN:  # (Hq, total_q)
+            l_ptrs = Lse + off_h.to(tl.int64) * stride_lh + q_start + offs_m
+        else:
+            l_ptrs = (Lse + off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh
+                      + offs_m)
         tl.store(l_ptrs, lse, mask=m_ok)

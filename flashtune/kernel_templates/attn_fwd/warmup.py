@@ -30,7 +30,25 @@ def attn_fwd_warmup_args(problem: AttentionProblem, config: Mapping[str, int], *
     lse = Shaped(torch.float32, q.shape[:3]) if return_lse else None
     use_tma = bool(config.get("USE_TMA", 0)) and tma_ok(q, k, out)
     return kernel_args(q, k, k, out, lse, config, causal=p.causal,
-                       scale=1.0 / math.sqrt(p.head_dim), use_tma=use_tma, upcast_dot=False)
+                       scale=1.0 / math.sqrt(p.head_dim), use_tma=use_tma, upcast_dot=False,
+                       **warmup_mods(p))
+
+
+def warmup_mods(problem: AttentionProblem) -> dict[str, Any]:
+    """The score modifications' keywords of ``problem`` for ``kernel_args``, with a
+    shape-only stand-in for ALiBi slopes ``(heads_q,)`` (the values do not reach the
+    compiler); empty for a plain problem."""
+    import torch
+
+    p = problem
+    mods: dict[str, Any] = {}
+    if p.window_left != -1 or p.window_right != -1:
+        mods["window"] = (p.window_left, 0 if p.causal else p.window_right)
+    if p.softcap:
+        mods["softcap"] = p.softcap
+    if p.alibi:
+        mods["alibi_slopes"] = Shaped(torch.float32, (p.heads_q,))
+    return mods
 
 
 def warmup_launches(problem: AttentionProblem, config: Mapping[str, int], *,
