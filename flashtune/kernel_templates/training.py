@@ -42,7 +42,13 @@ from typing import Any
 
 import torch
 
-from flashtune.core.case import FULL_REFERENCE_MAX_ELEMS, Case, random_inputs, relative_error
+from flashtune.core.case import (
+    FULL_REFERENCE_MAX_ELEMS,
+    Case,
+    mods_options,
+    random_inputs,
+    relative_error,
+)
 from flashtune.core.device import DeviceFingerprint
 from flashtune.core.problem import AttentionProblem
 from flashtune.core.space import Config, SearchSpace
@@ -81,20 +87,26 @@ class PairFn(torch.autograd.Function):
     The backward is not itself differentiable: a double backward (a gradient penalty)
     raises torch's error instead of silently getting a gradient with no graph.
 
-    ``PairFn.apply(q, k, v, causal, scale, fwd, fwd_config, bwd, bwd_config)``: ``fwd`` and
-    ``bwd`` are the launchers (``fwd(q, k, v, config, causal=, scale=, return_lse=True)``,
-    ``bwd(q, k, v, out, lse, dout, config, causal=, scale=, dlse=)``); returns
+    ``PairFn.apply(q, k, v, causal, scale, fwd, fwd_config, bwd, bwd_config[, options])``:
+    ``fwd`` and ``bwd`` are the launchers (``fwd(q, k, v, config, causal=, scale=,
+    return_lse=True, **options)``, ``bwd(q, k, v, out, lse, dout, config, causal=, scale=,
+    dlse=, **options)``); ``options`` the keywords both take beyond those (the score
+    modifications, a packed batch's ``cu_seqlens``: the same for both); returns
     ``(out, lse)``.
     """
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                 scale: float | None, fwd: Callable[..., Any], fwd_config: Config,
-                bwd: Callable[..., Any], bwd_config: Config
+                bwd: Callable[..., Any], bwd_config: Config,
+                options: Mapping[str, Any] | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        out, lse = fwd(q, k, v, fwd_config, causal=causal, scale=scale, return_lse=True)
+        options = options or {}
+        out, lse = fwd(q, k, v, fwd_config, causal=causal, scale=scale, return_lse=True,
+                       **options)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.causal, ctx.scale, ctx.bwd, ctx.bwd_config = causal, scale, bwd, bwd_config
+        ctx.options = options
         ctx.set_materialize_grads(False)  # an unused LSE (or out) gets None, not zeros
         return out, lse
 
@@ -107,14 +119,12 @@ class PairFn(torch.autograd.Function):
         elif dout.stride(-1) != 1:
             dout = dout.contiguous()
         dq, dk, dv = ctx.bwd(q, k, v, out, lse, dout, ctx.bwd_config, causal=ctx.causal,
-                             scale=ctx.scale, dlse=dlse)
-        return dq, dk, dv, None, None, None, None, None, None
+                             scale=ctx.scale, dlse=dlse, **ctx.options)
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
 # torch leaves Function.apply unannotated; this is PairFn.forward's signature
-pair_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool, float | None,
-                   Callable[..., Any], Config, Callable[..., Any], Config],
-                  tuple[torch.Tensor, torch.Tensor]] = PairFn.apply
+pair_fn: Callable[..., tuple[torch.Tensor, torch.Tensor]] = PairFn.apply
 
 
 def pair_space(fwd: SearchSpace, bwd: SearchSpace) -> SearchSpace:
@@ -145,21 +155,23 @@ class TrainStep:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 config: Mapping[str, int], *, causal: bool = False,
-                scale: float | None = None) -> torch.Tensor:
-        """The step's differentiable output."""
+                scale: float | None = None, **options: Any) -> torch.Tensor:
+        """The step's differentiable output; ``options``: the score modifications, passed
+        to both kernels (:class:`PairFn`)."""
         if self.bwd is None:
-            out: torch.Tensor = self.fwd.launcher(q, k, v, config, causal=causal, scale=scale)
+            out: torch.Tensor = self.fwd.launcher(q, k, v, config, causal=causal, scale=scale,
+                                                  **options)
             return out
         fcfg, bcfg = split_pair(config)
         out, _ = pair_fn(q, k, v, causal, scale, self.fwd.launcher, fcfg,
-                         self.bwd.launcher, bcfg)
+                         self.bwd.launcher, bcfg, options)
         return out
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
                  config: Mapping[str, int], *, causal: bool = False,
-                 scale: float | None = None) -> tuple[torch.Tensor, ...]:
+                 scale: float | None = None, **options: Any) -> tuple[torch.Tensor, ...]:
         with torch.enable_grad():
-            out = self.forward(q, k, v, config, causal=causal, scale=scale)
+            out = self.forward(q, k, v, config, causal=causal, scale=scale, **options)
             dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
         return out.detach(), dq, dk, dv
 
@@ -184,11 +196,24 @@ def train_case(problem: AttentionProblem, device: DeviceFingerprint, *, torch_de
         skv: tuple[slice, slice] = (slice(0, 1), slice(0, 1))
     else:
         sq = skv = (slice(None), slice(None))
-    with torch.no_grad():
-        ref_out, _ = attn_fwd_reference(q[sq], k[skv], v[skv], causal=p.causal,
-                                        dtype=torch.float32)
-    refs = (ref_out, *attn_bwd_reference(q[sq], k[skv], v[skv], do[sq], causal=p.causal,
-                                         dtype=torch.float32))
+    options = mods_options(p, torch_device, generator)
+    if options:  # the modified scores' gradients: autograd through the fp32 reference
+        ref_options = dict(options)
+        if "alibi_slopes" in ref_options:
+            ref_options["alibi_slopes"] = ref_options["alibi_slopes"][sq[1]]
+        leaves = [t.detach()[s].float().requires_grad_(True)
+                  for t, s in ((q, sq), (k, skv), (v, skv))]
+        with torch.enable_grad():
+            ref_out, _ = attn_fwd_reference(*leaves, causal=p.causal, dtype=torch.float32,
+                                            **ref_options)
+            grads = torch.autograd.grad(ref_out, leaves, do[sq].float())
+        refs = (ref_out.detach(), *grads)
+    else:
+        with torch.no_grad():
+            ref_out, _ = attn_fwd_reference(q[sq], k[skv], v[skv], causal=p.causal,
+                                            dtype=torch.float32)
+        refs = (ref_out, *attn_bwd_reference(q[sq], k[skv], v[skv], do[sq], causal=p.causal,
+                                             dtype=torch.float32))
 
     def error(got: Any) -> float:
         errs = [relative_error(g.detach()[s], r)
@@ -196,7 +221,8 @@ def train_case(problem: AttentionProblem, device: DeviceFingerprint, *, torch_de
         return float("nan") if any(e != e for e in errs) else max(errs)
 
     io = 2 * sum(x.numel() * x.element_size() for x in (q, k, v, q))  # read and written
-    return Case(launch=lambda config: launcher(q, k, v, do, config, causal=p.causal),
+    return Case(launch=lambda config: launcher(q, k, v, do, config, causal=p.causal,
+                                               **options),
                 error=error, flops=p.flops() + p.flops(backward=True),
                 inputs={"q": q, "k": k, "v": v, "do": do}, min_bytes=io)
 

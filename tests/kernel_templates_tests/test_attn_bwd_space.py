@@ -190,20 +190,23 @@ result = []
 for which, bm, bn, w, s, d, split, tma in json.loads(sys.argv[1]):
     kern = attn_bwd_dkdv if which == "dkdv" else attn_bwd_dq
     names = kern.arg_names
-    ptrs = {n: "*fp32" if n in ("Lse", "Delta", "PartK", "PartV") else "*fp16" for n in names
-            if n in ("Q", "K", "V", "DO", "Lse", "Delta", "DK", "DV", "DQ", "PartK", "PartV")}
+    ptrs = {n: "*fp32" if n in ("Lse", "Delta", "PartK", "PartV", "Alibi")
+            else "*i32" if n in ("CuSeqQ", "CuSeqK") else "*fp16" for n in names
+            if n in ("Q", "K", "V", "DO", "Lse", "Delta", "DK", "DV", "DQ", "PartK", "PartV",
+                     "Alibi", "CuSeqQ", "CuSeqK")}
     aligned = set(ptrs) | {n for n in names if n.startswith("stride_")}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in aligned}
     tiles = ({"BLOCK_M1": bm, "BLOCK_N1": bn, "KV_SPLITS": 1} if which == "dkdv"
              else {"BLOCK_M2": bm, "BLOCK_N2": bn})
     const = dict(HEAD_DIM=d, BLOCK_D=block_d(d), IS_CAUSAL=True, UPCAST_DOT=False,
-                 SPLIT_LOOPS=bool(split), USE_TMA=bool(tma), **tiles)
+                 SPLIT_LOOPS=bool(split), USE_TMA=bool(tma), HAS_WINDOW=False,
+                 HAS_SOFTCAP=False, HAS_ALIBI=False, VARLEN=False, **tiles)
     descs = [n for n in names if n.startswith("desc_")]
     if not tma:
         const.update({n: None for n in descs})
     box = f"tensordesc<fp16[1,1,{bm if which == 'dkdv' else bn},{block_d(d)}]>"
     sig = {n: ("constexpr" if n in const else ptrs[n] if n in ptrs else box if n in descs
-               else "fp32" if n == "sm_scale" else "i32") for n in names}
+               else "fp32" if n in ("sm_scale", "SOFTCAP") else "i32") for n in names}
     src = ASTSource(fn=kern, signature=sig, attrs=attrs,
                     constexprs={(names.index(k),): v for k, v in const.items()})
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from flashtune.core.spec import SCORE_MODS, Limits
 from flashtune.kernel_templates.attn_bwd.case import make_case
 from flashtune.kernel_templates.attn_bwd.kernel import (
     attn_bwd_dkdv,
@@ -29,6 +30,7 @@ SPEC = register_template(TemplateSpec(
     warmup_launches=warmup_launches,
     kernel=attn_bwd_dkdv,  # the main kernel; precompile warms every launch (kernel_args)
     make_case=make_case,
+    limits=Limits(score_mods=SCORE_MODS),
 ))
 
 __all__ = ["SPACE", "SPEC", "attn_bwd", "attn_bwd_dkdv", "attn_bwd_dq", "attn_bwd_preprocess",

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from flashtune.core.case import Case, random_inputs, relative_error
+from flashtune.core.case import Case, mods_options, random_inputs, relative_error
 from flashtune.core.device import DeviceFingerprint
 from flashtune.core.problem import AttentionProblem
 
@@ -36,18 +36,32 @@ def make_case(problem: AttentionProblem, device: DeviceFingerprint, *, torch_dev
     p = problem
     t = random_inputs(p, torch_device, generator, ("q", "k", "v", "do"))
     q, k, v, do = t["q"], t["k"], t["v"], t["do"]
-    out, lse = attn_fwd(q, k, v, default_config(p, device), causal=p.causal, return_lse=True)
+    options = mods_options(p, torch_device, generator)
+    out, lse = attn_fwd(q, k, v, default_config(p, device), causal=p.causal, return_lse=True,
+                        **options)
     if check_slice and q.numel() > FULL_REFERENCE_MAX_ELEMS:
         group = p.heads_q // p.heads_kv
         sq: tuple[slice, slice] = (slice(0, 1), slice(0, group))
         skv: tuple[slice, slice] = (slice(0, 1), slice(0, 1))
     else:
         sq = skv = (slice(None), slice(None))
-    ref = attn_bwd_reference(q[sq], k[skv], v[skv], do[sq], causal=p.causal,
-                             dtype=torch.float32)
+    if options:  # the modified scores' gradients: autograd through the fp32 reference
+        from flashtune.kernel_templates.attn_fwd.reference import attn_fwd_reference
+
+        ref_options = dict(options)
+        if "alibi_slopes" in ref_options:
+            ref_options["alibi_slopes"] = ref_options["alibi_slopes"][sq[1]]
+        leaves = [x[s].float().requires_grad_(True) for x, s in ((q, sq), (k, skv), (v, skv))]
+        with torch.enable_grad():
+            ref_out, _ = attn_fwd_reference(*leaves, causal=p.causal, dtype=torch.float32,
+                                            **ref_options)
+            ref = torch.autograd.grad(ref_out, leaves, do[sq].float())
+    else:
+        ref = attn_bwd_reference(q[sq], k[skv], v[skv], do[sq], causal=p.causal,
+                                 dtype=torch.float32)
 
     def launch(config: Any) -> Any:
-        return launcher(q, k, v, out, lse, do, config, causal=p.causal)
+        return launcher(q, k, v, out, lse, do, config, causal=p.causal, **options)
 
     def error(grads: Any) -> float:
         errs = [relative_error(g[s], r) for g, s, r in zip(grads, (sq, skv, skv), ref)]

@@ -38,12 +38,44 @@ accumulator tiles), more ALU work per block. The ragged end of the *owned* axis 
 dK/dV (of dQ) depends only on its own key (query), and rows past the end are never stored;
 the zeros loaded for them keep their columns out of the other operand's sums. Rows that see
 no key have ``LSE = -inf``; they only ever meet masked entries, so they contribute zero.
+
+Score modifications and packed sequences (FlashAttention-2's API, the forward's semantics),
+each behind a constexpr flag: off, the kernels compile to the plain code above. Their runtime
+arguments (``Alibi, CuSeqQ, CuSeqK, stride_ab, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP``) follow
+the plain kernels' own, which keep their places in the parameter buffer: moving them moved
+ptxas's parameter loads and register allocation (one more register in a dQ config).
+
+* ``HAS_WINDOW``: a local window ``(WINDOW_LEFT, WINDOW_RIGHT)``, bottom-right aligned like
+  the causal mask: query ``i``, at key position ``pos = i + Nk - Nq``, sees keys
+  ``pos - left <= j <= pos + right``, -1 leaving a side unbounded. With ``IS_CAUSAL`` the
+  right bound is 0 (causal alone keeps the IS_CAUSAL path). Both walks visit only the blocks
+  the window reaches, O(N * W) work for W keys a row (FlashAttention-2's local attention):
+  the dK/dV program for keys ``[n0, n1]`` the query tiles with ``pos`` in
+  ``[n0 - right, n1 + left]``, the dQ program for rows ``[m0, m1]`` the key tiles in
+  ``[pos(m0) - left, pos(m1) + right]``; with SPLIT_LOOPS the blocks in the middle, every
+  entry of which is visible, run unmasked and only the bands on both sides are masked.
+* ``HAS_SOFTCAP``: ``s = SOFTCAP * tanh(scale * q.k / SOFTCAP)`` (Gemma 2's logit cap), in
+  log2 units ``t * (SOFTCAP * log2(e))``; dS with respect to the raw scaled score is the
+  dS of the capped one times ``1 - t^2``. tanh through ``exp2`` (:func:`_tanh`: the
+  interpreter has no tanh).
+* ``HAS_ALIBI``: ``s -= slope[b, h] * |pos - j|`` (``Alibi`` fp32, row stride ``stride_ab``,
+  0 for one slope per head); a constant of the scores, no gradient flows to the slopes.
+* ``VARLEN``: packed sequences (``flash_attn_varlen_func``'s layout): Q/dO/dQ
+  ``(total_q, Hq, D)``, K/V/dK/dV ``(total_k, Hkv, D)``, sequence ``b`` the tokens
+  ``[CuSeqQ[b], CuSeqQ[b + 1])`` (``CuSeqK`` for keys). Program ``b`` reads its starts and
+  lengths there and offsets its base pointers by ``start * token stride`` (the batch stride
+  is unused); ``N_Q``/``N_K`` are then the totals, the row strides of the LSE and delta
+  ``(Hq, total_q)`` and of KV_SPLITS' partial sums ``(Hkv * KV_SPLITS, total_k, D)``;
+  programs whose tile starts past their sequence return at once. The preprocess and the
+  reduce kernels need no flag: the launcher runs them over the packed tokens as one batch
+  element. No TMA (the descriptors are per batch element).
 """
 
 import triton
 import triton.language as tl
 
 LOG2E = tl.constexpr(1.4426950408889634)
+TWO_LOG2E = tl.constexpr(2 * 1.4426950408889634)
 
 
 @triton.jit
@@ -84,6 +116,41 @@ def _dot(a, b, UPCAST_DOT: tl.constexpr):
 
 
 @triton.jit
+def _tanh(x):
+    """``tanh(x) = 1 - 2 / (e^(2x) + 1)``, exact at both ends (``exp2`` overflowing to inf
+    gives 1, underflowing to 0 gives -1); triton 3.6's interpreter has no tanh."""
+    return 1.0 - 2.0 / (tl.math.exp2(x * TWO_LOG2E) + 1.0)
+
+
+@triton.jit
+def _seq(CuSeq, off_b):
+    """``(start, length)`` of packed sequence ``off_b`` (VARLEN)."""
+    start = tl.load(CuSeq + off_b)
+    return start, tl.load(CuSeq + off_b + 1) - start
+
+
+@triton.jit
+def _head(X, off_b, off_h, start, stride_b, stride_h, stride_n, VARLEN: tl.constexpr):
+    """Base pointer of head ``off_h`` of batch element ``off_b`` (``(B, H, N, D)`` strides),
+    with VARLEN of the packed ``(total, H, D)`` tokens from ``start`` on."""
+    if VARLEN:
+        return X + start.to(tl.int64) * stride_n + off_h.to(tl.int64) * stride_h
+    return X + off_b.to(tl.int64) * stride_b + off_h.to(tl.int64) * stride_h
+
+
+@triton.jit
+def _window(WINDOW_LEFT, WINDOW_RIGHT, n_q, n_k, IS_CAUSAL: tl.constexpr):
+    """The window's ``(left, right)`` bounds, an unbounded side (-1) as ``n_q + n_k`` (past
+    every key), ``right`` 0 when causal."""
+    left = tl.where(WINDOW_LEFT < 0, n_q + n_k, WINDOW_LEFT)
+    if IS_CAUSAL:
+        right = 0
+    else:
+        right = tl.where(WINDOW_RIGHT < 0, n_q + n_k, WINDOW_RIGHT)
+    return left, right
+
+
+@triton.jit
 def _load_rows(base, offs, offs_d, stride, N, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                MASKED: tl.constexpr):
     """Rows ``offs`` of a ``(N, HEAD_DIM)`` matrix at ``base``, ``(len(offs), BLOCK_D)``;
@@ -112,12 +179,15 @@ def _load_tile(desc, base, off_b, off_h, start, offs, offs_d, stride, N,
 @triton.jit
 def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom,
                 offs_n, offs_m0, offs_d, lo, hi, N_Q, CAUSAL_OFFSET, qk_scale,
-                desc_q, desc_do, off_b, off_h,
+                desc_q, desc_do, off_b, off_h, win_left, win_right, cap_scale, cap2, slope2,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M1: tl.constexpr,
                 MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr,
-                USE_TMA: tl.constexpr):
+                USE_TMA: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                HAS_ALIBI: tl.constexpr):
     """Query blocks ``[lo, hi)`` of one head against the program's keys; MASKED blocks get
-    the bounds and causal masks, the others every entry."""
+    the bounds and causal (window) masks, the others every entry. ``cap_scale``/``cap2``:
+    ``scale / SOFTCAP`` and ``SOFTCAP * log2(e)``; ``slope2``: the ALiBi slope times
+    ``log2(e)``."""
     for start_m in range(lo, hi, BLOCK_M1):
         offs_m = start_m + offs_m0
         q = _load_tile(desc_q, q_base, off_b, off_h, start_m, offs_m, offs_d, stride_qm, N_Q,
@@ -132,27 +202,46 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, 
             lse = tl.load(lse_base + offs_m)
             delta = tl.load(delta_base + offs_m)
         qkT = _dot(k, tl.trans(q), UPCAST_DOT)  # (BLOCK_N1, BLOCK_M1)
-        pT = tl.math.exp2(qkT * qk_scale - (lse * LOG2E)[None, :])
+        if HAS_SOFTCAP or HAS_ALIBI:
+            if HAS_SOFTCAP:
+                tT = _tanh(qkT * cap_scale)
+                sT = tT * cap2
+            else:
+                sT = qkT * qk_scale
+            if HAS_ALIBI:
+                dist = tl.abs(offs_m[None, :] + CAUSAL_OFFSET - offs_n[:, None])
+                sT -= slope2 * dist.to(tl.float32)
+            pT = tl.math.exp2(sT - (lse * LOG2E)[None, :])
+        else:
+            pT = tl.math.exp2(qkT * qk_scale - (lse * LOG2E)[None, :])
         if MASKED:
             keep = (offs_m < N_Q)[None, :]
-            if IS_CAUSAL:
+            if HAS_WINDOW:
+                pos = offs_m[None, :] + CAUSAL_OFFSET
+                keep = keep & (offs_n[:, None] >= pos - win_left) \
+                    & (offs_n[:, None] <= pos + win_right)
+            elif IS_CAUSAL:
                 keep = keep & (offs_n[:, None] <= offs_m[None, :] + CAUSAL_OFFSET)
             pT = tl.where(keep, pT, 0.0)  # also drops the inf of rows with LSE = -inf
         dv += _dot(pT.to(do.dtype), do, UPCAST_DOT)
         dpT = _dot(v, tl.trans(do), UPCAST_DOT)
         dsT = pT * (dpT - delta[None, :])
+        if HAS_SOFTCAP:  # d(capped score) / d(scaled score)
+            dsT = dsT * (1.0 - tT * tT)
         dk += _dot(dsT.to(q.dtype), q, UPCAST_DOT)
     return dk, dv
 
 
 @triton.jit
-def _store_dkdv(DK, DV, dk, dv, off_b, off_hkv, offs_n, offs_d, mask,
-                stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn):
-    """dK and dV rows ``offs_n`` of K/V head ``(off_b, off_hkv)``, cast to their dtype."""
-    tl.store(DK + off_b.to(tl.int64) * stride_dkb + off_hkv.to(tl.int64) * stride_dkh
+def _store_dkdv(DK, DV, dk, dv, off_b, off_hkv, start, offs_n, offs_d, mask,
+                stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+                VARLEN: tl.constexpr):
+    """dK and dV rows ``offs_n`` of K/V head ``(off_b, off_hkv)`` (VARLEN: of the packed
+    sequence from token ``start`` on), cast to their dtype."""
+    tl.store(_head(DK, off_b, off_hkv, start, stride_dkb, stride_dkh, stride_dkn, VARLEN)
              + offs_n[:, None].to(tl.int64) * stride_dkn + offs_d[None, :],
              dk.to(DK.dtype.element_ty), mask=mask)
-    tl.store(DV + off_b.to(tl.int64) * stride_dvb + off_hkv.to(tl.int64) * stride_dvh
+    tl.store(_head(DV, off_b, off_hkv, start, stride_dvb, stride_dvh, stride_dvn, VARLEN)
              + offs_n[:, None].to(tl.int64) * stride_dvn + offs_d[None, :],
              dv.to(DV.dtype.element_ty), mask=mask)
 
@@ -166,17 +255,22 @@ def attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, PartK, PartV, desc_q, desc_do
                   stride_dkb, stride_dkh, stride_dkn,
                   stride_dvb, stride_dvh, stride_dvn,
                   H_Q, H_KV, GROUP, N_Q, N_K, sm_scale,
+                  Alibi, CuSeqQ, CuSeqK, stride_ab, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
                   IS_CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr, SPLIT_LOOPS: tl.constexpr,
-                  KV_SPLITS: tl.constexpr, USE_TMA: tl.constexpr):
+                  KV_SPLITS: tl.constexpr, USE_TMA: tl.constexpr,
+                  HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                  VARLEN: tl.constexpr):
     _dkdv_program(tl.program_id(0), tl.program_id(1),
                   Q, K, V, DO, Lse, Delta, DK, DV, PartK, PartV, desc_q, desc_do,
                   stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                   stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
                   stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-                  H_Q, H_KV, GROUP, N_Q, N_K, sm_scale, HEAD_DIM, BLOCK_D, BLOCK_M1, BLOCK_N1,
-                  IS_CAUSAL, UPCAST_DOT, SPLIT_LOOPS, KV_SPLITS, USE_TMA)
+                  H_Q, H_KV, GROUP, N_Q, N_K, sm_scale, Alibi, CuSeqQ, CuSeqK, stride_ab,
+                  WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_M1, BLOCK_N1,
+                  IS_CAUSAL, UPCAST_DOT, SPLIT_LOOPS, KV_SPLITS, USE_TMA, HAS_WINDOW, HAS_SOFTCAP,
+                  HAS_ALIBI, VARLEN)
 
 
 @triton.jit
@@ -188,38 +282,75 @@ def _dkdv_program(tile_n, part, Q, K, V, DO, Lse, Delta, DK, DV, PartK, PartV, d
                   stride_dkb, stride_dkh, stride_dkn,
                   stride_dvb, stride_dvh, stride_dvn,
                   H_Q, H_KV, GROUP, N_Q, N_K, sm_scale,
+                  Alibi, CuSeqQ, CuSeqK, stride_ab, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
                   IS_CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr, SPLIT_LOOPS: tl.constexpr,
-                  KV_SPLITS: tl.constexpr, USE_TMA: tl.constexpr):
+                  KV_SPLITS: tl.constexpr, USE_TMA: tl.constexpr,
+                  HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                  VARLEN: tl.constexpr):
     """One dK/dV program: key tile ``tile_n`` of part ``part`` = ``(b, hkv) * KV_SPLITS +``
     the slice of the group's query heads."""
     tl.static_assert(BLOCK_M1 >= 16 and BLOCK_N1 >= 16, "tl.dot needs tiles of at least 16")
     tl.static_assert(BLOCK_D >= HEAD_DIM, "BLOCK_D must cover HEAD_DIM")
+    tl.static_assert(not (USE_TMA and VARLEN), "VARLEN reads no tensor descriptors")
     start_n = tile_n * BLOCK_N1
     off_bh = part // KV_SPLITS
     off_s = part % KV_SPLITS
     off_b = off_bh // H_KV
     off_hkv = off_bh % H_KV
+    # this sequence's queries and keys: N_Q/N_K themselves unless VARLEN
+    q_start = 0
+    k_start = 0
+    seq_q = N_Q
+    seq_k = N_K
+    if VARLEN:
+        q_start, seq_q = _seq(CuSeqQ, off_b)
+        k_start, seq_k = _seq(CuSeqK, off_b)
+        if start_n >= seq_k:
+            return
     offs_n = start_n + tl.arange(0, BLOCK_N1)
     offs_m0 = tl.arange(0, BLOCK_M1)
     offs_d = tl.arange(0, BLOCK_D)
-    k = _load_rows(K + off_b.to(tl.int64) * stride_kb + off_hkv.to(tl.int64) * stride_kh,
-                   offs_n, offs_d, stride_kn, N_K, HEAD_DIM, BLOCK_D, True)
-    v = _load_rows(V + off_b.to(tl.int64) * stride_vb + off_hkv.to(tl.int64) * stride_vh,
-                   offs_n, offs_d, stride_vn, N_K, HEAD_DIM, BLOCK_D, True)
+    k = _load_rows(_head(K, off_b, off_hkv, k_start, stride_kb, stride_kh, stride_kn, VARLEN),
+                   offs_n, offs_d, stride_kn, seq_k, HEAD_DIM, BLOCK_D, True)
+    v = _load_rows(_head(V, off_b, off_hkv, k_start, stride_vb, stride_vh, stride_vn, VARLEN),
+                   offs_n, offs_d, stride_vn, seq_k, HEAD_DIM, BLOCK_D, True)
     dk = tl.zeros([BLOCK_N1, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N1, BLOCK_D], dtype=tl.float32)
     qk_scale = sm_scale * LOG2E
+    if HAS_SOFTCAP:
+        cap_scale = sm_scale / SOFTCAP
+        cap2 = SOFTCAP * LOG2E
+    else:
+        cap_scale = qk_scale
+        cap2 = qk_scale
 
-    # Query ranges, the same for every head of the group: [m_lo, m_mid) the causal band
-    # (masked), [m_mid, m_full) every entry visible, [m_full, N_Q) the ragged end (masked).
-    causal_offset = N_K - N_Q
-    m_full = N_Q // BLOCK_M1 * BLOCK_M1
-    if IS_CAUSAL:
+    # Query ranges, the same for every head of the group: [m_lo, m_mid) the causal band or
+    # the window's right edge (masked), [m_mid, m_full) every entry visible, [m_full, m_hi)
+    # the window's left edge and the ragged end (masked).
+    causal_offset = seq_k - seq_q
+    m_full = seq_q // BLOCK_M1 * BLOCK_M1
+    m_hi = seq_q
+    win_left = 0
+    win_right = 0
+    if HAS_WINDOW:
+        # query i, at pos = i + causal_offset, sees some of the tile's keys [start_n,
+        # last_key] (the last one that exists) iff pos - left <= last_key and
+        # pos + right >= start_n, all of them iff pos - left <= start_n and
+        # pos + right >= last_key
+        win_left, win_right = _window(WINDOW_LEFT, WINDOW_RIGHT, seq_q, seq_k, IS_CAUSAL)
+        last_key = tl.minimum(start_n + BLOCK_N1, seq_k) - 1
+        m_lo = tl.maximum(start_n - win_right - causal_offset, 0) // BLOCK_M1 * BLOCK_M1
+        m_hi = tl.maximum(tl.minimum(last_key + win_left - causal_offset + 1, seq_q), m_lo)
+        m_mid = tl.cdiv(tl.maximum(last_key - win_right - causal_offset, 0), BLOCK_M1) * BLOCK_M1
+        m_mid = tl.minimum(tl.maximum(m_mid, m_lo), m_hi)
+        m_full = tl.maximum(tl.minimum(start_n + win_left - causal_offset + 1, seq_q), 0)
+        m_full = tl.minimum(tl.maximum(m_full // BLOCK_M1 * BLOCK_M1, m_mid), m_hi)
+    elif IS_CAUSAL:
         # the first query that sees key start_n, and the first whose block sees every key
         # of the tile (the last one that exists)
-        last_key = tl.minimum(start_n + BLOCK_N1, N_K) - 1
+        last_key = tl.minimum(start_n + BLOCK_N1, seq_k) - 1
         m_lo = tl.maximum(start_n - causal_offset, 0) // BLOCK_M1 * BLOCK_M1
         m_mid = tl.cdiv(tl.maximum(last_key - causal_offset, 0), BLOCK_M1) * BLOCK_M1
         m_full = tl.maximum(m_full, m_lo)
@@ -231,45 +362,60 @@ def _dkdv_program(tile_n, part, Q, K, V, DO, Lse, Delta, DK, DV, PartK, PartV, d
     heads_per_split = GROUP // KV_SPLITS
     for g in range(off_s * heads_per_split, (off_s + 1) * heads_per_split):
         off_h = off_hkv * GROUP + g
-        q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
-        do_base = DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
-        row_base = (off_b * H_Q + off_h).to(tl.int64) * N_Q
+        q_base = _head(Q, off_b, off_h, q_start, stride_qb, stride_qh, stride_qm, VARLEN)
+        do_base = _head(DO, off_b, off_h, q_start, stride_dob, stride_doh, stride_dom, VARLEN)
+        if VARLEN:  # LSE and delta (Hq, total_q)
+            row_base = off_h.to(tl.int64) * N_Q + q_start
+        else:
+            row_base = (off_b * H_Q + off_h).to(tl.int64) * N_Q
         lse_base = Lse + row_base
         delta_base = Delta + row_base
+        if HAS_ALIBI:
+            slope2 = tl.load(Alibi + off_b * stride_ab + off_h) * LOG2E
+        else:
+            slope2 = qk_scale
         if SPLIT_LOOPS:
-            if IS_CAUSAL:
+            if IS_CAUSAL or HAS_WINDOW:
                 dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
                                      stride_qm, stride_dom, offs_n, offs_m0, offs_d, m_lo,
-                                     m_mid, N_Q, causal_offset, qk_scale,
-                                     desc_q, desc_do, off_b, off_h,
+                                     m_mid, seq_q, causal_offset, qk_scale,
+                                     desc_q, desc_do, off_b, off_h, win_left, win_right,
+                                     cap_scale, cap2, slope2,
                                      HEAD_DIM, BLOCK_D, BLOCK_M1, True, IS_CAUSAL, UPCAST_DOT,
-                                     USE_TMA)
+                                     USE_TMA, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
             dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
                                  stride_qm, stride_dom, offs_n, offs_m0, offs_d, m_mid, m_full,
-                                 N_Q, causal_offset, qk_scale, desc_q, desc_do, off_b, off_h,
+                                 seq_q, causal_offset, qk_scale, desc_q, desc_do, off_b, off_h,
+                                 win_left, win_right, cap_scale, cap2, slope2,
                                  HEAD_DIM, BLOCK_D, BLOCK_M1, False, IS_CAUSAL, UPCAST_DOT,
-                                 USE_TMA)
+                                 USE_TMA, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
             dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
-                                 stride_qm, stride_dom, offs_n, offs_m0, offs_d, m_full, N_Q,
-                                 N_Q, causal_offset, qk_scale, desc_q, desc_do, off_b, off_h,
+                                 stride_qm, stride_dom, offs_n, offs_m0, offs_d, m_full, m_hi,
+                                 seq_q, causal_offset, qk_scale, desc_q, desc_do, off_b, off_h,
+                                 win_left, win_right, cap_scale, cap2, slope2,
                                  HEAD_DIM, BLOCK_D, BLOCK_M1, True, IS_CAUSAL, UPCAST_DOT,
-                                 USE_TMA)
+                                 USE_TMA, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
         else:  # one loop over every block with a visible entry, each one masked
             dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
-                                 stride_qm, stride_dom, offs_n, offs_m0, offs_d, m_lo, N_Q,
-                                 N_Q, causal_offset, qk_scale, desc_q, desc_do, off_b, off_h,
+                                 stride_qm, stride_dom, offs_n, offs_m0, offs_d, m_lo, m_hi,
+                                 seq_q, causal_offset, qk_scale, desc_q, desc_do, off_b, off_h,
+                                 win_left, win_right, cap_scale, cap2, slope2,
                                  HEAD_DIM, BLOCK_D, BLOCK_M1, True, IS_CAUSAL, UPCAST_DOT,
-                                 USE_TMA)
+                                 USE_TMA, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
     dk *= sm_scale
-    kv_mask = (offs_n < N_K)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    kv_mask = (offs_n < seq_k)[:, None] & (offs_d < HEAD_DIM)[None, :]
     if KV_SPLITS > 1:  # fp32 partial sums, added up in order by attn_bwd_kv_reduce
-        rows = part.to(tl.int64) * N_K + offs_n
+        if VARLEN:  # (Hkv * KV_SPLITS, total_k, D)
+            rows = (off_hkv * KV_SPLITS + off_s).to(tl.int64) * N_K + k_start + offs_n
+        else:
+            rows = part.to(tl.int64) * N_K + offs_n
         p_off = rows[:, None] * HEAD_DIM + offs_d[None, :]
         tl.store(PartK + p_off, dk, mask=kv_mask)
         tl.store(PartV + p_off, dv, mask=kv_mask)
     else:
-        _store_dkdv(DK, DV, dk, dv, off_b, off_hkv, offs_n, offs_d, kv_mask,
-                    stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn)
+        _store_dkdv(DK, DV, dk, dv, off_b, off_hkv, k_start, offs_n, offs_d, kv_mask,
+                    stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+                    VARLEN)
 
 
 @triton.jit
@@ -294,18 +440,20 @@ def attn_bwd_kv_reduce(PartK, PartV, DK, DV,
         p_off = rows[:, None] * HEAD_DIM + offs_d[None, :]
         dk += tl.load(PartK + p_off, mask=mask, other=0.0)
         dv += tl.load(PartV + p_off, mask=mask, other=0.0)
-    _store_dkdv(DK, DV, dk, dv, off_b, off_hkv, offs_n, offs_d, mask,
-                stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn)
+    _store_dkdv(DK, DV, dk, dv, off_b, off_hkv, 0, offs_n, offs_d, mask,
+                stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, False)
 
 
 @triton.jit
 def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn,
               offs_m, offs_n0, offs_d, lo, hi, N_K, CAUSAL_OFFSET, qk_scale,
-              desc_k, desc_v, off_b, off_hkv,
+              desc_k, desc_v, off_b, off_hkv, win_left, win_right, cap_scale, cap2, slope2,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N2: tl.constexpr,
               MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr,
-              USE_TMA: tl.constexpr):
-    """Key blocks ``[lo, hi)`` against the program's queries (``lse2``: LSE in log2 units)."""
+              USE_TMA: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+              HAS_ALIBI: tl.constexpr):
+    """Key blocks ``[lo, hi)`` against the program's queries (``lse2``: LSE in log2 units;
+    the modifications' scalars as in :func:`_dkdv_inner`)."""
     for start_n in range(lo, hi, BLOCK_N2):
         offs_n = start_n + offs_n0
         k = _load_tile(desc_k, k_base, off_b, off_hkv, start_n, offs_n, offs_d, stride_kn, N_K,
@@ -313,14 +461,31 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn,
         v = _load_tile(desc_v, v_base, off_b, off_hkv, start_n, offs_n, offs_d, stride_vn, N_K,
                        HEAD_DIM, BLOCK_D, BLOCK_N2, MASKED, USE_TMA)
         qk = _dot(q, tl.trans(k), UPCAST_DOT)  # (BLOCK_M2, BLOCK_N2)
-        p = tl.math.exp2(qk * qk_scale - lse2[:, None])
+        if HAS_SOFTCAP or HAS_ALIBI:
+            if HAS_SOFTCAP:
+                t = _tanh(qk * cap_scale)
+                s = t * cap2
+            else:
+                s = qk * qk_scale
+            if HAS_ALIBI:
+                dist = tl.abs(offs_m[:, None] + CAUSAL_OFFSET - offs_n[None, :])
+                s -= slope2 * dist.to(tl.float32)
+            p = tl.math.exp2(s - lse2[:, None])
+        else:
+            p = tl.math.exp2(qk * qk_scale - lse2[:, None])
         if MASKED:
             keep = (offs_n < N_K)[None, :]
-            if IS_CAUSAL:
+            if HAS_WINDOW:
+                pos = offs_m[:, None] + CAUSAL_OFFSET
+                keep = keep & (offs_n[None, :] >= pos - win_left) \
+                    & (offs_n[None, :] <= pos + win_right)
+            elif IS_CAUSAL:
                 keep = keep & (offs_n[None, :] <= offs_m[:, None] + CAUSAL_OFFSET)
             p = tl.where(keep, p, 0.0)  # also drops the inf of rows with LSE = -inf
         dp = _dot(do, tl.trans(v), UPCAST_DOT)
         ds = p * (dp - delta[:, None])
+        if HAS_SOFTCAP:  # d(capped score) / d(scaled score)
+            ds = ds * (1.0 - t * t)
         dq += _dot(ds.to(k.dtype), k, UPCAST_DOT)
     return dq
 
@@ -333,10 +498,13 @@ def attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, desc_k, desc_v,
                 stride_dob, stride_doh, stride_dom,
                 stride_dqb, stride_dqh, stride_dqm,
                 H_Q, GROUP, N_Q, N_K, sm_scale,
+                Alibi, CuSeqQ, CuSeqK, stride_ab, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
                 IS_CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr, SPLIT_LOOPS: tl.constexpr,
-                USE_TMA: tl.constexpr, REVERSE_DQ: tl.constexpr):
+                USE_TMA: tl.constexpr, REVERSE_DQ: tl.constexpr,
+                HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                VARLEN: tl.constexpr):
     tile_m = tl.program_id(0)
     if REVERSE_DQ:
         tile_m = tl.num_programs(0) - 1 - tile_m
@@ -344,8 +512,9 @@ def attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, desc_k, desc_v,
                 stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                 stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
                 stride_dqb, stride_dqh, stride_dqm, H_Q, GROUP, N_Q, N_K, sm_scale,
+                Alibi, CuSeqQ, CuSeqK, stride_ab, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
                 HEAD_DIM, BLOCK_D, BLOCK_M2, BLOCK_N2, IS_CAUSAL, UPCAST_DOT, SPLIT_LOOPS,
-                USE_TMA)
+                USE_TMA, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, VARLEN)
 
 
 @triton.jit
@@ -356,60 +525,112 @@ def _dq_program(tile_m, off_bh, Q, K, V, DO, Lse, Delta, DQ, desc_k, desc_v,
                 stride_dob, stride_doh, stride_dom,
                 stride_dqb, stride_dqh, stride_dqm,
                 H_Q, GROUP, N_Q, N_K, sm_scale,
+                Alibi, CuSeqQ, CuSeqK, stride_ab, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
                 IS_CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr, SPLIT_LOOPS: tl.constexpr,
-                USE_TMA: tl.constexpr):
+                USE_TMA: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                HAS_ALIBI: tl.constexpr, VARLEN: tl.constexpr):
     """One dQ program: query tile ``tile_m`` of query head ``off_bh`` = ``b * H_Q + h``."""
     tl.static_assert(BLOCK_M2 >= 16 and BLOCK_N2 >= 16, "tl.dot needs tiles of at least 16")
     tl.static_assert(BLOCK_D >= HEAD_DIM, "BLOCK_D must cover HEAD_DIM")
+    tl.static_assert(not (USE_TMA and VARLEN), "VARLEN reads no tensor descriptors")
     start_m = tile_m * BLOCK_M2
     off_b = off_bh // H_Q
     off_h = off_bh % H_Q
     off_hkv = off_h // GROUP
+    q_start = 0
+    k_start = 0
+    seq_q = N_Q
+    seq_k = N_K
+    if VARLEN:  # this sequence's queries and keys
+        q_start, seq_q = _seq(CuSeqQ, off_b)
+        k_start, seq_k = _seq(CuSeqK, off_b)
+        if start_m >= seq_q:
+            return
     offs_m = start_m + tl.arange(0, BLOCK_M2)
     offs_n0 = tl.arange(0, BLOCK_N2)
     offs_d = tl.arange(0, BLOCK_D)
-    m_ok = offs_m < N_Q
-    q = _load_rows(Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh,
-                   offs_m, offs_d, stride_qm, N_Q, HEAD_DIM, BLOCK_D, True)
-    do = _load_rows(DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh,
-                    offs_m, offs_d, stride_dom, N_Q, HEAD_DIM, BLOCK_D, True)
-    row_base = off_bh.to(tl.int64) * N_Q
+    m_ok = offs_m < seq_q
+    q = _load_rows(_head(Q, off_b, off_h, q_start, stride_qb, stride_qh, stride_qm, VARLEN),
+                   offs_m, offs_d, stride_qm, seq_q, HEAD_DIM, BLOCK_D, True)
+    do = _load_rows(_head(DO, off_b, off_h, q_start, stride_dob, stride_doh, stride_dom, VARLEN),
+                    offs_m, offs_d, stride_dom, seq_q, HEAD_DIM, BLOCK_D, True)
+    if VARLEN:  # LSE and delta (Hq, total_q)
+        row_base = off_h.to(tl.int64) * N_Q + q_start
+    else:
+        row_base = off_bh.to(tl.int64) * N_Q
     lse2 = tl.load(Lse + row_base + offs_m, mask=m_ok, other=0.0) * LOG2E
     delta = tl.load(Delta + row_base + offs_m, mask=m_ok, other=0.0)
-    k_base = K + off_b.to(tl.int64) * stride_kb + off_hkv.to(tl.int64) * stride_kh
-    v_base = V + off_b.to(tl.int64) * stride_vb + off_hkv.to(tl.int64) * stride_vh
+    k_base = _head(K, off_b, off_hkv, k_start, stride_kb, stride_kh, stride_kn, VARLEN)
+    v_base = _head(V, off_b, off_hkv, k_start, stride_vb, stride_vh, stride_vn, VARLEN)
     dq = tl.zeros([BLOCK_M2, BLOCK_D], dtype=tl.float32)
     qk_scale = sm_scale * LOG2E
+    if HAS_SOFTCAP:
+        cap_scale = sm_scale / SOFTCAP
+        cap2 = SOFTCAP * LOG2E
+    else:
+        cap_scale = qk_scale
+        cap2 = qk_scale
+    if HAS_ALIBI:
+        slope2 = tl.load(Alibi + off_b * stride_ab + off_h) * LOG2E
+    else:
+        slope2 = qk_scale
 
-    # Key ranges: [0, n_full) seen in full by every row of the tile, [n_full, n_hi) the
-    # causal band and the ragged end (masked); keys past n_hi are seen by no row.
-    causal_offset = N_K - N_Q
-    n_full = N_K // BLOCK_N2 * BLOCK_N2
-    if IS_CAUSAL:
+    # Key ranges: [n_lo, n_mid) the left band (masked, windows only), [n_mid, n_full) seen
+    # in full by every row of the tile, [n_full, n_hi) the causal (right) band and the
+    # ragged end (masked); keys outside [n_lo, n_hi) are seen by no row.
+    causal_offset = seq_k - seq_q
+    n_lo = 0
+    n_mid = 0
+    n_full = seq_k // BLOCK_N2 * BLOCK_N2
+    win_left = 0
+    win_right = 0
+    if HAS_WINDOW:
+        # row m, at pos(m) = m + causal_offset, sees keys [pos - left, pos + right]; the
+        # tile's rows m0..m1 (unclamped) together [pos(m0) - left, pos(m1) + right], every
+        # one of them [pos(m1) - left, pos(m0) + right]
+        win_left, win_right = _window(WINDOW_LEFT, WINDOW_RIGHT, seq_q, seq_k, IS_CAUSAL)
+        pos_first = start_m + causal_offset
+        pos_last = pos_first + BLOCK_M2 - 1
+        n_lo = tl.maximum(pos_first - win_left, 0) // BLOCK_N2 * BLOCK_N2
+        n_hi = tl.maximum(tl.minimum(pos_last + win_right + 1, seq_k), n_lo)
+        n_mid = tl.cdiv(tl.maximum(pos_last - win_left, 0), BLOCK_N2) * BLOCK_N2
+        n_mid = tl.minimum(tl.maximum(n_mid, n_lo), n_hi)
+        n_full = tl.maximum(tl.minimum(pos_first + win_right + 1, seq_k), 0)
+        n_full = tl.minimum(tl.maximum(n_full // BLOCK_N2 * BLOCK_N2, n_mid), n_hi)
+    elif IS_CAUSAL:
         first_row_sees = tl.maximum(start_m + causal_offset + 1, 0)  # keys [0, this)
         n_full = tl.minimum(n_full, first_row_sees // BLOCK_N2 * BLOCK_N2)
-        n_hi = tl.minimum(N_K, tl.maximum(start_m + BLOCK_M2 + causal_offset, 0))
+        n_hi = tl.minimum(seq_k, tl.maximum(start_m + BLOCK_M2 + causal_offset, 0))
         n_hi = tl.maximum(n_hi, n_full)
     else:
-        n_hi = N_K
+        n_hi = seq_k
     if SPLIT_LOOPS:
+        if HAS_WINDOW:
+            dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn,
+                           offs_m, offs_n0, offs_d, n_lo, n_mid, seq_k, causal_offset,
+                           qk_scale, desc_k, desc_v, off_b, off_hkv, win_left, win_right,
+                           cap_scale, cap2, slope2, HEAD_DIM, BLOCK_D, BLOCK_N2, True,
+                           IS_CAUSAL, UPCAST_DOT, USE_TMA, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
         dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, offs_m,
-                       offs_n0, offs_d, 0, n_full, N_K, causal_offset, qk_scale,
-                       desc_k, desc_v, off_b, off_hkv,
-                       HEAD_DIM, BLOCK_D, BLOCK_N2, False, IS_CAUSAL, UPCAST_DOT, USE_TMA)
+                       offs_n0, offs_d, n_mid, n_full, seq_k, causal_offset, qk_scale,
+                       desc_k, desc_v, off_b, off_hkv, win_left, win_right,
+                       cap_scale, cap2, slope2, HEAD_DIM, BLOCK_D, BLOCK_N2, False,
+                       IS_CAUSAL, UPCAST_DOT, USE_TMA, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
         dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, offs_m,
-                       offs_n0, offs_d, n_full, n_hi, N_K, causal_offset, qk_scale,
-                       desc_k, desc_v, off_b, off_hkv,
-                       HEAD_DIM, BLOCK_D, BLOCK_N2, True, IS_CAUSAL, UPCAST_DOT, USE_TMA)
+                       offs_n0, offs_d, n_full, n_hi, seq_k, causal_offset, qk_scale,
+                       desc_k, desc_v, off_b, off_hkv, win_left, win_right,
+                       cap_scale, cap2, slope2, HEAD_DIM, BLOCK_D, BLOCK_N2, True,
+                       IS_CAUSAL, UPCAST_DOT, USE_TMA, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
     else:  # one loop over every block with a visible entry, each one masked
         dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, offs_m,
-                       offs_n0, offs_d, 0, n_hi, N_K, causal_offset, qk_scale,
-                       desc_k, desc_v, off_b, off_hkv,
-                       HEAD_DIM, BLOCK_D, BLOCK_N2, True, IS_CAUSAL, UPCAST_DOT, USE_TMA)
+                       offs_n0, offs_d, n_lo, n_hi, seq_k, causal_offset, qk_scale,
+                       desc_k, desc_v, off_b, off_hkv, win_left, win_right,
+                       cap_scale, cap2, slope2, HEAD_DIM, BLOCK_D, BLOCK_N2, True,
+                       IS_CAUSAL, UPCAST_DOT, USE_TMA, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
     dq *= sm_scale
-    tl.store(DQ + off_b.to(tl.int64) * stride_dqb + off_h.to(tl.int64) * stride_dqh
+    tl.store(_head(DQ, off_b, off_h, q_start, stride_dqb, stride_dqh, stride_dqm, VARLEN)
              + offs_m[:, None].to(tl.int64) * stride_dqm + offs_d[None, :],
              dq.to(DQ.dtype.element_ty), mask=m_ok[:, None] & (offs_d < HEAD_DIM)[None, :])
 
@@ -425,11 +646,14 @@ def attn_bwd_fused(Q, K, V, DO, Lse, Delta, DQ, DK, DV, PartK, PartV,
                    stride_dkb, stride_dkh, stride_dkn,
                    stride_dvb, stride_dvh, stride_dvn,
                    H_Q, H_KV, GROUP, N_Q, N_K, sm_scale, N1_TILES, N1_PROGRAMS, N2_TILES,
+                   Alibi, CuSeqQ, CuSeqK, stride_ab, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
                    BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
                    IS_CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr, SPLIT_LOOPS: tl.constexpr,
-                   KV_SPLITS: tl.constexpr, USE_TMA: tl.constexpr, REVERSE_DQ: tl.constexpr):
+                   KV_SPLITS: tl.constexpr, USE_TMA: tl.constexpr, REVERSE_DQ: tl.constexpr,
+                   HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                   VARLEN: tl.constexpr):
     """``ONE_LAUNCH``: the dK/dV and the dQ programs in one 1-D grid, the ``N1_PROGRAMS``
     dK/dV ones (``N1_TILES`` key tiles a part) first, then the dQ ones (``N2_TILES`` query
     tiles a head), so that the dQ programs fill the SMs the dK/dV kernel's last wave leaves
@@ -441,8 +665,10 @@ def attn_bwd_fused(Q, K, V, DO, Lse, Delta, DQ, DK, DV, PartK, PartV,
                       stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                       stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
                       stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-                      H_Q, H_KV, GROUP, N_Q, N_K, sm_scale, HEAD_DIM, BLOCK_D, BLOCK_M1,
-                      BLOCK_N1, IS_CAUSAL, UPCAST_DOT, SPLIT_LOOPS, KV_SPLITS, USE_TMA)
+                      H_Q, H_KV, GROUP, N_Q, N_K, sm_scale, Alibi, CuSeqQ, CuSeqK, stride_ab,
+                      WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_M1,
+                      BLOCK_N1, IS_CAUSAL, UPCAST_DOT, SPLIT_LOOPS, KV_SPLITS, USE_TMA,
+                      HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, VARLEN)
     else:
         pid -= N1_PROGRAMS
         tile_m = pid % N2_TILES
@@ -452,5 +678,6 @@ def attn_bwd_fused(Q, K, V, DO, Lse, Delta, DQ, DK, DV, PartK, PartV,
                     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                     stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
                     stride_dqb, stride_dqh, stride_dqm, H_Q, GROUP, N_Q, N_K, sm_scale,
+                    Alibi, CuSeqQ, CuSeqK, stride_ab, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
                     HEAD_DIM, BLOCK_D, BLOCK_M2, BLOCK_N2, IS_CAUSAL, UPCAST_DOT, SPLIT_LOOPS,
-                    USE_TMA)
+                    USE_TMA, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, VARLEN)

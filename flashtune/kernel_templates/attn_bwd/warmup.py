@@ -8,6 +8,7 @@ from collections.abc import Mapping
 
 from flashtune.core.problem import AttentionProblem
 from flashtune.core.spec import Launch
+from flashtune.kernel_templates.attn_fwd.warmup import warmup_mods
 from flashtune.kernel_templates.shaped import Shaped
 
 
@@ -32,7 +33,7 @@ def attn_bwd_warmup_args(problem: AttentionProblem, config: Mapping[str, int]) -
     part = Shaped(torch.float32, partial_shape(k, splits)) if splits > 1 else None
     launches = kernel_args(q, k, k, q, lse, q, lse, q, k, k, config, causal=p.causal,
                            scale=1.0 / math.sqrt(p.head_dim), upcast_dot=False, part_k=part,
-                           part_v=part)
+                           part_v=part, **warmup_mods(p))
     return list(launches.values())
 
 
