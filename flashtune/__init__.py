@@ -24,12 +24,19 @@ from flashtune.core.errors import (
 if TYPE_CHECKING:  # pragma: no cover
     from flashtune.runtime.kvcache import attention_with_kvcache
     from flashtune.runtime.lookup import ConfigChoice
-    from flashtune.runtime.ops import attention, lookup_config, reload_configs, warmup
+    from flashtune.runtime.ops import (
+        attention,
+        attention_varlen,
+        lookup_config,
+        reload_configs,
+        warmup,
+    )
     from flashtune.runtime.sdpa import scaled_dot_product_attention
 
 __all__ = [
     "__version__",
     "attention",
+    "attention_varlen",
     "attention_with_kvcache",
     "lookup_config",
     "reload_configs",
@@ -49,6 +56,7 @@ __all__ = [
 
 _LAZY = {
     "attention": ("flashtune.runtime.ops", "attention"),
+    "attention_varlen": ("flashtune.runtime.ops", "attention_varlen"),
     "attention_with_kvcache": ("flashtune.runtime.kvcache", "attention_with_kvcache"),
     "lookup_config": ("flashtune.runtime.ops", "lookup_config"),
     "reload_configs": ("flashtune.runtime.ops", "reload_configs"),

@@ -99,7 +99,7 @@ def decode_route(problem: AttentionProblem, device: DeviceFingerprint,
     Returns:
         attn_decode's :class:`~flashtune.runtime.lookup.ConfigChoice`, or None for attn_fwd.
     """
-    if problem.seqlen_q > DECODE_MAX_QUERIES:
+    if problem.seqlen_q > DECODE_MAX_QUERIES or problem.has_mods:
         return None
     dec_exact = DISPATCH.exact(problem, device)
     fwd_exact = fwd.exact(problem, device)

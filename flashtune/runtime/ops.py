@@ -23,6 +23,7 @@ import torch
 from flashtune.core.device import interpreting
 from flashtune.core.problem import AttentionProblem
 from flashtune.kernel_templates import get_template
+from flashtune.runtime import scored as _scored_module
 from flashtune.runtime.autograd import _train
 from flashtune.runtime.checks import check_attention_inputs
 from flashtune.runtime.lookup import ConfigChoice
@@ -36,23 +37,35 @@ from flashtune.runtime.routing import (
     _train_choice,
 )
 
-__all__ = ["attention", "lookup_config", "reload_configs", "warmup"]
+__all__ = ["attention", "attention_varlen", "lookup_config", "reload_configs", "warmup"]
+
+# eager under torch.compile (a graph break): the kernels' Python launch is not traced
+attention_varlen = torch.compiler.disable(  # type: ignore[no-untyped-call]
+    _scored_module.attention_varlen)
+_scored = torch.compiler.disable(_scored_module.attention_scored)  # type: ignore[no-untyped-call]
+has_mods = _scored_module.has_mods
 
 
 @overload
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = ...,
               scale: float | None = ..., return_lse: Literal[False] = ...,
               config: Mapping[str, int] | None = ...,
-              impl: str | None = ...) -> torch.Tensor: ...
+              impl: str | None = ..., window: tuple[int, int] | None = ...,
+              softcap: float | None = ...,
+              alibi_slopes: torch.Tensor | None = ...) -> torch.Tensor: ...
 @overload
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = ...,
               scale: float | None = ..., return_lse: Literal[True],
               config: Mapping[str, int] | None = ...,
-              impl: str | None = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
+              impl: str | None = ..., window: tuple[int, int] | None = ...,
+              softcap: float | None = ...,
+              alibi_slopes: torch.Tensor | None = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
 @overload
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = ...,
               scale: float | None = ..., return_lse: bool = ...,
-              config: Mapping[str, int] | None = ..., impl: str | None = ...
+              config: Mapping[str, int] | None = ..., impl: str | None = ...,
+              window: tuple[int, int] | None = ..., softcap: float | None = ...,
+              alibi_slopes: torch.Tensor | None = ...
               ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -66,6 +79,9 @@ def attention(
     return_lse: bool = False,
     config: Mapping[str, int] | None = None,
     impl: str | None = None,
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention ``softmax(q k^T * scale) v`` with the fastest implementation tuned
     for the shape: one of flashtune's kernels (Triton, Gluon) or an SDPA backend of torch's.
@@ -92,6 +108,17 @@ def attention(
             given); an error if it cannot serve the call. Default: the router's choice.
             With gradients: None and ``"attn_fwd"`` run attn_fwd with attn_bwd; an SDPA
             backend runs its own backward; others have no backward (InputError).
+        window: FlashAttention-2's ``window_size``: ``(left, right)``, query ``i`` (at key
+            position ``i + seqlen_k - seqlen_q``) sees keys ``[pos - left, pos + right]``;
+            -1 leaves a side unbounded; with ``causal`` the right bound is 0. None or
+            ``(-1, -1)``: no window.
+        softcap: FlashAttention-2's ``softcap``: scores become ``softcap * tanh(s /
+            softcap)`` before the mask (Gemma-2); None or 0.0: none.
+        alibi_slopes: float32 ``(heads_q,)`` or ``(batch, heads_q)``: scores get
+            ``-slope * |pos - j|`` (ALiBi, as FlashAttention-2's).
+            Calls with any of these three run attn_fwd (and attn_bwd), the implementation
+            that serves them (:mod:`flashtune.runtime.scored`); under ``torch.compile``
+            they run eagerly (a graph break).
     Returns:
         ``out`` of ``q``'s shape and dtype (contiguous from flashtune's kernels; an SDPA
         backend's output follows torch's layout), or ``(out, lse)``.
@@ -101,6 +128,12 @@ def attention(
         batch), ConfigError (``ValueError``) for a config outside the space, DeviceError
         for CPU tensors without the interpreter. All before any launch.
     """
+    if (window is not None or softcap is not None or alibi_slopes is not None) \
+            and has_mods(causal, window, softcap, alibi_slopes):
+        scored: torch.Tensor | tuple[torch.Tensor, torch.Tensor] = _scored(
+            q, k, v, causal=causal, scale=scale, return_lse=return_lse, config=config,
+            impl=impl, window=window, softcap=softcap, alibi_slopes=alibi_slopes)
+        return scored
     if impl is not None and impl != "attn_fwd":
         return _attention_impl(q, k, v, causal, scale, return_lse, config, impl)
     if torch.compiler.is_compiling():
@@ -154,7 +187,9 @@ def _wants_grad(q: Any, k: Any, v: Any) -> bool:
 
 
 def lookup_config(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                  causal: bool = False, return_lse: bool = False) -> ConfigChoice:
+                  causal: bool = False, return_lse: bool = False,
+                  window: tuple[int, int] | None = None, softcap: float | None = None,
+                  alibi_slopes: torch.Tensor | None = None) -> ConfigChoice:
     """Which implementation and config :func:`attention` runs these inputs with, and why.
 
     First the op's stored choice (``flashtune tune --op``, which times every implementation
@@ -185,6 +220,9 @@ def lookup_config(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
             included); only their metadata is read, nothing is launched.
         causal, return_lse: as for :func:`attention` (an implementation that cannot return
             the LSE is not chosen for a call that asks for it).
+        window, softcap, alibi_slopes: as for :func:`attention`; with any of them the
+            answer is attn_fwd's choice for the problem with its modifications (the pair's
+            config, the backward's keys under ``bwd.``, for a call with gradients).
     Returns:
         The :class:`~flashtune.runtime.lookup.ConfigChoice` (``config``, ``source``,
         ``template``, ``tflops``, ``median_ms``, ``tuned_problem``, ``origin``), memoised
@@ -195,6 +233,11 @@ def lookup_config(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         :func:`attention` would refuse, DeviceError for CPU tensors without the
         interpreter.
     """
+    if (window is not None or softcap is not None or alibi_slopes is not None) \
+            and has_mods(causal, window, softcap, alibi_slopes):
+        return _copy(_scored_module.lookup_scored(
+            q, k, v, causal=causal, return_lse=return_lse, window=window, softcap=softcap,
+            alibi_slopes=alibi_slopes))
     check_attention_inputs(q, k, v, None)
     problem, device = AttentionProblem.from_tensors(q, k, causal=causal), _device_of(q)
     if _wants_grad(q, k, v):  # attention's training route, whatever the shape
@@ -220,6 +263,7 @@ def reload_configs(*, device_alias: bool | None = None, db_url: str | None = Non
         source shows up (as one warning) at the next call, never as an exception.
     """
     _reload(device_alias=device_alias, db_url=db_url)
+    _scored_module.reset()
 
 
 def warmup(problems: Iterable[AttentionProblem] | None = None, *,

@@ -1,0 +1,361 @@
+"""Calls beyond plain attention: FlashAttention-2's score modifications and packed batches.
+
+:func:`flashtune.attention` with ``window``, ``softcap`` or ``alibi_slopes``, and
+:func:`flashtune.attention_varlen` (``flash_attn_varlen_func``'s packed ``(total_tokens,
+heads, head_dim)`` tensors with cumulative lengths) come here. Their conventions are
+FlashAttention-2's (``flash_attn_interface.py``; its test suite's ``attention_ref`` is the
+reference, :func:`~flashtune.kernel_templates.attn_fwd.reference.attn_fwd_reference`):
+
+* ``window = (left, right)``: query ``i``, at key position ``i + Nk - Nq`` (bottom-right
+  aligned, per sequence), sees keys ``[pos - left, pos + right]``; -1 leaves a side
+  unbounded; with ``causal`` the right bound is 0 whatever ``right`` says;
+* ``softcap``: the scaled scores become ``softcap * tanh(s / softcap)`` (Gemma-2);
+* ``alibi_slopes``: float32 ``(heads_q,)`` or ``(batch, heads_q)``; the scores get
+  ``-slope * |pos - j|``.
+
+torch's SDPA backends serve none of them (a mask makes it fall back to its slower masked
+kernels), nor does the Gluon forward yet, so these calls run attn_fwd (and attn_bwd for
+gradients) through the router's chain for the problem *with* its modifications
+(:class:`~flashtune.core.problem.AttentionProblem` keys them: exact, bucket, nearest with
+the same modifications, then the nearest without them, then the default). The route is
+memoised per call signature, as the plain path's is; nothing is read per call.
+
+A packed batch is keyed as the problem ``(batch, heads, max_seqlen_q, max_seqlen_k)``. Its
+``cu_seqlens`` are checked on the host (one small copy from the device: int32, starting
+at 0, not decreasing, ending at the tokens' count), except while a CUDA graph is being
+captured, where nothing may synchronise.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from flashtune.core.errors import InputError, InputTypeError
+from flashtune.core.problem import AttentionProblem, dtype_name
+from flashtune.core.space import Config
+from flashtune.core.spec import TemplateSpec, join_pair, split_pair
+from flashtune.kernel_templates import get_template
+from flashtune.kernel_templates.training import pair_fn
+from flashtune.runtime.checks import check_attention_inputs, check_grid
+from flashtune.runtime.lookup import ConfigChoice
+from flashtune.runtime.routing import (
+    _BWD,
+    _DISPATCH,
+    _DISPATCH_BWD,
+    _FWD,
+    _device_of,
+    _explicit_config,
+    _route,
+    _train_choice,
+)
+
+__all__ = ["attention_scored", "attention_varlen", "check_score_mods", "has_mods",
+           "lookup_scored", "varlen"]
+
+# call signature -> (forward spec, forward config, backward config or None)
+_ROUTES: dict[tuple[Any, ...], tuple[TemplateSpec, Config, Config | None]] = {}
+
+
+def check_score_mods(q: torch.Tensor, *, causal: bool, window: Any, softcap: Any,
+                     alibi_slopes: Any, batch: int | None = None
+                     ) -> tuple[tuple[int, int], float | None, torch.Tensor | None]:
+    """The score modifications checked and normalised: ``((left, right), softcap,
+    slopes)``, ``right`` 0 when ``causal``, ``softcap`` None when off (None or 0.0, as
+    FlashAttention-2's default), slopes float32 and contiguous. Raises InputError /
+    InputTypeError naming the argument."""
+    left, right = -1, -1
+    if window is not None:
+        if not isinstance(window, (tuple, list)) or len(window) != 2 or any(
+                isinstance(w, bool) or not isinstance(w, int) for w in window):
+            raise InputTypeError(f"window must be a pair of ints (left, right), -1 for "
+                                 f"unbounded, got {window!r}")
+        left, right = int(window[0]), int(window[1])
+        if left < -1 or right < -1:
+            raise InputError(f"window {tuple(window)}: each bound must be >= 0, or -1 for "
+                             f"unbounded on that side")
+    if causal:
+        right = 0
+    cap: float | None = None
+    if softcap is not None:
+        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) \
+                or not math.isfinite(softcap) or softcap < 0:
+            raise InputError(f"softcap must be a positive finite number (or None / 0.0 for "
+                             f"none), got {softcap!r}")
+        cap = float(softcap) or None
+    slopes = None
+    if alibi_slopes is not None:
+        if not isinstance(alibi_slopes, torch.Tensor):
+            raise InputTypeError(f"alibi_slopes must be a torch.Tensor, got "
+                                 f"{type(alibi_slopes).__name__}")
+        if alibi_slopes.dtype != torch.float32:
+            raise InputTypeError(f"alibi_slopes must be float32, got {alibi_slopes.dtype}")
+        heads = q.shape[-2] if batch is not None else q.shape[1]
+        b = batch if batch is not None else q.shape[0]
+        if tuple(alibi_slopes.shape) not in ((heads,), (b, heads)):
+            raise InputError(f"alibi_slopes must have shape ({heads},) or ({b}, {heads}) "
+                             f"(heads_q, or batch x heads_q), got {tuple(alibi_slopes.shape)}")
+        if alibi_slopes.device != q.device:
+            raise InputError(f"alibi_slopes is on {alibi_slopes.device}, q on {q.device}; "
+                             f"they must share a device")
+        slopes = alibi_slopes.contiguous()
+    return (left, right), cap, slopes
+
+
+def has_mods(causal: bool, window: Any, softcap: Any, alibi_slopes: Any) -> bool:
+    """Whether the arguments ask for a score modification (any value but the "off" ones:
+    None, ``(-1, -1)`` or, with ``causal``, ``(-1, anything)``, softcap 0); values that are
+    not valid count as asking, so that :func:`check_score_mods` names them."""
+    if alibi_slopes is not None or (softcap is not None and softcap != 0):
+        return True
+    if window is None:
+        return False
+    try:
+        left, right = window
+    except (TypeError, ValueError):
+        return True
+    return not (left == -1 and (right == -1 or causal) and type(left) is int
+                and type(right) is int)
+
+
+def _wants_grad(q: Any, k: Any, v: Any) -> bool:
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+
+
+def _choose(problem: AttentionProblem, q: torch.Tensor, causal: bool, return_lse: bool,
+            grad: bool, config: Mapping[str, Any] | None, impl: str | None,
+            varlen: bool) -> tuple[TemplateSpec, Config, Config | None]:
+    """attn_fwd's (and for gradients attn_bwd's) config for ``problem``: the op's stored
+    choice where it is attn_fwd (the only implementation that serves these calls), else
+    attn_fwd's own chain; ``impl``/``config`` forced where given."""
+    device = _device_of(q)
+    if impl is not None and impl != _FWD.name:
+        spec = get_template(impl)
+        reason = spec.refuse(problem, device, return_lse=return_lse) or (
+            "a packed batch (only attn_fwd serves attention_varlen)" if varlen else None)
+        raise InputError(f"impl {impl!r} cannot serve {problem.describe()} on "
+                         f"{device.name}: {reason or 'only attn_fwd serves these calls'}")
+    reason = _FWD.refuse(problem, device, return_lse=return_lse)
+    if reason is not None:
+        raise InputError(f"flashtune cannot serve {problem.describe()} on {device.name}: "
+                         f"{reason}")
+    fcfg: Config
+    if config is not None:
+        fwd_part, bwd_part = split_pair(config)
+        fcfg = _explicit_config(fwd_part, problem, device)
+        if not grad:
+            return _FWD, fcfg, None
+        bcfg = (_explicit_config(bwd_part, problem, device, _BWD) if bwd_part
+                else _DISPATCH_BWD.choose(problem, device).config)
+        return _FWD, fcfg, bcfg
+    if grad:
+        if not varlen:
+            choice = _train_choice(problem, device, return_lse=return_lse, paired=True)
+            if choice.template == _FWD.name:
+                f, b = split_pair(choice.config)
+                return _FWD, f, b
+        return (_FWD, _DISPATCH.choose(problem, device).config,
+                _DISPATCH_BWD.choose(problem, device).config)
+    if not varlen:
+        routed = _route(problem, device, return_lse=return_lse)
+        if routed.template == _FWD.name:
+            return _FWD, routed.config, None
+    return _FWD, _DISPATCH.choose(problem, device).config, None
+
+
+def lookup_scored(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
+                  return_lse: bool, window: Any, softcap: Any,
+                  alibi_slopes: Any) -> ConfigChoice:
+    """:func:`flashtune.lookup_config` for a call with score modifications: the choice
+    :func:`attention_scored` runs (attn_fwd's; for a call with gradients the pair's
+    config, the backward's keys under ``bwd.``)."""
+    check_attention_inputs(q, k, v, None)
+    (left, right), cap, slopes = check_score_mods(q, causal=causal, window=window,
+                                                  softcap=softcap, alibi_slopes=alibi_slopes)
+    problem = AttentionProblem.from_tensors(q, k, causal=causal, window=(left, right),
+                                            softcap=cap, alibi=slopes is not None)
+    device = _device_of(q)
+    if _wants_grad(q, k, v):
+        choice = _train_choice(problem, device, return_lse=return_lse, paired=True,
+                               tune=False)
+        if choice.template == _FWD.name:
+            return choice
+        fwd, bwd = _DISPATCH.choose(problem, device), _DISPATCH_BWD.choose(problem, device)
+        return replace(fwd, config=join_pair(fwd.config, bwd.config))
+    routed = _route(problem, device, tune=False, return_lse=return_lse)
+    return routed if routed.template == _FWD.name else _DISPATCH.choose(problem, device)
+
+
+def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: AttentionProblem,
+         key: tuple[Any, ...], causal: bool, scale: float | None, return_lse: bool,
+         config: Mapping[str, Any] | None, impl: str | None,
+         options: dict[str, Any]) -> Any:
+    grad = _wants_grad(q, k, v)
+    varlen = "cu_seqlens_q" in options
+    if config is None and impl is None:
+        route = _ROUTES.get(key + (grad,))
+        if route is None:
+            route = _ROUTES[key + (grad,)] = _choose(problem, q, causal, return_lse, grad,
+                                                     None, None, varlen)
+    else:
+        route = _choose(problem, q, causal, return_lse, grad, config, impl, varlen)
+    spec, fcfg, bcfg = route
+    if grad:
+        assert bcfg is not None
+        out, lse = pair_fn(q, k, v, causal, scale, spec.launcher, fcfg, _BWD.launcher, bcfg,
+                           options)
+        return (out, lse) if return_lse else out
+    return spec.launcher(q, k, v, fcfg, causal=causal, scale=scale, return_lse=return_lse,
+                         **options)
+
+
+def attention_scored(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
+                     scale: float | None, return_lse: bool,
+                     config: Mapping[str, Any] | None, impl: str | None, window: Any,
+                     softcap: Any, alibi_slopes: Any) -> Any:
+    """:func:`flashtune.attention` with a score modification (the module doc): ``out`` or
+    ``(out, lse)``, with gradients where q, k or v require them."""
+    check_attention_inputs(q, k, v, scale)
+    (left, right), cap, slopes = check_score_mods(q, causal=causal, window=window,
+                                                  softcap=softcap, alibi_slopes=alibi_slopes)
+    problem = AttentionProblem.from_tensors(q, k, causal=causal, window=(left, right),
+                                            softcap=cap, alibi=slopes is not None)
+    check_grid(q, k)
+    key = (q.shape, k.shape, q.dtype, q.get_device(), causal, return_lse, left, right, cap,
+           slopes is not None)
+    options = {"window": (left, right), "softcap": cap, "alibi_slopes": slopes}
+    return _run(q, k, v, problem, key, causal, scale, return_lse, config, impl, options)
+
+
+def _check_cu_seqlens(name: str, cu: Any, total: int, device: torch.device,
+                      batch: int | None, read: bool = True) -> list[int] | None:
+    """``cu`` checked as the cumulative lengths of ``total`` tokens (the values only with
+    ``read`` and when no CUDA graph is being captured); returns them, or None when not
+    read."""
+    if not isinstance(cu, torch.Tensor):
+        raise InputTypeError(f"{name} must be a torch.Tensor of int32, got {type(cu).__name__}")
+    if cu.dtype != torch.int32:
+        raise InputTypeError(f"{name} must be int32 (as flash_attn_varlen_func's), got "
+                             f"{cu.dtype}")
+    if cu.dim() != 1 or cu.numel() < 2:
+        raise InputError(f"{name} must be 1-D with batch + 1 >= 2 entries, got shape "
+                         f"{tuple(cu.shape)}")
+    if batch is not None and cu.numel() != batch + 1:
+        raise InputError(f"{name} has {cu.numel()} entries and cu_seqlens_q "
+                         f"{batch + 1}: both must be batch + 1")
+    if cu.device != device:
+        raise InputError(f"{name} is on {cu.device}, q on {device}; they must share a device")
+    if not read or (cu.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return None
+    values = [int(x) for x in cu.tolist()]
+    if values[0] != 0:
+        raise InputError(f"{name}[0] must be 0, got {values[0]}")
+    bad = next((i for i in range(1, len(values)) if values[i] < values[i - 1]), None)
+    if bad is not None:
+        raise InputError(f"{name} must not decrease, but {name}[{bad}] = {values[bad]} < "
+                         f"{name}[{bad - 1}] = {values[bad - 1]}")
+    if values[-1] != total:
+        raise InputError(f"{name}[-1] = {values[-1]} must equal the number of tokens, "
+                         f"{total}")
+    return values
+
+
+def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                     max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = False,
+                     scale: float | None = None, window: tuple[int, int] | None = None,
+                     softcap: float | None = None, alibi_slopes: torch.Tensor | None = None,
+                     return_lse: bool = False, config: Mapping[str, Any] | None = None,
+                     impl: str | None = None) -> Any:
+    """Attention over a packed batch of sequences of different lengths, as
+    ``flash_attn_varlen_func``: no padding, no token attends across sequences.
+
+    Arguments:
+        q: ``(total_q, heads_q, head_dim)``: the batch's queries one sequence after the
+            other; k, v: ``(total_k, heads_kv, head_dim)``. float16 or bfloat16, one
+            device, last dimension contiguous (other strides free: slices of a packed qkv
+            run without a copy); ``heads_q`` a multiple of ``heads_kv``.
+        cu_seqlens_q, cu_seqlens_k: int32 ``(batch + 1,)``: sequence ``b`` has queries
+            ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` and keys likewise.
+        max_seqlen_q, max_seqlen_k: the longest sequence's lengths (the launch grid; a
+            value under the true maximum would leave queries unwritten, so it is checked
+            with the lengths).
+        causal, scale, window, softcap, alibi_slopes: as :func:`flashtune.attention`, per
+            sequence (bottom-right aligned to each one's own lengths); ``alibi_slopes``
+            ``(heads_q,)`` or ``(batch, heads_q)``.
+        return_lse: also return the float32 LSE ``(heads_q, total_q)``.
+        config, impl: as :func:`flashtune.attention` (only ``"attn_fwd"`` serves packed
+            batches).
+    Returns:
+        ``out`` ``(total_q, heads_q, head_dim)`` (contiguous), or ``(out, lse)``; with
+        gradients (q, k or v requiring grad) through attn_bwd.
+    Raises:
+        InputError / InputTypeError naming the argument, before any launch.
+    """
+    return varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                  causal=causal, scale=scale, window=window, softcap=softcap,
+                  alibi_slopes=alibi_slopes, return_lse=return_lse, config=config, impl=impl)
+
+
+def varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+           cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *,
+           causal: bool = False, scale: float | None = None,
+           window: tuple[int, int] | None = None, softcap: float | None = None,
+           alibi_slopes: torch.Tensor | None = None, return_lse: bool = False,
+           config: Mapping[str, Any] | None = None, impl: str | None = None,
+           read_lengths: bool = True) -> Any:
+    """:func:`attention_varlen`; ``read_lengths`` False skips reading ``cu_seqlens``' values
+    back to the host (a device sync per call) for a caller that built them itself and
+    knows them valid (the transformers integration, once per layer); every other check
+    stays."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise InputTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 3:
+            raise InputError(f"{name} must have 3 dimensions (total_tokens, heads, head_dim) "
+                             f"for attention_varlen, got shape {tuple(t.shape)}")
+    if k.shape != v.shape:
+        raise InputError(f"k and v must have the same shape, got k {tuple(k.shape)} and "
+                         f"v {tuple(v.shape)}")
+    for name, n in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise InputError(f"{name} must be a positive int, got {n!r}")
+    # the 4-D checks on (1, heads, tokens, head_dim) views: dtype, device, heads, head dim
+    check_attention_inputs(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                           v.transpose(0, 1)[None], scale)
+    lens_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device, None,
+                               read_lengths)
+    batch = cu_seqlens_q.numel() - 1
+    lens_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device, batch,
+                               read_lengths)
+    for name, values, given in (("max_seqlen_q", lens_q, max_seqlen_q),
+                                ("max_seqlen_k", lens_k, max_seqlen_k)):
+        if values is not None:
+            longest = max(b - a for a, b in zip(values, values[1:]))
+            if given < longest:
+                raise InputError(f"{name} = {given}, but a sequence has {longest} tokens")
+    (left, right), cap, slopes = check_score_mods(q, causal=causal, window=window,
+                                                  softcap=softcap, alibi_slopes=alibi_slopes,
+                                                  batch=batch)
+    heads_q, heads_kv, head_dim = q.shape[1], k.shape[1], q.shape[2]
+    problem = AttentionProblem(batch, heads_q, heads_kv, max_seqlen_q, max_seqlen_k,
+                               head_dim, bool(causal), dtype_name(q.dtype), left,
+                               -1 if causal else right, cap or 0.0, slopes is not None)
+    if q.is_cuda and batch * heads_q > 65535:
+        raise InputError(f"batch x heads_q = {batch * heads_q} programs on the launch "
+                         f"grid's axis 1, more than CUDA's limit of 65535; split the batch")
+    key = ("varlen", batch, max_seqlen_q, max_seqlen_k, heads_q, heads_kv, head_dim,
+           q.dtype, q.get_device(), causal, return_lse, left, right, cap, slopes is not None)
+    options = {"window": (left, right), "softcap": cap, "alibi_slopes": slopes,
+               "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k,
+               "max_seqlen_q": max_seqlen_q, "max_seqlen_k": max_seqlen_k}
+    return _run(q, k, v, problem, key, causal, scale, return_lse, config, impl, options)
+
+
+def reset() -> None:
+    """Drop the memoised routes (``flashtune.reload_configs``)."""
+    _ROUTES.clear()

@@ -1,0 +1,256 @@
+"""flashtune.attention with window / softcap / ALiBi, and flashtune.attention_varlen: the
+public API end to end (routing, numerics, gradients, bad input), under the interpreter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flashtune
+from flashtune.core.errors import InputError, InputTypeError
+from flashtune.core.problem import AttentionProblem
+from flashtune.kernel_templates.attn_fwd.reference import attn_fwd_reference
+from flashtune.runtime import scored
+from tests.conftest import DEVICE
+
+CFG = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+
+
+def qkv(b=1, hq=4, hkv=2, nq=37, nk=45, d=32, dtype=torch.float16, seed=0, grad=False):
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda h, n: torch.randn(b, h, n, d, generator=g).to(dtype).to(DEVICE)  # noqa: E731
+    q, k, v = mk(hq, nq), mk(hkv, nk), mk(hkv, nk)
+    if grad:
+        for t in (q, k, v):
+            t.requires_grad_(True)
+    return q, k, v
+
+
+def slopes(*shape):
+    return (torch.rand(*shape, generator=torch.Generator().manual_seed(3)) * 0.5).to(DEVICE)
+
+
+def check(out, ref, dtype, lse=None, ref_lse=None):
+    tol = 2e-2 if dtype == torch.bfloat16 else 4e-3
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+    if lse is not None:
+        inf = torch.isinf(ref_lse)
+        assert torch.equal(torch.isinf(lse), inf)
+        torch.testing.assert_close(lse.double()[~inf], ref_lse[~inf], atol=2e-3, rtol=2e-3)
+
+
+MODS = [
+    ("window", dict(window=(7, 3)), False),
+    ("window causal", dict(window=(9, 5)), True),
+    ("softcap", dict(softcap=2.0), False),
+    ("alibi causal", dict(alibi_slopes=("h",)), True),
+    ("all", dict(window=(12, 4), softcap=3.0, alibi_slopes=("bh",)), True),
+]
+
+
+def _kwargs(mods, b, hq):
+    out = dict(mods)
+    if "alibi_slopes" in out:
+        out["alibi_slopes"] = slopes(hq) if out["alibi_slopes"] == ("h",) else slopes(b, hq)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("name,mods,causal", MODS, ids=[m[0] for m in MODS])
+def test_forward_matches_reference(name, mods, causal, dtype):
+    q, k, v = qkv(b=2, dtype=dtype)
+    kw = _kwargs(mods, 2, 4)
+    out, lse = flashtune.attention(q, k, v, causal=causal, return_lse=True, **kw)
+    ref, ref_lse = attn_fwd_reference(q, k, v, causal=causal, **kw)
+    check(out, ref, dtype, lse, ref_lse)
+    # the same call again takes the memoised route: the same bits
+    assert torch.equal(flashtune.attention(q, k, v, causal=causal, **kw), out)
+
+
+def test_off_values_take_the_plain_path(monkeypatch):
+    q, k, v = qkv()
+    called = []
+    monkeypatch.setattr(scored, "_run", lambda *a, **k: called.append(1))
+    plain = flashtune.attention(q, k, v, causal=True)
+    for kw in (dict(window=(-1, -1)), dict(window=(-1, 5)), dict(softcap=0.0),
+               dict(softcap=None, window=None, alibi_slopes=None)):
+        assert torch.equal(flashtune.attention(q, k, v, causal=True, **kw), plain), kw
+    assert not called
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_gradients_match_float64(causal):
+    q, k, v = qkv(b=2, grad=True)
+    kw = dict(window=(10, 6), softcap=4.0, alibi_slopes=slopes(4))
+    out = flashtune.attention(q, k, v, causal=causal, **kw)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(5)).to(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    q64, k64, v64 = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+    ref, _ = attn_fwd_reference(q64, k64, v64, causal=causal, **kw)
+    refs = torch.autograd.grad(ref, (q64, k64, v64), dout.double())
+    check(out, ref.detach(), q.dtype)
+    for name, got, want in zip("qkv", grads, refs):
+        assert got.shape == want.shape, name
+        torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=2e-2, msg=name)
+
+
+def test_routes_to_attn_fwd_and_keys_the_mods():
+    q, k, v = qkv()
+    problem = AttentionProblem.from_tensors(q, k, causal=True, window=(8, 3), softcap=2.0,
+                                            alibi=True)
+    assert problem.mods() == ("window", "softcap", "alibi")
+    assert problem.window_right == -1  # causal is the right bound
+    key = problem.key()
+    assert key["window_left"] == 8 and key["softcap"] == 2.0 and key["alibi"] is True
+    assert AttentionProblem.from_key(key) == problem
+    plain = AttentionProblem.from_tensors(q, k, causal=True)
+    assert "window_left" not in plain.key() and plain.bucket() != problem.bucket()
+    assert plain.distance(problem) > plain.distance(
+        AttentionProblem.from_tensors(q, k, causal=True))
+    # no SDPA backend serves a modified score: they refuse, attn_fwd serves
+    from flashtune.kernel_templates import get_template
+    from flashtune.runtime.routing import _device_of
+    dev = _device_of(q)
+    assert "softcap" in get_template("sdpa_math").refuse(problem, dev)
+    assert get_template("attn_fwd").refuse(problem, dev) is None
+    with pytest.raises(InputError, match="sdpa_math.*cannot serve"):
+        flashtune.attention(q, k, v, causal=True, softcap=2.0, impl="sdpa_math")
+
+
+def test_window_flops_count_visible_pairs():
+    p = AttentionProblem(1, 1, 1, 8, 8, 16, False, "fp16", 2, 0)
+    pairs = int(((torch.arange(8)[:, None] - torch.arange(8)[None, :]).clamp(min=-1) <= 2)
+                .logical_and(torch.arange(8)[:, None] >= torch.arange(8)[None, :]).sum())
+    assert p.flops() == 4.0 * 16 * pairs
+
+
+BAD = [
+    (dict(window=(3,)), InputTypeError, "window must be a pair"),
+    (dict(window=(-2, 3)), InputError, "window \\(-2, 3\\).*>= 0, or -1"),
+    (dict(window=(1.5, 3)), InputTypeError, "window must be a pair of ints"),
+    (dict(softcap=-1.0), InputError, "softcap must be a positive"),
+    (dict(softcap=float("inf")), InputError, "softcap must be"),
+    (dict(alibi_slopes=[0.1, 0.2]), InputTypeError, "alibi_slopes must be a torch.Tensor"),
+    (dict(alibi_slopes=torch.ones(4, dtype=torch.float16)), InputTypeError,
+     "alibi_slopes must be float32"),
+    (dict(alibi_slopes=torch.ones(3)), InputError, "alibi_slopes must have shape \\(4,\\)"),
+]
+
+
+@pytest.mark.parametrize("kwargs,exc,msg", BAD, ids=[b[2][:24] for b in BAD])
+def test_bad_mods_are_clear_errors(kwargs, exc, msg):
+    q, k, v = qkv()
+    kwargs = {n: (t.to(DEVICE) if isinstance(t, torch.Tensor) else t) for n, t in kwargs.items()}
+    with pytest.raises(exc, match=msg):
+        flashtune.attention(q, k, v, **kwargs)
+
+
+# -- varlen ------------------------------------------------------------------------------
+
+
+def packed(lens_q, lens_k, hq=4, hkv=2, d=32, dtype=torch.float16, grad=False):
+    g = torch.Generator().manual_seed(1)
+    tq, tk = sum(lens_q), sum(lens_k)
+    q = torch.randn(tq, hq, d, generator=g).to(dtype).to(DEVICE)
+    kv = torch.randn(tk, 2, hkv, d, generator=g).to(dtype).to(DEVICE)
+    k, v = kv[:, 0], kv[:, 1]  # strided slices of one packed tensor
+    if grad:
+        q.requires_grad_(True)
+        k = k.detach().requires_grad_(True)
+        v = v.detach().requires_grad_(True)
+    cu = lambda lens: torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()],  # noqa: E731
+                                   dtype=torch.int32, device=DEVICE)
+    return q, k, v, cu(lens_q), cu(lens_k)
+
+
+def per_sequence(q, k, v, cq, ck, **kw):
+    outs, lses = [], []
+    for b in range(cq.numel() - 1):
+        sq = slice(int(cq[b]), int(cq[b + 1]))
+        sk = slice(int(ck[b]), int(ck[b + 1]))
+        extra = dict(kw)
+        if extra.get("alibi_slopes") is not None and extra["alibi_slopes"].dim() == 2:
+            extra["alibi_slopes"] = extra["alibi_slopes"][b]
+        o, lse = attn_fwd_reference(q[sq].transpose(0, 1)[None], k[sk].transpose(0, 1)[None],
+                                    v[sk].transpose(0, 1)[None], **extra)
+        outs.append(o[0].transpose(0, 1))
+        lses.append(lse[0])
+    return torch.cat(outs), torch.cat(lses, dim=1)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_matches_each_sequence(causal):
+    lens_q, lens_k = [19, 1, 33], [19, 7, 40]
+    q, k, v, cq, ck = packed(lens_q, lens_k)
+    kw = dict(window=(9, 4), softcap=3.0) if causal else {}
+    out, lse = flashtune.attention_varlen(q, k, v, cq, ck, 33, 40, causal=causal,
+                                          return_lse=True, **kw)
+    assert out.shape == q.shape and lse.shape == (4, q.shape[0])
+    ref, ref_lse = per_sequence(q, k, v, cq, ck, causal=causal, **kw)
+    check(out, ref, q.dtype, lse, ref_lse)
+
+
+def test_varlen_gradients():
+    q, k, v, cq, ck = packed([21, 30], [21, 30], grad=True)
+    out = flashtune.attention_varlen(q, k, v, cq, ck, 30, 30, causal=True)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    q64, k64, v64 = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+    ref, _ = per_sequence(q64, k64, v64, cq, ck, causal=True)
+    refs = torch.autograd.grad(ref, (q64, k64, v64), dout.double())
+    for name, got, want in zip("qkv", grads, refs):
+        torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=2e-2, msg=name)
+
+
+def _cu(*values):
+    return torch.tensor(values, dtype=torch.int32, device=DEVICE)
+
+
+VARLEN_BAD = [
+    (lambda q, k, v, cq, ck: (q[None], k, v, cq, ck, 33, 40), InputError, "q must have 3"),
+    (lambda q, k, v, cq, ck: (q, k, v, cq.long(), ck, 33, 40), InputTypeError,
+     "cu_seqlens_q must be int32"),
+    (lambda q, k, v, cq, ck: (q, k, v, _cu(0, 20, 19, 53), ck, 33, 40), InputError,
+     "cu_seqlens_q must not decrease.*\\[2\\] = 19"),
+    (lambda q, k, v, cq, ck: (q, k, v, _cu(1, 20, 21, 53), ck, 33, 40), InputError,
+     "cu_seqlens_q\\[0\\] must be 0"),
+    (lambda q, k, v, cq, ck: (q, k, v, cq, _cu(0, 19, 26, 60), 33, 40), InputError,
+     "cu_seqlens_k\\[-1\\] = 60 must equal the number of tokens, 66"),
+    (lambda q, k, v, cq, ck: (q, k, v, cq, _cu(0, 19, 66), 33, 40), InputError,
+     "cu_seqlens_k has 3 entries and cu_seqlens_q 4"),
+    (lambda q, k, v, cq, ck: (q, k, v, cq, ck, 20, 40), InputError,
+     "max_seqlen_q = 20, but a sequence has 33"),
+    (lambda q, k, v, cq, ck: (q, k, v, cq, ck, 0, 40), InputError, "max_seqlen_q must be"),
+]
+
+
+@pytest.mark.parametrize("mutate,exc,msg", VARLEN_BAD, ids=[b[2][:28] for b in VARLEN_BAD])
+def test_varlen_bad_input(mutate, exc, msg):
+    args = mutate(*packed([19, 1, 33], [19, 7, 40]))
+    with pytest.raises(exc, match=msg):
+        flashtune.attention_varlen(*args)
+
+
+def test_varlen_refuses_other_implementations():
+    q, k, v, cq, ck = packed([5, 9], [5, 9])
+    with pytest.raises(InputError, match="sdpa_math.*cannot serve"):
+        flashtune.attention_varlen(q, k, v, cq, ck, 9, 9, impl="sdpa_math")
+
+
+def test_explicit_config_with_mods():
+    q, k, v = qkv()
+    out = flashtune.attention(q, k, v, window=(6, 6), config=CFG)
+    ref, _ = attn_fwd_reference(q, k, v, window=(6, 6))
+    check(out, ref, q.dtype)
+
+
+def test_lookup_config_names_what_a_scored_call_runs():
+    q, k, v = qkv()
+    choice = flashtune.lookup_config(q, k, v, causal=True, window=(8, 0), softcap=3.0)
+    assert choice.template == "attn_fwd" and {"BLOCK_M", "BLOCK_N"} <= set(choice.config)
+    q2, k2, v2 = qkv(grad=True)
+    pair = flashtune.lookup_config(q2, k2, v2, causal=True, window=(8, 0))
+    assert pair.template == "attn_fwd" and any(n.startswith("bwd.") for n in pair.config)
+    with pytest.raises(InputError, match="window"):
+        flashtune.lookup_config(q, k, v, window=(-3, 0))
