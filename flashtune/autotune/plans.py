@@ -11,6 +11,9 @@ Format::
     head_dim = 128
     causal = true       # optional, default: false
     dtype = "bf16"      # optional, default: "bf16"; "fp16" or "bf16"
+    window = [4095, 0]  # optional: FlashAttention-2's window_size (left, right), -1 unbounded
+    softcap = 50.0      # optional: logit softcap (Gemma-2)
+    alibi = true        # optional: ALiBi slopes (random ones when tuning)
 
 Every error is a :class:`PlanError` naming the file, the entry (``shape[2]``, 1-based) and
 the field. Light to import: no torch or triton.
@@ -35,7 +38,7 @@ __all__ = ["PlanError", "load_plan", "parse_plan"]
 
 _INT_FIELDS = ("batch", "heads", "kv_heads", "seqlen", "kv_seqlen", "head_dim")
 _REQUIRED = ("batch", "heads", "seqlen", "head_dim")
-_FIELDS = (*_INT_FIELDS, "causal", "dtype")
+_FIELDS = (*_INT_FIELDS, "causal", "dtype", "window", "softcap", "alibi")
 
 
 class PlanError(FlashtuneError, ValueError):
@@ -65,11 +68,23 @@ def _shape(where: str, entry: Any) -> AttentionProblem:
     dtype = entry.get("dtype", "bf16")
     if dtype not in DTYPES:
         raise PlanError(f"{where}.dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
+    window = entry.get("window", [-1, -1])
+    if not isinstance(window, list) or len(window) != 2 or any(
+            isinstance(w, bool) or not isinstance(w, int) or w < -1 for w in window):
+        raise PlanError(f"{where}.window: expected [left, right], integers >= -1 (-1: "
+                        f"unbounded), got {window!r}")
+    softcap = entry.get("softcap", 0.0)
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or softcap < 0:
+        raise PlanError(f"{where}.softcap: expected a number >= 0, got {softcap!r}")
+    alibi = entry.get("alibi", False)
+    if not isinstance(alibi, bool):
+        raise PlanError(f"{where}.alibi: expected true or false, got {alibi!r}")
     heads = entry["heads"]
     try:
         return AttentionProblem(entry["batch"], heads, entry.get("kv_heads", heads),
                                 entry["seqlen"], entry.get("kv_seqlen", entry["seqlen"]),
-                                entry["head_dim"], causal, dtype)
+                                entry["head_dim"], causal, dtype, window[0],
+                                -1 if causal else window[1], float(softcap), alibi)
     except ValueError as exc:
         raise PlanError(f"{where}: {exc}") from exc
 

@@ -22,7 +22,8 @@ from flashtune.core.spec import USER_OPS
 __all__ = ["SAMPLERS", "DTYPE_CHOICES", "HEAD_DIMS", "MAX_SEED", "FiniteFloatRange", "TemplateChoice",
            "check_template_op",
            "check_head_dims", "check_output", "cmaes_installed", "db_url", "device_filter_option", "fail",
-           "json_option", "op_filter_option", "parse_ints", "search_options", "shape_options",
+           "json_option", "mods_options", "op_filter_option", "parse_ints", "search_options",
+           "shape_options",
            "template_filter_option", "template_option"]
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -176,6 +177,34 @@ def shape_options(func: F) -> F:
         click.option("--causal", is_flag=True, help="Causal masking."),
         click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default=None,
                      help="Element type (default bf16); also applies to --preset."),
+    ], func)
+
+
+def _parse_window(ctx: click.Context, param: click.Parameter,
+                  value: str | None) -> tuple[int, int] | None:
+    if value is None:
+        return None
+    parts = value.split(",")
+    try:
+        left, right = (int(p) for p in parts)
+    except ValueError:
+        raise click.BadParameter(f"expected LEFT,RIGHT (two integers, -1 for unbounded), "
+                                 f"got {value!r}") from None
+    if left < -1 or right < -1:
+        raise click.BadParameter(f"each bound must be >= 0, or -1 for unbounded; got {value!r}")
+    return left, right
+
+
+def mods_options(func: F) -> F:
+    """The score modifications of a shape: --window L,R --softcap X --alibi."""
+    return _apply([
+        click.option("--window", callback=_parse_window, default=None, metavar="L,R",
+                     help="Local window (FlashAttention-2's window_size): keys within L "
+                          "before and R after the query's position; -1 unbounded (with "
+                          "--causal R is 0)."),
+        click.option("--softcap", type=FiniteFloatRange(min=0, min_open=True), default=None,
+                     help="Logit softcap: scores become softcap * tanh(s / softcap)."),
+        click.option("--alibi", is_flag=True, help="ALiBi slopes (random ones when tuning)."),
     ], func)
 
 

@@ -30,6 +30,7 @@ from flashtune.cli.options import (
     template_filter_option,
 )
 from flashtune.cli.tune_commands import format_config, format_tflops
+from flashtune.core.problem import AttentionProblem
 
 __all__ = ["best_to_dict", "choice_to_dict", "show_command"]
 
@@ -91,10 +92,10 @@ def _margin(rival: str | None, margin: float | None, winner: str) -> str:
 
 def _shape(key: dict[str, Any]) -> str:
     if all(k in key for k in _SHAPE_ORDER):
-        causal = " causal" if key["causal"] else ""
-        return (f"B={key['batch']} Hq={key['heads_q']} Hkv={key['heads_kv']} "
-                f"Nq={key['seqlen_q']} Nk={key['seqlen_k']} D={key['head_dim']} "
-                f"{key['dtype']}{causal}")
+        try:  # the problem's own line, score modifications included
+            return AttentionProblem.from_key(key).describe()
+        except (TypeError, ValueError):
+            pass
     return " ".join(f"{k}={v}" for k, v in key.items())
 
 

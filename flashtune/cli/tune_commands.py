@@ -19,6 +19,7 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import click
@@ -28,6 +29,7 @@ from flashtune.cli.options import (
     check_head_dims,
     db_url,
     fail,
+    mods_options,
     search_options,
     shape_options,
     template_option,
@@ -271,8 +273,10 @@ def render_op_results(results: Sequence[Any]) -> str:
 @click.option("--impl", "impls", type=TemplateChoice(), multiple=True, metavar="NAME",
               help="With --op: search only this implementation (repeatable).")
 @shape_options
+@mods_options
 @click.option("--plan", type=click.Path(dir_okay=False), default=None, metavar="FILE",
-              help="TOML file of [[shape]] tables to tune.")
+              help="TOML file of [[shape]] tables to tune (score modifications per shape: "
+                   "window = [L, R], softcap, alibi).")
 @click.option("--preset", "preset_name", default=None, metavar="NAME",
               help="Named problem set: llama3-8b, llama3-70b, mistral-7b, qwen2.5-7b, "
                    "gemma2-9b, standard (sized for a GPU: too big for the interpreter).")
@@ -288,7 +292,9 @@ def render_op_results(results: Sequence[Any]) -> str:
 def tune_command(ctx: click.Context, template: str, op: str | None, impls: tuple[str, ...],
                  batch: int | None, heads: int | None,
                  kv_heads: int | None, seqlen: int | None, kv_seqlen: int | None,
-                 head_dim: int | None, causal: bool, dtype: str | None, plan: str | None,
+                 head_dim: int | None, causal: bool, dtype: str | None,
+                 window: tuple[int, int] | None, softcap: float | None, alibi: bool,
+                 plan: str | None,
                  preset_name: str | None, trials: int, timeout_s: float | None,
                  patience: int | None, sampler: str, seed: int | None, workers: int | None,
                  interpret: bool, progress: bool, gpus_text: str | None,
@@ -296,7 +302,8 @@ def tune_command(ctx: click.Context, template: str, op: str | None, impls: tuple
     """Search kernel configs for attention shapes and store the best ones.
 
     Give exactly one of: a shape (--batch --heads [--kv-heads] --seqlen [--kv-seqlen]
-    --head-dim [--causal] [--dtype]), --plan FILE, or --preset NAME.
+    --head-dim [--causal] [--dtype] [--window L,R] [--softcap X] [--alibi]), --plan FILE,
+    or --preset NAME.
 
     With --op, every implementation of the op that can serve the shape on this machine
     (flashtune's Triton and Gluon kernels, torch SDPA's backends) is searched, the leaders
@@ -317,6 +324,16 @@ def tune_command(ctx: click.Context, template: str, op: str | None, impls: tuple
     shape = dict(batch=batch, heads=heads, kv_heads=kv_heads, seqlen=seqlen,
                  kv_seqlen=kv_seqlen, head_dim=head_dim, causal=causal)
     problems = _problems(shape, dtype, plan, preset_name)
+    if window is not None or softcap is not None or alibi:
+        if plan is not None or preset_name is not None:
+            raise click.UsageError("--window, --softcap and --alibi go with shape options; "
+                                   "in a plan set them per [[shape]]")
+        try:
+            problems = [replace(p, window_left=window[0] if window else -1,
+                                window_right=-1 if p.causal or not window else window[1],
+                                softcap=softcap or 0.0, alibi=alibi) for p in problems]
+        except ValueError as exc:
+            raise click.UsageError(f"invalid shape: {exc}") from exc
     gpus = _parse_gpus(gpus_text)
     interpret = _decide_interpret(interpret)
     if interpret:

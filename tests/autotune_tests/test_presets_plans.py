@@ -73,6 +73,16 @@ def test_parse_plan() -> None:
     ]
 
 
+def test_plan_score_modifications() -> None:
+    text = ("[[shape]]\nbatch = 1\nheads = 4\nseqlen = 64\nhead_dim = 32\ncausal = true\n"
+            "window = [15, 3]\nsoftcap = 5.0\nalibi = true\n"
+            "[[shape]]\nbatch = 1\nheads = 4\nseqlen = 64\nhead_dim = 32\nwindow = [-1, 7]\n")
+    causal, full = parse_plan(text)
+    # causal is the right bound: the key keeps the left one only
+    assert causal == AttentionProblem(1, 4, 4, 64, 64, 32, True, "bf16", 15, -1, 5.0, True)
+    assert full.window_left == -1 and full.window_right == 7 and full.mods() == ("window",)
+
+
 def test_load_plan(tmp_path: Path) -> None:
     path = tmp_path / "plan.toml"
     path.write_text(GOOD)
@@ -99,6 +109,14 @@ def test_load_plan_missing_file(tmp_path: Path) -> None:
     ("shape = 3\n", r"no \[\[shape\]\] tables"),
     ("shape = [3]\n", r"shape\[1\]: expected a table"),
     ("title = 'x'\n[[shape]]\nbatch = 1\n", r"unknown top-level key\(s\) title"),
+    ("[[shape]]\nbatch = 1\nheads = 4\nseqlen = 8\nhead_dim = 64\nwindow = [3]\n",
+     r"shape\[1\]\.window: expected \[left, right\]"),
+    ("[[shape]]\nbatch = 1\nheads = 4\nseqlen = 8\nhead_dim = 64\nwindow = [-2, 0]\n",
+     r"shape\[1\]\.window"),
+    ("[[shape]]\nbatch = 1\nheads = 4\nseqlen = 8\nhead_dim = 64\nsoftcap = -1.0\n",
+     r"shape\[1\]\.softcap: expected a number >= 0"),
+    ("[[shape]]\nbatch = 1\nheads = 4\nseqlen = 8\nhead_dim = 64\nalibi = 1\n",
+     r"shape\[1\]\.alibi: expected true or false"),
 ])
 def test_plan_errors(text: str, match: str) -> None:
     with pytest.raises(PlanError, match=match) as info:
