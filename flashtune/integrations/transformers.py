@@ -5,22 +5,34 @@ attention implementation ``"flashtune"``.
     model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="flashtune")
 
 It registers :func:`flashtune_attention_forward` in transformers' ``AttentionInterface`` and
-transformers' SDPA mask builder under the same name in ``AttentionMaskInterface``, so a model
-hands flashtune exactly what it would hand SDPA: no mask when the pattern is plain causal (or
-one query row, decoding with a KV cache), a boolean mask otherwise (padding, sliding
-windows, chunked prefill). Calls without a mask run flashtune's kernel (tuned lookup
-included); calls with one run torch SDPA (see :mod:`flashtune.runtime.sdpa`, which logs the
-reason once at DEBUG level).
+transformers' flash-attention mask builder under the same name in ``AttentionMaskInterface``,
+so a model hands flashtune what it hands FlashAttention-2: no mask for plain causal (or one
+query row against a KV cache), else the 2-D padding mask, and the layer's
+``sliding_window`` and ``softcap``. As transformers' own flash-attention path
+(``modeling_flash_attention_utils``) does, a padded batch is unpadded, run as a packed batch
+(:func:`flashtune.attention_varlen`) and padded back; a padding-free batch (one row of
+several sequences whose ``position_ids`` restart, ``DataCollatorWithFlattening``'s) runs as
+a packed batch too, no token attending across sequences; a sliding window becomes
+``window=(sliding_window - 1, sliding_window - 1)`` (its right bound is the causal one).
+Plain calls go through :func:`flashtune.scaled_dot_product_attention` (tuned routing,
+fallback counting). What flashtune cannot serve (attention dropout while training, a head
+dim it lacks) runs torch's SDPA with the equivalent boolean mask, counted and logged once
+there; a softcap it cannot serve (with dropout) is an error naming the way out.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
+from flashtune.core.problem import SUPPORTED_HEAD_DIMS
+from flashtune.kernel_templates.attn_fwd.reference import visible
+from flashtune.runtime import scored
+from flashtune.runtime.ops import attention
 from flashtune.runtime.sdpa import scaled_dot_product_attention
 
 __all__ = ["NAME", "flashtune_attention_forward", "sdpa_arguments"]
@@ -39,23 +51,175 @@ def flashtune_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
         module: the attention layer (its ``training`` and ``is_causal`` are read).
         query: ``(B, Hq, Lq, D)``.
         key, value: ``(B, Hkv, Lk, D)`` (the KV cache already updated).
-        attention_mask: the model's mask (from transformers' SDPA mask builder) or None;
-            a mask sends the call to torch's SDPA.
-        dropout: attention dropout, applied in training only.
+        attention_mask: None, or the 2-D padding mask ``(B, Lk)`` (True: a real token)
+            from transformers' flash-attention mask builder; any other mask (a model that
+            builds its own) runs torch's SDPA with it.
+        dropout: attention dropout, applied in training only (torch's SDPA runs it).
         scaling: softmax scale (None: ``1 / sqrt(D)``).
         is_causal: None: the module's ``is_causal`` (default True).
-        kwargs: the rest of transformers' contract; ``softcap`` and ``position_bias`` are
-            refused.
+        kwargs: the rest of transformers' contract: ``sliding_window``, ``softcap``,
+            ``position_ids`` (a padding-free batch), ``cu_seq_lens_q``/``cu_seq_lens_k``
+            with ``max_length_q``/``max_length_k`` (a collator's packed batch);
+            ``position_bias`` is refused.
     Returns:
         ``(out, None)``: ``out`` of shape ``(B, Lq, Hq, D)``, no attention weights.
     Raises:
-        ValueError for ``softcap`` or ``position_bias`` (the message names the
-        implementation to use instead).
+        ValueError for ``position_bias``, or a ``softcap`` with attention dropout (the
+        message names the implementation to use instead).
     """
-    out = scaled_dot_product_attention(**sdpa_arguments(module, query, key, value,
-                                                        attention_mask, dropout, scaling,
-                                                        is_causal, **kwargs))
-    return out.transpose(1, 2).contiguous(), None
+    if kwargs.get("position_bias") is not None:
+        raise ValueError("flashtune attention does not support `position_bias`; use "
+                         "attn_implementation='sdpa' or 'eager' for this model")
+    lq, lk = query.shape[2], key.shape[2]
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    causal = bool(causal and lq > 1)  # one row against the cache sees every cached key
+    sliding = kwargs.get("sliding_window")
+    window = (sliding - 1, sliding - 1) if sliding is not None and lk > sliding else None
+    softcap = kwargs.get("softcap")
+    dropout_p = dropout if module.training else 0.0
+    mask = attention_mask
+    if mask is not None and (mask.dim() != 2 or mask.shape[1] != lk):
+        # not a padding mask of these keys (a model's own mask, a static cache's slice)
+        if softcap is not None or window is not None:
+            raise ValueError("flashtune attention got a mask it cannot read with "
+                             "`softcap`/`sliding_window`; use attn_implementation='eager'")
+        out = scaled_dot_product_attention(**sdpa_arguments(
+            module, query, key, value, mask, dropout, scaling, is_causal, **kwargs))
+        return out.transpose(1, 2).contiguous(), None
+    packed = _packed(query, mask, kwargs)
+    if mask is None and packed is None and window is None and softcap is None:
+        out = scaled_dot_product_attention(**sdpa_arguments(
+            module, query, key, value, None, dropout, scaling, is_causal, **kwargs))
+        return out.transpose(1, 2).contiguous(), None
+    if dropout_p or query.shape[-1] not in SUPPORTED_HEAD_DIMS:
+        if softcap is not None:
+            raise ValueError("flashtune attention cannot run `softcap` with attention "
+                             "dropout or this head dim; use attn_implementation='eager'")
+        dense = _dense_mask(query, key, mask, packed, causal, window)
+        out = scaled_dot_product_attention(
+            query, key, value, attn_mask=dense, dropout_p=dropout_p, scale=scaling,
+            enable_gqa=query.shape[1] != key.shape[1])
+        return out.transpose(1, 2).contiguous(), None
+    options: dict[str, Any] = {"causal": causal, "scale": scaling, "window": window,
+                               "softcap": softcap}
+    if packed is not None:  # one row of several sequences
+        cu, longest = packed
+        q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+        out = _varlen(q, k, v, cu, cu, longest, longest, **options)
+        return out[None], None
+    if mask is None:
+        out = attention(query, key, value, causal=causal, scale=scaling, window=window,
+                        softcap=softcap)
+        return out.transpose(1, 2).contiguous(), None
+    return _padded(query, key, value, mask, options), None
+
+
+def _packed(query: torch.Tensor, mask: torch.Tensor | None,
+            kwargs: dict[str, Any]) -> tuple[torch.Tensor, int] | None:
+    """``(cu_seqlens, longest)`` of a padding-free batch (one row holding several
+    sequences), else None: from a collator's ``cu_seq_lens_q`` where given (with
+    ``max_length_q``), else where ``position_ids`` restart (transformers'
+    ``_is_packed_sequence``); remembered for the tensor the layers share."""
+    if mask is not None or query.shape[0] != 1:
+        return None
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is not None:
+        cu_k = kwargs.get("cu_seq_lens_k")
+        if cu_k is not None and not torch.equal(cu_k, cu):
+            return None  # different query and key splits: not a plain packed batch
+        longest = kwargs.get("max_length_q")
+        if longest is None:
+            longest = int((cu[1:] - cu[:-1]).max())
+        return cu.to(torch.int32), int(longest)
+    positions = kwargs.get("position_ids")
+    if positions is None or positions.shape[-1] == 1 or positions.shape[-1] != query.shape[2]:
+        return None
+    last = _PACKED_MEMO.get("last")
+    if last is not None and last[0] is positions and last[1] == positions._version:
+        return last[2]
+    flat = positions.reshape(-1)
+    starts = (flat == flat.min()).nonzero().view(-1).to(torch.int32)
+    found: tuple[torch.Tensor, int] | None = None
+    if starts.numel() > 1:  # positions restart: several sequences in the row
+        cu = torch.cat((starts, torch.tensor([flat.numel()], dtype=torch.int32,
+                                             device=flat.device)))
+        found = (cu, int((cu[1:] - cu[:-1]).max()))
+    _PACKED_MEMO["last"] = (positions, positions._version, found)
+    return found
+
+
+# the last position_ids seen and what they said (every layer of a forward passes the same)
+_PACKED_MEMO: dict[str, tuple[torch.Tensor, int, tuple[torch.Tensor, int] | None]] = {}
+
+
+def _padded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+            mask: torch.Tensor, options: dict[str, Any]) -> torch.Tensor:
+    """A padded batch (``mask`` ``(B, Lk)``, True: a real token) as transformers' flash
+    path runs it: the real tokens packed, the packed kernel, then put back (padded query
+    rows are zeros). Queries are the last ``Lq`` positions of the mask."""
+    b, hq, lq, d = query.shape
+    lk = key.shape[2]
+    idx_q, idx_k, cu_q, cu_k, longest_q, longest_k = _unpadding(mask, lq)
+    k = key.transpose(1, 2).reshape(b * lk, -1, d)[idx_k]
+    v = value.transpose(1, 2).reshape(b * lk, -1, d)[idx_k]
+    q = query.transpose(1, 2).reshape(b * lq, hq, d)[idx_q]
+    out = _varlen(q, k, v, cu_q, cu_k, longest_q, longest_k, **options)
+    full: torch.Tensor = out.new_zeros(b * lq, hq, d)
+    full[idx_q] = out
+    return full.view(b, lq, hq, d)
+
+
+def _unpadding(mask: torch.Tensor, lq: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                      torch.Tensor, int, int]:
+    """``(query indices, key indices, cu_seqlens_q, cu_seqlens_k, longest query, longest
+    key)`` of a padding mask (transformers' ``_get_unpad_data``), remembered for the mask
+    tensor every layer of one forward shares: one read back to the host per forward, not
+    one per layer."""
+    memo = _UNPAD_MEMO.get("last")
+    if memo is not None and memo[0] is mask and memo[1] == (mask._version, lq):
+        return memo[2]  # type: ignore[no-any-return]
+    keep_k = mask.bool()
+    lens_k = keep_k.sum(-1, dtype=torch.int32)
+    keep_q = keep_k[:, -lq:]
+    lens_q = keep_q.sum(-1, dtype=torch.int32)
+    cu_k = torch.nn.functional.pad(lens_k.cumsum(0, dtype=torch.int32), (1, 0))
+    cu_q = torch.nn.functional.pad(lens_q.cumsum(0, dtype=torch.int32), (1, 0))
+    idx_k = keep_k.flatten().nonzero().view(-1)
+    idx_q = keep_q.flatten().nonzero().view(-1)
+    longest_q, longest_k = (max(int(x), 1) for x in
+                            torch.stack((lens_q.max(), lens_k.max())).tolist())
+    found = (idx_q, idx_k, cu_q, cu_k, longest_q, longest_k)
+    _UNPAD_MEMO["last"] = (mask, (mask._version, lq), found)
+    return found
+
+
+_UNPAD_MEMO: dict[str, tuple[torch.Tensor, tuple[int, int], Any]] = {}  # mask, version, data
+# the packed kernel without reading cu_seqlens back per call (built here, valid), eagerly
+# under torch.compile
+_varlen = functools.partial(torch.compiler.disable(scored.varlen),  # type: ignore[no-untyped-call]
+                            read_lengths=False)
+
+
+def _dense_mask(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None,
+                packed: tuple[torch.Tensor, int] | None, causal: bool,
+                window: tuple[int, int] | None) -> torch.Tensor:
+    """The boolean ``(B, 1, Lq, Lk)`` mask torch's SDPA needs for what flashtune would have
+    run: padding, bottom-right causal and window per sequence (left-padded rows aligned to
+    their real tokens, as the unpadded run aligns them), packed sequences kept apart. A
+    row that sees nothing (a padding row) sees every key instead: SDPA needs one visible
+    key per row, and those rows' outputs are not used."""
+    b, lq, lk = query.shape[0], query.shape[2], key.shape[2]
+    device = query.device
+    pattern = visible(lq, lk, causal=causal, window=window or (-1, -1), device=device)
+    dense = pattern[None].expand(b, lq, lk).clone()
+    if mask is not None:
+        dense &= mask.bool()[:, None, :]
+    if packed is not None:  # lq == lk: the pattern's offsets are those inside a sequence
+        seq = torch.bucketize(torch.arange(lk, device=device), packed[0][1:].to(torch.int64),
+                              right=True)
+        dense &= seq[None, -lq:, None] == seq[None, None, :]
+    dense |= ~dense.any(-1, keepdim=True)  # padding rows: anything, their output is dropped
+    return dense[:, None]
 
 
 def sdpa_arguments(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -74,12 +238,8 @@ def sdpa_arguments(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
         ``query``, ``key``, ``value``, ``attn_mask``, ``dropout_p`` (0 outside training),
         ``is_causal`` (as transformers' SDPA path decides it), ``scale`` and ``enable_gqa``.
     Raises:
-        ValueError for ``softcap`` or ``position_bias``, as
-        :func:`flashtune_attention_forward`.
+        ValueError for ``position_bias``, as :func:`flashtune_attention_forward`.
     """
-    if kwargs.get("softcap") is not None:
-        raise ValueError("flashtune attention does not support `softcap`; use "
-                         "attn_implementation='eager' for this model")
     if kwargs.get("position_bias") is not None:
         raise ValueError("flashtune attention does not support `position_bias`; use "
                          "attn_implementation='sdpa' or 'eager' for this model")
@@ -117,5 +277,5 @@ def _skip_flash_package_import() -> None:
 
 
 AttentionInterface.register(NAME, flashtune_attention_forward)
-AttentionMaskInterface.register(NAME, sdpa_mask)
+AttentionMaskInterface.register(NAME, flash_attention_mask)
 _skip_flash_package_import()

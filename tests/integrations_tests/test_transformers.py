@@ -70,7 +70,18 @@ def test_greedy_generation_with_the_kv_cache_matches_eager(models, kernel_calls)
     assert len(kernel_calls) == 2 * new  # prefill + 7 decode steps with one query row each
 
 
-def test_padded_batches_use_the_mask_through_torch(models, kernel_calls):
+@pytest.fixture
+def varlen_calls(monkeypatch):
+    """How many attention calls ran as a packed batch on flashtune's kernels."""
+    from flashtune.integrations import transformers as integration
+
+    calls = []
+    real = integration._varlen
+    monkeypatch.setattr(integration, "_varlen", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    return calls
+
+
+def test_padded_batches_run_unpadded_on_flashtune(models, kernel_calls, varlen_calls):
     ours, eager = models
     ids = torch.randint(1, 128, (2, 13), generator=torch.Generator().manual_seed(3)).to(DEVICE)
     mask = torch.ones_like(ids)
@@ -80,12 +91,56 @@ def test_padded_batches_use_the_mask_through_torch(models, kernel_calls):
         want = eager(ids, attention_mask=mask).logits.float()
     keep = mask.bool()
     assert (got[keep] - want[keep]).abs().max().item() < 2e-2 * want.abs().max().item()
-    assert len(kernel_calls) == 0  # a padding mask is torch's job
+    assert len(kernel_calls) == 0 and len(varlen_calls) == 2  # unpadded, one per layer
 
 
-def test_softcap_models_are_refused_clearly():
-    from flashtune.integrations.transformers import flashtune_attention_forward
+def test_padding_free_batches_keep_sequences_apart(models, varlen_calls):
+    ours, eager = models
+    g = torch.Generator().manual_seed(4)
+    a, b = torch.randint(1, 128, (1, 9), generator=g), torch.randint(1, 128, (1, 14), generator=g)
+    row = torch.cat((a, b), 1).to(DEVICE)
+    positions = torch.cat((torch.arange(9), torch.arange(14)))[None].to(DEVICE)
+    with torch.no_grad():
+        got = ours(row, position_ids=positions).logits.float()
+        want = torch.cat((eager(a.to(DEVICE)).logits, eager(b.to(DEVICE)).logits), 1).float()
+    assert len(varlen_calls) == 2
+    assert (got - want).abs().max().item() < 2e-2 * want.abs().max().item()
 
-    q = torch.zeros(1, 2, 3, 16, dtype=DTYPE, device=DEVICE)
-    with pytest.raises(ValueError, match="softcap"):
-        flashtune_attention_forward(torch.nn.Module(), q, q, q, None, softcap=30.0)
+
+def test_gemma2_softcap_and_sliding_window_run_on_flashtune(varlen_calls):
+    from transformers import Gemma2Config
+
+    config = Gemma2Config(vocab_size=128, hidden_size=64, intermediate_size=128,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=16, sliding_window=8, attn_logit_softcapping=5.0,
+                          final_logit_softcapping=None, query_pre_attn_scalar=16,
+                          max_position_embeddings=256, pad_token_id=0)
+    torch.manual_seed(0)
+    ours = AutoModelForCausalLM.from_config(copy.deepcopy(config),
+                                            attn_implementation="flashtune", dtype=DTYPE)
+    eager = AutoModelForCausalLM.from_config(copy.deepcopy(config),
+                                             attn_implementation="eager", dtype=DTYPE)
+    eager.load_state_dict(ours.state_dict())
+    ours, eager = ours.to(DEVICE).eval(), eager.to(DEVICE).eval()
+    assert ours.config.layer_types[0] == "sliding_attention"
+    from flashtune.runtime import scored
+
+    seen = []
+    real = scored._run
+    scored_calls = lambda *a, **k: seen.append(a[-1]) or real(*a, **k)  # noqa: E731
+    ids = torch.randint(1, 128, (2, 29), generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    with pytest.MonkeyPatch.context() as mp, torch.no_grad():
+        mp.setattr(scored, "_run", scored_calls)
+        got = ours(ids).logits.float()
+        want = eager(ids).logits.float()
+        got_padded = ours(ids, attention_mask=mask).logits.float()
+        want_padded = eager(ids, attention_mask=mask).logits.float()
+    assert (got - want).abs().max().item() < 3e-2 * want.abs().max().item()
+    keep = mask.bool()
+    assert (got_padded[keep] - want_padded[keep]).abs().max().item() \
+        < 3e-2 * want_padded.abs().max().item()
+    # every layer ran a softcap on flashtune, the sliding layer with its window
+    assert len(seen) == 4 and all(o["softcap"] == 5.0 for o in seen)
+    assert [o["window"] for o in seen[:2]] == [(7, 0), (-1, 0)]
