@@ -38,7 +38,7 @@ BWD_PREFIX = "bwd."
 # only: no interpreter), or a kernel of another library (torch SDPA's backends), no knobs
 KINDS = ("triton", "gluon", "extern")
 # the score modifications an implementation may serve (Limits.score_mods)
-SCORE_MODS: tuple[str, ...] = ("window", "softcap", "alibi")
+SCORE_MODS: tuple[str, ...] = ("window", "softcap", "alibi")  # (and "causal_window")
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,8 @@ class Limits:
         max_seqlen_q: the longest query it serves (None: no limit).
         score_mods: the score modifications it serves, of ``"window"``, ``"softcap"``,
             ``"alibi"`` (FlashAttention-2's ``window_size``, ``softcap``,
-            ``alibi_slopes``; :meth:`AttentionProblem.mods`).
+            ``alibi_slopes``; :meth:`AttentionProblem.mods`), or ``"causal_window"``: a
+            window on causal problems only (a left bound; causal is the right one).
         available: ``available(device) -> reason | None``: a check that only the running
             process can answer (a library built without a backend); None: always.
     """
@@ -95,7 +96,10 @@ class Limits:
         if self.capabilities is not None and device.capability not in self.capabilities:
             have = ", ".join(f"sm_{a}{b}" for a, b in self.capabilities)
             return f"runs on {have} only, not on {device.name} ({device.compute_capability})"
-        missing = [m for m in p.mods() if m not in self.score_mods]
+        served = self.score_mods
+        if "causal_window" in served and p.causal:  # a left bound: causal is the right one
+            served = (*served, "window")
+        missing = [m for m in p.mods() if m not in served]
         if missing:
             names = {"window": "a local window", "softcap": "a softcap", "alibi": "ALiBi"}
             return f"{' and '.join(names[m] for m in missing)} (it serves no such scores)"

@@ -53,9 +53,10 @@ from flashtune.runtime.routing import (
     _route,
     _train_choice,
 )
+from flashtune.runtime.routing import _dispatcher as get_dispatcher
 
 __all__ = ["attention_scored", "attention_varlen", "check_score_mods", "has_mods",
-           "lookup_scored", "varlen"]
+           "lookup_scored", "lookup_varlen", "varlen"]
 
 # call signature -> (forward spec, forward config, backward config or None)
 _ROUTES: dict[tuple[Any, ...], tuple[TemplateSpec, Config, Config | None]] = {}
@@ -129,16 +130,22 @@ def _wants_grad(q: Any, k: Any, v: Any) -> bool:
 def _choose(problem: AttentionProblem, q: torch.Tensor, causal: bool, return_lse: bool,
             grad: bool, config: Mapping[str, Any] | None, impl: str | None,
             varlen: bool) -> tuple[TemplateSpec, Config, Config | None]:
-    """attn_fwd's (and for gradients attn_bwd's) config for ``problem``: the op's stored
-    choice where it is attn_fwd (the only implementation that serves these calls), else
-    attn_fwd's own chain; ``impl``/``config`` forced where given."""
+    """The forward (and for gradients attn_bwd's config) for ``problem``: the op's stored
+    choice where it is one of flashtune's kernels that serves the call (attn_fwd serves
+    every one; the Gluon forward a causal sliding window), else attn_fwd's own chain
+    (packed batches: attn_fwd only); ``impl``/``config`` forced where given."""
     device = _device_of(q)
     if impl is not None and impl != _FWD.name:
         spec = get_template(impl)
         reason = spec.refuse(problem, device, return_lse=return_lse) or (
-            "a packed batch (only attn_fwd serves attention_varlen)" if varlen else None)
-        raise InputError(f"impl {impl!r} cannot serve {problem.describe()} on "
-                         f"{device.name}: {reason or 'only attn_fwd serves these calls'}")
+            "a packed batch (only attn_fwd serves attention_varlen)" if varlen else None) or (
+            "an SDPA backend cannot apply these" if spec.kind == "extern" else None)
+        if reason is None and (config is not None or grad):
+            reason = "a forced config or gradients run attn_fwd only here"
+        if reason is not None:
+            raise InputError(f"impl {impl!r} cannot serve {problem.describe()} on "
+                             f"{device.name}: {reason}")
+        return spec, Config(get_dispatcher(spec).choose(problem, device).config), None
     reason = _FWD.refuse(problem, device, return_lse=return_lse)
     if reason is not None:
         raise InputError(f"flashtune cannot serve {problem.describe()} on {device.name}: "
@@ -155,16 +162,26 @@ def _choose(problem: AttentionProblem, q: torch.Tensor, causal: bool, return_lse
     if grad:
         if not varlen:
             choice = _train_choice(problem, device, return_lse=return_lse, paired=True)
-            if choice.template == _FWD.name:
+            spec = get_template(choice.template)
+            if _serves(spec, problem, device, return_lse) and spec.backward == _BWD.name:
                 f, b = split_pair(choice.config)
-                return _FWD, f, b
+                return spec, f, b
         return (_FWD, _DISPATCH.choose(problem, device).config,
                 _DISPATCH_BWD.choose(problem, device).config)
     if not varlen:
         routed = _route(problem, device, return_lse=return_lse)
-        if routed.template == _FWD.name:
-            return _FWD, routed.config, None
+        spec = get_template(routed.template)
+        if _serves(spec, problem, device, return_lse):
+            return spec, routed.config, None
     return _FWD, _DISPATCH.choose(problem, device).config, None
+
+
+def _serves(spec: TemplateSpec, problem: AttentionProblem, device: Any,
+            return_lse: bool) -> bool:
+    """Whether ``spec``, a routed choice, runs this call here: one of flashtune's kernels
+    (an SDPA backend never applies a score modification) that serves the problem."""
+    return spec.kind != "extern" and spec.refuse(problem, device,
+                                                 return_lse=return_lse) is None
 
 
 def lookup_scored(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
@@ -190,6 +207,20 @@ def lookup_scored(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
     return routed if routed.template == _FWD.name else _DISPATCH.choose(problem, device)
 
 
+def lookup_varlen(problem: AttentionProblem, q: torch.Tensor, k: torch.Tensor,
+                  v: torch.Tensor) -> ConfigChoice:
+    """The choice :func:`varlen` runs a packed batch keyed as ``problem`` with (no score
+    modifications): attn_fwd's own chain, for a call with gradients the pair's config, the
+    backward's keys under ``bwd.``. Only ``q``, ``k`` and ``v``'s metadata is read (the
+    device, whether gradients are wanted)."""
+    device = _device_of(q)
+    fwd = _DISPATCH.choose(problem, device)
+    if not _wants_grad(q, k, v):
+        return replace(fwd, config=dict(fwd.config))
+    bwd = _DISPATCH_BWD.choose(problem, device)
+    return replace(fwd, config=join_pair(fwd.config, bwd.config))
+
+
 def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: AttentionProblem,
          key: tuple[Any, ...], causal: bool, scale: float | None, return_lse: bool,
          config: Mapping[str, Any] | None, impl: str | None,
@@ -204,6 +235,8 @@ def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: AttentionPr
     else:
         route = _choose(problem, q, causal, return_lse, grad, config, impl, varlen)
     spec, fcfg, bcfg = route
+    if spec is not _FWD:  # (the Gluon forward: a causal window, its only modification)
+        options = {n: o for n, o in options.items() if o is not None}
     if grad:
         assert bcfg is not None
         out, lse = pair_fn(q, k, v, causal, scale, spec.launcher, fcfg, _BWD.launcher, bcfg,

@@ -439,3 +439,83 @@ def test_the_warmup_launch_compiles_on_the_gpu() -> None:
     p = _problem(128, True, "bf16", hq=4, hkv=2, nq=333, nk=517)
     for kernel, args, kwargs, grid in SPEC.warmup_launches(p, _config()):
         kernel.warmup(*args, grid=grid, **kwargs)
+
+
+# -- a causal sliding window (issue 29) -----------------------------------------------------
+
+
+def test_it_serves_a_causal_sliding_window_only() -> None:
+    windowed = AttentionProblem(1, 8, 2, 4096, 4096, 128, True, "bf16", 1023)
+    assert SPEC.refuse(windowed, H100) is None
+    both_sides = AttentionProblem(1, 8, 2, 4096, 4096, 128, False, "bf16", 1023, 7)
+    assert "a local window" in SPEC.refuse(both_sides, H100)
+    capped = AttentionProblem(1, 8, 2, 4096, 4096, 128, True, "bf16", 1023, -1, 30.0)
+    assert "a softcap" in SPEC.refuse(capped, H100)
+    q = torch.zeros(1, 2, 16, 128, dtype=torch.float16)
+    with pytest.raises(InputError, match="causal sliding window"):
+        SPEC.launcher(q, q, q, _config(), causal=False, window=(8, 8))
+
+
+@pytest.mark.slow
+def test_the_window_compiles_for_sm90_without_new_spills() -> None:
+    """The window's mask and block range cost no register and no spill over the plain
+    causal kernel (both compiled for sm_90 on the CPU)."""
+    config = _config(ROWS=64, BLOCK_N=128, NUM_STAGES=2, NUM_CONSUMERS=2, PINGPONG=1,
+                     PERSISTENT=0)
+    plain, windowed = _recompile([{"config": config, "head_dim": 128, "causal": True,
+                                   "dtype": "bf16"},
+                                  {"config": dict(config, window=True), "head_dim": 128,
+                                   "causal": True, "dtype": "bf16"}])
+    assert windowed["window"] and not plain["window"]
+    assert max(windowed["registers"]) <= max(plain["registers"])
+    assert sum(windowed["spill_store_bytes"]) <= sum(plain["spill_store_bytes"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [
+    (2, 8, 2, 1000, 1000, 128, 255),  # GQA, a window of 2 tiles, ragged end
+    (1, 4, 4, 777, 1300, 64, 100),  # Nq < Nk, a window inside one key block
+    (1, 4, 1, 1300, 700, 128, 511),  # Nq > Nk: rows that see no key
+    (2, 4, 2, 1000, 1000, 256, 300),  # D256 (Gemma-2's sliding layers)
+    (4, 16, 4, 2048, 2048, 128, 0),  # window 0: each query sees itself only
+], ids=["d128-gqa", "d64-nq<nk", "d128-nq>nk", "d256", "d128-w0"])
+def test_a_causal_window_matches_the_reference_for_every_config(case) -> None:
+    """Every valid config (grid and persistent, ping-pong, 1-3 consumers): the tiles skip
+    the key blocks before the window and mask its left band; output and LSE against the
+    float32 reference."""
+    from flashtune.core.device import cuda_device
+
+    b, hq, hkv, nq, nk, d, left = case
+    q, k, v = _rand(b, hq, nq, d, dtype=torch.bfloat16), \
+        _rand(b, hkv, nk, d, dtype=torch.bfloat16), _rand(b, hkv, nk, d, dtype=torch.bfloat16)
+    p = AttentionProblem.from_tensors(q, k, causal=True, window=(left, 0))
+    configs = SPEC.space.valid_configs(p, cuda_device())
+    assert configs
+    _precompile(p, configs)
+    ref, ref_lse = attn_fwd_reference(q, k, v, causal=True, window=(left, 0),
+                                      dtype=torch.float32)
+    for config in configs:
+        out, lse = SPEC.launcher(q, k, v, config, causal=True, window=(left, 0),
+                                 return_lse=True)
+        rel = ((out.float() - ref).norm() / ref.norm()).item()
+        assert rel < 2e-2, (config, rel)
+        inf = torch.isinf(ref_lse)
+        assert torch.equal(torch.isinf(lse), inf), config
+        assert torch.allclose(lse[~inf], ref_lse[~inf], atol=1e-2), config
+
+
+@pytest.mark.gpu
+def test_flashtune_attention_routes_a_tuned_window_to_it() -> None:
+    """A stored op choice of the Gluon forward for a windowed problem is what
+    flashtune.attention runs (the scored route takes flashtune's kernels that serve the
+    call), forward and with gradients (its pair with attn_bwd)."""
+    import flashtune
+    from flashtune.core.device import cuda_device
+    from flashtune.runtime import scored
+
+    q, k, v = (_rand(1, 8, 1024, 128, dtype=torch.bfloat16) for _ in range(3))
+    out = flashtune.attention(q, k, v, causal=True, window=(255, 0), impl="attn_fwd_gluon")
+    ref, _ = attn_fwd_reference(q, k, v, causal=True, window=(255, 0), dtype=torch.float32)
+    assert ((out.float() - ref).norm() / ref.norm()).item() < 2e-2
+    problem = AttentionProblem.from_tensors(q, k, causal=True, window=(255, 0))
+    assert scored._serves(SPEC, problem, cuda_device(), True)

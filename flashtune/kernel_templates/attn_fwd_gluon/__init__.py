@@ -66,7 +66,8 @@ SPEC = register_template(TemplateSpec(
     serves=("fwd", "train"),
     backward="attn_bwd",
     limits=Limits(head_dims=HEAD_DIMS, dtypes=("fp16", "bf16"), gqa=True,
-                  causal_unaligned=True, lse=True, needs_gpu=True, capabilities=((9, 0),)),
+                  causal_unaligned=True, lse=True, needs_gpu=True, capabilities=((9, 0),),
+                  score_mods=("causal_window",)),
 ))
 
 __all__ = ["SPACE", "SPEC", "attn_fwd_gluon", "default_config", "gluon_attn_fwd_kernel"]

@@ -4,8 +4,8 @@
         '[{"head_dim": 64, "causal": true}, {"PINGPONG": 1}]'
 
 Each case is a config over ``DEFAULT_CONFIG`` plus optional ``head_dim`` (128), ``causal``
-(false), ``dtype`` ("bf16") and ``layout`` ("bhsd", or "bshd": inputs in ``(B, N, H, D)``
-storage); one JSON line per case: the config, shared memory bytes,
+(false), ``dtype`` ("bf16"), ``layout`` ("bhsd", or "bshd": inputs in ``(B, N, H, D)``
+storage) and ``window`` (false: with a causal sliding window); one JSON line per case: the config, shared memory bytes,
 warps, and
 :func:`~flashtune.kernel_templates.attn_fwd_gluon.launcher.ptxas_stats`. No GPU needed; run
 it without ``TRITON_INTERPRET``.
@@ -44,9 +44,11 @@ def main(argv: list[str]) -> int:
         causal = case.pop("causal", False)
         dtype = case.pop("dtype", "bf16")
         layout = case.pop("layout", "bhsd")
-        c = compile_sm90(case, d, causal, dtype, layout)
+        window = case.pop("window", False)
+        c = compile_sm90(case, d, causal, dtype, layout, window)
         print(json.dumps({"config": dict(DEFAULT_CONFIG, **case), "head_dim": d,
                           "causal": causal, "dtype": dtype, "layout": layout,
+                          "window": window,
                           "shared": c.metadata.shared,
                           "warps": c.metadata.num_warps, **ptxas_stats(c.asm["ptx"])}))
     return 0

@@ -15,8 +15,15 @@ SM looping over the tiles, FA3's persistent kernel: the producer loads the next 
 first K/V blocks while the consumers finish the last ``P V`` and the epilogue of this one;
 ``_coords`` maps a tile index to its ``(bh, m_block)``, ``_tile`` a tile to its rows and key
 blocks). Barrier phases run on over the tiles: ring slot and phase come from a count of key
-blocks over the CTA's tiles (``kv_base + j``), the ping-pong turn from a count of steps,
+blocks over the CTA's tiles (``kv_base + j - lo``), the ping-pong turn from a count of steps,
 ``q_bar`` / ``q_empty`` from the tile count.
+
+``WINDOW`` (with ``CAUSAL``): a sliding window of ``window_left`` keys before each query
+(FlashAttention-2's ``window_size = (window_left, 0)``). A tile's key blocks start at the
+block of its first row's first visible key (``_tile``'s ``lo``): the blocks before are
+neither loaded nor computed, so the work is O(N x window); the blocks that cut a row's
+window are masked in ``_softmax_block``. Every tile still holds ``hi - lo`` blocks for both
+partitions, so the barrier protocol is the one the model checks.
 
 :mod:`.protocol` models the barrier protocol of ``_producer`` and ``_consumer``: keep the two
 in step.
@@ -47,14 +54,21 @@ def _coords(t, n_mblocks, CAUSAL: gl.constexpr):
 
 
 @gluon.jit
-def _tile(bh, m_block, heads_q, group, seqlen_q, seqlen_k, ROWS: gl.constexpr,
-          BLOCK_N: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr):
-    """The key blocks of query block ``m_block`` of ``bh`` (batch x heads_q)."""
+def _tile(bh, m_block, heads_q, group, seqlen_q, seqlen_k, window_left, ROWS: gl.constexpr,
+          BLOCK_N: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
+          WINDOW: gl.constexpr):
+    """The key blocks ``[lo, hi)`` of query block ``m_block`` of ``bh`` (batch x heads_q):
+    from the first the tile's first row sees (``WINDOW``: its position minus
+    ``window_left``; else 0) to the last its last row sees (causal)."""
     n_total = gl.cdiv(seqlen_k, BLOCK_N)
     if CAUSAL:  # the keys the tile's last row sees
         n_total = gl.minimum(n_total, gl.cdiv((m_block + 1) * (NUM_CONSUMERS * ROWS)
                                               + (seqlen_k - seqlen_q), BLOCK_N))
-    return gl.maximum(n_total, 1)
+    lo = 0
+    if WINDOW:  # the keys the tile's first row sees start window_left before it
+        lo = gl.maximum(m_block * (NUM_CONSUMERS * ROWS) + (seqlen_k - seqlen_q)
+                        - window_left, 0) // BLOCK_N
+    return lo, gl.maximum(n_total, lo + 1)
 
 
 @gluon.jit
@@ -87,14 +101,15 @@ def _tile_coords(bh, m_block, heads_q, group, seqlen_q, seqlen_k, HEAD_D: gl.con
 @gluon.jit
 def _producer_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
                    v_ready, kv_empty, bh, m_block, kv_base, tile_i, heads_q, group, seqlen_q,
-                   seqlen_k, ROWS: gl.constexpr,
+                   seqlen_k, window_left, ROWS: gl.constexpr,
                    BLOCK_N: gl.constexpr,
                    NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
-                   PERSISTENT: gl.constexpr, Q_BSHD: gl.constexpr, KV_BSHD: gl.constexpr):
+                   WINDOW: gl.constexpr, PERSISTENT: gl.constexpr, Q_BSHD: gl.constexpr,
+                   KV_BSHD: gl.constexpr):
     """The loads of the tile (``bh``, ``m_block``), after ``kv_base`` key blocks and ``tile_i`` tiles of this CTA;
-    returns the tile's key blocks."""
-    n_total = _tile(bh, m_block, heads_q, group, seqlen_q, seqlen_k, ROWS, BLOCK_N,
-                    NUM_CONSUMERS, CAUSAL)
+    returns how many key blocks the tile has."""
+    lo, n_total = _tile(bh, m_block, heads_q, group, seqlen_q, seqlen_k, window_left, ROWS,
+                        BLOCK_N, NUM_CONSUMERS, CAUSAL, WINDOW)
     HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
     q_row, q_col, kv_row, kv_col = _tile_coords(bh, m_block, heads_q, group, seqlen_q,
                                                 seqlen_k, HEAD_D, ROWS, NUM_CONSUMERS, Q_BSHD,
@@ -105,8 +120,8 @@ def _producer_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empt
         mbarrier.expect(q_bar.index(c), q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [q_row + c * ROWS, q_col], q_bar.index(c),
                                         q_smem.index(c))
-    for j in range(n_total):
-        g = kv_base + j
+    for j in range(lo, n_total):
+        g = kv_base + j - lo
         st = g % NUM_STAGES
         ph = (g // NUM_STAGES) & 1
         # a fresh mbarrier counts as phase 1 complete: the first NUM_STAGES waits pass
@@ -117,15 +132,16 @@ def _producer_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empt
         mbarrier.expect(v_ready.index(st), v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(v_desc, [kv_row + j * BLOCK_N, kv_col],
                                         v_ready.index(st), v_smem.index(st))
-    return n_total
+    return n_total - lo
 
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
               v_ready, kv_empty, first, end, stride, n_mblocks, heads_q, group, seqlen_q,
-              seqlen_k, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-              NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr,
-              Q_BSHD: gl.constexpr, KV_BSHD: gl.constexpr):
+              seqlen_k, window_left, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+              NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
+              WINDOW: gl.constexpr, PERSISTENT: gl.constexpr, Q_BSHD: gl.constexpr,
+              KV_BSHD: gl.constexpr):
     if PERSISTENT:
         kv_base = 0
         tile_i = 0
@@ -134,26 +150,30 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_
             kv_base += _producer_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar,
                                       q_empty, k_ready, v_ready, kv_empty, bh, m_block,
                                       kv_base, tile_i, heads_q, group, seqlen_q, seqlen_k,
-                                      ROWS, BLOCK_N,
-                                      NUM_STAGES, NUM_CONSUMERS, CAUSAL, True, Q_BSHD, KV_BSHD)
+                                      window_left, ROWS, BLOCK_N,
+                                      NUM_STAGES, NUM_CONSUMERS, CAUSAL, WINDOW, True, Q_BSHD,
+                                      KV_BSHD)
             tile_i += 1
     else:  # a grid launch: (first, end) are the CTA's (m_block, bh)
         _producer_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
                        v_ready, kv_empty, end, first, 0, 0, heads_q, group, seqlen_q,
-                       seqlen_k, ROWS, BLOCK_N,
-                       NUM_STAGES, NUM_CONSUMERS, CAUSAL, False, Q_BSHD, KV_BSHD)
+                       seqlen_k, window_left, ROWS, BLOCK_N,
+                       NUM_STAGES, NUM_CONSUMERS, CAUSAL, WINDOW, False, Q_BSHD, KV_BSHD)
 
 
 @gluon.jit
-def _softmax_block(qk, j, m_i, l_i, q_start, seqlen_q, seqlen_k, qk_scale,
+def _softmax_block(qk, j, m_i, l_i, q_start, seqlen_q, seqlen_k, qk_scale, window_left,
                    s_layout: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
-                   CAUSAL: gl.constexpr):
+                   CAUSAL: gl.constexpr, WINDOW: gl.constexpr):
     """One block's online-softmax step on the raw scores ``qk`` (fp32, ``s_layout``):
     returns ``(p, alpha, m_i, l_i)`` with ``p`` unnormalised in the log2 domain."""
     start_n = j * BLOCK_N
     need_mask = start_n + BLOCK_N > seqlen_k
     if CAUSAL:
         need_mask = need_mask | (start_n + BLOCK_N - 1 > q_start + (seqlen_k - seqlen_q))
+    if WINDOW:  # the last row's window starts inside (or after) the block
+        need_mask = need_mask | (start_n < q_start + ROWS - 1 + (seqlen_k - seqlen_q)
+                                 - window_left)
     if need_mask:
         cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         ok = gl.expand_dims(cols < seqlen_k, 0)
@@ -161,6 +181,10 @@ def _softmax_block(qk, j, m_i, l_i, q_start, seqlen_q, seqlen_k, qk_scale,
             rows = q_start + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
             ok = ok & (gl.expand_dims(cols, 0)
                        <= gl.expand_dims(rows + (seqlen_k - seqlen_q), 1))
+        if WINDOW:
+            rows_w = q_start + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+            ok = ok & (gl.expand_dims(cols, 0)
+                       >= gl.expand_dims(rows_w + (seqlen_k - seqlen_q) - window_left, 1))
         qk = gl.where(ok, qk, -float("inf"))
     m_new = gl.maximum(m_i, gl.max(qk, axis=1) * qk_scale)
     # rows that have seen no key yet keep m = -inf: subtract 0 there instead (no NaN)
@@ -192,11 +216,11 @@ def _their_turn(turn, cid, PINGPONG: gl.constexpr):
 @gluon.jit
 def _consumer_tile(cid, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty,
                    turn, o_ptr, lse_ptr, bh, m_block, kv_base, tile_i, heads_q, group,
-                   seqlen_q, seqlen_k, qk_scale,
+                   seqlen_q, seqlen_k, qk_scale, window_left,
                    HEAD_D: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
                    NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
-                   CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr,
-                   Q_BSHD: gl.constexpr):
+                   CAUSAL: gl.constexpr, WINDOW: gl.constexpr, PINGPONG: gl.constexpr,
+                   PERSISTENT: gl.constexpr, Q_BSHD: gl.constexpr):
     """Consumer ``cid``'s part of the tile (``bh``, ``m_block``), after ``kv_base`` key blocks and ``tile_i``
     tiles of this CTA; returns the tile's key blocks."""
     dtype: gl.constexpr = q_smem.dtype
@@ -208,15 +232,17 @@ def _consumer_tile(cid, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
-    steps = kv_base + tile_i  # ping-pong steps of the earlier tiles (n_total + 1 each)
-    n_total = _tile(bh, m_block, heads_q, group, seqlen_q, seqlen_k, ROWS, BLOCK_N,
-                    NUM_CONSUMERS, CAUSAL)
+    steps = kv_base + tile_i  # ping-pong steps of the earlier tiles (their blocks + 1 each)
+    lo, n_total = _tile(bh, m_block, heads_q, group, seqlen_q, seqlen_k, window_left, ROWS,
+                        BLOCK_N, NUM_CONSUMERS, CAUSAL, WINDOW)
     q_start = m_block * (NUM_CONSUMERS * ROWS) + cid * ROWS
     n_mine = n_total
     if CAUSAL:  # the keys this consumer's last row sees
         n_mine = gl.minimum(n_total,
                             gl.cdiv(q_start + ROWS + (seqlen_k - seqlen_q), BLOCK_N))
-    n_mine = gl.maximum(n_mine, 1)  # rows that see no key still run block 0, fully masked
+    # rows that see no key still run block lo, fully masked; the tile's blocks are
+    # [lo, n_total), the g-th of the CTA's ring is block lo + g - kv_base
+    n_mine = gl.maximum(n_mine, lo + 1)
 
     m_i = gl.full([ROWS], -float("inf"), gl.float32, row_s)
     l_i = gl.full([ROWS], 0.0, gl.float32, row_s)
@@ -235,16 +261,17 @@ def _consumer_tile(cid, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready
                        is_async=True)
     _their_turn(turn, cid, PINGPONG)
     qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
-    p, alpha, m_i, l_i = _softmax_block(qk, 0, m_i, l_i, q_start, seqlen_q, seqlen_k,
-                                        qk_scale, s_layout, ROWS, BLOCK_N, CAUSAL)
-    for j in range(1, n_mine):
-        g = kv_base + j
+    p, alpha, m_i, l_i = _softmax_block(qk, lo, m_i, l_i, q_start, seqlen_q, seqlen_k,
+                                        qk_scale, window_left, s_layout, ROWS, BLOCK_N, CAUSAL,
+                                        WINDOW)
+    for j in range(lo + 1, n_mine):
+        g = kv_base + j - lo
         st = g % NUM_STAGES
         ph = (g // NUM_STAGES) & 1
         prev = (g - 1) % NUM_STAGES
         prev_ph = ((g - 1) // NUM_STAGES) & 1
         # issue S_j = Q K_j^T, then O += P_{j-1} V_{j-1}; wait only for the first
-        _my_turn(turn, cid, steps + j, PINGPONG)
+        _my_turn(turn, cid, steps + j - lo, PINGPONG)
         mbarrier.wait(k_ready.index(st), ph)
         qk = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False,
                            is_async=True)
@@ -255,16 +282,17 @@ def _consumer_tile(cid, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready
         qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk, ))
         # the softmax of S_j runs while P_{j-1} V_{j-1} is on the tensor cores
         p, alpha, m_i, l_i = _softmax_block(qk, j, m_i, l_i, q_start, seqlen_q, seqlen_k,
-                                            qk_scale, s_layout, ROWS, BLOCK_N, CAUSAL)
+                                            qk_scale, window_left, s_layout, ROWS, BLOCK_N,
+                                            CAUSAL, WINDOW)
         acc, p16 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p16))
         mbarrier.arrive(kv_empty.index(prev), count=1)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
     if PERSISTENT:  # every S of the tile is done: the producer may load the next tile's Q
         mbarrier.arrive(q_empty.index(cid), count=1)
     # the last block's P V
-    g_last = kv_base + n_mine - 1
+    g_last = kv_base + n_mine - 1 - lo
     last = g_last % NUM_STAGES
-    _my_turn(turn, cid, steps + n_mine, PINGPONG)
+    _my_turn(turn, cid, steps + n_mine - lo, PINGPONG)
     mbarrier.wait(v_ready.index(last), (g_last // NUM_STAGES) & 1)
     p16 = gl.convert_layout(p.to(dtype), p_layout)
     acc = warpgroup_mma(p16, v_smem.index(last), acc, is_async=True)
@@ -273,10 +301,10 @@ def _consumer_tile(cid, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready
     mbarrier.arrive(kv_empty.index(last), count=1)
     # blocks the producer loads for the other consumers: keep the barrier phases in step
     for j in range(n_mine, n_total):
-        g = kv_base + j
+        g = kv_base + j - lo
         st = g % NUM_STAGES
         ph = (g // NUM_STAGES) & 1
-        _my_turn(turn, cid, steps + j + 1, PINGPONG)  # the other's steps alternate still
+        _my_turn(turn, cid, steps + j - lo + 1, PINGPONG)  # the other's steps alternate still
         _their_turn(turn, cid, PINGPONG)
         mbarrier.wait(k_ready.index(st), ph)
         mbarrier.wait(v_ready.index(st), ph)
@@ -297,16 +325,17 @@ def _consumer_tile(cid, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready
     rows_s = q_start + gl.arange(0, ROWS, layout=row_s)
     gl.store(lse_ptr + bh.to(gl.int64) * seqlen_q + rows_s, lse, mask=rows_s < seqlen_q)
 
-    return n_total
+    return n_total - lo
 
 
 @gluon.jit
 def _consumer(cid, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty, turn,
               o_ptr, lse_ptr, first, end, stride, n_mblocks, heads_q, group, seqlen_q,
-              seqlen_k, qk_scale,
+              seqlen_k, qk_scale, window_left,
               HEAD_D: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
-              PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr, Q_BSHD: gl.constexpr):
+              WINDOW: gl.constexpr, PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr,
+              Q_BSHD: gl.constexpr):
     if PERSISTENT:  # key blocks and tiles of the CTA so far: ring slots and phases run on
         kv_base = 0
         tile_i = 0
@@ -315,25 +344,26 @@ def _consumer(cid, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_
             kv_base += _consumer_tile(cid, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
                                       v_ready, kv_empty, turn, o_ptr, lse_ptr, bh, m_block,
                                       kv_base, tile_i, heads_q, group, seqlen_q, seqlen_k,
-                                      qk_scale, HEAD_D, ROWS, BLOCK_N, NUM_STAGES,
-                                      NUM_CONSUMERS, CAUSAL, PINGPONG, True, Q_BSHD)
+                                      qk_scale, window_left, HEAD_D, ROWS, BLOCK_N, NUM_STAGES,
+                                      NUM_CONSUMERS, CAUSAL, WINDOW, PINGPONG, True, Q_BSHD)
             tile_i += 1
     else:  # a grid launch: (first, end) are the CTA's (m_block, bh)
         _consumer_tile(cid, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty,
                        turn, o_ptr, lse_ptr, end, first, 0, 0, heads_q, group, seqlen_q,
-                       seqlen_k, qk_scale, HEAD_D, ROWS, BLOCK_N, NUM_STAGES, NUM_CONSUMERS,
-                       CAUSAL, PINGPONG, False, Q_BSHD)
+                       seqlen_k, qk_scale, window_left, HEAD_D, ROWS, BLOCK_N, NUM_STAGES,
+                       NUM_CONSUMERS, CAUSAL, WINDOW, PINGPONG, False, Q_BSHD)
 
 
 @gluon.jit
 def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, seqlen_q, seqlen_k, heads_q,
-                          group, batch_heads, qk_scale,
+                          group, batch_heads, qk_scale, window_left,
                           HEAD_D: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
                           NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
                           CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
                           PERSISTENT: gl.constexpr, Q_BSHD: gl.constexpr,
                           KV_BSHD: gl.constexpr,
-                          PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                          PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                          WINDOW: gl.constexpr = False):
     n_mblocks = gl.cdiv(seqlen_q, NUM_CONSUMERS * ROWS)
     if PERSISTENT:  # a CTA per SM (or fewer), each taking every stride-th tile
         first = gl.program_id(0)
@@ -374,53 +404,53 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, seqlen_q, seql
         gl.warp_specialize([
             (_consumer, (0, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty,
                          turn, o_ptr, lse_ptr, first, end, stride, n_mblocks, heads_q, group,
-                         seqlen_q, seqlen_k, qk_scale, HEAD_D, ROWS,
-                         BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, PINGPONG, PERSISTENT,
-                         Q_BSHD)),
+                         seqlen_q, seqlen_k, qk_scale, window_left, HEAD_D, ROWS,
+                         BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, WINDOW, PINGPONG,
+                         PERSISTENT, Q_BSHD)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty,
                          k_ready, v_ready, kv_empty, first, end, stride, n_mblocks, heads_q,
-                         group, seqlen_q, seqlen_k, ROWS,
-                         BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, PERSISTENT, Q_BSHD,
+                         group, seqlen_q, seqlen_k, window_left, ROWS,
+                         BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, WINDOW, PERSISTENT, Q_BSHD,
                          KV_BSHD)),
         ], [1], [PRODUCER_REGS])
     elif NUM_CONSUMERS == 2:
         gl.warp_specialize([
             (_consumer, (0, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty,
                          turn, o_ptr, lse_ptr, first, end, stride, n_mblocks, heads_q, group,
-                         seqlen_q, seqlen_k, qk_scale, HEAD_D, ROWS,
-                         BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, PINGPONG, PERSISTENT,
-                         Q_BSHD)),
+                         seqlen_q, seqlen_k, qk_scale, window_left, HEAD_D, ROWS,
+                         BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, WINDOW, PINGPONG,
+                         PERSISTENT, Q_BSHD)),
             (_consumer, (1, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty,
                          turn, o_ptr, lse_ptr, first, end, stride, n_mblocks, heads_q, group,
-                         seqlen_q, seqlen_k, qk_scale, HEAD_D, ROWS,
-                         BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, PINGPONG, PERSISTENT,
-                         Q_BSHD)),
+                         seqlen_q, seqlen_k, qk_scale, window_left, HEAD_D, ROWS,
+                         BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, WINDOW, PINGPONG,
+                         PERSISTENT, Q_BSHD)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty,
                          k_ready, v_ready, kv_empty, first, end, stride, n_mblocks, heads_q,
-                         group, seqlen_q, seqlen_k, ROWS,
-                         BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, PERSISTENT, Q_BSHD,
+                         group, seqlen_q, seqlen_k, window_left, ROWS,
+                         BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, WINDOW, PERSISTENT, Q_BSHD,
                          KV_BSHD)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:  # FA3's 192-row tile at head dim 64: three consumer warpgroups
         gl.warp_specialize([
             (_consumer, (0, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty,
                          turn, o_ptr, lse_ptr, first, end, stride, n_mblocks, heads_q, group,
-                         seqlen_q, seqlen_k, qk_scale, HEAD_D, ROWS,
-                         BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, PINGPONG, PERSISTENT,
-                         Q_BSHD)),
+                         seqlen_q, seqlen_k, qk_scale, window_left, HEAD_D, ROWS,
+                         BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, WINDOW, PINGPONG,
+                         PERSISTENT, Q_BSHD)),
             (_consumer, (1, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty,
                          turn, o_ptr, lse_ptr, first, end, stride, n_mblocks, heads_q, group,
-                         seqlen_q, seqlen_k, qk_scale, HEAD_D, ROWS,
-                         BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, PINGPONG, PERSISTENT,
-                         Q_BSHD)),
+                         seqlen_q, seqlen_k, qk_scale, window_left, HEAD_D, ROWS,
+                         BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, WINDOW, PINGPONG,
+                         PERSISTENT, Q_BSHD)),
             (_consumer, (2, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty,
                          turn, o_ptr, lse_ptr, first, end, stride, n_mblocks, heads_q, group,
-                         seqlen_q, seqlen_k, qk_scale, HEAD_D, ROWS,
-                         BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, PINGPONG, PERSISTENT,
-                         Q_BSHD)),
+                         seqlen_q, seqlen_k, qk_scale, window_left, HEAD_D, ROWS,
+                         BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, WINDOW, PINGPONG,
+                         PERSISTENT, Q_BSHD)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty,
                          k_ready, v_ready, kv_empty, first, end, stride, n_mblocks, heads_q,
-                         group, seqlen_q, seqlen_k, ROWS,
-                         BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, PERSISTENT, Q_BSHD,
+                         group, seqlen_q, seqlen_k, window_left, ROWS,
+                         BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, WINDOW, PERSISTENT, Q_BSHD,
                          KV_BSHD)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])

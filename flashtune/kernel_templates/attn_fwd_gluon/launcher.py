@@ -103,11 +103,13 @@ def _desc_shape(t: Any, how: str) -> tuple[list[int], list[int]]:
 
 
 def kernel_args(q: Any, k: Any, v: Any, out: Any, lse: Any, config: Mapping[str, int], *,
-                causal: bool, scale: float
+                causal: bool, scale: float, window_left: int = -1
                 ) -> tuple[tuple[Any, ...], dict[str, Any], tuple[int, int]]:
     """``(args, kwargs, grid)`` of ``gluon_attn_fwd_kernel`` for tensors in a
     :func:`layout`, K and V in one, ``out`` in q's (or shape-only stand-ins: a descriptor
-    reads its base's address and dtype only), and a full ``config``; ``scale`` >= 0."""
+    reads its base's address and dtype only), and a full ``config``; ``scale`` >= 0;
+    ``window_left`` >= 0: a sliding window (causal only: the key blocks before the
+    window are neither loaded nor computed)."""
     batch, heads_q, seqlen_q, head_dim = q.shape
     heads_kv, seqlen_k = k.shape[1], k.shape[2]
     gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
@@ -123,14 +125,14 @@ def kernel_args(q: Any, k: Any, v: Any, out: Any, lse: Any, config: Mapping[str,
                               _layout([bn, head_dim], gdt))
     meta = launch_meta(config)
     args = (q_desc, k_desc, v_desc, out, lse, seqlen_q, seqlen_k, heads_q,
-            heads_q // heads_kv, batch * heads_q, scale * LOG2E)
+            heads_q // heads_kv, batch * heads_q, scale * LOG2E, max(window_left, 0))
     kwargs = dict(
         HEAD_D=head_dim, ROWS=rows, BLOCK_N=bn, NUM_STAGES=config["NUM_STAGES"],
         NUM_CONSUMERS=config["NUM_CONSUMERS"], CAUSAL=bool(causal),
         PINGPONG=bool(config["PINGPONG"]), PERSISTENT=bool(config["PERSISTENT"]),
         Q_BSHD=q_how == "bshd", KV_BSHD=kv_how == "bshd",
         PRODUCER_REGS=meta["PRODUCER_REGS"], CONSUMER_REGS=meta["CONSUMER_REGS"],
-        num_warps=meta["num_warps"], maxnreg=meta["maxnreg"])
+        WINDOW=window_left >= 0, num_warps=meta["num_warps"], maxnreg=meta["maxnreg"])
     m_blocks = -(-seqlen_q // (config["NUM_CONSUMERS"] * rows))
     if config["PERSISTENT"]:
         return args, kwargs, (persistent_ctas(q, m_blocks * batch * heads_q), 1)
@@ -205,6 +207,7 @@ def attn_fwd_gluon(
     causal: bool = False,
     scale: float | None = None,
     return_lse: bool = False,
+    window: tuple[int, int] = (-1, -1),
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Flash-attention forward with the Gluon kernel and an explicit config (a Hopper GPU).
 
@@ -222,6 +225,10 @@ def attn_fwd_gluon(
             ``-scale`` on ``-k`` (a copy of ``k``): the kernel's running maximum assumes
             ``scale >= 0``.
         return_lse: also return the log-sum-exp.
+        window: FlashAttention-2's ``window_size``; this kernel serves a left bound with
+            ``causal`` (a causal sliding window: query ``i`` sees keys ``[pos - left,
+            pos]``), or none (``(-1, -1)``); other windows are an InputError (attn_fwd
+            serves them).
     Returns:
         ``out`` shaped like ``q`` in its dtype, or ``(out, lse)`` with ``lse`` float32
         ``(batch, heads_q, seqlen_q)``, natural log, ``-inf`` for rows that see no key
@@ -231,6 +238,11 @@ def attn_fwd_gluon(
         than 64, 128 or 256, other dtypes, CPU tensors); ConfigError for a config outside its
         knobs.
     """
+    left, right = window
+    if left != -1 and not causal or left == -1 and right not in (-1, 0) or left < -1:
+        raise InputError(f"window {tuple(window)}: the Gluon forward serves a causal "
+                         f"sliding window (left >= 0 with causal=True) only; attn_fwd "
+                         f"serves the others")
     _check(q, k, v, config)
     batch, heads_q, seqlen_q, head_dim = q.shape
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
@@ -244,7 +256,7 @@ def attn_fwd_gluon(
         lse.fill_(-math.inf)
     else:
         args, kwargs, grid = kernel_args(q, k, v, out, lse, config, causal=causal,
-                                         scale=scale)
+                                         scale=scale, window_left=left)
         gluon_attn_fwd_kernel[grid](*args, **kwargs)
     return (out, lse) if return_lse else out
 
@@ -260,10 +272,11 @@ def gluon_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal:
 
 
 def compile_sm90(config: dict[str, int], head_dim: int = 128, causal: bool = False,
-                 dtype: str = "bf16", layout: str = "bhsd") -> Any:
+                 dtype: str = "bf16", layout: str = "bhsd", window: bool = False) -> Any:
     """Compile the kernel of ``config`` (over :data:`DEFAULT_CONFIG`) for sm_90 on the CPU,
     no GPU needed, planned as :func:`gluon_attn_fwd` launches it for inputs in ``layout``
-    (``"bhsd"`` or ``"bshd"``, q, k and v alike); returns the compiled kernel
+    (``"bhsd"`` or ``"bshd"``, q, k and v alike; ``window``: with a causal sliding
+    window); returns the compiled kernel
     (``.asm["ptx"]``, ``.metadata.shared``, ``.metadata.num_warps``). Needs a process
     without ``TRITON_INTERPRET``."""
     import triton
@@ -280,7 +293,8 @@ def compile_sm90(config: dict[str, int], head_dim: int = 128, causal: bool = Fal
              "NUM_CONSUMERS": cfg["NUM_CONSUMERS"], "CAUSAL": bool(causal),
              "PINGPONG": bool(cfg["PINGPONG"]), "PERSISTENT": bool(cfg["PERSISTENT"]),
              "Q_BSHD": layout == "bshd", "KV_BSHD": layout == "bshd",
-             "PRODUCER_REGS": meta["PRODUCER_REGS"], "CONSUMER_REGS": meta["CONSUMER_REGS"]}
+             "PRODUCER_REGS": meta["PRODUCER_REGS"], "CONSUMER_REGS": meta["CONSUMER_REGS"],
+             "WINDOW": bool(window)}
     kern = gluon_attn_fwd_kernel
     names = kern.arg_names
     types = {"q_desc": qd, "k_desc": kd, "v_desc": kd, "o_ptr": f"*{dtype}",

@@ -29,5 +29,6 @@ def warmup_launches(problem: AttentionProblem, config: Mapping[str, int], *,
     k = Shaped(dt, (p.batch, p.heads_kv, p.seqlen_k, p.head_dim))
     lse = Shaped(torch.float32, q.shape[:3])
     args, kwargs, grid = kernel_args(q, k, k, Shaped(dt, q.shape), lse, config,
-                                     causal=p.causal, scale=1.0 / math.sqrt(p.head_dim))
+                                     causal=p.causal, scale=1.0 / math.sqrt(p.head_dim),
+                                     window_left=p.window_left)
     return [(gluon_attn_fwd_kernel, args, kwargs, grid)]
