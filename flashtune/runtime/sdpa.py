@@ -3,17 +3,37 @@ flashtune where it can and by torch where it cannot.
 
 Semantics are torch's, not flashtune's: ``is_causal`` is aligned top-left (query ``i`` sees
 keys ``j <= i``, whatever the lengths), and ``enable_gqa`` must be set for
-``Hq != Hkv``. A call flashtune does not serve (a mask, dropout, an unsupported dtype or
-head_dim, ...) runs ``torch.nn.functional.scaled_dot_product_attention`` with the same
-arguments; the first fallback of each reason is logged once at DEBUG level on the
-``flashtune`` logger, so ``logging.getLogger("flashtune").setLevel("DEBUG")`` shows why a
-model does not run on flashtune, and every fallback is counted by reason
+``Hq != Hkv``. A call flashtune does not serve (dropout, an unsupported dtype or head_dim, a
+mask it does not recognise, ...) runs ``torch.nn.functional.scaled_dot_product_attention``
+with the same arguments; the first fallback of each reason is logged once at DEBUG level on
+the ``flashtune`` logger, so ``logging.getLogger("flashtune").setLevel("DEBUG")`` shows why
+a model does not run on flashtune, and every fallback is counted by reason
 (:func:`fallback_counts`; ``flashtune bench --model`` prints them). :func:`describe_route`
 says where one call would go without running it.
 
 How top-left causal maps to flashtune's bottom-right kernel: with ``Lq <= Lk`` no query
 sees a key past ``Lq - 1``, so the call runs on the first ``Lq`` keys, where both alignments
 agree. ``Lq > Lk`` with ``is_causal`` (rows past ``Lk`` see every key) falls back.
+
+Boolean masks (``is_causal`` False, no dropout) flashtune serves, as
+:mod:`flashtune.runtime.sdpa_masks` recognises them, the same for every head:
+
+* a causal or local-window pattern, broadcast over batch and heads: the mask equals
+  :func:`~flashtune.kernel_templates.attn_fwd.reference.visible` ``(Lq, Lk, window=(left,
+  right))``, bottom-right aligned as flashtune's ``causal`` and ``window`` are (a top-left
+  ``tril`` with ``Lq != Lk`` is such a pattern only where it equals one, else it falls
+  back), runs as :func:`flashtune.attention` with ``causal``/``window``; an all-True mask
+  as plain attention;
+* key padding, ``(B, 1, 1, Lk)`` or ``(B, 1, Lq, Lk)`` with equal rows, keeping one
+  contiguous run of keys per batch element (left or right padding), runs as a packed batch
+  through :func:`~flashtune.runtime.scored.varlen`.
+
+A mask under which some query sees no key (an all-False batch element, say) goes to torch,
+which decides what such rows give; so do float (additive) masks, masks that differ between
+heads, any other pattern, and masks under ``torch.compile`` or CUDA graph capture. A mask is
+recognised by reading it on the device once per mask object (memoised on its identity and
+version counter): the layers of a model passing one mask tensor pay that read once, and a
+call without a mask pays nothing for any of this.
 """
 
 from __future__ import annotations
@@ -27,9 +47,11 @@ from typing import Any
 import torch
 
 from flashtune.core.device import interpreting
-from flashtune.core.problem import SUPPORTED_HEAD_DIMS
+from flashtune.core.problem import SUPPORTED_HEAD_DIMS, AttentionProblem, dtype_name
 from flashtune.runtime.checks import MAX_GRID_YZ, SUPPORTED_DTYPES, grid_problem
 from flashtune.runtime.ops import attention, lookup_config
+from flashtune.runtime.scored import lookup_varlen
+from flashtune.runtime.sdpa_masks import KeyPadding, Window, mask_verdict
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +121,9 @@ def fallback_reason(query: Any, key: Any, value: Any, attn_mask: Any = None,
             assumed about them).
     Returns:
         One line saying why torch's SDPA runs the call (e.g. ``"dropout_p > 0"``), or None
-        when flashtune serves it. Reads metadata only: no device sync, no launch.
+        when flashtune serves it. Reads metadata only (no device sync, no launch), except
+        for an ``attn_mask`` not seen before, which is read once to recognise it (the
+        module doc).
     """
     if _served(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
         return None  # the common case, every call of a model's attention: a few reads
@@ -109,8 +133,14 @@ def fallback_reason(query: Any, key: Any, value: Any, attn_mask: Any = None,
 def _reason(query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: float,
             is_causal: bool, scale: Any, enable_gqa: bool) -> str | None:
     """:func:`fallback_reason`'s checks, one by one (the first that fails names it)."""
-    if attn_mask is not None:
-        return "attn_mask is given (flashtune takes causal or no mask)"
+    found = _decide(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    return found if isinstance(found, str) else None
+
+
+def _decide(query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: float,
+            is_causal: bool, scale: Any, enable_gqa: bool) -> str | Window | KeyPadding | None:
+    """:func:`_reason`'s checks; where they pass, None for a call without a mask, else the
+    pattern flashtune serves the mask as."""
     if dropout_p:
         return "dropout_p > 0"
     if not all(type(t) is torch.Tensor for t in (query, key, value)):
@@ -142,7 +172,31 @@ def _reason(query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: float,
         return "is_causal with more queries than keys (top-left rows past Lk see every key)"
     if grid_problem(query, key) is not None:
         return "B x Hq over CUDA's launch grid limit"
-    return None
+    if attn_mask is None:
+        return None
+    return _mask_route(query, key, attn_mask, is_causal)
+
+
+def _mask_route(query: torch.Tensor, key: torch.Tensor, mask: Any,
+                is_causal: bool) -> str | Window | KeyPadding:
+    """The pattern flashtune serves ``mask`` as, or why torch runs the call (the module
+    doc); reads the device only for a mask not seen before."""
+    if type(mask) is not torch.Tensor:
+        return "an attn_mask that is not a plain torch.Tensor"
+    if is_causal:
+        return "attn_mask with is_causal (torch raises)"
+    if mask.dtype != torch.bool:
+        kind = "a float (additive) attn_mask" if mask.dtype.is_floating_point \
+            else f"an attn_mask of dtype {mask.dtype}"
+        return f"{kind} (flashtune serves boolean window and key-padding masks)"
+    if mask.device != query.device:
+        return "an attn_mask on another device than the inputs"
+    if torch.compiler.is_compiling():
+        return "an attn_mask under torch.compile (recognising it reads the device)"
+    if mask.is_cuda and torch.cuda.is_current_stream_capturing():
+        return "an attn_mask during CUDA graph capture (replays may change its values)"
+    b, hq, lq, _ = query.shape
+    return mask_verdict(mask, b, hq, lq, key.shape[2])
 
 
 def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -152,14 +206,17 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     """Drop-in for ``torch.nn.functional.scaled_dot_product_attention``.
 
     Arguments, shapes and semantics are torch's. flashtune runs fp16/bf16 CUDA tensors (CPU
-    under the interpreter) without ``attn_mask`` or dropout and with a supported head_dim,
-    through :func:`flashtune.attention` (tuned config lookup included); anything else goes
-    to torch, see :func:`fallback_reason`.
+    under the interpreter) without dropout and with a supported head_dim, through
+    :func:`flashtune.attention` (tuned config lookup included), with no ``attn_mask`` or
+    one of the boolean patterns the module doc lists (a causal or local window, key
+    padding); anything else goes to torch, see :func:`fallback_reason`.
 
     Arguments:
         query: ``(B, Hq, Lq, E)``.
         key, value: ``(B, Hkv, Lk, E)``.
-        attn_mask: torch's mask; any mask sends the call to torch.
+        attn_mask: torch's mask: a boolean causal/window or key-padding pattern runs on
+            flashtune (recognised once per mask object, see the module doc), any other
+            mask sends the call to torch.
         dropout_p: dropout probability; above 0 sends the call to torch.
         is_causal: top-left aligned causal mask (torch's convention).
         scale: softmax scale; default ``1 / sqrt(E)``.
@@ -171,17 +228,20 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
         reason is logged at DEBUG level); flashtune's own checks pass for the calls it
         runs, so it raises nothing of its own.
     """
-    reason = fallback_reason(query, key, value, attn_mask, dropout_p, is_causal, scale,
-                             enable_gqa)
-    if reason is not None:
+    found = None if _served(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                            enable_gqa) \
+        else _decide(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    if isinstance(found, str):
         with _LOCK:
-            _COUNTS[reason] += 1
-            if reason not in _LOGGED:
-                _LOGGED.add(reason)
-                log.debug("flashtune SDPA: falling back to torch: %s", reason)
+            _COUNTS[found] += 1
+            if found not in _LOGGED:
+                _LOGGED.add(found)
+                log.debug("flashtune SDPA: falling back to torch: %s", found)
         return torch.nn.functional.scaled_dot_product_attention(
             query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
             scale=scale, enable_gqa=enable_gqa)
+    if found is not None:  # a mask flashtune serves as a pattern
+        return found.run(query, key, value, None if scale is None else float(scale))
     key, value = _top_left(query, key, value, is_causal)
     return attention(query, key, value, causal=bool(is_causal),
                      scale=None if scale is None else float(scale))
@@ -201,7 +261,7 @@ def describe_route(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    is_causal: bool = False, scale: float | None = None,
                    enable_gqa: bool = False) -> str:
     """Where :func:`scaled_dot_product_attention` would send these arguments, without
-    running anything.
+    running anything (an ``attn_mask`` not seen before is read once to recognise it).
 
     Arguments:
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa: as for
@@ -210,14 +270,27 @@ def describe_route(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         One line: ``"torch SDPA: <reason>"`` for a fallback, else the implementation
         flashtune routes the call to and the source of its choice, as
         :func:`flashtune.lookup_config` answers (e.g. ``"sdpa_cudnn (default)"``,
-        ``"attn_fwd_gluon (exact)"``).
+        ``"attn_fwd_gluon (exact)"``); for a mask served as a pattern, the pattern
+        follows (e.g. ``"attn_fwd (default); attn_mask as causal, window (8, 0)"``,
+        ``"attn_fwd (default); attn_mask as key padding, packed batch"``).
     Raises:
         What :func:`flashtune.lookup_config` raises for a call it would refuse.
     """
-    reason = fallback_reason(query, key, value, attn_mask, dropout_p, is_causal, scale,
-                             enable_gqa)
-    if reason is not None:
-        return f"torch SDPA: {reason}"
+    found = None if _served(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                            enable_gqa) \
+        else _decide(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    if isinstance(found, str):
+        return f"torch SDPA: {found}"
+    if isinstance(found, Window):
+        choice = lookup_config(query, key, value, causal=found.right == 0,
+                               window=(found.left, found.right))
+        return f"{choice.template} ({choice.source}); attn_mask as {found.describe()}"
+    if isinstance(found, KeyPadding):
+        (b, hq, lq, e), hkv = query.shape, key.shape[1]
+        problem = AttentionProblem(b, hq, hkv, lq, max(found.lengths), e, False,
+                                   dtype_name(query.dtype))
+        choice = lookup_varlen(problem, query, key, value)
+        return f"{choice.template} ({choice.source}); attn_mask as {found.describe()}"
     key, value = _top_left(query, key, value, is_causal)
     choice = lookup_config(query, key, value, causal=bool(is_causal))
     return f"{choice.template} ({choice.source})"

@@ -54,6 +54,7 @@ def test_custom_scale():
 def _fallback_cases():
     q, k, v = _t(1, 2, 9, 32), _t(1, 2, 9, 32), _t(1, 2, 9, 32, seed=3)
     mask = torch.ones(9, 9, dtype=torch.bool, device=DEVICE).tril()
+    mask[2, 7] = True  # a causal mask but for one key: not a pattern flashtune serves
     return [
         ("attn_mask", (q, k, v), dict(attn_mask=mask)),
         ("more queries than keys", (_t(1, 2, 12, 32), k, v), dict(is_causal=True)),
@@ -98,7 +99,7 @@ def test_gradients_flow_through_flashtune():
 
 def test_fallbacks_are_counted_by_reason_and_served_calls_are_not():
     q, k, v = _t(1, 2, 9, 32), _t(1, 2, 9, 32), _t(1, 2, 9, 32, seed=8)
-    mask = torch.ones(9, 9, dtype=torch.bool, device=DEVICE)
+    mask = torch.zeros(9, 9, device=DEVICE, dtype=q.dtype)  # additive: torch's
     sdpa_mod.reset_fallback_counts()
     for _ in range(3):
         flashtune.scaled_dot_product_attention(q, k, v, attn_mask=mask)
@@ -115,7 +116,7 @@ def test_fallbacks_are_counted_by_reason_and_served_calls_are_not():
 
 def test_describe_route_names_the_fallback_or_flashtune_s_choice_without_running():
     q, k, v = _t(1, 2, 9, 32), _t(1, 2, 20, 32), _t(1, 2, 20, 32, seed=9)
-    mask = torch.ones(9, 20, dtype=torch.bool, device=DEVICE)
+    mask = torch.ones(9, 20, dtype=torch.bool, device=DEVICE).tril()  # top-left, Lq < Lk
     sdpa_mod.reset_fallback_counts()
     assert sdpa_mod.describe_route(q, k, v, attn_mask=mask) == \
         "torch SDPA: " + sdpa_mod.fallback_reason(q, k, v, attn_mask=mask)
