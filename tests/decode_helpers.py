@@ -40,10 +40,12 @@ def make_cache(lens, hq, hkv, nq, d, dtype, device, *, page_size=None, capacity=
 
 
 def assert_decode_close(out, q, k, v, *, cache_seqlens=None, block_table=None, causal,
-                        scale=None, lse=None, factor=2.0):
+                        scale=None, lse=None, factor=2.0, **mods):
     """flash-attention's rule: max error vs fp64 <= factor x torch's low-precision error
-    (plus a few ulps of the output dtype), a hard relative bound, and the LSE."""
-    kw = dict(cache_seqlens=cache_seqlens, block_table=block_table, causal=causal, scale=scale)
+    (plus a few ulps of the output dtype), a hard relative bound, and the LSE. ``mods``:
+    the reference's ``window``, ``softcap``, ``alibi_slopes``."""
+    kw = dict(cache_seqlens=cache_seqlens, block_table=block_table, causal=causal, scale=scale,
+              **mods)
     ref, ref_lse = attn_decode_reference(q, k, v, dtype=torch.float64, **kw)
     low, _ = attn_decode_reference(q, k, v, dtype=q.dtype, **kw)
     assert out.shape == q.shape and out.dtype == q.dtype

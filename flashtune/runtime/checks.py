@@ -143,3 +143,50 @@ def check_grid(q: torch.Tensor, k: torch.Tensor, *, decode: bool = False) -> Non
     reason = grid_problem(q, k, decode=decode)
     if reason is not None:
         raise InputError(reason)
+
+
+def check_score_mods(q: torch.Tensor, *, causal: bool, window: Any, softcap: Any,
+                     alibi_slopes: Any, batch: int | None = None
+                     ) -> tuple[tuple[int, int], float | None, torch.Tensor | None]:
+    """The score modifications checked and normalised: ``((left, right), softcap,
+    slopes)``, ``right`` 0 when ``causal``, ``softcap`` None when off (None or 0.0, as
+    FlashAttention-2's default), slopes float32 and contiguous. Raises InputError /
+    InputTypeError naming the argument. ``batch`` is a packed batch's (q then
+    ``(total, heads, head_dim)``). Shared by :func:`flashtune.attention`,
+    :func:`flashtune.attention_varlen` and :func:`flashtune.attention_with_kvcache`."""
+    left, right = -1, -1
+    if window is not None:
+        if not isinstance(window, (tuple, list)) or len(window) != 2 or any(
+                isinstance(w, bool) or not isinstance(w, int) for w in window):
+            raise InputTypeError(f"window must be a pair of ints (left, right), -1 for "
+                                 f"unbounded, got {window!r}")
+        left, right = int(window[0]), int(window[1])
+        if left < -1 or right < -1:
+            raise InputError(f"window {tuple(window)}: each bound must be >= 0, or -1 for "
+                             f"unbounded on that side")
+    if causal:
+        right = 0
+    cap: float | None = None
+    if softcap is not None:
+        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) \
+                or not math.isfinite(softcap) or softcap < 0:
+            raise InputError(f"softcap must be a positive finite number (or None / 0.0 for "
+                             f"none), got {softcap!r}")
+        cap = float(softcap) or None
+    slopes = None
+    if alibi_slopes is not None:
+        if not isinstance(alibi_slopes, torch.Tensor):
+            raise InputTypeError(f"alibi_slopes must be a torch.Tensor, got "
+                                 f"{type(alibi_slopes).__name__}")
+        if alibi_slopes.dtype != torch.float32:
+            raise InputTypeError(f"alibi_slopes must be float32, got {alibi_slopes.dtype}")
+        heads = q.shape[-2] if batch is not None else q.shape[1]
+        b = batch if batch is not None else q.shape[0]
+        if tuple(alibi_slopes.shape) not in ((heads,), (b, heads)):
+            raise InputError(f"alibi_slopes must have shape ({heads},) or ({b}, {heads}) "
+                             f"(heads_q, or batch x heads_q), got {tuple(alibi_slopes.shape)}")
+        if alibi_slopes.device != q.device:
+            raise InputError(f"alibi_slopes is on {alibi_slopes.device}, q on {q.device}; "
+                             f"they must share a device")
+        slopes = alibi_slopes.contiguous()
+    return (left, right), cap, slopes

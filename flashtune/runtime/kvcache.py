@@ -3,7 +3,13 @@
 Like flash-attention's ``flash_attn_with_kvcache`` (without the in-place cache append):
 a few new queries per sequence attend to the first ``cache_seqlens[b]`` keys of their
 sequence's cache, which is either contiguous ``(batch, heads_kv, max_seqlen, head_dim)`` or
-paged ``(num_pages, heads_kv, page_size, head_dim)`` with a block table, as in vLLM.
+paged ``(num_pages, heads_kv, page_size, head_dim)`` with a block table, as in vLLM. Its
+score modifications too, with FlashAttention-2's meanings, per sequence (query ``i`` of
+sequence ``b`` sits at key position ``pos = i + cache_seqlens[b] - seqlen_q``): a local
+``window`` ``(left, right)`` (keys ``[pos - left, pos + right]``, -1 unbounded; causal is
+the right bound 0), a logit ``softcap`` and ``alibi_slopes`` (``-slope * |pos - j|``). A
+window's splits cover only the keys some query sees, so a sliding window over a long cache
+costs O(window).
 
 Checks: everything that metadata shows (types, dtypes, shapes, strides, devices, head
 counts, page size) is checked on every call, with no device sync. Values inside
@@ -17,10 +23,12 @@ Configs: an explicit ``config`` (checked against the ``attn_decode`` space), els
 the ``attn_decode`` :class:`~flashtune.runtime.lookup.Dispatcher` serves (tuned exact ->
 bucket -> nearest -> template default, as for ``attn_fwd``) for the problem, whose key is an
 :class:`~flashtune.core.problem.AttentionProblem` with ``seqlen_k`` the cache's
-capacity (metadata: no device sync, and one key for every step of a decoding loop).
+capacity (metadata: no device sync, and one key for every step of a decoding loop) and the
+score modifications.
 
 Hot path on CUDA: after the first call of a call signature (shapes, strides, dtypes, device,
-16-byte alignment, paged or not, causal, scale, return_lse), a call checks nothing again and
+16-byte alignment, paged or not, causal, scale, return_lse, window, softcap, the ALiBi
+slopes' metadata), a call checks nothing again and
 replays an :class:`~flashtune.kernel_templates.attn_decode.plan.AttnDecodePlan` (the compiled
 split and combine kernels with their fixed arguments): a dict read, the allocations and the
 launches.
@@ -48,7 +56,7 @@ from flashtune.kernel_templates.attn_decode.launcher import attn_decode_kvcache
 from flashtune.kernel_templates.attn_decode.plan import AttnDecodePlan
 from flashtune.kernel_templates.direct import current_device as _current_device
 from flashtune.kernel_templates.direct import current_stream as _current_stream
-from flashtune.runtime.checks import SUPPORTED_DTYPES, check_grid
+from flashtune.runtime.checks import SUPPORTED_DTYPES, check_grid, check_score_mods
 from flashtune.runtime.lookup import ConfigChoice, Dispatcher
 
 log = logging.getLogger(__name__)
@@ -84,7 +92,8 @@ def decode_route(problem: AttentionProblem, device: DeviceFingerprint,
     """The attn_decode config :func:`flashtune.attention` runs ``problem`` (dense K/V) with,
     or None to run it with attn_fwd (``fwd``'s dispatcher).
 
-    Only problems with at most :data:`DECODE_MAX_QUERIES` queries are candidates. When both
+    Only problems with at most :data:`DECODE_MAX_QUERIES` queries are candidates (score
+    modifications included: attn_decode serves them as attn_fwd does). When both
     templates have a config tuned for exactly this problem on this device, the faster
     measured one wins; otherwise (the heuristic, untuned) attn_decode runs problems with at
     least :data:`DECODE_MIN_KEYS` keys, where splitting the keys over programs and reading
@@ -99,7 +108,7 @@ def decode_route(problem: AttentionProblem, device: DeviceFingerprint,
     Returns:
         attn_decode's :class:`~flashtune.runtime.lookup.ConfigChoice`, or None for attn_fwd.
     """
-    if problem.seqlen_q > DECODE_MAX_QUERIES or problem.has_mods:
+    if problem.seqlen_q > DECODE_MAX_QUERIES:
         return None
     dec_exact = DISPATCH.exact(problem, device)
     fwd_exact = fwd.exact(problem, device)
@@ -267,6 +276,9 @@ def attention_with_kvcache(
     block_table: torch.Tensor | None = None,
     causal: bool = True,
     scale: float | None = None,
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
     return_lse: bool = False,
     config: Mapping[str, int] | None = None,
     check_tables: bool = False,
@@ -298,7 +310,17 @@ def attention_with_kvcache(
             key ``j`` iff ``j <= i + cache_seqlens[b] - seqlen_q``. Rows that see no key
             return zeros (and LSE ``-inf``). Irrelevant for ``seqlen_q == 1``.
         scale: softmax scale; default ``1 / sqrt(head_dim)``.
-        return_lse: also return the float32 log-sum-exp ``(batch, heads_q, seqlen_q)``.
+        window: FlashAttention-2's ``window_size``: ``(left, right)``, query ``i`` of
+            sequence ``b`` (at key position ``pos = i + cache_seqlens[b] - seqlen_q``)
+            sees keys ``[pos - left, pos + right]``; -1 leaves a side unbounded; with
+            ``causal`` the right bound is 0. Keys before the window are never read (a
+            sliding window over a long cache costs O(window)). None or ``(-1, -1)``: none.
+        softcap: FlashAttention-2's ``softcap``: scores become ``softcap * tanh(s /
+            softcap)`` before the mask (Gemma-2); None or 0.0: none.
+        alibi_slopes: float32 ``(heads_q,)`` or ``(batch, heads_q)`` on q's device: scores
+            get ``-slope * |pos - j|`` (FlashAttention-2's ``alibi_slopes``).
+        return_lse: also return the float32 log-sum-exp ``(batch, heads_q, seqlen_q)`` (of
+            the modified scores).
         config: explicit ``attn_decode`` config (``BLOCK_N``, ``NUM_SPLITS``,
             ``num_warps``, ``num_stages``); default: the tuned one for this device and
             problem (see the module docstring), else the template default.
@@ -320,14 +342,19 @@ def attention_with_kvcache(
             and type(k_cache) is _Tensor and type(v_cache) is _Tensor and q.is_cuda \
             and type(cache_seqlens) is _Tensor \
             and (block_table is None or type(block_table) is _Tensor):
-        key = _plan_key(q, k_cache, v_cache, cache_seqlens, block_table, causal, scale,
-                        return_lse)
-        plan = _PLANS.get(key)
-        if plan is not None and _current_device() == plan.device_index \
-                and not direct.hooks_installed():
-            return plan(q, k_cache, v_cache, cache_seqlens, block_table,
-                        _current_stream(plan.device_index))
+        mods = _mods_key(window, softcap, alibi_slopes)
+        if mods is not None:
+            key = _plan_key(q, k_cache, v_cache, cache_seqlens, block_table, causal, scale,
+                            return_lse) + mods
+            plan = _PLANS.get(key)
+            if plan is not None and _current_device() == plan.device_index \
+                    and not direct.hooks_installed():
+                return plan(q, k_cache, v_cache, cache_seqlens, block_table,
+                            _current_stream(plan.device_index),
+                            None if alibi_slopes is None else alibi_slopes.contiguous())
     check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, block_table, scale)
+    (left, right), cap, slopes = check_score_mods(q, causal=causal, window=window,
+                                                  softcap=softcap, alibi_slopes=alibi_slopes)
     if check_tables or q.device.type == "cpu":
         check_kvcache_tables(k_cache, cache_seqlens, block_table)
     batch, heads_q, seqlen_q, head_dim = q.shape
@@ -335,7 +362,8 @@ def attention_with_kvcache(
                 else k_cache.shape[2])
     problem = AttentionProblem(int(batch), int(heads_q), int(k_cache.shape[1]), int(seqlen_q),
                                int(capacity), int(head_dim), bool(causal),
-                               "fp16" if q.dtype == torch.float16 else "bf16")
+                               "fp16" if q.dtype == torch.float16 else "bf16", left,
+                               -1 if causal else right, cap or 0.0, slopes is not None)
     device = _device(q.device.type, q.device.index)
     if config is None:
         cfg = DISPATCH.choose(problem, device).config
@@ -344,19 +372,38 @@ def attention_with_kvcache(
     if key is not None and _current_device() == q.get_device() \
             and not direct.hooks_installed():
         plan = _new_plan(q, k_cache, v_cache, cache_seqlens, block_table, cfg, causal, scale,
-                         return_lse, key)
+                         return_lse, key, (left, right), cap, slopes)
         if plan is not None:
             return plan(q, k_cache, v_cache, cache_seqlens, block_table,
-                        _current_stream(plan.device_index))
+                        _current_stream(plan.device_index), slopes)
     return attn_decode_kvcache(q, k_cache, v_cache, cache_seqlens, cfg,
                                block_table=block_table, causal=causal, scale=scale,
-                               return_lse=return_lse)
+                               return_lse=return_lse, window=(left, right), softcap=cap,
+                               alibi_slopes=slopes)
+
+
+def _mods_key(window: Any, softcap: Any, alibi_slopes: Any) -> tuple[Any, ...] | None:
+    """The score modifications' part of the plan key: the arguments as given, and the ALiBi
+    slopes' metadata (their values are read per call); None for arguments of types the key
+    does not hold (the checks then name what is wrong)."""
+    if window is not None and not (type(window) is tuple and len(window) == 2
+                                   and type(window[0]) is int and type(window[1]) is int):
+        return None
+    if softcap is not None and type(softcap) is not float and type(softcap) is not int:
+        return None
+    if alibi_slopes is None:
+        return (window, softcap, None)
+    if type(alibi_slopes) is not _Tensor:
+        return None
+    return (window, softcap, alibi_slopes.shape, alibi_slopes.stride(), alibi_slopes.dtype,
+            alibi_slopes.get_device(), alibi_slopes.data_ptr() & 15 == 0)
 
 
 def _plan_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: torch.Tensor,
               block_table: torch.Tensor | None, causal: bool, scale: Any,
               return_lse: bool) -> tuple[Any, ...]:
-    """Everything the input checks, the config choice and Triton's specialisation read."""
+    """Everything the input checks, the config choice and Triton's specialisation read
+    (the score modifications' part: :func:`_mods_key`)."""
     ptrs = q.data_ptr() | k.data_ptr() | v.data_ptr() | seqlens.data_ptr()
     if block_table is None:
         bt: Any = None
@@ -372,13 +419,16 @@ def _plan_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: torch.
 
 def _new_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: Any,
               block_table: Any, cfg: Config, causal: bool, scale: float | None,
-              return_lse: bool, key: tuple[Any, ...]) -> AttnDecodePlan | None:
+              return_lse: bool, key: tuple[Any, ...], window: tuple[int, int],
+              softcap: float | None, alibi_slopes: torch.Tensor | None
+              ) -> AttnDecodePlan | None:
     """Build and keep (under ``key``) the launch plan of this call signature; None if
     Triton's internals moved (then every call goes through the launcher)."""
     global _DIRECT
     try:
         plan = AttnDecodePlan(q, k, v, cfg, seqlens=seqlens, block_table=block_table,
-                              causal=causal, scale=scale, return_lse=return_lse)
+                              causal=causal, scale=scale, return_lse=return_lse,
+                              window=window, softcap=softcap, alibi_slopes=alibi_slopes)
     except Exception as exc:  # noqa: BLE001 - Triton internals moved: launch the normal way
         _DIRECT = False
         log.warning("flashtune: direct decode launches disabled (%s: %s); calls go through "

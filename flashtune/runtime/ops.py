@@ -116,9 +116,10 @@ def attention(
             softcap)`` before the mask (Gemma-2); None or 0.0: none.
         alibi_slopes: float32 ``(heads_q,)`` or ``(batch, heads_q)``: scores get
             ``-slope * |pos - j|`` (ALiBi, as FlashAttention-2's).
-            Calls with any of these three run attn_fwd (and attn_bwd), the implementation
-            that serves them (:mod:`flashtune.runtime.scored`); under ``torch.compile``
-            they run eagerly (a graph break).
+            Calls with any of these three run flashtune's kernels that serve them
+            (attn_fwd and attn_bwd; short queries attn_decode, as plain ones:
+            :mod:`flashtune.runtime.scored`); under ``torch.compile`` they run eagerly (a
+            graph break).
     Returns:
         ``out`` of ``q``'s shape and dtype (contiguous from flashtune's kernels; an SDPA
         backend's output follows torch's layout), or ``(out, lse)``.

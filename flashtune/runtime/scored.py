@@ -14,11 +14,15 @@ reference, :func:`~flashtune.kernel_templates.attn_fwd.reference.attn_fwd_refere
   ``-slope * |pos - j|``.
 
 torch's SDPA backends serve none of them (a mask makes it fall back to its slower masked
-kernels), nor does the Gluon forward yet, so these calls run attn_fwd (and attn_bwd for
-gradients) through the router's chain for the problem *with* its modifications
+kernels), so these calls run flashtune's kernels that serve them, routed as plain calls are
+but for the problem *with* its modifications
 (:class:`~flashtune.core.problem.AttentionProblem` keys them: exact, bucket, nearest with
-the same modifications, then the nearest without them, then the default). The route is
-memoised per call signature, as the plain path's is; nothing is read per call.
+the same modifications, then the nearest without them, then the default): the op's stored
+choice where it serves the call (the Gluon forward serves a causal window), short queries
+the split-KV ``attn_decode`` where :func:`~flashtune.runtime.kvcache.decode_route` takes
+them (it serves all three), else attn_fwd; with gradients attn_fwd and attn_bwd. The route
+is memoised per call signature, as the plain path's is; nothing is read per call. Packed
+batches run attn_fwd only.
 
 A packed batch is keyed as the problem ``(batch, heads, max_seqlen_q, max_seqlen_k)``. Its
 ``cu_seqlens`` are checked on the host (one small copy from the device: int32, starting
@@ -28,7 +32,6 @@ captured, where nothing may synchronise.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
@@ -41,7 +44,7 @@ from flashtune.core.space import Config
 from flashtune.core.spec import TemplateSpec, join_pair, split_pair
 from flashtune.kernel_templates import get_template
 from flashtune.kernel_templates.training import pair_fn
-from flashtune.runtime.checks import check_attention_inputs, check_grid
+from flashtune.runtime.checks import check_attention_inputs, check_grid, check_score_mods
 from flashtune.runtime.lookup import ConfigChoice
 from flashtune.runtime.routing import (
     _BWD,
@@ -60,51 +63,6 @@ __all__ = ["attention_scored", "attention_varlen", "check_score_mods", "has_mods
 
 # call signature -> (forward spec, forward config, backward config or None)
 _ROUTES: dict[tuple[Any, ...], tuple[TemplateSpec, Config, Config | None]] = {}
-
-
-def check_score_mods(q: torch.Tensor, *, causal: bool, window: Any, softcap: Any,
-                     alibi_slopes: Any, batch: int | None = None
-                     ) -> tuple[tuple[int, int], float | None, torch.Tensor | None]:
-    """The score modifications checked and normalised: ``((left, right), softcap,
-    slopes)``, ``right`` 0 when ``causal``, ``softcap`` None when off (None or 0.0, as
-    FlashAttention-2's default), slopes float32 and contiguous. Raises InputError /
-    InputTypeError naming the argument."""
-    left, right = -1, -1
-    if window is not None:
-        if not isinstance(window, (tuple, list)) or len(window) != 2 or any(
-                isinstance(w, bool) or not isinstance(w, int) for w in window):
-            raise InputTypeError(f"window must be a pair of ints (left, right), -1 for "
-                                 f"unbounded, got {window!r}")
-        left, right = int(window[0]), int(window[1])
-        if left < -1 or right < -1:
-            raise InputError(f"window {tuple(window)}: each bound must be >= 0, or -1 for "
-                             f"unbounded on that side")
-    if causal:
-        right = 0
-    cap: float | None = None
-    if softcap is not None:
-        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) \
-                or not math.isfinite(softcap) or softcap < 0:
-            raise InputError(f"softcap must be a positive finite number (or None / 0.0 for "
-                             f"none), got {softcap!r}")
-        cap = float(softcap) or None
-    slopes = None
-    if alibi_slopes is not None:
-        if not isinstance(alibi_slopes, torch.Tensor):
-            raise InputTypeError(f"alibi_slopes must be a torch.Tensor, got "
-                                 f"{type(alibi_slopes).__name__}")
-        if alibi_slopes.dtype != torch.float32:
-            raise InputTypeError(f"alibi_slopes must be float32, got {alibi_slopes.dtype}")
-        heads = q.shape[-2] if batch is not None else q.shape[1]
-        b = batch if batch is not None else q.shape[0]
-        if tuple(alibi_slopes.shape) not in ((heads,), (b, heads)):
-            raise InputError(f"alibi_slopes must have shape ({heads},) or ({b}, {heads}) "
-                             f"(heads_q, or batch x heads_q), got {tuple(alibi_slopes.shape)}")
-        if alibi_slopes.device != q.device:
-            raise InputError(f"alibi_slopes is on {alibi_slopes.device}, q on {q.device}; "
-                             f"they must share a device")
-        slopes = alibi_slopes.contiguous()
-    return (left, right), cap, slopes
 
 
 def has_mods(causal: bool, window: Any, softcap: Any, alibi_slopes: Any) -> bool:
@@ -130,10 +88,11 @@ def _wants_grad(q: Any, k: Any, v: Any) -> bool:
 def _choose(problem: AttentionProblem, q: torch.Tensor, causal: bool, return_lse: bool,
             grad: bool, config: Mapping[str, Any] | None, impl: str | None,
             varlen: bool) -> tuple[TemplateSpec, Config, Config | None]:
-    """The forward (and for gradients attn_bwd's config) for ``problem``: the op's stored
-    choice where it is one of flashtune's kernels that serves the call (attn_fwd serves
-    every one; the Gluon forward a causal sliding window), else attn_fwd's own chain
-    (packed batches: attn_fwd only); ``impl``/``config`` forced where given."""
+    """The forward (and for gradients attn_bwd's config) for ``problem``: the routed
+    choice (the op's stored one, or attn_decode's for short queries) where it is one of
+    flashtune's kernels that serves the call (attn_fwd serves every one; the Gluon forward a
+    causal sliding window; attn_decode short queries), else attn_fwd's own chain (packed
+    batches: attn_fwd only); ``impl``/``config`` forced where given."""
     device = _device_of(q)
     if impl is not None and impl != _FWD.name:
         spec = get_template(impl)
@@ -188,8 +147,9 @@ def lookup_scored(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
                   return_lse: bool, window: Any, softcap: Any,
                   alibi_slopes: Any) -> ConfigChoice:
     """:func:`flashtune.lookup_config` for a call with score modifications: the choice
-    :func:`attention_scored` runs (attn_fwd's; for a call with gradients the pair's
-    config, the backward's keys under ``bwd.``)."""
+    :func:`attention_scored` runs (the routed kernel of flashtune's that serves it, else
+    attn_fwd's; for a call with gradients the pair's config, the backward's keys under
+    ``bwd.``)."""
     check_attention_inputs(q, k, v, None)
     (left, right), cap, slopes = check_score_mods(q, causal=causal, window=window,
                                                   softcap=softcap, alibi_slopes=alibi_slopes)
@@ -204,7 +164,9 @@ def lookup_scored(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
         fwd, bwd = _DISPATCH.choose(problem, device), _DISPATCH_BWD.choose(problem, device)
         return replace(fwd, config=join_pair(fwd.config, bwd.config))
     routed = _route(problem, device, tune=False, return_lse=return_lse)
-    return routed if routed.template == _FWD.name else _DISPATCH.choose(problem, device)
+    if _serves(get_template(routed.template), problem, device, return_lse):
+        return routed
+    return _DISPATCH.choose(problem, device)
 
 
 def lookup_varlen(problem: AttentionProblem, q: torch.Tensor, k: torch.Tensor,
@@ -235,7 +197,7 @@ def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: AttentionPr
     else:
         route = _choose(problem, q, causal, return_lse, grad, config, impl, varlen)
     spec, fcfg, bcfg = route
-    if spec is not _FWD:  # (the Gluon forward: a causal window, its only modification)
+    if spec is not _FWD:  # the Gluon forward (a causal window), attn_decode (short queries)
         options = {n: o for n, o in options.items() if o is not None}
     if grad:
         assert bcfg is not None

@@ -6,7 +6,7 @@ import functools
 from pathlib import Path
 
 from flashtune.core.case import forward_case
-from flashtune.core.spec import Limits
+from flashtune.core.spec import SCORE_MODS, Limits
 from flashtune.kernel_templates.attn_decode.kernel import attn_decode_split_kernel
 from flashtune.kernel_templates.attn_decode.launcher import attn_decode, attn_decode_kvcache
 from flashtune.kernel_templates.attn_decode.reference import attn_decode_reference
@@ -28,7 +28,8 @@ SPEC = register_template(TemplateSpec(
     warmup_launches=warmup_launches,
     kernel=attn_decode_split_kernel,  # precompile warms the combine kernel too
     serves=("decode",),
-    limits=Limits(max_seqlen_q=16),  # flashtune.runtime.kvcache.DECODE_MAX_QUERIES
+    # max_seqlen_q: flashtune.runtime.kvcache.DECODE_MAX_QUERIES; window, softcap, ALiBi
+    limits=Limits(max_seqlen_q=16, score_mods=SCORE_MODS),
 ))
 
 __all__ = ["SPACE", "SPEC", "attn_decode", "attn_decode_kvcache", "attn_decode_reference",

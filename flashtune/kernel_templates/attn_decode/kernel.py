@@ -18,8 +18,24 @@ with ``NUM_SPLITS == 1``, the final output and LSE directly.
 ``out = sum_s exp(lse_s - lse) o_s`` with ``lse = logsumexp_s lse_s``. Rows whose splits all
 saw no key give ``out = 0`` and ``lse = -inf``, never NaN.
 
-Causal masking is bottom-right aligned against each sequence's own length: query ``i`` sees
-keys ``j <= i + L - N_Q``.
+Causal masking is bottom-right aligned against each sequence's own length: query ``i`` sits
+at key position ``pos_i = i + L - N_Q`` and sees keys ``j <= pos_i``.
+
+Score modifications, FlashAttention-2's (as in attn_fwd's kernel; each behind a constexpr
+flag, its pointer None and its scalars last, so a plain call compiles to the kernel without
+them):
+
+* ``HAS_WINDOW``: keys ``pos_i - WINDOW_LEFT <= j <= pos_i + WINDOW_RIGHT`` (-1: unbounded;
+  causal is the right bound 0). The key range cut into splits starts at the block of the
+  window's first key, ``max(L - N_Q - left, 0)`` (the last query sees up to the end), so a
+  sliding window costs O(window), not O(L); each split walks a masked left band (the
+  window's lower edge), the blocks every row sees unmasked, then a masked right band.
+* ``HAS_SOFTCAP``: ``s = SOFTCAP * tanh(scale * q.k / SOFTCAP)``.
+* ``HAS_ALIBI``: ``s -= slope[b, h] * |pos_i - j|`` (``Alibi`` fp32 ``(Hq,)`` with
+  ``stride_ab`` 0, or ``(B, Hq)``), after the mask.
+
+A split none of whose keys a row sees stores LSE ``-inf`` for it, which the combine weighs
+0, as it does an empty split.
 
 Paged caches (``PAGED``): K/V are ``(num_pages, Hkv, page_size, D)`` and key ``j`` of
 sequence ``b`` lives at page ``BlockTable[b, j // page_size]``, slot ``j % page_size``. With
@@ -32,12 +48,39 @@ import triton.language as tl
 
 
 @triton.jit
+def _tanh(x):
+    """tanh through exp2 (the interpreter has no portable tanh): ``1 - 2 / (e^(2x) + 1)``,
+    exact at both saturations."""
+    return 1.0 - 2.0 / (tl.math.exp2(x * 2.8853900817779268) + 1.0)  # 2 * log2(e)
+
+
+@triton.jit
+def _modified_scores(qk, cap_in, cap_out, qk_scale, slope, pos, cols,
+                     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
+    """Log2-domain scores of raw dots ``qk`` (rows at key positions ``pos``): ``tanh(qk *
+    cap_in) * cap_out`` with a softcap (``cap_in = scale / softcap``, ``cap_out = softcap *
+    log2(e)``), else ``qk * scale * log2(e)``; minus ``slope * |pos - j|`` (``slope`` per
+    row, already times log2(e))."""
+    if HAS_SOFTCAP:
+        s = _tanh(qk * cap_in) * cap_out
+    else:
+        s = qk * qk_scale
+    if HAS_ALIBI:
+        dist = tl.abs(pos.to(tl.float32)[:, None] - cols.to(tl.float32)[None, :])
+        s -= slope[:, None] * dist
+    return s
+
+
+@triton.jit
 def _decode_inner(acc, l_i, m_i, q, k_base, v_base, BlockTable, bt_row, offs_n, offs_d,
                   stride_kp, stride_kn, stride_vp, stride_vn, stride_btp,
                   lo, hi, seqlen, page_size, causal_lim, qk_scale,
+                  win_l, win_r, cap_in, cap_out, slope,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                   MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, PAGED: tl.constexpr,
-                  PAGE_ALIGNED: tl.constexpr, UPCAST_DOT: tl.constexpr):
+                  PAGE_ALIGNED: tl.constexpr, UPCAST_DOT: tl.constexpr,
+                  HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                  HAS_ALIBI: tl.constexpr):
     d_ok = offs_d < HEAD_DIM
     for start_n in tl.range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
@@ -76,11 +119,19 @@ def _decode_inner(acc, l_i, m_i, q, k_base, v_base, BlockTable, bt_row, offs_n, 
             qk = tl.dot(q.to(tl.float32), kt.to(tl.float32))
         else:
             qk = tl.dot(q, kt)
-        qk = qk * qk_scale
+        if HAS_SOFTCAP or HAS_ALIBI:
+            qk = _modified_scores(qk, cap_in, cap_out, qk_scale, slope, causal_lim, cols,
+                                  HAS_SOFTCAP, HAS_ALIBI)
+        else:
+            qk = qk * qk_scale
         if MASKED:
             keep = (cols < seqlen)[None, :]
             if IS_CAUSAL:
                 keep = keep & (cols[None, :] <= causal_lim[:, None])
+            if HAS_WINDOW:  # causal_lim is each row's key position
+                keep = keep & (cols[None, :] >= causal_lim[:, None] - win_l)
+                if not IS_CAUSAL:
+                    keep = keep & (cols[None, :] <= causal_lim[:, None] + win_r)
             qk = tl.where(keep, qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             # rows with no visible key so far keep m = -inf; subtract 0 to avoid inf - inf
@@ -102,22 +153,27 @@ def _decode_inner(acc, l_i, m_i, q, k_base, v_base, BlockTable, bt_row, offs_n, 
 
 @triton.jit
 def attn_decode_split_kernel(
-    Q, K, V, Out, Lse, Seqlens, BlockTable, OPart, LsePart,
+    Q, K, V, Out, Lse, Seqlens, BlockTable, OPart, LsePart, Alibi,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_om,
     stride_btb, stride_btp,
     H_Q, H_KV, N_Q, N_K, page_size, sm_scale,
+    # the modifications' scalars come last: a plain launch (Alibi None) keeps every earlier
+    # parameter's place, and so its code
+    stride_ab, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_SEQLENS: tl.constexpr, PAGED: tl.constexpr,
     PAGE_ALIGNED: tl.constexpr, STORE_LSE: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
 ):
     """K/V strides: ``stride_kb`` is the page stride when PAGED (K is ``(pages, Hkv,
     page_size, D)``), the batch stride otherwise. OPart ``(B, Hq, N_Q, NUM_SPLITS, HEAD_DIM)``
     and LsePart ``(B, Hq, N_Q, NUM_SPLITS)`` are contiguous fp32; Lse ``(B, Hq, N_Q)``
-    contiguous fp32."""
+    contiguous fp32. ``WINDOW_LEFT``/``WINDOW_RIGHT`` (-1: unbounded; the right one unread
+    with IS_CAUSAL), ``SOFTCAP`` and ``Alibi`` are read only under their flags."""
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16, "tl.dot needs tiles of at least 16")
     tl.static_assert(BLOCK_D >= HEAD_DIM, "BLOCK_D must cover HEAD_DIM")
     split = tl.program_id(0)
@@ -149,33 +205,81 @@ def attn_decode_split_kernel(
               + offs_i[:, None].to(tl.int64) * stride_qm + offs_d[None, :])
     q = tl.load(q_ptrs, mask=r_ok[:, None] & d_ok[None, :], other=0.0)
 
-    # this split's keys: whole blocks, [lo, hi)
-    blocks_per_split = tl.cdiv(tl.cdiv(seqlen, BLOCK_N), NUM_SPLITS)
-    lo = split * blocks_per_split * BLOCK_N
-    hi = tl.minimum(seqlen, lo + blocks_per_split * BLOCK_N)
-    # keys every row sees: [0, full_end); blocks of [lo, mid) need no mask
-    causal_lim = offs_i + seqlen - N_Q
-    if IS_CAUSAL:
-        full_end = tl.maximum(seqlen - N_Q + 1, 0)
+    win_l = None
+    win_r = None
+    if not HAS_WINDOW:
+        # this split's keys: whole blocks, [lo, hi)
+        blocks_per_split = tl.cdiv(tl.cdiv(seqlen, BLOCK_N), NUM_SPLITS)
+        lo = split * blocks_per_split * BLOCK_N
+        hi = tl.minimum(seqlen, lo + blocks_per_split * BLOCK_N)
+        # keys every row sees: [0, full_end); blocks of [lo, mid) need no mask
+        causal_lim = offs_i + seqlen - N_Q
+        if IS_CAUSAL:
+            full_end = tl.maximum(seqlen - N_Q + 1, 0)
+        else:
+            full_end = seqlen
+        mid = lo + tl.maximum(tl.minimum(hi, full_end) - lo, 0) // BLOCK_N * BLOCK_N
+        hi = tl.maximum(hi, mid)
     else:
-        full_end = seqlen
-    mid = lo + tl.maximum(tl.minimum(hi, full_end) - lo, 0) // BLOCK_N * BLOCK_N
-    hi = tl.maximum(hi, mid)
+        causal_lim = offs_i + seqlen - N_Q  # each row's key position
+        # -1 (unbounded) becomes a bound past every key: |pos - j| < seqlen + N_Q
+        unbounded = seqlen + N_Q
+        win_l = tl.where(WINDOW_LEFT < 0, unbounded, WINDOW_LEFT)
+        if IS_CAUSAL:
+            win_r = 0
+        else:
+            win_r = tl.where(WINDOW_RIGHT < 0, unbounded, WINDOW_RIGHT)
+        # the keys any row sees: [first, seqlen) (the last row, at seqlen - 1, sees up to
+        # the end); the splits cut the blocks from first's on, so none walks keys before it
+        first = tl.maximum(seqlen - N_Q - win_l, 0) // BLOCK_N * BLOCK_N
+        blocks_per_split = tl.cdiv(tl.cdiv(seqlen - first, BLOCK_N), NUM_SPLITS)
+        lo = first + split * blocks_per_split * BLOCK_N
+        hi = tl.maximum(tl.minimum(seqlen, lo + blocks_per_split * BLOCK_N), lo)
+        # keys every row sees: [pos_last - left, pos_0 + right] (pos_last = seqlen - 1,
+        # pos_0 = seqlen - N_Q); its whole blocks below the ragged end, [full_lo, mid), need
+        # no mask; [lo, full_lo) and [mid, hi) are walked masked (all of [lo, hi) when no
+        # block is seen in full by every row)
+        full_lo = (tl.maximum(seqlen - 1 - win_l, 0) + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+        full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+        full_end = tl.minimum(tl.maximum(seqlen - N_Q + win_r + 1, 0), seqlen)
+        mid = tl.maximum(tl.minimum(full_end // BLOCK_N * BLOCK_N, hi), full_lo)
 
     qk_scale = sm_scale * 1.4426950408889634  # log2(e)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    # the modifications' scalars; None (constexpr) when off, so a plain call compiles as before
+    cap_in = None
+    cap_out = None
+    if HAS_SOFTCAP:
+        cap_in = sm_scale / SOFTCAP
+        cap_out = SOFTCAP * 1.4426950408889634
+    slope = None
+    if HAS_ALIBI:
+        slope = tl.load(Alibi + off_b.to(tl.int64) * stride_ab + offs_h) * 1.4426950408889634
+
+    if HAS_WINDOW:  # the left band: the window's lower edge
+        acc, l_i, m_i = _decode_inner(acc, l_i, m_i, q, k_base, v_base, BlockTable, bt_row,
+                                      offs_n, offs_d, stride_kb, stride_kn, stride_vb,
+                                      stride_vn, stride_btp, lo, full_lo, seqlen, page_size,
+                                      causal_lim, qk_scale, win_l, win_r, cap_in, cap_out,
+                                      slope, HEAD_DIM, BLOCK_D, BLOCK_N, True, IS_CAUSAL,
+                                      PAGED, PAGE_ALIGNED, UPCAST_DOT,
+                                      HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
+        lo = full_lo
     acc, l_i, m_i = _decode_inner(acc, l_i, m_i, q, k_base, v_base, BlockTable, bt_row,
                                   offs_n, offs_d, stride_kb, stride_kn, stride_vb, stride_vn,
                                   stride_btp, lo, mid, seqlen, page_size, causal_lim, qk_scale,
+                                  win_l, win_r, cap_in, cap_out, slope,
                                   HEAD_DIM, BLOCK_D, BLOCK_N, False, IS_CAUSAL, PAGED,
-                                  PAGE_ALIGNED, UPCAST_DOT)
+                                  PAGE_ALIGNED, UPCAST_DOT, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
     acc, l_i, m_i = _decode_inner(acc, l_i, m_i, q, k_base, v_base, BlockTable, bt_row,
                                   offs_n, offs_d, stride_kb, stride_kn, stride_vb, stride_vn,
                                   stride_btp, mid, hi, seqlen, page_size, causal_lim, qk_scale,
+                                  win_l, win_r, cap_in, cap_out, slope,
                                   HEAD_DIM, BLOCK_D, BLOCK_N, True, IS_CAUSAL, PAGED,
-                                  PAGE_ALIGNED, UPCAST_DOT)
+                                  PAGE_ALIGNED, UPCAST_DOT, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
 
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)

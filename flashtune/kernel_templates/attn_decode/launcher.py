@@ -4,6 +4,11 @@ Input checking lives in :mod:`flashtune.runtime.kvcache`; this layer trusts its 
 the tuner and the dispatcher pay for checks once. :func:`attn_decode` is the dense entry
 point (K/V of one length, any strides), :func:`attn_decode_kvcache` the cache one
 (contiguous ``(B, Hkv, Nmax, D)`` with per-sequence lengths, or paged with a block table).
+
+The score modifications follow FlashAttention-2's ``flash_attn_with_kvcache``: ``window``,
+``softcap`` and ``alibi_slopes`` mean what they mean there (and in attn_fwd's launcher). A
+modification left at its default passes ``None`` for its pointer and False for its flag, so
+a plain call compiles to the kernel it compiled to before they existed.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ def _upcast_dot(q: torch.Tensor) -> bool:
 
 
 # the leading positional arguments of each kernel that change per call (tensors)
-SPLIT_VARYING = 9  # Q, K, V, Out, Lse, Seqlens, BlockTable, OPart, LsePart
+SPLIT_VARYING = 10  # Q, K, V, Out, Lse, Seqlens, BlockTable, OPart, LsePart, Alibi
 COMBINE_VARYING = 4  # OPart, LsePart, Out, Lse
 
 
@@ -41,13 +46,16 @@ def partial_shapes(q: Any, splits: int) -> tuple[tuple[int, ...], tuple[int, ...
 
 def kernel_args(q: Any, k: Any, v: Any, out: Any, lse: Any, seqlens: Any, block_table: Any,
                 o_part: Any, lse_part: Any, config: Mapping[str, int], *, seqlen_k: int,
-                causal: bool, scale: float, upcast_dot: bool
+                causal: bool, scale: float, upcast_dot: bool,
+                window: tuple[int, int] = (-1, -1), softcap: float | None = None,
+                alibi_slopes: Any = None,
                 ) -> list[tuple[Any, tuple[Any, ...], dict[str, Any], tuple[int, ...]]]:
     """``(kernel, args, kwargs, grid)`` of the split kernel, then (``NUM_SPLITS`` > 1) the
     combine kernel, for these tensors: what :func:`_launch`, the launch plan and the
-    precompiler all launch. ``lse``/``seqlens``/``block_table`` may be None;
-    ``o_part``/``lse_part`` are ignored (None allowed) with one split. Only ``.shape``,
-    ``.stride()`` and ``.dtype`` of the tensors are read."""
+    precompiler all launch. ``lse``/``seqlens``/``block_table``/``alibi_slopes`` may be
+    None; ``o_part``/``lse_part`` are ignored (None allowed) with one split. Only
+    ``.shape``, ``.stride()`` and ``.dtype`` of the tensors are read. The modifications as
+    in :func:`attn_decode`."""
     batch, heads_q, seqlen_q, head_dim = q.shape
     heads_kv = k.shape[1]
     group = heads_q // heads_kv
@@ -59,19 +67,28 @@ def kernel_args(q: Any, k: Any, v: Any, out: Any, lse: Any, seqlens: Any, block_
     page_size = k.shape[2] if paged else 1
     bt_strides = (block_table.stride(0), block_table.stride(1)) if paged else (0, 0)
     grid = (splits, batch * heads_kv, triton.cdiv(rows(group, seqlen_q), bm))
+    left, right = (int(w) for w in window)
+    if causal:
+        right = 0  # FA2: causal is a window's right bound 0; a left bound stays
+    has_window = left >= 0 or (right >= 0 and not causal)
+    cap = float(softcap) if softcap else 0.0
+    has_alibi = alibi_slopes is not None
+    stride_ab = alibi_slopes.stride(0) if has_alibi and len(alibi_slopes.shape) == 2 else 0
     args = (q, k, v, out, out if lse is None else lse,
             q if seqlens is None else seqlens, q if block_table is None else block_table,
-            o_part, lse_part,
+            o_part, lse_part, alibi_slopes,
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
             out.stride(0), out.stride(1), out.stride(2),
             bt_strides[0], bt_strides[1],
-            heads_q, heads_kv, seqlen_q, seqlen_k, page_size, float(scale))
+            heads_q, heads_kv, seqlen_q, seqlen_k, page_size, float(scale),
+            stride_ab, left, right, cap)
     kwargs = dict(HEAD_DIM=head_dim, BLOCK_D=bd, GROUP=group, BLOCK_M=bm, BLOCK_N=bn,
                   NUM_SPLITS=splits, IS_CAUSAL=bool(causal), HAS_SEQLENS=seqlens is not None,
                   PAGED=paged, PAGE_ALIGNED=paged and page_size % bn == 0,
                   STORE_LSE=lse is not None, UPCAST_DOT=upcast_dot,
+                  HAS_WINDOW=has_window, HAS_SOFTCAP=cap > 0, HAS_ALIBI=has_alibi,
                   num_warps=config["num_warps"], num_stages=config["num_stages"])
     launches: list[tuple[Any, tuple[Any, ...], dict[str, Any], tuple[int, ...]]] = [
         (attn_decode_split_kernel, args, kwargs, grid)]
@@ -89,7 +106,8 @@ def kernel_args(q: Any, k: Any, v: Any, out: Any, lse: Any, seqlens: Any, block_
 
 def _launch(q: Any, k: Any, v: Any, config: Mapping[str, int], *, seqlens: Any,
             block_table: Any, seqlen_k: int, causal: bool, scale: float | None,
-            return_lse: bool, out: Any) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+            return_lse: bool, out: Any, window: tuple[int, int], softcap: float | None,
+            alibi_slopes: Any) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     batch, heads_q, seqlen_q, head_dim = q.shape
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
@@ -104,7 +122,8 @@ def _launch(q: Any, k: Any, v: Any, config: Mapping[str, int], *, seqlens: Any,
         lse_part = torch.empty(l_shape, device=q.device, dtype=torch.float32)
     for kernel, args, kwargs, grid in kernel_args(
             q, k, v, out, lse, seqlens, block_table, o_part, lse_part, config,
-            seqlen_k=seqlen_k, causal=causal, scale=scale, upcast_dot=_upcast_dot(q)):
+            seqlen_k=seqlen_k, causal=causal, scale=scale, upcast_dot=_upcast_dot(q),
+            window=window, softcap=softcap, alibi_slopes=alibi_slopes):
         kernel[grid](*args, **kwargs)
     return (out, lse) if lse is not None else out
 
@@ -119,6 +138,9 @@ def attn_decode(
     scale: float | None = None,
     return_lse: bool = False,
     out: torch.Tensor | None = None,
+    window: tuple[int, int] = (-1, -1),
+    softcap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Split-KV attention of a few queries over dense K/V, with an explicit config.
 
@@ -130,16 +152,24 @@ def attn_decode(
         config: ``{"BLOCK_N", "NUM_SPLITS", "num_warps", "num_stages"}`` from the
             ``attn_decode`` space.
         causal: bottom-right aligned: query ``i`` sees key ``j`` iff
-            ``j <= i + seqlen_k - seqlen_q``.
+            ``j <= i + seqlen_k - seqlen_q``. With a ``window``, causal is its right bound 0.
         scale: softmax scale, default ``1 / sqrt(head_dim)``.
-        return_lse: also return the float32 log-sum-exp ``(batch, heads_q, seqlen_q)``
-            (natural log; ``-inf`` for rows that see no key).
+        return_lse: also return the float32 log-sum-exp ``(batch, heads_q, seqlen_q)`` of
+            the modified scores (natural log; ``-inf`` for rows that see no key).
         out: optional preallocated output like ``q`` (last dim contiguous).
+        window: ``(left, right)``: query ``i``, at key position ``pos = i + seqlen_k -
+            seqlen_q``, sees keys ``pos - left <= j <= pos + right``; -1 leaves a side
+            unbounded. The splits cut only the keys some query sees (from ``seqlen_k -
+            seqlen_q - left`` on), so a window costs O(window), not O(seqlen_k).
+        softcap: scores become ``softcap * tanh(scale * q.k / softcap)``; None or 0: off.
+        alibi_slopes: float32 ``(heads_q,)`` or ``(batch, heads_q)``, contiguous: scores
+            minus ``slope * |pos - j|``.
     Returns:
         ``out`` ``(batch, heads_q, seqlen_q, head_dim)`` in the input dtype, or ``(out, lse)``.
     """
     return _launch(q, k, v, config, seqlens=None, block_table=None, seqlen_k=k.shape[2],
-                   causal=causal, scale=scale, return_lse=return_lse, out=out)
+                   causal=causal, scale=scale, return_lse=return_lse, out=out, window=window,
+                   softcap=softcap, alibi_slopes=alibi_slopes)
 
 
 def attn_decode_kvcache(
@@ -154,6 +184,9 @@ def attn_decode_kvcache(
     scale: float | None = None,
     return_lse: bool = False,
     out: torch.Tensor | None = None,
+    window: tuple[int, int] = (-1, -1),
+    softcap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Split-KV attention of a few queries over a KV cache, with an explicit config.
 
@@ -168,10 +201,14 @@ def attn_decode_kvcache(
             ``j % page_size`` of page ``block_table[b, j // page_size]``.
         causal: bottom-right aligned against each sequence's own length: query ``i`` sees
             key ``j`` iff ``j <= i + cache_seqlens[b] - seqlen_q``.
+        window, softcap, alibi_slopes: as in :func:`attn_decode`, per sequence: query
+            ``i`` of sequence ``b`` sits at key position ``i + cache_seqlens[b] -
+            seqlen_q``.
         Other arguments as in :func:`attn_decode`. Page ids and lengths are trusted.
     """
     capacity = (block_table.shape[1] * k_cache.shape[2] if block_table is not None
                 else k_cache.shape[2])
     return _launch(q, k_cache, v_cache, config, seqlens=cache_seqlens,
                    block_table=block_table, seqlen_k=capacity, causal=causal, scale=scale,
-                   return_lse=return_lse, out=out)
+                   return_lse=return_lse, out=out, window=window, softcap=softcap,
+                   alibi_slopes=alibi_slopes)

@@ -33,18 +33,25 @@ def attn_decode_reference(
     causal: bool = False,
     scale: float | None = None,
     dtype: torch.dtype = torch.float64,
+    window: tuple[int, int] = (-1, -1),
+    softcap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Return ``(out, lse)`` computed in ``dtype`` with the kernel's conventions.
 
     ``k``/``v`` are dense ``(B, Hkv, Nk, D)`` (every sequence of length ``Nk``), or a cache:
     contiguous with ``cache_seqlens``, or paged with ``cache_seqlens`` and ``block_table``
-    (shapes as in ``attn_decode_kvcache``). Causal masks are bottom-right aligned against
-    each sequence's own length; rows that see no key give ``out = 0`` and ``lse = -inf``.
+    (shapes as in ``attn_decode_kvcache``). Causal masks, windows and ALiBi distances are
+    bottom-right aligned against each sequence's own length (``window``, ``softcap``,
+    ``alibi_slopes`` ``(Hq,)`` or ``(B, Hq)`` as in
+    :func:`~flashtune.kernel_templates.attn_fwd.reference.attn_fwd_reference`); rows that
+    see no key give ``out = 0`` and ``lse = -inf``.
     """
     if cache_seqlens is None:
         if block_table is not None:
             raise ValueError("block_table needs cache_seqlens")
-        return attn_fwd_reference(q, k, v, causal=causal, scale=scale, dtype=dtype)
+        return attn_fwd_reference(q, k, v, causal=causal, scale=scale, dtype=dtype,
+                                  window=window, softcap=softcap, alibi_slopes=alibi_slopes)
     batch, heads_q, seqlen_q, head_dim = q.shape
     outs, lses = [], []
     for b, length in enumerate(cache_seqlens.tolist()):
@@ -55,8 +62,12 @@ def attn_decode_reference(
                                    device=q.device))
             continue
         kb, vb = gather_kv(k, v, b, length, block_table)
+        slopes = alibi_slopes
+        if slopes is not None and slopes.dim() == 2:
+            slopes = slopes[b]
         out, lse = attn_fwd_reference(q[b:b + 1], kb, vb, causal=causal, scale=scale,
-                                      dtype=dtype)
+                                      dtype=dtype, window=window, softcap=softcap,
+                                      alibi_slopes=slopes)
         outs.append(out)
         lses.append(lse)
     return torch.cat(outs), torch.cat(lses)

@@ -1,8 +1,9 @@
 """attn_decode's search space as data, its validity predicate and its default config.
 
-The problem key is the plain :class:`~flashtune.core.problem.AttentionProblem` with
+The problem key is the :class:`~flashtune.core.problem.AttentionProblem` with
 ``seqlen_k`` = the cache's capacity (``Nmax`` for a contiguous cache, ``max_pages x
-page_size`` for a paged one: metadata, no device sync). ``NUM_SPLITS`` is a split *count*:
+page_size`` for a paged one: metadata, no device sync) and the score modifications; under a
+window with a left bound the splits cut only the window's keys (:func:`keys_seen`). ``NUM_SPLITS`` is a split *count*:
 each sequence's own length is cut into that many chunks of whole ``BLOCK_N`` blocks, so a
 config tuned for a capacity stays sensible for the ragged lengths actually in the cache.
 
@@ -34,6 +35,15 @@ MAX_ROWS = 128
 MAX_PER_THREAD = 256
 # a split shorter than this many keys costs more in partials and the combine than it gains
 MIN_SPLIT_KEYS = 256
+
+
+def keys_seen(problem: AttentionProblem) -> int:
+    """How many keys of a sequence the splits cut at most: ``seqlen_k``, or under a window
+    with a left bound its span, ``left + seqlen_q`` (the kernel's splits start at the
+    window's first key; the last query sees up to the end)."""
+    if problem.window_left >= 0:
+        return max(1, min(problem.seqlen_k, problem.window_left + problem.seqlen_q))
+    return problem.seqlen_k
 
 
 def block_d(head_dim: int) -> int:
@@ -76,10 +86,14 @@ def check(config: Mapping[str, int], problem: AttentionProblem,
     if bn * bd // threads > MAX_PER_THREAD:
         return (f"BLOCK_N x BLOCK_D = {bn}x{bd} over {warps} warps holds {bn * bd // threads} "
                 f"K (and as many V) elements per thread (> {MAX_PER_THREAD}): would spill")
-    blocks = -(-problem.seqlen_k // bn)
+    keys = keys_seen(problem)
+    # a window's keys need not start at a block boundary: one more block at most
+    blocks = -(-keys // bn) if keys == problem.seqlen_k else (keys - 2) // bn + 2
     if splits > 1 and splits > blocks:
+        where = (f"seqlen_k {problem.seqlen_k}" if keys == problem.seqlen_k
+                 else f"the window's {keys} keys")
         return (f"NUM_SPLITS {splits} exceeds the {blocks} key blocks of BLOCK_N {bn} in "
-                f"seqlen_k {problem.seqlen_k}: programs would idle")
+                f"{where}: programs would idle")
     if not device.is_interpreter:
         smem = shared_mem_bytes(config, bm, problem.head_dim)
         if smem > device.shared_mem_per_block:
@@ -94,12 +108,13 @@ SPACE = SearchSpace(params=PARAMS, predicate=check)
 def default_splits(problem: AttentionProblem, sm_count: int, block_n: int = 64) -> int:
     """The split count of the space nearest below ``round(sm_count / programs)`` (about one
     program per SM, two resident a SM), but no split shorter than :data:`MIN_SPLIT_KEYS` keys
-    (or one ``block_n`` block); 1 once the unsplit grid fills the SMs."""
+    (or one ``block_n`` block) of :func:`keys_seen`; 1 once the unsplit grid fills the
+    SMs."""
     group = problem.heads_q // problem.heads_kv
     row_blocks = -(-rows(group, problem.seqlen_q) // block_m(group, problem.seqlen_q))
     programs = problem.batch * problem.heads_kv * row_blocks
     want = round(max(1, sm_count) / programs)
-    cap = max(1, -(-problem.seqlen_k // max(MIN_SPLIT_KEYS, block_n)))
+    cap = max(1, -(-keys_seen(problem) // max(MIN_SPLIT_KEYS, block_n)))
     want = min(want, cap)
     return max(s for s in PARAMS["NUM_SPLITS"] if s <= max(1, want))
 

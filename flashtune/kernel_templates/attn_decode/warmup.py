@@ -8,6 +8,7 @@ from collections.abc import Mapping
 
 from flashtune.core.problem import AttentionProblem
 from flashtune.core.spec import Launch
+from flashtune.kernel_templates.attn_fwd.warmup import warmup_mods
 from flashtune.kernel_templates.shaped import Shaped
 
 
@@ -16,7 +17,7 @@ def attn_decode_warmup_args(problem: AttentionProblem, config: Mapping[str, int]
                             ) -> list[Launch]:
     """``(kernel, args, kwargs, grid)`` of attn_decode's split (and combine) kernels for
     contiguous dense q/k/v, as the tuner and :func:`flashtune.attention`'s decode route launch
-    them (built by the launcher's own
+    them, with the problem's score modifications (built by the launcher's own
     :func:`~flashtune.kernel_templates.attn_decode.launcher.kernel_args`)."""
     import torch
 
@@ -33,7 +34,8 @@ def attn_decode_warmup_args(problem: AttentionProblem, config: Mapping[str, int]
         o_part, lse_part = Shaped(torch.float32, o_shape), Shaped(torch.float32, l_shape)
     return kernel_args(q, k, k, Shaped(dt, q.shape), lse, None, None, o_part, lse_part,
                        config, seqlen_k=p.seqlen_k, causal=p.causal,
-                       scale=1.0 / math.sqrt(p.head_dim), upcast_dot=False)
+                       scale=1.0 / math.sqrt(p.head_dim), upcast_dot=False,
+                       **warmup_mods(p))
 
 
 warmup_launches = attn_decode_warmup_args
