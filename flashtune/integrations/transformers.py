@@ -52,8 +52,10 @@ def flashtune_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
         query: ``(B, Hq, Lq, D)``.
         key, value: ``(B, Hkv, Lk, D)`` (the KV cache already updated).
         attention_mask: None, or the 2-D padding mask ``(B, Lk)`` (True: a real token)
-            from transformers' flash-attention mask builder; any other mask (a model that
-            builds its own) runs torch's SDPA with it.
+            from transformers' flash-attention mask builder (shorter than ``Lk`` with a
+            static cache, whose slots past it are empty: K/V are sliced to it, as
+            transformers' flash path does); any other mask (a model that builds its own)
+            runs torch's SDPA with it.
         dropout: attention dropout, applied in training only (torch's SDPA runs it).
         scaling: softmax scale (None: ``1 / sqrt(D)``).
         is_causal: None: the module's ``is_causal`` (default True).
@@ -78,8 +80,15 @@ def flashtune_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
     softcap = kwargs.get("softcap")
     dropout_p = dropout if module.training else 0.0
     mask = attention_mask
+    if mask is not None and mask.dim() == 2 and mask.shape[1] < lk:
+        # a static cache: the slots past the mask hold no token yet; sliced off, as
+        # transformers' flash path (_upad_input) does
+        key, value = key[:, :, :mask.shape[1]], value[:, :, :mask.shape[1]]
+        lk = mask.shape[1]
+        if sliding is not None:
+            window = (sliding - 1, sliding - 1) if lk > sliding else None
     if mask is not None and (mask.dim() != 2 or mask.shape[1] != lk):
-        # not a padding mask of these keys (a model's own mask, a static cache's slice)
+        # not a padding mask of these keys (a model's own mask)
         if softcap is not None or window is not None:
             raise ValueError("flashtune attention got a mask it cannot read with "
                              "`softcap`/`sliding_window`; use attn_implementation='eager'")

@@ -144,3 +144,18 @@ def test_gemma2_softcap_and_sliding_window_run_on_flashtune(varlen_calls):
     # every layer ran a softcap on flashtune, the sliding layer with its window
     assert len(seen) == 4 and all(o["softcap"] == 5.0 for o in seen)
     assert [o["window"] for o in seen[:2]] == [(7, 0), (-1, 0)]
+
+
+def test_generation_with_a_static_cache_matches_eager(models, varlen_calls):
+    """A static cache hands attention K/V of the cache's full length and a padding mask as
+    long as the tokens so far: the empty slots are sliced off, never attended to."""
+    ours, eager = models
+    ids = torch.randint(1, 128, (2, 9), generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # left padding
+    kw = dict(attention_mask=mask, max_new_tokens=5, do_sample=False,
+              cache_implementation="static")
+    got = ours.generate(ids, **kw)
+    want = eager.generate(ids, **kw)
+    assert got.tolist() == want.tolist()
+    assert varlen_calls  # the padded steps ran unpadded on flashtune's kernels
