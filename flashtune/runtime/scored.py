@@ -32,7 +32,7 @@ captured, where nothing may synchronise.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -183,19 +183,21 @@ def lookup_varlen(problem: AttentionProblem, q: torch.Tensor, k: torch.Tensor,
     return replace(fwd, config=join_pair(fwd.config, bwd.config))
 
 
-def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: AttentionProblem,
-         key: tuple[Any, ...], causal: bool, scale: float | None, return_lse: bool,
-         config: Mapping[str, Any] | None, impl: str | None,
-         options: dict[str, Any]) -> Any:
+def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+         problem: Callable[[], AttentionProblem], key: tuple[Any, ...], causal: bool,
+         scale: float | None, return_lse: bool, config: Mapping[str, Any] | None,
+         impl: str | None, options: dict[str, Any]) -> Any:
+    """Route (memoised per ``key``; ``problem`` builds the call's problem, on a miss only)
+    and launch."""
     grad = _wants_grad(q, k, v)
     varlen = "cu_seqlens_q" in options
     if config is None and impl is None:
         route = _ROUTES.get(key + (grad,))
         if route is None:
-            route = _ROUTES[key + (grad,)] = _choose(problem, q, causal, return_lse, grad,
+            route = _ROUTES[key + (grad,)] = _choose(problem(), q, causal, return_lse, grad,
                                                      None, None, varlen)
     else:
-        route = _choose(problem, q, causal, return_lse, grad, config, impl, varlen)
+        route = _choose(problem(), q, causal, return_lse, grad, config, impl, varlen)
     spec, fcfg, bcfg = route
     if spec is not _FWD:  # the Gluon forward (a causal window), attn_decode (short queries)
         options = {n: o for n, o in options.items() if o is not None}
@@ -217,9 +219,12 @@ def attention_scored(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causa
     check_attention_inputs(q, k, v, scale)
     (left, right), cap, slopes = check_score_mods(q, causal=causal, window=window,
                                                   softcap=softcap, alibi_slopes=alibi_slopes)
-    problem = AttentionProblem.from_tensors(q, k, causal=causal, window=(left, right),
-                                            softcap=cap, alibi=slopes is not None)
-    check_grid(q, k)
+
+    def problem() -> AttentionProblem:  # a route's first call: the grid checked with it
+        check_grid(q, k)
+        return AttentionProblem.from_tensors(q, k, causal=causal, window=(left, right),
+                                             softcap=cap, alibi=slopes is not None)
+
     key = (q.shape, k.shape, q.dtype, q.get_device(), causal, return_lse, left, right, cap,
            slopes is not None)
     options = {"window": (left, right), "softcap": cap, "alibi_slopes": slopes}
@@ -337,9 +342,11 @@ def varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torc
                                                   softcap=softcap, alibi_slopes=alibi_slopes,
                                                   batch=batch)
     heads_q, heads_kv, head_dim = q.shape[1], k.shape[1], q.shape[2]
-    problem = AttentionProblem(batch, heads_q, heads_kv, max_seqlen_q, max_seqlen_k,
-                               head_dim, bool(causal), dtype_name(q.dtype), left,
-                               -1 if causal else right, cap or 0.0, slopes is not None)
+    def problem() -> AttentionProblem:  # a route's first call
+        return AttentionProblem(batch, heads_q, heads_kv, max_seqlen_q, max_seqlen_k,
+                                head_dim, bool(causal), dtype_name(q.dtype), left,
+                                -1 if causal else right, cap or 0.0, slopes is not None)
+
     if q.is_cuda and batch * heads_q > 65535:
         raise InputError(f"batch x heads_q = {batch * heads_q} programs on the launch "
                          f"grid's axis 1, more than CUDA's limit of 65535; split the batch")
