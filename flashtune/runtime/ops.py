@@ -39,7 +39,8 @@ from flashtune.runtime.routing import (
 
 __all__ = ["attention", "attention_varlen", "lookup_config", "reload_configs", "warmup"]
 
-# eager under torch.compile (a graph break): the kernels' Python launch is not traced
+# eager under torch.compile (a graph break): the kernels' Python launch is not traced;
+# a compiled attention() with score modifications takes the custom op instead
 attention_varlen = torch.compiler.disable(  # type: ignore[no-untyped-call]
     _scored_module.attention_varlen)
 _scored = torch.compiler.disable(_scored_module.attention_scored)  # type: ignore[no-untyped-call]
@@ -131,6 +132,13 @@ def attention(
     """
     if (window is not None or softcap is not None or alibi_slopes is not None) \
             and has_mods(causal, window, softcap, alibi_slopes):
+        if torch.compiler.is_compiling():  # the custom op: no graph break
+            traced: torch.Tensor | tuple[torch.Tensor, torch.Tensor] = \
+                _scored_module.attention_compiled(
+                    q, k, v, causal=causal, scale=scale, return_lse=return_lse,
+                    config=config, impl=impl, window=window, softcap=softcap,
+                    alibi_slopes=alibi_slopes)
+            return traced
         scored: torch.Tensor | tuple[torch.Tensor, torch.Tensor] = _scored(
             q, k, v, causal=causal, scale=scale, return_lse=return_lse, config=config,
             impl=impl, window=window, softcap=softcap, alibi_slopes=alibi_slopes)

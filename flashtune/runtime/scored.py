@@ -32,6 +32,7 @@ captured, where nothing may synchronise.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
@@ -58,7 +59,7 @@ from flashtune.runtime.routing import (
 )
 from flashtune.runtime.routing import _dispatcher as get_dispatcher
 
-__all__ = ["attention_scored", "attention_varlen", "check_score_mods", "has_mods",
+__all__ = ["attention_compiled", "attention_scored", "attention_varlen", "check_score_mods", "has_mods",
            "lookup_scored", "lookup_varlen", "varlen"]
 
 # call signature -> (forward spec, forward config, backward config or None)
@@ -361,3 +362,123 @@ def varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torc
 def reset() -> None:
     """Drop the memoised routes (``flashtune.reload_configs``)."""
     _ROUTES.clear()
+
+
+# -- torch.compile: the custom ops a compiled model traces (no graph break) -------------------
+
+
+def _pair_route(q: torch.Tensor, k: torch.Tensor, causal: bool, window_left: int,
+                window_right: int, softcap: float, alibi: bool, config_json: str | None,
+                impl: str | None) -> tuple[TemplateSpec, Config, Config]:
+    """The pair (forward, attn_bwd config) a compiled call runs: always one that saves the
+    LSE for attn_bwd, as the plain custom op's route does; memoised."""
+    key = ("compiled", q.shape, k.shape, q.dtype, q.get_device(), causal, window_left,
+           window_right, softcap, alibi, config_json, impl)
+    route = _ROUTES.get(key)
+    if route is None:
+        problem = AttentionProblem.from_tensors(q, k, causal=causal,
+                                                window=(window_left, window_right),
+                                                softcap=softcap or None, alibi=alibi)
+        check_grid(q, k)
+        config = json.loads(config_json) if config_json else None
+        route = _ROUTES[key] = _choose(problem, q, causal, True, True, config, impl, False)
+    spec, fcfg, bcfg = route
+    assert bcfg is not None
+    return spec, fcfg, bcfg
+
+
+def _compiled_options(spec: TemplateSpec, window_left: int, window_right: int,
+                      softcap: float, alibi_slopes: torch.Tensor | None) -> dict[str, Any]:
+    options = {"window": (window_left, window_right), "softcap": softcap or None,
+               "alibi_slopes": alibi_slopes}
+    if spec is not _FWD:
+        options = {n: o for n, o in options.items() if o is not None}
+    return options
+
+
+@torch.library.custom_op("flashtune::attention_scored_fwd", mutates_args=())
+def _scored_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                   scale: float | None, window_left: int, window_right: int, softcap: float,
+                   alibi_slopes: torch.Tensor | None, config_json: str | None,
+                   impl: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+    spec, fcfg, _ = _pair_route(q, k, causal, window_left, window_right, softcap,
+                                alibi_slopes is not None, config_json, impl)
+    out, lse = spec.launcher(q, k, v, fcfg, causal=causal, scale=scale, return_lse=True,
+                             **_compiled_options(spec, window_left, window_right, softcap,
+                                                 alibi_slopes))
+    return out, lse
+
+
+@_scored_fwd_op.register_fake
+def _scored_fwd_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                     scale: float | None, window_left: int, window_right: int,
+                     softcap: float, alibi_slopes: torch.Tensor | None,
+                     config_json: str | None, impl: str | None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    return out, q.new_empty(tuple(q.shape[:3]), dtype=torch.float32)
+
+
+@torch.library.custom_op("flashtune::attention_scored_bwd", mutates_args=())
+def _scored_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                   lse: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None,
+                   causal: bool, scale: float | None, window_left: int, window_right: int,
+                   softcap: float, alibi_slopes: torch.Tensor | None,
+                   config_json: str | None, impl: str | None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    spec, _, bcfg = _pair_route(q, k, causal, window_left, window_right, softcap,
+                                alibi_slopes is not None, config_json, impl)
+    options = {"window": (window_left, window_right), "softcap": softcap or None,
+               "alibi_slopes": alibi_slopes}
+    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = _BWD.launcher(
+        q, k, v, out, lse, dout, bcfg, causal=causal, scale=scale, dlse=dlse, **options)
+    return grads
+
+
+@_scored_bwd_op.register_fake
+def _scored_bwd_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                     lse: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None,
+                     causal: bool, scale: float | None, window_left: int, window_right: int,
+                     softcap: float, alibi_slopes: torch.Tensor | None,
+                     config_json: str | None, impl: str | None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            torch.empty_like(k, memory_format=torch.contiguous_format),
+            torch.empty_like(v, memory_format=torch.contiguous_format))
+
+
+def _scored_setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    q, k, v, causal, scale, wl, wr, cap, slopes, config_json, impl = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.slopes = slopes
+    ctx.args = (causal, scale, wl, wr, cap)
+    ctx.route = (config_json, impl)
+
+
+def _scored_backward(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor) -> Any:
+    q, k, v, out, lse = ctx.saved_tensors
+    causal, scale, wl, wr, cap = ctx.args
+    dq, dk, dv = torch.ops.flashtune.attention_scored_bwd(
+        q, k, v, out, lse, dout.contiguous(), dlse, causal, scale, wl, wr, cap, ctx.slopes,
+        *ctx.route)
+    return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+_scored_fwd_op.register_autograd(_scored_backward, setup_context=_scored_setup_context)
+
+
+def attention_compiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
+                       scale: float | None, return_lse: bool,
+                       config: Mapping[str, Any] | None, impl: str | None, window: Any,
+                       softcap: Any, alibi_slopes: Any) -> Any:
+    """:func:`attention_scored` under ``torch.compile``: the custom op
+    ``flashtune::attention_scored_fwd`` (its backward ``attention_scored_bwd``), so a
+    compiled model traces the call without a graph break. It runs the pair the route
+    chooses for a call with gradients (a forward that saves the LSE, and attn_bwd)."""
+    (left, right), cap, slopes = check_score_mods(q, causal=causal, window=window,
+                                                  softcap=softcap, alibi_slopes=alibi_slopes)
+    out, lse = torch.ops.flashtune.attention_scored_fwd(
+        q, k, v, bool(causal), scale, left, right, float(cap or 0.0), slopes,
+        None if config is None else json.dumps(dict(config), sort_keys=True), impl)
+    return (out, lse) if return_lse else out

@@ -254,3 +254,23 @@ def test_lookup_config_names_what_a_scored_call_runs():
     assert pair.template == "attn_fwd" and any(n.startswith("bwd.") for n in pair.config)
     with pytest.raises(InputError, match="window"):
         flashtune.lookup_config(q, k, v, window=(-3, 0))
+
+
+def test_torch_compile_traces_scored_calls_without_graph_breaks():
+    q, k, v = qkv(b=2, grad=True)
+    slopes_ = slopes(4)
+
+    def block(q, k, v):
+        out, lse = flashtune.attention(q * 1.0, k, v, causal=True, window=(9, 0),
+                                       softcap=3.0, alibi_slopes=slopes_, return_lse=True)
+        return out.float().sum(-1) + lse
+
+    compiled = torch.compile(block, backend="aot_eager", fullgraph=True)
+    got, want = compiled(q, k, v), block(q, k, v)
+    torch.testing.assert_close(got, want)
+    g_got = torch.autograd.grad(got.sum(), (q, k, v))
+    g_want = torch.autograd.grad(want.sum(), (q, k, v))
+    for a, b in zip(g_got, g_want):
+        torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-3)
+    explained = torch._dynamo.explain(block)(q, k, v)
+    assert explained.graph_break_count == 0
