@@ -16,8 +16,8 @@ from typing import Any
 from flashtune.core.device import DeviceFingerprint
 from flashtune.core.problem import AttentionProblem
 
-__all__ = ["FULL_REFERENCE_MAX_ELEMS", "TOLERANCE", "Case", "forward_case", "mods_options",
-           "random_inputs", "relative_error"]
+__all__ = ["FULL_REFERENCE_MAX_ELEMS", "TOLERANCE", "Case", "forward_case", "mods_kwargs",
+           "mods_options", "random_inputs", "relative_error"]
 
 # relative Frobenius error allowed against the fp32 reference
 TOLERANCE = {"bf16": 2e-2, "fp16": 5e-3}
@@ -76,22 +76,29 @@ def random_inputs(problem: AttentionProblem, torch_device: str, generator: Any,
 def mods_options(problem: AttentionProblem, torch_device: str,
                  generator: Any) -> dict[str, Any]:
     """The launcher keywords of ``problem``'s score modifications (empty for a plain
-    problem, so implementations without them are called as before): ``window`` (the
-    right bound 0 when causal), ``softcap``, and for ALiBi seeded slopes ``(heads_q,)``
-    in [0, 1) (the geometric slopes of the ALiBi paper lie there)."""
+    problem, so implementations without them are called as before), with seeded ALiBi
+    slopes ``(heads_q,)`` in [0, 1) (the geometric slopes of the ALiBi paper lie there)."""
     import torch
 
+    slopes = None
+    if problem.alibi:
+        slopes = torch.rand((problem.heads_q,), generator=generator, device=torch_device,
+                            dtype=torch.float32)
+    return mods_kwargs(problem, slopes)
+
+
+def mods_kwargs(problem: AttentionProblem, alibi_slopes: Any = None) -> dict[str, Any]:
+    """``problem``'s score modifications as launcher keywords: ``window`` (the right bound
+    0 when causal), ``softcap``, and ``alibi_slopes`` (given: tensors, or shape-only
+    stand-ins to compile with) where the problem has them; empty for a plain problem."""
     p = problem
-    if not p.has_mods:
-        return {}
     options: dict[str, Any] = {}
     if p.window_left != -1 or p.window_right != -1:
         options["window"] = (p.window_left, 0 if p.causal else p.window_right)
     if p.softcap:
         options["softcap"] = p.softcap
     if p.alibi:
-        options["alibi_slopes"] = torch.rand((p.heads_q,), generator=generator,
-                                             device=torch_device, dtype=torch.float32)
+        options["alibi_slopes"] = alibi_slopes
     return options
 
 

@@ -56,8 +56,8 @@ ptxas's parameter loads and register allocation (one more register in a dQ confi
   entry of which is visible, run unmasked and only the bands on both sides are masked.
 * ``HAS_SOFTCAP``: ``s = SOFTCAP * tanh(scale * q.k / SOFTCAP)`` (Gemma 2's logit cap), in
   log2 units ``t * (SOFTCAP * log2(e))``; dS with respect to the raw scaled score is the
-  dS of the capped one times ``1 - t^2``. tanh through ``exp2`` (:func:`_tanh`: the
-  interpreter has no tanh).
+  dS of the capped one times ``1 - t^2``. tanh through ``exp2``
+  (:func:`~flashtune.kernel_templates.score_mods.tanh`: the interpreter has no tanh).
 * ``HAS_ALIBI``: ``s -= slope[b, h] * |pos - j|`` (``Alibi`` fp32, row stride ``stride_ab``,
   0 for one slope per head); a constant of the scores, no gradient flows to the slopes.
 * ``VARLEN``: packed sequences (``flash_attn_varlen_func``'s layout): Q/dO/dQ
@@ -74,8 +74,9 @@ ptxas's parameter loads and register allocation (one more register in a dQ confi
 import triton
 import triton.language as tl
 
+from flashtune.kernel_templates.score_mods import tanh
+
 LOG2E = tl.constexpr(1.4426950408889634)
-TWO_LOG2E = tl.constexpr(2 * 1.4426950408889634)
 
 
 @triton.jit
@@ -113,13 +114,6 @@ def _dot(a, b, UPCAST_DOT: tl.constexpr):
     if UPCAST_DOT:
         return tl.dot(a.to(tl.float32), b.to(tl.float32))
     return tl.dot(a, b)
-
-
-@triton.jit
-def _tanh(x):
-    """``tanh(x) = 1 - 2 / (e^(2x) + 1)``, exact at both ends (``exp2`` overflowing to inf
-    gives 1, underflowing to 0 gives -1); triton 3.6's interpreter has no tanh."""
-    return 1.0 - 2.0 / (tl.math.exp2(x * TWO_LOG2E) + 1.0)
 
 
 @triton.jit
@@ -204,7 +198,7 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, 
         qkT = _dot(k, tl.trans(q), UPCAST_DOT)  # (BLOCK_N1, BLOCK_M1)
         if HAS_SOFTCAP or HAS_ALIBI:
             if HAS_SOFTCAP:
-                tT = _tanh(qkT * cap_scale)
+                tT = tanh(qkT * cap_scale)
                 sT = tT * cap2
             else:
                 sT = qkT * qk_scale
@@ -463,7 +457,7 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn,
         qk = _dot(q, tl.trans(k), UPCAST_DOT)  # (BLOCK_M2, BLOCK_N2)
         if HAS_SOFTCAP or HAS_ALIBI:
             if HAS_SOFTCAP:
-                t = _tanh(qk * cap_scale)
+                t = tanh(qk * cap_scale)
                 s = t * cap2
             else:
                 s = qk * qk_scale

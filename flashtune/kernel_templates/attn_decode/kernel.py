@@ -46,29 +46,7 @@ read per tile; otherwise one per key row (any page size works, as in vLLM's Trit
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _tanh(x):
-    """tanh through exp2 (the interpreter has no portable tanh): ``1 - 2 / (e^(2x) + 1)``,
-    exact at both saturations."""
-    return 1.0 - 2.0 / (tl.math.exp2(x * 2.8853900817779268) + 1.0)  # 2 * log2(e)
-
-
-@triton.jit
-def _modified_scores(qk, cap_in, cap_out, qk_scale, slope, pos, cols,
-                     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
-    """Log2-domain scores of raw dots ``qk`` (rows at key positions ``pos``): ``tanh(qk *
-    cap_in) * cap_out`` with a softcap (``cap_in = scale / softcap``, ``cap_out = softcap *
-    log2(e)``), else ``qk * scale * log2(e)``; minus ``slope * |pos - j|`` (``slope`` per
-    row, already times log2(e))."""
-    if HAS_SOFTCAP:
-        s = _tanh(qk * cap_in) * cap_out
-    else:
-        s = qk * qk_scale
-    if HAS_ALIBI:
-        dist = tl.abs(pos.to(tl.float32)[:, None] - cols.to(tl.float32)[None, :])
-        s -= slope[:, None] * dist
-    return s
+from flashtune.kernel_templates.score_mods import modified_scores
 
 
 @triton.jit
@@ -120,8 +98,8 @@ def _decode_inner(acc, l_i, m_i, q, k_base, v_base, BlockTable, bt_row, offs_n, 
         else:
             qk = tl.dot(q, kt)
         if HAS_SOFTCAP or HAS_ALIBI:
-            qk = _modified_scores(qk, cap_in, cap_out, qk_scale, slope, causal_lim, cols,
-                                  HAS_SOFTCAP, HAS_ALIBI)
+            qk = modified_scores(qk, qk_scale, cap_in, cap_out, slope, causal_lim,
+                                 cols, HAS_SOFTCAP, HAS_ALIBI)
         else:
             qk = qk * qk_scale
         if MASKED:
@@ -257,7 +235,9 @@ def attn_decode_split_kernel(
         cap_out = SOFTCAP * 1.4426950408889634
     slope = None
     if HAS_ALIBI:
-        slope = tl.load(Alibi + off_b.to(tl.int64) * stride_ab + offs_h) * 1.4426950408889634
+        # a column: each row of the tile is a query head of the group, with its own slope
+        slope = (tl.load(Alibi + off_b.to(tl.int64) * stride_ab + offs_h)
+                 * 1.4426950408889634)[:, None]
 
     if HAS_WINDOW:  # the left band: the window's lower edge
         acc, l_i, m_i = _decode_inner(acc, l_i, m_i, q, k_base, v_base, BlockTable, bt_row,

@@ -44,6 +44,8 @@ Hopper knobs (constexpr, chosen by the config):
 import triton
 import triton.language as tl
 
+from flashtune.kernel_templates.score_mods import modified_scores
+
 
 @triton.jit
 def _load_kv(k_base, v_base, desc_k, desc_v, off_b, off_hkv, start_n, offs_n, offs_d,
@@ -75,30 +77,6 @@ def _load_kv(k_base, v_base, desc_k, desc_v, off_b, off_hkv, start_n, offs_n, of
 
 
 @triton.jit
-def _tanh(x):
-    """tanh through exp2 (the interpreter has no portable tanh): ``1 - 2 / (e^(2x) + 1)``,
-    exact at both saturations (``e^(2x)`` = inf gives 1, 0 gives -1)."""
-    return 1.0 - 2.0 / (tl.math.exp2(x * 2.8853900817779268) + 1.0)  # 2 * log2(e)
-
-
-@triton.jit
-def _modified_scores(qk, qk_scale, cap_in, cap_out, slope, pos_m, cols,
-                     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
-    """Log2-domain scores of raw dots ``qk``: ``qk * scale * log2(e)``, or with a softcap
-    ``tanh(qk * cap_in) * cap_out`` (``cap_in = scale / softcap``, ``cap_out = softcap *
-    log2(e)``), minus ``slope * |pos - j|`` (``slope`` already times log2(e))."""
-    if HAS_SOFTCAP:
-        s = _tanh(qk * cap_in) * cap_out
-    else:
-        s = qk * qk_scale
-    if HAS_ALIBI:
-        # distances in fp32 (exact below 2^24): one FADD with a free |.| and one FFMA
-        dist = tl.abs(pos_m.to(tl.float32)[:, None] - cols.to(tl.float32)[None, :])
-        s -= slope * dist
-    return s
-
-
-@triton.jit
 def _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, off_b, off_hkv,
                     offs_m, offs_n, offs_d, stride_kn, stride_vn, lo, hi, N_K, CAUSAL_OFFSET,
                     qk_scale, win_l, win_r, cap_in, cap_out, slope,
@@ -126,7 +104,7 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, off_b, off
                 if not IS_CAUSAL:
                     keep = keep & (cols[None, :] <= pos + win_r)
             if HAS_SOFTCAP or HAS_ALIBI:
-                s = _modified_scores(qk, qk_scale, cap_in, cap_out, slope,
+                s = modified_scores(qk, qk_scale, cap_in, cap_out, slope,
                                      offs_m + CAUSAL_OFFSET, cols, HAS_SOFTCAP, HAS_ALIBI)
                 qk = tl.where(keep, s, float("-inf"))
             else:
@@ -138,7 +116,7 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, off_b, off
         elif HAS_SOFTCAP or HAS_ALIBI:
             # every row sees every key: m stays finite, but the scores are no longer a
             # multiple of the dot, so they are formed before the row maximum
-            qk = _modified_scores(qk, qk_scale, cap_in, cap_out, slope, offs_m + CAUSAL_OFFSET,
+            qk = modified_scores(qk, qk_scale, cap_in, cap_out, slope, offs_m + CAUSAL_OFFSET,
                                   start_n + offs_n, HAS_SOFTCAP, HAS_ALIBI)
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             m_sub = m_new

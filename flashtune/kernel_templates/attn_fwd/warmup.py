@@ -7,6 +7,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from flashtune.core.case import mods_kwargs
 from flashtune.core.problem import AttentionProblem
 from flashtune.core.spec import Launch
 from flashtune.kernel_templates.shaped import Shaped
@@ -40,15 +41,7 @@ def warmup_mods(problem: AttentionProblem) -> dict[str, Any]:
     compiler); empty for a plain problem."""
     import torch
 
-    p = problem
-    mods: dict[str, Any] = {}
-    if p.window_left != -1 or p.window_right != -1:
-        mods["window"] = (p.window_left, 0 if p.causal else p.window_right)
-    if p.softcap:
-        mods["softcap"] = p.softcap
-    if p.alibi:
-        mods["alibi_slopes"] = Shaped(torch.float32, (p.heads_q,))
-    return mods
+    return mods_kwargs(problem, Shaped(torch.float32, (problem.heads_q,)))
 
 
 def warmup_launches(problem: AttentionProblem, config: Mapping[str, int], *,
