@@ -196,7 +196,8 @@ def _parse_window(ctx: click.Context, param: click.Parameter,
 
 
 def mods_options(func: F) -> F:
-    """The score modifications of a shape: --window L,R --softcap X --alibi."""
+    """The score modifications of a shape: --window L,R --softcap X --alibi, and a packed
+    batch's --varlen-lengths."""
     return _apply([
         click.option("--window", callback=_parse_window, default=None, metavar="L,R",
                      help="Local window (FlashAttention-2's window_size): keys within L "
@@ -205,6 +206,11 @@ def mods_options(func: F) -> F:
         click.option("--softcap", type=FiniteFloatRange(min=0, min_open=True), default=None,
                      help="Logit softcap: scores become softcap * tanh(s / softcap)."),
         click.option("--alibi", is_flag=True, help="ALiBi slopes (random ones when tuning)."),
+        click.option("--varlen-lengths", "varlen_lengths", default=None,
+                     metavar="FILE|random:SEED[:MIN-MAX]",
+                     help="A packed batch (attention_varlen) of these sequence lengths, "
+                          "instead of --batch: a file of token counts, or documents of "
+                          "random lengths (default 128-4096) filling --seqlen tokens."),
     ], func)
 
 

@@ -76,6 +76,39 @@ def _sigterm_as_interrupt() -> Any:
         return None
 
 
+def _packed_problem(shape: dict[str, Any], dtype: str | None, spec: str, plan: str | None,
+                    preset_name: str | None) -> Any:
+    """The packed problem of --varlen-lengths with the other shape options."""
+    from flashtune.autotune.plans import PlanError, varlen_lengths
+    from flashtune.core.problem import AttentionProblem
+
+    if plan is not None or preset_name is not None:
+        raise click.UsageError("--varlen-lengths goes with shape options; in a plan set "
+                               "varlen_lengths per [[shape]]")
+    for name in ("batch", "kv_seqlen"):
+        if shape[name] is not None:
+            raise click.UsageError(f"{_flag(name)} cannot be combined with --varlen-lengths "
+                                   f"(the lengths give the batch)")
+    missing = [_flag(n) for n in ("heads", "head_dim") if shape[n] is None]
+    if missing:
+        raise click.UsageError(f"missing shape option(s): {', '.join(missing)}")
+    try:
+        lengths = varlen_lengths(spec, shape["seqlen"], "--varlen-lengths")
+    except PlanError as exc:
+        raise click.BadParameter(str(exc).removeprefix("--varlen-lengths: "),
+                                 param_hint="'--varlen-lengths'") from exc
+    if shape["seqlen"] is not None and not spec.startswith("random:") \
+            and shape["seqlen"] != sum(lengths):
+        raise click.UsageError(f"--seqlen {shape['seqlen']} is not the {sum(lengths)} "
+                               f"tokens of --varlen-lengths (leave it out)")
+    try:
+        return AttentionProblem.from_lengths(
+            lengths, None, heads_q=shape["heads"], heads_kv=shape["kv_heads"] or shape["heads"],
+            head_dim=shape["head_dim"], causal=bool(shape["causal"]), dtype=dtype or "bf16")
+    except ValueError as exc:
+        raise click.UsageError(f"invalid shape: {exc}") from exc
+
+
 def _problems(shape: dict[str, Any], dtype: str | None, plan: str | None,
               preset_name: str | None) -> list[Any]:
     """The problems to tune from exactly one of shape options / --plan / --preset."""
@@ -294,7 +327,7 @@ def tune_command(ctx: click.Context, template: str, op: str | None, impls: tuple
                  kv_heads: int | None, seqlen: int | None, kv_seqlen: int | None,
                  head_dim: int | None, causal: bool, dtype: str | None,
                  window: tuple[int, int] | None, softcap: float | None, alibi: bool,
-                 plan: str | None,
+                 varlen_lengths: str | None, plan: str | None,
                  preset_name: str | None, trials: int, timeout_s: float | None,
                  patience: int | None, sampler: str, seed: int | None, workers: int | None,
                  interpret: bool, progress: bool, gpus_text: str | None,
@@ -303,7 +336,8 @@ def tune_command(ctx: click.Context, template: str, op: str | None, impls: tuple
 
     Give exactly one of: a shape (--batch --heads [--kv-heads] --seqlen [--kv-seqlen]
     --head-dim [--causal] [--dtype] [--window L,R] [--softcap X] [--alibi]), --plan FILE,
-    or --preset NAME.
+    or --preset NAME. A packed batch (attention_varlen) takes --varlen-lengths instead of
+    --batch: a file of sequence lengths, or random:SEED[:MIN-MAX] filling --seqlen tokens.
 
     With --op, every implementation of the op that can serve the shape on this machine
     (flashtune's Triton and Gluon kernels, torch SDPA's backends) is searched, the leaders
@@ -323,7 +357,10 @@ def tune_command(ctx: click.Context, template: str, op: str | None, impls: tuple
         raise click.UsageError("--op tunes on the current GPU; --gpus is for --template")
     shape = dict(batch=batch, heads=heads, kv_heads=kv_heads, seqlen=seqlen,
                  kv_seqlen=kv_seqlen, head_dim=head_dim, causal=causal)
-    problems = _problems(shape, dtype, plan, preset_name)
+    if varlen_lengths is not None:
+        problems = [_packed_problem(shape, dtype, varlen_lengths, plan, preset_name)]
+    else:
+        problems = _problems(shape, dtype, plan, preset_name)
     if window is not None or softcap is not None or alibi:
         if plan is not None or preset_name is not None:
             raise click.UsageError("--window, --softcap and --alibi go with shape options; "

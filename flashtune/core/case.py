@@ -17,7 +17,8 @@ from flashtune.core.device import DeviceFingerprint
 from flashtune.core.problem import AttentionProblem
 
 __all__ = ["FULL_REFERENCE_MAX_ELEMS", "TOLERANCE", "Case", "forward_case", "mods_kwargs",
-           "mods_options", "random_inputs", "relative_error"]
+           "mods_options", "packed_gradients", "packed_inputs", "packed_reference", "random_inputs",
+           "relative_error"]
 
 # relative Frobenius error allowed against the fp32 reference
 TOLERANCE = {"bf16": 2e-2, "fp16": 5e-3}
@@ -73,6 +74,75 @@ def random_inputs(problem: AttentionProblem, torch_device: str, generator: Any,
     return out
 
 
+def packed_inputs(problem: AttentionProblem, torch_device: str, generator: Any,
+                  names: Sequence[str] = ("q", "k", "v")) -> tuple[dict[str, Any],
+                                                               dict[str, Any]]:
+    """A packed problem's batch (:meth:`AttentionProblem.packed_lengths`): seeded ``randn``
+    tensors ``(tokens, heads, head_dim)`` drawn in the order of ``names`` (``q``/``do``:
+    the queries' tokens; others: the keys'), and the launcher keywords that describe it
+    (``cu_seqlens_q/k`` int32, ``max_seqlen_q/k``)."""
+    import itertools
+
+    import torch
+
+    p = problem
+    dtype = torch.float16 if p.dtype == "fp16" else torch.bfloat16
+    tensors = {}
+    for name in names:
+        h, n = (p.heads_q, p.tokens_q) if name in ("q", "do") else (p.heads_kv, p.tokens_k)
+        tensors[name] = torch.randn((n, h, p.head_dim), generator=generator,
+                                    device=torch_device, dtype=torch.float32).to(dtype)
+    lens_q, lens_k = p.packed_lengths()
+    options = {f"cu_seqlens_{side}": torch.tensor([0, *itertools.accumulate(lens)],
+                                                  dtype=torch.int32, device=torch_device)
+               for side, lens in (("q", lens_q), ("k", lens_k))}
+    options.update(max_seqlen_q=p.seqlen_q, max_seqlen_k=p.seqlen_k)
+    return tensors, options
+
+
+def packed_reference(reference: Callable[..., Any], problem: AttentionProblem, q: Any,
+                     k: Any, v: Any, mods: Mapping[str, Any]) -> Any:
+    """``reference`` (:func:`forward_case`'s) over a packed batch, one sequence at a time:
+    the float32 output ``(tokens, heads, head_dim)`` of packed ``q, k, v`` (any heads
+    slice whose query heads are the key heads' groups; ALiBi slopes in ``mods`` cut to
+    q's heads), differentiable in them."""
+    import torch
+
+    outs = []
+    start_q = start_k = 0
+    for nq, nk in zip(*problem.packed_lengths(), strict=True):
+        qs, ks, vs = (x[a:a + n].transpose(0, 1)[None]
+                      for x, a, n in ((q, start_q, nq), (k, start_k, nk), (v, start_k, nk)))
+        if nq and nk:
+            outs.append(reference(qs, ks, vs, causal=problem.causal, dtype=torch.float32,
+                                  **_sliced(mods, q.shape[1]))[0][0].transpose(0, 1))
+        elif nq:  # no keys: FlashAttention's rows of zeros
+            outs.append(torch.zeros((nq, q.shape[1], q.shape[2]), device=q.device))
+        start_q, start_k = start_q + nq, start_k + nk
+    return torch.cat(outs).float()
+
+
+def packed_gradients(reference: Callable[..., Any], problem: AttentionProblem, q: Any,
+                     k: Any, v: Any, do: Any, mods: Mapping[str, Any],
+                     check_slice: bool = True) -> tuple[tuple[slice, slice], Any]:
+    """The float32 ``(out, dq, dk, dv)`` of a packed batch by autograd through
+    :func:`packed_reference` with output gradient ``do``, and the heads slice they cover:
+    every head, or for a big batch (``check_slice``) the first key head and its group's
+    query heads (dK/dV sum over the group, so no smaller slice checks them)."""
+    import torch
+
+    p = problem
+    hq, hkv = p.heads_q, p.heads_kv
+    if check_slice and max(q.numel(), k.numel()) > FULL_REFERENCE_MAX_ELEMS:
+        hq, hkv = p.heads_q // p.heads_kv, 1
+    leaves = [x.detach()[:, :h].float().requires_grad_(True)
+              for x, h in ((q, hq), (k, hkv), (v, hkv))]
+    with torch.enable_grad():
+        out = packed_reference(reference, p, *leaves, mods)
+        grads = torch.autograd.grad(out, leaves, do[:, :hq].float())
+    return (slice(None), slice(0, hq)), (out.detach(), *grads)
+
+
 def mods_options(problem: AttentionProblem, torch_device: str,
                  generator: Any) -> dict[str, Any]:
     """The launcher keywords of ``problem``'s score modifications (empty for a plain
@@ -122,6 +192,10 @@ def forward_case(reference: Callable[..., Any], problem: AttentionProblem,
     import torch
 
     p = problem
+    if p.packed:
+        return _packed_forward_case(reference, p, torch_device=torch_device,
+                                    generator=generator, launcher=launcher,
+                                    check_slice=check_slice)
     t = random_inputs(p, torch_device, generator)
     q, k, v = t["q"], t["k"], t["v"]
     options = mods_options(p, torch_device, generator)
@@ -140,3 +214,27 @@ def forward_case(reference: Callable[..., Any], problem: AttentionProblem,
                 inputs={"q": q, "k": k, "v": v, "ref": ref, "ref_slice": sl}, min_bytes=io)
 
 
+
+
+def _packed_forward_case(reference: Callable[..., Any], problem: AttentionProblem, *,
+                         torch_device: str, generator: Any, launcher: Callable[..., Any],
+                         check_slice: bool) -> Case:
+    """:func:`forward_case` for a packed problem: the launcher called with the batch's
+    ``cu_seqlens``; big batches checked on their first two query heads (and their key
+    heads)."""
+    p = problem
+    t, packing = packed_inputs(p, torch_device, generator)
+    q, k, v = t["q"], t["k"], t["v"]
+    mods = mods_options(p, torch_device, generator)
+    hq = p.heads_q
+    if check_slice and max(q.numel(), k.numel()) > FULL_REFERENCE_MAX_ELEMS:
+        hq = min(2, p.heads_q)
+    hkv = (hq - 1) // (p.heads_q // p.heads_kv) + 1
+    ref = packed_reference(reference, p, q[:, :hq], k[:, :hkv], v[:, :hkv], mods)
+    io = sum(t.numel() * t.element_size() for t in (q, k, v, q))
+    options = {**mods, **packing}
+    return Case(launch=lambda config: launcher(q, k, v, config, causal=p.causal, **options),
+                error=lambda out: relative_error(out[:, :hq], ref), flops=p.flops(),
+                inputs={"q": q, "k": k, "v": v, "ref": ref, "ref_slice": (slice(None),
+                                                                          slice(0, hq))},
+                min_bytes=io)

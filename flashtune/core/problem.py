@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 DTYPES = ("fp16", "bf16")
@@ -51,6 +51,11 @@ class AttentionProblem:
     window_right: int = -1
     softcap: float = 0.0
     alibi: bool = False
+    # a packed batch (FlashAttention-2's varlen, :func:`flashtune.attention_varlen`): the
+    # total query and key tokens of ``batch`` sequences whose longest have ``seqlen_q`` /
+    # ``seqlen_k`` tokens; 0: a dense batch of ``batch x seqlen`` (see PACKED)
+    tokens_q: int = 0
+    tokens_k: int = 0
 
     def __post_init__(self) -> None:
         for name in ("batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_k", "head_dim"):
@@ -76,6 +81,17 @@ class AttentionProblem:
         object.__setattr__(self, "softcap", float(cap))
         if not isinstance(self.alibi, bool):
             raise ValueError(f"alibi must be true or false, got {self.alibi!r}")
+        for name, longest in (("tokens_q", self.seqlen_q), ("tokens_k", self.seqlen_k)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0 (0: a dense batch), got "
+                                 f"{value!r}")
+            if value > self.batch * longest:
+                raise ValueError(f"{name} = {value} tokens cannot be {self.batch} sequences "
+                                 f"of at most {longest} tokens each")
+        if (self.tokens_q == 0) != (self.tokens_k == 0):
+            raise ValueError(f"tokens_q and tokens_k are set together (a packed batch) or "
+                             f"both 0, got {self.tokens_q} and {self.tokens_k}")
 
     @classmethod
     def from_tensors(cls, q: Any, k: Any, *, causal: bool,
@@ -91,17 +107,38 @@ class AttentionProblem:
                    float(softcap or 0.0), bool(alibi))
 
     @classmethod
+    def from_lengths(cls, lengths_q: Sequence[int], lengths_k: Sequence[int] | None, *,
+                     heads_q: int, heads_kv: int, head_dim: int, causal: bool, dtype: str,
+                     **mods: Any) -> AttentionProblem:
+        """The packed problem of sequences with these lengths (keys: ``lengths_k``, or the
+        queries' when None); ``mods``: the score modification fields. Its key keeps the
+        count, the longest and the total of each side (:meth:`packed_lengths`)."""
+        lengths_k = lengths_q if lengths_k is None else lengths_k
+        for name, lengths in (("lengths_q", lengths_q), ("lengths_k", lengths_k)):
+            if not lengths or any(isinstance(n, bool) or not isinstance(n, int) or n < 0
+                                  for n in lengths) or not sum(lengths):
+                raise ValueError(f"{name} must be a non-empty list of token counts >= 0 "
+                                 f"with at least one token, got {list(lengths)!r}")
+        if len(lengths_q) != len(lengths_k):
+            raise ValueError(f"{len(lengths_q)} query lengths but {len(lengths_k)} key "
+                             f"lengths: one each per sequence")
+        return cls(len(lengths_q), heads_q, heads_kv, max(lengths_q), max(lengths_k),
+                   head_dim, causal, dtype, tokens_q=sum(lengths_q), tokens_k=sum(lengths_k),
+                   **mods)
+
+    @classmethod
     def from_key(cls, key: Mapping[str, Any]) -> AttentionProblem:
         """The problem whose :meth:`key` is ``key`` (extra keys are ignored; a missing
         score modification is the default: keys written before they existed stay valid)."""
-        return cls(**{f: key[f] for f in cls.__dataclass_fields__ if f in key or f not in MODS})
+        return cls(**{f: key[f] for f in cls.__dataclass_fields__
+                      if f in key or f not in OPTIONAL})
 
     def key(self) -> dict[str, Any]:
-        """The problem as a dict of its fields, the score modifications only where set (a
-        plain problem's key is what it was before they existed): what the store and config
-        files key on."""
+        """The problem as a dict of its fields, the score modifications and a packed batch's
+        token counts only where set (a plain problem's key is what it was before they
+        existed): what the store and config files key on."""
         key = asdict(self)
-        for name, default in MODS.items():
+        for name, default in OPTIONAL.items():
             if key[name] == default:
                 del key[name]
         return key
@@ -110,6 +147,22 @@ class AttentionProblem:
     def has_mods(self) -> bool:
         """Whether any score modification (window, softcap, ALiBi) is set."""
         return (self.window_left, self.window_right, self.softcap, self.alibi) != _NO_MODS
+
+    @property
+    def packed(self) -> bool:
+        """Whether this is a packed batch (:attr:`tokens_q` set)."""
+        return self.tokens_q > 0
+
+    def packed_lengths(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The sequence lengths (queries, keys) a packed problem stands for, as the tuner
+        builds its batch: the first sequence as long as the tokens allow up to
+        ``seqlen``, the others sharing the rest as evenly as possible (its work is close
+        to any batch of the same count, longest and total; the key keeps no more). A dense
+        problem: ``batch`` sequences of ``seqlen``."""
+        if not self.packed:
+            return (self.seqlen_q,) * self.batch, (self.seqlen_k,) * self.batch
+        return (_spread(self.tokens_q, self.batch, self.seqlen_q),
+                _spread(self.tokens_k, self.batch, self.seqlen_k))
 
     def mods(self) -> tuple[str, ...]:
         """The names of the score modifications set: ``"window"``, ``"softcap"``,
@@ -138,7 +191,8 @@ class AttentionProblem:
         return (f"{self.dtype}-d{self.head_dim}-{'causal' if self.causal else 'full'}"
                 f"-hq{self.heads_q}-hkv{self.heads_kv}-b{_pow2_ceil(self.batch)}"
                 f"-nq{_pow2_ceil(self.seqlen_q)}-nk{_pow2_ceil(self.seqlen_k)}"
-                f"{self._mods_label()}")
+                f"{self._mods_label()}"
+                f"{f'-packed{_pow2_ceil(self.tokens_q)}' if self.packed else ''}")
 
     def distance(self, other: AttentionProblem) -> float:
         """How far apart two problems are, for the nearest-tuned-shape lookup.
@@ -162,8 +216,17 @@ class AttentionProblem:
         mods = 0.0 if self.mods() == other.mods() else MODS_DISTANCE
         if self.mods() == other.mods() and "window" in self.mods():
             mods = 0.5 * (lg(self._window_span(), other._window_span()))
+        # a packed batch: its grid's other axis is the work of tokens / longest sequences
+        # of the longest's length; a dense config serves it (the same kernels) but a
+        # packed one is nearer
+        packed = 0.0 if self.packed == other.packed else PACKED_DISTANCE
         return (lg(self.seqlen_q, other.seqlen_q) + lg(self.seqlen_k, other.seqlen_k)
-                + 0.5 * lg(self.batch * self.heads_q, other.batch * other.heads_q) + mods)
+                + 0.5 * lg(self._rows() * self.heads_q, other._rows() * other.heads_q)
+                + mods + packed)
+
+    def _rows(self) -> float:
+        """How many sequences of ``seqlen_q`` the batch's queries amount to."""
+        return self.tokens_q / self.seqlen_q if self.packed else float(self.batch)
 
     def _window_span(self) -> int:
         """How many keys a row of the window sees at most (for the distance)."""
@@ -176,8 +239,20 @@ class AttentionProblem:
         """ANCHORS.md: ``4 B Hq Nq Nk D``, halved when causal; backward is 2.5x forward.
 
         For causal with Nq != Nk the count is the number of (query, key) pairs actually
-        visible under bottom-right alignment, which equals the half for square shapes.
+        visible under bottom-right alignment, which equals the half for square shapes. A
+        packed problem counts the pairs of :meth:`packed_lengths`' sequences.
         """
+        if self.packed:
+            f = 4.0 * self.heads_q * self.head_dim * sum(
+                replace(self, batch=1, seqlen_q=nq, seqlen_k=nk, tokens_q=0,
+                        tokens_k=0)._pairs()
+                for nq, nk in zip(*self.packed_lengths()) if nq and nk)
+            return f * 2.5 if backward else f
+        f = 4.0 * self.batch * self.heads_q * self._pairs() * self.head_dim
+        return f * 2.5 if backward else f
+
+    def _pairs(self) -> float:
+        """The (query, key) pairs one sequence's row of heads computes."""
         pairs = float(self.seqlen_q) * self.seqlen_k
         if self.window_left != -1 or self.window_right != -1:
             pairs = float(visible_pairs(self.seqlen_q, self.seqlen_k, self.window_left,
@@ -187,8 +262,7 @@ class AttentionProblem:
                 pairs /= 2
             else:
                 pairs = float(visible_pairs(self.seqlen_q, self.seqlen_k, -1, 0))
-        f = 4.0 * self.batch * self.heads_q * pairs * self.head_dim
-        return f * 2.5 if backward else f
+        return pairs
 
     def describe(self) -> str:
         """One line for messages: ``B=.. Hq=.. Hkv=.. Nq=.. Nk=.. D=.. dtype [causal]``."""
@@ -200,6 +274,8 @@ class AttentionProblem:
             mods += f" softcap={self.softcap:g}"
         if self.alibi:
             mods += " alibi"
+        if self.packed:
+            mods += f" packed({self.tokens_q}/{self.tokens_k} tokens)"
         return (f"B={self.batch} Hq={self.heads_q} Hkv={self.heads_kv} Nq={self.seqlen_q} "
                 f"Nk={self.seqlen_k} D={self.head_dim} {self.dtype}{causal}{mods}")
 
@@ -207,9 +283,25 @@ class AttentionProblem:
 # the score modifications' fields and their defaults (off); a key omits those at default
 MODS: dict[str, Any] = {"window_left": -1, "window_right": -1, "softcap": 0.0, "alibi": False}
 _NO_MODS = tuple(MODS.values())
+# a packed batch's fields and their defaults (dense); a key omits them when dense
+PACKED: dict[str, Any] = {"tokens_q": 0, "tokens_k": 0}
+# every field a key may omit, at its default
+OPTIONAL: dict[str, Any] = {**MODS, **PACKED}
+# what a packed problem's distance to a dense one adds (one doubling of both lengths: the
+# same kernels serve both, and tuning for a packed batch moved its tiles little)
+PACKED_DISTANCE = 2.0
 # what differing score modifications add to the nearest-problem distance (as much as four
 # doublings of both sequence lengths)
 MODS_DISTANCE = 8.0
+
+
+def _spread(tokens: int, count: int, longest: int) -> tuple[int, ...]:
+    """``count`` lengths summing to ``tokens``, the first as long as the others' at least
+    one token each allow (at most ``longest``), the rest as even as possible (empty ones
+    where there are fewer tokens than sequences)."""
+    first = min(longest, max(1, tokens - (count - 1)))
+    rest, extra = divmod(tokens - first, count - 1) if count > 1 else (0, 0)
+    return (first, *(rest + (i < extra) for i in range(count - 1)))
 
 
 @functools.lru_cache(maxsize=256)

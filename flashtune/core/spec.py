@@ -63,6 +63,8 @@ class Limits:
             ``"alibi"`` (FlashAttention-2's ``window_size``, ``softcap``,
             ``alibi_slopes``; :meth:`AttentionProblem.mods`), or ``"causal_window"``: a
             window on causal problems only (a left bound; causal is the right one).
+        packed: whether it serves a packed batch (FlashAttention-2's varlen:
+            :attr:`AttentionProblem.packed`).
         available: ``available(device) -> reason | None``: a check that only the running
             process can answer (a library built without a backend); None: always.
     """
@@ -76,6 +78,7 @@ class Limits:
     capabilities: tuple[tuple[int, int], ...] | None = None
     max_seqlen_q: int | None = None
     score_mods: tuple[str, ...] = ()
+    packed: bool = False
     available: Callable[[DeviceFingerprint], str | None] | None = field(default=None,
                                                                         compare=False)
 
@@ -117,6 +120,8 @@ class Limits:
             return f"seqlen_q {p.seqlen_q} (it serves at most {self.max_seqlen_q})"
         if return_lse and not self.lse:
             return "cannot return the LSE"
+        if p.packed and not self.packed:
+            return "a packed batch (it serves no varlen)"
         if self.available is not None:
             return self.available(device)
         return None
@@ -141,6 +146,7 @@ class Limits:
                       capabilities=meet(self.capabilities, other.capabilities),
                       max_seqlen_q=min(lengths) if lengths else None,
                       score_mods=tuple(m for m in self.score_mods if m in other.score_mods),
+                      packed=self.packed and other.packed,
                       available=available if checks else None)
 
 

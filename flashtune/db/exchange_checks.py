@@ -24,7 +24,7 @@ from typing import Any, Protocol, TypeVar
 
 from flashtune._version import __version__
 from flashtune.core.errors import ImportRejected
-from flashtune.core.problem import MODS, AttentionProblem
+from flashtune.core.problem import OPTIONAL, AttentionProblem
 from flashtune.core.spec import TemplateSpec
 
 __all__ = ["ENTRY_SOFTWARE", "FORMAT", "NAME_RULE", "SCHEMA_VERSION", "SOFTWARE_KEYS", "Bad",
@@ -441,8 +441,8 @@ def problem(value: Any, where: str,
             problem_type: type[AttentionProblem] = AttentionProblem) -> AttentionProblem:
     """The problem whose key is at ``where``: exactly ``problem_type``'s fields, each of
     its declared type, and a valid problem."""
-    optional = tuple(n for n in problem_type.__dataclass_fields__ if n in MODS)
-    names = tuple(n for n in problem_type.__dataclass_fields__ if n not in MODS)
+    optional = tuple(n for n in problem_type.__dataclass_fields__ if n in OPTIONAL)
+    names = tuple(n for n in problem_type.__dataclass_fields__ if n not in OPTIONAL)
     p = fields(value, where, names, optional)
     for name in ("window_left", "window_right"):
         if name in p:
@@ -451,8 +451,11 @@ def problem(value: Any, where: str,
         number(p["softcap"], f"{where}.softcap", lambda x: x >= 0, "a number >= 0 (0: none)")
     if "alibi" in p and not isinstance(p["alibi"], bool):
         raise Bad(f"{where}.alibi is {kind(p['alibi'])}; expected true or false")
+    for name in ("tokens_q", "tokens_k"):
+        if name in p:
+            integer(p[name], f"{where}.{name}", 0, 2**31)
     for name, f in problem_type.__dataclass_fields__.items():
-        if name in MODS:
+        if name in OPTIONAL:
             continue
         declared = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
         if declared == "int":

@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from flashtune.core.problem import MODS
+from flashtune.core.problem import OPTIONAL
 from flashtune.db.exchange import ConfigDocument, vllm_config_file_name
 
 __all__ = ["SHAPE_FIELDS", "VllmFile", "parse_shape_key", "shape_key", "vllm_files",
@@ -82,9 +82,9 @@ def vllm_files(docs: Sequence[ConfigDocument]) -> list[VllmFile]:
 
     ``docs`` are validated documents (:func:`flashtune.db.exchange.export_documents`); each
     is split by (dtype, head_dim, causal) of its problems. Entries of problems with a
-    score modification (window, softcap, ALiBi: :data:`~flashtune.core.problem.MODS`)
-    are left out: vLLM's shape keys have no field for them, and the plain shape's config
-    would be overwritten. ``ValueError`` for a problem key that is not an attention
+    score modification (window, softcap, ALiBi) or of a packed batch
+    (:data:`~flashtune.core.problem.OPTIONAL`) are left out: vLLM's shape keys have no
+    field for them, and the plain shape's config would be overwritten. ``ValueError`` for a problem key that is not an attention
     problem's, or two documents that would write one file.
     """
     files: dict[str, VllmFile] = {}
@@ -92,7 +92,7 @@ def vllm_files(docs: Sequence[ConfigDocument]) -> list[VllmFile]:
         groups: dict[tuple[Any, ...], dict[str, dict[str, int]]] = {}
         for entry in doc.entries:
             problem = entry.problem
-            if any(name in problem for name in MODS):
+            if any(name in problem for name in OPTIONAL):
                 continue
             missing = [f for f in _GROUP_FIELDS if f not in problem]
             if missing:

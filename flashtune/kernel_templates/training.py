@@ -46,6 +46,8 @@ from flashtune.core.case import (
     FULL_REFERENCE_MAX_ELEMS,
     Case,
     mods_options,
+    packed_gradients,
+    packed_inputs,
     random_inputs,
     relative_error,
 )
@@ -189,6 +191,9 @@ def train_case(problem: AttentionProblem, device: DeviceFingerprint, *, torch_de
     from flashtune.kernel_templates.attn_fwd.reference import attn_fwd_reference
 
     p = problem
+    if p.packed:
+        return _packed_train_case(p, torch_device=torch_device, generator=generator,
+                                  launcher=launcher, check_slice=check_slice)
     t = random_inputs(p, torch_device, generator, ("q", "k", "v", "do"))
     q, k, v, do = (t[n].requires_grad_(n != "do") for n in ("q", "k", "v", "do"))
     if check_slice and max(q.numel(), k.numel()) > FULL_REFERENCE_MAX_ELEMS:
@@ -218,6 +223,31 @@ def train_case(problem: AttentionProblem, device: DeviceFingerprint, *, torch_de
     def error(got: Any) -> float:
         errs = [relative_error(g.detach()[s], r)
                 for g, s, r in zip(got, (sq, sq, skv, skv), refs, strict=True)]
+        return float("nan") if any(e != e for e in errs) else max(errs)
+
+    io = 2 * sum(x.numel() * x.element_size() for x in (q, k, v, q))  # read and written
+    return Case(launch=lambda config: launcher(q, k, v, do, config, causal=p.causal,
+                                               **options),
+                error=error, flops=p.flops() + p.flops(backward=True),
+                inputs={"q": q, "k": k, "v": v, "do": do}, min_bytes=io)
+
+
+def _packed_train_case(problem: AttentionProblem, *, torch_device: str, generator: Any,
+                       launcher: Callable[..., Any], check_slice: bool) -> Case:
+    """:func:`train_case` for a packed batch (its ``cu_seqlens`` passed to the step)."""
+    from flashtune.kernel_templates.attn_fwd.reference import attn_fwd_reference
+
+    p = problem
+    t, packing = packed_inputs(p, torch_device, generator, ("q", "k", "v", "do"))
+    q, k, v, do = (t[n].requires_grad_(n != "do") for n in ("q", "k", "v", "do"))
+    mods = mods_options(p, torch_device, generator)
+    heads, refs = packed_gradients(attn_fwd_reference, p, q, k, v, do, mods, check_slice)
+    kv_heads = (slice(None), slice(0, refs[2].shape[1]))
+    options = {**mods, **packing}
+
+    def error(got: Any) -> float:
+        errs = [relative_error(g.detach()[s], r)
+                for g, s, r in zip(got, (heads, heads, kv_heads, kv_heads), refs, strict=True)]
         return float("nan") if any(e != e for e in errs) else max(errs)
 
     io = 2 * sum(x.numel() * x.element_size() for x in (q, k, v, q))  # read and written

@@ -13,6 +13,7 @@ calls skip the op dispatcher's overhead.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable, Mapping
 from dataclasses import replace
@@ -39,10 +40,23 @@ from flashtune.runtime.routing import (
 
 __all__ = ["attention", "attention_varlen", "lookup_config", "reload_configs", "warmup"]
 
-# eager under torch.compile (a graph break): the kernels' Python launch is not traced;
-# a compiled attention() with score modifications takes the custom op instead
-attention_varlen = torch.compiler.disable(  # type: ignore[no-untyped-call]
+# eager outside torch.compile's tracing; a compiled attention() with score modifications
+# or a compiled attention_varlen() takes a custom op instead (no graph break)
+_varlen_eager = torch.compiler.disable(  # type: ignore[no-untyped-call]
     _scored_module.attention_varlen)
+
+
+@functools.wraps(_scored_module.attention_varlen)
+def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                     max_seqlen_q: int, max_seqlen_k: int, **options: Any) -> Any:
+    if torch.compiler.is_compiling():
+        return _scored_module.varlen_compiled(q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                              max_seqlen_q, max_seqlen_k, **options)
+    return _varlen_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                         **options)
+
+
 _scored = torch.compiler.disable(_scored_module.attention_scored)  # type: ignore[no-untyped-call]
 has_mods = _scored_module.has_mods
 
@@ -95,7 +109,9 @@ def attention(
             All three: float16 or bfloat16, one dtype, one CUDA device (or CPU under
             ``TRITON_INTERPRET=1``), any strides with a contiguous last dimension, so
             ``(batch, seqlen, heads, head_dim)`` storage viewed with ``.transpose(1, 2)``
-            runs without a copy. head_dim in 16, 32, 64, 96, 128, 192, 256.
+            runs without a copy. Any head_dim from 1 to 256 (FlashAttention-2's range;
+            one that is not a multiple of 8 reads through masked loads instead of the
+            tensor-copy engine, still without a copy).
         causal: bottom-right aligned causal mask (flash-attention's convention): query ``i``
             sees key ``j`` iff ``j <= i + seqlen_k - seqlen_q``. Rows that see no key return
             zeros (and LSE ``-inf``).

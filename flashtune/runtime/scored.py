@@ -59,8 +59,8 @@ from flashtune.runtime.routing import (
 )
 from flashtune.runtime.routing import _dispatcher as get_dispatcher
 
-__all__ = ["attention_compiled", "attention_scored", "attention_varlen", "check_score_mods", "has_mods",
-           "lookup_scored", "lookup_varlen", "varlen"]
+__all__ = ["attention_compiled", "attention_scored", "attention_varlen", "check_score_mods",
+           "has_mods", "lookup_scored", "lookup_varlen", "varlen", "varlen_compiled"]
 
 # call signature -> (forward spec, forward config, backward config or None)
 _ROUTES: dict[tuple[Any, ...], tuple[TemplateSpec, Config, Config | None]] = {}
@@ -87,18 +87,17 @@ def _wants_grad(q: Any, k: Any, v: Any) -> bool:
 
 
 def _choose(problem: AttentionProblem, q: torch.Tensor, causal: bool, return_lse: bool,
-            grad: bool, config: Mapping[str, Any] | None, impl: str | None,
-            varlen: bool) -> tuple[TemplateSpec, Config, Config | None]:
+            grad: bool, config: Mapping[str, Any] | None,
+            impl: str | None) -> tuple[TemplateSpec, Config, Config | None]:
     """The forward (and for gradients attn_bwd's config) for ``problem``: the routed
     choice (the op's stored one, or attn_decode's for short queries) where it is one of
     flashtune's kernels that serves the call (attn_fwd serves every one; the Gluon forward a
-    causal sliding window; attn_decode short queries), else attn_fwd's own chain (packed
-    batches: attn_fwd only); ``impl``/``config`` forced where given."""
+    causal sliding window; attn_decode short queries; a packed batch only attn_fwd), else
+    attn_fwd's own chain; ``impl``/``config`` forced where given."""
     device = _device_of(q)
     if impl is not None and impl != _FWD.name:
         spec = get_template(impl)
         reason = spec.refuse(problem, device, return_lse=return_lse) or (
-            "a packed batch (only attn_fwd serves attention_varlen)" if varlen else None) or (
             "an SDPA backend cannot apply these" if spec.kind == "extern" else None)
         if reason is None and (config is not None or grad):
             reason = "a forced config or gradients run attn_fwd only here"
@@ -120,19 +119,17 @@ def _choose(problem: AttentionProblem, q: torch.Tensor, causal: bool, return_lse
                 else _DISPATCH_BWD.choose(problem, device).config)
         return _FWD, fcfg, bcfg
     if grad:
-        if not varlen:
-            choice = _train_choice(problem, device, return_lse=return_lse, paired=True)
-            spec = get_template(choice.template)
-            if _serves(spec, problem, device, return_lse) and spec.backward == _BWD.name:
-                f, b = split_pair(choice.config)
-                return spec, f, b
+        choice = _train_choice(problem, device, return_lse=return_lse, paired=True)
+        spec = get_template(choice.template)
+        if _serves(spec, problem, device, return_lse) and spec.backward == _BWD.name:
+            f, b = split_pair(choice.config)
+            return spec, f, b
         return (_FWD, _DISPATCH.choose(problem, device).config,
                 _DISPATCH_BWD.choose(problem, device).config)
-    if not varlen:
-        routed = _route(problem, device, return_lse=return_lse)
-        spec = get_template(routed.template)
-        if _serves(spec, problem, device, return_lse):
-            return spec, routed.config, None
+    routed = _route(problem, device, return_lse=return_lse)
+    spec = get_template(routed.template)
+    if _serves(spec, problem, device, return_lse):
+        return spec, routed.config, None
     return _FWD, _DISPATCH.choose(problem, device).config, None
 
 
@@ -156,11 +153,27 @@ def lookup_scored(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
                                                   softcap=softcap, alibi_slopes=alibi_slopes)
     problem = AttentionProblem.from_tensors(q, k, causal=causal, window=(left, right),
                                             softcap=cap, alibi=slopes is not None)
+    return _lookup(problem, q, k, v, return_lse)
+
+
+def lookup_varlen(problem: AttentionProblem, q: torch.Tensor, k: torch.Tensor,
+                  v: torch.Tensor) -> ConfigChoice:
+    """The choice :func:`varlen` runs a packed batch keyed as ``problem`` with (as
+    :func:`lookup_scored`). Only ``q``, ``k`` and ``v``'s metadata is read (the device,
+    whether gradients are wanted)."""
+    return _lookup(problem, q, k, v, False)
+
+
+def _lookup(problem: AttentionProblem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            return_lse: bool) -> ConfigChoice:
+    """What :func:`_choose` picks for ``problem``, as a :class:`ConfigChoice` with its
+    source (nothing tuned on a miss)."""
     device = _device_of(q)
     if _wants_grad(q, k, v):
         choice = _train_choice(problem, device, return_lse=return_lse, paired=True,
                                tune=False)
-        if choice.template == _FWD.name:
+        spec = get_template(choice.template)
+        if _serves(spec, problem, device, return_lse) and spec.backward == _BWD.name:
             return choice
         fwd, bwd = _DISPATCH.choose(problem, device), _DISPATCH_BWD.choose(problem, device)
         return replace(fwd, config=join_pair(fwd.config, bwd.config))
@@ -170,20 +183,6 @@ def lookup_scored(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
     return _DISPATCH.choose(problem, device)
 
 
-def lookup_varlen(problem: AttentionProblem, q: torch.Tensor, k: torch.Tensor,
-                  v: torch.Tensor) -> ConfigChoice:
-    """The choice :func:`varlen` runs a packed batch keyed as ``problem`` with (no score
-    modifications): attn_fwd's own chain, for a call with gradients the pair's config, the
-    backward's keys under ``bwd.``. Only ``q``, ``k`` and ``v``'s metadata is read (the
-    device, whether gradients are wanted)."""
-    device = _device_of(q)
-    fwd = _DISPATCH.choose(problem, device)
-    if not _wants_grad(q, k, v):
-        return replace(fwd, config=dict(fwd.config))
-    bwd = _DISPATCH_BWD.choose(problem, device)
-    return replace(fwd, config=join_pair(fwd.config, bwd.config))
-
-
 def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
          problem: Callable[[], AttentionProblem], key: tuple[Any, ...], causal: bool,
          scale: float | None, return_lse: bool, config: Mapping[str, Any] | None,
@@ -191,14 +190,13 @@ def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """Route (memoised per ``key``; ``problem`` builds the call's problem, on a miss only)
     and launch."""
     grad = _wants_grad(q, k, v)
-    varlen = "cu_seqlens_q" in options
     if config is None and impl is None:
         route = _ROUTES.get(key + (grad,))
         if route is None:
             route = _ROUTES[key + (grad,)] = _choose(problem(), q, causal, return_lse, grad,
-                                                     None, None, varlen)
+                                                     None, None)
     else:
-        route = _choose(problem(), q, causal, return_lse, grad, config, impl, varlen)
+        route = _choose(problem(), q, causal, return_lse, grad, config, impl)
     spec, fcfg, bcfg = route
     if spec is not _FWD:  # the Gluon forward (a causal window), attn_decode (short queries)
         options = {n: o for n, o in options.items() if o is not None}
@@ -313,6 +311,26 @@ def varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torc
     back to the host (a device sync per call) for a caller that built them itself and
     knows them valid (the transformers integration, once per layer); every other check
     stays."""
+    (left, right), cap, slopes, problem = _varlen_checks(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
+        window, softcap, alibi_slopes, read_lengths)
+    key = ("varlen", cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_k, q.shape[0],
+           k.shape[0], q.shape[1], k.shape[1], q.shape[2], q.dtype, q.get_device(), causal,
+           return_lse, left, right, cap, slopes is not None)
+    options = {"window": (left, right), "softcap": cap, "alibi_slopes": slopes,
+               "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k,
+               "max_seqlen_q": max_seqlen_q, "max_seqlen_k": max_seqlen_k}
+    return _run(q, k, v, problem, key, causal, scale, return_lse, config, impl, options)
+
+
+def _varlen_checks(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any,
+                   max_seqlen_q: Any, max_seqlen_k: Any, causal: bool, scale: Any,
+                   window: Any, softcap: Any, alibi_slopes: Any, read_lengths: bool
+                   ) -> tuple[tuple[int, int], float | None, torch.Tensor | None,
+                              Callable[[], AttentionProblem]]:
+    """:func:`varlen`'s checks (``cu_seqlens``' values only with ``read_lengths``): the
+    window, softcap and slopes as checked, and a function building the call's packed
+    problem."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise InputTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -343,20 +361,22 @@ def varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torc
                                                   softcap=softcap, alibi_slopes=alibi_slopes,
                                                   batch=batch)
     heads_q, heads_kv, head_dim = q.shape[1], k.shape[1], q.shape[2]
-    def problem() -> AttentionProblem:  # a route's first call
-        return AttentionProblem(batch, heads_q, heads_kv, max_seqlen_q, max_seqlen_k,
-                                head_dim, bool(causal), dtype_name(q.dtype), left,
-                                -1 if causal else right, cap or 0.0, slopes is not None)
-
+    for name, tokens, longest in (("max_seqlen_q", q.shape[0], max_seqlen_q),
+                                  ("max_seqlen_k", k.shape[0], max_seqlen_k)):
+        if tokens > batch * longest:  # free to check: the shapes alone say so
+            raise InputError(f"{name} = {longest}, but {tokens} tokens in {batch} sequences "
+                             f"need a longer one")
     if q.is_cuda and batch * heads_q > 65535:
         raise InputError(f"batch x heads_q = {batch * heads_q} programs on the launch "
                          f"grid's axis 1, more than CUDA's limit of 65535; split the batch")
-    key = ("varlen", batch, max_seqlen_q, max_seqlen_k, heads_q, heads_kv, head_dim,
-           q.dtype, q.get_device(), causal, return_lse, left, right, cap, slopes is not None)
-    options = {"window": (left, right), "softcap": cap, "alibi_slopes": slopes,
-               "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k,
-               "max_seqlen_q": max_seqlen_q, "max_seqlen_k": max_seqlen_k}
-    return _run(q, k, v, problem, key, causal, scale, return_lse, config, impl, options)
+
+    def problem() -> AttentionProblem:  # a route's first call (an empty side keys as 1)
+        return AttentionProblem(batch, heads_q, heads_kv, max_seqlen_q, max_seqlen_k,
+                                head_dim, bool(causal), dtype_name(q.dtype), left,
+                                -1 if causal else right, cap or 0.0, slopes is not None,
+                                max(1, q.shape[0]), max(1, k.shape[0]))
+
+    return (left, right), cap, slopes, problem
 
 
 def reset() -> None:
@@ -381,7 +401,7 @@ def _pair_route(q: torch.Tensor, k: torch.Tensor, causal: bool, window_left: int
                                                 softcap=softcap or None, alibi=alibi)
         check_grid(q, k)
         config = json.loads(config_json) if config_json else None
-        route = _ROUTES[key] = _choose(problem, q, causal, True, True, config, impl, False)
+        route = _ROUTES[key] = _choose(problem, q, causal, True, True, config, impl)
     spec, fcfg, bcfg = route
     assert bcfg is not None
     return spec, fcfg, bcfg
@@ -480,5 +500,141 @@ def attention_compiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cau
                                                   softcap=softcap, alibi_slopes=alibi_slopes)
     out, lse = torch.ops.flashtune.attention_scored_fwd(
         q, k, v, bool(causal), scale, left, right, float(cap or 0.0), slopes,
+        None if config is None else json.dumps(dict(config), sort_keys=True), impl)
+    return (out, lse) if return_lse else out
+
+
+def _varlen_route(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                  max_seqlen_q: int, max_seqlen_k: int, causal: bool, window_left: int,
+                  window_right: int, softcap: float, alibi: bool, config_json: str | None,
+                  impl: str | None) -> tuple[TemplateSpec, Config, Config]:
+    """The pair (attn_fwd saving the LSE, attn_bwd) the compiled varlen ops run; memoised
+    as the eager route is."""
+    key = ("compiled-varlen", cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_k,
+           q.shape, k.shape, q.dtype, q.get_device(), causal, window_left, window_right,
+           softcap, alibi, config_json, impl)
+    route = _ROUTES.get(key)
+    if route is None:
+        problem = AttentionProblem(
+            cu_seqlens_q.numel() - 1, q.shape[1], k.shape[1], max_seqlen_q, max_seqlen_k,
+            q.shape[2], causal, dtype_name(q.dtype), window_left,
+            -1 if causal else window_right, softcap, alibi, max(1, q.shape[0]),
+            max(1, k.shape[0]))
+        config = json.loads(config_json) if config_json else None
+        route = _ROUTES[key] = _choose(problem, q, causal, True, True, config, impl)
+    spec, fcfg, bcfg = route
+    assert bcfg is not None
+    return spec, fcfg, bcfg
+
+
+def _varlen_options(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                    max_seqlen_q: int, max_seqlen_k: int, window_left: int,
+                    window_right: int, softcap: float,
+                    alibi_slopes: torch.Tensor | None) -> dict[str, Any]:
+    return {"window": (window_left, window_right), "softcap": softcap or None,
+            "alibi_slopes": alibi_slopes, "cu_seqlens_q": cu_seqlens_q,
+            "cu_seqlens_k": cu_seqlens_k, "max_seqlen_q": max_seqlen_q,
+            "max_seqlen_k": max_seqlen_k}
+
+
+@torch.library.custom_op("flashtune::attention_varlen_fwd", mutates_args=())
+def _varlen_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
+                   max_seqlen_k: int, causal: bool, scale: float | None, window_left: int,
+                   window_right: int, softcap: float, alibi_slopes: torch.Tensor | None,
+                   config_json: str | None, impl: str | None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    spec, fcfg, _ = _varlen_route(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal,
+                                  window_left, window_right, softcap,
+                                  alibi_slopes is not None, config_json, impl)
+    out, lse = spec.launcher(q, k, v, fcfg, causal=causal, scale=scale, return_lse=True,
+                             **_varlen_options(cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                               max_seqlen_k, window_left, window_right,
+                                               softcap, alibi_slopes))
+    return out, lse
+
+
+@_varlen_fwd_op.register_fake
+def _varlen_fwd_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                     max_seqlen_q: int, max_seqlen_k: int, causal: bool,
+                     scale: float | None, window_left: int, window_right: int,
+                     softcap: float, alibi_slopes: torch.Tensor | None,
+                     config_json: str | None, impl: str | None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    return out, q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+@torch.library.custom_op("flashtune::attention_varlen_bwd", mutates_args=())
+def _varlen_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                   lse: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None,
+                   cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
+                   max_seqlen_k: int, causal: bool, scale: float | None, window_left: int,
+                   window_right: int, softcap: float, alibi_slopes: torch.Tensor | None,
+                   config_json: str | None, impl: str | None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _, _, bcfg = _varlen_route(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal,
+                               window_left, window_right, softcap, alibi_slopes is not None,
+                               config_json, impl)
+    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = _BWD.launcher(
+        q, k, v, out, lse, dout, bcfg, causal=causal, scale=scale, dlse=dlse,
+        **_varlen_options(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                          window_left, window_right, softcap, alibi_slopes))
+    return grads
+
+
+@_varlen_bwd_op.register_fake
+def _varlen_bwd_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                     lse: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None,
+                     cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                     max_seqlen_q: int, max_seqlen_k: int, causal: bool,
+                     scale: float | None, window_left: int, window_right: int,
+                     softcap: float, alibi_slopes: torch.Tensor | None,
+                     config_json: str | None, impl: str | None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            torch.empty_like(k, memory_format=torch.contiguous_format),
+            torch.empty_like(v, memory_format=torch.contiguous_format))
+
+
+def _varlen_setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, wl, wr, cap, slopes, config_json, \
+        impl = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+    ctx.slopes = slopes
+    ctx.args = (max_q, max_k, causal, scale, wl, wr, cap)
+    ctx.route = (config_json, impl)
+
+
+def _varlen_backward(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor) -> Any:
+    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+    dq, dk, dv = torch.ops.flashtune.attention_varlen_bwd(
+        q, k, v, out, lse, dout.contiguous(), dlse, cu_q, cu_k, *ctx.args, ctx.slopes,
+        *ctx.route)
+    return (dq, dk, dv) + (None,) * 12
+
+
+_varlen_fwd_op.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
+
+
+def varlen_compiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                    max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = False,
+                    scale: float | None = None, window: tuple[int, int] | None = None,
+                    softcap: float | None = None, alibi_slopes: torch.Tensor | None = None,
+                    return_lse: bool = False, config: Mapping[str, Any] | None = None,
+                    impl: str | None = None) -> Any:
+    """:func:`attention_varlen` under ``torch.compile``: the custom op
+    ``flashtune::attention_varlen_fwd`` (its backward ``attention_varlen_bwd``), so a
+    compiled model traces the call without a graph break. Every check but the values of
+    ``cu_seqlens`` (a device sync, as under CUDA-graph capture) runs while tracing."""
+    (left, right), cap, slopes, _ = _varlen_checks(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
+        window, softcap, alibi_slopes, False)
+    out, lse = torch.ops.flashtune.attention_varlen_fwd(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, bool(causal), scale,
+        left, right, float(cap or 0.0), slopes,
         None if config is None else json.dumps(dict(config), sort_keys=True), impl)
     return (out, lse) if return_lse else out

@@ -288,7 +288,8 @@ def describe_route(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if isinstance(found, KeyPadding):
         (b, hq, lq, e), hkv = query.shape, key.shape[1]
         problem = AttentionProblem(b, hq, hkv, lq, max(found.lengths), e, False,
-                                   dtype_name(query.dtype))
+                                   dtype_name(query.dtype), tokens_q=b * lq,
+                                   tokens_k=sum(found.lengths))
         choice = lookup_varlen(problem, query, key, value)
         return f"{choice.template} ({choice.source}); attn_mask as {found.describe()}"
     key, value = _top_left(query, key, value, is_causal)

@@ -274,3 +274,32 @@ def test_torch_compile_traces_scored_calls_without_graph_breaks():
         torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-3)
     explained = torch._dynamo.explain(block)(q, k, v)
     assert explained.graph_break_count == 0
+
+
+def test_torch_compile_traces_varlen_calls_without_graph_breaks():
+    """attention_varlen under torch.compile: the custom ops (forward and backward), no graph
+    break, the same output, LSE and gradients as eager."""
+    q, k, v, cq, ck = packed([21, 5, 30], [21, 9, 30], grad=True)
+    slopes_ = slopes(4)
+
+    def block(q, k, v):
+        out, lse = flashtune.attention_varlen(q * 1.0, k, v, cq, ck, 30, 30, causal=True,
+                                              window=(7, 0), alibi_slopes=slopes_,
+                                              return_lse=True)
+        return out.float().sum(-1) + lse.t()
+
+    compiled = torch.compile(block, backend="aot_eager", fullgraph=True)
+    got, want = compiled(q, k, v), block(q, k, v)
+    torch.testing.assert_close(got, want)
+    g_got = torch.autograd.grad(got.sum(), (q, k, v))
+    g_want = torch.autograd.grad(want.sum(), (q, k, v))
+    for a, b in zip(g_got, g_want):
+        torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-3)
+    explained = torch._dynamo.explain(block)(q, k, v)
+    assert explained.graph_break_count == 0
+
+
+def test_varlen_max_seqlen_too_short_for_the_tokens_is_caught_without_reading_lengths():
+    q, k, v, cq, ck = packed([19, 1, 33], [19, 7, 40])
+    with pytest.raises(InputError, match="max_seqlen_q = 10, but 53 tokens in 3 sequences"):
+        scored.varlen(q, k, v, cq, ck, 10, 40, read_lengths=False)

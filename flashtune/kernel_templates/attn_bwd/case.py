@@ -10,7 +10,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from flashtune.core.case import Case, mods_options, random_inputs, relative_error
+from flashtune.core.case import (
+    Case,
+    mods_options,
+    packed_gradients,
+    packed_inputs,
+    random_inputs,
+    relative_error,
+)
 from flashtune.core.device import DeviceFingerprint
 from flashtune.core.problem import AttentionProblem
 
@@ -34,6 +41,9 @@ def make_case(problem: AttentionProblem, device: DeviceFingerprint, *, torch_dev
     from flashtune.kernel_templates.attn_fwd.space import default_config
 
     p = problem
+    if p.packed:
+        return _packed_case(p, device, torch_device=torch_device, generator=generator,
+                            launcher=launcher, check_slice=check_slice)
     t = random_inputs(p, torch_device, generator, ("q", "k", "v", "do"))
     q, k, v, do = t["q"], t["k"], t["v"], t["do"]
     options = mods_options(p, torch_device, generator)
@@ -65,6 +75,36 @@ def make_case(problem: AttentionProblem, device: DeviceFingerprint, *, torch_dev
 
     def error(grads: Any) -> float:
         errs = [relative_error(g[s], r) for g, s, r in zip(grads, (sq, skv, skv), ref)]
+        return float("nan") if any(e != e for e in errs) else max(errs)
+
+    return Case(launch=launch, error=error, flops=p.flops(backward=True),
+                inputs={"q": q, "k": k, "v": v, "do": do, "out": out, "lse": lse})
+
+
+def _packed_case(problem: AttentionProblem, device: DeviceFingerprint, *, torch_device: str,
+                 generator: Any, launcher: Callable[..., Any], check_slice: bool) -> Case:
+    """:func:`make_case` for a packed batch (its ``cu_seqlens`` passed to both kernels)."""
+    from flashtune.kernel_templates.attn_fwd.launcher import attn_fwd
+    from flashtune.kernel_templates.attn_fwd.reference import attn_fwd_reference
+    from flashtune.kernel_templates.attn_fwd.space import default_config
+
+    p = problem
+    t, packing = packed_inputs(p, torch_device, generator, ("q", "k", "v", "do"))
+    q, k, v, do = t["q"], t["k"], t["v"], t["do"]
+    mods = mods_options(p, torch_device, generator)
+    options = {**mods, **packing}
+    out, lse = attn_fwd(q, k, v, default_config(p, device), causal=p.causal, return_lse=True,
+                        **options)
+    heads, (_, *ref) = packed_gradients(attn_fwd_reference, p, q, k, v, do, mods,
+                                        check_slice)
+    kv_heads = (slice(None), slice(0, ref[1].shape[1]))
+
+    def launch(config: Any) -> Any:
+        return launcher(q, k, v, out, lse, do, config, causal=p.causal, **options)
+
+    def error(grads: Any) -> float:
+        errs = [relative_error(g[s], r) for g, s, r in zip(grads, (heads, kv_heads, kv_heads),
+                                                            ref)]
         return float("nan") if any(e != e for e in errs) else max(errs)
 
     return Case(launch=launch, error=error, flops=p.flops(backward=True),

@@ -29,7 +29,7 @@ SPEC = register_template(TemplateSpec(
     kernel=attn_fwd_kernel,
     serves=("fwd", "train", "decode"),
     backward="attn_bwd",
-    limits=Limits(score_mods=SCORE_MODS),
+    limits=Limits(score_mods=SCORE_MODS, packed=True),
 ))
 
 __all__ = ["SPEC", "attn_fwd", "attn_fwd_reference", "attn_fwd_kernel", "default_config", "SPACE"]
