@@ -232,7 +232,7 @@ def test_varlen_qkvpacked_gradients_through_views(env, monkeypatch):
 def test_varlen_over_a_paged_cache(env):
     """block_table: packed queries over a paged cache equal the packed call on the
     sequences' keys gathered from their pages."""
-    page, lq, lk = 8, [3, 1, 6], [19, 5, 30]
+    page, lq, lk = 8, [3, 7, 6], [19, 5, 30]  # sequence 1: two queries see no key
     nblocks = 4
     q, cu_q = _packed(lq, HQ, 21)
     kc, vc = rand(12, page, HKV, D, seed=22), rand(12, page, HKV, D, seed=23)
@@ -396,3 +396,41 @@ def test_errors_from_inside_the_ops_become_fa2s_kind(env):
     q, k, v = qkv.unbind(1)
     with pytest.raises(RuntimeError, match=r"^cu_seqlens_q\[0\] must be 0"):
         fa.flash_attn_varlen_func(q, k, v, bad, bad, 5, 5)
+
+
+def _rotate(x, cos, sin, positions):
+    """GPT-NeoX rotary of x ``(B, N, H, D)`` (its first ``2 * cos.shape[1]`` dims) at
+    ``positions`` ``(B, N)``, in fp32."""
+    half = cos.shape[1]
+    c, s = cos[positions][:, :, None].float(), sin[positions][:, :, None].float()
+    x1, x2, rest = x[..., :half].float(), x[..., half:2 * half].float(), x[..., 2 * half:]
+    return torch.cat([x1 * c - x2 * s, x1 * s + x2 * c, rest.float()], -1).to(x.dtype)
+
+
+@pytest.mark.skipif(not fa_impl.accepts(flashtune.attention_with_kvcache, "k"),
+                    reason="attention_with_kvcache has no in-place append yet")
+def test_with_kvcache_append_and_rotary_as_fa2(env):
+    """k/v appended in place at cache_seqlens and rotary at each sequence's positions, in
+    FlashAttention-2's layout: the cache and the output against a torch reference."""
+    nq, new, cap, half = 2, 2, 24, 8
+    q = rand(B, nq, HQ, D, seed=40)
+    kc, vc = rand(B, cap, HKV, D, seed=41), rand(B, cap, HKV, D, seed=42)
+    knew, vnew = rand(B, new, HKV, D, seed=43), rand(B, new, HKV, D, seed=44)
+    angle = torch.rand(cap, half, generator=torch.Generator().manual_seed(45)) * 6.28
+    cos, sin = torch.cos(angle).to(DEVICE, DT), torch.sin(angle).to(DEVICE, DT)
+    lens = torch.tensor([5, 17], dtype=torch.int32).to(DEVICE)
+    k_ref, v_ref = kc.clone(), vc.clone()
+    pos = lens.long()[:, None] + torch.arange(new)[None, :]
+    k_rot, q_rot = _rotate(knew, cos, sin, pos), _rotate(q, cos, sin, pos[:, :nq])
+    for b in range(B):
+        k_ref[b, pos[b]] = k_rot[b]
+        v_ref[b, pos[b]] = vnew[b]
+    out = fa.flash_attn_with_kvcache(q, kc, vc, knew, vnew, rotary_cos=cos, rotary_sin=sin,
+                                     cache_seqlens=lens, causal=True,
+                                     rotary_interleaved=False)
+    close(kc, k_ref, tol=1e-2)
+    assert torch.equal(vc, v_ref)
+    for b in range(B):
+        n = int(lens[b]) + new
+        want, _ = ref(q_rot[b:b + 1], k_ref[b:b + 1, :n], v_ref[b:b + 1, :n], causal=True)
+        close(out[b:b + 1], want, tol=1e-2)
