@@ -9,10 +9,13 @@ imports (``bert_padding``, ``layers.rotary`` with its Triton kernel), vendored; 
 missing, is :mod:`tests.fa2_suite.einops_lite`. Both leave ``sys.path``/``sys.modules`` when
 collection ends, so no other test sees a ``flash_attn`` package.
 
-The file has ~10^5 cases (hours on one GPU). A run takes a fixed-seed sample of
+The file has 508,777 cases (days on one GPU). A run takes a fixed-seed sample of
 ``$FLASHTUNE_FA2_CASES`` per test function (default 40: 513 cases; ``all`` for every case),
 seed ``$FLASHTUNE_FA2_SEED`` (default 0), optionally part ``i/n`` of it
-(``$FLASHTUNE_FA2_SHARD``). :data:`TABLE`, applied before sampling for ``deselect`` and to the
+(``$FLASHTUNE_FA2_SHARD``, every n-th case, so each function spreads over the shards). The
+sample is drawn in ``pytest_generate_tests`` from the product of each function's parametrize
+marks, before pytest makes an item of every case (which took 2.5 minutes on a CPU); the ids
+are pytest's own. :data:`TABLE`, applied before sampling for ``deselect`` and to the
 sample for ``skip``/``xfail``, is the one list of cases not run as they stand and why; the
 terminal summary (and the JUnit XML's properties) count each row. ``xfail`` rows are strict
 and expect flashtune's ``InputError``: a case marked for a missing feature must be refused with
@@ -300,6 +303,7 @@ def _settings() -> tuple[int | None, int, tuple[int, int] | None]:
             sampling.parse_shard(os.environ.get("FLASHTUNE_FA2_SHARD")))
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m gpu` reads the marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Shard the sample, mark it ``gpu``, and apply the table's skip and xfail rows."""
     if not ACTIVE:
