@@ -1,34 +1,60 @@
 """``attention_with_kvcache``: decoding attention over a contiguous or paged KV cache.
 
-Like flash-attention's ``flash_attn_with_kvcache`` (without the in-place cache append):
-a few new queries per sequence attend to the first ``cache_seqlens[b]`` keys of their
-sequence's cache, which is either contiguous ``(batch, heads_kv, max_seqlen, head_dim)`` or
-paged ``(num_pages, heads_kv, page_size, head_dim)`` with a block table, as in vLLM. Its
-score modifications too, with FlashAttention-2's meanings, per sequence (query ``i`` of
-sequence ``b`` sits at key position ``pos = i + cache_seqlens[b] - seqlen_q``): a local
-``window`` ``(left, right)`` (keys ``[pos - left, pos + right]``, -1 unbounded; causal is
-the right bound 0), a logit ``softcap`` and ``alibi_slopes`` (``-slope * |pos - j|``). A
-window's splits cover only the keys some query sees, so a sliding window over a long cache
-costs O(window).
+flash-attention's ``flash_attn_with_kvcache`` in flashtune's ``(batch, heads, seqlen,
+head_dim)`` layout: a few new queries per sequence attend to their sequence's keys in a cache
+that is either contiguous ``(batch_cache, heads_kv, max_seqlen, head_dim)`` or paged
+``(num_pages, heads_kv, page_size, head_dim)`` with a block table, as in vLLM. With FA2's
+options: new keys/values ``k``/``v`` appended in place at ``cache_seqlens[b]`` (paged or
+not) and attended to; rotary embedding (``rotary_cos``/``rotary_sin``, GPT-J interleaved or
+GPT-NeoX halves, ``rotary_dim <= head_dim``) of q and the new keys at each sequence's
+positions; ``cache_batch_idx`` (which cache row each sequence uses); ``cache_leftpad``
+(where each sequence's keys start). Its score modifications too, with FlashAttention-2's
+meanings, per sequence (query ``i`` of sequence ``b`` sits at key position ``pos = i + L_b -
+seqlen_q``, ``L_b = cache_seqlens[b] + seqlen_new``): a local ``window`` ``(left, right)``
+(keys ``[pos - left, pos + right]``, -1 unbounded; causal is the right bound 0), a logit
+``softcap`` and ``alibi_slopes`` (``-slope * |pos - j|``). A window's splits cover only the
+keys some query sees, so a sliding window over a long cache costs O(window).
 
-Checks: everything that metadata shows (types, dtypes, shapes, strides, devices, head
-counts, page size) is checked on every call, with no device sync. Values inside
-``cache_seqlens`` and ``block_table`` (negative lengths, lengths past the cache's capacity,
-page ids outside ``[0, num_pages)``) need the data: they are checked only with
-``check_tables=True``, which copies the tables to the host and so synchronises with the
-device, and always on CPU tensors (the Triton interpreter). Otherwise they are the caller's
-responsibility, as in flash-attention and vLLM: a bad page id reads the wrong memory.
+One launch (two with split-KV's combine) does the append, the rotary and the attention:
+one program per KV head writes that head's rotated new keys and its new values into the
+cache, while every program reads the new keys from ``k``/``v`` (rotating them itself) rather
+than from the cache, and rotates its own q tile; a decode step needs no separate cache write,
+rotary kernel or copy (see ``kernel_templates/attn_decode/kernel.py``).
+
+Checks, and which ones cost a device sync:
+
+* Everything that metadata shows (types, dtypes, shapes, strides, devices, head counts, page
+  size, ``k``/``v`` against q and the cache, ``rotary_cos`` covering the cache's capacity,
+  ``rotary_dim <= head_dim``, ``cache_batch_idx``/``cache_leftpad`` not with
+  ``block_table``) is checked on every call that does not replay a plan, with no device
+  sync, before any launch.
+* The values inside ``cache_seqlens``, ``block_table``, ``cache_batch_idx`` and
+  ``cache_leftpad`` (lengths in ``[0, capacity - seqlen_new]``, the appended keys counted,
+  against ``k_cache``'s max_seqlen or ``block_table``'s ``max_pages x page_size``; used page
+  ids in ``[0, num_pages)``; cache rows in ``[0, batch_cache)``; left pads in ``[0,
+  cache_seqlens[b]]``) need the data: they are checked with ``check_tables=True``, which
+  copies the tables to the host and so synchronises with the device, and by default on CPU
+  tensors (the Triton interpreter), never during CUDA-graph capture.
+* Without those checks (the default on CUDA, and under graph capture) the call stays
+  memory-safe: the kernel clamps what it reads (lengths to ``[0, capacity]``, appended keys
+  past the capacity dropped, page ids into ``[0, num_pages)`` for reads and not written
+  through when out of range, a cache row out of range making the sequence empty, left pads
+  to ``[0, L_b]``, cos/sin rows past their end unread). Bad values give wrong rows, never a
+  read or write outside the tensors.
 
 Configs: an explicit ``config`` (checked against the ``attn_decode`` space), else the one
 the ``attn_decode`` :class:`~flashtune.runtime.lookup.Dispatcher` serves (tuned exact ->
 bucket -> nearest -> template default, as for ``attn_fwd``) for the problem, whose key is an
 :class:`~flashtune.core.problem.AttentionProblem` with ``seqlen_k`` the cache's
 capacity (metadata: no device sync, and one key for every step of a decoding loop) and the
-score modifications.
+score modifications. The cache options are not part of the problem: the append and the
+rotary add O(seqlen_new) rows of work per KV head and a q-tile rotation per program to a
+walk over the whole cache, which does not move the best split count or tile, so a decode
+step with them runs the config tuned for the attention alone.
 
 Hot path on CUDA: after the first call of a call signature (shapes, strides, dtypes, device,
 16-byte alignment, paged or not, causal, scale, return_lse, window, softcap, the ALiBi
-slopes' metadata), a call checks nothing again and
+slopes' metadata, the cache options' metadata), a call checks nothing again and
 replays an :class:`~flashtune.kernel_templates.attn_decode.plan.AttnDecodePlan` (the compiled
 split and combine kernels with their fixed arguments): a dict read, the allocations and the
 launches.
@@ -56,7 +82,14 @@ from flashtune.kernel_templates.attn_decode.launcher import attn_decode_kvcache
 from flashtune.kernel_templates.attn_decode.plan import AttnDecodePlan
 from flashtune.kernel_templates.direct import current_device as _current_device
 from flashtune.kernel_templates.direct import current_stream as _current_stream
-from flashtune.runtime.checks import SUPPORTED_DTYPES, check_grid, check_score_mods
+from flashtune.runtime.checks import check_grid, check_score_mods
+from flashtune.runtime.kvcache_checks import (
+    check_cache_options,
+    check_float,
+    check_int32,
+    check_kvcache_tables,
+    check_per_sequence,
+)
 from flashtune.runtime.lookup import ConfigChoice, Dispatcher
 
 log = logging.getLogger(__name__)
@@ -136,55 +169,25 @@ def _explicit_config(config: Mapping[str, Any], problem: AttentionProblem,
     return cfg
 
 
-def _shape(t: torch.Tensor) -> tuple[int, ...]:
-    return tuple(t.shape)
-
-
-def _check_float(name: str, t: Any, dims: str) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise InputTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != 4:
-        raise InputError(f"{name} must have 4 dimensions {dims}, got shape {_shape(t)}")
-    if t.dtype not in SUPPORTED_DTYPES:
-        raise InputTypeError(f"{name} must be float16 or bfloat16, got {t.dtype}")
-    if t.numel() == 0:
-        raise InputError(f"{name} is empty (shape {_shape(t)}); every dimension must be >= 1")
-    if t.stride(-1) != 1 and t.shape[-1] != 1:
-        raise InputError(f"{name} must be contiguous in its last dimension (stride 1), got "
-                         f"strides {tuple(t.stride())}; call .contiguous() first")
-
-
-def _check_int32(name: str, t: Any, shape: tuple[int | None, ...], dims: str) -> None:
-    """An int32 tensor of ``shape`` (None: any size)."""
-    if not isinstance(t, torch.Tensor):
-        raise InputTypeError(f"{name} must be an int32 torch.Tensor {dims}, got "
-                             f"{type(t).__name__}")
-    if t.dtype != torch.int32:
-        raise InputTypeError(f"{name} must have dtype torch.int32, got {t.dtype}; "
-                             f"convert it with .to(torch.int32)")
-    if t.dim() != len(shape) or any(want is not None and got != want
-                                    for got, want in zip(t.shape, shape)):
-        want_text = ", ".join("any" if w is None else str(w) for w in shape)
-        want_text += "," if len(shape) == 1 else ""
-        raise InputError(f"{name} must have shape {dims} = ({want_text}), got {_shape(t)}")
-
-
 def check_kvcache_inputs(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any,
-                         block_table: Any, scale: Any) -> None:
+                         block_table: Any, scale: Any, *, cache_batch_idx: Any = None
+                         ) -> None:
     """Raise a clear ``InputError``/``InputTypeError``/``DeviceError`` for bad arguments;
-    metadata only (no device sync)."""
+    metadata only (no device sync). With ``cache_batch_idx`` a contiguous cache's batch
+    may differ from q's (the cache options themselves: :func:`check_cache_options`)."""
     paged = block_table is not None
     cache_dims = ("(num_pages, heads_kv, page_size, head_dim)" if paged
                   else "(batch, heads_kv, max_seqlen, head_dim)")
-    _check_float("q", q, "(batch, heads_q, seqlen_q, head_dim)")
-    _check_float("k_cache", k_cache, cache_dims)
-    _check_float("v_cache", v_cache, cache_dims)
+    check_float("q", q, "(batch, heads_q, seqlen_q, head_dim)")
+    check_float("k_cache", k_cache, cache_dims)
+    check_float("v_cache", v_cache, cache_dims)
     if not (q.dtype == k_cache.dtype == v_cache.dtype):
         raise InputTypeError(f"q, k_cache and v_cache must share one dtype, got q {q.dtype}, "
                              f"k_cache {k_cache.dtype}, v_cache {v_cache.dtype}")
     if k_cache.shape != v_cache.shape:
         raise InputError(f"k_cache and v_cache must have the same shape {cache_dims}, got "
-                         f"k_cache {_shape(k_cache)} and v_cache {_shape(v_cache)}")
+                         f"k_cache {tuple(k_cache.shape)} and v_cache "
+                         f"{tuple(v_cache.shape)}")
     batch, heads_q, _, head_dim = q.shape
     if k_cache.shape[3] != head_dim:
         raise InputError(f"head_dim mismatch: q has {head_dim}, k_cache/v_cache have "
@@ -195,18 +198,15 @@ def check_kvcache_inputs(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any,
     if heads_q % k_cache.shape[1]:
         raise InputError(f"q's heads ({heads_q}) must be a multiple of the cache's heads "
                          f"({k_cache.shape[1]}) for GQA/MQA")
-    if not paged and k_cache.shape[0] != batch:
+    if not paged and cache_batch_idx is None and k_cache.shape[0] != batch:
         raise InputError(f"batch mismatch: q has batch {batch}, k_cache/v_cache have "
                          f"{k_cache.shape[0]} (a contiguous cache is (batch, heads_kv, "
-                         f"max_seqlen, head_dim); pass block_table for a paged one)")
-    _check_int32("cache_seqlens", cache_seqlens, (batch,), "(batch,)")
-    if batch > 1 and cache_seqlens.stride(0) != 1:
-        # the kernel reads cache_seqlens[b] at offset b: it takes no stride
-        raise InputError(f"cache_seqlens must be contiguous (stride 1), got stride "
-                         f"{cache_seqlens.stride(0)} (an expanded, sliced or column view?); "
-                         f"call .contiguous() first")
+                         f"max_seqlen, head_dim); pass block_table for a paged one, or "
+                         f"cache_batch_idx to pick cache rows)")
+    # the kernel reads cache_seqlens[b] at offset b: it takes no stride
+    check_per_sequence("cache_seqlens", cache_seqlens, batch)
     if paged:
-        _check_int32("block_table", block_table, (batch, None), "(batch, max_pages)")
+        check_int32("block_table", block_table, (batch, None), "(batch, max_pages)")
         if block_table.shape[1] < 1:
             raise InputError("block_table has no columns; it must be (batch, max_pages) "
                              "with max_pages >= 1")
@@ -233,46 +233,19 @@ def check_kvcache_inputs(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any,
     check_grid(q, k_cache, decode=True)
 
 
-def check_kvcache_tables(k_cache: torch.Tensor, cache_seqlens: torch.Tensor,
-                         block_table: torch.Tensor | None) -> None:
-    """Check the *values* of ``cache_seqlens`` and ``block_table``: copies them to the host
-    (a device sync on CUDA)."""
-    lens = cache_seqlens.detach().to("cpu", torch.int64)
-    page_size, num_pages = 1, 0
-    if block_table is not None:
-        page_size, num_pages = k_cache.shape[2], k_cache.shape[0]
-        capacity = block_table.shape[1] * page_size
-        what = f"block_table's capacity ({block_table.shape[1]} pages x page_size {page_size})"
-    else:
-        capacity = k_cache.shape[2]
-        what = f"k_cache's max_seqlen ({capacity})"
-    bad = torch.nonzero(lens < 0).flatten()
-    if bad.numel():
-        b = int(bad[0])
-        raise InputError(f"cache_seqlens[{b}] = {int(lens[b])} is negative; lengths must be "
-                         f">= 0")
-    bad = torch.nonzero(lens > capacity).flatten()
-    if bad.numel():
-        b = int(bad[0])
-        raise InputError(f"cache_seqlens[{b}] = {int(lens[b])} exceeds {what}")
-    if block_table is not None:
-        table = block_table.detach().to("cpu", torch.int64)
-        used = torch.arange(table.shape[1])[None, :] < (-(-lens // page_size))[:, None]
-        wrong = used & ((table < 0) | (table >= num_pages))
-        if wrong.any():
-            b, j = (int(x) for x in torch.nonzero(wrong)[0])
-            raise InputError(f"block_table[{b}, {j}] = {int(table[b, j])} is not a page of the "
-                             f"cache: page ids must be in [0, {num_pages}) (k_cache has "
-                             f"{num_pages} pages); sequence {b} of length {int(lens[b])} "
-                             f"uses its first {-(-int(lens[b]) // page_size)} entries")
-
-
 def attention_with_kvcache(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     cache_seqlens: torch.Tensor,
     *,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    rotary_cos: torch.Tensor | None = None,
+    rotary_sin: torch.Tensor | None = None,
+    rotary_interleaved: bool = True,
+    cache_batch_idx: torch.Tensor | None = None,
+    cache_leftpad: torch.Tensor | None = None,
     block_table: torch.Tensor | None = None,
     causal: bool = True,
     scale: float | None = None,
@@ -281,40 +254,71 @@ def attention_with_kvcache(
     alibi_slopes: torch.Tensor | None = None,
     return_lse: bool = False,
     config: Mapping[str, int] | None = None,
-    check_tables: bool = False,
+    check_tables: bool | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Attention of a few new queries per sequence over that sequence's KV cache.
+    """Attention of a few new queries per sequence over that sequence's KV cache, after
+    appending the new keys/values to it in place (FlashAttention-2's
+    ``flash_attn_with_kvcache``, in flashtune's ``(batch, heads, seqlen, head_dim)`` layout).
 
     Inference only: no gradients flow to q/k_cache/v_cache (the output has no
     ``grad_fn``, even for tensors that require grad); use :func:`flashtune.attention` to
     train.
 
+    Sequence ``b`` attends to its keys ``[cache_leftpad[b], L_b)`` with ``L_b =
+    cache_seqlens[b] + seqlen_new`` (``seqlen_new`` 0 without ``k``/``v``).
+
     Arguments:
         q: ``(batch, heads_q, seqlen_q, head_dim)``, the new queries (meant for
             ``seqlen_q <= 16``: decoding, speculative verification; longer runs too).
-        k_cache, v_cache: without ``block_table``, ``(batch, heads_kv, max_seqlen,
-            head_dim)``; with it, ``(num_pages, heads_kv, page_size, head_dim)``. Any strides
-            with a contiguous last dim, so ``(batch, max_seqlen, heads_kv, head_dim)``
-            storage viewed with ``.transpose(1, 2)`` runs without a copy. ``heads_q`` a
-            multiple of ``heads_kv`` (GQA/MQA without copying K/V).
+        k_cache, v_cache: without ``block_table``, ``(batch_cache, heads_kv, max_seqlen,
+            head_dim)`` (``batch_cache == batch`` unless ``cache_batch_idx`` is given); with
+            it, ``(num_pages, heads_kv, page_size, head_dim)``. Any strides with a
+            contiguous last dim, so ``(batch, max_seqlen, heads_kv, head_dim)`` storage
+            viewed with ``.transpose(1, 2)`` runs without a copy. ``heads_q`` a multiple of
+            ``heads_kv`` (GQA/MQA without copying K/V). Updated in place when ``k``/``v``
+            are given.
             q and the caches: float16 or bfloat16, one dtype, one CUDA device (or CPU under
             ``TRITON_INTERPRET=1``); head_dim in 16, 32, 64, 96, 128, 192, 256.
         cache_seqlens: int32 ``(batch,)``, contiguous (not an expanded, sliced or column
-            view): sequence ``b`` attends to its keys
-            ``[0, cache_seqlens[b])`` (the new tokens' keys included, if already written).
-            0 is allowed (the rows return zeros).
+            view): the keys already in sequence ``b``'s cache, ``[0, cache_seqlens[b])``.
+            0 is allowed (without new keys the rows return zeros).
+        k, v: ``(batch, heads_kv, seqlen_new, head_dim)``, q's dtype, last dim contiguous:
+            new keys and values, written into the cache at positions ``cache_seqlens[b] ..
+            cache_seqlens[b] + seqlen_new - 1`` of sequence ``b`` (through ``block_table``
+            when paged; into row ``cache_batch_idx[b]`` when given) and attended to. The
+            cache must hold them: ``cache_seqlens[b] + seqlen_new <= capacity`` (see
+            ``check_tables``). ``cache_seqlens`` is not advanced: the caller adds
+            ``seqlen_new`` for the next step.
+        rotary_cos, rotary_sin: ``(seqlen_ro, rotary_dim / 2)``, contiguous, q's dtype or
+            float32, ``seqlen_ro`` at least the cache's capacity, ``rotary_dim <=
+            head_dim`` (even); need ``k``/``v``. The first ``rotary_dim`` dims of the new
+            keys are rotated at their positions ``cache_seqlens[b] + t`` before they are
+            written; those of q at ``cache_seqlens[b] + i`` when the call is causal or
+            local (a window bound below the capacity), else every query at
+            ``cache_seqlens[b]`` (FlashAttention-2's rule). fp32 math, rounded to the
+            input dtype.
+        rotary_interleaved: True: GPT-J style, dims ``(2t, 2t + 1)`` turn together; False:
+            GPT-NeoX style, dims ``(t, t + rotary_dim / 2)``.
+        cache_batch_idx: int32 ``(batch,)``, contiguous: sequence ``b`` uses row
+            ``cache_batch_idx[b]`` of a contiguous cache (not with ``block_table``). With
+            ``k``/``v``, duplicate rows get the new keys of any one of their sequences.
+        cache_leftpad: int32 ``(batch,)``, contiguous: sequence ``b``'s keys start at
+            ``cache_leftpad[b] <= cache_seqlens[b]``; keys before it are not attended to.
+            Positions (rotary, causal, window, ALiBi) stay those of the cache's slots (not
+            with ``block_table``).
         block_table: int32 ``(batch, max_pages)``: key ``j`` of sequence ``b`` is slot
             ``j % page_size`` of page ``block_table[b, j // page_size]``. Entries past a
-            sequence's last page are never read. Any page size, any strides.
+            sequence's last page (``L_b`` counted) are never read. Any page size, any
+            strides.
         causal: bottom-right aligned against each sequence's own length: query ``i`` sees
-            key ``j`` iff ``j <= i + cache_seqlens[b] - seqlen_q``. Rows that see no key
-            return zeros (and LSE ``-inf``). Irrelevant for ``seqlen_q == 1``.
+            key ``j`` iff ``j <= i + L_b - seqlen_q``. Rows that see no key return zeros
+            (and LSE ``-inf``). Irrelevant for ``seqlen_q == 1`` (but for q's rotary).
         scale: softmax scale; default ``1 / sqrt(head_dim)``.
         window: FlashAttention-2's ``window_size``: ``(left, right)``, query ``i`` of
-            sequence ``b`` (at key position ``pos = i + cache_seqlens[b] - seqlen_q``)
-            sees keys ``[pos - left, pos + right]``; -1 leaves a side unbounded; with
-            ``causal`` the right bound is 0. Keys before the window are never read (a
-            sliding window over a long cache costs O(window)). None or ``(-1, -1)``: none.
+            sequence ``b`` (at key position ``pos = i + L_b - seqlen_q``) sees keys ``[pos -
+            left, pos + right]``; -1 leaves a side unbounded; with ``causal`` the right
+            bound is 0. Keys before the window are never read (a sliding window over a long
+            cache costs O(window)). None or ``(-1, -1)``: none.
         softcap: FlashAttention-2's ``softcap``: scores become ``softcap * tanh(s /
             softcap)`` before the mask (Gemma-2); None or 0.0: none.
         alibi_slopes: float32 ``(heads_q,)`` or ``(batch, heads_q)`` on q's device: scores
@@ -323,43 +327,56 @@ def attention_with_kvcache(
             the modified scores).
         config: explicit ``attn_decode`` config (``BLOCK_N``, ``NUM_SPLITS``,
             ``num_warps``, ``num_stages``); default: the tuned one for this device and
-            problem (see the module docstring), else the template default.
-        check_tables: also check the *values* of ``cache_seqlens`` and ``block_table``
-            (lengths in ``[0, capacity]``, used page ids in ``[0, num_pages)``). This copies
-            them to the host and synchronises with the device; without it (the default on
-            CUDA) bad values are the caller's responsibility, as in flash-attention and vLLM.
-            On CPU (the interpreter) the values are always checked.
+            problem (see the module docstring; the cache options are not part of the
+            problem), else the template default.
+        check_tables: check the *values* of ``cache_seqlens``, ``block_table``,
+            ``cache_batch_idx`` and ``cache_leftpad`` (lengths in ``[0, capacity -
+            seqlen_new]``, used page ids in ``[0, num_pages)``, cache rows in ``[0,
+            batch_cache)``, left pads in ``[0, cache_seqlens[b]]``). This copies them to
+            the host and synchronises with the device. None (default): on CPU tensors (the
+            interpreter) only; True: always, except during CUDA-graph capture (skipped
+            there); False: never. Unchecked bad values give wrong rows, never an
+            out-of-bounds access (the kernel clamps them, see the module docstring).
     Returns:
         ``out`` of ``q``'s shape and dtype (contiguous), or ``(out, lse)``.
     Raises:
         InputError / InputTypeError (``ValueError`` / ``TypeError``) for bad arguments (and
         on CUDA for ``batch x heads_kv`` over 65535, the launch grid's limit: split the
         batch), ConfigError (``ValueError``) for a config outside the space or unfit for the
-        problem, DeviceError for CPU tensors without the interpreter. All before any launch.
+        problem, DeviceError for CPU tensors without the interpreter. All before any launch
+        (so before the cache is written).
     """
     key = None
-    if config is None and _DIRECT and not check_tables and type(q) is _Tensor \
+    if config is None and _DIRECT and check_tables is not True and type(q) is _Tensor \
             and type(k_cache) is _Tensor and type(v_cache) is _Tensor and q.is_cuda \
             and type(cache_seqlens) is _Tensor \
             and (block_table is None or type(block_table) is _Tensor):
         mods = _mods_key(window, softcap, alibi_slopes)
-        if mods is not None:
+        opts = _options_key(k, v, rotary_cos, rotary_sin, rotary_interleaved, cache_batch_idx,
+                            cache_leftpad)
+        if mods is not None and opts is not None:
             key = _plan_key(q, k_cache, v_cache, cache_seqlens, block_table, causal, scale,
-                            return_lse) + mods
+                            return_lse) + mods + opts
             plan = _PLANS.get(key)
             if plan is not None and _current_device() == plan.device_index \
                     and not direct.hooks_installed():
                 return plan(q, k_cache, v_cache, cache_seqlens, block_table,
                             _current_stream(plan.device_index),
-                            None if alibi_slopes is None else alibi_slopes.contiguous())
-    check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, block_table, scale)
-    (left, right), cap, slopes = check_score_mods(q, causal=causal, window=window,
-                                                  softcap=softcap, alibi_slopes=alibi_slopes)
-    if check_tables or q.device.type == "cpu":
-        check_kvcache_tables(k_cache, cache_seqlens, block_table)
+                            None if alibi_slopes is None else alibi_slopes.contiguous(),
+                            k, v, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad)
+    check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, block_table, scale,
+                         cache_batch_idx=cache_batch_idx)
     batch, heads_q, seqlen_q, head_dim = q.shape
     capacity = (block_table.shape[1] * k_cache.shape[2] if block_table is not None
                 else k_cache.shape[2])
+    check_cache_options(q, k_cache, k, v, rotary_cos, rotary_sin, rotary_interleaved,
+                        cache_batch_idx, cache_leftpad, block_table, capacity)
+    (left, right), cap, slopes = check_score_mods(q, causal=causal, window=window,
+                                                  softcap=softcap, alibi_slopes=alibi_slopes)
+    if _check_values(check_tables, q):
+        check_kvcache_tables(k_cache, cache_seqlens, block_table,
+                             seqlen_new=0 if k is None else int(k.shape[2]),
+                             cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad)
     problem = AttentionProblem(int(batch), int(heads_q), int(k_cache.shape[1]), int(seqlen_q),
                                int(capacity), int(head_dim), bool(causal),
                                "fp16" if q.dtype == torch.float16 else "bf16", left,
@@ -369,17 +386,62 @@ def attention_with_kvcache(
         cfg = DISPATCH.choose(problem, device).config
     else:
         cfg = _explicit_config(config, problem, device)
+    options = dict(k_new=k, v_new=v, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+                   rotary_interleaved=rotary_interleaved, cache_batch_idx=cache_batch_idx,
+                   cache_leftpad=cache_leftpad)
     if key is not None and _current_device() == q.get_device() \
             and not direct.hooks_installed():
         plan = _new_plan(q, k_cache, v_cache, cache_seqlens, block_table, cfg, causal, scale,
-                         return_lse, key, (left, right), cap, slopes)
+                         return_lse, key, (left, right), cap, slopes, options)
         if plan is not None:
             return plan(q, k_cache, v_cache, cache_seqlens, block_table,
-                        _current_stream(plan.device_index), slopes)
+                        _current_stream(plan.device_index), slopes, k, v, rotary_cos,
+                        rotary_sin, cache_batch_idx, cache_leftpad)
     return attn_decode_kvcache(q, k_cache, v_cache, cache_seqlens, cfg,
                                block_table=block_table, causal=causal, scale=scale,
                                return_lse=return_lse, window=(left, right), softcap=cap,
-                               alibi_slopes=slopes)
+                               alibi_slopes=slopes, k=k, v=v, rotary_cos=rotary_cos,
+                               rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
+                               cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad)
+
+
+def _check_values(check_tables: Any, q: torch.Tensor) -> bool:
+    """Whether this call checks the tables' values (a device sync on CUDA): as asked, by
+    default on CPU tensors only, never while a CUDA graph is being captured."""
+    if check_tables is not None and not isinstance(check_tables, bool):
+        raise InputTypeError(f"check_tables must be True, False or None, got "
+                             f"{check_tables!r}")
+    want = q.device.type == "cpu" if check_tables is None else check_tables
+    return want and not (q.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+# the options' part of the plan key of a call without any
+_NO_OPTIONS = (None, None, None, None, None, None, None, True)
+
+
+def _options_key(k: Any, v: Any, rotary_cos: Any, rotary_sin: Any, rotary_interleaved: Any,
+                 cache_batch_idx: Any, cache_leftpad: Any) -> tuple[Any, ...] | None:
+    """The cache options' part of the plan key: each tensor's metadata and their 16-byte
+    alignment (their values are read per call); None for arguments of types the key does
+    not hold (the checks then name what is wrong)."""
+    if type(rotary_interleaved) is not bool:
+        return None
+    if k is None and v is None and rotary_cos is None and rotary_sin is None \
+            and cache_batch_idx is None and cache_leftpad is None:
+        return _NO_OPTIONS
+    parts: list[Any] = []
+    ptrs = 0
+    for t in (k, v, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad):
+        if t is None:
+            parts.append(None)
+            continue
+        if type(t) is not _Tensor:
+            return None
+        parts.append((t.shape, t.stride(), t.dtype, t.get_device()))
+        ptrs |= t.data_ptr()
+    parts.append(rotary_interleaved if rotary_cos is not None else None)
+    parts.append(ptrs & 15 == 0)
+    return tuple(parts)
 
 
 def _mods_key(window: Any, softcap: Any, alibi_slopes: Any) -> tuple[Any, ...] | None:
@@ -420,15 +482,16 @@ def _plan_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: torch.
 def _new_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: Any,
               block_table: Any, cfg: Config, causal: bool, scale: float | None,
               return_lse: bool, key: tuple[Any, ...], window: tuple[int, int],
-              softcap: float | None, alibi_slopes: torch.Tensor | None
-              ) -> AttnDecodePlan | None:
+              softcap: float | None, alibi_slopes: torch.Tensor | None,
+              options: Mapping[str, Any]) -> AttnDecodePlan | None:
     """Build and keep (under ``key``) the launch plan of this call signature; None if
     Triton's internals moved (then every call goes through the launcher)."""
     global _DIRECT
     try:
         plan = AttnDecodePlan(q, k, v, cfg, seqlens=seqlens, block_table=block_table,
                               causal=causal, scale=scale, return_lse=return_lse,
-                              window=window, softcap=softcap, alibi_slopes=alibi_slopes)
+                              window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                              **options)
     except Exception as exc:  # noqa: BLE001 - Triton internals moved: launch the normal way
         _DIRECT = False
         log.warning("flashtune: direct decode launches disabled (%s: %s); calls go through "

@@ -14,7 +14,12 @@ from flashtune.kernel_templates import get_template
 from flashtune.kernel_templates.attn_decode import attn_decode, attn_decode_kvcache
 from flashtune.kernel_templates.attn_decode.space import default_splits, keys_seen
 from tests.conftest import DEVICE
-from tests.decode_helpers import assert_decode_close, make_cache
+from tests.decode_helpers import (
+    NO_CACHE_OPTIONS,
+    assert_decode_close,
+    compile_split_kernel_sm90,
+    make_cache,
+)
 
 SPEC = get_template("attn_decode")
 H100 = DeviceFingerprint("NVIDIA_H100_80GB_HBM3", "9.0", 132, 232448, 85 << 30)
@@ -157,40 +162,12 @@ def test_window_sizes_the_default_splits_and_the_idle_check():
                                                2.0, True), H100) is None
 
 
-_COMPILE_SCRIPT = r"""
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from flashtune.kernel_templates.attn_decode.kernel import attn_decode_split_kernel as kern
-names = kern.arg_names
-for causal, window, cap, alibi in ((True, True, True, True), (False, True, False, False)):
-    const = dict(HEAD_DIM=128, BLOCK_D=128, GROUP=4, BLOCK_M=16, BLOCK_N=64, NUM_SPLITS=4,
-                 IS_CAUSAL=causal, HAS_SEQLENS=True, PAGED=False, PAGE_ALIGNED=False,
-                 STORE_LSE=True, UPCAST_DOT=False, HAS_WINDOW=window, HAS_SOFTCAP=cap,
-                 HAS_ALIBI=alibi)
-    if not alibi:
-        const["Alibi"] = None
-    ptr = {"Q": "*fp16", "K": "*fp16", "V": "*fp16", "Out": "*fp16", "Lse": "*fp32",
-           "OPart": "*fp32", "LsePart": "*fp32", "Seqlens": "*i32", "BlockTable": "*i32",
-           "Alibi": "*fp32"}
-    sig = {n: "constexpr" if n in const else ptr.get(n)
-           or ("fp32" if n in ("sm_scale", "SOFTCAP") else "i32") for n in names}
-    src = ASTSource(fn=kern, signature=sig,
-                    constexprs={(names.index(k),): v for k, v in const.items()})
-    triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4,
-                                                                        num_stages=2))
-print("ok")
-"""
-
-
 def test_the_flags_compile_for_sm90():
     """The interpreter is lenient about types; compile the modified kernel for the H100 on
     the CPU (a subprocess: this process has the kernels wrapped by the interpreter)."""
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], capture_output=True,
-                          text=True, env=env, timeout=600)
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]
+    off = NO_CACHE_OPTIONS + ["NUM_PAGES"]
+    compile_split_kernel_sm90([
+        {"const": dict(IS_CAUSAL=True, HAS_WINDOW=True, HAS_SOFTCAP=True, HAS_ALIBI=True),
+         "none": off},
+        {"const": dict(IS_CAUSAL=False, HAS_WINDOW=True), "none": off + ["Alibi"]},
+    ])

@@ -41,6 +41,35 @@ Paged caches (``PAGED``): K/V are ``(num_pages, Hkv, page_size, D)`` and key ``j
 sequence ``b`` lives at page ``BlockTable[b, j // page_size]``, slot ``j % page_size``. With
 ``PAGE_ALIGNED`` (``page_size % BLOCK_N == 0``: a tile never straddles pages) one page id is
 read per tile; otherwise one per key row (any page size works, as in vLLM's Triton kernels).
+
+FlashAttention-2's ``flash_attn_with_kvcache`` options, each behind a constexpr flag (its
+pointers None when off, so a call without them compiles without them):
+
+* ``HAS_NEW``: new keys/values ``KNew``/``VNew`` ``(B, Hkv, N_NEW, D)`` are appended at
+  ``Seqlens[b]``: sequence ``b`` attends to ``L = Seqlens[b] + N_NEW`` keys. In the same
+  launch, program ``(split 0, row block 0)`` of each ``(b, h_kv)`` writes them into the cache
+  (rotated, in the cache's dtype); the walk reads keys ``j >= Seqlens[b]`` from
+  ``KNew``/``VNew`` (rotated again, the same arithmetic), never from the cache, so no program
+  reads a slot another one writes. The unmasked phase stops at the first new key's block; new
+  keys are walked masked.
+* ``ROT_DIM`` > 0: rotary embedding of the first ``ROT_DIM`` dims of the new keys (key ``j``
+  at position ``j``) and of q (query ``i`` at ``Seqlens[b] + i`` with ``ROT_Q_PER_POS``, at
+  ``Seqlens[b]`` otherwise), GPT-J pairs ``(2t, 2t+1)`` with ``ROT_INTERLEAVED``, GPT-NeoX
+  halves ``(t, t + ROT_DIM/2)`` otherwise; ``Cos``/``Sin`` ``(SEQLEN_RO, ROT_DIM / 2)``
+  contiguous; computed in fp32 and rounded to the input dtype, as FlashAttention-2 does.
+* ``HAS_BATCH_IDX``: sequence ``b`` uses cache row ``BatchIdx[b]`` (contiguous caches).
+* ``HAS_LEFTPAD``: sequence ``b``'s keys start at ``LeftPad[b]``: keys before it are neither
+  read nor attended (the walk starts at its block, as at a window's first key).
+
+Bounds: whatever the values of ``Seqlens``, ``BlockTable``, ``BatchIdx`` and ``LeftPad``, no
+program reads or writes outside its tensors. Lengths are clamped to ``[0, N_K]`` (``N_K`` the
+capacity: the cache's max_seqlen, or max_pages x page_size), appended keys included (new keys
+past the capacity are neither written nor attended); used page ids are clamped into ``[0,
+NUM_PAGES)`` for reads, and a key is written only when its page id is in range; a cache row
+``BatchIdx[b]`` outside ``[0, CACHE_BATCH)`` makes sequence ``b`` empty (zeros, nothing
+written); ``LeftPad[b]`` is clamped to ``[0, L]``; cos/sin rows past ``SEQLEN_RO`` are not read
+(no rotation there). Bad values give wrong rows, never an out-of-bounds access; the runtime
+checks them on request (a device sync).
 """
 
 import triton
@@ -50,31 +79,72 @@ from flashtune.kernel_templates.score_mods import modified_scores
 
 
 @triton.jit
+def _rotary_dims(offs_d, ROT_DIM: tl.constexpr, ROT_INTERLEAVED: tl.constexpr):
+    """Per dim ``d``: its rotary partner, the cos/sin column it uses, the sign of the
+    partner's term and whether it rotates at all (``d < ROT_DIM``; the others are their own
+    partner and read column 0, unused)."""
+    if ROT_INTERLEAVED:  # GPT-J: dims (2t, 2t + 1) turn by column t
+        partner = offs_d ^ 1
+        freq = offs_d // 2
+        sign = tl.where(offs_d % 2 == 0, -1.0, 1.0)
+    else:  # GPT-NeoX: dims (t, t + ROT_DIM / 2) turn by column t
+        low = offs_d < ROT_DIM // 2
+        partner = tl.where(low, offs_d + ROT_DIM // 2, offs_d - ROT_DIM // 2)
+        freq = tl.where(low, offs_d, offs_d - ROT_DIM // 2)
+        sign = tl.where(low, -1.0, 1.0)
+    rot = offs_d < ROT_DIM
+    return tl.where(rot, partner, offs_d), tl.where(rot, freq, 0), sign, rot
+
+
+@triton.jit
+def _load_rotated(ptrs, partner_ptrs, pos, ok, rot, freq, sign, Cos, Sin, seqlen_ro,
+                  ROT_DIM: tl.constexpr):
+    """Load ``ptrs`` where ``ok`` (0 elsewhere) and, with ``ROT_DIM`` > 0, rotate it at
+    positions ``pos``: ``x cos + sign x_partner sin`` in fp32, rounded back to x's dtype (as
+    FlashAttention-2). Cos/sin rows at or past ``seqlen_ro`` are not read (cos 1, sin 0).
+    Every argument is already broadcast to the tile's orientation."""
+    x = tl.load(ptrs, mask=ok, other=0.0)
+    if ROT_DIM > 0:
+        xp = tl.load(partner_ptrs, mask=ok & rot, other=0.0)
+        cs_ok = ok & rot & (pos < seqlen_ro)
+        cs_off = pos.to(tl.int64) * (ROT_DIM // 2) + freq
+        c = tl.load(Cos + cs_off, mask=cs_ok, other=1.0).to(tl.float32)
+        s = tl.load(Sin + cs_off, mask=cs_ok, other=0.0).to(tl.float32)
+        x = (x.to(tl.float32) * c + sign * xp.to(tl.float32) * s).to(x.dtype)
+    return x
+
+
+@triton.jit
 def _decode_inner(acc, l_i, m_i, q, k_base, v_base, BlockTable, bt_row, offs_n, offs_d,
                   stride_kp, stride_kn, stride_vp, stride_vn, stride_btp,
-                  lo, hi, seqlen, page_size, causal_lim, qk_scale,
-                  win_l, win_r, cap_in, cap_out, slope,
+                  lo, hi, seqlen, page_size, num_pages, causal_lim, qk_scale,
+                  win_l, win_r, cap_in, cap_out, slope, key_lo,
+                  cache_len, kn_base, vn_base, stride_knn, stride_vnn, Cos, Sin, seqlen_ro,
+                  rot_partner, rot_freq, rot_sign, rot_on,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                   MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, PAGED: tl.constexpr,
                   PAGE_ALIGNED: tl.constexpr, UPCAST_DOT: tl.constexpr,
                   HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                  HAS_ALIBI: tl.constexpr):
+                  HAS_ALIBI: tl.constexpr, HAS_LEFTPAD: tl.constexpr, HAS_NEW: tl.constexpr,
+                  ROT_DIM: tl.constexpr):
     d_ok = offs_d < HEAD_DIM
     for start_n in tl.range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         if PAGED:
+            # a page id outside [0, num_pages) reads some page of the cache, never outside it
             if PAGE_ALIGNED:
                 page = tl.load(BlockTable + bt_row + (start_n // page_size) * stride_btp)
-                page = page.to(tl.int64)
+                page = tl.minimum(tl.maximum(page, 0), num_pages - 1).to(tl.int64)
                 slot = (start_n % page_size + offs_n).to(tl.int64)
                 k_rows = page * stride_kp + slot * stride_kn
                 v_rows = page * stride_vp + slot * stride_vn
             else:
                 bt_ptrs = BlockTable + bt_row + (cols // page_size).to(tl.int64) * stride_btp
                 if MASKED:
-                    pages = tl.load(bt_ptrs, mask=cols < seqlen, other=0).to(tl.int64)
+                    pages = tl.load(bt_ptrs, mask=cols < seqlen, other=0)
                 else:
-                    pages = tl.load(bt_ptrs).to(tl.int64)
+                    pages = tl.load(bt_ptrs)
+                pages = tl.minimum(tl.maximum(pages, 0), num_pages - 1).to(tl.int64)
                 slot = (cols % page_size).to(tl.int64)
                 k_rows = pages * stride_kp + slot * stride_kn
                 v_rows = pages * stride_vp + slot * stride_vn
@@ -84,9 +154,24 @@ def _decode_inner(acc, l_i, m_i, q, k_base, v_base, BlockTable, bt_row, offs_n, 
         kt_ptrs = k_base + k_rows[None, :] + offs_d[:, None]
         v_ptrs = v_base + v_rows[:, None] + offs_d[None, :]
         if MASKED:
-            n_ok = cols < seqlen
+            if HAS_NEW:  # keys from cache_len on come from KNew/VNew, not the cache
+                n_ok = cols < cache_len
+            else:
+                n_ok = cols < seqlen
             kt = tl.load(kt_ptrs, mask=n_ok[None, :] & d_ok[:, None], other=0.0)
             v = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+            if HAS_NEW:
+                is_new = (cols >= cache_len) & (cols < seqlen)
+                new_rows = (cols - cache_len).to(tl.int64)
+                kn_rows = kn_base + (new_rows * stride_knn)[None, :]
+                kt_new = _load_rotated(kn_rows + offs_d[:, None], kn_rows + rot_partner[:, None],
+                                       cols[None, :], is_new[None, :] & d_ok[:, None],
+                                       rot_on[:, None], rot_freq[:, None], rot_sign[:, None],
+                                       Cos, Sin, seqlen_ro, ROT_DIM)
+                kt = tl.where(is_new[None, :], kt_new, kt)
+                v_new = tl.load(vn_base + (new_rows * stride_vnn)[:, None] + offs_d[None, :],
+                                mask=is_new[:, None] & d_ok[None, :], other=0.0)
+                v = tl.where(is_new[:, None], v_new, v)
         elif BLOCK_D != HEAD_DIM:
             kt = tl.load(kt_ptrs, mask=d_ok[:, None], other=0.0)
             v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
@@ -104,6 +189,8 @@ def _decode_inner(acc, l_i, m_i, q, k_base, v_base, BlockTable, bt_row, offs_n, 
             qk = qk * qk_scale
         if MASKED:
             keep = (cols < seqlen)[None, :]
+            if HAS_LEFTPAD:
+                keep = keep & (cols >= key_lo)[None, :]
             if IS_CAUSAL:
                 keep = keep & (cols[None, :] <= causal_lim[:, None])
             if HAS_WINDOW:  # causal_lim is each row's key position
@@ -130,8 +217,49 @@ def _decode_inner(acc, l_i, m_i, q, k_base, v_base, BlockTable, bt_row, offs_n, 
 
 
 @triton.jit
+def _append_new_kv(K, V, k_base, v_base, kn_base, vn_base, BlockTable, bt_row, offs_n, offs_d,
+                   stride_kp, stride_kn, stride_vp, stride_vn, stride_btp,
+                   stride_knn, stride_vnn, cache_len, seqlen, n_new, page_size, num_pages,
+                   Cos, Sin, seqlen_ro, rot_partner, rot_freq, rot_sign, rot_on,
+                   HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr,
+                   ROT_DIM: tl.constexpr):
+    """Write one KV head's new keys (rotated) and values into the cache at ``cache_len``..:
+    only slots below ``seqlen`` (the capacity-clamped length), and with a paged cache only
+    where the page id is in ``[0, num_pages)``."""
+    d_ok = offs_d < HEAD_DIM
+    for start in tl.range(0, n_new, BLOCK_N):
+        rows_n = start + offs_n
+        j = cache_len + rows_n  # the keys' positions in the sequence
+        w_ok = j < seqlen
+        new_rows = rows_n.to(tl.int64)
+        kn_rows = kn_base + (new_rows * stride_knn)[:, None]
+        k_new = _load_rotated(kn_rows + offs_d[None, :], kn_rows + rot_partner[None, :],
+                              j[:, None], w_ok[:, None] & d_ok[None, :], rot_on[None, :],
+                              rot_freq[None, :], rot_sign[None, :], Cos, Sin, seqlen_ro,
+                              ROT_DIM)
+        v_new = tl.load(vn_base + (new_rows * stride_vnn)[:, None] + offs_d[None, :],
+                        mask=w_ok[:, None] & d_ok[None, :], other=0.0)
+        if PAGED:
+            page = tl.load(BlockTable + bt_row + (j // page_size).to(tl.int64) * stride_btp,
+                           mask=w_ok, other=-1)
+            w_ok = w_ok & (page >= 0) & (page < num_pages)
+            slot = (j % page_size).to(tl.int64)
+            k_dst = page.to(tl.int64) * stride_kp + slot * stride_kn
+            v_dst = page.to(tl.int64) * stride_vp + slot * stride_vn
+        else:
+            k_dst = j.to(tl.int64) * stride_kn
+            v_dst = j.to(tl.int64) * stride_vn
+        st_ok = w_ok[:, None] & d_ok[None, :]
+        tl.store(k_base + k_dst[:, None] + offs_d[None, :], k_new.to(K.dtype.element_ty),
+                 mask=st_ok)
+        tl.store(v_base + v_dst[:, None] + offs_d[None, :], v_new.to(V.dtype.element_ty),
+                 mask=st_ok)
+
+
+@triton.jit
 def attn_decode_split_kernel(
     Q, K, V, Out, Lse, Seqlens, BlockTable, OPart, LsePart, Alibi,
+    KNew, VNew, Cos, Sin, BatchIdx, LeftPad,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -141,19 +269,29 @@ def attn_decode_split_kernel(
     # the modifications' scalars come last: a plain launch (Alibi None) keeps every earlier
     # parameter's place, and so its code
     stride_ab, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
+    # the cache options' scalars (None when unused): NUM_PAGES with PAGED, the new K/V's
+    # strides and N_NEW with HAS_NEW, SEQLEN_RO with ROT_DIM, CACHE_BATCH with HAS_BATCH_IDX
+    NUM_PAGES, stride_knb, stride_knh, stride_knn, stride_vnb, stride_vnh, stride_vnn,
+    N_NEW, SEQLEN_RO, CACHE_BATCH,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_SEQLENS: tl.constexpr, PAGED: tl.constexpr,
     PAGE_ALIGNED: tl.constexpr, STORE_LSE: tl.constexpr, UPCAST_DOT: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_NEW: tl.constexpr, ROT_DIM: tl.constexpr, ROT_INTERLEAVED: tl.constexpr,
+    ROT_Q_PER_POS: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
 ):
     """K/V strides: ``stride_kb`` is the page stride when PAGED (K is ``(pages, Hkv,
     page_size, D)``), the batch stride otherwise. OPart ``(B, Hq, N_Q, NUM_SPLITS, HEAD_DIM)``
     and LsePart ``(B, Hq, N_Q, NUM_SPLITS)`` are contiguous fp32; Lse ``(B, Hq, N_Q)``
     contiguous fp32. ``WINDOW_LEFT``/``WINDOW_RIGHT`` (-1: unbounded; the right one unread
-    with IS_CAUSAL), ``SOFTCAP`` and ``Alibi`` are read only under their flags."""
+    with IS_CAUSAL), ``SOFTCAP`` and ``Alibi`` are read only under their flags. ``N_K`` is
+    the capacity every length is clamped to. KNew/VNew ``(B, Hkv, N_NEW, D)``; Cos/Sin
+    ``(SEQLEN_RO, ROT_DIM // 2)`` contiguous; BatchIdx, LeftPad int32 ``(B,)``."""
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16, "tl.dot needs tiles of at least 16")
     tl.static_assert(BLOCK_D >= HEAD_DIM, "BLOCK_D must cover HEAD_DIM")
+    tl.static_assert(ROT_DIM == 0 or HAS_NEW, "rotary comes with new keys")
+    tl.static_assert(ROT_DIM % 2 == 0 and ROT_DIM <= HEAD_DIM, "ROT_DIM even, <= HEAD_DIM")
     split = tl.program_id(0)
     off_bh = tl.program_id(1)
     off_b = off_bh // H_KV
@@ -167,25 +305,72 @@ def attn_decode_split_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
 
+    # the sequence's keys: cached [0, cache_len), appended [cache_len, seqlen), every length
+    # clamped to the capacity N_K whatever the tables hold
     if HAS_SEQLENS:
-        seqlen = tl.load(Seqlens + off_b)
+        cache_len = tl.minimum(tl.maximum(tl.load(Seqlens + off_b), 0), N_K)
     else:
-        seqlen = N_K
+        cache_len = N_K
+    cache_b = off_b
+    if HAS_BATCH_IDX:  # a cache row out of range: an empty sequence, nothing written
+        cache_b = tl.load(BatchIdx + off_b)
+        cache_b_ok = (cache_b >= 0) & (cache_b < CACHE_BATCH)
+        cache_b = tl.where(cache_b_ok, cache_b, 0)
+        cache_len = tl.where(cache_b_ok, cache_len, 0)
+    n_new = 0
+    if HAS_NEW:
+        n_new = N_NEW
+        if HAS_BATCH_IDX:
+            n_new = tl.where(cache_b_ok, N_NEW, 0)
+        seqlen = tl.minimum(cache_len + n_new, N_K)
+    else:
+        seqlen = cache_len
+    key_lo = 0
+    if HAS_LEFTPAD:  # keys before LeftPad[b] are not the sequence's
+        key_lo = tl.minimum(tl.maximum(tl.load(LeftPad + off_b), 0), seqlen)
     if PAGED:
         k_base = K + off_hkv.to(tl.int64) * stride_kh
         v_base = V + off_hkv.to(tl.int64) * stride_vh
     else:
-        k_base = K + off_b.to(tl.int64) * stride_kb + off_hkv.to(tl.int64) * stride_kh
-        v_base = V + off_b.to(tl.int64) * stride_vb + off_hkv.to(tl.int64) * stride_vh
+        k_base = K + cache_b.to(tl.int64) * stride_kb + off_hkv.to(tl.int64) * stride_kh
+        v_base = V + cache_b.to(tl.int64) * stride_vb + off_hkv.to(tl.int64) * stride_vh
     bt_row = off_b.to(tl.int64) * stride_btb
 
-    q_ptrs = (Q + off_b.to(tl.int64) * stride_qb + offs_h[:, None].to(tl.int64) * stride_qh
-              + offs_i[:, None].to(tl.int64) * stride_qm + offs_d[None, :])
-    q = tl.load(q_ptrs, mask=r_ok[:, None] & d_ok[None, :], other=0.0)
+    # the rotary's per-dim vectors (unused, so not compiled, without rotary)
+    rot_partner, rot_freq, rot_sign, rot_on = _rotary_dims(offs_d, ROT_DIM, ROT_INTERLEAVED)
+    kn_base = None
+    vn_base = None
+    if HAS_NEW:
+        kn_base = KNew + off_b.to(tl.int64) * stride_knb + off_hkv.to(tl.int64) * stride_knh
+        vn_base = VNew + off_b.to(tl.int64) * stride_vnb + off_hkv.to(tl.int64) * stride_vnh
+        # one program of each KV head writes its new keys and values into the cache; every
+        # program reads them from KNew/VNew, so none reads a slot being written
+        if (split == 0) & (tl.program_id(2) == 0):
+            _append_new_kv(K, V, k_base, v_base, kn_base, vn_base, BlockTable, bt_row, offs_n,
+                           offs_d, stride_kb, stride_kn, stride_vb, stride_vn, stride_btp,
+                           stride_knn, stride_vnn, cache_len, seqlen, n_new, page_size,
+                           NUM_PAGES, Cos, Sin, SEQLEN_RO, rot_partner, rot_freq, rot_sign,
+                           rot_on, HEAD_DIM, BLOCK_N, PAGED, ROT_DIM)
+
+    q_rows = (Q + off_b.to(tl.int64) * stride_qb + offs_h[:, None].to(tl.int64) * stride_qh
+              + offs_i[:, None].to(tl.int64) * stride_qm)
+    q_ok = r_ok[:, None] & d_ok[None, :]
+    if ROT_DIM > 0:
+        # FlashAttention-2: query i at position cache_len + i (causal or local), else every
+        # query at cache_len
+        if ROT_Q_PER_POS:
+            q_pos = cache_len + offs_i
+        else:
+            q_pos = cache_len + offs_i * 0
+        q = _load_rotated(q_rows + offs_d[None, :], q_rows + rot_partner[None, :],
+                          q_pos[:, None], q_ok, rot_on[None, :], rot_freq[None, :],
+                          rot_sign[None, :], Cos, Sin, SEQLEN_RO, ROT_DIM)
+    else:
+        q = tl.load(q_rows + offs_d[None, :], mask=q_ok, other=0.0)
 
     win_l = None
     win_r = None
-    if not HAS_WINDOW:
+    if not (HAS_WINDOW or HAS_LEFTPAD):
         # this split's keys: whole blocks, [lo, hi)
         blocks_per_split = tl.cdiv(tl.cdiv(seqlen, BLOCK_N), NUM_SPLITS)
         lo = split * blocks_per_split * BLOCK_N
@@ -197,30 +382,47 @@ def attn_decode_split_kernel(
         else:
             full_end = seqlen
         mid = lo + tl.maximum(tl.minimum(hi, full_end) - lo, 0) // BLOCK_N * BLOCK_N
+        if HAS_NEW:  # new keys are walked masked (read from KNew/VNew)
+            mid = tl.minimum(mid, tl.maximum(cache_len // BLOCK_N * BLOCK_N, lo))
         hi = tl.maximum(hi, mid)
     else:
         causal_lim = offs_i + seqlen - N_Q  # each row's key position
-        # -1 (unbounded) becomes a bound past every key: |pos - j| < seqlen + N_Q
-        unbounded = seqlen + N_Q
-        win_l = tl.where(WINDOW_LEFT < 0, unbounded, WINDOW_LEFT)
-        if IS_CAUSAL:
-            win_r = 0
+        if HAS_WINDOW:
+            # -1 (unbounded) becomes a bound past every key: |pos - j| < seqlen + N_Q
+            unbounded = seqlen + N_Q
+            win_l = tl.where(WINDOW_LEFT < 0, unbounded, WINDOW_LEFT)
+            if IS_CAUSAL:
+                win_r = 0
+            else:
+                win_r = tl.where(WINDOW_RIGHT < 0, unbounded, WINDOW_RIGHT)
+            # the keys any row sees start at first_key (the last row, at seqlen - 1, sees up
+            # to the end); every row sees [full_key, full_end)
+            first_key = tl.maximum(seqlen - N_Q - win_l, 0)
+            full_key = tl.maximum(seqlen - 1 - win_l, 0)
+            full_end = tl.minimum(tl.maximum(seqlen - N_Q + win_r + 1, 0), seqlen)
         else:
-            win_r = tl.where(WINDOW_RIGHT < 0, unbounded, WINDOW_RIGHT)
-        # the keys any row sees: [first, seqlen) (the last row, at seqlen - 1, sees up to
-        # the end); the splits cut the blocks from first's on, so none walks keys before it
-        first = tl.maximum(seqlen - N_Q - win_l, 0) // BLOCK_N * BLOCK_N
+            first_key = 0
+            full_key = 0
+            if IS_CAUSAL:
+                full_end = tl.maximum(seqlen - N_Q + 1, 0)
+            else:
+                full_end = seqlen
+        if HAS_LEFTPAD:
+            first_key = tl.maximum(first_key, key_lo)
+            full_key = tl.maximum(full_key, key_lo)
+        # the splits cut the blocks from first_key's on, so none walks keys before it
+        first = first_key // BLOCK_N * BLOCK_N
         blocks_per_split = tl.cdiv(tl.cdiv(seqlen - first, BLOCK_N), NUM_SPLITS)
         lo = first + split * blocks_per_split * BLOCK_N
         hi = tl.maximum(tl.minimum(seqlen, lo + blocks_per_split * BLOCK_N), lo)
-        # keys every row sees: [pos_last - left, pos_0 + right] (pos_last = seqlen - 1,
-        # pos_0 = seqlen - N_Q); its whole blocks below the ragged end, [full_lo, mid), need
-        # no mask; [lo, full_lo) and [mid, hi) are walked masked (all of [lo, hi) when no
-        # block is seen in full by every row)
-        full_lo = (tl.maximum(seqlen - 1 - win_l, 0) + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+        # the whole blocks of [full_key, full_end), [full_lo, mid), need no mask; [lo,
+        # full_lo) and [mid, hi) are walked masked (all of [lo, hi) when no block is seen in
+        # full by every row)
+        full_lo = (full_key + BLOCK_N - 1) // BLOCK_N * BLOCK_N
         full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
-        full_end = tl.minimum(tl.maximum(seqlen - N_Q + win_r + 1, 0), seqlen)
         mid = tl.maximum(tl.minimum(full_end // BLOCK_N * BLOCK_N, hi), full_lo)
+        if HAS_NEW:  # new keys are walked masked (read from KNew/VNew)
+            mid = tl.minimum(mid, tl.maximum(cache_len // BLOCK_N * BLOCK_N, full_lo))
 
     qk_scale = sm_scale * 1.4426950408889634  # log2(e)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -239,27 +441,37 @@ def attn_decode_split_kernel(
         slope = (tl.load(Alibi + off_b.to(tl.int64) * stride_ab + offs_h)
                  * 1.4426950408889634)[:, None]
 
-    if HAS_WINDOW:  # the left band: the window's lower edge
+    if HAS_WINDOW or HAS_LEFTPAD:  # the left band: the window's (or the keys') lower edge
         acc, l_i, m_i = _decode_inner(acc, l_i, m_i, q, k_base, v_base, BlockTable, bt_row,
                                       offs_n, offs_d, stride_kb, stride_kn, stride_vb,
                                       stride_vn, stride_btp, lo, full_lo, seqlen, page_size,
-                                      causal_lim, qk_scale, win_l, win_r, cap_in, cap_out,
-                                      slope, HEAD_DIM, BLOCK_D, BLOCK_N, True, IS_CAUSAL,
+                                      NUM_PAGES, causal_lim, qk_scale, win_l, win_r, cap_in,
+                                      cap_out, slope, key_lo, cache_len, kn_base, vn_base,
+                                      stride_knn, stride_vnn, Cos, Sin, SEQLEN_RO,
+                                      rot_partner, rot_freq, rot_sign, rot_on,
+                                      HEAD_DIM, BLOCK_D, BLOCK_N, True, IS_CAUSAL,
                                       PAGED, PAGE_ALIGNED, UPCAST_DOT,
-                                      HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
+                                      HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_LEFTPAD, HAS_NEW,
+                                      ROT_DIM)
         lo = full_lo
     acc, l_i, m_i = _decode_inner(acc, l_i, m_i, q, k_base, v_base, BlockTable, bt_row,
                                   offs_n, offs_d, stride_kb, stride_kn, stride_vb, stride_vn,
-                                  stride_btp, lo, mid, seqlen, page_size, causal_lim, qk_scale,
-                                  win_l, win_r, cap_in, cap_out, slope,
+                                  stride_btp, lo, mid, seqlen, page_size, NUM_PAGES,
+                                  causal_lim, qk_scale, win_l, win_r, cap_in, cap_out, slope,
+                                  key_lo, cache_len, kn_base, vn_base, stride_knn, stride_vnn,
+                                  Cos, Sin, SEQLEN_RO, rot_partner, rot_freq, rot_sign, rot_on,
                                   HEAD_DIM, BLOCK_D, BLOCK_N, False, IS_CAUSAL, PAGED,
-                                  PAGE_ALIGNED, UPCAST_DOT, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
+                                  PAGE_ALIGNED, UPCAST_DOT, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI,
+                                  HAS_LEFTPAD, HAS_NEW, ROT_DIM)
     acc, l_i, m_i = _decode_inner(acc, l_i, m_i, q, k_base, v_base, BlockTable, bt_row,
                                   offs_n, offs_d, stride_kb, stride_kn, stride_vb, stride_vn,
-                                  stride_btp, mid, hi, seqlen, page_size, causal_lim, qk_scale,
-                                  win_l, win_r, cap_in, cap_out, slope,
+                                  stride_btp, mid, hi, seqlen, page_size, NUM_PAGES,
+                                  causal_lim, qk_scale, win_l, win_r, cap_in, cap_out, slope,
+                                  key_lo, cache_len, kn_base, vn_base, stride_knn, stride_vnn,
+                                  Cos, Sin, SEQLEN_RO, rot_partner, rot_freq, rot_sign, rot_on,
                                   HEAD_DIM, BLOCK_D, BLOCK_N, True, IS_CAUSAL, PAGED,
-                                  PAGE_ALIGNED, UPCAST_DOT, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
+                                  PAGE_ALIGNED, UPCAST_DOT, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI,
+                                  HAS_LEFTPAD, HAS_NEW, ROT_DIM)
 
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)

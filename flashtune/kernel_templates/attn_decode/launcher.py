@@ -8,7 +8,14 @@ point (K/V of one length, any strides), :func:`attn_decode_kvcache` the cache on
 The score modifications follow FlashAttention-2's ``flash_attn_with_kvcache``: ``window``,
 ``softcap`` and ``alibi_slopes`` mean what they mean there (and in attn_fwd's launcher). A
 modification left at its default passes ``None`` for its pointer and False for its flag, so
-a plain call compiles to the kernel it compiled to before they existed.
+a plain call compiles to the kernel it compiled to before they existed. So do the cache
+options (:func:`attn_decode_kvcache`'s ``k``/``v`` append, rotary, ``cache_batch_idx``,
+``cache_leftpad``): one launch of the split kernel (and the combine) does the append, the
+rotary and the attention.
+
+Values inside the tables (lengths, page ids, batch indices, left pads) are not checked here:
+the kernel clamps them so that bad ones give wrong rows and never an out-of-bounds access
+(see kernel.py).
 """
 
 from __future__ import annotations
@@ -34,8 +41,18 @@ def _upcast_dot(q: torch.Tensor) -> bool:
 
 
 # the leading positional arguments of each kernel that change per call (tensors)
-SPLIT_VARYING = 10  # Q, K, V, Out, Lse, Seqlens, BlockTable, OPart, LsePart, Alibi
+# Q, K, V, Out, Lse, Seqlens, BlockTable, OPart, LsePart, Alibi,
+# KNew, VNew, Cos, Sin, BatchIdx, LeftPad
+SPLIT_VARYING = 16
 COMBINE_VARYING = 4  # OPart, LsePart, Out, Lse
+
+
+def rotary_q_per_position(causal: bool, window: tuple[int, int], capacity: int) -> bool:
+    """FlashAttention-2's rule for q's rotary positions: query ``i`` at ``cache_seqlens[b] +
+    i`` when the call is causal or local, else every query at ``cache_seqlens[b]``. Local
+    means a window bound in ``[0, capacity)`` (FA2 drops bounds >= the cache's seqlen)."""
+    left, right = (int(w) for w in window)
+    return bool(causal) or 0 <= left < capacity or 0 <= right < capacity
 
 
 def partial_shapes(q: Any, splits: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -48,14 +65,18 @@ def kernel_args(q: Any, k: Any, v: Any, out: Any, lse: Any, seqlens: Any, block_
                 o_part: Any, lse_part: Any, config: Mapping[str, int], *, seqlen_k: int,
                 causal: bool, scale: float, upcast_dot: bool,
                 window: tuple[int, int] = (-1, -1), softcap: float | None = None,
-                alibi_slopes: Any = None,
+                alibi_slopes: Any = None, k_new: Any = None, v_new: Any = None,
+                rotary_cos: Any = None, rotary_sin: Any = None,
+                rotary_interleaved: bool = True, cache_batch_idx: Any = None,
+                cache_leftpad: Any = None,
                 ) -> list[tuple[Any, tuple[Any, ...], dict[str, Any], tuple[int, ...]]]:
     """``(kernel, args, kwargs, grid)`` of the split kernel, then (``NUM_SPLITS`` > 1) the
     combine kernel, for these tensors: what :func:`_launch`, the launch plan and the
-    precompiler all launch. ``lse``/``seqlens``/``block_table``/``alibi_slopes`` may be
-    None; ``o_part``/``lse_part`` are ignored (None allowed) with one split. Only
-    ``.shape``, ``.stride()`` and ``.dtype`` of the tensors are read. The modifications as
-    in :func:`attn_decode`."""
+    precompiler all launch. ``lse``/``seqlens``/``block_table``/``alibi_slopes`` and the
+    cache options may be None; ``o_part``/``lse_part`` are ignored (None allowed) with one
+    split. Only ``.shape``, ``.stride()`` and ``.dtype`` of the tensors are read. The
+    modifications as in :func:`attn_decode`, the cache options as in
+    :func:`attn_decode_kvcache` (``k_new``/``v_new`` its ``k``/``v``)."""
     batch, heads_q, seqlen_q, head_dim = q.shape
     heads_kv = k.shape[1]
     group = heads_q // heads_kv
@@ -74,21 +95,38 @@ def kernel_args(q: Any, k: Any, v: Any, out: Any, lse: Any, seqlens: Any, block_
     cap = float(softcap) if softcap else 0.0
     has_alibi = alibi_slopes is not None
     stride_ab = alibi_slopes.stride(0) if has_alibi and len(alibi_slopes.shape) == 2 else 0
+    has_new = k_new is not None
+    rot_dim = 2 * rotary_cos.shape[1] if rotary_cos is not None else 0
+    new_strides: tuple[Any, ...] = (None,) * 6
+    if has_new:
+        new_strides = (k_new.stride(0), k_new.stride(1), k_new.stride(2),
+                       v_new.stride(0), v_new.stride(1), v_new.stride(2))
     args = (q, k, v, out, out if lse is None else lse,
             q if seqlens is None else seqlens, q if block_table is None else block_table,
             o_part, lse_part, alibi_slopes,
+            k_new, v_new, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad,
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
             out.stride(0), out.stride(1), out.stride(2),
             bt_strides[0], bt_strides[1],
             heads_q, heads_kv, seqlen_q, seqlen_k, page_size, float(scale),
-            stride_ab, left, right, cap)
+            stride_ab, left, right, cap,
+            k.shape[0] if paged else None, *new_strides,
+            k_new.shape[2] if has_new else None,
+            rotary_cos.shape[0] if rot_dim else None,
+            k.shape[0] if cache_batch_idx is not None else None)
     kwargs = dict(HEAD_DIM=head_dim, BLOCK_D=bd, GROUP=group, BLOCK_M=bm, BLOCK_N=bn,
                   NUM_SPLITS=splits, IS_CAUSAL=bool(causal), HAS_SEQLENS=seqlens is not None,
                   PAGED=paged, PAGE_ALIGNED=paged and page_size % bn == 0,
                   STORE_LSE=lse is not None, UPCAST_DOT=upcast_dot,
                   HAS_WINDOW=has_window, HAS_SOFTCAP=cap > 0, HAS_ALIBI=has_alibi,
+                  HAS_NEW=has_new, ROT_DIM=rot_dim,
+                  ROT_INTERLEAVED=bool(rotary_interleaved) and rot_dim > 0,
+                  ROT_Q_PER_POS=rot_dim > 0 and rotary_q_per_position(causal, window,
+                                                                       seqlen_k),
+                  HAS_BATCH_IDX=cache_batch_idx is not None,
+                  HAS_LEFTPAD=cache_leftpad is not None,
                   num_warps=config["num_warps"], num_stages=config["num_stages"])
     launches: list[tuple[Any, tuple[Any, ...], dict[str, Any], tuple[int, ...]]] = [
         (attn_decode_split_kernel, args, kwargs, grid)]
@@ -107,7 +145,8 @@ def kernel_args(q: Any, k: Any, v: Any, out: Any, lse: Any, seqlens: Any, block_
 def _launch(q: Any, k: Any, v: Any, config: Mapping[str, int], *, seqlens: Any,
             block_table: Any, seqlen_k: int, causal: bool, scale: float | None,
             return_lse: bool, out: Any, window: tuple[int, int], softcap: float | None,
-            alibi_slopes: Any) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+            alibi_slopes: Any, **cache_options: Any
+            ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     batch, heads_q, seqlen_q, head_dim = q.shape
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
@@ -123,7 +162,7 @@ def _launch(q: Any, k: Any, v: Any, config: Mapping[str, int], *, seqlens: Any,
     for kernel, args, kwargs, grid in kernel_args(
             q, k, v, out, lse, seqlens, block_table, o_part, lse_part, config,
             seqlen_k=seqlen_k, causal=causal, scale=scale, upcast_dot=_upcast_dot(q),
-            window=window, softcap=softcap, alibi_slopes=alibi_slopes):
+            window=window, softcap=softcap, alibi_slopes=alibi_slopes, **cache_options):
         kernel[grid](*args, **kwargs)
     return (out, lse) if lse is not None else out
 
@@ -187,8 +226,16 @@ def attn_decode_kvcache(
     window: tuple[int, int] = (-1, -1),
     softcap: float | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    rotary_cos: torch.Tensor | None = None,
+    rotary_sin: torch.Tensor | None = None,
+    rotary_interleaved: bool = True,
+    cache_batch_idx: torch.Tensor | None = None,
+    cache_leftpad: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Split-KV attention of a few queries over a KV cache, with an explicit config.
+    """Split-KV attention of a few queries over a KV cache, with an explicit config; with
+    ``k``/``v``, appends them to the cache in place (in the same launch).
 
     Arguments:
         q: ``(batch, heads_q, seqlen_q, head_dim)``.
@@ -202,13 +249,32 @@ def attn_decode_kvcache(
         causal: bottom-right aligned against each sequence's own length: query ``i`` sees
             key ``j`` iff ``j <= i + cache_seqlens[b] - seqlen_q``.
         window, softcap, alibi_slopes: as in :func:`attn_decode`, per sequence: query
-            ``i`` of sequence ``b`` sits at key position ``i + cache_seqlens[b] -
-            seqlen_q``.
-        Other arguments as in :func:`attn_decode`. Page ids and lengths are trusted.
+            ``i`` of sequence ``b`` sits at key position ``i + L_b - seqlen_q`` (``L_b``
+            below).
+        k, v: ``(batch, heads_kv, seqlen_new, head_dim)``, the cache's dtype, last dim
+            contiguous: written into the cache at ``cache_seqlens[b] ..
+            cache_seqlens[b] + seqlen_new - 1`` (paged: through ``block_table``) and
+            attended to: sequence ``b`` has ``L_b = cache_seqlens[b] + seqlen_new`` keys
+            (``L_b = cache_seqlens[b]`` without them).
+        rotary_cos, rotary_sin: ``(seqlen_ro, rotary_dim / 2)``, contiguous, q's dtype or
+            float32 (needs ``k``): the new keys are rotated at their positions
+            ``cache_seqlens[b] + t``, the queries at ``cache_seqlens[b] + i`` when causal or
+            local (:func:`rotary_q_per_position`), else all at ``cache_seqlens[b]``.
+        rotary_interleaved: GPT-J pairs ``(2t, 2t + 1)`` (True) or GPT-NeoX halves ``(t, t
+            + rotary_dim / 2)`` (False).
+        cache_batch_idx: int32 ``(batch,)``: sequence ``b`` uses cache row
+            ``cache_batch_idx[b]`` (contiguous caches; their batch may differ from q's).
+        cache_leftpad: int32 ``(batch,)``: sequence ``b``'s keys start at
+            ``cache_leftpad[b]`` (keys before it are not attended; positions stay absolute).
+        Other arguments as in :func:`attn_decode`. The tables' values are not checked: the
+        kernel clamps lengths to the capacity and page ids into the cache (see kernel.py),
+        so bad ones give wrong rows, never an out-of-bounds access.
     """
     capacity = (block_table.shape[1] * k_cache.shape[2] if block_table is not None
                 else k_cache.shape[2])
     return _launch(q, k_cache, v_cache, config, seqlens=cache_seqlens,
                    block_table=block_table, seqlen_k=capacity, causal=causal, scale=scale,
                    return_lse=return_lse, out=out, window=window, softcap=softcap,
-                   alibi_slopes=alibi_slopes)
+                   alibi_slopes=alibi_slopes, k_new=k, v_new=v, rotary_cos=rotary_cos,
+                   rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
+                   cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad)

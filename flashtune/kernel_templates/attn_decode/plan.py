@@ -3,11 +3,12 @@ shape's first call (the decode counterpart of
 :class:`~flashtune.kernel_templates.attn_fwd.plan.AttnFwdPlan`).
 
 Built from one real call (q, K/V or caches, optional ``cache_seqlens`` and ``block_table``,
-config, causal, scale, return_lse, the score modifications); later calls whose tensors have
+config, causal, scale, return_lse, the score modifications, the cache options: new K/V,
+rotary cos/sin, cache batch indices and left pads); later calls whose tensors have
 the same shapes, strides, dtypes, device and 16-byte alignment and the same modifications
-(the caller's key) allocate the output, the LSE and the split partials and launch the
-compiled split (and combine) kernels directly; ALiBi slopes are passed per call, like the
-other tensors. Arguments come
+and options (the caller's key) allocate the output, the LSE and the split partials and
+launch the compiled split (and combine) kernels directly; ALiBi slopes and the options'
+tensors are passed per call, like the other tensors. Arguments come
 from :func:`~flashtune.kernel_templates.attn_decode.launcher.kernel_args`, the function the
 launcher and the precompiler use, so the plan runs exactly the kernels the launcher would.
 
@@ -37,9 +38,9 @@ __all__ = ["AttnDecodeDensePlan", "AttnDecodePlan"]
 class AttnDecodePlan:
     """Replays ``attn_decode_kvcache`` (``seqlens`` given) or ``attn_decode`` (dense K/V,
     ``seqlens`` None) for CUDA tensors like the ones it was built from; call it as
-    ``plan(q, k, v, seqlens, block_table, stream[, alibi_slopes])`` with the same kinds of
-    arguments (None where the build call had None; ``alibi_slopes`` contiguous, like the
-    build call's).
+    ``plan(q, k, v, seqlens, block_table, stream[, alibi_slopes, k_new, v_new, rotary_cos,
+    rotary_sin, cache_batch_idx, cache_leftpad])`` with the same kinds of arguments (None
+    where the build call had None; ``alibi_slopes`` contiguous, like the build call's).
 
     Building compiles the kernels if Triton's cache lacks them; do it with the tensors'
     device current (``device_index``), and call the plan only while that device is current.
@@ -53,7 +54,8 @@ class AttnDecodePlan:
                  block_table: torch.Tensor | None, causal: bool, scale: float | None,
                  return_lse: bool, window: tuple[int, int] = (-1, -1),
                  softcap: float | None = None,
-                 alibi_slopes: torch.Tensor | None = None) -> None:
+                 alibi_slopes: torch.Tensor | None = None,
+                 **cache_options: Any) -> None:
         if q.device.type != "cuda":
             raise ValueError("launch plans are for CUDA tensors")
         batch, heads_q, seqlen_q, head_dim = q.shape
@@ -71,7 +73,7 @@ class AttnDecodePlan:
         launches = kernel_args(q, k, v, out, lse, seqlens, block_table, o_part, lse_part,
                                config, seqlen_k=seqlen_k, causal=causal, scale=scale,
                                upcast_dot=False, window=window, softcap=softcap,
-                               alibi_slopes=alibi_slopes)
+                               alibi_slopes=alibi_slopes, **cache_options)
         with torch.cuda.device(self.device_index):
             kernel, args, kwargs, grid = launches[0]
             self._split = DirectLaunch(kernel, args, kwargs, grid, SPLIT_VARYING)
@@ -93,17 +95,24 @@ class AttnDecodePlan:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  seqlens: torch.Tensor | None, block_table: torch.Tensor | None,
-                 stream: int, alibi_slopes: torch.Tensor | None = None
+                 stream: int, alibi_slopes: torch.Tensor | None = None,
+                 k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
+                 rotary_cos: torch.Tensor | None = None,
+                 rotary_sin: torch.Tensor | None = None,
+                 cache_batch_idx: torch.Tensor | None = None,
+                 cache_leftpad: torch.Tensor | None = None,
                  ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         out, lse, o_part, lse_part = self._buffers()
         lse_arg = out if lse is None else lse
         if self._combine is None:
             self._split(stream, q, k, v, out, lse_arg, q if seqlens is None else seqlens,
-                        q if block_table is None else block_table, out, out, alibi_slopes)
+                        q if block_table is None else block_table, out, out, alibi_slopes,
+                        k_new, v_new, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad)
         else:
             self._split(stream, q, k, v, out, lse_arg, q if seqlens is None else seqlens,
                         q if block_table is None else block_table, o_part, lse_part,
-                        alibi_slopes)
+                        alibi_slopes, k_new, v_new, rotary_cos, rotary_sin, cache_batch_idx,
+                        cache_leftpad)
             self._combine(stream, o_part, lse_part, out, lse_arg)
         return (out, lse) if lse is not None else out
 
