@@ -14,7 +14,11 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 DTYPES = ("fp16", "bf16")
-# the head dims every kernel serves (the public ops refuse others, naming them)
+# the largest head dim flashtune serves: every head dim 1..MAX_HEAD_DIM, as
+# FlashAttention-2 (the public ops refuse others, naming the range)
+MAX_HEAD_DIM = 256
+# the head dims flashtune served before every one up to MAX_HEAD_DIM did (issue 31); only
+# flashtune.attention_with_kvcache still checks against this list
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 96, 128, 192, 256)
 
 

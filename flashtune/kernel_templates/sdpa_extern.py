@@ -47,6 +47,15 @@ tests cover it); the efficient op refuses unequal heads ("Expected query.size(2)
 key.size(2)"), so it declares ``gqa=False``; ``sdpa_math`` takes ``enable_gqa`` (torch >= 2.5)
 and repeats K/V heads.
 
+Head dims (flashtune serves 1..256; ``Limits.head_dims`` refuses the rest, so the router
+sends those calls to flashtune's own kernels): cuDNN and the efficient kernel take multiples
+of 8 only (torch's dispatcher checks ``head_dim % 8`` for both and pads for neither;
+cuDNN's limit is 256 on sm_90/sm_100, 128 elsewhere, see below). The flash op takes
+multiples of 8 up to 256; ``F.scaled_dot_product_attention`` serves the other head dims up
+to 256 with it by zero-padding q, k and v to the next multiple of 8 (copies) and slicing
+the output, and :func:`sdpa_flash` does the same, so ``sdpa_flash`` stands for what torch
+runs for, e.g., D59 and D111.
+
 What torch's own dispatcher checks and these limits do not say (a call outside it fails in
 the op, and the tuner records that trial as a failure): cuDNN serves head dims above 128
 only on sm_90 with cuDNN >= 9.10, and no key length of 1; flash's backward refuses head dims
@@ -58,6 +67,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -66,7 +76,7 @@ import torch
 from flashtune.core.case import forward_case
 from flashtune.core.device import DeviceFingerprint
 from flashtune.core.errors import ConfigError, InputError
-from flashtune.core.problem import SUPPORTED_HEAD_DIMS, AttentionProblem
+from flashtune.core.problem import MAX_HEAD_DIM, AttentionProblem
 from flashtune.core.space import Config, SearchSpace
 from flashtune.core.spec import Limits, TemplateSpec
 from flashtune.kernel_templates.attn_fwd.reference import attn_fwd_reference
@@ -170,13 +180,24 @@ def sdpa_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: Mappin
     """torch SDPA's FlashAttention-2 backend (``aten._scaled_dot_product_flash_attention``).
 
     Arguments, returns and errors as :func:`sdpa_cudnn` (the output is a
-    ``(batch, seqlen_q, heads, head_dim)`` buffer seen with q's shape).
+    ``(batch, seqlen_q, heads, head_dim)`` buffer seen with q's shape). A head dim that is
+    not a multiple of 8, which the op refuses, runs as ``F.scaled_dot_product_attention``
+    runs it: q, k and v zero-padded to the next multiple of 8 (copies; the zeros change no
+    score), the scale of the real head dim, the output a view of the first ``head_dim``
+    columns. Differentiable either way.
     """
     is_causal = _is_causal("sdpa_flash", q, k, config, causal, gqa=True)
+    head_dim = q.shape[-1]
+    if head_dim % 8:
+        if scale is None:
+            scale = 1.0 / math.sqrt(head_dim)
+        pad = (0, 8 - head_dim % 8)
+        q, k, v = (torch.nn.functional.pad(t, pad) for t in (q, k, v))
     res = _FLASH(q, k, v, 0.0, is_causal, False, scale=scale)
+    out = res[0][..., :head_dim] if head_dim % 8 else res[0]
     if not return_lse:
-        return res[0]
-    return res[0], res[1]
+        return out
+    return out, res[1]
 
 
 def sdpa_efficient(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -254,7 +275,7 @@ def bound_inference(name: str, q: torch.Tensor, k: torch.Tensor, *, causal: bool
         causal, scale, return_lse: the call's options.
     Returns:
         ``fn(q, k, v)``, or None where there is nothing to save (math, another name, an
-        LSE that needs reshaping).
+        LSE that needs reshaping, a flash call whose head dim the launcher pads).
     Raises:
         What the launcher raises for these shapes (GQA where refused, unaligned causal).
     """
@@ -274,6 +295,8 @@ def bound_inference(name: str, q: torch.Tensor, k: torch.Tensor, *, causal: bool
         return lambda q, k, v: cudnn(q, k, v, None, False, 0.0, is_causal, False,
                                      scale=scale)[0]
     if name == "sdpa_flash":
+        if q.shape[-1] % 8:  # the launcher pads it (sdpa_flash): nothing to save
+            return None
         flash = _FLASH_FN
         if return_lse:
             return lambda q, k, v: flash(q, k, v, 0.0, is_causal, False, scale=scale)[:2]
@@ -356,15 +379,17 @@ def extern_hash(backend: str, torch_version: str, cudnn_version: int | None = No
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-_FUSED_HEAD_DIMS = tuple(d for d in SUPPORTED_HEAD_DIMS if d % 8 == 0 and d <= 256)
+# what cuDNN and the efficient kernel take (torch checks head_dim % 8 for both)
+_MULTIPLES_OF_8 = tuple(range(8, MAX_HEAD_DIM + 1, 8))
 _LAUNCHERS: dict[str, Callable[..., Any]] = {
     "cudnn": sdpa_cudnn, "flash": sdpa_flash, "efficient": sdpa_efficient, "math": sdpa_math}
 _LIMITS = {
-    "cudnn": Limits(head_dims=_FUSED_HEAD_DIMS, gqa=True, causal_unaligned=False,
+    "cudnn": Limits(head_dims=_MULTIPLES_OF_8, gqa=True, causal_unaligned=False,
                     needs_gpu=True, available=_cudnn_available),
-    "flash": Limits(head_dims=_FUSED_HEAD_DIMS, gqa=True, causal_unaligned=False,
+    # every head dim up to 256: the others than multiples of 8 padded, as torch pads them
+    "flash": Limits(gqa=True, causal_unaligned=False,
                     needs_gpu=True, available=_flash_available),
-    "efficient": Limits(head_dims=tuple(d for d in SUPPORTED_HEAD_DIMS if d % 8 == 0),
+    "efficient": Limits(head_dims=_MULTIPLES_OF_8,
                         gqa=False, causal_unaligned=False, needs_gpu=True,
                         available=_efficient_available),
     "math": Limits(gqa=_MATH_GQA, causal_unaligned=False, lse=False, needs_gpu=False),

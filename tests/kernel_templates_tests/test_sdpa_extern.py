@@ -12,7 +12,7 @@ import torch
 from flashtune.autotune.runners import LocalRunner
 from flashtune.core.device import DeviceFingerprint, interpreter_device
 from flashtune.core.errors import ConfigError, InputError
-from flashtune.core.problem import SUPPORTED_HEAD_DIMS, AttentionProblem
+from flashtune.core.problem import MAX_HEAD_DIM, AttentionProblem
 from flashtune.core.spec import Limits
 from flashtune.db.records import TrialState
 from flashtune.kernel_templates import get_template, implementations, known_names, sdpa_extern
@@ -107,7 +107,15 @@ def test_the_fused_backends_refuse_unaligned_causal_and_efficient_gqa(name: str)
     assert limits.refuse(_problem(seqlen_q=37, seqlen_k=37, causal=True), H100) is None
     assert limits.refuse(_problem(seqlen_q=21, seqlen_k=37), H100) is None
     assert limits.refuse(_problem(), H100, return_lse=True) is None
-    assert set(spec.limits.head_dims or ()) == set(SUPPORTED_HEAD_DIMS)
+    # torch's flash serves every head dim up to 256 (the launcher pads as torch does);
+    # cuDNN and the efficient kernel multiples of 8 only: the others go to attn_fwd
+    served = [d for d in range(1, MAX_HEAD_DIM + 1)
+              if limits.refuse(_problem(head_dim=d), H100) is None]
+    if name == "sdpa_flash":
+        assert served == list(range(1, MAX_HEAD_DIM + 1))
+    else:
+        assert served == list(range(8, MAX_HEAD_DIM + 1, 8))
+        assert "head_dim 59" in limits.refuse(_problem(head_dim=59), H100)
 
 
 def test_the_math_backend_runs_anywhere_without_an_lse() -> None:

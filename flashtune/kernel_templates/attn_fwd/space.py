@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from flashtune.core.device import DeviceFingerprint
 from flashtune.core.problem import AttentionProblem
 from flashtune.core.space import Config, SearchSpace
+from flashtune.kernel_templates.tma import tma_head_dim
 
 # tiles, warps and software-pipelining depth: every GPU
 BASE_PARAMS: dict[str, tuple[int, ...]] = {
@@ -33,8 +34,23 @@ MAX_ACC_PER_THREAD = 256
 
 
 def block_d(head_dim: int) -> int:
-    """Head dims that are not powers of two (96, 192) are padded to the next one in-kernel."""
+    """The tile's head dim: the next power of two of ``head_dim``, at least 16 (``tl.dot``'s
+    smallest K). Every head dim 1..256 is served: the columns past ``head_dim`` are loaded
+    as zeros (masked loads, or the tensor-copy engine's zero fill) and never stored, so
+    D40 runs in 64-wide tiles, D80 and D111 in 128, D160 and D224 in 256."""
     return max(16, 1 << (head_dim - 1).bit_length())
+
+
+def tma_refusal(problem: AttentionProblem) -> str | None:
+    """Why ``USE_TMA`` cannot serve ``problem``'s head dim (None: it can): the tensor-copy
+    engine wants rows of a 16-byte multiple (``kernel_templates.tma.tma_ok``), so a head
+    dim that is not a multiple of 8 (fp16/bf16) runs plain, masked loads instead; the
+    launchers fall back the same way at run time for tensors whose strides are not
+    aligned."""
+    if tma_head_dim(problem.head_dim):
+        return None
+    return (f"USE_TMA needs head_dim x 2 bytes to be a multiple of 16 (head_dim % 8 == 0), "
+            f"got head_dim {problem.head_dim}: plain loads (USE_TMA 0) serve it")
 
 
 def shared_mem_bytes(config: Mapping[str, int], head_dim: int, elem_size: int = 2) -> int:
@@ -58,9 +74,12 @@ def check(config: Mapping[str, int], problem: AttentionProblem,
     bm, bn, warps = config["BLOCK_M"], config["BLOCK_N"], config["num_warps"]  # noqa: F841
     if config.get("REVERSE_M", 0) and not problem.causal:
         return "REVERSE_M only reorders causal problems (no-op here)"
-    if config.get("USE_TMA", 0) and not device.is_interpreter:
+    if config.get("USE_TMA", 0):
+        refusal = tma_refusal(problem)
+        if refusal is not None:
+            return refusal
         cc = device.capability
-        if cc is None or cc < TMA_MIN_CC:
+        if not device.is_interpreter and (cc is None or cc < TMA_MIN_CC):
             return (f"USE_TMA needs compute capability >= {TMA_MIN_CC[0]}.{TMA_MIN_CC[1]}, "
                     f"the device has {device.compute_capability}")
     acc_per_thread = bm * bd // (32 * warps)
@@ -91,12 +110,30 @@ _DEFAULTS_TMA: tuple[tuple[int, Config], ...] = (
     (256, {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "USE_TMA": 1}),
 )
 
+# a head dim that is not a multiple of 8 (no TMA; its rows are not 16-byte aligned, so the
+# loads cannot be vectorised and their addresses take registers): the configs of the tables
+# above spill there, these compile without spills for sm_90 (D59, D111 and D250, causal;
+# `python -m flashtune.kernel_templates.sm90`), not yet timed
+_DEFAULTS_UNALIGNED: tuple[tuple[int, Config], ...] = (
+    (64, {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}),
+    (128, {"BLOCK_M": 128, "BLOCK_N": 32, "num_warps": 8, "num_stages": 3}),
+    (256, {"BLOCK_M": 64, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2}),
+)
+
 
 def default_config(problem: AttentionProblem, device: DeviceFingerprint) -> Config:
     """A safe config for ``problem``: the head-dim default for the device (TMA on Hopper and
-    newer, reversed tile order under a causal mask), shrunk until the device takes it."""
+    newer; plain loads and tiles of their own for a head dim TMA cannot serve, see
+    :func:`tma_refusal`; reversed tile order under a causal mask), shrunk until the device
+    takes it. A head dim between two rows of a table takes the larger's config (the same
+    BLOCK_D: D80 runs D128's tiles)."""
     cc = device.capability
-    table = _DEFAULTS_TMA if cc is not None and cc >= TMA_MIN_CC else _DEFAULTS
+    if tma_refusal(problem) is not None:
+        table = _DEFAULTS_UNALIGNED
+    elif cc is not None and cc >= TMA_MIN_CC:
+        table = _DEFAULTS_TMA
+    else:
+        table = _DEFAULTS
     cfg = next((c for max_d, c in table if problem.head_dim <= max_d), table[-1][1])
     config = {**DEFAULTS, **cfg, "REVERSE_M": int(problem.causal)}
     while check(config, problem, device) is not None:
