@@ -44,7 +44,7 @@ Hopper knobs (constexpr, chosen by the config):
 import triton
 import triton.language as tl
 
-from flashtune.kernel_templates.score_mods import modified_scores
+from flashtune.kernel_templates.score_mods import dropout_keep, modified_scores
 
 
 @triton.jit
@@ -79,12 +79,12 @@ def _load_kv(k_base, v_base, desc_k, desc_v, off_b, off_hkv, start_n, offs_n, of
 @triton.jit
 def _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, off_b, off_hkv,
                     offs_m, offs_n, offs_d, stride_kn, stride_vn, lo, hi, N_K, CAUSAL_OFFSET,
-                    qk_scale, win_l, win_r, cap_in, cap_out, slope,
+                    qk_scale, win_l, win_r, cap_in, cap_out, slope, seed, off_bh, drop_t,
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr,
                     USE_TMA: tl.constexpr, NEG_SCALE: tl.constexpr,
                     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                    HAS_ALIBI: tl.constexpr):
+                    HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr):
     for start_n in tl.range(lo, hi, BLOCK_N):
         kt, v = _load_kv(k_base, v_base, desc_k, desc_v, off_b, off_hkv, start_n, offs_n,
                          offs_d, stride_kn, stride_vn, N_K, HEAD_DIM, BLOCK_D, BLOCK_N,
@@ -132,8 +132,13 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, off_b, off
             m_sub = m_new
             p = tl.math.exp2(qk * qk_scale - m_sub[:, None])
         alpha = tl.math.exp2(m_i - m_sub)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        l_i = l_i * alpha + tl.sum(p, 1)  # the normaliser sees every score, dropped or not
         acc = acc * alpha[:, None]
+        if HAS_DROPOUT:
+            # P.V sees the kept ones (scaled by 1 / keep at the end); a product, not a
+            # select: a select would sink past the cast to 16 bits (unpacking the pairs)
+            keep = dropout_keep(seed, off_bh, offs_m, start_n, drop_t, BLOCK_N)
+            p = p * tl.where(keep, 1.0, 0.0)
         if UPCAST_DOT:
             acc += tl.dot(p, v.to(tl.float32))
         else:
@@ -182,12 +187,13 @@ def attn_fwd_kernel(
     # the modifications' scalars come last: a plain launch keeps every earlier parameter's
     # place, and so (the pointers above being None) today's PTX and SASS
     stride_ab, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
+    Seed, DROPOUT_T,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, STORE_LSE: tl.constexpr, UPCAST_DOT: tl.constexpr,
     NEG_SCALE: tl.constexpr, USE_TMA: tl.constexpr, REVERSE_M: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    VARLEN: tl.constexpr,
+    VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr,
 ):
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16, "tl.dot needs tiles of at least 16")
     tl.static_assert(BLOCK_D >= HEAD_DIM, "BLOCK_D must cover HEAD_DIM")
@@ -246,6 +252,9 @@ def attn_fwd_kernel(
     slope = None
     if HAS_ALIBI:
         slope = tl.load(Alibi + off_b.to(tl.int64) * stride_ab + off_h) * 1.4426950408889634
+    seed = None
+    if HAS_DROPOUT:
+        seed = tl.load(Seed)
 
     # Key ranges: masked [lo, full_lo), unmasked [full_lo, full_hi), masked [full_hi, hi).
     causal_offset = N_K - N_Q
@@ -278,29 +287,35 @@ def attn_fwd_kernel(
         acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v,
                                         off_b, off_hkv, offs_m, offs_n, offs_d, stride_kn,
                                         stride_vn, lo, full_lo, N_K, causal_offset, qk_scale,
-                                        win_l, win_r, cap_in, cap_out, slope,
+                                        win_l, win_r, cap_in, cap_out, slope, seed, off_bh,
+                                        DROPOUT_T,
                                         HEAD_DIM, BLOCK_D, BLOCK_N,
                                         True, IS_CAUSAL, UPCAST_DOT, USE_TMA, NEG_SCALE,
-                                        HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
+                                        HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)
 
     acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, off_b,
                                     off_hkv, offs_m, offs_n, offs_d, stride_kn, stride_vn,
                                     full_lo, full_hi, N_K, causal_offset, qk_scale,
-                                    win_l, win_r, cap_in, cap_out, slope,
+                                    win_l, win_r, cap_in, cap_out, slope, seed, off_bh,
+                                    DROPOUT_T,
                                     HEAD_DIM, BLOCK_D, BLOCK_N,
                                     False, IS_CAUSAL, UPCAST_DOT, USE_TMA, NEG_SCALE,
-                                    HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
+                                    HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)
     acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, off_b,
                                     off_hkv, offs_m, offs_n, offs_d, stride_kn, stride_vn,
                                     full_hi, hi, N_K, causal_offset, qk_scale,
-                                    win_l, win_r, cap_in, cap_out, slope,
+                                    win_l, win_r, cap_in, cap_out, slope, seed, off_bh,
+                                    DROPOUT_T,
                                     HEAD_DIM, BLOCK_D, BLOCK_N,
                                     True, IS_CAUSAL, UPCAST_DOT, USE_TMA, NEG_SCALE,
-                                    HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
+                                    HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)
 
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)
-    out = (acc / l_safe[:, None]).to(Out.dtype.element_ty)
+    if HAS_DROPOUT:  # the kept scores scaled by 1 / keep, keep = DROPOUT_T / 256 exactly
+        out = (acc / (l_safe * (DROPOUT_T * 0.00390625))[:, None]).to(Out.dtype.element_ty)
+    else:
+        out = (acc / l_safe[:, None]).to(Out.dtype.element_ty)
     if USE_TMA:
         desc_o.store([off_b, off_h, start_m * BLOCK_M, 0], out.reshape(1, 1, BLOCK_M, BLOCK_D))
     else:

@@ -24,6 +24,7 @@ import triton
 
 from flashtune.kernel_templates.attn_fwd.kernel import attn_fwd_kernel
 from flashtune.kernel_templates.attn_fwd.space import block_d
+from flashtune.kernel_templates.dropout import draw_seed, dropout_threshold
 from flashtune.kernel_templates.tma import desc, tma_ok
 
 
@@ -38,6 +39,7 @@ def kernel_args(q: Any, k: Any, v: Any, out: Any, lse: Any, config: Mapping[str,
                 window: tuple[int, int] = (-1, -1), softcap: float | None = None,
                 alibi_slopes: Any = None, cu_seqlens_q: Any = None, cu_seqlens_k: Any = None,
                 max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
+                dropout_p: float = 0.0, seed: Any = None,
                 ) -> tuple[tuple[Any, ...], dict[str, Any], tuple[int, int]]:
     """``(args, kwargs, grid)`` of ``attn_fwd_kernel`` for these tensors and ``config``.
 
@@ -45,7 +47,7 @@ def kernel_args(q: Any, k: Any, v: Any, out: Any, lse: Any, config: Mapping[str,
     (and is ignored with varlen). Varlen when ``cu_seqlens_q`` is given: q/k/v/out are
     ``(total, heads, head_dim)``, ``lse`` is ``(heads_q, total_q)`` and ``max_seqlen_q``
     (the grid) is required (``max_seqlen_k`` is not: each program reads its sequence's
-    lengths); the modifications as in :func:`attn_fwd`.
+    lengths); the modifications and dropout as in :func:`attn_fwd`.
     """
     varlen = cu_seqlens_q is not None
     heads_q, head_dim = q.shape[-2 if varlen else 1], q.shape[-1]
@@ -82,6 +84,10 @@ def kernel_args(q: Any, k: Any, v: Any, out: Any, lse: Any, config: Mapping[str,
     has_softcap = cap > 0
     has_alibi = alibi_slopes is not None
     stride_ab = alibi_slopes.stride(0) if has_alibi and len(alibi_slopes.shape) == 2 else 0
+    has_dropout = dropout_p > 0
+    if has_dropout and seed is None:
+        raise ValueError("dropout needs the call's seed tensor (kernel_templates.dropout."
+                         "draw_seed)")
     args = (
         q, k, v, out, out if lse is None else lse, *descs,
         alibi_slopes, cu_seqlens_q, cu_seqlens_k,
@@ -89,13 +95,14 @@ def kernel_args(q: Any, k: Any, v: Any, out: Any, lse: Any, config: Mapping[str,
         lse_strides[0], lse_strides[1],
         heads_q, heads_q // heads_kv, seqlens[0], seqlens[1], float(scale),
         stride_ab, left, right, cap if has_softcap else 0.0,
+        seed if has_dropout else None, dropout_threshold(dropout_p) if has_dropout else 0,
     )
     kwargs = dict(
         HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_M=bm, BLOCK_N=bn,
         IS_CAUSAL=bool(causal), STORE_LSE=lse is not None, UPCAST_DOT=upcast_dot,
         NEG_SCALE=scale < 0, USE_TMA=use_tma, REVERSE_M=bool(config.get("REVERSE_M", 0)),
         HAS_WINDOW=has_window, HAS_SOFTCAP=has_softcap, HAS_ALIBI=has_alibi, VARLEN=varlen,
-        num_warps=config["num_warps"], num_stages=config["num_stages"],
+        HAS_DROPOUT=has_dropout, num_warps=config["num_warps"], num_stages=config["num_stages"],
     )
     return args, kwargs, (triton.cdiv(grid_q, bm), batch * heads_q)
 
@@ -117,6 +124,8 @@ def attn_fwd(
     cu_seqlens_k: torch.Tensor | None = None,
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
+    dropout_p: float = 0.0,
+    seed: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Flash-attention forward with an explicit config.
 
@@ -148,6 +157,14 @@ def attn_fwd(
             sequence starts (``[0, ..., total]``): the packed layout.
         max_seqlen_q, max_seqlen_k: the longest sequence (the grid); read from
             ``cu_seqlens`` when None (a device sync).
+        dropout_p: attention dropout in ``[0, 1)`` (FlashAttention-2's ``dropout_p``):
+            each score is kept with probability ``keep`` (``dropout_p`` quantised to 1/256,
+            :func:`~flashtune.kernel_templates.dropout.keep_probability`) and the kept ones
+            scaled by ``1 / keep``; the softmax normaliser, and so the LSE, is over every
+            score. The mask is :func:`~flashtune.kernel_templates.dropout.dropout_mask`'s.
+        seed: with ``dropout_p > 0``, the int64 ``(1,)`` seed tensor on ``q``'s device
+            (:func:`~flashtune.kernel_templates.dropout.draw_seed`; the backward takes the
+            same one); None draws one.
     Returns:
         ``out`` like ``q`` (contiguous) in the input dtype, or ``(out, lse)``.
     """
@@ -163,11 +180,14 @@ def attn_fwd(
         lse = torch.empty(lse_shape, device=q.device, dtype=torch.float32)
     if cu_seqlens_q is not None and max_seqlen_q is None:
         max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item())
+    if dropout_p > 0 and seed is None:
+        seed = draw_seed(q.device)
     use_tma = not varlen and bool(config.get("USE_TMA", 0)) and tma_ok(q, k, v, out)
     args, kwargs, grid = kernel_args(q, k, v, out, lse, config, causal=causal, scale=scale,
                                      use_tma=use_tma, upcast_dot=_upcast_dot(q),
                                      window=window, softcap=softcap, alibi_slopes=alibi_slopes,
                                      cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                                     max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+                                     max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                                     dropout_p=dropout_p, seed=seed)
     attn_fwd_kernel[grid](*args, **kwargs)
     return (out, lse) if lse is not None else out

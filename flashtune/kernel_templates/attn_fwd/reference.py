@@ -4,7 +4,10 @@ Beside plain and causal attention it computes the score modifications of FlashAt
 API (its test suite's ``attention_ref``), which flashtune's kernels are to serve (issue 29):
 a logit ``softcap`` (``softcap * tanh(s / softcap)`` of the scaled scores), a local
 ``window`` ``(left, right)`` (-1: unbounded on that side), bottom-right aligned as causal
-is, and ALiBi slopes (a bias ``-slope * |i + Nk - Nq - j|``), in that order.
+is, and ALiBi slopes (a bias ``-slope * |i + Nk - Nq - j|``), in that order. Attention
+dropout takes the kernels' keep mask (``kernel_templates.dropout.dropout_mask``): the
+probabilities of the dropped scores are zeroed and the kept ones divided by the keep
+probability after the softmax, whose normaliser (the LSE) is over every score.
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ def attn_fwd_reference(
     window: tuple[int, int] = (-1, -1),
     softcap: float | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    dropout_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Return ``(out, lse)`` computed in ``dtype`` with the kernel's conventions.
 
@@ -54,7 +59,9 @@ def attn_fwd_reference(
     ``window``, ``softcap`` and ``alibi_slopes`` (``(Hq,)`` or ``(B, Hq)``) as the module
     doc says; the LSE is of the modified scores. (FlashAttention-2's causal ALiBi adds
     ``slope * j`` instead, which differs by a constant per row: the same output, another
-    LSE.)
+    LSE.) ``dropout_mask``: bool ``(B, Hq, Nq, Nk)``, True where a score is kept, applied
+    with ``dropout_p`` (the kept probabilities divided by ``keep_probability(dropout_p)``,
+    the kernels' quantised keep probability); the LSE does not see it.
     """
     b, hq, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
@@ -78,5 +85,9 @@ def attn_fwd_reference(
         s = s - slopes * dist
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)[..., None])
+    if dropout_mask is not None:
+        from flashtune.kernel_templates.dropout import keep_probability
+
+        p = p.masked_fill(~dropout_mask, 0.0) / keep_probability(dropout_p)
     out = torch.matmul(p, vf)
     return out, lse
