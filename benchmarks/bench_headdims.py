@@ -163,9 +163,21 @@ def tune_commands(args: argparse.Namespace, plan: str | Path) -> list[list[str]]
     return cmds
 
 
+def db_folder(url: str) -> Path | None:
+    """The folder of a SQLite database URL (``sqlite:///relative.db`` from the repository
+    root), to create before tuning; None for other databases."""
+    if not url.startswith("sqlite:///") or url == "sqlite:///:memory:":
+        return None
+    path = Path(url.removeprefix("sqlite:///"))
+    return (path if path.is_absolute() else ROOT / path).parent
+
+
 def run_tuning(args: argparse.Namespace, cases: list[Case]) -> list[dict[str, Any]]:
     """Tune the cases into ``--db``: the shipped plan when every case is selected, else a
     plan of the selected ones."""
+    folder = db_folder(args.db)
+    if folder is not None:
+        folder.mkdir(parents=True, exist_ok=True)
     if [c.name for c in cases] == list(CASES) and args.dtype == "bf16":
         plan: Path = PLAN
     else:

@@ -58,6 +58,10 @@ def test_the_tuning_commands(script):
                and c[c.index("--trials") + 1] == "3" for c in cmds)
     args = script.parse_args(["--tune", "--tune-ops", "--db", "sqlite:///x.db"])
     assert [c[-1] for c in script.tune_commands(args, "p.toml")][2:] == ["fwd", "train"]
+    root = SCRIPT.parents[1]
+    assert script.db_folder("sqlite:///.route/h.db") == root / ".route"
+    assert script.db_folder("sqlite:////tmp/a/h.db") == Path("/tmp/a")
+    assert script.db_folder("postgresql://host/db") is None
 
 
 def test_the_dry_run_needs_no_gpu(script):
