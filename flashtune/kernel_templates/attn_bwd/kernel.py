@@ -39,10 +39,10 @@ dK/dV (of dQ) depends only on its own key (query), and rows past the end are nev
 the zeros loaded for them keep their columns out of the other operand's sums. Rows that see
 no key have ``LSE = -inf``; they only ever meet masked entries, so they contribute zero.
 
-Score modifications and packed sequences (FlashAttention-2's API, the forward's semantics),
-each behind a constexpr flag: off, the kernels compile to the plain code above. Their runtime
-arguments (``Alibi, CuSeqQ, CuSeqK, stride_ab, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP``) follow
-the plain kernels' own, which keep their places in the parameter buffer: moving them moved
+Score modifications, dropout and packed sequences (FlashAttention-2's API, the forward's
+semantics), each behind a constexpr flag: off, the kernels compile to the plain code above.
+Their runtime arguments (``Alibi, CuSeqQ, CuSeqK, stride_ab, WINDOW_LEFT, WINDOW_RIGHT,
+SOFTCAP, Seed, DROPOUT_T``) follow the plain kernels' own, which keep their places in the parameter buffer: moving them moved
 ptxas's parameter loads and register allocation (one more register in a dQ config).
 
 * ``HAS_WINDOW``: a local window ``(WINDOW_LEFT, WINDOW_RIGHT)``, bottom-right aligned like
@@ -60,6 +60,13 @@ ptxas's parameter loads and register allocation (one more register in a dQ confi
   (:func:`~flashtune.kernel_templates.score_mods.tanh`: the interpreter has no tanh).
 * ``HAS_ALIBI``: ``s -= slope[b, h] * |pos - j|`` (``Alibi`` fp32, row stride ``stride_ab``,
   0 for one slope per head); a constant of the scores, no gradient flows to the slopes.
+* ``HAS_DROPOUT``: attention dropout (FlashAttention-2's ``dropout_p``, the forward's):
+  both walks regenerate the forward's keep mask ``Z`` from the seed at ``Seed``
+  (:func:`~flashtune.kernel_templates.score_mods.dropout_keep`, a function of the head and
+  the (query, key) position only, so the transposed tiles of the dK/dV kernel and the dQ
+  kernel's own tiles see the same one) and, with ``r = 256 / DROPOUT_T`` the inverse keep
+  probability, compute ``dV += (P Z r)^T dO`` and ``dS = P (dP Z r - delta)``; ``delta =
+  rowsum(dO O)`` of the dropped output, unchanged.
 * ``VARLEN``: packed sequences (``flash_attn_varlen_func``'s layout): Q/dO/dQ
   ``(total_q, Hq, D)``, K/V/dK/dV ``(total_k, Hkv, D)``, sequence ``b`` the tokens
   ``[CuSeqQ[b], CuSeqQ[b + 1])`` (``CuSeqK`` for keys). Program ``b`` reads its starts and
@@ -74,7 +81,7 @@ ptxas's parameter loads and register allocation (one more register in a dQ confi
 import triton
 import triton.language as tl
 
-from flashtune.kernel_templates.score_mods import tanh
+from flashtune.kernel_templates.score_mods import dropout_keep, tanh
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -174,10 +181,11 @@ def _load_tile(desc, base, off_b, off_h, start, offs, offs_d, stride, N,
 def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom,
                 offs_n, offs_m0, offs_d, lo, hi, N_Q, CAUSAL_OFFSET, qk_scale,
                 desc_q, desc_do, off_b, off_h, win_left, win_right, cap_scale, cap2, slope2,
+                seed, drop_head, drop_start, drop_t, drop_r,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M1: tl.constexpr,
                 MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr,
                 USE_TMA: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                HAS_ALIBI: tl.constexpr):
+                HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr):
     """Query blocks ``[lo, hi)`` of one head against the program's keys; MASKED blocks get
     the bounds and causal (window) masks, the others every entry. ``cap_scale``/``cap2``:
     ``scale / SOFTCAP`` and ``SOFTCAP * log2(e)``; ``slope2``: the ALiBi slope times
@@ -217,9 +225,18 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, 
             elif IS_CAUSAL:
                 keep = keep & (offs_n[:, None] <= offs_m[None, :] + CAUSAL_OFFSET)
             pT = tl.where(keep, pT, 0.0)  # also drops the inf of rows with LSE = -inf
-        dv += _dot(pT.to(do.dtype), do, UPCAST_DOT)
-        dpT = _dot(v, tl.trans(do), UPCAST_DOT)
-        dsT = pT * (dpT - delta[None, :])
+        if HAS_DROPOUT:
+            # Z r: the forward's mask (regenerated: (queries, keys), transposed), 1 / keep
+            # where kept; dV = (P Z r)^T dO, dS = P (dP Z r - delta)
+            zT = tl.where(tl.trans(dropout_keep(seed, drop_head, offs_m, drop_start, drop_t,
+                                                k.shape[0])), drop_r, 0.0)
+            dv += _dot((pT * zT).to(do.dtype), do, UPCAST_DOT)
+            dpT = _dot(v, tl.trans(do), UPCAST_DOT)
+            dsT = pT * (dpT * zT - delta[None, :])
+        else:
+            dv += _dot(pT.to(do.dtype), do, UPCAST_DOT)
+            dpT = _dot(v, tl.trans(do), UPCAST_DOT)
+            dsT = pT * (dpT - delta[None, :])
         if HAS_SOFTCAP:  # d(capped score) / d(scaled score)
             dsT = dsT * (1.0 - tT * tT)
         dk += _dot(dsT.to(q.dtype), q, UPCAST_DOT)
@@ -250,21 +267,23 @@ def attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, PartK, PartV, desc_q, desc_do
                   stride_dvb, stride_dvh, stride_dvn,
                   H_Q, H_KV, GROUP, N_Q, N_K, sm_scale,
                   Alibi, CuSeqQ, CuSeqK, stride_ab, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
+                  Seed, DROPOUT_T,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
                   IS_CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr, SPLIT_LOOPS: tl.constexpr,
                   KV_SPLITS: tl.constexpr, USE_TMA: tl.constexpr,
                   HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-                  VARLEN: tl.constexpr):
+                  VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr):
     _dkdv_program(tl.program_id(0), tl.program_id(1),
                   Q, K, V, DO, Lse, Delta, DK, DV, PartK, PartV, desc_q, desc_do,
                   stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                   stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
                   stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                   H_Q, H_KV, GROUP, N_Q, N_K, sm_scale, Alibi, CuSeqQ, CuSeqK, stride_ab,
-                  WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_M1, BLOCK_N1,
+                  WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
+                  Seed, DROPOUT_T, HEAD_DIM, BLOCK_D, BLOCK_M1, BLOCK_N1,
                   IS_CAUSAL, UPCAST_DOT, SPLIT_LOOPS, KV_SPLITS, USE_TMA, HAS_WINDOW, HAS_SOFTCAP,
-                  HAS_ALIBI, VARLEN)
+                  HAS_ALIBI, VARLEN, HAS_DROPOUT)
 
 
 @triton.jit
@@ -277,12 +296,13 @@ def _dkdv_program(tile_n, part, Q, K, V, DO, Lse, Delta, DK, DV, PartK, PartV, d
                   stride_dvb, stride_dvh, stride_dvn,
                   H_Q, H_KV, GROUP, N_Q, N_K, sm_scale,
                   Alibi, CuSeqQ, CuSeqK, stride_ab, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
+                  Seed, DROPOUT_T,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
                   IS_CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr, SPLIT_LOOPS: tl.constexpr,
                   KV_SPLITS: tl.constexpr, USE_TMA: tl.constexpr,
                   HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-                  VARLEN: tl.constexpr):
+                  VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr):
     """One dK/dV program: key tile ``tile_n`` of part ``part`` = ``(b, hkv) * KV_SPLITS +``
     the slice of the group's query heads."""
     tl.static_assert(BLOCK_M1 >= 16 and BLOCK_N1 >= 16, "tl.dot needs tiles of at least 16")
@@ -319,6 +339,11 @@ def _dkdv_program(tile_n, part, Q, K, V, DO, Lse, Delta, DK, DV, PartK, PartV, d
     else:
         cap_scale = qk_scale
         cap2 = qk_scale
+    seed = None
+    drop_r = None
+    if HAS_DROPOUT:  # the forward's seed; 1 / keep, keep = DROPOUT_T / 256
+        seed = tl.load(Seed)
+        drop_r = 256.0 / DROPOUT_T
 
     # Query ranges, the same for every head of the group: [m_lo, m_mid) the causal band or
     # the window's right edge (masked), [m_mid, m_full) every entry visible, [m_full, m_hi)
@@ -368,6 +393,7 @@ def _dkdv_program(tile_n, part, Q, K, V, DO, Lse, Delta, DK, DV, PartK, PartV, d
             slope2 = tl.load(Alibi + off_b * stride_ab + off_h) * LOG2E
         else:
             slope2 = qk_scale
+        drop_head = off_b * H_Q + off_h  # dropout's head index, as in the forward
         if SPLIT_LOOPS:
             if IS_CAUSAL or HAS_WINDOW:
                 dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
@@ -375,27 +401,31 @@ def _dkdv_program(tile_n, part, Q, K, V, DO, Lse, Delta, DK, DV, PartK, PartV, d
                                      m_mid, seq_q, causal_offset, qk_scale,
                                      desc_q, desc_do, off_b, off_h, win_left, win_right,
                                      cap_scale, cap2, slope2,
+                                     seed, drop_head, start_n, DROPOUT_T, drop_r,
                                      HEAD_DIM, BLOCK_D, BLOCK_M1, True, IS_CAUSAL, UPCAST_DOT,
-                                     USE_TMA, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
+                                     USE_TMA, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)
             dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
                                  stride_qm, stride_dom, offs_n, offs_m0, offs_d, m_mid, m_full,
                                  seq_q, causal_offset, qk_scale, desc_q, desc_do, off_b, off_h,
                                  win_left, win_right, cap_scale, cap2, slope2,
+                                 seed, drop_head, start_n, DROPOUT_T, drop_r,
                                  HEAD_DIM, BLOCK_D, BLOCK_M1, False, IS_CAUSAL, UPCAST_DOT,
-                                 USE_TMA, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
+                                 USE_TMA, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)
             dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
                                  stride_qm, stride_dom, offs_n, offs_m0, offs_d, m_full, m_hi,
                                  seq_q, causal_offset, qk_scale, desc_q, desc_do, off_b, off_h,
                                  win_left, win_right, cap_scale, cap2, slope2,
+                                 seed, drop_head, start_n, DROPOUT_T, drop_r,
                                  HEAD_DIM, BLOCK_D, BLOCK_M1, True, IS_CAUSAL, UPCAST_DOT,
-                                 USE_TMA, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
+                                 USE_TMA, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)
         else:  # one loop over every block with a visible entry, each one masked
             dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
                                  stride_qm, stride_dom, offs_n, offs_m0, offs_d, m_lo, m_hi,
                                  seq_q, causal_offset, qk_scale, desc_q, desc_do, off_b, off_h,
                                  win_left, win_right, cap_scale, cap2, slope2,
+                                 seed, drop_head, start_n, DROPOUT_T, drop_r,
                                  HEAD_DIM, BLOCK_D, BLOCK_M1, True, IS_CAUSAL, UPCAST_DOT,
-                                 USE_TMA, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
+                                 USE_TMA, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)
     dk *= sm_scale
     kv_mask = (offs_n < seq_k)[:, None] & (offs_d < HEAD_DIM)[None, :]
     if KV_SPLITS > 1:  # fp32 partial sums, added up in order by attn_bwd_kv_reduce
@@ -442,10 +472,11 @@ def attn_bwd_kv_reduce(PartK, PartV, DK, DV,
 def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn,
               offs_m, offs_n0, offs_d, lo, hi, N_K, CAUSAL_OFFSET, qk_scale,
               desc_k, desc_v, off_b, off_hkv, win_left, win_right, cap_scale, cap2, slope2,
+              seed, drop_head, drop_t, drop_r,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N2: tl.constexpr,
               MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr,
               USE_TMA: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-              HAS_ALIBI: tl.constexpr):
+              HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr):
     """Key blocks ``[lo, hi)`` against the program's queries (``lse2``: LSE in log2 units;
     the modifications' scalars as in :func:`_dkdv_inner`)."""
     for start_n in range(lo, hi, BLOCK_N2):
@@ -477,7 +508,12 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn,
                 keep = keep & (offs_n[None, :] <= offs_m[:, None] + CAUSAL_OFFSET)
             p = tl.where(keep, p, 0.0)  # also drops the inf of rows with LSE = -inf
         dp = _dot(do, tl.trans(v), UPCAST_DOT)
-        ds = p * (dp - delta[:, None])
+        if HAS_DROPOUT:  # dP Z r (Z regenerated), as in _dkdv_inner
+            z = tl.where(dropout_keep(seed, drop_head, offs_m, start_n, drop_t, BLOCK_N2),
+                         drop_r, 0.0)
+            ds = p * (dp * z - delta[:, None])
+        else:
+            ds = p * (dp - delta[:, None])
         if HAS_SOFTCAP:  # d(capped score) / d(scaled score)
             ds = ds * (1.0 - t * t)
         dq += _dot(ds.to(k.dtype), k, UPCAST_DOT)
@@ -493,12 +529,13 @@ def attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, desc_k, desc_v,
                 stride_dqb, stride_dqh, stride_dqm,
                 H_Q, GROUP, N_Q, N_K, sm_scale,
                 Alibi, CuSeqQ, CuSeqK, stride_ab, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
+                Seed, DROPOUT_T,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
                 IS_CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr, SPLIT_LOOPS: tl.constexpr,
                 USE_TMA: tl.constexpr, REVERSE_DQ: tl.constexpr,
                 HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-                VARLEN: tl.constexpr):
+                VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr):
     tile_m = tl.program_id(0)
     if REVERSE_DQ:
         tile_m = tl.num_programs(0) - 1 - tile_m
@@ -507,8 +544,9 @@ def attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, desc_k, desc_v,
                 stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
                 stride_dqb, stride_dqh, stride_dqm, H_Q, GROUP, N_Q, N_K, sm_scale,
                 Alibi, CuSeqQ, CuSeqK, stride_ab, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
+                Seed, DROPOUT_T,
                 HEAD_DIM, BLOCK_D, BLOCK_M2, BLOCK_N2, IS_CAUSAL, UPCAST_DOT, SPLIT_LOOPS,
-                USE_TMA, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, VARLEN)
+                USE_TMA, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, VARLEN, HAS_DROPOUT)
 
 
 @triton.jit
@@ -520,11 +558,12 @@ def _dq_program(tile_m, off_bh, Q, K, V, DO, Lse, Delta, DQ, desc_k, desc_v,
                 stride_dqb, stride_dqh, stride_dqm,
                 H_Q, GROUP, N_Q, N_K, sm_scale,
                 Alibi, CuSeqQ, CuSeqK, stride_ab, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
+                Seed, DROPOUT_T,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
                 IS_CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr, SPLIT_LOOPS: tl.constexpr,
                 USE_TMA: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                HAS_ALIBI: tl.constexpr, VARLEN: tl.constexpr):
+                HAS_ALIBI: tl.constexpr, VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr):
     """One dQ program: query tile ``tile_m`` of query head ``off_bh`` = ``b * H_Q + h``."""
     tl.static_assert(BLOCK_M2 >= 16 and BLOCK_N2 >= 16, "tl.dot needs tiles of at least 16")
     tl.static_assert(BLOCK_D >= HEAD_DIM, "BLOCK_D must cover HEAD_DIM")
@@ -570,6 +609,11 @@ def _dq_program(tile_m, off_bh, Q, K, V, DO, Lse, Delta, DQ, desc_k, desc_v,
         slope2 = tl.load(Alibi + off_b * stride_ab + off_h) * LOG2E
     else:
         slope2 = qk_scale
+    seed = None
+    drop_r = None
+    if HAS_DROPOUT:  # the forward's seed; 1 / keep, keep = DROPOUT_T / 256
+        seed = tl.load(Seed)
+        drop_r = 256.0 / DROPOUT_T
 
     # Key ranges: [n_lo, n_mid) the left band (masked, windows only), [n_mid, n_full) seen
     # in full by every row of the tile, [n_full, n_hi) the causal (right) band and the
@@ -605,24 +649,28 @@ def _dq_program(tile_m, off_bh, Q, K, V, DO, Lse, Delta, DQ, desc_k, desc_v,
             dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn,
                            offs_m, offs_n0, offs_d, n_lo, n_mid, seq_k, causal_offset,
                            qk_scale, desc_k, desc_v, off_b, off_hkv, win_left, win_right,
-                           cap_scale, cap2, slope2, HEAD_DIM, BLOCK_D, BLOCK_N2, True,
-                           IS_CAUSAL, UPCAST_DOT, USE_TMA, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
+                           cap_scale, cap2, slope2, seed, off_bh, DROPOUT_T, drop_r, HEAD_DIM,
+                           BLOCK_D, BLOCK_N2, True, IS_CAUSAL, UPCAST_DOT, USE_TMA, HAS_WINDOW,
+                           HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)
         dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, offs_m,
                        offs_n0, offs_d, n_mid, n_full, seq_k, causal_offset, qk_scale,
                        desc_k, desc_v, off_b, off_hkv, win_left, win_right,
-                       cap_scale, cap2, slope2, HEAD_DIM, BLOCK_D, BLOCK_N2, False,
-                       IS_CAUSAL, UPCAST_DOT, USE_TMA, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
+                       cap_scale, cap2, slope2, seed, off_bh, DROPOUT_T, drop_r, HEAD_DIM,
+                       BLOCK_D, BLOCK_N2, False, IS_CAUSAL, UPCAST_DOT, USE_TMA, HAS_WINDOW,
+                       HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)
         dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, offs_m,
                        offs_n0, offs_d, n_full, n_hi, seq_k, causal_offset, qk_scale,
                        desc_k, desc_v, off_b, off_hkv, win_left, win_right,
-                       cap_scale, cap2, slope2, HEAD_DIM, BLOCK_D, BLOCK_N2, True,
-                       IS_CAUSAL, UPCAST_DOT, USE_TMA, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
+                       cap_scale, cap2, slope2, seed, off_bh, DROPOUT_T, drop_r, HEAD_DIM,
+                       BLOCK_D, BLOCK_N2, True, IS_CAUSAL, UPCAST_DOT, USE_TMA, HAS_WINDOW,
+                       HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)
     else:  # one loop over every block with a visible entry, each one masked
         dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, offs_m,
                        offs_n0, offs_d, n_lo, n_hi, seq_k, causal_offset, qk_scale,
                        desc_k, desc_v, off_b, off_hkv, win_left, win_right,
-                       cap_scale, cap2, slope2, HEAD_DIM, BLOCK_D, BLOCK_N2, True,
-                       IS_CAUSAL, UPCAST_DOT, USE_TMA, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
+                       cap_scale, cap2, slope2, seed, off_bh, DROPOUT_T, drop_r, HEAD_DIM,
+                       BLOCK_D, BLOCK_N2, True, IS_CAUSAL, UPCAST_DOT, USE_TMA, HAS_WINDOW,
+                       HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)
     dq *= sm_scale
     tl.store(_head(DQ, off_b, off_h, q_start, stride_dqb, stride_dqh, stride_dqm, VARLEN)
              + offs_m[:, None].to(tl.int64) * stride_dqm + offs_d[None, :],
@@ -641,13 +689,14 @@ def attn_bwd_fused(Q, K, V, DO, Lse, Delta, DQ, DK, DV, PartK, PartV,
                    stride_dvb, stride_dvh, stride_dvn,
                    H_Q, H_KV, GROUP, N_Q, N_K, sm_scale, N1_TILES, N1_PROGRAMS, N2_TILES,
                    Alibi, CuSeqQ, CuSeqK, stride_ab, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
+                   Seed, DROPOUT_T,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
                    BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
                    IS_CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr, SPLIT_LOOPS: tl.constexpr,
                    KV_SPLITS: tl.constexpr, USE_TMA: tl.constexpr, REVERSE_DQ: tl.constexpr,
                    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-                   VARLEN: tl.constexpr):
+                   VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr):
     """``ONE_LAUNCH``: the dK/dV and the dQ programs in one 1-D grid, the ``N1_PROGRAMS``
     dK/dV ones (``N1_TILES`` key tiles a part) first, then the dQ ones (``N2_TILES`` query
     tiles a head), so that the dQ programs fill the SMs the dK/dV kernel's last wave leaves
@@ -660,9 +709,10 @@ def attn_bwd_fused(Q, K, V, DO, Lse, Delta, DQ, DK, DV, PartK, PartV,
                       stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
                       stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                       H_Q, H_KV, GROUP, N_Q, N_K, sm_scale, Alibi, CuSeqQ, CuSeqK, stride_ab,
-                      WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_M1,
+                      WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
+                      Seed, DROPOUT_T, HEAD_DIM, BLOCK_D, BLOCK_M1,
                       BLOCK_N1, IS_CAUSAL, UPCAST_DOT, SPLIT_LOOPS, KV_SPLITS, USE_TMA,
-                      HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, VARLEN)
+                      HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, VARLEN, HAS_DROPOUT)
     else:
         pid -= N1_PROGRAMS
         tile_m = pid % N2_TILES
@@ -673,5 +723,6 @@ def attn_bwd_fused(Q, K, V, DO, Lse, Delta, DQ, DK, DV, PartK, PartV,
                     stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
                     stride_dqb, stride_dqh, stride_dqm, H_Q, GROUP, N_Q, N_K, sm_scale,
                     Alibi, CuSeqQ, CuSeqK, stride_ab, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
+                    Seed, DROPOUT_T,
                     HEAD_DIM, BLOCK_D, BLOCK_M2, BLOCK_N2, IS_CAUSAL, UPCAST_DOT, SPLIT_LOOPS,
-                    USE_TMA, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, VARLEN)
+                    USE_TMA, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, VARLEN, HAS_DROPOUT)

@@ -2,7 +2,8 @@
 (see kernel.py: preprocess, dK/dV and dQ, or preprocess and one fused launch). Inputs are
 trusted (checked by the caller, :mod:`flashtune.runtime.checks`, as for attn_fwd).
 
-FlashAttention-2's score modifications (a local ``window``, a ``softcap``, ALiBi slopes) and
+FlashAttention-2's score modifications (a local ``window``, a ``softcap``, ALiBi slopes),
+attention dropout (``dropout_p`` with the forward's seed: the mask is regenerated) and
 packed variable-length sequences (``cu_seqlens_q``/``cu_seqlens_k``, as
 ``flash_attn_varlen_func``) are keyword arguments, off by default; each turns on a constexpr
 flag of the kernels, so calls without them run the plain kernels. Packed sequences keep
@@ -33,6 +34,7 @@ from flashtune.kernel_templates.attn_bwd.kernel import (
 )
 from flashtune.kernel_templates.attn_bwd.space import DEFAULTS
 from flashtune.kernel_templates.attn_fwd.space import block_d
+from flashtune.kernel_templates.dropout import dropout_threshold
 from flashtune.kernel_templates.tma import desc, tma_ok
 
 PREPROCESS_BLOCK_M = 64
@@ -98,8 +100,8 @@ def kernel_args(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, delta: An
                 part_v: Any = None, window: tuple[int, int] = (-1, -1),
                 softcap: float | None = None, alibi_slopes: Any = None,
                 cu_seqlens_q: Any = None, cu_seqlens_k: Any = None,
-                max_seqlen_q: int | None = None, max_seqlen_k: int | None = None
-                ) -> dict[str, Launch]:
+                max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
+                dropout_p: float = 0.0, seed: Any = None) -> dict[str, Launch]:
     """The launches in order: ``{"preprocess", "dkdv", ["kv_reduce",] "dq"}``, or with
     ``ONE_LAUNCH`` ``{"preprocess", "fused", ["kv_reduce"]}`` -> ``(kernel, args, kwargs,
     grid)``.
@@ -110,7 +112,8 @@ def kernel_args(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, delta: An
     without it). ``part_k``/``part_v``: contiguous fp32 buffers of :func:`partial_shape`,
     needed when :func:`kv_splits` > 1. ``window``, ``softcap``, ``alibi_slopes`` and the
     varlen arguments as :func:`attn_bwd` takes them (``max_seqlen_q``/``max_seqlen_k``
-    read from ``cu_seqlens_q``/``cu_seqlens_k`` when None).
+    read from ``cu_seqlens_q``/``cu_seqlens_k`` when None); ``dropout_p`` with the
+    forward's ``seed``.
     """
     varlen = cu_seqlens_q is not None
     if varlen:
@@ -138,10 +141,14 @@ def kernel_args(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, delta: An
     # the score modifications' and varlen's arguments, after the plain kernels' own (whose
     # parameter layout, and so code, stays as it was); any tensor for a pointer left off
     stride_ab = alibi_slopes.stride(0) if has_alibi and len(alibi_slopes.shape) == 2 else 0
+    has_dropout = dropout_p > 0
+    if has_dropout and seed is None:
+        raise ValueError("dropout's backward needs the forward's seed tensor")
     mods = (alibi_slopes if has_alibi else lse, cu_seqlens_q if varlen else lse,
-            cu_seqlens_k if varlen else lse, stride_ab, left, right, cap)
+            cu_seqlens_k if varlen else lse, stride_ab, left, right, cap,
+            seed if has_dropout else lse, dropout_threshold(dropout_p) if has_dropout else 0)
     flags = dict(HAS_WINDOW=has_window, HAS_SOFTCAP=has_softcap, HAS_ALIBI=has_alibi,
-                 VARLEN=varlen)
+                 VARLEN=varlen, HAS_DROPOUT=has_dropout)
     if dlse is None:
         dl_strides: tuple[int, int, int] = (0, 0, 0)
     elif varlen:  # (heads_q, total_q)
@@ -247,6 +254,8 @@ def attn_bwd(
     cu_seqlens_k: torch.Tensor | None = None,
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
+    dropout_p: float = 0.0,
+    seed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of flash-attention forward with an explicit config.
 
@@ -294,6 +303,11 @@ def attn_bwd(
             ALiBi use its own lengths.
         max_seqlen_q, max_seqlen_k: the longest sequences (the launch grids); read from the
             ``cu_seqlens`` (a device sync) when None.
+        dropout_p, seed: the forward's attention dropout and its seed tensor (required with
+            ``dropout_p > 0``): both kernels regenerate its keep mask ``Z`` (never stored)
+            and, with ``r`` the inverse keep probability, compute ``dV = (P Z r)^T dO`` and
+            ``dS = P (dP Z r - delta)``; ``out`` is the dropped output, so ``delta =
+            rowsum(dO * O)`` needs no change.
     Returns:
         ``(dq, dk, dv)`` in the input dtype, shaped like ``q``, ``k``, ``v``; dK/dV summed
         over the query heads of each GQA group in a fixed order (deterministic: the same
@@ -327,7 +341,7 @@ def attn_bwd(
                            part_v=part_v, window=window, softcap=softcap,
                            alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q,
                            cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                           max_seqlen_k=max_seqlen_k)
+                           max_seqlen_k=max_seqlen_k, dropout_p=dropout_p, seed=seed)
     for kernel, args, kwargs, grid in launches.values():
         kernel[grid](*args, **kwargs)
     return dq, dk, dv
