@@ -347,7 +347,8 @@ def attention_with_kvcache(
         (so before the cache is written).
     """
     key = None
-    if config is None and _DIRECT and check_tables is not True and type(q) is _Tensor \
+    if config is None and _DIRECT and (check_tables is None or check_tables is False) \
+            and type(q) is _Tensor \
             and type(k_cache) is _Tensor and type(v_cache) is _Tensor and q.is_cuda \
             and type(cache_seqlens) is _Tensor \
             and (block_table is None or type(block_table) is _Tensor):
