@@ -63,6 +63,9 @@ CASES = [
      dict(causal=False)),
     ("rope-window-softcap-alibi-paged", (4, 2), 3, 3, dict(page_size=16, rotary_dim=16),
      dict(causal=True, window=(20, 0), softcap=2.0, alibi_slopes="bh")),
+    # a chunk of 20 new keys: the write loop takes 16 rows at a time
+    ("chunk-20-paged-rope", (4, 2), 20, 20, dict(page_size=16, rotary_dim=16),
+     dict(causal=True, rotary_interleaved=False)),
     ("leftpad-rope-window-noncausal", (4, 2), 3, 3, dict(leftpad=[0, 5, 17], rotary_dim=32),
      dict(causal=False, window=(20, 2), rotary_interleaved=False, alibi_slopes="h")),
 ]

@@ -48,10 +48,10 @@ pointers None when off, so a call without them compiles without them):
 * ``HAS_NEW``: new keys/values ``KNew``/``VNew`` ``(B, Hkv, N_NEW, D)`` are appended at
   ``Seqlens[b]``: sequence ``b`` attends to ``L = Seqlens[b] + N_NEW`` keys. In the same
   launch, program ``(split 0, row block 0)`` of each ``(b, h_kv)`` writes them into the cache
-  (rotated, in the cache's dtype); the walk reads keys ``j >= Seqlens[b]`` from
-  ``KNew``/``VNew`` (rotated again, the same arithmetic), never from the cache, so no program
-  reads a slot another one writes. The unmasked phase stops at the first new key's block; new
-  keys are walked masked.
+  (rotated, in the cache's dtype, 16 rows at a time); the walk reads keys ``j >= Seqlens[b]``
+  from ``KNew``/``VNew`` (rotated again, the same arithmetic), never from the cache, so no
+  program reads a slot another one writes. The unmasked phase stops at the first new key's
+  block; new keys are walked masked (the blocks before them skip the new-key loads).
 * ``ROT_DIM`` > 0: rotary embedding of the first ``ROT_DIM`` dims of the new keys (key ``j``
   at position ``j``) and of q (query ``i`` at ``Seqlens[b] + i`` with ``ROT_Q_PER_POS``, at
   ``Seqlens[b]`` otherwise), GPT-J pairs ``(2t, 2t+1)`` with ``ROT_INTERLEAVED``, GPT-NeoX
@@ -161,17 +161,20 @@ def _decode_inner(acc, l_i, m_i, q, k_base, v_base, BlockTable, bt_row, offs_n, 
             kt = tl.load(kt_ptrs, mask=n_ok[None, :] & d_ok[:, None], other=0.0)
             v = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
             if HAS_NEW:
-                is_new = (cols >= cache_len) & (cols < seqlen)
-                new_rows = (cols - cache_len).to(tl.int64)
-                kn_rows = kn_base + (new_rows * stride_knn)[None, :]
-                kt_new = _load_rotated(kn_rows + offs_d[:, None], kn_rows + rot_partner[:, None],
-                                       cols[None, :], is_new[None, :] & d_ok[:, None],
-                                       rot_on[:, None], rot_freq[:, None], rot_sign[:, None],
-                                       Cos, Sin, seqlen_ro, ROT_DIM)
-                kt = tl.where(is_new[None, :], kt_new, kt)
-                v_new = tl.load(vn_base + (new_rows * stride_vnn)[:, None] + offs_d[None, :],
-                                mask=is_new[:, None] & d_ok[None, :], other=0.0)
-                v = tl.where(is_new[:, None], v_new, v)
+                if start_n + BLOCK_N > cache_len:  # the block holds new keys
+                    is_new = (cols >= cache_len) & (cols < seqlen)
+                    new_rows = (cols - cache_len).to(tl.int64)
+                    kn_rows = kn_base + (new_rows * stride_knn)[None, :]
+                    kt_new = _load_rotated(kn_rows + offs_d[:, None],
+                                           kn_rows + rot_partner[:, None], cols[None, :],
+                                           is_new[None, :] & d_ok[:, None], rot_on[:, None],
+                                           rot_freq[:, None], rot_sign[:, None], Cos, Sin,
+                                           seqlen_ro, ROT_DIM)
+                    kt = tl.where(is_new[None, :], kt_new, kt)
+                    v_new = tl.load(vn_base + (new_rows * stride_vnn)[:, None]
+                                    + offs_d[None, :],
+                                    mask=is_new[:, None] & d_ok[None, :], other=0.0)
+                    v = tl.where(is_new[:, None], v_new, v)
         elif BLOCK_D != HEAD_DIM:
             kt = tl.load(kt_ptrs, mask=d_ok[:, None], other=0.0)
             v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
@@ -217,18 +220,18 @@ def _decode_inner(acc, l_i, m_i, q, k_base, v_base, BlockTable, bt_row, offs_n, 
 
 
 @triton.jit
-def _append_new_kv(K, V, k_base, v_base, kn_base, vn_base, BlockTable, bt_row, offs_n, offs_d,
+def _append_new_kv(K, V, k_base, v_base, kn_base, vn_base, BlockTable, bt_row, offs_d,
                    stride_kp, stride_kn, stride_vp, stride_vn, stride_btp,
                    stride_knn, stride_vnn, cache_len, seqlen, n_new, page_size, num_pages,
                    Cos, Sin, seqlen_ro, rot_partner, rot_freq, rot_sign, rot_on,
-                   HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, BLOCK_NEW: tl.constexpr, PAGED: tl.constexpr,
                    ROT_DIM: tl.constexpr):
-    """Write one KV head's new keys (rotated) and values into the cache at ``cache_len``..:
-    only slots below ``seqlen`` (the capacity-clamped length), and with a paged cache only
-    where the page id is in ``[0, num_pages)``."""
+    """Write one KV head's new keys (rotated) and values into the cache at ``cache_len``..,
+    ``BLOCK_NEW`` rows at a time: only slots below ``seqlen`` (the capacity-clamped length),
+    and with a paged cache only where the page id is in ``[0, num_pages)``."""
     d_ok = offs_d < HEAD_DIM
-    for start in tl.range(0, n_new, BLOCK_N):
-        rows_n = start + offs_n
+    for start in tl.range(0, n_new, BLOCK_NEW):
+        rows_n = start + tl.arange(0, BLOCK_NEW)
         j = cache_len + rows_n  # the keys' positions in the sequence
         w_ok = j < seqlen
         new_rows = rows_n.to(tl.int64)
@@ -346,11 +349,11 @@ def attn_decode_split_kernel(
         # one program of each KV head writes its new keys and values into the cache; every
         # program reads them from KNew/VNew, so none reads a slot being written
         if (split == 0) & (tl.program_id(2) == 0):
-            _append_new_kv(K, V, k_base, v_base, kn_base, vn_base, BlockTable, bt_row, offs_n,
+            _append_new_kv(K, V, k_base, v_base, kn_base, vn_base, BlockTable, bt_row,
                            offs_d, stride_kb, stride_kn, stride_vb, stride_vn, stride_btp,
                            stride_knn, stride_vnn, cache_len, seqlen, n_new, page_size,
                            NUM_PAGES, Cos, Sin, SEQLEN_RO, rot_partner, rot_freq, rot_sign,
-                           rot_on, HEAD_DIM, BLOCK_N, PAGED, ROT_DIM)
+                           rot_on, HEAD_DIM, 16, PAGED, ROT_DIM)
 
     q_rows = (Q + off_b.to(tl.int64) * stride_qb + offs_h[:, None].to(tl.int64) * stride_qh
               + offs_i[:, None].to(tl.int64) * stride_qm)
