@@ -118,12 +118,12 @@ def check_tunable(problems: Sequence[AttentionProblem], template: str, *,
     template that cannot be tuned yet or needs a GPU under the Triton interpreter
     (ConfigError)."""
     from flashtune.core.errors import ConfigError, InputError
-    from flashtune.core.problem import SUPPORTED_HEAD_DIMS
+    from flashtune.core.problem import MAX_HEAD_DIM
 
     for p in problems:
-        if p.head_dim not in SUPPORTED_HEAD_DIMS:
+        if p.head_dim > MAX_HEAD_DIM:
             raise InputError(f"head_dim {p.head_dim} is not supported ({p.describe()}); "
-                             f"supported: {list(SUPPORTED_HEAD_DIMS)}")
+                             f"flashtune serves head dims 1 to {MAX_HEAD_DIM}")
     if custom_runner:
         return
     from flashtune.kernel_templates import get_template

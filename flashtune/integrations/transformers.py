@@ -15,9 +15,10 @@ several sequences whose ``position_ids`` restart, ``DataCollatorWithFlattening``
 a packed batch too, no token attending across sequences; a sliding window becomes
 ``window=(sliding_window - 1, sliding_window - 1)`` (its right bound is the causal one).
 Plain calls go through :func:`flashtune.scaled_dot_product_attention` (tuned routing,
-fallback counting). What flashtune cannot serve (attention dropout while training, a head
-dim it lacks) runs torch's SDPA with the equivalent boolean mask, counted and logged once
-there; a softcap it cannot serve (with dropout) is an error naming the way out.
+fallback counting). Every head dim up to 256 runs flashtune's kernels (Phi-2's 80 and odd
+ones alike). What flashtune cannot serve (attention dropout while training, a head dim over
+256) runs torch's SDPA with the equivalent boolean mask, counted and logged once there; a
+softcap it cannot serve (with dropout) is an error naming the way out.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
-from flashtune.core.problem import SUPPORTED_HEAD_DIMS
+from flashtune.core.problem import MAX_HEAD_DIM
 from flashtune.kernel_templates.attn_fwd.reference import visible
 from flashtune.runtime import scored
 from flashtune.runtime.ops import attention
@@ -100,7 +101,7 @@ def flashtune_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
         out = scaled_dot_product_attention(**sdpa_arguments(
             module, query, key, value, None, dropout, scaling, is_causal, **kwargs))
         return out.transpose(1, 2).contiguous(), None
-    if dropout_p or query.shape[-1] not in SUPPORTED_HEAD_DIMS:
+    if dropout_p or query.shape[-1] > MAX_HEAD_DIM:
         if softcap is not None:
             raise ValueError("flashtune attention cannot run `softcap` with attention "
                              "dropout or this head dim; use attn_implementation='eager'")

@@ -12,7 +12,7 @@ import torch
 
 from flashtune.core.device import interpreting
 from flashtune.core.errors import DeviceError, InputError, InputTypeError
-from flashtune.core.problem import SUPPORTED_HEAD_DIMS
+from flashtune.core.problem import MAX_HEAD_DIM
 from flashtune.kernel_templates.attn_decode.space import block_m, rows
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
@@ -20,9 +20,6 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 MAX_GRID_YZ = 65535
 # the device types whose launches have that limit (the Triton interpreter has none)
 GRID_LIMITED_DEVICES = frozenset({"cuda"})
-
-
-_HEAD_DIMS = frozenset(SUPPORTED_HEAD_DIMS)
 
 
 def _plainly_fine(q: Any, k: Any, v: Any, scale: Any) -> bool:
@@ -39,7 +36,7 @@ def _plainly_fine(q: Any, k: Any, v: Any, scale: Any) -> bool:
     qs, ks = q.shape, k.shape
     if len(qs) != 4 or ks != v.shape or len(ks) != 4 or qs[0] != ks[0] or qs[3] != ks[3]:
         return False
-    if qs[3] not in _HEAD_DIMS or min(qs) < 1 or min(ks) < 1 or qs[1] % ks[1]:
+    if qs[3] > MAX_HEAD_DIM or min(qs) < 1 or min(ks) < 1 or qs[1] % ks[1]:
         return False
     if q.stride(3) != 1 or k.stride(3) != 1 or v.stride(3) != 1:
         return False
@@ -80,9 +77,9 @@ def check_attention_inputs(q: Any, k: Any, v: Any, scale: Any) -> None:
     if q.shape[1] % k.shape[1]:
         raise InputError(f"q's heads ({q.shape[1]}) must be a multiple of k/v's heads "
                          f"({k.shape[1]}) for GQA/MQA")
-    if q.shape[3] not in SUPPORTED_HEAD_DIMS:
-        raise InputError(f"head_dim {q.shape[3]} is not supported; supported: "
-                         f"{list(SUPPORTED_HEAD_DIMS)}")
+    if q.shape[3] > MAX_HEAD_DIM:
+        raise InputError(f"head_dim {q.shape[3]} is not supported: flashtune serves head dims "
+                         f"1 to {MAX_HEAD_DIM} (FlashAttention-2's range)")
     if scale is not None:
         if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
             raise InputError(f"scale must be a finite float or None, got {scale!r}")

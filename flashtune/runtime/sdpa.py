@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from flashtune.core.device import interpreting
-from flashtune.core.problem import SUPPORTED_HEAD_DIMS, AttentionProblem, dtype_name
+from flashtune.core.problem import MAX_HEAD_DIM, AttentionProblem, dtype_name
 from flashtune.runtime.checks import MAX_GRID_YZ, SUPPORTED_DTYPES, grid_problem
 from flashtune.runtime.ops import attention, lookup_config
 from flashtune.runtime.scored import lookup_varlen
@@ -82,7 +82,6 @@ def reset_fallback_counts() -> None:
 
 
 _Tensor = torch.Tensor
-_HEAD_DIMS = frozenset(SUPPORTED_HEAD_DIMS)
 _DTYPES = frozenset(SUPPORTED_DTYPES)
 
 
@@ -101,7 +100,7 @@ def _served(query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: float,
     bk, hkv, lk, ek = ks
     dev = query.get_device()
     return (b == bk and e == ek and b > 0 and hq > 0 and lq > 0 and hkv > 0 and lk > 0
-            and e in _HEAD_DIMS and query.dtype in _DTYPES and key.dtype == query.dtype
+            and e <= MAX_HEAD_DIM and query.dtype in _DTYPES and key.dtype == query.dtype
             and value.dtype == query.dtype and dev >= 0 and query.is_cuda
             and key.get_device() == dev and value.get_device() == dev and key.is_cuda
             and value.is_cuda and (hq == hkv or (enable_gqa and hq % hkv == 0))
@@ -162,8 +161,8 @@ def _decide(query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: float,
         return "Hq != Hkv without enable_gqa (torch raises)"
     if hq % hkv:
         return "Hq is not a multiple of Hkv"
-    if e not in SUPPORTED_HEAD_DIMS:
-        return f"head_dim {e} (flashtune supports {list(SUPPORTED_HEAD_DIMS)})"
+    if e > MAX_HEAD_DIM:
+        return f"head_dim {e} (flashtune serves 1 to {MAX_HEAD_DIM})"
     if query.stride(-1) != 1 or key.stride(-1) != 1 or value.stride(-1) != 1:
         return "a last dimension that is not contiguous"
     if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):

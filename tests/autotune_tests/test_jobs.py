@@ -150,8 +150,8 @@ def test_unsupported_head_dim_is_refused_before_any_work(tmp_path):
     from flashtune.core.problem import AttentionProblem
 
     url = f"sqlite:///{tmp_path / 'ft.db'}"
-    with pytest.raises(InputError, match=r"head_dim 24 is not supported .*supported: \[16, 32"):
-        tune([AttentionProblem(1, 2, 2, 40, 40, 24, False, "fp16")], OPTS, db_url=url)
+    with pytest.raises(InputError, match=r"head_dim 300 is not supported .*1 to 256"):
+        tune([AttentionProblem(1, 2, 2, 40, 40, 300, False, "fp16")], OPTS, db_url=url)
     assert not (tmp_path / "ft.db").exists()
 
 

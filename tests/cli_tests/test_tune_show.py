@@ -217,11 +217,11 @@ def test_tune_cmaes_without_the_package_names_the_option(jobs: Calls,
 def test_tune_plan_with_an_unsupported_head_dim_names_the_plan(jobs: Calls,
                                                                tmp_path: Path) -> None:
     plan = tmp_path / "plan.toml"
-    plan.write_text("[[shape]]\nbatch = 1\nheads = 4\nseqlen = 64\nhead_dim = 33\n")
+    plan.write_text("[[shape]]\nbatch = 1\nheads = 4\nseqlen = 64\nhead_dim = 257\n")
     result = run("tune", "--plan", str(plan))
     assert result.exit_code == 2
     line = error_line(result)
-    assert "'--plan'" in line and "33" in line and "supported: 16, 32" in line
+    assert "'--plan'" in line and "257" in line and "supported: 1 to 256" in line
     assert not jobs.calls
 
 
@@ -321,7 +321,7 @@ def test_tune_dtype_with_plan_is_refused(jobs: Calls, tmp_path: Path) -> None:
     ([*SHAPE, "--timeout", "nan"], "--timeout"),
     ([*SHAPE, "--timeout", "inf"], "--timeout"),
     (["--template", "nope", *SHAPE], "--template"),
-    ([*SHAPE[:-1], "33"], "--head-dim"),
+    ([*SHAPE[:-1], "257"], "--head-dim"),
     (["--batch", "0", "--heads", "4", "--seqlen", "64", "--head-dim", "16"], "--batch"),
     (["--batch", "1", "--heads", "6", "--kv-heads", "4", "--seqlen", "64", "--head-dim", "16"],
      "multiple of heads_kv"),

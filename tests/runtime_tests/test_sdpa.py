@@ -58,7 +58,7 @@ def _fallback_cases():
     return [
         ("attn_mask", (q, k, v), dict(attn_mask=mask)),
         ("more queries than keys", (_t(1, 2, 12, 32), k, v), dict(is_causal=True)),
-        ("head_dim", (_t(1, 2, 9, 24), _t(1, 2, 9, 24), _t(1, 2, 9, 24)), {}),
+        ("head_dim", (_t(1, 2, 9, 264), _t(1, 2, 9, 264), _t(1, 2, 9, 264)), {}),
         ("dtype", (q.float(), k.float(), v.float()), {}),
         ("Ev != E", (q, k, _t(1, 2, 9, 16)), {}),
     ]
