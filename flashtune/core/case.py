@@ -16,14 +16,21 @@ from typing import Any
 from flashtune.core.device import DeviceFingerprint
 from flashtune.core.problem import AttentionProblem
 
-__all__ = ["FULL_REFERENCE_MAX_ELEMS", "TOLERANCE", "Case", "forward_case", "mods_kwargs",
-           "mods_options", "packed_gradients", "packed_inputs", "packed_reference", "random_inputs",
-           "relative_error"]
+__all__ = ["FULL_REFERENCE_MAX_ELEMS", "TOLERANCE", "Case", "MaskFn", "forward_case",
+           "mods_kwargs", "mods_options", "packed_gradients", "packed_inputs",
+           "packed_reference", "random_inputs", "reference_options", "relative_error"]
 
 # relative Frobenius error allowed against the fp32 reference
 TOLERANCE = {"bf16": 2e-2, "fp16": 5e-3}
 # above this many q elements the reference is computed on a slice (batch 0, 2 q heads)
 FULL_REFERENCE_MAX_ELEMS = 1 << 20
+# dropout seeds of a tuning case are drawn in [0, this) (as kernel_templates.dropout's)
+SEED_HIGH = 1 << 62
+
+# materialises attention dropout's keep mask: ``(seed, batch, heads_q, seqlen_q, seqlen_k,
+# dropout_p, batches=, heads=) -> bool (batches, heads, seqlen_q, seqlen_k)`` of the first
+# ``batches`` sequences and ``heads`` query heads (kernel_templates.dropout.dropout_mask)
+MaskFn = Callable[..., Any]
 
 
 @dataclass(frozen=True)
@@ -110,12 +117,15 @@ def packed_reference(reference: Callable[..., Any], problem: AttentionProblem, q
 
     outs = []
     start_q = start_k = 0
-    for nq, nk in zip(*problem.packed_lengths(), strict=True):
+    for b, (nq, nk) in enumerate(zip(*problem.packed_lengths(), strict=True)):
         qs, ks, vs = (x[a:a + n].transpose(0, 1)[None]
                       for x, a, n in ((q, start_q, nq), (k, start_k, nk), (v, start_k, nk)))
         if nq and nk:
+            options = _sliced(mods, q.shape[1])
+            if "dropout_mask" in options:  # this sequence's (its own lengths)
+                options["dropout_mask"] = options["dropout_mask"][b:b + 1, :, :nq, :nk]
             outs.append(reference(qs, ks, vs, causal=problem.causal, dtype=torch.float32,
-                                  **_sliced(mods, q.shape[1]))[0][0].transpose(0, 1))
+                                  **options)[0][0].transpose(0, 1))
         elif nq:  # no keys: FlashAttention's rows of zeros
             outs.append(torch.zeros((nq, q.shape[1], q.shape[2]), device=q.device))
         start_q, start_k = start_q + nq, start_k + nk
@@ -124,11 +134,14 @@ def packed_reference(reference: Callable[..., Any], problem: AttentionProblem, q
 
 def packed_gradients(reference: Callable[..., Any], problem: AttentionProblem, q: Any,
                      k: Any, v: Any, do: Any, mods: Mapping[str, Any],
-                     check_slice: bool = True) -> tuple[tuple[slice, slice], Any]:
+                     check_slice: bool = True, dropout_mask: MaskFn | None = None
+                     ) -> tuple[tuple[slice, slice], Any]:
     """The float32 ``(out, dq, dk, dv)`` of a packed batch by autograd through
     :func:`packed_reference` with output gradient ``do``, and the heads slice they cover:
     every head, or for a big batch (``check_slice``) the first key head and its group's
-    query heads (dK/dV sum over the group, so no smaller slice checks them)."""
+    query heads (dK/dV sum over the group, so no smaller slice checks them). ``mods``: the
+    launcher's keywords (:func:`mods_options`; dropout's seed becomes the mask
+    ``dropout_mask`` draws, :func:`reference_options`)."""
     import torch
 
     p = problem
@@ -137,30 +150,38 @@ def packed_gradients(reference: Callable[..., Any], problem: AttentionProblem, q
         hq, hkv = p.heads_q // p.heads_kv, 1
     leaves = [x.detach()[:, :h].float().requires_grad_(True)
               for x, h in ((q, hq), (k, hkv), (v, hkv))]
+    ref_mods = reference_options(mods, p, dropout_mask, heads=hq)
     with torch.enable_grad():
-        out = packed_reference(reference, p, *leaves, mods)
+        out = packed_reference(reference, p, *leaves, ref_mods)
         grads = torch.autograd.grad(out, leaves, do[:, :hq].float())
     return (slice(None), slice(0, hq)), (out.detach(), *grads)
 
 
 def mods_options(problem: AttentionProblem, torch_device: str,
                  generator: Any) -> dict[str, Any]:
-    """The launcher keywords of ``problem``'s score modifications (empty for a plain
-    problem, so implementations without them are called as before), with seeded ALiBi
-    slopes ``(heads_q,)`` in [0, 1) (the geometric slopes of the ALiBi paper lie there)."""
+    """The launcher keywords of ``problem``'s score modifications and dropout (empty for a
+    plain problem, so implementations without them are called as before), with seeded
+    ALiBi slopes ``(heads_q,)`` in [0, 1) (the geometric slopes of the ALiBi paper lie
+    there) and one dropout seed for the case (so every launch, and the reference's mask,
+    drop the same scores)."""
     import torch
 
-    slopes = None
+    slopes = seed = None
     if problem.alibi:
         slopes = torch.rand((problem.heads_q,), generator=generator, device=torch_device,
                             dtype=torch.float32)
-    return mods_kwargs(problem, slopes)
+    if problem.dropout:
+        seed = torch.randint(SEED_HIGH, (1,), generator=generator, device=torch_device,
+                             dtype=torch.int64)
+    return mods_kwargs(problem, slopes, seed)
 
 
-def mods_kwargs(problem: AttentionProblem, alibi_slopes: Any = None) -> dict[str, Any]:
-    """``problem``'s score modifications as launcher keywords: ``window`` (the right bound
-    0 when causal), ``softcap``, and ``alibi_slopes`` (given: tensors, or shape-only
-    stand-ins to compile with) where the problem has them; empty for a plain problem."""
+def mods_kwargs(problem: AttentionProblem, alibi_slopes: Any = None,
+                seed: Any = None) -> dict[str, Any]:
+    """``problem``'s score modifications and dropout as launcher keywords: ``window`` (the
+    right bound 0 when causal), ``softcap``, ``alibi_slopes`` and ``dropout_p`` with its
+    ``seed`` (given: tensors, or shape-only stand-ins to compile with) where the problem
+    has them; empty for a plain problem."""
     p = problem
     options: dict[str, Any] = {}
     if p.window_left != -1 or p.window_right != -1:
@@ -169,24 +190,50 @@ def mods_kwargs(problem: AttentionProblem, alibi_slopes: Any = None) -> dict[str
         options["softcap"] = p.softcap
     if p.alibi:
         options["alibi_slopes"] = alibi_slopes
+    if p.dropout:
+        options["dropout_p"] = p.dropout
+        options["seed"] = seed
     return options
 
 
+def reference_options(options: Mapping[str, Any], problem: AttentionProblem,
+                      dropout_mask: MaskFn | None, *, batches: int | None = None,
+                      heads: int | None = None) -> dict[str, Any]:
+    """The reference's keywords for launcher keywords ``options``: dropout's ``seed``
+    replaced by the keep mask it draws (``dropout_mask`` materialises it), of the first
+    ``batches`` sequences (all) and ``heads`` query heads (all) at the longest lengths."""
+    out = dict(options)
+    seed = out.pop("seed", None)
+    if out.get("dropout_p"):
+        if dropout_mask is None:
+            raise ValueError("a dropout problem's reference needs the kernels' mask "
+                             "(kernel_templates.dropout.dropout_mask)")
+        p = problem
+        out["dropout_mask"] = dropout_mask(seed, p.batch, p.heads_q, p.seqlen_q, p.seqlen_k,
+                                           p.dropout, batches=batches, heads=heads)
+    return out
+
+
 def _sliced(options: Mapping[str, Any], heads: int) -> dict[str, Any]:
-    """``options`` for the first ``heads`` query heads (ALiBi slopes are per head)."""
+    """``options`` for the first ``heads`` query heads (ALiBi slopes and the dropout mask
+    are per head)."""
     out = dict(options)
     if "alibi_slopes" in out:
         out["alibi_slopes"] = out["alibi_slopes"][:heads]
+    if "dropout_mask" in out:
+        out["dropout_mask"] = out["dropout_mask"][:, :heads]
     return out
 
 
 def forward_case(reference: Callable[..., Any], problem: AttentionProblem,
                  device: DeviceFingerprint, *, torch_device: str, generator: Any,
-                 launcher: Callable[..., Any], check_slice: bool = True) -> Case:
-    """``launcher(q, k, v, config, causal=[, score modifications])`` on random q, k, v
-    against ``reference``'s output (``reference(q, k, v, causal=, dtype=[, window=,
-    softcap=, alibi_slopes=]) -> (out, lse)``; the modifications only for a problem that
-    has them, :func:`mods_options`). For big problems (q or
+                 launcher: Callable[..., Any], check_slice: bool = True,
+                 dropout_mask: MaskFn | None = None) -> Case:
+    """``launcher(q, k, v, config, causal=[, score modifications, dropout])`` on random q,
+    k, v against ``reference``'s output (``reference(q, k, v, causal=, dtype=[, window=,
+    softcap=, alibi_slopes=, dropout_p=, dropout_mask=]) -> (out, lse)``; the
+    modifications only for a problem that has them, :func:`mods_options`; dropout's mask
+    from ``dropout_mask``, for the seed every launch gets). For big problems (q or
     k above ``FULL_REFERENCE_MAX_ELEMS`` elements) only batch
     0 and the first two q heads (and their kv heads) are compared, to bound memory."""
     import torch
@@ -195,7 +242,7 @@ def forward_case(reference: Callable[..., Any], problem: AttentionProblem,
     if p.packed:
         return _packed_forward_case(reference, p, torch_device=torch_device,
                                     generator=generator, launcher=launcher,
-                                    check_slice=check_slice)
+                                    check_slice=check_slice, dropout_mask=dropout_mask)
     t = random_inputs(p, torch_device, generator)
     q, k, v = t["q"], t["k"], t["v"]
     options = mods_options(p, torch_device, generator)
@@ -203,11 +250,13 @@ def forward_case(reference: Callable[..., Any], problem: AttentionProblem,
         hq = min(2, p.heads_q)
         hkv = (hq - 1) // (p.heads_q // p.heads_kv) + 1
         sl: tuple[slice, slice] = (slice(0, 1), slice(0, hq))
+        ref_options = reference_options(options, p, dropout_mask, batches=1, heads=hq)
         ref, _ = reference(q[:1, :hq], k[:1, :hkv], v[:1, :hkv], causal=p.causal,
-                           dtype=torch.float32, **_sliced(options, hq))
+                           dtype=torch.float32, **_sliced(ref_options, hq))
     else:
         sl = (slice(None), slice(None))
-        ref, _ = reference(q, k, v, causal=p.causal, dtype=torch.float32, **options)
+        ref, _ = reference(q, k, v, causal=p.causal, dtype=torch.float32,
+                           **reference_options(options, p, dropout_mask))
     io = sum(t.numel() * t.element_size() for t in (q, k, v, q))  # q, k, v read; o written
     return Case(launch=lambda config: launcher(q, k, v, config, causal=p.causal, **options),
                 error=lambda out: relative_error(out[sl], ref), flops=p.flops(),
@@ -218,7 +267,7 @@ def forward_case(reference: Callable[..., Any], problem: AttentionProblem,
 
 def _packed_forward_case(reference: Callable[..., Any], problem: AttentionProblem, *,
                          torch_device: str, generator: Any, launcher: Callable[..., Any],
-                         check_slice: bool) -> Case:
+                         check_slice: bool, dropout_mask: MaskFn | None) -> Case:
     """:func:`forward_case` for a packed problem: the launcher called with the batch's
     ``cu_seqlens``; big batches checked on their first two query heads (and their key
     heads)."""
@@ -230,7 +279,8 @@ def _packed_forward_case(reference: Callable[..., Any], problem: AttentionProble
     if check_slice and max(q.numel(), k.numel()) > FULL_REFERENCE_MAX_ELEMS:
         hq = min(2, p.heads_q)
     hkv = (hq - 1) // (p.heads_q // p.heads_kv) + 1
-    ref = packed_reference(reference, p, q[:, :hq], k[:, :hkv], v[:, :hkv], mods)
+    ref = packed_reference(reference, p, q[:, :hq], k[:, :hkv], v[:, :hkv],
+                           reference_options(mods, p, dropout_mask, heads=hq))
     io = sum(t.numel() * t.element_size() for t in (q, k, v, q))
     options = {**mods, **packing}
     return Case(launch=lambda config: launcher(q, k, v, config, causal=p.causal, **options),

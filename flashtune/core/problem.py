@@ -60,6 +60,9 @@ class AttentionProblem:
     # ``seqlen_k`` tokens; 0: a dense batch of ``batch x seqlen`` (see PACKED)
     tokens_q: int = 0
     tokens_k: int = 0
+    # attention dropout's probability (FlashAttention-2's ``dropout_p``; 0: none): the
+    # kernels draw and apply its mask, so it is part of what is tuned (see DROPOUT)
+    dropout: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_k", "head_dim"):
@@ -96,19 +99,25 @@ class AttentionProblem:
         if (self.tokens_q == 0) != (self.tokens_k == 0):
             raise ValueError(f"tokens_q and tokens_k are set together (a packed batch) or "
                              f"both 0, got {self.tokens_q} and {self.tokens_k}")
+        drop = self.dropout
+        if isinstance(drop, bool) or not isinstance(drop, (int, float)) \
+                or not 0 <= drop < 1:
+            raise ValueError(f"dropout must be a probability in [0, 1) (0: none), got "
+                             f"{drop!r}")
+        object.__setattr__(self, "dropout", float(drop))
 
     @classmethod
     def from_tensors(cls, q: Any, k: Any, *, causal: bool,
                      window: tuple[int, int] = (-1, -1), softcap: float | None = None,
-                     alibi: bool = False) -> AttentionProblem:
+                     alibi: bool = False, dropout: float = 0.0) -> AttentionProblem:
         """The problem of ``attention(q, k, v, causal=causal, ...)`` (metadata only);
-        ``window``, ``softcap`` as :func:`flashtune.attention` takes them (a causal call's
-        right bound is dropped: causal is it)."""
+        ``window``, ``softcap``, ``dropout`` as :func:`flashtune.attention` takes them (a
+        causal call's right bound is dropped: causal is it)."""
         b, hq, nq, d = q.shape
         left, right = window
         return cls(int(b), int(hq), int(k.shape[1]), int(nq), int(k.shape[2]), int(d),
                    bool(causal), dtype_name(q.dtype), int(left), -1 if causal else int(right),
-                   float(softcap or 0.0), bool(alibi))
+                   float(softcap or 0.0), bool(alibi), dropout=float(dropout))
 
     @classmethod
     def from_lengths(cls, lengths_q: Sequence[int], lengths_k: Sequence[int] | None, *,
@@ -133,14 +142,15 @@ class AttentionProblem:
     @classmethod
     def from_key(cls, key: Mapping[str, Any]) -> AttentionProblem:
         """The problem whose :meth:`key` is ``key`` (extra keys are ignored; a missing
-        score modification is the default: keys written before they existed stay valid)."""
+        score modification, packed count or dropout is the default: keys written before
+        they existed stay valid)."""
         return cls(**{f: key[f] for f in cls.__dataclass_fields__
                       if f in key or f not in OPTIONAL})
 
     def key(self) -> dict[str, Any]:
-        """The problem as a dict of its fields, the score modifications and a packed batch's
-        token counts only where set (a plain problem's key is what it was before they
-        existed): what the store and config files key on."""
+        """The problem as a dict of its fields, the score modifications, a packed batch's
+        token counts and dropout only where set (a plain problem's key is what it was
+        before they existed): what the store and config files key on."""
         key = asdict(self)
         for name, default in OPTIONAL.items():
             if key[name] == default:
@@ -196,7 +206,8 @@ class AttentionProblem:
                 f"-hq{self.heads_q}-hkv{self.heads_kv}-b{_pow2_ceil(self.batch)}"
                 f"-nq{_pow2_ceil(self.seqlen_q)}-nk{_pow2_ceil(self.seqlen_k)}"
                 f"{self._mods_label()}"
-                f"{f'-packed{_pow2_ceil(self.tokens_q)}' if self.packed else ''}")
+                f"{f'-packed{_pow2_ceil(self.tokens_q)}' if self.packed else ''}"
+                f"{f'-drop{self.dropout:g}' if self.dropout else ''}")
 
     def distance(self, other: AttentionProblem) -> float:
         """How far apart two problems are, for the nearest-tuned-shape lookup.
@@ -224,9 +235,12 @@ class AttentionProblem:
         # of the longest's length; a dense config serves it (the same kernels) but a
         # packed one is nearer
         packed = 0.0 if self.packed == other.packed else PACKED_DISTANCE
+        # dropout: the same kernels with the mask's work added; any rate is as near as
+        # another (the work does not depend on it), none against some is farther
+        dropout = 0.0 if bool(self.dropout) == bool(other.dropout) else DROPOUT_DISTANCE
         return (lg(self.seqlen_q, other.seqlen_q) + lg(self.seqlen_k, other.seqlen_k)
                 + 0.5 * lg(self._rows() * self.heads_q, other._rows() * other.heads_q)
-                + mods + packed)
+                + mods + packed + dropout)
 
     def _rows(self) -> float:
         """How many sequences of ``seqlen_q`` the batch's queries amount to."""
@@ -280,6 +294,8 @@ class AttentionProblem:
             mods += " alibi"
         if self.packed:
             mods += f" packed({self.tokens_q}/{self.tokens_k} tokens)"
+        if self.dropout:
+            mods += f" dropout={self.dropout:g}"
         return (f"B={self.batch} Hq={self.heads_q} Hkv={self.heads_kv} Nq={self.seqlen_q} "
                 f"Nk={self.seqlen_k} D={self.head_dim} {self.dtype}{causal}{mods}")
 
@@ -289,11 +305,16 @@ MODS: dict[str, Any] = {"window_left": -1, "window_right": -1, "softcap": 0.0, "
 _NO_MODS = tuple(MODS.values())
 # a packed batch's fields and their defaults (dense); a key omits them when dense
 PACKED: dict[str, Any] = {"tokens_q": 0, "tokens_k": 0}
+# attention dropout's field and its default (none); a key omits it when 0
+DROPOUT: dict[str, Any] = {"dropout": 0.0}
 # every field a key may omit, at its default
-OPTIONAL: dict[str, Any] = {**MODS, **PACKED}
+OPTIONAL: dict[str, Any] = {**MODS, **PACKED, **DROPOUT}
 # what a packed problem's distance to a dense one adds (one doubling of both lengths: the
 # same kernels serve both, and tuning for a packed batch moved its tiles little)
 PACKED_DISTANCE = 2.0
+# what dropout against none adds to the distance (as packed against dense: the same
+# kernels, with the mask's integer work beside the dots)
+DROPOUT_DISTANCE = 2.0
 # what differing score modifications add to the nearest-problem distance (as much as four
 # doublings of both sequence lengths)
 MODS_DISTANCE = 8.0

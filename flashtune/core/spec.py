@@ -65,6 +65,9 @@ class Limits:
             window on causal problems only (a left bound; causal is the right one).
         packed: whether it serves a packed batch (FlashAttention-2's varlen:
             :attr:`AttentionProblem.packed`).
+        dropout: whether it serves attention dropout (FlashAttention-2's ``dropout_p``:
+            :attr:`AttentionProblem.dropout`), drawing flashtune's mask from the call's
+            seed (``kernel_templates.dropout``).
         available: ``available(device) -> reason | None``: a check that only the running
             process can answer (a library built without a backend); None: always.
     """
@@ -79,6 +82,7 @@ class Limits:
     max_seqlen_q: int | None = None
     score_mods: tuple[str, ...] = ()
     packed: bool = False
+    dropout: bool = False
     available: Callable[[DeviceFingerprint], str | None] | None = field(default=None,
                                                                         compare=False)
 
@@ -122,6 +126,8 @@ class Limits:
             return "cannot return the LSE"
         if p.packed and not self.packed:
             return "a packed batch (it serves no varlen)"
+        if p.dropout and not self.dropout:
+            return f"dropout {p.dropout:g} (it applies no attention dropout)"
         if self.available is not None:
             return self.available(device)
         return None
@@ -147,6 +153,7 @@ class Limits:
                       max_seqlen_q=min(lengths) if lengths else None,
                       score_mods=tuple(m for m in self.score_mods if m in other.score_mods),
                       packed=self.packed and other.packed,
+                      dropout=self.dropout and other.dropout,
                       available=available if checks else None)
 
 

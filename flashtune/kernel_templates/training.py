@@ -49,6 +49,7 @@ from flashtune.core.case import (
     packed_gradients,
     packed_inputs,
     random_inputs,
+    reference_options,
     relative_error,
 )
 from flashtune.core.device import DeviceFingerprint
@@ -189,6 +190,7 @@ def train_case(problem: AttentionProblem, device: DeviceFingerprint, *, torch_de
     """
     from flashtune.kernel_templates.attn_bwd.reference import attn_bwd_reference
     from flashtune.kernel_templates.attn_fwd.reference import attn_fwd_reference
+    from flashtune.kernel_templates.dropout import dropout_mask
 
     p = problem
     if p.packed:
@@ -203,7 +205,12 @@ def train_case(problem: AttentionProblem, device: DeviceFingerprint, *, torch_de
         sq = skv = (slice(None), slice(None))
     options = mods_options(p, torch_device, generator)
     if options:  # the modified scores' gradients: autograd through the fp32 reference
-        ref_options = dict(options)
+        # dropout's seed (one for the case: every launch drops the same scores) as the
+        # mask it draws, of the sequences and heads checked
+        sliced = sq[1].stop is not None
+        ref_options = reference_options(options, p, dropout_mask,
+                                        batches=1 if sliced else None,
+                                        heads=sq[1].stop if sliced else None)
         if "alibi_slopes" in ref_options:
             ref_options["alibi_slopes"] = ref_options["alibi_slopes"][sq[1]]
         leaves = [t.detach()[s].float().requires_grad_(True)
@@ -236,12 +243,14 @@ def _packed_train_case(problem: AttentionProblem, *, torch_device: str, generato
                        launcher: Callable[..., Any], check_slice: bool) -> Case:
     """:func:`train_case` for a packed batch (its ``cu_seqlens`` passed to the step)."""
     from flashtune.kernel_templates.attn_fwd.reference import attn_fwd_reference
+    from flashtune.kernel_templates.dropout import dropout_mask
 
     p = problem
     t, packing = packed_inputs(p, torch_device, generator, ("q", "k", "v", "do"))
     q, k, v, do = (t[n].requires_grad_(n != "do") for n in ("q", "k", "v", "do"))
     mods = mods_options(p, torch_device, generator)
-    heads, refs = packed_gradients(attn_fwd_reference, p, q, k, v, do, mods, check_slice)
+    heads, refs = packed_gradients(attn_fwd_reference, p, q, k, v, do, mods, check_slice,
+                                   dropout_mask)
     kv_heads = (slice(None), slice(0, refs[2].shape[1]))
     options = {**mods, **packing}
 

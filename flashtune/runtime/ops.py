@@ -67,20 +67,22 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
               config: Mapping[str, int] | None = ...,
               impl: str | None = ..., window: tuple[int, int] | None = ...,
               softcap: float | None = ...,
-              alibi_slopes: torch.Tensor | None = ...) -> torch.Tensor: ...
+              alibi_slopes: torch.Tensor | None = ...,
+              dropout_p: float = ...) -> torch.Tensor: ...
 @overload
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = ...,
               scale: float | None = ..., return_lse: Literal[True],
               config: Mapping[str, int] | None = ...,
               impl: str | None = ..., window: tuple[int, int] | None = ...,
               softcap: float | None = ...,
-              alibi_slopes: torch.Tensor | None = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
+              alibi_slopes: torch.Tensor | None = ...,
+              dropout_p: float = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
 @overload
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = ...,
               scale: float | None = ..., return_lse: bool = ...,
               config: Mapping[str, int] | None = ..., impl: str | None = ...,
               window: tuple[int, int] | None = ..., softcap: float | None = ...,
-              alibi_slopes: torch.Tensor | None = ...
+              alibi_slopes: torch.Tensor | None = ..., dropout_p: float = ...
               ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -97,6 +99,7 @@ def attention(
     window: tuple[int, int] | None = None,
     softcap: float | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention ``softmax(q k^T * scale) v`` with the fastest implementation tuned
     for the shape: one of flashtune's kernels (Triton, Gluon) or an SDPA backend of torch's.
@@ -133,31 +136,41 @@ def attention(
             softcap)`` before the mask (Gemma-2); None or 0.0: none.
         alibi_slopes: float32 ``(heads_q,)`` or ``(batch, heads_q)``: scores get
             ``-slope * |pos - j|`` (ALiBi, as FlashAttention-2's).
-            Calls with any of these three run flashtune's kernels that serve them
-            (attn_fwd and attn_bwd; short queries attn_decode, as plain ones:
-            :mod:`flashtune.runtime.scored`); under ``torch.compile`` they run eagerly (a
-            graph break).
+        dropout_p: FlashAttention-2's ``dropout_p``, attention dropout in ``[0, 1)``: each
+            attention probability is dropped with probability ``dropout_p`` (quantised to
+            1/256: 0.1 drops 26/256) and the kept ones divided by the keep probability; the
+            LSE is that of every score. Applied whenever it is > 0, as FlashAttention-2
+            does (pass 0.0 in evaluation; torch's SDPA also applies its ``dropout_p``
+            regardless of ``training``). The mask comes from a seed drawn per call from
+            torch's generator on the tensors' device (``torch.manual_seed`` reproduces a
+            call; each CUDA-graph replay draws a fresh one) and the backward regenerates
+            it; nothing N x N is stored.
+            Calls with any of these four run flashtune's kernels that serve them
+            (attn_fwd and attn_bwd; short queries attn_decode, as plain ones, except with
+            dropout: :mod:`flashtune.runtime.scored`); under ``torch.compile`` through
+            custom ops (no graph break).
     Returns:
         ``out`` of ``q``'s shape and dtype (contiguous from flashtune's kernels; an SDPA
         backend's output follows torch's layout), or ``(out, lse)``.
     Raises:
         InputError / InputTypeError (``ValueError`` / ``TypeError``) for bad tensors (and
         on CUDA for ``batch x heads_q`` over 65535, the launch grid's limit: split the
-        batch), ConfigError (``ValueError``) for a config outside the space, DeviceError
+        batch) or a ``dropout_p`` outside ``[0, 1)``, ConfigError (``ValueError``) for a config outside the space, DeviceError
         for CPU tensors without the interpreter. All before any launch.
     """
-    if (window is not None or softcap is not None or alibi_slopes is not None) \
-            and has_mods(causal, window, softcap, alibi_slopes):
+    if (window is not None or softcap is not None or alibi_slopes is not None
+            or dropout_p) and has_mods(causal, window, softcap, alibi_slopes, dropout_p):
         if torch.compiler.is_compiling():  # the custom op: no graph break
             traced: torch.Tensor | tuple[torch.Tensor, torch.Tensor] = \
                 _scored_module.attention_compiled(
                     q, k, v, causal=causal, scale=scale, return_lse=return_lse,
                     config=config, impl=impl, window=window, softcap=softcap,
-                    alibi_slopes=alibi_slopes)
+                    alibi_slopes=alibi_slopes, dropout_p=dropout_p)
             return traced
         scored: torch.Tensor | tuple[torch.Tensor, torch.Tensor] = _scored(
             q, k, v, causal=causal, scale=scale, return_lse=return_lse, config=config,
-            impl=impl, window=window, softcap=softcap, alibi_slopes=alibi_slopes)
+            impl=impl, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+            dropout_p=dropout_p)
         return scored
     if impl is not None and impl != "attn_fwd":
         return _attention_impl(q, k, v, causal, scale, return_lse, config, impl)
@@ -214,7 +227,8 @@ def _wants_grad(q: Any, k: Any, v: Any) -> bool:
 def lookup_config(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                   causal: bool = False, return_lse: bool = False,
                   window: tuple[int, int] | None = None, softcap: float | None = None,
-                  alibi_slopes: torch.Tensor | None = None) -> ConfigChoice:
+                  alibi_slopes: torch.Tensor | None = None,
+                  dropout_p: float = 0.0) -> ConfigChoice:
     """Which implementation and config :func:`attention` runs these inputs with, and why.
 
     First the op's stored choice (``flashtune tune --op``, which times every implementation
@@ -245,9 +259,10 @@ def lookup_config(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
             included); only their metadata is read, nothing is launched.
         causal, return_lse: as for :func:`attention` (an implementation that cannot return
             the LSE is not chosen for a call that asks for it).
-        window, softcap, alibi_slopes: as for :func:`attention`; with any of them the
-            answer is attn_fwd's choice for the problem with its modifications (the pair's
-            config, the backward's keys under ``bwd.``, for a call with gradients).
+        window, softcap, alibi_slopes, dropout_p: as for :func:`attention`; with any of
+            them the answer is attn_fwd's choice for the problem with its modifications
+            (the pair's config, the backward's keys under ``bwd.``, for a call with
+            gradients).
     Returns:
         The :class:`~flashtune.runtime.lookup.ConfigChoice` (``config``, ``source``,
         ``template``, ``tflops``, ``median_ms``, ``tuned_problem``, ``origin``), memoised
@@ -258,11 +273,11 @@ def lookup_config(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         :func:`attention` would refuse, DeviceError for CPU tensors without the
         interpreter.
     """
-    if (window is not None or softcap is not None or alibi_slopes is not None) \
-            and has_mods(causal, window, softcap, alibi_slopes):
+    if (window is not None or softcap is not None or alibi_slopes is not None
+            or dropout_p) and has_mods(causal, window, softcap, alibi_slopes, dropout_p):
         return _copy(_scored_module.lookup_scored(
             q, k, v, causal=causal, return_lse=return_lse, window=window, softcap=softcap,
-            alibi_slopes=alibi_slopes))
+            alibi_slopes=alibi_slopes, dropout_p=dropout_p))
     check_attention_inputs(q, k, v, None)
     problem, device = AttentionProblem.from_tensors(q, k, causal=causal), _device_of(q)
     if _wants_grad(q, k, v):  # attention's training route, whatever the shape

@@ -30,7 +30,7 @@ SPEC = register_template(TemplateSpec(
     warmup_launches=warmup_launches,
     kernel=attn_bwd_dkdv,  # the main kernel; precompile warms every launch (kernel_args)
     make_case=make_case,
-    limits=Limits(score_mods=SCORE_MODS, packed=True),
+    limits=Limits(score_mods=SCORE_MODS, packed=True, dropout=True),
 ))
 
 __all__ = ["SPACE", "SPEC", "attn_bwd", "attn_bwd_dkdv", "attn_bwd_dq", "attn_bwd_preprocess",

@@ -16,6 +16,7 @@ from flashtune.core.case import (
     packed_gradients,
     packed_inputs,
     random_inputs,
+    reference_options,
     relative_error,
 )
 from flashtune.core.device import DeviceFingerprint
@@ -30,6 +31,8 @@ def make_case(problem: AttentionProblem, device: DeviceFingerprint, *, torch_dev
     """Random q, k, v and dout; out and LSE from attn_fwd with its default config; the
     gradients of ``launcher(q, k, v, out, lse, dout, config, causal=)`` checked against
     fp32 autograd (the worst relative error of dq, dk, dv); backward FLOPs (2.5x forward).
+    A dropout problem's forward and every launch get the case's one seed, the reference
+    its materialised mask.
 
     For big problems the reference covers batch 0 and the first kv head with every q head
     of its group (dK/dV sum over the group, so no smaller slice checks them).
@@ -57,8 +60,13 @@ def make_case(problem: AttentionProblem, device: DeviceFingerprint, *, torch_dev
         sq = skv = (slice(None), slice(None))
     if options:  # the modified scores' gradients: autograd through the fp32 reference
         from flashtune.kernel_templates.attn_fwd.reference import attn_fwd_reference
+        from flashtune.kernel_templates.dropout import dropout_mask
 
-        ref_options = dict(options)
+        # dropout's seed as the mask it draws, of the sequences and heads checked
+        sliced = sq[1].stop is not None
+        ref_options = reference_options(options, p, dropout_mask,
+                                        batches=1 if sliced else None,
+                                        heads=sq[1].stop if sliced else None)
         if "alibi_slopes" in ref_options:
             ref_options["alibi_slopes"] = ref_options["alibi_slopes"][sq[1]]
         leaves = [x[s].float().requires_grad_(True) for x, s in ((q, sq), (k, skv), (v, skv))]
@@ -87,6 +95,7 @@ def _packed_case(problem: AttentionProblem, device: DeviceFingerprint, *, torch_
     from flashtune.kernel_templates.attn_fwd.launcher import attn_fwd
     from flashtune.kernel_templates.attn_fwd.reference import attn_fwd_reference
     from flashtune.kernel_templates.attn_fwd.space import default_config
+    from flashtune.kernel_templates.dropout import dropout_mask
 
     p = problem
     t, packing = packed_inputs(p, torch_device, generator, ("q", "k", "v", "do"))
@@ -96,7 +105,7 @@ def _packed_case(problem: AttentionProblem, device: DeviceFingerprint, *, torch_
     out, lse = attn_fwd(q, k, v, default_config(p, device), causal=p.causal, return_lse=True,
                         **options)
     heads, (_, *ref) = packed_gradients(attn_fwd_reference, p, q, k, v, do, mods,
-                                        check_slice)
+                                        check_slice, dropout_mask)
     kv_heads = (slice(None), slice(0, ref[1].shape[1]))
 
     def launch(config: Any) -> Any:

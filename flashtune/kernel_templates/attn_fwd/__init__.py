@@ -12,6 +12,7 @@ from flashtune.kernel_templates.attn_fwd.launcher import attn_fwd
 from flashtune.kernel_templates.attn_fwd.reference import attn_fwd_reference
 from flashtune.kernel_templates.attn_fwd.space import SPACE, default_config
 from flashtune.kernel_templates.attn_fwd.warmup import warmup_launches
+from flashtune.kernel_templates.dropout import dropout_mask
 from flashtune.kernel_templates.registry import TemplateSpec, register_template, source_hash
 
 _HERE = Path(__file__).parent
@@ -24,12 +25,12 @@ SPEC = register_template(TemplateSpec(
     reference=attn_fwd_reference,
     space=SPACE,
     default_config=default_config,
-    make_case=functools.partial(forward_case, attn_fwd_reference),
+    make_case=functools.partial(forward_case, attn_fwd_reference, dropout_mask=dropout_mask),
     warmup_launches=warmup_launches,
     kernel=attn_fwd_kernel,
     serves=("fwd", "train", "decode"),
     backward="attn_bwd",
-    limits=Limits(score_mods=SCORE_MODS, packed=True),
+    limits=Limits(score_mods=SCORE_MODS, packed=True, dropout=True),
 ))
 
 __all__ = ["SPEC", "attn_fwd", "attn_fwd_reference", "attn_fwd_kernel", "default_config", "SPACE"]

@@ -36,12 +36,13 @@ def attn_fwd_warmup_args(problem: AttentionProblem, config: Mapping[str, int], *
 
 
 def warmup_mods(problem: AttentionProblem) -> dict[str, Any]:
-    """The score modifications' keywords of ``problem`` for ``kernel_args``, with a
-    shape-only stand-in for ALiBi slopes ``(heads_q,)`` (the values do not reach the
-    compiler); empty for a plain problem."""
+    """The score modifications' and dropout's keywords of ``problem`` for ``kernel_args``,
+    with shape-only stand-ins for ALiBi slopes ``(heads_q,)`` and dropout's seed ``(1,)``
+    (the values do not reach the compiler); empty for a plain problem."""
     import torch
 
-    return mods_kwargs(problem, Shaped(torch.float32, (problem.heads_q,)))
+    return mods_kwargs(problem, Shaped(torch.float32, (problem.heads_q,)),
+                       Shaped(torch.int64, (1,)))
 
 
 def warmup_launches(problem: AttentionProblem, config: Mapping[str, int], *,
