@@ -14,6 +14,7 @@ Format::
     window = [4095, 0]  # optional: FlashAttention-2's window_size (left, right), -1 unbounded
     softcap = 50.0      # optional: logit softcap (Gemma-2)
     alibi = true        # optional: ALiBi slopes (random ones when tuning)
+    dropout = 0.1       # optional: attention dropout probability (FA2's dropout_p)
 
     [[shape]]           # a packed batch (flashtune.attention_varlen): no batch
     heads = 32
@@ -53,7 +54,8 @@ __all__ = ["RANDOM_LENGTHS", "PlanError", "load_plan", "parse_plan", "read_lengt
 
 _INT_FIELDS = ("batch", "heads", "kv_heads", "seqlen", "kv_seqlen", "head_dim")
 _REQUIRED = ("batch", "heads", "seqlen", "head_dim")
-_FIELDS = (*_INT_FIELDS, "causal", "dtype", "window", "softcap", "alibi", "varlen_lengths")
+_FIELDS = (*_INT_FIELDS, "causal", "dtype", "window", "softcap", "alibi", "dropout",
+           "varlen_lengths")
 # random:SEED's document lengths when no MIN-MAX is given
 RANDOM_LENGTHS = (128, 4096)
 
@@ -100,6 +102,10 @@ def _shape(where: str, entry: Any, base: Path | None = None) -> AttentionProblem
     alibi = entry.get("alibi", False)
     if not isinstance(alibi, bool):
         raise PlanError(f"{where}.alibi: expected true or false, got {alibi!r}")
+    dropout = entry.get("dropout", 0.0)
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) \
+            or not 0 <= dropout < 1:
+        raise PlanError(f"{where}.dropout: expected a probability in [0, 1), got {dropout!r}")
     heads = entry["heads"]
     if packed:
         spec = entry["varlen_lengths"]
@@ -111,14 +117,15 @@ def _shape(where: str, entry: Any, base: Path | None = None) -> AttentionProblem
                 lengths, None, heads_q=heads, heads_kv=entry.get("kv_heads", heads),
                 head_dim=entry["head_dim"], causal=causal, dtype=dtype,
                 window_left=window[0], window_right=-1 if causal else window[1],
-                softcap=float(softcap), alibi=alibi)
+                softcap=float(softcap), alibi=alibi, dropout=float(dropout))
         except ValueError as exc:
             raise PlanError(f"{where}: {exc}") from exc
     try:
         return AttentionProblem(entry["batch"], heads, entry.get("kv_heads", heads),
                                 entry["seqlen"], entry.get("kv_seqlen", entry["seqlen"]),
                                 entry["head_dim"], causal, dtype, window[0],
-                                -1 if causal else window[1], float(softcap), alibi)
+                                -1 if causal else window[1], float(softcap), alibi,
+                                dropout=float(dropout))
     except ValueError as exc:
         raise PlanError(f"{where}: {exc}") from exc
 

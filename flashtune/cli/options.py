@@ -196,8 +196,8 @@ def _parse_window(ctx: click.Context, param: click.Parameter,
 
 
 def mods_options(func: F) -> F:
-    """The score modifications of a shape: --window L,R --softcap X --alibi, and a packed
-    batch's --varlen-lengths."""
+    """The score modifications of a shape: --window L,R --softcap X --alibi, attention
+    dropout (--dropout P), and a packed batch's --varlen-lengths."""
     return _apply([
         click.option("--window", callback=_parse_window, default=None, metavar="L,R",
                      help="Local window (FlashAttention-2's window_size): keys within L "
@@ -206,6 +206,10 @@ def mods_options(func: F) -> F:
         click.option("--softcap", type=FiniteFloatRange(min=0, min_open=True), default=None,
                      help="Logit softcap: scores become softcap * tanh(s / softcap)."),
         click.option("--alibi", is_flag=True, help="ALiBi slopes (random ones when tuning)."),
+        click.option("--dropout", type=FiniteFloatRange(min=0, max=1, max_open=True),
+                     default=None, metavar="P",
+                     help="Attention dropout probability (FlashAttention-2's dropout_p, "
+                          "e.g. 0.1 for BERT-family training); 0: none."),
         click.option("--varlen-lengths", "varlen_lengths", default=None,
                      metavar="FILE|random:SEED[:MIN-MAX]",
                      help="A packed batch (attention_varlen) of these sequence lengths, "

@@ -309,7 +309,7 @@ def render_op_results(results: Sequence[Any]) -> str:
 @mods_options
 @click.option("--plan", type=click.Path(dir_okay=False), default=None, metavar="FILE",
               help="TOML file of [[shape]] tables to tune (score modifications per shape: "
-                   "window = [L, R], softcap, alibi).")
+                   "window = [L, R], softcap, alibi; dropout).")
 @click.option("--preset", "preset_name", default=None, metavar="NAME",
               help="Named problem set: llama3-8b, llama3-70b, mistral-7b, qwen2.5-7b, "
                    "gemma2-9b, standard (sized for a GPU: too big for the interpreter).")
@@ -327,7 +327,7 @@ def tune_command(ctx: click.Context, template: str, op: str | None, impls: tuple
                  kv_heads: int | None, seqlen: int | None, kv_seqlen: int | None,
                  head_dim: int | None, causal: bool, dtype: str | None,
                  window: tuple[int, int] | None, softcap: float | None, alibi: bool,
-                 varlen_lengths: str | None, plan: str | None,
+                 dropout: float | None, varlen_lengths: str | None, plan: str | None,
                  preset_name: str | None, trials: int, timeout_s: float | None,
                  patience: int | None, sampler: str, seed: int | None, workers: int | None,
                  interpret: bool, progress: bool, gpus_text: str | None,
@@ -335,7 +335,8 @@ def tune_command(ctx: click.Context, template: str, op: str | None, impls: tuple
     """Search kernel configs for attention shapes and store the best ones.
 
     Give exactly one of: a shape (--batch --heads [--kv-heads] --seqlen [--kv-seqlen]
-    --head-dim [--causal] [--dtype] [--window L,R] [--softcap X] [--alibi]), --plan FILE,
+    --head-dim [--causal] [--dtype] [--window L,R] [--softcap X] [--alibi] [--dropout P]),
+    --plan FILE,
     or --preset NAME. A packed batch (attention_varlen) takes --varlen-lengths instead of
     --batch: a file of sequence lengths, or random:SEED[:MIN-MAX] filling --seqlen tokens.
 
@@ -361,14 +362,15 @@ def tune_command(ctx: click.Context, template: str, op: str | None, impls: tuple
         problems = [_packed_problem(shape, dtype, varlen_lengths, plan, preset_name)]
     else:
         problems = _problems(shape, dtype, plan, preset_name)
-    if window is not None or softcap is not None or alibi:
+    if window is not None or softcap is not None or alibi or dropout:
         if plan is not None or preset_name is not None:
-            raise click.UsageError("--window, --softcap and --alibi go with shape options; "
-                                   "in a plan set them per [[shape]]")
+            raise click.UsageError("--window, --softcap, --alibi and --dropout go with shape "
+                                   "options; in a plan set them per [[shape]]")
         try:
             problems = [replace(p, window_left=window[0] if window else -1,
                                 window_right=-1 if p.causal or not window else window[1],
-                                softcap=softcap or 0.0, alibi=alibi) for p in problems]
+                                softcap=softcap or 0.0, alibi=alibi, dropout=dropout or 0.0)
+                        for p in problems]
         except ValueError as exc:
             raise click.UsageError(f"invalid shape: {exc}") from exc
     gpus = _parse_gpus(gpus_text)

@@ -451,6 +451,9 @@ def problem(value: Any, where: str,
         number(p["softcap"], f"{where}.softcap", lambda x: x >= 0, "a number >= 0 (0: none)")
     if "alibi" in p and not isinstance(p["alibi"], bool):
         raise Bad(f"{where}.alibi is {kind(p['alibi'])}; expected true or false")
+    if "dropout" in p:
+        number(p["dropout"], f"{where}.dropout", lambda x: 0 <= x < 1,
+               "a probability in [0, 1) (0: none)")
     for name in ("tokens_q", "tokens_k"):
         if name in p:
             integer(p[name], f"{where}.{name}", 0, 2**31)
