@@ -36,9 +36,16 @@ Where flashtune differs, and why:
   choice is torch's cuDNN attention, whose backward PyTorch documents as non-deterministic.
   The varlen functions and calls with ``window_size``/``softcap``/``alibi_slopes`` always run
   flashtune's pair.
-* ``dropout_p > 0`` raises :class:`FlashAttnInputError` naming ``dropout_p`` while
-  :func:`flashtune.attention` has no dropout (issue 31, item 2): :func:`_dropout` is the one
-  place that decides; it forwards ``dropout_p`` once the op takes it.
+* ``dropout_p`` is forwarded to :func:`flashtune.attention` / :func:`flashtune.attention_varlen`
+  (:func:`_dropout` is the one place that decides): FlashAttention-2's semantics (applied
+  whenever it is > 0; the LSE is of every score), but flashtune's own mask: a Philox
+  stream of its own seeded from torch's generator per call (reproducible under
+  ``torch.manual_seed``, not bit-equal to FlashAttention-2's), the rate quantised to 1/256
+  as FlashAttention-2's 8-bit threshold quantises it, the kept values scaled by the exact
+  inverse of the keep probability (FlashAttention-2 divides by ``1 - dropout_p``).
+  ``return_attn_probs`` still returns no ``S_dmask`` (``kernel_templates.dropout.
+  dropout_mask`` materialises the keep mask of a seed). The paged varlen call (forward
+  only, through the KV-cache op) has no dropout: ``dropout_p > 0`` raises there.
 * ``flash_attn_with_kvcache``: ``k``/``v`` (the in-place append), ``rotary_cos``/
   ``rotary_sin``/``rotary_interleaved``, ``cache_batch_idx`` and ``cache_leftpad`` are
   forwarded to :func:`flashtune.attention_with_kvcache` when it takes them; until then a call
@@ -232,9 +239,8 @@ def _dropout(fn: Callable[..., Any], dropout_p: Any) -> dict[str, Any]:
     if accepts(fn, "dropout_p"):
         return {"dropout_p": float(dropout_p)}
     raise FlashAttnInputError(
-        f"dropout_p={dropout_p!r}: flashtune has no attention dropout yet (issue 31, item 2); "
-        f"pass dropout_p=0.0 (as in evaluation), or keep FlashAttention-2 or torch's SDPA "
-        f"for training with dropout")
+        f"dropout_p={dropout_p!r}: this call runs flashtune's KV-cache op, which applies no "
+        f"attention dropout; pass dropout_p=0.0 (as in evaluation)")
 
 
 def _wants_grad(*tensors: torch.Tensor) -> bool:

@@ -16,9 +16,11 @@ a packed batch too, no token attending across sequences; a sliding window become
 ``window=(sliding_window - 1, sliding_window - 1)`` (its right bound is the causal one).
 Plain calls go through :func:`flashtune.scaled_dot_product_attention` (tuned routing,
 fallback counting). Every head dim up to 256 runs flashtune's kernels (Phi-2's 80 and odd
-ones alike). What flashtune cannot serve (attention dropout while training, a head dim over
-256) runs torch's SDPA with the equivalent boolean mask, counted and logged once there; a
-softcap it cannot serve (with dropout) is an error naming the way out.
+ones alike). Attention dropout while training (BERT-family configs: 0.1) runs flashtune's
+kernels too, padded and packed batches included (flashtune's own mask, drawn per call
+from torch's generator; see :func:`flashtune.attention`). What flashtune cannot serve (a
+head dim over 256) runs torch's SDPA with the equivalent boolean mask, counted and logged
+once there; a softcap it cannot serve (that head dim) is an error naming the way out.
 """
 
 from __future__ import annotations
@@ -57,7 +59,8 @@ def flashtune_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
             static cache, whose slots past it are empty: K/V are sliced to it, as
             transformers' flash path does); any other mask (a model that builds its own)
             runs torch's SDPA with it.
-        dropout: attention dropout, applied in training only (torch's SDPA runs it).
+        dropout: attention dropout, applied in training only (``module.training``; the
+            call's ``dropout_p`` is 0 otherwise), by flashtune's kernels.
         scaling: softmax scale (None: ``1 / sqrt(D)``).
         is_causal: None: the module's ``is_causal`` (default True).
         kwargs: the rest of transformers' contract: ``sliding_window``, ``softcap``,
@@ -67,7 +70,7 @@ def flashtune_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
     Returns:
         ``(out, None)``: ``out`` of shape ``(B, Lq, Hq, D)``, no attention weights.
     Raises:
-        ValueError for ``position_bias``, or a ``softcap`` with attention dropout (the
+        ValueError for ``position_bias``, or a ``softcap`` with a head dim over 256 (the
         message names the implementation to use instead).
     """
     if kwargs.get("position_bias") is not None:
@@ -101,17 +104,17 @@ def flashtune_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
         out = scaled_dot_product_attention(**sdpa_arguments(
             module, query, key, value, None, dropout, scaling, is_causal, **kwargs))
         return out.transpose(1, 2).contiguous(), None
-    if dropout_p or query.shape[-1] > MAX_HEAD_DIM:
+    if query.shape[-1] > MAX_HEAD_DIM:
         if softcap is not None:
-            raise ValueError("flashtune attention cannot run `softcap` with attention "
-                             "dropout or this head dim; use attn_implementation='eager'")
+            raise ValueError("flashtune attention cannot run `softcap` with this head dim; "
+                             "use attn_implementation='eager'")
         dense = _dense_mask(query, key, mask, packed, causal, window)
         out = scaled_dot_product_attention(
             query, key, value, attn_mask=dense, dropout_p=dropout_p, scale=scaling,
             enable_gqa=query.shape[1] != key.shape[1])
         return out.transpose(1, 2).contiguous(), None
     options: dict[str, Any] = {"causal": causal, "scale": scaling, "window": window,
-                               "softcap": softcap}
+                               "softcap": softcap, "dropout_p": dropout_p}
     if packed is not None:  # one row of several sequences
         cu, longest = packed
         q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
@@ -119,7 +122,7 @@ def flashtune_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
         return out[None], None
     if mask is None:
         out = attention(query, key, value, causal=causal, scale=scaling, window=window,
-                        softcap=softcap)
+                        softcap=softcap, dropout_p=dropout_p)
         return out.transpose(1, 2).contiguous(), None
     return _padded(query, key, value, mask, options), None
 

@@ -3,8 +3,10 @@ flashtune where it can and by torch where it cannot.
 
 Semantics are torch's, not flashtune's: ``is_causal`` is aligned top-left (query ``i`` sees
 keys ``j <= i``, whatever the lengths), and ``enable_gqa`` must be set for
-``Hq != Hkv``. A call flashtune does not serve (dropout, an unsupported dtype or head_dim, a
-mask it does not recognise, ...) runs ``torch.nn.functional.scaled_dot_product_attention``
+``Hq != Hkv``; ``dropout_p`` is applied whenever it is > 0, as torch does (flashtune's own
+mask, drawn from torch's generator: see :func:`flashtune.attention`). A call flashtune does
+not serve (an unsupported dtype or head_dim, a mask it does not recognise, a ``dropout_p``
+outside ``[0, 1)``, ...) runs ``torch.nn.functional.scaled_dot_product_attention``
 with the same arguments; the first fallback of each reason is logged once at DEBUG level on
 the ``flashtune`` logger, so ``logging.getLogger("flashtune").setLevel("DEBUG")`` shows why
 a model does not run on flashtune, and every fallback is counted by reason
@@ -15,7 +17,7 @@ How top-left causal maps to flashtune's bottom-right kernel: with ``Lq <= Lk`` n
 sees a key past ``Lq - 1``, so the call runs on the first ``Lq`` keys, where both alignments
 agree. ``Lq > Lk`` with ``is_causal`` (rows past ``Lk`` see every key) falls back.
 
-Boolean masks (``is_causal`` False, no dropout) flashtune serves, as
+Boolean masks (``is_causal`` False, with or without dropout) flashtune serves, as
 :mod:`flashtune.runtime.sdpa_masks` recognises them, the same for every head:
 
 * a causal or local-window pattern, broadcast over batch and heads: the mask equals
@@ -140,8 +142,8 @@ def _decide(query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: float,
             is_causal: bool, scale: Any, enable_gqa: bool) -> str | Window | KeyPadding | None:
     """:func:`_reason`'s checks; where they pass, None for a call without a mask, else the
     pattern flashtune serves the mask as."""
-    if dropout_p:
-        return "dropout_p > 0"
+    if dropout_p and not (type(dropout_p) in (int, float) and 0 <= dropout_p < 1):
+        return "a dropout_p that is not a number in [0, 1)"
     if not all(type(t) is torch.Tensor for t in (query, key, value)):
         return "an input is not a plain torch.Tensor"
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
@@ -205,7 +207,7 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     """Drop-in for ``torch.nn.functional.scaled_dot_product_attention``.
 
     Arguments, shapes and semantics are torch's. flashtune runs fp16/bf16 CUDA tensors (CPU
-    under the interpreter) without dropout and with a supported head_dim, through
+    under the interpreter) with a supported head_dim, with or without dropout, through
     :func:`flashtune.attention` (tuned config lookup included), with no ``attn_mask`` or
     one of the boolean patterns the module doc lists (a causal or local window, key
     padding); anything else goes to torch, see :func:`fallback_reason`.
@@ -216,7 +218,9 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
         attn_mask: torch's mask: a boolean causal/window or key-padding pattern runs on
             flashtune (recognised once per mask object, see the module doc), any other
             mask sends the call to torch.
-        dropout_p: dropout probability; above 0 sends the call to torch.
+        dropout_p: attention dropout probability, applied whenever it is > 0 (torch's
+            convention: pass 0.0 in evaluation); flashtune's kernels draw their own mask
+            (:func:`flashtune.attention`), so the dropped entries are not torch's.
         is_causal: top-left aligned causal mask (torch's convention).
         scale: softmax scale; default ``1 / sqrt(E)``.
         enable_gqa: allow ``Hq`` a multiple of ``Hkv`` (else they must be equal).
@@ -239,11 +243,12 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
         return torch.nn.functional.scaled_dot_product_attention(
             query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
             scale=scale, enable_gqa=enable_gqa)
+    drop = float(dropout_p) if dropout_p else 0.0
     if found is not None:  # a mask flashtune serves as a pattern
-        return found.run(query, key, value, None if scale is None else float(scale))
+        return found.run(query, key, value, None if scale is None else float(scale), drop)
     key, value = _top_left(query, key, value, is_causal)
     return attention(query, key, value, causal=bool(is_causal),
-                     scale=None if scale is None else float(scale))
+                     scale=None if scale is None else float(scale), dropout_p=drop)
 
 
 def _top_left(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -280,17 +285,18 @@ def describe_route(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         else _decide(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if isinstance(found, str):
         return f"torch SDPA: {found}"
+    drop = float(dropout_p) if dropout_p else 0.0
     if isinstance(found, Window):
         choice = lookup_config(query, key, value, causal=found.right == 0,
-                               window=(found.left, found.right))
+                               window=(found.left, found.right), dropout_p=drop)
         return f"{choice.template} ({choice.source}); attn_mask as {found.describe()}"
     if isinstance(found, KeyPadding):
         (b, hq, lq, e), hkv = query.shape, key.shape[1]
         problem = AttentionProblem(b, hq, hkv, lq, max(found.lengths), e, False,
                                    dtype_name(query.dtype), tokens_q=b * lq,
-                                   tokens_k=sum(found.lengths))
+                                   tokens_k=sum(found.lengths), dropout=drop)
         choice = lookup_varlen(problem, query, key, value)
         return f"{choice.template} ({choice.source}); attn_mask as {found.describe()}"
     key, value = _top_left(query, key, value, is_causal)
-    choice = lookup_config(query, key, value, causal=bool(is_causal))
+    choice = lookup_config(query, key, value, causal=bool(is_causal), dropout_p=drop)
     return f"{choice.template} ({choice.source})"

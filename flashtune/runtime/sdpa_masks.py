@@ -70,9 +70,9 @@ class Window:
         return f"window ({self.left}, {self.right})"
 
     def run(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-            scale: float | None) -> torch.Tensor:
+            scale: float | None, dropout_p: float = 0.0) -> torch.Tensor:
         return attention(query, key, value, causal=self.right == 0,
-                         window=(self.left, self.right), scale=scale)
+                         window=(self.left, self.right), scale=scale, dropout_p=dropout_p)
 
 
 @dataclass(frozen=True, eq=False)
@@ -90,13 +90,13 @@ class KeyPadding:
         return "key padding, packed batch"
 
     def run(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-            scale: float | None) -> torch.Tensor:
+            scale: float | None, dropout_p: float = 0.0) -> torch.Tensor:
         b, hq, lq, e = query.shape
         q = query.transpose(1, 2).reshape(b * lq, hq, e)
         k = key.transpose(1, 2)[self.batch_index, self.key_index]
         v = value.transpose(1, 2)[self.batch_index, self.key_index]
         out = varlen(q, k, v, self.cu_seqlens_q, self.cu_seqlens_k, lq, max(self.lengths),
-                     scale=scale, read_lengths=False)
+                     scale=scale, dropout_p=dropout_p, read_lengths=False)
         return cast(torch.Tensor, out).view(b, lq, hq, e).transpose(1, 2)
 
 

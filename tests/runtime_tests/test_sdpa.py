@@ -76,9 +76,10 @@ def test_unsupported_calls_fall_back_to_torch_with_one_debug_line(name, args, kw
     assert len(lines) == 1, lines
 
 
-def test_dropout_falls_back_and_gqa_without_enable_gqa_raises_as_torch_does():
+def test_dropout_is_served_and_gqa_without_enable_gqa_raises_as_torch_does():
     q, k, v = _t(1, 4, 9, 32), _t(1, 2, 9, 32), _t(1, 2, 9, 32, seed=4)
-    assert "dropout" in sdpa_mod.fallback_reason(q, q, q, dropout_p=0.1)
+    assert sdpa_mod.fallback_reason(q, q, q, dropout_p=0.1) is None  # flashtune drops
+    assert "dropout_p" in sdpa_mod.fallback_reason(q, q, q, dropout_p=1.5)
     with pytest.raises(RuntimeError):
         F.scaled_dot_product_attention(q, k, v)
     with pytest.raises(RuntimeError):
@@ -103,11 +104,12 @@ def test_fallbacks_are_counted_by_reason_and_served_calls_are_not():
     sdpa_mod.reset_fallback_counts()
     for _ in range(3):
         flashtune.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    flashtune.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+    flashtune.scaled_dot_product_attention(q, k, v, scale=float("inf"))
     flashtune.scaled_dot_product_attention(q, k, v)  # served: not a fallback
+    flashtune.scaled_dot_product_attention(q, k, v, dropout_p=0.5)  # served too
     counts = sdpa_mod.fallback_counts()
     assert counts == {sdpa_mod.fallback_reason(q, k, v, attn_mask=mask): 3,
-                      sdpa_mod.fallback_reason(q, k, v, dropout_p=0.5): 1}
+                      sdpa_mod.fallback_reason(q, k, v, scale=float("inf")): 1}
     counts.clear()  # a copy: the caller's to change
     assert sum(sdpa_mod.fallback_counts().values()) == 4
     sdpa_mod.reset_fallback_counts()

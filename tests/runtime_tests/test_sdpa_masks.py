@@ -137,11 +137,15 @@ def test_near_miss_masks_fall_back_to_torch_by_reason(name, mask, reason):
     assert sdpa_mod.fallback_counts() == {reason: 1}
 
 
-def test_dropout_and_is_causal_with_a_recognised_mask_still_fall_back():
+def test_dropout_with_a_recognised_mask_is_served_and_is_causal_falls_back():
     q, k, v = _qkv(1, 2, 2, 9, 9, 16)
     mask = visible(9, 9, causal=True, device=DEVICE)
     assert sdpa_mod.fallback_reason(q, k, v, attn_mask=mask) is None
-    assert sdpa_mod.fallback_reason(q, k, v, attn_mask=mask, dropout_p=0.1) == "dropout_p > 0"
+    assert sdpa_mod.fallback_reason(q, k, v, attn_mask=mask, dropout_p=0.1) is None
+    torch.manual_seed(3)
+    got = flashtune.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.1)
+    torch.manual_seed(3)
+    assert torch.equal(got, flashtune.attention(q, k, v, causal=True, dropout_p=0.1))
     assert "is_causal" in sdpa_mod.fallback_reason(q, k, v, attn_mask=mask, is_causal=True)
 
 
