@@ -12,7 +12,8 @@ ones the GPU would run. Not part of any source hash: it compiles, it does not de
 
 Each case names a ``template`` (a registered Triton template with warmup launches) and
 optionally the problem (``batch`` 4, ``heads`` 16, ``kv_heads`` (heads), ``seqlen`` 2048,
-``kv_seqlen`` (seqlen), ``head_dim`` 128, ``causal`` false, ``dtype`` "bf16") and a
+``kv_seqlen`` (seqlen), ``head_dim`` 128, ``causal`` false, ``dtype`` "bf16", ``dropout``
+0) and a
 ``config`` (default: the template's default config for an H100); one JSON line per launch.
 Run it without ``TRITON_INTERPRET`` (under the interpreter the kernels are not compiled).
 """
@@ -94,7 +95,8 @@ def _problem(case: Mapping[str, Any]) -> AttentionProblem:
     return AttentionProblem(int(case.get("batch", 4)), heads, int(case.get("kv_heads", heads)),
                             seqlen, int(case.get("kv_seqlen", seqlen)),
                             int(case.get("head_dim", 128)), bool(case.get("causal", False)),
-                            str(case.get("dtype", "bf16")))
+                            str(case.get("dtype", "bf16")),
+                            dropout=float(case.get("dropout", 0.0)))
 
 
 def main(argv: list[str]) -> int:

@@ -233,3 +233,34 @@ def test_varlen_forward_uses_each_sequences_own_positions(device):
         (exact, _), (low, _) = fwd_reference(qs, ks, vs, mask[b:b + 1, :, :nq, :nk],
                                              causal=True)
         assert_out_close(out[sq].transpose(0, 1)[None], exact, low)
+
+
+def test_the_forward_builds_its_mask_in_registers_on_sm90():
+    """The H100 default configs at D64 and D128 (BERT-base's shape, TMA on), compiled for
+    sm_90 on the CPU with and without dropout: the same shared memory (the mask needs no
+    layout conversion through shared memory), at most 255 registers, no spills at D128
+    (the figures are in the message)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    cases = [{"template": "attn_fwd", "batch": 32, "heads": 12, "seqlen": 512, "head_dim": d,
+              "dropout": p} for d in (64, 128) for p in (0.0, 0.1)]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, "-m", "flashtune.kernel_templates.sm90",
+                           json.dumps(cases)], capture_output=True, text=True, env=env,
+                          timeout=900, cwd=root, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = {(g["head_dim"], g["dropout"]): g for g in
+           (json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{"))}
+    figures = {k: (g["registers"], g["spill_store_bytes"], g["shared"]) for k, g in got.items()}
+    for d in (64, 128):
+        plain, drop = got[(d, 0.0)], got[(d, 0.1)]
+        assert drop["config"] == plain["config"], figures
+        assert drop["shared"] == plain["shared"], figures
+        assert drop["registers"] <= 255 and drop["cubin"] != plain["cubin"], figures
+    assert got[(128, 0.1)]["spill_store_bytes"] == 0, figures

@@ -1,0 +1,75 @@
+"""``benchmarks/bench_dropout.py`` (issue 31, item 2) without a GPU: its arguments, the plan
+file against its cases, the tuning commands and the dry run."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from flashtune.autotune.plans import load_plan, parse_plan
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_dropout.py"
+
+
+@pytest.fixture(scope="module")
+def script() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_dropout", SCRIPT)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_dropout"] = module  # its dataclass looks its module up
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop("bench_dropout", None)
+
+
+def test_the_command_line(script):
+    args = script.parse_args([])
+    assert args.out == "benchmarks/results/dropout_h100.json" and args.dropout == 0.1
+    assert args.cases.split(",") == ["bert", "d128c"] and args.modes == "fwd,train"
+    for bad in (["--cases", "gpt"], ["--modes", "bwd"], ["--baselines", "flex"], ["--tune"],
+                ["--dropout", "0"], ["--dropout", "1"]):
+        with pytest.raises(SystemExit):
+            script.parse_args(bad)
+
+
+def test_the_plan_file_lists_the_cases(script):
+    script.check_plan()
+    plan = load_plan(script.PLAN)
+    assert [(p.batch, p.heads_q, p.seqlen_q, p.head_dim, p.dropout) for p in plan] == [
+        (32, 12, 512, 64, 0.1), (4, 16, 2048, 128, 0.1)]
+    bert = [script.CASES["bert"]]
+    assert parse_plan(script.plan_text(bert, 0.2)) == [bert[0].problem(0.2)]
+
+
+def test_the_tuning_commands(script):
+    args = script.parse_args(["--tune", "--tune-ops", "--db", "sqlite:///x.db"])
+    cmds = [c[1:] for c in script.tune_commands(args, "p.toml")]
+    assert [c[c.index("--template") + 1] for c in cmds[:2]] == ["attn_fwd", "attn_bwd"]
+    assert [c[-1] for c in cmds[2:]] == ["fwd", "train"]
+    assert all(c[:4] == ["-m", "flashtune", "--db", "sqlite:///x.db"] for c in cmds)
+
+
+def test_the_dry_run(script):
+    out = script.dry_run(script.parse_args(["--db", "sqlite:///x.db"]))
+    assert [c["case"] for c in out["cases"]] == ["bert", "d128c"]
+    assert out["cases"][0]["problem"]["dropout"] == 0.1
+    assert out["cases"][0]["attn_fwd_default_h100"]["USE_TMA"] == 1
+    assert out["flashtune_keep_probability"] == 230 / 256
+    assert len(out["tune_commands"]) == 2
+
+
+def test_the_ratios_and_the_target(script):
+    res = {"flashtune": {"median_ms": 1.0}, "flashtune_nodrop": {"median_ms": 0.8},
+           "sdpa_flash": {"median_ms": 1.5}, "sdpa_cudnn": {"median_ms": 1.2}}
+    r = script.ratios(res, "train")
+    assert r["flashtune_vs_best_sdpa"] == pytest.approx(1.2)
+    assert r["target"] == {"against": "sdpa_cudnn", "ratio": pytest.approx(1.2),
+                           "wanted": 1.1, "met": True}
+    assert r["dropout_cost"] == pytest.approx(1.25)
+    assert "target" not in script.ratios(res, "fwd")
