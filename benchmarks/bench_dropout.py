@@ -263,7 +263,7 @@ def contenders(case: Case, mode: str, t: Mapping[str, Any], fcfg: Mapping[str, i
 
     backends = {"sdpa_flash": SDPBackend.FLASH_ATTENTION,
                 "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}
-    for name in baselines:
+    for name in baselines if q.is_cuda else []:
         be = backends[name]
         if mode == "fwd":
             def sdpa_fwd(be: Any = be) -> Any:
@@ -310,20 +310,21 @@ def check(mode: str, got: Any, refs: Mapping[str, Any]) -> dict[str, float]:
 
 
 def kept_fraction(run: Callable[[Any, Any, Any], Any], case: Case, dtype: Any, p: float,
-                  scale: float) -> float:
+                  scale: float, device: str = "cuda") -> float:
     """``run(q, k, v)``'s kept fraction: with q = 0 every probability is 1 / Nk, with v = 1
     an output row is ``kept / (Nk keep)`` (not causal: every row sees Nk keys), so the mean
     output divided by ``scale`` (the implementation's 1 / keep) is the kept fraction."""
     import torch
 
     n = min(case.seqlen, 1024)
-    q = torch.zeros(4, case.heads, n, case.head_dim, device="cuda", dtype=dtype)
+    q = torch.zeros(4, case.heads, n, case.head_dim, device=device, dtype=dtype)
     v = torch.ones_like(q)
     with torch.no_grad():
         return run(q, q, v).float().mean().item() / scale
 
 
-def fractions(case: Case, dtype: Any, p: float, baselines: list[str]) -> dict[str, Any]:
+def fractions(case: Case, dtype: Any, p: float, baselines: list[str],
+              device: str = "cuda") -> dict[str, Any]:
     """The kept fraction of each contender's dropout (see the module doc)."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -334,26 +335,27 @@ def fractions(case: Case, dtype: Any, p: float, baselines: list[str]) -> dict[st
     keep = keep_probability(p)
     out = {"flashtune": {"expected": keep, "measured": kept_fraction(
         lambda q, k, v: flashtune.attention(q, k, v, dropout_p=p), case, dtype, p,
-        1 / keep)}}
+        1 / keep, device)}}
     backends = {"sdpa_flash": SDPBackend.FLASH_ATTENTION,
                 "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}
-    for name in baselines:
+    for name in baselines if device == "cuda" else []:
         def run(q: Any, k: Any, v: Any, be: Any = backends[name]) -> Any:
             with sdpa_kernel(be):
                 return F.scaled_dot_product_attention(q, k, v, dropout_p=p)
         try:
             out[name] = {"expected": 1 - p,
-                         "measured": kept_fraction(run, case, dtype, p, 1 / (1 - p))}
+                         "measured": kept_fraction(run, case, dtype, p, 1 / (1 - p), device)}
         except Exception as exc:  # noqa: BLE001 - a backend that refuses is data
             out[name] = {"error": _first_line(exc)}
     return out
 
 
 def run_case(case: Case, args: argparse.Namespace, device: Any,
-             dispatchers: Mapping[str, Any], bench: Callable[[Callable[[], Any]], Any]
-             ) -> dict[str, Any]:
+             dispatchers: Mapping[str, Any], bench: Callable[[Callable[[], Any]], Any],
+             torch_device: str = "cuda") -> dict[str, Any]:
     """One case's row: configs, kept fractions, and per mode every contender's errors and
-    timings."""
+    timings (``torch_device`` "cpu" under the Triton interpreter, for the tests: no SDPA
+    backend there)."""
     import torch
 
     from flashtune.autotune.timing import tflops
@@ -371,11 +373,11 @@ def run_case(case: Case, args: argparse.Namespace, device: Any,
         "flops": {"fwd": prob.flops(), "train": prob.flops() * TRAIN_FACTOR},
         "attn_fwd": {"config": fchoice.config, "source": fchoice.source},
         "attn_bwd": {"config": bchoice.config, "source": bchoice.source},
-        "kept_fraction": fractions(case, dtype, p, baselines)}
-    t = make_tensors(case, dtype, "cuda")
+        "kept_fraction": fractions(case, dtype, p, baselines, torch_device)}
+    t = make_tensors(case, dtype, torch_device)
     refs = {"fixed": references(case, t, t["seed"], p, modes)}
     torch.manual_seed(1234)  # the routed call's seed, rebuilt: the next draw after this
-    refs["routed"] = references(case, t, draw_seed("cuda"), p, modes)
+    refs["routed"] = references(case, t, draw_seed(torch_device), p, modes)
     tol = TOLERANCE[args.dtype]
     for mode in modes:
         fns = contenders(case, mode, t, fchoice.config, bchoice.config, p, baselines,

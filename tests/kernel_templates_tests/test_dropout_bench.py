@@ -73,3 +73,35 @@ def test_the_ratios_and_the_target(script):
                            "wanted": 1.1, "met": True}
     assert r["dropout_cost"] == pytest.approx(1.25)
     assert "target" not in script.ratios(res, "fwd")
+
+
+def test_one_tiny_case_end_to_end_under_the_interpreter(script, monkeypatch):
+    """A tiny case on CPU tensors (no SDPA backend there), the timer stubbed: flashtune's
+    contenders are checked against fp32 with their masks (the fixed seed's and the routed
+    call's, rebuilt from torch's seed), timed and reported, the kept fraction measured."""
+    from flashtune.autotune.timing import Timing
+    from flashtune.core.device import interpreter_device
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    case = script.Case("tiny", "tiny", 1, 2, 48, 16, True)
+    args = script.parse_args(["--rounds", "2", "--dropout", "0.2"])
+    timings = iter(range(1, 100))
+
+    def bench(fn):
+        fn()
+        median = float(next(timings))
+        return Timing(median_ms=median, p20_ms=median, p80_ms=median)
+
+    row = script.run_case(case, args, interpreter_device(),
+                          script.dispatchers_for(None), bench, torch_device="cpu")
+    for mode in ("fwd", "train"):
+        res = row[mode]
+        assert set(res) == {"flashtune", "flashtune_nodrop", "flashtune_routed", "ratios"}
+        assert all("error" not in res[n] for n in res if n != "ratios"), res
+        assert max(res["flashtune"]["rel_err_vs_fp32"].values()) < 2e-2  # bf16
+        assert max(res["flashtune_routed"]["rel_err_vs_fp32"].values()) < 2e-2
+        assert len(res["flashtune"]["round_medians_ms"]) == 2 and "dropout_cost" in \
+            res["ratios"]
+    frac = row["kept_fraction"]["flashtune"]
+    assert frac["expected"] == 205 / 256 and abs(frac["measured"] - frac["expected"]) < 0.02
+    assert "| tiny | train |" in script.render_table([row], args)
