@@ -205,8 +205,8 @@ def read_lengths(path: str | Path, where: str = "varlen_lengths") -> list[int]:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise PlanError(f"{where}: cannot read lengths file {path}: {exc}") from exc
-    words = " ".join(line.split("#", 1)[0] for line in text.splitlines())
-    words = words.replace(",", " ").replace("[", " ").replace("]", " ").split()
+    body = " ".join(line.split("#", 1)[0] for line in text.splitlines())
+    words = body.replace(",", " ").replace("[", " ").replace("]", " ").split()
     try:
         lengths = [int(w) for w in words]
     except ValueError:

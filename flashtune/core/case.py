@@ -100,9 +100,10 @@ def packed_inputs(problem: AttentionProblem, torch_device: str, generator: Any,
         tensors[name] = torch.randn((n, h, p.head_dim), generator=generator,
                                     device=torch_device, dtype=torch.float32).to(dtype)
     lens_q, lens_k = p.packed_lengths()
-    options = {f"cu_seqlens_{side}": torch.tensor([0, *itertools.accumulate(lens)],
-                                                  dtype=torch.int32, device=torch_device)
-               for side, lens in (("q", lens_q), ("k", lens_k))}
+    options: dict[str, Any] = {
+        f"cu_seqlens_{side}": torch.tensor([0, *itertools.accumulate(lens)],
+                                           dtype=torch.int32, device=torch_device)
+        for side, lens in (("q", lens_q), ("k", lens_k))}
     options.update(max_seqlen_q=p.seqlen_q, max_seqlen_k=p.seqlen_k)
     return tensors, options
 
@@ -152,7 +153,7 @@ def packed_gradients(reference: Callable[..., Any], problem: AttentionProblem, q
               for x, h in ((q, hq), (k, hkv), (v, hkv))]
     ref_mods = reference_options(mods, p, dropout_mask, heads=hq)
     with torch.enable_grad():
-        out = packed_reference(reference, p, *leaves, ref_mods)
+        out = packed_reference(reference, p, leaves[0], leaves[1], leaves[2], ref_mods)
         grads = torch.autograd.grad(out, leaves, do[:, :hq].float())
     return (slice(None), slice(0, hq)), (out.detach(), *grads)
 
