@@ -421,8 +421,8 @@ def flash_attn_qkvpacked_func(
 
     Arguments:
         qkv: ``(batch_size, seqlen, 3, nheads, headdim)``, float16 or bfloat16.
-        dropout_p: dropout probability; only 0.0 until flashtune has dropout (else an error
-            naming it).
+        dropout_p: attention dropout probability in ``[0, 1)`` (0.0 in evaluation):
+            FlashAttention-2's semantics, flashtune's own mask (see the module doc).
         softmax_scale: scale of ``QK^T`` before the softmax; default ``1 / sqrt(headdim)``.
         causal: causal mask (bottom-right aligned).
         window_size: ``(left, right)`` sliding window, -1 (any negative) unbounded: query
@@ -515,8 +515,8 @@ def flash_attn_func(
         k: ``(batch_size, seqlen_k, nheads_k, headdim)``, ``nheads`` a multiple of
             ``nheads_k``.
         v: as ``k``.
-        dropout_p: dropout probability; only 0.0 until flashtune has dropout (else an error
-            naming it).
+        dropout_p: attention dropout probability in ``[0, 1)`` (0.0 in evaluation):
+            FlashAttention-2's semantics, flashtune's own mask (see the module doc).
         softmax_scale: scale of ``QK^T`` before the softmax; default ``1 / sqrt(headdim)``.
         causal: causal mask, bottom-right aligned.
         window_size: ``(left, right)``: query ``i`` sees keys ``[i + seqlen_k - seqlen_q -
