@@ -61,8 +61,9 @@ def dropout_keep(seed, head, rows, start_col, threshold, BLOCK_C: tl.constexpr):
     ``threshold`` in ``[1, 256]``: the keep probability is ``threshold / 256`` exactly
     (:func:`flashtune.kernel_templates.dropout.dropout_threshold`)."""
     tl.static_assert(BLOCK_C >= 16, "dropout tiles hold at least 16 keys")
-    # byte <= threshold - 1, tested on the byte shifted to the top (see _byte_draws)
-    t24 = ((threshold - 1).to(tl.uint32) << 24) | 0xFFFFFF
+    # byte <= threshold - 1, tested on the byte shifted to the top (see _byte_draws); a
+    # threshold of 1 comes in as a constant (Triton specialises integers equal to 1)
+    t24 = ((threshold - 1 + tl.full([], 0, tl.int32)).to(tl.uint32) << 24) | 0xFFFFFF
     R: tl.constexpr = rows.shape[0]
     if BLOCK_C >= 64:
         # (rows, 64-key blocks, t = (j >> 1) & 3): one call each

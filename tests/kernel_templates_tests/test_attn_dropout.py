@@ -239,7 +239,7 @@ def test_the_forward_builds_its_mask_in_registers_on_sm90():
     """The H100 default configs at D64 and D128 (BERT-base's shape, TMA on), compiled for
     sm_90 on the CPU with and without dropout: the same shared memory (the mask needs no
     layout conversion through shared memory), at most 255 registers, no spills at D128
-    (the figures are in the message)."""
+    (the figures are in the message); and dropout_p 0.999 (threshold 1) compiles."""
     import json
     import os
     import subprocess
@@ -249,6 +249,9 @@ def test_the_forward_builds_its_mask_in_registers_on_sm90():
     root = Path(__file__).resolve().parents[2]
     cases = [{"template": "attn_fwd", "batch": 32, "heads": 12, "seqlen": 512, "head_dim": d,
               "dropout": p} for d in (64, 128) for p in (0.0, 0.1)]
+    # a threshold of 1 (dropout_p >= 0.998) is an integer Triton specialises as a constant
+    cases.append({"template": "attn_fwd", "batch": 1, "heads": 2, "seqlen": 256,
+                  "head_dim": 64, "dropout": 0.999})
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
     proc = subprocess.run([sys.executable, "-m", "flashtune.kernel_templates.sm90",
@@ -257,6 +260,7 @@ def test_the_forward_builds_its_mask_in_registers_on_sm90():
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = {(g["head_dim"], g["dropout"]): g for g in
            (json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{"))}
+    assert (64, 0.999) in got
     figures = {k: (g["registers"], g["spill_store_bytes"], g["shared"]) for k, g in got.items()}
     for d in (64, 128):
         plain, drop = got[(d, 0.0)], got[(d, 0.1)]
