@@ -36,6 +36,7 @@ import functools
 import importlib.util
 import itertools
 import os
+import signal
 import sys
 import types
 from collections import Counter
@@ -198,10 +199,17 @@ def _remove_shim() -> None:
     _INSTALLED.clear()
 
 
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 if ACTIVE:
     if DRY and DEVICE != "cuda":
         _pretend_h100()
     _install_shim()
+    # a `timeout` (SIGTERM) ends a long GPU run as Ctrl-C does: pytest stops after the case
+    # in progress and still writes the JUnit XML of the cases done
+    signal.signal(signal.SIGTERM, _interrupt)
 
 
 class _NoGpuSuite(pytest.File):
