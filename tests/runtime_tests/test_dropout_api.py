@@ -37,7 +37,10 @@ def test_forward_is_the_reference_with_the_calls_mask(causal):
     ref, ref_lse = attn_fwd_reference(q, k, v, causal=causal, dropout_mask=mask, dropout_p=P)
     torch.testing.assert_close(out.double(), ref, atol=4e-3, rtol=4e-3)
     _, plain_lse = flashtune.attention(q, k, v, causal=causal, return_lse=True)
-    assert torch.equal(lse, plain_lse)  # the LSE is of every score
+    # the LSE is of every score, kept or dropped (one of the kept ones would differ by
+    # ~log(1 - p)); on a GPU the plain call may run another config (a tuned table's), whose
+    # key order rounds the fp32 sum differently
+    torch.testing.assert_close(lse, plain_lse, atol=1e-5, rtol=1e-5)
 
 
 def test_manual_seed_reproduces_a_call_and_the_next_call_draws_another_mask():

@@ -210,6 +210,13 @@ def default_config(problem: AttentionProblem, device: DeviceFingerprint) -> Conf
         # (bwd_d64_variant_h100.json)
         if problem.head_dim <= 64:
             config["BLOCK_N2"] = max(config["BLOCK_N2"], 64)
+    if problem.dropout > 0 and problem.head_dim <= 64:
+        # with dropout the D64 dK/dV tile of 128 keys at 4 warps spills (1716 B for sm_90:
+        # the mask's registers on top of two 128x64 fp32 accumulators); 64 keys does not.
+        # H100, BERT-base B32 H12 N512 D64 dropout 0.1, backward alone (one run,
+        # benchmarks/README.md "Attention dropout"): 149 TFLOP/s against 95 (128 keys at
+        # 8 warps: 140)
+        config["BLOCK_N1"] = min(config["BLOCK_N1"], 64)
     config = fill_the_gpu(config, problem, device.sm_count)
     while check(config, problem, device) is not None:
         if config["num_stages"] > 1:
