@@ -11,10 +11,10 @@ from __future__ import annotations
 from flashtune.core.case import TOLERANCE, Case, forward_case, random_inputs, relative_error
 from flashtune.core.device import DeviceFingerprint
 from flashtune.core.errors import FlashtuneError
-from flashtune.core.problem import MAX_HEAD_DIM, SUPPORTED_HEAD_DIMS, AttentionProblem
+from flashtune.core.problem import MAX_HEAD_DIM, AttentionProblem
 from flashtune.core.space import Config, SearchSpace
 from flashtune.core.spec import TemplateSpec
 
-__all__ = ["MAX_HEAD_DIM", "SUPPORTED_HEAD_DIMS", "TOLERANCE", "AttentionProblem", "Case",
+__all__ = ["MAX_HEAD_DIM", "TOLERANCE", "AttentionProblem", "Case",
            "Config", "DeviceFingerprint", "FlashtuneError", "SearchSpace", "TemplateSpec",
            "forward_case", "random_inputs", "relative_error"]

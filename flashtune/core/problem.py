@@ -17,9 +17,6 @@ DTYPES = ("fp16", "bf16")
 # the largest head dim flashtune serves: every head dim 1..MAX_HEAD_DIM, as
 # FlashAttention-2 (the public ops refuse others, naming the range)
 MAX_HEAD_DIM = 256
-# the head dims flashtune served before every one up to MAX_HEAD_DIM did (issue 31); only
-# flashtune.attention_with_kvcache still checks against this list
-SUPPORTED_HEAD_DIMS = (16, 32, 64, 96, 128, 192, 256)
 
 
 def _pow2_ceil(n: int) -> int:

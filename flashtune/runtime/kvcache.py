@@ -75,7 +75,7 @@ import torch
 
 from flashtune.core.device import DeviceFingerprint, current_device, interpreting
 from flashtune.core.errors import ConfigError, DeviceError, InputError, InputTypeError
-from flashtune.core.problem import SUPPORTED_HEAD_DIMS, AttentionProblem
+from flashtune.core.problem import MAX_HEAD_DIM, AttentionProblem
 from flashtune.core.space import Config
 from flashtune.kernel_templates import direct, get_template
 from flashtune.kernel_templates.attn_decode.launcher import attn_decode_kvcache
@@ -192,9 +192,9 @@ def check_kvcache_inputs(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any,
     if k_cache.shape[3] != head_dim:
         raise InputError(f"head_dim mismatch: q has {head_dim}, k_cache/v_cache have "
                          f"{k_cache.shape[3]}")
-    if head_dim not in SUPPORTED_HEAD_DIMS:
-        raise InputError(f"head_dim {head_dim} is not supported; supported: "
-                         f"{list(SUPPORTED_HEAD_DIMS)}")
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise InputError(f"head_dim {head_dim} is not supported; supported: 1 to "
+                         f"{MAX_HEAD_DIM} (FlashAttention-2's range)")
     if heads_q % k_cache.shape[1]:
         raise InputError(f"q's heads ({heads_q}) must be a multiple of the cache's heads "
                          f"({k_cache.shape[1]}) for GQA/MQA")
@@ -278,7 +278,7 @@ def attention_with_kvcache(
             ``heads_kv`` (GQA/MQA without copying K/V). Updated in place when ``k``/``v``
             are given.
             q and the caches: float16 or bfloat16, one dtype, one CUDA device (or CPU under
-            ``TRITON_INTERPRET=1``); head_dim in 16, 32, 64, 96, 128, 192, 256.
+            ``TRITON_INTERPRET=1``); head_dim 1 to 256.
         cache_seqlens: int32 ``(batch,)``, contiguous (not an expanded, sliced or column
             view): the keys already in sequence ``b``'s cache, ``[0, cache_seqlens[b])``.
             0 is allowed (without new keys the rows return zeros).

@@ -216,7 +216,8 @@ for which, bm, bn, w, s, d, split, tma in json.loads(sys.argv[1]):
              else {"BLOCK_M2": bm, "BLOCK_N2": bn})
     const = dict(HEAD_DIM=d, BLOCK_D=block_d(d), IS_CAUSAL=True, UPCAST_DOT=False,
                  SPLIT_LOOPS=bool(split), USE_TMA=bool(tma), HAS_WINDOW=False,
-                 HAS_SOFTCAP=False, HAS_ALIBI=False, VARLEN=False, **tiles)
+                 HAS_SOFTCAP=False, HAS_ALIBI=False, VARLEN=False, HAS_DROPOUT=False,
+                 Seed=None, **tiles)
     descs = [n for n in names if n.startswith("desc_")]
     if not tma:
         const.update({n: None for n in descs})

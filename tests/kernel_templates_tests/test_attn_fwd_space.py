@@ -104,7 +104,8 @@ for bm, bn, w, s, d, tma in json.loads(sys.argv[1]):
     const = dict(HEAD_DIM=d, BLOCK_D=bd, BLOCK_M=bm, BLOCK_N=bn, IS_CAUSAL=False,
                  STORE_LSE=True, UPCAST_DOT=False, NEG_SCALE=False, USE_TMA=bool(tma),
                  REVERSE_M=False, HAS_WINDOW=False, HAS_SOFTCAP=False, HAS_ALIBI=False,
-                 VARLEN=False, Alibi=None, CuSeqQ=None, CuSeqK=None)
+                 VARLEN=False, HAS_DROPOUT=False, Alibi=None, CuSeqQ=None, CuSeqK=None,
+                 Seed=None)
     descs = {"desc_q": bm, "desc_k": bn, "desc_v": bn, "desc_o": bm}
     if not tma:
         const.update({n: None for n in descs})

@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -28,7 +29,7 @@ from flashtune.kernel_templates.attn_fwd import attn_fwd
 from flashtune.kernel_templates.attn_fwd import space as fwd_space
 from flashtune.kernel_templates.attn_fwd.launcher import kernel_args
 from flashtune.kernel_templates.attn_fwd.reference import attn_fwd_reference
-from flashtune.kernel_templates.tma import tma_head_dim, tma_ok
+from flashtune.kernel_templates.tma import padded_head_dim, tma_head_dim, tma_ok
 from tests.conftest import DEVICE
 from tests.helpers import assert_close_to_reference, assert_grads_close
 
@@ -103,19 +104,74 @@ def test_unaligned_head_dims_read_without_tma_and_give_the_same_bits():
 
 
 @pytest.mark.parametrize("spec", [FWD, BWD], ids=["attn_fwd", "attn_bwd"])
-def test_the_predicates_refuse_tma_for_head_dims_that_are_not_multiples_of_8(spec):
+def test_tma_serves_unaligned_head_dims_on_a_gpu_padded_and_is_refused_interpreted(spec):
+    """On a GPU the launchers run a head dim that is not a multiple of 8 padded to the next
+    one (tma.pads_head_dim), so TMA serves it and the defaults are the aligned ones; under
+    the interpreter the kernels read it with masked loads, and the predicates refuse TMA."""
+    interpreter = interpreter_device()
     for d in (1, 59, 111, 250):
         p = AttentionProblem(2, 4, 4, 512, 512, d, True, "bf16")
         cfg = spec.default_config(p, H100)
-        assert cfg["USE_TMA"] == 0, (d, cfg)
-        reason = spec.space.check({**cfg, "USE_TMA": 1}, p, H100)
+        assert cfg["USE_TMA"] == 1, (d, cfg)
+        assert cfg == spec.default_config(replace(p, head_dim=padded_head_dim(d)), H100)
+        reason = spec.space.check({**cfg, "USE_TMA": 1}, p, interpreter)
         assert reason is not None and "USE_TMA" in reason and f"head_dim {d}" in reason
-        # the interpreter too: the rule is the data's, not the device's
-        assert spec.space.check({**cfg, "USE_TMA": 1}, p, interpreter_device()) is not None
     for d in (8, 40, 80, 160, 224):
         p = AttentionProblem(2, 4, 4, 512, 512, d, True, "bf16")
         assert spec.default_config(p, H100)["USE_TMA"] == 1, d
+        assert spec.space.check({**spec.default_config(p, H100)}, p, interpreter) is None
     assert [d for d in range(1, 33) if tma_head_dim(d)] == [8, 16, 24, 32]
+    assert [padded_head_dim(d) for d in (1, 8, 59, 111, 250, 256)] == [8, 8, 64, 112, 256, 256]
+
+
+@pytest.fixture
+def pad_on_cpu(monkeypatch):
+    """The launchers' GPU rule (pad a head dim that is not a multiple of 8) for CPU tensors
+    once the returned list holds ``"on"``; the padded head dims are appended to it."""
+    from flashtune.kernel_templates.attn_bwd import launcher as bwd_launcher
+    from flashtune.kernel_templates.attn_fwd import launcher as fwd_launcher
+
+    widths = []
+
+    def pads(t):
+        if "on" in widths and t.shape[-1] % 8:
+            widths.append(t.shape[-1])
+            return True
+        return False
+
+    monkeypatch.setattr(fwd_launcher, "pads_head_dim", pads)
+    monkeypatch.setattr(bwd_launcher, "pads_head_dim", pads)
+    return widths
+
+
+@pytest.mark.parametrize("d", [1, 59])
+def test_a_padded_head_dim_gives_the_masked_kernels_result(d, pad_on_cpu):
+    """The padded launch (zero columns up to a multiple of 8, the true head dim's scale,
+    the output and gradients cut back and contiguous, preallocated outputs filled) equals
+    the masked kernel on the unpadded tensors, forward, LSE and gradients, with dropout too
+    (its mask does not depend on the head dim)."""
+    from flashtune.kernel_templates.dropout import draw_seed
+
+    q, k, v, do = make(1, 4, 2, 19, 27, d, torch.float16, seed=d, layout="bnhd")
+    seed = draw_seed(q.device)
+    cfg = {**FWD_CFG, "USE_TMA": 0}
+    bcfg = {**BWD_CFG, "USE_TMA": 0}
+    masked = attn_fwd(q, k, v, cfg, causal=True, return_lse=True, dropout_p=0.2, seed=seed)
+    masked_grads = attn_bwd(q, k, v, masked[0], masked[1], do, bcfg, causal=True,
+                            dropout_p=0.2, seed=seed)
+    pad_on_cpu.append("on")
+    out, lse = attn_fwd(q, k, v, cfg, causal=True, return_lse=True, dropout_p=0.2, seed=seed)
+    assert pad_on_cpu == ["on", d]
+    assert out.shape == q.shape and out.is_contiguous()
+    torch.testing.assert_close(out, masked[0], atol=2e-3, rtol=0)
+    torch.testing.assert_close(lse, masked[1], atol=1e-4, rtol=0)
+    given = [torch.full_like(t, float("nan")) for t in (q, k, v)]
+    grads = attn_bwd(q, k, v, out, lse, do, bcfg, causal=True, dq=given[0], dk=given[1],
+                     dv=given[2], dropout_p=0.2, seed=seed)
+    assert all(g is t for g, t in zip(grads, given)) and pad_on_cpu == ["on", d, d]
+    for got, want in zip(grads, masked_grads):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, atol=5e-3, rtol=0)
 
 
 @pytest.mark.parametrize("spec", [FWD, BWD], ids=["attn_fwd", "attn_bwd"])

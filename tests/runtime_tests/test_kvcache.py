@@ -24,6 +24,17 @@ def test_default_config_matches_reference(paged):
     assert torch.equal(out, attention_with_kvcache(q, k, v, lens, block_table=table))
 
 
+@pytest.mark.parametrize("head_dim", [40, 59])
+def test_every_head_dim_up_to_256(head_dim):
+    """Head dims that are not powers of two, aligned (40) or not (59), through the public
+    call (the decode kernel's masked columns)."""
+    q, k, v, lens, table = make_cache([5, 29], 4, 2, 2, head_dim, torch.float16, DEVICE,
+                                      page_size=16, capacity=32, seed=3)
+    out, lse = attention_with_kvcache(q, k, v, lens, block_table=table, return_lse=True)
+    assert_decode_close(out, q, k, v, cache_seqlens=lens, block_table=table, causal=True,
+                        lse=lse)
+
+
 def test_explicit_config_causal_multi_query_gqa():
     q, k, v, lens, table = make_cache([7, 48, 33], 4, 2, 4, 64, torch.float16, DEVICE,
                                       page_size=16, capacity=48, seed=1)
@@ -87,9 +98,11 @@ BAD = [
                                                         k, v, s), {"block_table": t}),
      InputError, "head_dim mismatch"),
     ("unsupported head_dim", True,
-     lambda q, k, v, s, t: ((q[..., :48].contiguous(), k[..., :48].contiguous(),
-                             v[..., :48].contiguous(), s), {"block_table": t}),
-     InputError, "head_dim 48 is not supported"),
+     lambda q, k, v, s, t: ((q.repeat(1, 1, 1, 5)[..., :260].contiguous(),
+                             k.repeat(1, 1, 1, 5)[..., :260].contiguous(),
+                             v.repeat(1, 1, 1, 5)[..., :260].contiguous(), s),
+                            {"block_table": t}),
+     InputError, "head_dim 260 is not supported; supported: 1 to 256"),
     ("heads not a multiple", True, lambda q, k, v, s, t: ((q[:, :3], k, v, s),
                                                           {"block_table": t}),
      InputError, "multiple of the cache's heads"),

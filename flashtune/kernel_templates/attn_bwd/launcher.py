@@ -35,7 +35,13 @@ from flashtune.kernel_templates.attn_bwd.kernel import (
 from flashtune.kernel_templates.attn_bwd.space import DEFAULTS
 from flashtune.kernel_templates.attn_fwd.space import block_d
 from flashtune.kernel_templates.dropout import dropout_threshold
-from flashtune.kernel_templates.tma import desc, tma_ok
+from flashtune.kernel_templates.tma import (
+    desc,
+    pad_head_dim,
+    padded_head_dim,
+    pads_head_dim,
+    tma_ok,
+)
 
 PREPROCESS_BLOCK_M = 64
 REDUCE_BLOCK_N = 64
@@ -316,6 +322,20 @@ def attn_bwd(
     head_dim = q.shape[-1]
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
+    if pads_head_dim(q):  # rows that cannot be 16-byte aligned: run padded (tma.py)
+        width = padded_head_dim(head_dim)
+        qw, kw, vw, ow, dow = (pad_head_dim(t, width) for t in (q, k, v, out, dout))
+        wide = attn_bwd(qw, kw, vw, ow, lse, dow, config, causal=causal, scale=scale,
+                        dlse=dlse, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                        dropout_p=dropout_p, seed=seed)
+        grads = []
+        for given, like, got in zip((dq, dk, dv), (q, k, v), wide):
+            if given is None:
+                given = torch.empty_like(like, memory_format=torch.contiguous_format)
+            grads.append(given.copy_(got[..., :head_dim]))
+        return grads[0], grads[1], grads[2]
     if cu_seqlens_q is not None:  # packed: delta (heads_q, total_q) like the LSE
         delta_shape: tuple[int, ...] = (q.shape[1], q.shape[0])
     else:

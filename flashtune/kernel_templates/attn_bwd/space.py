@@ -76,7 +76,7 @@ def check(config: Mapping[str, int], problem: AttentionProblem,
     if config.get("REVERSE_DQ", 0) and not problem.causal:
         return "REVERSE_DQ only reorders causal problems (no-op here)"
     if config.get("USE_TMA", 0):
-        refusal = tma_refusal(problem)  # a head dim that is not a multiple of 8
+        refusal = tma_refusal(problem, device)  # an unaligned head dim, interpreted
         if refusal is not None:
             return refusal
     if device.is_interpreter:
@@ -110,18 +110,6 @@ _DEFAULTS: tuple[tuple[int, Config], ...] = (
     (128, {"BLOCK_M1": 64, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 64,
            "num_warps": 8, "num_stages": 3, "SPLIT_LOOPS": 0, "ONE_LAUNCH": 1}),
     (256, {"BLOCK_M1": 16, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 16,
-           "num_warps": 8, "num_stages": 1, "SPLIT_LOOPS": 0}),
-)
-# a head dim that is not a multiple of 8 (no TMA; unaligned rows: scalar loads whose
-# addresses take registers): the table's tiles spill there (2.2 KiB a thread in the dK/dV
-# kernel at D59, 0.7 KiB at D111), these compile without spills for sm_90 (D59, D111, D250,
-# causal; `python -m flashtune.kernel_templates.sm90`), not yet timed
-_DEFAULTS_UNALIGNED: tuple[tuple[int, Config], ...] = (
-    (64, {"BLOCK_M1": 64, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 32,
-          "num_warps": 8, "num_stages": 3, "SPLIT_LOOPS": 1}),
-    (128, {"BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32,
-           "num_warps": 8, "num_stages": 3, "SPLIT_LOOPS": 0}),
-    (256, {"BLOCK_M1": 16, "BLOCK_N1": 32, "BLOCK_M2": 32, "BLOCK_N2": 16,
            "num_warps": 8, "num_stages": 1, "SPLIT_LOOPS": 0}),
 )
 # small tiles keep the interpreter's per-block numpy work cheap
@@ -186,22 +174,20 @@ def default_config(problem: AttentionProblem, device: DeviceFingerprint) -> Conf
     small tiles under it; Q/dO and K/V through tensor descriptors on Hopper and newer, with
     dQ key steps of 64 at D <= 64 there; dQ tiles last-first where the dQ programs share the
     dK/dV programs' launch; a head dim between two rows of the table takes the larger's
-    tiles; one that is not a multiple of 8 plain loads and tiles of its own, see
-    ``attn_fwd.space.tma_refusal``), its owned tiles shrunk while a kernel would leave SMs
-    idle (:func:`fill_the_gpu`), then shrunk until the predicate accepts it."""
+    tiles, one that is not a multiple of 8 too: the launcher runs it padded, see
+    ``kernel_templates.tma.pads_head_dim``), its owned tiles shrunk while a kernel would
+    leave SMs idle (:func:`fill_the_gpu`), then shrunk until the predicate accepts it."""
     if device.is_interpreter:
         return {**DEFAULTS, **_INTERPRETER}
-    aligned = tma_refusal(problem) is None
-    table = _DEFAULTS if aligned else _DEFAULTS_UNALIGNED
-    config = {**DEFAULTS, **next((c for max_d, c in table if problem.head_dim <= max_d),
-                                 table[-1][1])}
+    config = {**DEFAULTS, **next((c for max_d, c in _DEFAULTS if problem.head_dim <= max_d),
+                                 _DEFAULTS[-1][1])}
     if config["ONE_LAUNCH"] and problem.causal:
         # the longest dQ tiles first, so that they do not make the launch's tail: with
         # ONE_LAUNCH at D128 causal 1.047x the default against 1.037x without
         # (benchmarks/results/bwd_one_launch_h100.json); alone, 1.00x
         config["REVERSE_DQ"] = 1
     cc = device.capability
-    if cc is not None and cc >= TMA_MIN_CC and aligned:
+    if cc is not None and cc >= TMA_MIN_CC:
         # H100, one run over the 24-shape standard grid: 1.05x the plain-load default on
         # every shape (benchmarks/results/bwd_tma_h100.json)
         config["USE_TMA"] = 1

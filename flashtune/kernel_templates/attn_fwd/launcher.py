@@ -25,7 +25,13 @@ import triton
 from flashtune.kernel_templates.attn_fwd.kernel import attn_fwd_kernel
 from flashtune.kernel_templates.attn_fwd.space import block_d
 from flashtune.kernel_templates.dropout import draw_seed, dropout_threshold
-from flashtune.kernel_templates.tma import desc, tma_ok
+from flashtune.kernel_templates.tma import (
+    desc,
+    pad_head_dim,
+    padded_head_dim,
+    pads_head_dim,
+    tma_ok,
+)
 
 
 def _upcast_dot(q: Any) -> bool:
@@ -171,6 +177,19 @@ def attn_fwd(
     head_dim = q.shape[-1]
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
+    if pads_head_dim(q):  # rows that cannot be 16-byte aligned: run padded (tma.py)
+        width = padded_head_dim(head_dim)
+        got = attn_fwd(pad_head_dim(q, width), pad_head_dim(k, width), pad_head_dim(v, width),
+                       config, causal=causal, scale=scale, return_lse=return_lse,
+                       window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                       cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                       max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                       dropout_p=dropout_p, seed=seed)
+        wide, wide_lse = got if isinstance(got, tuple) else (got, None)
+        if out is None:
+            out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        out.copy_(wide[..., :head_dim])
+        return (out, wide_lse) if wide_lse is not None else out
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     varlen = cu_seqlens_q is not None

@@ -41,13 +41,14 @@ def block_d(head_dim: int) -> int:
     return max(16, 1 << (head_dim - 1).bit_length())
 
 
-def tma_refusal(problem: AttentionProblem) -> str | None:
-    """Why ``USE_TMA`` cannot serve ``problem``'s head dim (None: it can): the tensor-copy
-    engine wants rows of a 16-byte multiple (``kernel_templates.tma.tma_ok``), so a head
-    dim that is not a multiple of 8 (fp16/bf16) runs plain, masked loads instead; the
-    launchers fall back the same way at run time for tensors whose strides are not
-    aligned."""
-    if tma_head_dim(problem.head_dim):
+def tma_refusal(problem: AttentionProblem, device: DeviceFingerprint) -> str | None:
+    """Why ``USE_TMA`` cannot serve ``problem``'s head dim on ``device`` (None: it can): the
+    tensor-copy engine wants rows of a 16-byte multiple (``kernel_templates.tma.tma_ok``),
+    so under the interpreter a head dim that is not a multiple of 8 (fp16/bf16) runs plain,
+    masked loads instead; on a GPU the launchers run it padded to the next multiple
+    (``tma.pads_head_dim``), which TMA serves. The launchers also fall back to plain loads
+    at run time for tensors whose strides are not aligned."""
+    if tma_head_dim(problem.head_dim) or not device.is_interpreter:
         return None
     return (f"USE_TMA needs head_dim x 2 bytes to be a multiple of 16 (head_dim % 8 == 0), "
             f"got head_dim {problem.head_dim}: plain loads (USE_TMA 0) serve it")
@@ -75,7 +76,7 @@ def check(config: Mapping[str, int], problem: AttentionProblem,
     if config.get("REVERSE_M", 0) and not problem.causal:
         return "REVERSE_M only reorders causal problems (no-op here)"
     if config.get("USE_TMA", 0):
-        refusal = tma_refusal(problem)
+        refusal = tma_refusal(problem, device)
         if refusal is not None:
             return refusal
         cc = device.capability
@@ -110,10 +111,11 @@ _DEFAULTS_TMA: tuple[tuple[int, Config], ...] = (
     (256, {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "USE_TMA": 1}),
 )
 
-# a head dim that is not a multiple of 8 (no TMA; its rows are not 16-byte aligned, so the
-# loads cannot be vectorised and their addresses take registers): the configs of the tables
+# a head dim that is not a multiple of 8 under the interpreter (no TMA; its rows are not
+# 16-byte aligned, so the loads cannot be vectorised and their addresses take registers; on
+# a GPU the launchers pad it and it takes the tables above): the configs of the tables
 # above spill there, these compile without spills for sm_90 (D59, D111 and D250, causal;
-# `python -m flashtune.kernel_templates.sm90`), not yet timed
+# `python -m flashtune.kernel_templates.sm90`)
 _DEFAULTS_UNALIGNED: tuple[tuple[int, Config], ...] = (
     (64, {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}),
     (128, {"BLOCK_M": 128, "BLOCK_N": 32, "num_warps": 8, "num_stages": 3}),
@@ -128,7 +130,7 @@ def default_config(problem: AttentionProblem, device: DeviceFingerprint) -> Conf
     takes it. A head dim between two rows of a table takes the larger's config (the same
     BLOCK_D: D80 runs D128's tiles)."""
     cc = device.capability
-    if tma_refusal(problem) is not None:
+    if tma_refusal(problem, device) is not None:
         table = _DEFAULTS_UNALIGNED
     elif cc is not None and cc >= TMA_MIN_CC:
         table = _DEFAULTS_TMA
