@@ -207,8 +207,8 @@ if ACTIVE:
     if DRY and DEVICE != "cuda":
         _pretend_h100()
     _install_shim()
-    # a `timeout` (SIGTERM) ends a long GPU run as Ctrl-C does: pytest stops after the case
-    # in progress and still writes the JUnit XML of the cases done
+    # a `timeout` (SIGTERM) ends a long GPU run as Ctrl-C does: pytest stops (the case in
+    # progress not counted) and still writes the JUnit XML of the cases done
     signal.signal(signal.SIGTERM, _interrupt)
 
 
