@@ -10,9 +10,10 @@ Dao-AILab/flash-attention (``flash_attn/flash_attn_interface.py``, version 2.8.4
 int32 cumulative lengths, ``qkv`` ``(batch, seqlen, 3, heads, head_dim)`` and ``kv``
 ``(batch, seqlen, 2, heads_kv, head_dim)``. They run :func:`flashtune.attention`,
 :func:`flashtune.attention_varlen` and :func:`flashtune.attention_with_kvcache` (which take
-``(batch, heads, seqlen, head_dim)``) on transposed *views*: no input is copied unless its last
-dimension is strided (copied, as FlashAttention-2 does), and a packed ``qkv``/``kv`` is split
-by ``unbind`` views, its gradient assembled by autograd into one tensor of the packed layout
+``(batch, heads, seqlen, head_dim)``) on transposed *views*: the interface copies no input
+unless its last dimension is strided (copied, as FlashAttention-2 does; the ops pad a head dim
+that is not a multiple of 8 on a GPU, as FlashAttention-2 pads it), and a packed
+``qkv``/``kv`` is split by ``unbind`` views, its gradient assembled by autograd into one tensor of the packed layout
 (one write of the gradient, no copy of the inputs).
 
 Where flashtune differs, and why:
