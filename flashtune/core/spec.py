@@ -65,6 +65,8 @@ class Limits:
             window on causal problems only (a left bound; causal is the right one).
         packed: whether it serves a packed batch (FlashAttention-2's varlen:
             :attr:`AttentionProblem.packed`).
+        single_token: whether it serves one query over one key (``seqlen_q == seqlen_k ==
+            1``; cuDNN's frontend refuses it).
         dropout: whether it serves attention dropout (FlashAttention-2's ``dropout_p``:
             :attr:`AttentionProblem.dropout`), drawing flashtune's mask from the call's
             seed (``kernel_templates.dropout``).
@@ -83,6 +85,7 @@ class Limits:
     score_mods: tuple[str, ...] = ()
     packed: bool = False
     dropout: bool = False
+    single_token: bool = True
     available: Callable[[DeviceFingerprint], str | None] | None = field(default=None,
                                                                         compare=False)
 
@@ -126,6 +129,8 @@ class Limits:
             return "cannot return the LSE"
         if p.packed and not self.packed:
             return "a packed batch (it serves no varlen)"
+        if not self.single_token and p.seqlen_q == p.seqlen_k == 1:
+            return "seqlen_q = seqlen_k = 1 (it serves no single-token attention)"
         if p.dropout and not self.dropout:
             return f"dropout {p.dropout:g} (it applies no attention dropout)"
         if self.available is not None:
@@ -153,6 +158,7 @@ class Limits:
                       max_seqlen_q=min(lengths) if lengths else None,
                       score_mods=tuple(m for m in self.score_mods if m in other.score_mods),
                       packed=self.packed and other.packed,
+                      single_token=self.single_token and other.single_token,
                       dropout=self.dropout and other.dropout,
                       available=available if checks else None)
 

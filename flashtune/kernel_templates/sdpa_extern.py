@@ -384,8 +384,10 @@ _MULTIPLES_OF_8 = tuple(range(8, MAX_HEAD_DIM + 1, 8))
 _LAUNCHERS: dict[str, Callable[..., Any]] = {
     "cudnn": sdpa_cudnn, "flash": sdpa_flash, "efficient": sdpa_efficient, "math": sdpa_math}
 _LIMITS = {
+    # cuDNN's frontend: "s_q = s_kv = 1 is not supported" (FlashAttention-2's own tests,
+    # test_flash_attn_bwd_overflow, on the H100)
     "cudnn": Limits(head_dims=_MULTIPLES_OF_8, gqa=True, causal_unaligned=False,
-                    needs_gpu=True, available=_cudnn_available),
+                    needs_gpu=True, single_token=False, available=_cudnn_available),
     # every head dim up to 256: the others than multiples of 8 padded, as torch pads them
     "flash": Limits(gqa=True, causal_unaligned=False,
                     needs_gpu=True, available=_flash_available),

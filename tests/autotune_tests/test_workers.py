@@ -72,9 +72,9 @@ def test_two_workers_share_one_study(tmp_path):
 def test_a_dead_worker_is_reported_and_the_rest_finishes(tmp_path, monkeypatch):
     url = f"sqlite:///{tmp_path / 'ft.db'}"
     # a head_dim no kernel supports: that worker's tune() raises and its process exits 1
-    bad = AttentionProblem(1, 2, 2, 40, 40, 24, False, "fp16")
+    bad = AttentionProblem(1, 2, 2, 40, 40, 300, False, "fp16")
     with pytest.raises(WorkerError, match=r"worker on GPU \d died \(exit code 1\) while "
-                                          r"tuning B=1 Hq=2 Hkv=2 Nq=40 Nk=40 D=24") as err:
+                                          r"tuning B=1 Hq=2 Hkv=2 Nq=40 Nk=40 D=300") as err:
         tune_on_gpus([P1, bad], OPTS, db_url=url, gpus=[0, 1])
     assert [r.problem for r in err.value.results] == [P1]
 

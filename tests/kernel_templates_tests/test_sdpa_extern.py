@@ -107,6 +107,13 @@ def test_the_fused_backends_refuse_unaligned_causal_and_efficient_gqa(name: str)
     assert limits.refuse(_problem(seqlen_q=37, seqlen_k=37, causal=True), H100) is None
     assert limits.refuse(_problem(seqlen_q=21, seqlen_k=37), H100) is None
     assert limits.refuse(_problem(), H100, return_lse=True) is None
+    # one query over one key: cuDNN's frontend refuses it ("s_q = s_kv = 1 is not
+    # supported", FlashAttention-2's test_flash_attn_bwd_overflow on the H100)
+    single = limits.refuse(_problem(seqlen_q=1, seqlen_k=1), H100)
+    if name == "sdpa_cudnn":
+        assert single is not None and "seqlen_q = seqlen_k = 1" in single
+    else:
+        assert single is None
     # torch's flash serves every head dim up to 256 (the launcher pads as torch does);
     # cuDNN and the efficient kernel multiples of 8 only: the others go to attn_fwd
     served = [d for d in range(1, MAX_HEAD_DIM + 1)
