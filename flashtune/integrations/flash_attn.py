@@ -252,11 +252,10 @@ def _own_pair(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
               scale: float | None, return_lse: bool) -> Any:
     """A plain call with gradients on flashtune's own pair (attn_fwd, attn_bwd: no atomics),
     whatever the router would choose for it."""
-    from flashtune.runtime.autograd import _train
-    from flashtune.runtime.checks import check_attention_inputs
+    from flashtune.runtime.ops import attention
 
-    check_attention_inputs(q, k, v, scale)
-    return _train(q, k, v, causal, scale, return_lse, None, "attn_fwd")
+    return attention(q, k, v, causal=causal, scale=scale, return_lse=return_lse,
+                     impl="attn_fwd")
 
 
 # -- the three routes --------------------------------------------------------------------------

@@ -126,8 +126,9 @@ def attention(
         impl: run this implementation (``"attn_fwd"``, ``"attn_fwd_gluon"``,
             ``"sdpa_cudnn"``...; its tuned config for the shape unless ``config`` is
             given); an error if it cannot serve the call. Default: the router's choice.
-            With gradients: None and ``"attn_fwd"`` run attn_fwd with attn_bwd; an SDPA
-            backend runs its own backward; others have no backward (InputError).
+            With gradients: ``"attn_fwd"`` runs attn_fwd with attn_bwd (None: the router's
+            training step, which may be an SDPA backend's); an SDPA backend runs its own
+            backward; others have no backward (InputError).
         window: FlashAttention-2's ``window_size``: ``(left, right)``, query ``i`` (at key
             position ``i + seqlen_k - seqlen_q``) sees keys ``[pos - left, pos + right]``;
             -1 leaves a side unbounded; with ``causal`` the right bound is 0. None or
@@ -172,7 +173,7 @@ def attention(
             impl=impl, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
             dropout_p=dropout_p)
         return scored
-    if impl is not None and impl != "attn_fwd":
+    if impl is not None:  # forced (attn_fwd too: with gradients, its own pair)
         return _attention_impl(q, k, v, causal, scale, return_lse, config, impl)
     if torch.compiler.is_compiling():
         out, lse = torch.ops.flashtune.attention_fwd(
@@ -195,7 +196,7 @@ def attention(
 def _attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                     scale: float | None, return_lse: bool, config: Mapping[str, int] | None,
                     impl: str) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """:func:`attention` with ``impl`` other than attn_fwd: an SDPA backend runs as it is
+    """:func:`attention` with ``impl`` given: an SDPA backend runs as it is
     (torch's autograd and torch.compile know it); a kernel of flashtune's goes through the
     custom op under torch.compile, and with gradients pairs with its backward template (one
     without is an InputError)."""

@@ -170,16 +170,16 @@ def test_kvpacked_gqa_gradients_through_views(env, monkeypatch):
 
 
 def test_deterministic_runs_flashtunes_own_pair(env, monkeypatch):
-    from flashtune.runtime import autograd
+    from flashtune.runtime import ops
 
     impls = []
-    real = autograd._train
+    real = ops._train
 
     def spy(*args):
         impls.append(args[-1])
         return real(*args)
 
-    monkeypatch.setattr(autograd, "_train", spy)
+    monkeypatch.setattr(ops, "_train", spy)  # flashtune.attention(impl="attn_fwd")'s
     q = rand(1, NQ, 2, D, seed=12, requires_grad=True)
     k, v = rand(1, NK, 2, D, seed=13, requires_grad=True), rand(1, NK, 2, D, seed=14,
                                                                  requires_grad=True)

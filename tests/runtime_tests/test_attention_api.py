@@ -131,3 +131,36 @@ def test_double_backward_is_refused_not_silently_zero():
     out = flashtune.attention(q, k, v, causal=True)
     out.float().sum().backward()
     assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+def test_impl_attn_fwd_is_honoured_with_and_without_gradients(monkeypatch):
+    """``impl="attn_fwd"`` forces flashtune's own kernels: the training step is the attn_fwd
+    / attn_bwd pair whatever the router would choose (FlashAttention-2's
+    ``deterministic=True`` relies on it), and a call without gradients is attn_fwd's."""
+    from flashtune.runtime import autograd, ops
+
+    seen = []
+    real_train, real_attention = ops._train, ops._attention
+
+    def train(*args):
+        seen.append(("train", args[-1]))
+        return real_train(*args)
+
+    def attention(*args):
+        seen.append(("attention", args[-1] if len(args) == 8 else None))
+        return real_attention(*args)
+
+    monkeypatch.setattr(ops, "_train", train)
+    monkeypatch.setattr(ops, "_attention", attention)
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, 19, 16, generator=g).to(torch.float16).to(DEVICE)
+               for _ in range(3))
+    out = flashtune.attention(q, k, v, causal=True, impl="attn_fwd")
+    assert_close_to_reference(out, q, k, v, causal=True)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    out = flashtune.attention(*leaves, causal=True, impl="attn_fwd")
+    out.float().sum().backward()
+    assert seen == [("attention", "attn_fwd"), ("train", "attn_fwd")]
+    route = autograd._train_route(leaves[0], leaves[1], True, False, None, "attn_fwd")
+    assert route.fwd.name == "attn_fwd" and route.bwd is not None \
+        and route.bwd.name == "attn_bwd"
