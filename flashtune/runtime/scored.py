@@ -406,7 +406,7 @@ def _varlen_checks(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any,
     (left, right), cap, slopes = check_score_mods(q, causal=causal, window=window,
                                                   softcap=softcap, alibi_slopes=alibi_slopes,
                                                   batch=batch)
-    heads_q, heads_kv, head_dim = q.shape[1], k.shape[1], q.shape[2]
+    heads_q = q.shape[1]
     for name, tokens, longest in (("max_seqlen_q", q.shape[0], max_seqlen_q),
                                   ("max_seqlen_k", k.shape[0], max_seqlen_k)):
         if tokens > batch * longest:  # free to check: the shapes alone say so
@@ -416,13 +416,22 @@ def _varlen_checks(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any,
         raise InputError(f"batch x heads_q = {batch * heads_q} programs on the launch "
                          f"grid's axis 1, more than CUDA's limit of 65535; split the batch")
 
-    def problem() -> AttentionProblem:  # a route's first call (an empty side keys as 1)
-        return AttentionProblem(batch, heads_q, heads_kv, max_seqlen_q, max_seqlen_k,
-                                head_dim, bool(causal), dtype_name(q.dtype), left,
-                                -1 if causal else right, cap or 0.0, slopes is not None,
-                                max(1, q.shape[0]), max(1, k.shape[0]), dropout)
+    def problem() -> AttentionProblem:  # a route's first call
+        return _packed_problem(q, k, batch, max_seqlen_q, max_seqlen_k, bool(causal), left,
+                               right, cap or 0.0, slopes is not None, dropout)
 
     return (left, right), cap, slopes, problem
+
+
+def _packed_problem(q: torch.Tensor, k: torch.Tensor, batch: int, max_seqlen_q: int,
+                    max_seqlen_k: int, causal: bool, left: int, right: int, softcap: float,
+                    alibi: bool, dropout: float) -> AttentionProblem:
+    """The problem of a packed call on ``(tokens, heads, head_dim)`` tensors (an empty side
+    keys as one token)."""
+    return AttentionProblem(batch, q.shape[1], k.shape[1], max_seqlen_q, max_seqlen_k,
+                            q.shape[2], causal, dtype_name(q.dtype), left,
+                            -1 if causal else right, softcap, alibi, max(1, q.shape[0]),
+                            max(1, k.shape[0]), dropout)
 
 
 def reset() -> None:
@@ -453,6 +462,14 @@ def _pair_route(q: torch.Tensor, k: torch.Tensor, causal: bool, window_left: int
     spec, fcfg, bcfg = route
     assert bcfg is not None
     return spec, fcfg, bcfg
+
+
+def _grads_like(q: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward ops' gradients as their fakes give them: contiguous, like q, k, v."""
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            torch.empty_like(k, memory_format=torch.contiguous_format),
+            torch.empty_like(v, memory_format=torch.contiguous_format))
 
 
 def _compiled_options(spec: TemplateSpec, window_left: int, window_right: int,
@@ -517,9 +534,7 @@ def _scored_bwd_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
                      config_json: str | None, impl: str | None, dropout_p: float = 0.0,
                      seed: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return (torch.empty_like(q, memory_format=torch.contiguous_format),
-            torch.empty_like(k, memory_format=torch.contiguous_format),
-            torch.empty_like(v, memory_format=torch.contiguous_format))
+    return _grads_like(q, k, v)
 
 
 def _scored_setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -576,11 +591,9 @@ def _varlen_route(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Tensor,
            softcap, alibi, config_json, impl, dropout_p)
     route = _ROUTES.get(key)
     if route is None:
-        problem = AttentionProblem(
-            cu_seqlens_q.numel() - 1, q.shape[1], k.shape[1], max_seqlen_q, max_seqlen_k,
-            q.shape[2], causal, dtype_name(q.dtype), window_left,
-            -1 if causal else window_right, softcap, alibi, max(1, q.shape[0]),
-            max(1, k.shape[0]), dropout_p)
+        problem = _packed_problem(q, k, cu_seqlens_q.numel() - 1, max_seqlen_q,
+                                  max_seqlen_k, causal, window_left, window_right, softcap,
+                                  alibi, dropout_p)
         config = json.loads(config_json) if config_json else None
         route = _ROUTES[key] = _choose(problem, q, causal, True, True, config, impl)
     spec, fcfg, bcfg = route
@@ -593,13 +606,11 @@ def _varlen_options(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                     window_right: int, softcap: float,
                     alibi_slopes: torch.Tensor | None, dropout_p: float = 0.0,
                     seed: torch.Tensor | None = None) -> dict[str, Any]:
-    options = {"window": (window_left, window_right), "softcap": softcap or None,
-               "alibi_slopes": alibi_slopes, "cu_seqlens_q": cu_seqlens_q,
-               "cu_seqlens_k": cu_seqlens_k, "max_seqlen_q": max_seqlen_q,
-               "max_seqlen_k": max_seqlen_k}
-    if dropout_p:
-        options.update(dropout_p=dropout_p, seed=seed)
-    return options
+    """:func:`_compiled_options` of attn_fwd / attn_bwd with the batch's packing."""
+    return {**_compiled_options(_FWD, window_left, window_right, softcap, alibi_slopes,
+                                dropout_p, seed),
+            "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k,
+            "max_seqlen_q": max_seqlen_q, "max_seqlen_k": max_seqlen_k}
 
 
 @torch.library.custom_op("flashtune::attention_varlen_fwd", mutates_args=())
@@ -663,9 +674,7 @@ def _varlen_bwd_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
                      config_json: str | None, impl: str | None, dropout_p: float = 0.0,
                      seed: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return (torch.empty_like(q, memory_format=torch.contiguous_format),
-            torch.empty_like(k, memory_format=torch.contiguous_format),
-            torch.empty_like(v, memory_format=torch.contiguous_format))
+    return _grads_like(q, k, v)
 
 
 def _varlen_setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
