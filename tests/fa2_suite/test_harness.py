@@ -193,3 +193,46 @@ def test_cpu_collection_skips_the_file_without_importing_it():
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "1 skipped" in done.stdout and "needs a CUDA GPU" in done.stdout
+
+
+def _junit(path: Path, cases: dict[str, str | None], props: dict[str, str] | None = None) -> Path:
+    """A JUnit XML of the suite's cases: name -> None (passed) or a failure message."""
+    rows = []
+    for name, failure in cases.items():
+        body = "" if failure is None else f'<failure message="{failure}">trace</failure>'
+        rows.append(f'<testcase classname="tests.fa2_suite.test_flash_attn" name="{name}" '
+                    f'time="1.5">{body}</testcase>')
+    prop = "".join(f'<property name="{k}" value="{v}"/>' for k, v in (props or {}).items())
+    path.write_text(f'<testsuites><testsuite><properties>{prop}</properties>{"".join(rows)}'
+                    "</testsuite></testsuites>")
+    return path
+
+
+def test_report_adds_shards_and_counts_reruns(tmp_path):
+    """The shards add up; a case run again on its own (out of GPU memory while the shards
+    shared the GPU) counts with its re-run outcome and is listed; a re-run case the runs do
+    not hold is an error."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        report_mod = importlib.import_module("fa2_suite_report")
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    one = _junit(tmp_path / "1.xml", {"test_flash_attn_kvcache[a]": "CUDA out of memory",
+                                      "test_flash_attn_output[b]": None},
+                 {"fa2_function test_flash_attn_kvcache": "10 8 1"})
+    two = _junit(tmp_path / "2.xml", {"test_flash_attn_output[c]": "wrong result"},
+                 {"fa2_function test_flash_attn_kvcache": "10 8 0"})
+    first = report_mod.read([one, two])
+    assert first["counts"]["test_flash_attn_kvcache"]["failed"] == 1
+    assert first["counts"]["test_flash_attn_output"] == {"passed": 1, "failed": 1}
+    assert first["selection"]["test_flash_attn_kvcache"] == [10, 8, 1]
+    again = _junit(tmp_path / "rerun.xml", {"test_flash_attn_kvcache[a]": None})
+    merged = report_mod.read([one, two], [again])
+    assert merged["counts"]["test_flash_attn_kvcache"] == {"passed": 1}
+    assert merged["counts"]["test_flash_attn_output"] == {"passed": 1, "failed": 1}
+    assert merged["reruns"] == [{"case": "test_flash_attn_kvcache[a]", "first": "failed",
+                                 "first_reason": "CUDA out of memory", "rerun": "passed"}]
+    assert "test_flash_attn_kvcache[a]: failed" in report_mod.render(merged)
+    stray = _junit(tmp_path / "stray.xml", {"test_flash_attn_output[z]": None})
+    with pytest.raises(SystemExit, match=r"output\[z\] is in none"):
+        report_mod.read([one], [stray])
