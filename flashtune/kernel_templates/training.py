@@ -35,6 +35,7 @@ term.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from functools import wraps
@@ -56,6 +57,12 @@ from flashtune.core.device import DeviceFingerprint
 from flashtune.core.problem import AttentionProblem
 from flashtune.core.space import Config, SearchSpace
 from flashtune.core.spec import BWD_PREFIX, TemplateSpec, join_pair, split_pair
+from flashtune.kernel_templates.tma import (
+    pad_head_dim,
+    padded_head_dim,
+    pads_head_dim,
+    unpad_head_dim,
+)
 
 __all__ = ["PairFn", "TrainStep", "once_differentiable", "pair_fn", "pair_space",
            "train_case", "train_spec"]
@@ -87,7 +94,10 @@ def once_differentiable(backward: Callable[..., Any]) -> Callable[..., Any]:
 class PairFn(torch.autograd.Function):
     """A forward kernel and its backward kernel as one differentiable call: the forward
     saves q, k, v, out and the LSE, nothing N x N; the backward recomputes P tile by tile.
-    The backward is not itself differentiable: a double backward (a gradient penalty)
+    A head dim the launchers run padded on a GPU (``tma.pads_head_dim``) is padded here
+    once for both kernels: the padded q, k, v and output are saved (as FlashAttention-2
+    saves its own), the backward pads the incoming gradient only, and the output and the
+    gradients are cut back to the head dim. The backward is not itself differentiable: a double backward (a gradient penalty)
     raises torch's error instead of silently getting a gradient with no graph.
 
     ``PairFn.apply(q, k, v, causal, scale, fwd, fwd_config, bwd, bwd_config[, options])``:
@@ -105,12 +115,24 @@ class PairFn(torch.autograd.Function):
                 options: Mapping[str, Any] | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         options = options or {}
+        head_dim = q.shape[-1]
+        ctx.head_dim = head_dim if pads_head_dim(q) else None
+        if ctx.head_dim is not None:
+            # a head dim whose rows cannot be 16-byte aligned (tma.pads_head_dim): q, k, v
+            # padded once for both kernels, and the padded tensors and output saved, as
+            # FlashAttention-2 saves its own (the launchers would each pad them again)
+            width = padded_head_dim(head_dim)
+            if scale is None:
+                scale = 1.0 / math.sqrt(head_dim)
+            q, k, v = (pad_head_dim(t, width) for t in (q, k, v))
         out, lse = fwd(q, k, v, fwd_config, causal=causal, scale=scale, return_lse=True,
                        **options)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.causal, ctx.scale, ctx.bwd, ctx.bwd_config = causal, scale, bwd, bwd_config
         ctx.options = options
         ctx.set_materialize_grads(False)  # an unused LSE (or out) gets None, not zeros
+        if ctx.head_dim is not None:
+            out = unpad_head_dim(out, head_dim)
         return out, lse
 
     @staticmethod
@@ -119,10 +141,15 @@ class PairFn(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
-        elif dout.stride(-1) != 1:
-            dout = dout.contiguous()
+        else:
+            if dout.stride(-1) != 1:
+                dout = dout.contiguous()
+            if ctx.head_dim is not None:  # saved padded: the incoming gradient too
+                dout = pad_head_dim(dout, out.shape[-1])
         dq, dk, dv = ctx.bwd(q, k, v, out, lse, dout, ctx.bwd_config, causal=ctx.causal,
                              scale=ctx.scale, dlse=dlse, **ctx.options)
+        if ctx.head_dim is not None:
+            dq, dk, dv = (unpad_head_dim(g, ctx.head_dim) for g in (dq, dk, dv))
         return dq, dk, dv, None, None, None, None, None, None, None
 
 

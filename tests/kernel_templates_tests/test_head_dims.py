@@ -128,6 +128,7 @@ def test_tma_serves_unaligned_head_dims_on_a_gpu_padded_and_is_refused_interpret
 def pad_on_cpu(monkeypatch):
     """The launchers' GPU rule (pad a head dim that is not a multiple of 8) for CPU tensors
     once the returned list holds ``"on"``; the padded head dims are appended to it."""
+    from flashtune.kernel_templates import training
     from flashtune.kernel_templates.attn_bwd import launcher as bwd_launcher
     from flashtune.kernel_templates.attn_fwd import launcher as fwd_launcher
 
@@ -141,6 +142,7 @@ def pad_on_cpu(monkeypatch):
 
     monkeypatch.setattr(fwd_launcher, "pads_head_dim", pads)
     monkeypatch.setattr(bwd_launcher, "pads_head_dim", pads)
+    monkeypatch.setattr(training, "pads_head_dim", pads)
     return widths
 
 
@@ -172,6 +174,68 @@ def test_a_padded_head_dim_gives_the_masked_kernels_result(d, pad_on_cpu):
     for got, want in zip(grads, masked_grads):
         assert got.shape == want.shape
         torch.testing.assert_close(got, want, atol=5e-3, rtol=0)
+
+
+@pytest.mark.parametrize("d,layout", [(59, "bnhd"), (111, "wide")])
+def test_the_training_step_pads_once_for_both_kernels(d, layout, pad_on_cpu, monkeypatch):
+    """PairFn (what flashtune.attention runs with gradients) pads q, k, v once and saves the
+    padded tensors; the backward pads the incoming gradient only (4 pads, not the launchers'
+    3 + 5) and cuts the gradients back: the masked kernels' output and gradients, and every
+    gradient against float64."""
+    from flashtune.kernel_templates import training
+
+    q, k, v, do = make(1, 4, 2, 21, 26, d, torch.float16, seed=d, layout=layout)
+    cfg = {**FWD_CFG, "USE_TMA": 0}
+    bcfg = {**BWD_CFG, "USE_TMA": 0}
+    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+    out, _ = training.pair_fn(*leaves, True, None, attn_fwd, cfg, attn_bwd, bcfg)
+    masked = torch.autograd.grad(out, leaves, do)
+    pads = []
+    real_pad = training.pad_head_dim
+
+    def counting_pad(t, width):
+        pads.append((tuple(t.shape), width))
+        return real_pad(t, width)
+
+    monkeypatch.setattr(training, "pad_head_dim", counting_pad)
+    pad_on_cpu.append("on")
+    out_p, lse_p = training.pair_fn(*leaves, True, None, attn_fwd, cfg, attn_bwd, bcfg)
+    assert out_p.shape == q.shape and out_p.is_contiguous()
+    grads = torch.autograd.grad(out_p, leaves, do)
+    width = padded_head_dim(d)
+    assert pads == [(tuple(t.shape), width) for t in (q, k, v, do)]
+    assert pad_on_cpu == ["on", d]  # the launchers saw aligned tensors only
+    torch.testing.assert_close(out_p, out, atol=2e-3, rtol=0)
+    assert_close_to_reference(out_p, q, k, v, causal=True, lse=lse_p)
+    for got, want in zip(grads, masked):
+        assert got.shape == want.shape and got.is_contiguous()
+        torch.testing.assert_close(got, want, atol=5e-3, rtol=0)
+    assert_grads_close(grads, q, k, v, do, causal=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_pad_and_unpad_copy_exactly(dtype):
+    """tma.pad_head_dim (one launch: the columns, then zeros, written once) and
+    unpad_head_dim (into a new tensor or a strided one given) on odd shapes: (B, H, N, D)
+    views with any strides, packed (total, H, D), head dims 1 to 250."""
+    from flashtune.kernel_templates.tma import pad_head_dim, unpad_head_dim
+
+    g = torch.Generator().manual_seed(7)
+    cases = [
+        (torch.randn(2, 37, 3, 59, generator=g).to(dtype).transpose(1, 2), 64),  # bnhd
+        (torch.randn(1, 2, 5, 119, generator=g).to(dtype)[..., :111], 112),     # wide rows
+        (torch.randn(13, 3, 1, generator=g).to(dtype), 8),                       # packed
+        (torch.randn(1, 2, 70, 250, generator=g).to(dtype), 256),
+    ]
+    for t, width in cases:
+        d = t.shape[-1]
+        p = pad_head_dim(t, width)
+        assert p.shape == (*t.shape[:-1], width) and p.is_contiguous()
+        assert torch.equal(p[..., :d], t) and not p[..., d:].any()
+        u = unpad_head_dim(p, d)
+        assert u.is_contiguous() and torch.equal(u, t)
+        given = torch.full((*t.shape[:-1], d + 3), float("nan"), dtype=dtype)[..., :d]
+        assert unpad_head_dim(p, d, given) is given and torch.equal(given, t)
 
 
 @pytest.mark.parametrize("spec", [FWD, BWD], ids=["attn_fwd", "attn_bwd"])

@@ -41,6 +41,7 @@ from flashtune.kernel_templates.tma import (
     padded_head_dim,
     pads_head_dim,
     tma_ok,
+    unpad_head_dim,
 )
 
 PREPROCESS_BLOCK_M = 64
@@ -334,7 +335,7 @@ def attn_bwd(
         for given, like, got in zip((dq, dk, dv), (q, k, v), wide):
             if given is None:
                 given = torch.empty_like(like, memory_format=torch.contiguous_format)
-            grads.append(given.copy_(got[..., :head_dim]))
+            grads.append(unpad_head_dim(got, head_dim, given))
         return grads[0], grads[1], grads[2]
     if cu_seqlens_q is not None:  # packed: delta (heads_q, total_q) like the LSE
         delta_shape: tuple[int, ...] = (q.shape[1], q.shape[0])

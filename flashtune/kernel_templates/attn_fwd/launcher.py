@@ -31,6 +31,7 @@ from flashtune.kernel_templates.tma import (
     padded_head_dim,
     pads_head_dim,
     tma_ok,
+    unpad_head_dim,
 )
 
 
@@ -188,7 +189,7 @@ def attn_fwd(
         wide, wide_lse = got if isinstance(got, tuple) else (got, None)
         if out is None:
             out = torch.empty_like(q, memory_format=torch.contiguous_format)
-        out.copy_(wide[..., :head_dim])
+        unpad_head_dim(wide, head_dim, out)
         return (out, wide_lse) if wide_lse is not None else out
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
