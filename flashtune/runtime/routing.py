@@ -58,7 +58,6 @@ from flashtune.kernel_templates.attn_fwd.plan import AttnFwdPlan
 from flashtune.kernel_templates.direct import current_device as _current_device
 from flashtune.kernel_templates.direct import current_stream as _current_stream
 from flashtune.kernel_templates.sdpa_extern import bound_inference
-from flashtune.kernel_templates.tma import pads_head_dim
 from flashtune.runtime import kvcache
 from flashtune.runtime.checks import check_attention_inputs, check_grid
 from flashtune.runtime.choices import OpRouter
@@ -412,8 +411,8 @@ def _new_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: TemplateS
         if fn is not None:
             bound = _PLANS[key] = _BoundPlan(fn, q.get_device())
             return bound
-    if (spec is not _FWD and spec is not _DEC) or (spec is _FWD and pads_head_dim(q)):
-        # the launcher (attn_fwd's: a head dim it runs padded, see tma.pads_head_dim)
+    if spec is not _FWD and spec is not _DEC:
+        # the launcher (an attn_fwd plan also runs a head dim padded, see AttnFwdPlan)
         launch = _PLANS[key] = _LaunchPlan(spec, cfg, causal, scale, return_lse,
                                            q.get_device())
         return launch

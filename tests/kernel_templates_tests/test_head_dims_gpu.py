@@ -140,3 +140,29 @@ def test_sdpa_flash_pads_odd_head_dims_as_torch_does(d):
     assert (out.detach().float() - want.float()).abs().max().item() < 2e-3
     out.backward(do)
     assert_grads_close(tuple(t.grad for t in leaves), q, k, v, do, causal=True)
+
+
+@pytest.mark.parametrize("d", [59, 111])
+def test_a_routed_call_at_a_padded_head_dim_replays_a_padded_plan(d):
+    """flashtune.attention without gradients at a head dim run padded: from the first call
+    of a shape on, its AttnFwdPlan pads q, k, v (transposed views here), runs the kernel
+    and cuts the output back, through direct launches: the launcher's bits, output and
+    LSE, contiguous and like q."""
+    from flashtune.kernel_templates.attn_fwd.plan import AttnFwdPlan
+    from flashtune.runtime import routing
+
+    q, k, v, _ = _inputs(2, 8, 4, 700, 700, d, torch.bfloat16, seed=d + 4, layout="bnhd")
+    choice = flashtune.lookup_config(q, k, v, causal=True)
+    if choice.template != "attn_fwd":
+        pytest.skip(f"routed to {choice.template}")
+    want, want_lse = FWD.launcher(q, k, v, choice.config, causal=True, return_lse=True)
+    assert_close_to_reference(want, q, k, v, causal=True, lse=want_lse)
+    for _ in range(2):
+        got = flashtune.attention(q, k, v, causal=True)
+        assert got.shape == q.shape and got.is_contiguous() and torch.equal(got, want)
+        got, lse = flashtune.attention(q, k, v, causal=True, return_lse=True)
+        assert torch.equal(got, want) and torch.equal(lse, want_lse)
+    if routing._DIRECT:
+        padded = [p for p in routing._PLANS.values()
+                  if isinstance(p, AttnFwdPlan) and p._pads is not None]
+        assert len(padded) >= 2, routing._PLANS

@@ -8,6 +8,12 @@ output and building the host TMA descriptors per call and nothing else. Argument
 :func:`~flashtune.kernel_templates.attn_fwd.launcher.kernel_args`, the function the launcher
 and the precompiler use, so the plan runs exactly the kernel ``attn_fwd`` would.
 
+A head dim the launcher runs padded (``tma.pads_head_dim``: not a multiple of 8, on a GPU)
+is planned padded too: per call one copy launch per input pads it
+(``tma.pad_head_dim``'s kernel), the attention kernel runs on the padded tensors as the
+launcher would run it, and one copy launch cuts the output back, all through
+:class:`~flashtune.kernel_templates.direct.DirectLaunch` (no Triton binding per call).
+
 Not part of the template's source hash: it changes how a kernel is launched, not which code
 is generated.
 """
@@ -23,6 +29,12 @@ import torch
 from flashtune.kernel_templates.attn_fwd.kernel import attn_fwd_kernel
 from flashtune.kernel_templates.attn_fwd.launcher import kernel_args, tma_ok
 from flashtune.kernel_templates.direct import DirectLaunch, HostDesc
+from flashtune.kernel_templates.tma import (
+    copy_cols_launch,
+    pad_head_dim,
+    padded_head_dim,
+    pads_head_dim,
+)
 
 __all__ = ["AttnFwdPlan"]
 
@@ -38,7 +50,7 @@ class AttnFwdPlan:
     """
 
     __slots__ = ("device_index", "_launch", "_out_shape", "_lse_shape", "_dtype", "_device",
-                 "_tma", "_return_lse")
+                 "_tma", "_return_lse", "_pads", "_unpad", "_narrow_shape")
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  config: Mapping[str, int], *, causal: bool, scale: float | None,
@@ -49,6 +61,17 @@ class AttnFwdPlan:
         if scale is None:
             scale = 1.0 / math.sqrt(head_dim)
         self.device_index = q.get_device()
+        self._pads: tuple[tuple[DirectLaunch, tuple[int, ...]], ...] | None = None
+        self._unpad: DirectLaunch | None = None
+        self._narrow_shape = q.shape
+        if pads_head_dim(q):  # as the launcher runs it: padded, the true head dim's scale
+            width = padded_head_dim(head_dim)
+            wide = tuple(pad_head_dim(t, width) for t in (q, k, v))
+            with torch.cuda.device(self.device_index):
+                self._pads = tuple((_direct(copy_cols_launch(t, w, head_dim, width)),
+                                    tuple(w.shape)) for t, w in zip((q, k, v), wide))
+            q, k, v = wide
+            head_dim = width
         self._device, self._dtype, self._return_lse = q.device, q.dtype, bool(return_lse)
         self._out_shape = (batch, heads_q, seqlen_q, head_dim)
         self._lse_shape = (batch, heads_q, seqlen_q)
@@ -63,9 +86,30 @@ class AttnFwdPlan:
             if use_tma else None
         with torch.cuda.device(self.device_index):
             self._launch = DirectLaunch(attn_fwd_kernel, args, kwargs, grid, _VARYING)
+            if self._pads is not None:
+                narrow = torch.empty(self._narrow_shape, dtype=q.dtype, device=q.device)
+                self._unpad = _direct(copy_cols_launch(out, narrow, head_dim,
+                                                       self._narrow_shape[-1]))
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  stream: int) -> Any:
+        if self._pads is None:
+            return self._run(q, k, v, stream)
+        wide = []
+        for t, (pad, shape) in zip((q, k, v), self._pads):
+            w = torch.empty(shape, dtype=self._dtype, device=self._device)
+            pad(stream, t, w)
+            wide.append(w)
+        got = self._run(wide[0], wide[1], wide[2], stream)
+        out_wide, lse = got if isinstance(got, tuple) else (got, None)
+        out = torch.empty(self._narrow_shape, dtype=self._dtype, device=self._device)
+        unpad = self._unpad
+        if unpad is None:  # pragma: no cover - set with _pads
+            raise RuntimeError("a padded plan without its unpad launch")
+        unpad(stream, out_wide, out)
+        return (out, lse) if lse is not None else out
+
+    def _run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stream: int) -> Any:
         out = torch.empty(self._out_shape, dtype=self._dtype, device=self._device)
         lse = (torch.empty(self._lse_shape, dtype=torch.float32, device=self._device)
                if self._return_lse else None)
@@ -79,3 +123,12 @@ class AttnFwdPlan:
             self._launch(stream, q, k, v, out, out if lse is None else lse,
                          None, None, None, None)
         return (out, lse) if lse is not None else out
+
+
+def _direct(launch: Any) -> DirectLaunch:
+    """A :class:`DirectLaunch` of a copy launch (``tma.copy_cols_launch``: its two leading
+    tensors vary per call)."""
+    if launch is None:
+        raise ValueError("launch plans are for non-empty tensors")
+    kernel, args, kwargs, grid = launch
+    return DirectLaunch(kernel, args, kwargs, grid, 2)
