@@ -104,13 +104,16 @@ _DEFAULTS: tuple[tuple[int, Config], ...] = (
     # (benchmarks/results/explore_bwd_h100.json: D128 1.4x, D64 1.0-1.1x the first
     # version's default); ONE_LAUNCH at D128 only (benchmarks/results/bwd_one_launch_h100.json:
     # 1.02x full, 1.04x causal at D128; 0.91x at D64);
-    # D256: not measured.
+    # 128 < D <= 256 (256-wide tiles): the steps of 16 at one stage it had measured 65 TFLOP/s
+    # on the H100 (D224 N4096 causal, 0.2x cuDNN's training step) and spill for sm_90 (dK/dV
+    # 116 B at 255 registers); steps of 32 at two stages compile without spills (dK/dV 247
+    # registers, dQ 148; 128 KiB of shared memory), see benchmarks/README.md "Every head dim".
     (64, {"BLOCK_M1": 64, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 32,
           "num_warps": 4, "num_stages": 3, "SPLIT_LOOPS": 1}),
     (128, {"BLOCK_M1": 64, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 64,
            "num_warps": 8, "num_stages": 3, "SPLIT_LOOPS": 0, "ONE_LAUNCH": 1}),
-    (256, {"BLOCK_M1": 16, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 16,
-           "num_warps": 8, "num_stages": 1, "SPLIT_LOOPS": 0}),
+    (256, {"BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32,
+           "num_warps": 8, "num_stages": 2, "SPLIT_LOOPS": 0}),
 )
 # small tiles keep the interpreter's per-block numpy work cheap
 _INTERPRETER: Config = {"BLOCK_M1": 16, "BLOCK_N1": 32, "BLOCK_M2": 32, "BLOCK_N2": 16,
