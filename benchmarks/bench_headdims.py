@@ -11,14 +11,22 @@ Cases (issue 31's targets; ``benchmarks/plans/headdims.toml`` holds the same sha
 * ``sd80``: Stable Diffusion 1.x, B8 H8 N1024 D80;
 * ``phi2``: Phi-2-like, B4 H32 N2048 D80, causal;
 * ``d224``: B2 H8 N4096 D224, causal;
-* ``d59``, ``d111``: B4 H16 N2048, causal (only SDPA's flash backend serves them).
+* ``d59``, ``d111``: B4 H16 N2048, causal (only SDPA's flash backend serves them);
+* references on request (``--cases``), not in the plan: ``d64`` and ``d112``, the widths
+  D59 and D111 are padded to on a GPU (their kernels without the copies).
+
+For a head dim that is not a multiple of 8 the row also records ``copies``: the GPU time of
+padding q (``tma.pad_head_dim``, against ``F.pad``) and of cutting an output back
+(``tma.unpad_head_dim``, against ``copy_`` of the slice), timed the same way.
 
 Each case runs two modes: ``fwd`` (no gradients) and ``train`` (forward + backward: the
 gradients of q, k, v). Contenders:
 
 * ``flashtune``: flashtune's own kernels, ``attn_fwd`` and ``attn_bwd`` launched with the
   configs the lookup chain serves (``--db``'s tuned ones, else the template defaults;
-  the row records which);
+  the row records which); the training step through ``training.PairFn``, the autograd
+  function ``flashtune.attention`` runs them with (which pads a head dim that is not a
+  multiple of 8 once for both kernels);
 * ``flashtune_routed``: ``flashtune.attention`` as a user calls it (autograd for
   ``train``): whatever the router picks (an SDPA backend untuned on sm_90 where cuDNN
   serves the shape; ``--tune-ops`` stores the op's measured choice);
@@ -96,6 +104,12 @@ CASES: dict[str, Case] = {c.name: c for c in (
     Case("d59", "B4 H16 N2048 D59 causal", 4, 16, 2048, 59, True),
     Case("d111", "B4 H16 N2048 D111 causal", 4, 16, 2048, 111, True),
 )}
+# references, not in the plan or the default selection: the aligned head dims the padded
+# D59 and D111 run at (what their kernels alone can reach, the copies aside)
+REFERENCE_CASES: dict[str, Case] = {c.name: c for c in (
+    Case("d64", "B4 H16 N2048 D64 causal (D59's padded width)", 4, 16, 2048, 64, True),
+    Case("d112", "B4 H16 N2048 D112 causal (D111's padded width)", 4, 16, 2048, 112, True),
+)}
 BASELINES = ("sdpa_flash", "sdpa_cudnn", "sdpa_efficient")
 
 
@@ -103,7 +117,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", default=",".join(CASES),
-                    help=f"comma-separated, of {', '.join(CASES)}")
+                    help=f"comma-separated, of {', '.join(CASES)} (and the references "
+                         f"{', '.join(REFERENCE_CASES)})")
     ap.add_argument("--modes", default=",".join(MODES), help="fwd, train or both")
     ap.add_argument("--baselines", default="sdpa_flash,sdpa_cudnn",
                     help=f"of {', '.join(BASELINES)}")
@@ -119,14 +134,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--tune-ops", action="store_true",
                     help="with --tune: also tune --op fwd and --op train (the router's choice)")
     ap.add_argument("--trials", type=int, default=8, help="trials per shape and template")
+    ap.add_argument("--bwd-sweep", default=None, metavar="JSON",
+                    help="a JSON list of attn_bwd configs (partial: over the default) timed "
+                         "alone (backward only, after checking the gradients) for every "
+                         "case, next to the default; recorded as the row's bwd_sweep")
     ap.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     ap.add_argument("--out", default="benchmarks/results/headdims_h100.json")
     ap.add_argument("--dry-run", action="store_true",
                     help="print the cases, configs and tuning commands; no GPU needed")
     args = ap.parse_args(argv)
-    unknown = [c for c in args.cases.split(",") if c not in CASES]
+    unknown = [c for c in args.cases.split(",") if c not in CASES and c not in REFERENCE_CASES]
     if unknown:
-        ap.error(f"unknown case(s) {unknown}; known: {', '.join(CASES)}")
+        ap.error(f"unknown case(s) {unknown}; known: {', '.join([*CASES, *REFERENCE_CASES])}")
     bad = [m for m in args.modes.split(",") if m not in MODES]
     if bad:
         ap.error(f"unknown mode(s) {bad}; known: {', '.join(MODES)}")
@@ -139,7 +158,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def selected(args: argparse.Namespace) -> list[Case]:
-    return [CASES[c] for c in args.cases.split(",")]
+    return [CASES.get(c) or REFERENCE_CASES[c] for c in args.cases.split(",")]
 
 
 def plan_text(cases: list[Case], dtype: str = "bf16") -> str:
@@ -220,6 +239,7 @@ def contenders(case: Case, mode: str, tensors: dict[str, Any], fcfg: Mapping[str
 
     import flashtune
     from flashtune.kernel_templates import get_template
+    from flashtune.kernel_templates.training import pair_fn
 
     fwd, bwd = get_template("attn_fwd"), get_template("attn_bwd")
     q, k, v, do = tensors["q"], tensors["k"], tensors["v"], tensors["do"]
@@ -229,9 +249,9 @@ def contenders(case: Case, mode: str, tensors: dict[str, Any], fcfg: Mapping[str
     if mode == "fwd":
         fns["flashtune"] = lambda: fwd.launcher(q, k, v, fcfg, causal=causal)
     else:
-        def own_step() -> Any:
-            out, lse = fwd.launcher(q, k, v, fcfg, causal=causal, return_lse=True)
-            return bwd.launcher(q, k, v, out, lse, do, bcfg, causal=causal)
+        def own_step() -> Any:  # the autograd function flashtune.attention's pairs run
+            out, _ = pair_fn(*leaves, causal, None, fwd.launcher, fcfg, bwd.launcher, bcfg)
+            return torch.autograd.grad(out, leaves, do)
         fns["flashtune"] = own_step
     if routed:
         if mode == "fwd":
@@ -330,9 +350,14 @@ def run_case(case: Case, args: argparse.Namespace, device: Any, dispatchers: dic
         "attn_fwd": {"config": fchoice.config, "source": fchoice.source},
         "attn_bwd": {"config": bchoice.config, "source": bchoice.source}}
     tensors = make_tensors(case, dtype, torch_device)
+    if case.head_dim % 8 and tensors["q"].is_cuda:
+        row["copies"] = copy_costs(tensors["q"], bench)
     refs = references(case, tensors, modes)
     tol = TOLERANCE[args.dtype]
     baselines = [b for b in args.baselines.split(",") if b]
+    if args.bwd_sweep and "train" in refs:
+        row["bwd_sweep"] = bwd_sweep(case, tensors, refs, fchoice.config, bchoice.config,
+                                     json.loads(args.bwd_sweep), bench, tol, p, device)
     for mode in modes:
         fns = contenders(case, mode, tensors, fchoice.config, bchoice.config, baselines,
                          routed=not args.no_routed)
@@ -377,6 +402,67 @@ def run_case(case: Case, args: argparse.Namespace, device: Any, dispatchers: dic
         fns.clear()
         runnable.clear()
     return row
+
+
+def bwd_sweep(case: Case, tensors: dict[str, Any], refs: dict[str, Any],
+              fcfg: Mapping[str, int], default: Mapping[str, int],
+              configs: list[dict[str, int]], bench: Callable[[Callable[[], Any]], Any],
+              tol: float, problem: Any, device: Any) -> list[dict[str, Any]]:
+    """attn_bwd alone (the launcher on the forward's output) with the default and each of
+    ``configs`` (over the default): gradients checked, then timed; backward TFLOP/s
+    (2.5x the forward's FLOPs, ANCHORS.md). Configs the predicate refuses are reported."""
+    from flashtune.autotune.timing import tflops
+    from flashtune.kernel_templates import get_template
+
+    fwd, bwd = get_template("attn_fwd"), get_template("attn_bwd")
+    q, k, v, do = (tensors[n] for n in ("q", "k", "v", "do"))
+    out, lse = fwd.launcher(q, k, v, fcfg, causal=case.causal, return_lse=True)
+    rows = []
+    for cfg in [dict(default), *({**default, **c} for c in configs)]:
+        entry: dict[str, Any] = {"config": cfg, "default": cfg == dict(default)}
+        reason = bwd.space.check(cfg, problem, device)
+        if reason is not None:
+            entry["error"] = f"refused: {reason}"
+            rows.append(entry)
+            continue
+
+        def fn(cfg: Mapping[str, int] = cfg) -> Any:
+            return bwd.launcher(q, k, v, out, lse, do, cfg, causal=case.causal)
+        try:
+            errs = check("train", fn(), refs)
+            if not max(errs.values()) < tol:
+                entry["error"] = f"wrong result: {errs}"
+            else:
+                ms = bench(fn).median_ms
+                entry.update(rel_err_vs_fp32=errs, median_ms=ms,
+                             tflops=tflops(problem.flops(backward=True), ms))
+        except Exception as exc:  # noqa: BLE001 - a config that cannot run is data
+            entry["error"] = _first_line(exc)
+        rows.append(entry)
+    return rows
+
+
+def copy_costs(q: Any, bench: Callable[[Callable[[], Any]], Any]) -> dict[str, float]:
+    """Milliseconds of the padded path's copies of one tensor like ``q``: the pad to the next
+    multiple of 8 (``tma.pad_head_dim`` and ``F.pad``) and the cut back (``unpad_head_dim``
+    and ``copy_`` of the slice), each checked to give the same tensor first."""
+    import torch
+    import torch.nn.functional as F
+
+    from flashtune.kernel_templates.tma import pad_head_dim, padded_head_dim, unpad_head_dim
+
+    d = q.shape[-1]
+    width = padded_head_dim(d)
+    wide = F.pad(q, (0, width - d))
+    narrow = torch.empty_like(q)
+    if not (torch.equal(pad_head_dim(q, width), wide)
+            and torch.equal(unpad_head_dim(wide, d, narrow), q)):
+        raise RuntimeError("tma.pad_head_dim / unpad_head_dim disagree with F.pad")
+    fns = {"pad_triton": lambda: pad_head_dim(q, width),
+           "pad_torch": lambda: F.pad(q, (0, width - d)),
+           "unpad_triton": lambda: unpad_head_dim(wide, d, narrow),
+           "unpad_torch": lambda: narrow.copy_(wide[..., :d])}
+    return {name: bench(fn).median_ms for name, fn in fns.items()}
 
 
 def ratios(res: Mapping[str, Any]) -> dict[str, Any]:
@@ -532,6 +618,16 @@ def render_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
             src = f"{r['attn_fwd']['source']}/{r['attn_bwd']['source']}"
             lines.append(f"| {r['label']} | {mode} | " + " | ".join(cells)
                          + f" | {tcell} | {src} |")
+    for r in rows:
+        for e in r.get("bwd_sweep", []):
+            keys = ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "num_warps", "num_stages")
+            tiles = "/".join(str(e["config"].get(n)) for n in keys)
+            got = f"{e['tflops']:.0f} TFLOP/s" if "tflops" in e else e.get("error", "")[:80]
+            lines.append(f"{r['case']} attn_bwd {tiles}{' (default)' if e['default'] else ''}"
+                         f": {got}")
+        if "copies" in r:
+            lines.append(f"{r['case']} copies of q, ms: " + ", ".join(
+                f"{n} {ms:.4f}" for n, ms in r["copies"].items()))
     summary = summarize(rows)
     for mode, s in summary.items():
         lines.append(f"{mode}: {s['met']} of {s['shapes']} shapes meet the target; geomean "

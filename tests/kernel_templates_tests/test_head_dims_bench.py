@@ -37,9 +37,16 @@ def test_the_command_line(script):
     assert args.out == "benchmarks/results/headdims_h100.json"
     assert args.cases.split(",") == ["sd40", "sd80", "phi2", "d224", "d59", "d111"]
     assert args.modes == "fwd,train" and args.baselines == "sdpa_flash,sdpa_cudnn"
-    for bad in (["--cases", "d64"], ["--modes", "bwd"], ["--baselines", "flex"], ["--tune"]):
+    for bad in (["--cases", "d65"], ["--modes", "bwd"], ["--baselines", "flex"], ["--tune"]):
         with pytest.raises(SystemExit):
             script.parse_args(bad)
+    # the aligned widths D59 and D111 run at, on request only (not in the plan)
+    refs = script.selected(script.parse_args(["--cases", "d59,d64,d112"]))
+    assert [(c.name, c.head_dim) for c in refs] == [("d59", 59), ("d64", 64), ("d112", 112)]
+    assert refs[1].problem() == script.CASES["d59"].problem().__class__(
+        4, 16, 16, 2048, 2048, 64, True, "bf16")
+    sweep = script.parse_args(["--bwd-sweep", '[{"num_stages": 3}]'])
+    assert sweep.bwd_sweep == '[{"num_stages": 3}]' and script.parse_args([]).bwd_sweep is None
 
 
 def test_the_plan_file_lists_the_cases_and_a_subset_plan_parses(script):
@@ -104,3 +111,30 @@ def test_a_case_end_to_end_under_the_interpreter(script):
     assert len(calls) == 2 * 2 * 2  # 2 contenders x 2 modes x 2 rounds
     table = script.render_table([row], args)
     assert "| B1 H4:2 N24 D59 causal | train |" in table
+
+
+def test_the_backward_sweep_checks_then_times_each_config(script):
+    """``--bwd-sweep``: attn_bwd alone with the default and each config given (over the
+    default), every one checked against fp32 first; one the predicate refuses is reported,
+    not run."""
+    tiny = script.Case("tiny59", "B1 H2 N20 D59", 1, 2, 20, 59, False)
+    args = script.parse_args(["--rounds", "1", "--dtype", "fp16", "--modes", "train",
+                              "--no-routed", "--bwd-sweep",
+                              '[{"BLOCK_M1": 32}, {"REVERSE_DQ": 1, "num_stages": 2}]'])
+    timed = []
+
+    def stub_bench(fn):
+        fn()
+        timed.append(fn)
+        return Timing(3.0, 2.9, 3.1)
+
+    row = script.run_case(tiny, args, interpreter_device(), script.dispatchers_for(None),
+                          stub_bench, torch_device="cpu")
+    sweep = row["bwd_sweep"]
+    assert [e["default"] for e in sweep] == [True, False, False]
+    assert sweep[0]["config"] == row["attn_bwd"]["config"]
+    assert sweep[1]["config"] == {**row["attn_bwd"]["config"], "BLOCK_M1": 32}
+    for e in sweep[:2]:
+        assert e["median_ms"] == 3.0 and max(e["rel_err_vs_fp32"].values()) < 5e-3, e
+    assert sweep[2]["error"].startswith("refused: REVERSE_DQ")  # not causal: a no-op
+    assert len(timed) == 2 + 1  # two sweep configs, the training step once
