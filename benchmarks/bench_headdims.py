@@ -439,6 +439,7 @@ def bwd_sweep(case: Case, tensors: dict[str, Any], refs: dict[str, Any],
         except Exception as exc:  # noqa: BLE001 - a config that cannot run is data
             entry["error"] = _first_line(exc)
         rows.append(entry)
+        print(f"{case.name} bwd sweep: {json.dumps(entry, default=str)}", flush=True)
     return rows
 
 
