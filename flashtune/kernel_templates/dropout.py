@@ -5,10 +5,11 @@ materialises the keep mask the kernels regenerate (never stored by them).
 The mask is :func:`~flashtune.kernel_templates.score_mods.dropout_keep`'s: score ``(i, j)``
 (query row ``i``, key column ``j``, positions within the sequence) of sequence ``b`` and
 query head ``h`` is kept iff an 8-bit draw of Philox-4x32-7 keyed by the seed, at counter
-``(4 * (j // 64) + (j // 2) % 4, i, b * H_Q + h, 0)`` (one call for 16 keys of a row), is
-below the threshold; a pure function of the seed and ``(b, h, i, j)``, so the forward, the
-dK/dV and the dQ kernels (each with its own tiles) regenerate the same mask, and
-:func:`dropout_mask` (any tile) materialises it.
+``(4 * (j // 16) + (j // 2) % 4, 4 * (i // 16) + (i // 2) % 4, b * H_Q + h, 0)`` (one call
+for the 4 x 4 scores of rows and columns ``{c, c + 1, c + 8, c + 9}``), is below the
+threshold; a pure function of the seed and ``(b, h, i, j)``, so the forward, the dK/dV and
+the dQ kernels (each with its own tiles, the dK/dV kernel's transposed) regenerate the same
+mask, and :func:`dropout_mask` (any tile) materialises it.
 
 Keep probability: ``threshold / 256`` with ``threshold = round((1 - dropout_p) * 256)``
 clamped to ``[1, 256]`` (:func:`dropout_threshold`), so ``dropout_p`` is quantised to
@@ -59,24 +60,38 @@ def draw_seed(device: Any) -> torch.Tensor:
 
 @triton.jit
 def dropout_mask_kernel(Seed, Mask, stride_mb, stride_mh, stride_mm, H_Q, HEADS, N_Q, N_K,
-                        DROPOUT_T, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                        DROPOUT_T, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        TRANS: tl.constexpr):
     """Tile ``(program 0, program 1)`` of the keep mask of query head ``off_h`` of sequence
-    ``off_b`` (program 2 = ``off_b * HEADS + off_h``: the first HEADS of H_Q heads)."""
+    ``off_b`` (program 2 = ``off_b * HEADS + off_h``: the first HEADS of H_Q heads); with
+    ``TRANS`` built as the dK/dV kernel builds it, keys by queries, and stored transposed."""
     off_b = tl.program_id(2) // HEADS
     off_h = tl.program_id(2) % HEADS
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    start_m = tl.program_id(0) * BLOCK_M
     start_n = tl.program_id(1) * BLOCK_N
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    keep = dropout_keep(tl.load(Seed), off_b * H_Q + off_h, offs_m, start_n, DROPOUT_T,
-                        BLOCK_N)
-    ptrs = (Mask + off_b.to(tl.int64) * stride_mb + off_h.to(tl.int64) * stride_mh
-            + offs_m[:, None].to(tl.int64) * stride_mm + offs_n[None, :])
-    tl.store(ptrs, keep.to(tl.int8), mask=(offs_m < N_Q)[:, None] & (offs_n < N_K)[None, :])
+    seed = tl.load(Seed)
+    base = Mask + off_b.to(tl.int64) * stride_mb + off_h.to(tl.int64) * stride_mh
+    if TRANS:
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        keep_t = dropout_keep(seed, off_b * H_Q + off_h, start_m, start_n, DROPOUT_T,
+                              BLOCK_M, BLOCK_N, True)
+        ptrs = base + offs_m[None, :].to(tl.int64) * stride_mm + offs_n[:, None]
+        tl.store(ptrs, keep_t.to(tl.int8),
+                 mask=(offs_m < N_Q)[None, :] & (offs_n < N_K)[:, None])
+    else:
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        keep = dropout_keep(seed, off_b * H_Q + off_h, start_m, start_n, DROPOUT_T,
+                            BLOCK_M, BLOCK_N)
+        ptrs = base + offs_m[:, None].to(tl.int64) * stride_mm + offs_n[None, :]
+        tl.store(ptrs, keep.to(tl.int8),
+                 mask=(offs_m < N_Q)[:, None] & (offs_n < N_K)[None, :])
 
 
 def dropout_mask(seed: torch.Tensor, batch: int, heads_q: int, seqlen_q: int, seqlen_k: int,
                  dropout_p: float, *, batches: int | None = None, heads: int | None = None,
-                 block: tuple[int, int] = (32, 32)) -> torch.Tensor:
+                 block: tuple[int, int] = (32, 32), transposed: bool = False) -> torch.Tensor:
     """The keep mask the kernels use for ``seed`` and ``dropout_p``, materialised.
 
     Arguments:
@@ -87,8 +102,10 @@ def dropout_mask(seed: torch.Tensor, batch: int, heads_q: int, seqlen_q: int, se
         dropout_p: the dropout probability in ``[0, 1)``.
         batches, heads: only the first ``batches`` sequences and ``heads`` query heads
             (None: all), for a reference on a slice of a big problem.
-        block: the ``(rows, columns)`` tile of the debug kernel (columns a multiple of 16);
-            the mask does not depend on it.
+        block: the ``(rows, columns)`` tile of the debug kernel (powers of two >= 16); the
+            mask does not depend on it.
+        transposed: build each tile keys by queries, as the dK/dV kernel does (the same
+            mask: a check of that path).
     Returns:
         bool ``(batches, heads, seqlen_q, seqlen_k)``: True where a score is kept.
     """
@@ -100,5 +117,5 @@ def dropout_mask(seed: torch.Tensor, batch: int, heads_q: int, seqlen_q: int, se
     grid = (triton.cdiv(seqlen_q, bm), triton.cdiv(seqlen_k, bn), batches * heads)
     dropout_mask_kernel[grid](seed, mask, mask.stride(0), mask.stride(1), mask.stride(2),
                               heads_q, heads, seqlen_q, seqlen_k, dropout_threshold(dropout_p),
-                              BLOCK_M=bm, BLOCK_N=bn)
+                              BLOCK_M=bm, BLOCK_N=bn, TRANS=transposed)
     return mask.view(torch.bool)

@@ -42,55 +42,57 @@ def _byte_draws(words):
 
 
 @triton.jit
-def dropout_keep(seed, head, rows, start_col, threshold, BLOCK_C: tl.constexpr):
-    """The dropout keep mask ``(len(rows), BLOCK_C)`` of queries ``rows`` against keys
+def dropout_keep(seed, head, start_row, start_col, threshold, BLOCK_R: tl.constexpr,
+                 BLOCK_C: tl.constexpr, TRANS: tl.constexpr = False):
+    """The dropout keep mask of queries ``start_row + [0, BLOCK_R)`` against keys
     ``start_col + [0, BLOCK_C)`` of head ``head`` = ``b * H_Q + h`` (positions within the
-    sequence, packed or not; ``BLOCK_C`` a power of two >= 16, ``start_col`` a multiple of
-    it).
+    sequence, packed or not; blocks powers of two >= 16, starts multiples of them):
+    ``(BLOCK_R, BLOCK_C)``, or with ``TRANS`` its transpose ``(BLOCK_C, BLOCK_R)`` (keys by
+    queries: the dK/dV kernel's tile), built in that orientation.
 
     The mapping, the same in every kernel and for every tile: score ``(i, j)`` of ``head``
-    is kept iff byte ``k % 4`` (``(w >> 8 * (k % 4)) & 0xFF``) of word ``k // 4`` of
-    ``philox_4x32_7(key = seed, counter = (4 * (j // 64) + (j // 2) % 4, i, head, 0))`` is
-    below ``threshold``, where ``k = 2 * ((j // 8) % 8) + j % 2`` (Triton's ``tl.philox``:
-    the 64-bit seed's low word is key 0, its high word key 1; 7 rounds, as
-    FlashAttention-2). One call serves 16 keys of a row: those of a 64-key block with the
-    same ``(j // 2) % 4``, which are the keys one thread holds in a Hopper/Ampere MMA
-    accumulator (pairs of columns every 8), so the forward and dQ kernels build their mask
-    in registers (FlashAttention-2's 16 scores a call), without a layout conversion; the
-    dK/dV kernel's transposed tile gets it through one.
+    is kept iff byte ``2 * i3 + j3`` (``(w >> 8 * byte) & 0xFF``) of word ``2 * j4 + j0``
+    of ``philox_4x32_7(key = seed, counter = (4 * (j // 32) + (j // 2) % 4, 8 * (i // 16) +
+    i % 8, head, 0))`` is below ``threshold``, where ``x0``, ``x3``, ``x4`` are bits 0, 3
+    and 4 of ``x`` (Triton's ``tl.philox``: the 64-bit seed's low word is key 0, its high
+    word key 1; 7 rounds, as FlashAttention-2). One call serves 16 scores: rows ``r, r +
+    8`` against keys ``c + {0, 1, 8, 9, 16, 17, 24, 25}``, which one thread holds in a
+    Hopper/Ampere MMA accumulator (rows ``g, g + 8``, pairs of columns every 8), so the
+    forward and dQ kernels build their mask in registers (FlashAttention-2's 16 scores a
+    call). Bits 3 of a row and of a column are registers of a thread in either orientation,
+    so each word's 4 bytes are one thread's in the dK/dV kernel's transposed tile too: it
+    moves words between threads (one per 4 scores), not the mask.
     ``threshold`` in ``[1, 256]``: the keep probability is ``threshold / 256`` exactly
     (:func:`flashtune.kernel_templates.dropout.dropout_threshold`)."""
-    tl.static_assert(BLOCK_C >= 16, "dropout tiles hold at least 16 keys")
+    tl.static_assert(BLOCK_R >= 16 and BLOCK_C >= 16, "dropout tiles are at least 16 x 16")
     # byte <= threshold - 1, tested on the byte shifted to the top (see _byte_draws); a
     # threshold of 1 comes in as a constant (Triton specialises integers equal to 1)
     t24 = ((threshold - 1 + tl.full([], 0, tl.int32)).to(tl.uint32) << 24) | 0xFFFFFF
-    R: tl.constexpr = rows.shape[0]
-    if BLOCK_C >= 64:
-        # (rows, 64-key blocks, t = (j >> 1) & 3): one call each
-        NB: tl.constexpr = BLOCK_C // 64
-        groups = (start_col // 64 + tl.arange(0, NB))[:, None] * 4 + tl.arange(0, 4)[None, :]
-        zero = tl.zeros([R, NB, 4], dtype=tl.int32)
-        w0, w1, w2, w3 = tl.philox(seed, groups[None, :, :] + zero, rows[:, None, None] + zero,
-                                   head + zero, zero, 7)
-        # [.., j5, j4]: word 2 j5 + j4; then [.., j3, j0]: byte 2 j3 + j0
-        draw = _byte_draws(tl.join(tl.join(w0, w2), tl.join(w1, w3)))
-        # (rows, block, t, j5, j4, j3, j0) -> key 64 block + 32 j5 + 16 j4 + 8 j3 + 2 t + j0
-        draw = tl.permute(draw, (0, 1, 3, 4, 5, 2, 6))
-    else:
-        # one 64-key block, its half (BLOCK_C 32: j5 fixed) or quarter (16: j5, j4 fixed)
-        groups = (start_col // 64) * 4 + tl.arange(0, 4)
-        zero = tl.zeros([R, 4], dtype=tl.int32)
-        w0, w1, w2, w3 = tl.philox(seed, groups[None, :] + zero, rows[:, None] + zero,
-                                   head + zero, zero, 7)
-        j5 = (start_col // 32) % 2
-        if BLOCK_C == 32:
-            # [.., j4]: word 2 j5 + j4; (rows, t, j4, j3, j0) -> 16 j4 + 8 j3 + 2 t + j0
-            draw = _byte_draws(tl.join(tl.where(j5 == 1, w2, w0), tl.where(j5 == 1, w3, w1)))
-            draw = tl.permute(draw, (0, 2, 3, 1, 4))
+    # the calls' counters: rows without bit 3, columns without bits 0, 3 and 4
+    ic = start_row // 2 + tl.arange(0, BLOCK_R // 2)
+    C32: tl.constexpr = 32 if BLOCK_C < 32 else BLOCK_C
+    jc = start_col // 32 * 4 + tl.arange(0, C32 // 8)
+    zero = tl.zeros([BLOCK_R // 2, C32 // 8], dtype=tl.int32)
+    w0, w1, w2, w3 = tl.philox(seed, jc[None, :] + zero, ic[:, None] + zero, head + zero,
+                               zero, 7)
+    if BLOCK_C >= 32:
+        # (ic, jc, j0, j4): word 2 j4 + j0; then (.., i3, j3): byte 2 i3 + j3
+        draw = _byte_draws(tl.join(tl.join(w0, w1), tl.join(w2, w3)))
+        # (r16, i2..i0, c32, j2 j1, j0, j4, i3, j3): i = 16 r16 + 8 i3 + i2..i0,
+        # j = 32 c32 + 16 j4 + 8 j3 + 2 (j2 j1) + j0
+        draw = draw.reshape(BLOCK_R // 16, 8, BLOCK_C // 32, 4, 2, 2, 2, 2)
+        if TRANS:
+            draw = tl.permute(draw, (2, 5, 7, 3, 4, 0, 6, 1)).reshape(BLOCK_C, BLOCK_R)
         else:
-            tl.static_assert(BLOCK_C == 16, "dropout tiles are powers of two")
-            # word 2 j5 + j4; (rows, t, j3, j0) -> 8 j3 + 2 t + j0
-            word = tl.where((start_col // 16) % 2 == 1, tl.where(j5 == 1, w3, w1),
-                            tl.where(j5 == 1, w2, w0))
-            draw = tl.permute(_byte_draws(word), (0, 2, 1, 3))
-    return draw.reshape(R, BLOCK_C) <= t24
+            draw = tl.permute(draw, (0, 6, 1, 2, 5, 7, 3, 4)).reshape(BLOCK_R, BLOCK_C)
+    else:
+        # 16 keys: the half j4 of the calls' 32
+        j4 = (start_col // 16) % 2
+        draw = _byte_draws(tl.join(tl.where(j4 == 1, w2, w0), tl.where(j4 == 1, w3, w1)))
+        # (r16, i2..i0, j2 j1, j0, i3, j3)
+        draw = draw.reshape(BLOCK_R // 16, 8, 4, 2, 2, 2)
+        if TRANS:
+            draw = tl.permute(draw, (5, 2, 3, 0, 4, 1)).reshape(BLOCK_C, BLOCK_R)
+        else:
+            draw = tl.permute(draw, (0, 4, 1, 5, 2, 3)).reshape(BLOCK_R, BLOCK_C)
+    return draw <= t24

@@ -57,28 +57,33 @@ def _philox_4x32_7(seed: int, counter: list[int]) -> list[int]:
 
 
 def test_mask_is_the_documented_philox_mapping(device):
-    """score_mods.dropout_keep's docstring, computed here in Python: byte k % 4 of word
-    k // 4 of the call at counter (4 (j // 64) + (j // 2) % 4, i, b Hq + h, 0), k = 2 ((j //
-    8) % 8) + j % 2, kept below the threshold."""
-    seed, hq, nq, nk = 0x0123_4567_89AB_CDEF >> 2, 3, 5, 150
+    """score_mods.dropout_keep's docstring, computed here in Python: byte 2 i3 + j3 of word
+    2 j4 + j0 of the call at counter (4 (j // 32) + (j // 2) % 4, 8 (i // 16) + i % 8,
+    b Hq + h, 0), xb bit b of x, kept below the threshold."""
+    seed, hq, nq, nk = 0x0123_4567_89AB_CDEF >> 2, 3, 21, 150
     mask = dropout_mask(seed_tensor(device, seed), 2, hq, nq, nk, P).cpu().numpy()
     thr = dropout_threshold(P)
     want = np.zeros_like(mask)
     for b, h in ((0, 0), (1, 2)):
         for i in range(nq):
             for j in range(nk):
-                k = 2 * ((j // 8) % 8) + j % 2
-                word = _philox_4x32_7(seed, [4 * (j // 64) + (j // 2) % 4, i, b * hq + h, 0])
-                want[b, h, i, j] = (word[k // 4] >> (8 * (k % 4))) & 0xFF < thr
+                ic, jc = 8 * (i // 16) + i % 8, 4 * (j // 32) + (j // 2) % 4
+                word = _philox_4x32_7(seed, [jc, ic, b * hq + h, 0])[2 * ((j // 16) % 2) + j % 2]
+                byte = 2 * ((i // 8) % 2) + (j // 8) % 2
+                want[b, h, i, j] = (word >> (8 * byte)) & 0xFF < thr
         np.testing.assert_array_equal(mask[b, h], want[b, h])
 
 
 def test_mask_does_not_depend_on_the_tiles(device):
-    """Materialised with three tile shapes (16 to 128 keys a tile: every path of the
-    helper) and as a slice of the first sequences and heads: the same mask."""
+    """Materialised with several tile shapes (16 to 128 keys a tile), built as the forward
+    and dQ kernels build it and transposed as the dK/dV kernel does, and as a slice of the
+    first sequences and heads: the same mask."""
     seed = seed_tensor(device)
     masks = [dropout_mask(seed, 2, 3, 21, 150, P, block=blk)
              for blk in ((16, 16), (32, 32), (16, 64), (32, 128))]
+    # the dK/dV kernel's transposed tiles, keys by queries
+    masks += [dropout_mask(seed, 2, 3, 21, 150, P, block=blk, transposed=True)
+              for blk in ((16, 16), (32, 64), (64, 16))]
     for m in masks[1:]:
         assert torch.equal(m, masks[0])
     assert masks[0].shape == (2, 3, 21, 150) and masks[0].dtype == torch.bool

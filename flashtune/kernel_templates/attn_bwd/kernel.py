@@ -226,10 +226,11 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, 
                 keep = keep & (offs_n[:, None] <= offs_m[None, :] + CAUSAL_OFFSET)
             pT = tl.where(keep, pT, 0.0)  # also drops the inf of rows with LSE = -inf
         if HAS_DROPOUT:
-            # Z r: the forward's mask (regenerated: (queries, keys), transposed), 1 / keep
-            # where kept; dV = (P Z r)^T dO, dS = P (dP Z r - delta)
-            zT = tl.where(tl.trans(dropout_keep(seed, drop_head, offs_m, drop_start, drop_t,
-                                                k.shape[0])), drop_r, 0.0)
+            # Z r: the forward's mask (regenerated, built keys by queries: words move
+            # between threads, not the mask), 1 / keep where kept; dV = (P Z r)^T dO,
+            # dS = P (dP Z r - delta)
+            zT = tl.where(dropout_keep(seed, drop_head, start_m, drop_start, drop_t, BLOCK_M1,
+                                       k.shape[0], True), drop_r, 0.0)
             dv += _dot((pT * zT).to(do.dtype), do, UPCAST_DOT)
             dpT = _dot(v, tl.trans(do), UPCAST_DOT)
             dsT = pT * (dpT * zT - delta[None, :])
@@ -472,7 +473,7 @@ def attn_bwd_kv_reduce(PartK, PartV, DK, DV,
 def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn,
               offs_m, offs_n0, offs_d, lo, hi, N_K, CAUSAL_OFFSET, qk_scale,
               desc_k, desc_v, off_b, off_hkv, win_left, win_right, cap_scale, cap2, slope2,
-              seed, drop_head, drop_t, drop_r,
+              seed, drop_head, drop_row, drop_t, drop_r,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N2: tl.constexpr,
               MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr,
               USE_TMA: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
@@ -509,8 +510,8 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn,
             p = tl.where(keep, p, 0.0)  # also drops the inf of rows with LSE = -inf
         dp = _dot(do, tl.trans(v), UPCAST_DOT)
         if HAS_DROPOUT:  # dP Z r (Z regenerated), as in _dkdv_inner
-            z = tl.where(dropout_keep(seed, drop_head, offs_m, start_n, drop_t, BLOCK_N2),
-                         drop_r, 0.0)
+            z = tl.where(dropout_keep(seed, drop_head, drop_row, start_n, drop_t,
+                                      offs_m.shape[0], BLOCK_N2), drop_r, 0.0)
             ds = p * (dp * z - delta[:, None])
         else:
             ds = p * (dp - delta[:, None])
@@ -649,28 +650,28 @@ def _dq_program(tile_m, off_bh, Q, K, V, DO, Lse, Delta, DQ, desc_k, desc_v,
             dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn,
                            offs_m, offs_n0, offs_d, n_lo, n_mid, seq_k, causal_offset,
                            qk_scale, desc_k, desc_v, off_b, off_hkv, win_left, win_right,
-                           cap_scale, cap2, slope2, seed, off_bh, DROPOUT_T, drop_r, HEAD_DIM,
-                           BLOCK_D, BLOCK_N2, True, IS_CAUSAL, UPCAST_DOT, USE_TMA, HAS_WINDOW,
-                           HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)
+                           cap_scale, cap2, slope2, seed, off_bh, start_m, DROPOUT_T, drop_r,
+                           HEAD_DIM, BLOCK_D, BLOCK_N2, True, IS_CAUSAL, UPCAST_DOT, USE_TMA,
+                           HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)
         dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, offs_m,
                        offs_n0, offs_d, n_mid, n_full, seq_k, causal_offset, qk_scale,
                        desc_k, desc_v, off_b, off_hkv, win_left, win_right,
-                       cap_scale, cap2, slope2, seed, off_bh, DROPOUT_T, drop_r, HEAD_DIM,
-                       BLOCK_D, BLOCK_N2, False, IS_CAUSAL, UPCAST_DOT, USE_TMA, HAS_WINDOW,
-                       HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)
+                       cap_scale, cap2, slope2, seed, off_bh, start_m, DROPOUT_T, drop_r,
+                       HEAD_DIM, BLOCK_D, BLOCK_N2, False, IS_CAUSAL, UPCAST_DOT, USE_TMA,
+                       HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)
         dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, offs_m,
                        offs_n0, offs_d, n_full, n_hi, seq_k, causal_offset, qk_scale,
                        desc_k, desc_v, off_b, off_hkv, win_left, win_right,
-                       cap_scale, cap2, slope2, seed, off_bh, DROPOUT_T, drop_r, HEAD_DIM,
-                       BLOCK_D, BLOCK_N2, True, IS_CAUSAL, UPCAST_DOT, USE_TMA, HAS_WINDOW,
-                       HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)
+                       cap_scale, cap2, slope2, seed, off_bh, start_m, DROPOUT_T, drop_r,
+                       HEAD_DIM, BLOCK_D, BLOCK_N2, True, IS_CAUSAL, UPCAST_DOT, USE_TMA,
+                       HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)
     else:  # one loop over every block with a visible entry, each one masked
         dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, offs_m,
                        offs_n0, offs_d, n_lo, n_hi, seq_k, causal_offset, qk_scale,
                        desc_k, desc_v, off_b, off_hkv, win_left, win_right,
-                       cap_scale, cap2, slope2, seed, off_bh, DROPOUT_T, drop_r, HEAD_DIM,
-                       BLOCK_D, BLOCK_N2, True, IS_CAUSAL, UPCAST_DOT, USE_TMA, HAS_WINDOW,
-                       HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)
+                       cap_scale, cap2, slope2, seed, off_bh, start_m, DROPOUT_T, drop_r,
+                       HEAD_DIM, BLOCK_D, BLOCK_N2, True, IS_CAUSAL, UPCAST_DOT, USE_TMA,
+                       HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)
     dq *= sm_scale
     tl.store(_head(DQ, off_b, off_h, q_start, stride_dqb, stride_dqh, stride_dqm, VARLEN)
              + offs_m[:, None].to(tl.int64) * stride_dqm + offs_d[None, :],

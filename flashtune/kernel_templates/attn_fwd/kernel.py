@@ -79,7 +79,7 @@ def _load_kv(k_base, v_base, desc_k, desc_v, off_b, off_hkv, start_n, offs_n, of
 @triton.jit
 def _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, off_b, off_hkv,
                     offs_m, offs_n, offs_d, stride_kn, stride_vn, lo, hi, N_K, CAUSAL_OFFSET,
-                    qk_scale, win_l, win_r, cap_in, cap_out, slope, seed, off_bh, drop_t,
+                    qk_scale, win_l, win_r, cap_in, cap_out, slope, seed, off_bh, drop_t, drop_row,
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr,
                     USE_TMA: tl.constexpr, NEG_SCALE: tl.constexpr,
@@ -137,7 +137,7 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, off_b, off
         if HAS_DROPOUT:
             # P.V sees the kept ones (scaled by 1 / keep at the end); a product, not a
             # select: a select would sink past the cast to 16 bits (unpacking the pairs)
-            keep = dropout_keep(seed, off_bh, offs_m, start_n, drop_t, BLOCK_N)
+            keep = dropout_keep(seed, off_bh, drop_row, start_n, drop_t, offs_m.shape[0], BLOCK_N)
             p = p * tl.where(keep, 1.0, 0.0)
         if UPCAST_DOT:
             acc += tl.dot(p, v.to(tl.float32))
@@ -288,7 +288,7 @@ def attn_fwd_kernel(
                                         off_b, off_hkv, offs_m, offs_n, offs_d, stride_kn,
                                         stride_vn, lo, full_lo, N_K, causal_offset, qk_scale,
                                         win_l, win_r, cap_in, cap_out, slope, seed, off_bh,
-                                        DROPOUT_T,
+                                        DROPOUT_T, start_m * BLOCK_M,
                                         HEAD_DIM, BLOCK_D, BLOCK_N,
                                         True, IS_CAUSAL, UPCAST_DOT, USE_TMA, NEG_SCALE,
                                         HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)
@@ -297,7 +297,7 @@ def attn_fwd_kernel(
                                     off_hkv, offs_m, offs_n, offs_d, stride_kn, stride_vn,
                                     full_lo, full_hi, N_K, causal_offset, qk_scale,
                                     win_l, win_r, cap_in, cap_out, slope, seed, off_bh,
-                                    DROPOUT_T,
+                                    DROPOUT_T, start_m * BLOCK_M,
                                     HEAD_DIM, BLOCK_D, BLOCK_N,
                                     False, IS_CAUSAL, UPCAST_DOT, USE_TMA, NEG_SCALE,
                                     HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)
@@ -305,7 +305,7 @@ def attn_fwd_kernel(
                                     off_hkv, offs_m, offs_n, offs_d, stride_kn, stride_vn,
                                     full_hi, hi, N_K, causal_offset, qk_scale,
                                     win_l, win_r, cap_in, cap_out, slope, seed, off_bh,
-                                    DROPOUT_T,
+                                    DROPOUT_T, start_m * BLOCK_M,
                                     HEAD_DIM, BLOCK_D, BLOCK_N,
                                     True, IS_CAUSAL, UPCAST_DOT, USE_TMA, NEG_SCALE,
                                     HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)
