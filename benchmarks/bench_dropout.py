@@ -4,6 +4,7 @@ backends with the same ``dropout_p``, forward and training step, one run, bf16.
     python benchmarks/bench_dropout.py [--cases bert,d128c] [--dropout 0.1] [--rounds 5]
         [--db URL] [--tune | --tune-only] [--tune-ops] [--trials 10]
         [--out benchmarks/results/dropout_h100.json] [--dry-run]
+        [--sweep-bwd '[{}, {"num_stages": 2}, ...]']
 
 Cases (``benchmarks/plans/dropout.toml`` holds the same shapes, dropout 0.1):
 
@@ -47,6 +48,13 @@ database; ``--tune-only`` stops after tuning (a device command is 10 minutes at 
 in one, bench in the next). ``--dry-run`` prints the cases, the configs flashtune would run
 on an H100 without a database and the tuning commands, and checks the plan file; no GPU.
 Writes JSON (rewritten after every case); prints a table last.
+
+``--sweep-bwd JSON`` (a list of ``attn_bwd`` config overrides, ``{}`` the served config)
+times the kernels alone instead, per case: the forward (served config) with and without
+dropout, the backward of each override with dropout (each checked against fp32 with its
+mask first) and the first one without, SDPA flash and cuDNN forward alone and backward
+alone (``autograd.grad`` of a kept graph), in rotation; TFLOP/s counted 2.5x the forward's
+FLOPs for a backward. Its rows hold ``sweep`` instead of the modes.
 """
 
 from __future__ import annotations
@@ -122,6 +130,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out", default="benchmarks/results/dropout_h100.json")
     ap.add_argument("--dry-run", action="store_true",
                     help="print the cases, configs and tuning commands; no GPU needed")
+    ap.add_argument("--sweep-bwd", default=None, metavar="JSON",
+                    help="time the kernels alone: these attn_bwd config overrides (a JSON list)")
     args = ap.parse_args(argv)
     unknown = [c for c in args.cases.split(",") if c not in CASES]
     if unknown:
@@ -134,6 +144,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--dropout must be in (0, 1)")
     if (args.tune or args.tune_only) and not args.db:
         ap.error("--tune needs --db URL (the database the tuned configs go to)")
+    if args.sweep_bwd is not None:
+        try:
+            sweep = json.loads(args.sweep_bwd)
+        except ValueError:
+            sweep = None
+        if not (isinstance(sweep, list) and sweep and all(isinstance(o, dict) for o in sweep)):
+            ap.error("--sweep-bwd takes a non-empty JSON list of config overrides")
+        args.sweep_bwd = sweep
     return args
 
 
@@ -427,6 +445,89 @@ def run_case(case: Case, args: argparse.Namespace, device: Any,
     return row
 
 
+def sweep_key(override: Mapping[str, int]) -> str:
+    """``bwd_`` and the override's knobs (``default`` for none), the sweep's names."""
+    return "bwd_" + ("_".join(f"{k}{v}" for k, v in override.items()) or "default")
+
+
+def sweep_case(case: Case, args: argparse.Namespace, device: Any,
+               dispatchers: Mapping[str, Any], bench: Callable[[Callable[[], Any]], Any],
+               torch_device: str = "cuda") -> dict[str, Any]:
+    """``--sweep-bwd``: one case's kernels alone (see the module doc)."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from flashtune.autotune.timing import tflops
+    from flashtune.core.case import TOLERANCE
+    from flashtune.kernel_templates import get_template
+
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
+    p, causal = args.dropout, case.causal
+    prob = case.problem(p, args.dtype)
+    fcfg = dispatchers["attn_fwd"].choose(prob, device).config
+    bcfg = dispatchers["attn_bwd"].choose(prob, device).config
+    fwd, bwd = get_template("attn_fwd"), get_template("attn_bwd")
+    t = make_tensors(case, dtype, torch_device)
+    q, k, v, do, leaves, seed = (t[n] for n in ("q", "k", "v", "do", "leaves", "seed"))
+    refs = references(case, t, seed, p, ["fwd", "train"])
+    drop = {"dropout_p": p, "seed": seed}
+    out, lse = fwd.launcher(q, k, v, fcfg, causal=causal, return_lse=True, **drop)
+    out0, lse0 = fwd.launcher(q, k, v, fcfg, causal=causal, return_lse=True)
+    fns: dict[str, Callable[[], Any]] = {
+        "fwd_drop": lambda: fwd.launcher(q, k, v, fcfg, causal=causal, **drop),
+        "fwd_nodrop": lambda: fwd.launcher(q, k, v, fcfg, causal=causal)}
+    res: dict[str, Any] = {"fwd_drop": {"config": fcfg, "rel_err_vs_fp32": check(
+        "fwd", out, refs)}, "fwd_nodrop": {"config": fcfg}}
+    tol = TOLERANCE[args.dtype]
+    for i, override in enumerate(args.sweep_bwd):
+        cfg, name = {**bcfg, **override}, sweep_key(override)
+
+        def fn(cfg: Mapping[str, int] = cfg) -> Any:
+            return bwd.launcher(q, k, v, out, lse, do, cfg, causal=causal, **drop)
+        try:
+            errs = check("train", fn(), refs)
+        except Exception as exc:  # noqa: BLE001 - a config that cannot run is data
+            res[name] = {"config": cfg, "error": _first_line(exc)}
+            continue
+        res[name] = {"config": cfg, "rel_err_vs_fp32": errs}
+        if not max(errs.values()) < tol:
+            res[name]["error"] = f"wrong result (tolerance {tol}); not timed"
+            continue
+        fns[name] = fn
+        if i == 0:
+            res[name + "_nodrop"] = {"config": cfg}
+            fns[name + "_nodrop"] = (lambda cfg=cfg: bwd.launcher(q, k, v, out0, lse0, do, cfg,
+                                                                  causal=causal))
+    backends = {"sdpa_flash": SDPBackend.FLASH_ATTENTION,
+                "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}
+    for name in [b for b in args.baselines.split(",") if b] if q.is_cuda else []:
+        be = backends[name]
+        try:
+            with sdpa_kernel(be):
+                kept = F.scaled_dot_product_attention(*leaves, is_causal=causal, dropout_p=p)
+        except Exception as exc:  # noqa: BLE001 - a backend that refuses is data
+            res[name + "_fwd"] = {"error": _first_line(exc)}
+            continue
+
+        def sdpa_fwd(be: Any = be) -> Any:
+            with sdpa_kernel(be), torch.no_grad():
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal, dropout_p=p)
+        fns[name + "_fwd"] = sdpa_fwd
+        fns[name + "_bwd"] = (lambda kept=kept: torch.autograd.grad(kept, leaves, do,
+                                                                   retain_graph=True))
+        res[name + "_fwd"], res[name + "_bwd"] = {}, {}
+    rounds: dict[str, list[float]] = {n: [] for n in fns}
+    for _ in range(max(1, args.rounds)):
+        for name, fn in fns.items():
+            rounds[name].append(bench(fn).median_ms)
+    for name, ms in rounds.items():
+        med = statistics.median(ms)
+        flops = prob.flops() * (1.0 if "fwd" in name else 2.5)
+        res[name].update(median_ms=med, round_medians_ms=ms, tflops=tflops(flops, med))
+    return {"case": case.name, "label": case.label, "problem": prob.key(), "sweep": res}
+
+
 def ratios(res: Mapping[str, Any], mode: str) -> dict[str, Any]:
     """flashtune's (and the routed call's) speed over each SDPA backend and the faster one;
     the target (training step: >= 1.1x the faster), and dropout's price (no dropout over
@@ -515,7 +616,10 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.time()
     for case in cases:
         t = time.time()
-        rows.append(run_case(case, args, dev, dispatchers, bench))
+        if args.sweep_bwd is not None:
+            rows.append(sweep_case(case, args, dev, dispatchers, bench))
+        else:
+            rows.append(run_case(case, args, dev, dispatchers, bench))
         print(f"{case.name}: {time.time() - t:.0f} s", flush=True)
         torch.cuda.empty_cache()
         result = {"benchmark": "attention dropout (issue 31): forward and training step",
@@ -528,7 +632,25 @@ def main(argv: list[str] | None = None) -> None:
         path = Path(args.out)  # rewritten after every case: a cut-off run keeps what it did
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(result, indent=1, default=str))
-    print(render_table(rows, args))
+    print(render_sweep(rows) if args.sweep_bwd is not None else render_table(rows, args))
+
+
+def render_sweep(rows: list[dict[str, Any]]) -> str:
+    """``--sweep-bwd``'s table: TFLOP/s, and each over the faster SDPA backend's."""
+    lines = ["| case | kernel | TFLOP/s | vs best SDPA (same pass) |", "|---|---|---|---|"]
+    for r in rows:
+        res = r["sweep"]
+        best = {d: max((res.get(f"{b}_{d}", {}).get("tflops", 0.0) for b in BASELINES),
+                       default=0.0) for d in ("fwd", "bwd")}
+        for name, got in res.items():
+            tf = got.get("tflops")
+            if tf is None:
+                lines.append(f"| {r['case']} | {name} | {got.get('error', '-')} | - |")
+                continue
+            b = best["fwd" if "fwd" in name else "bwd"]
+            lines.append(f"| {r['case']} | {name} | {tf:.0f} | "
+                         + (f"{tf / b:.2f}x |" if b else "- |"))
+    return "\n".join(lines)
 
 
 def render_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:

@@ -105,3 +105,35 @@ def test_one_tiny_case_end_to_end_under_the_interpreter(script, monkeypatch):
     frac = row["kept_fraction"]["flashtune"]
     assert frac["expected"] == 205 / 256 and abs(frac["measured"] - frac["expected"]) < 0.02
     assert "| tiny | train |" in script.render_table([row], args)
+
+
+def test_the_kernel_sweep_under_the_interpreter(script, monkeypatch):
+    """``--sweep-bwd``: each backward override is checked against fp32 with the mask and
+    timed, the first one also without dropout; a config that cannot run is reported, not
+    timed; a bad list is refused."""
+    from flashtune.autotune.timing import Timing
+    from flashtune.core.device import interpreter_device
+
+    for bad in ("{}", "[]", "[1]", "nope"):
+        with pytest.raises(SystemExit):
+            script.parse_args(["--sweep-bwd", bad])
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    case = script.Case("tiny", "tiny", 1, 2, 48, 16, False)
+    args = script.parse_args(["--rounds", "2", "--dropout", "0.2", "--sweep-bwd",
+                              '[{}, {"BLOCK_N1": 16, "BLOCK_M2": 16}, {"BLOCK_M1": 8}]'])
+
+    def bench(fn):
+        fn()
+        return Timing(median_ms=1.0, p20_ms=1.0, p80_ms=1.0)
+
+    row = script.sweep_case(case, args, interpreter_device(), script.dispatchers_for(None),
+                            bench, torch_device="cpu")
+    res = row["sweep"]
+    timed = {n for n, r in res.items() if "tflops" in r}
+    assert timed == {"fwd_drop", "fwd_nodrop", "bwd_default", "bwd_default_nodrop",
+                     "bwd_BLOCK_N116_BLOCK_M216"}, res
+    assert "error" in res["bwd_BLOCK_M18"]  # tl.dot needs tiles of 16
+    for name in ("fwd_drop", "bwd_default", "bwd_BLOCK_N116_BLOCK_M216"):
+        assert max(res[name]["rel_err_vs_fp32"].values()) < 2e-2, res[name]
+    assert res["bwd_BLOCK_N116_BLOCK_M216"]["config"]["BLOCK_N1"] == 16
+    assert "| tiny | bwd_default | " in script.render_sweep([row])
