@@ -16,10 +16,11 @@ seqlen_q``, ``L_b = cache_seqlens[b] + seqlen_new``): a local ``window`` ``(left
 keys some query sees, so a sliding window over a long cache costs O(window).
 
 One launch (two with split-KV's combine) does the append, the rotary and the attention:
-one program per KV head writes that head's rotated new keys and its new values into the
-cache, while every program reads the new keys from ``k``/``v`` (rotating them itself) rather
-than from the cache, and rotates its own q tile; a decode step needs no separate cache write,
-rotary kernel or copy (see ``kernel_templates/attn_decode/kernel.py``).
+the splits walk the cached keys as the attention alone does (each rotating its own q tile),
+and one more program per KV head (the only one with a single split) reads the new keys from
+``k``/``v``, rotates them once, writes them and its new values into the cache and attends
+to them; a decode step needs no separate cache write, rotary kernel or copy (see
+``kernel_templates/attn_decode/kernel.py``).
 
 Checks, and which ones cost a device sync:
 

@@ -2,7 +2,8 @@
 
 Two kernels.
 
-``attn_decode_split_kernel``, grid ``(NUM_SPLITS, B * Hkv, row_blocks)``: one program owns
+``attn_decode_split_kernel``, grid ``(NUM_SPLITS, B * Hkv, row_blocks)`` (one more split
+with appended keys, see ``HAS_NEW``): one program owns
 one KV head of one sequence and one chunk of that sequence's keys. Its tile rows are every
 query head of the KV head's GQA group times every query: row ``r`` is query ``r % N_Q`` of
 query head ``h_kv * GROUP + r // N_Q`` (``GROUP * N_Q`` rows padded to ``BLOCK_M >= 16``
@@ -46,12 +47,17 @@ FlashAttention-2's ``flash_attn_with_kvcache`` options, each behind a constexpr 
 pointers None when off, so a call without them compiles without them):
 
 * ``HAS_NEW``: new keys/values ``KNew``/``VNew`` ``(B, Hkv, N_NEW, D)`` are appended at
-  ``Seqlens[b]``: sequence ``b`` attends to ``L = Seqlens[b] + N_NEW`` keys. In the same
-  launch, program ``(split 0, row block 0)`` of each ``(b, h_kv)`` writes them into the cache
-  (rotated, in the cache's dtype, 16 rows at a time); the walk reads keys ``j >= Seqlens[b]``
-  from ``KNew``/``VNew`` (rotated again, the same arithmetic), never from the cache, so no
-  program reads a slot another one writes. The unmasked phase stops at the first new key's
-  block; new keys are walked masked (the blocks before them skip the new-key loads).
+  ``Seqlens[b]``: sequence ``b`` attends to ``L = Seqlens[b] + N_NEW`` keys. The splits cut
+  only the cached keys ``[0, Seqlens[b])``, walked exactly as without new keys; the new keys
+  are walked by one more program per ``(b, h_kv)`` (split index ``NUM_SPLITS``, grid
+  ``NUM_SPLITS + 1``, its partial the last one the combine merges), or with ``NUM_SPLITS ==
+  1`` by the one program after the cache. That program reads them from ``KNew``/``VNew``
+  16 rows at a time, rotates them once (in the cache's dtype), writes them into the cache
+  (row block 0 only) and attends to the same values, so no program reads a slot another
+  writes and the attended keys are the written ones bit for bit. No split of the cache waits
+  on the new keys, and the cache walk's code is the attention's alone (a rotary of the new
+  keys inside it, as a ``(D, BLOCK_N)`` tile, took 255 registers, spills and 132 KB of
+  shared memory on sm_90).
 * ``ROT_DIM`` > 0: rotary embedding of the first ``ROT_DIM`` dims of the new keys (key ``j``
   at position ``j``) and of q (query ``i`` at ``Seqlens[b] + i`` with ``ROT_Q_PER_POS``, at
   ``Seqlens[b]`` otherwise), GPT-J pairs ``(2t, 2t+1)`` with ``ROT_INTERLEAVED``, GPT-NeoX
@@ -115,18 +121,63 @@ def _load_rotated(ptrs, partner_ptrs, pos, ok, rot, freq, sign, Cos, Sin, seqlen
 
 
 @triton.jit
+def _fold_block(acc, l_i, m_i, q, kt, v, cols, seqlen, causal_lim, qk_scale, win_l, win_r,
+                cap_in, cap_out, slope, key_lo,
+                MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr,
+                HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                HAS_LEFTPAD: tl.constexpr):
+    """One block of keys ``cols`` (``kt`` ``(BLOCK_D, n)``, ``v`` ``(n, BLOCK_D)``) into the
+    online softmax: the scores, their modifications and (``MASKED``) the mask (keys below
+    ``seqlen``, from ``key_lo`` on, the causal band and the window)."""
+    if UPCAST_DOT:
+        qk = tl.dot(q.to(tl.float32), kt.to(tl.float32))
+    else:
+        qk = tl.dot(q, kt)
+    if HAS_SOFTCAP or HAS_ALIBI:
+        qk = modified_scores(qk, qk_scale, cap_in, cap_out, slope, causal_lim,
+                             cols, HAS_SOFTCAP, HAS_ALIBI)
+    else:
+        qk = qk * qk_scale
+    if MASKED:
+        keep = (cols < seqlen)[None, :]
+        if HAS_LEFTPAD:
+            keep = keep & (cols >= key_lo)[None, :]
+        if IS_CAUSAL:
+            keep = keep & (cols[None, :] <= causal_lim[:, None])
+        if HAS_WINDOW:  # causal_lim is each row's key position
+            keep = keep & (cols[None, :] >= causal_lim[:, None] - win_l)
+            if not IS_CAUSAL:
+                keep = keep & (cols[None, :] <= causal_lim[:, None] + win_r)
+        qk = tl.where(keep, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        # rows with no visible key so far keep m = -inf; subtract 0 to avoid inf - inf
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_sub = m_new
+    p = tl.math.exp2(qk - m_sub[:, None])
+    alpha = tl.math.exp2(m_i - m_sub)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    if UPCAST_DOT:
+        acc += tl.dot(p, v.to(tl.float32))
+    else:
+        acc = tl.dot(p.to(v.dtype), v, acc)
+    return acc, l_i, m_new
+
+
+@triton.jit
 def _decode_inner(acc, l_i, m_i, q, k_base, v_base, BlockTable, bt_row, offs_n, offs_d,
                   stride_kp, stride_kn, stride_vp, stride_vn, stride_btp,
                   lo, hi, seqlen, page_size, num_pages, causal_lim, qk_scale,
                   win_l, win_r, cap_in, cap_out, slope, key_lo,
-                  cache_len, kn_base, vn_base, stride_knn, stride_vnn, Cos, Sin, seqlen_ro,
-                  rot_partner, rot_freq, rot_sign, rot_on,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                   MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, PAGED: tl.constexpr,
                   PAGE_ALIGNED: tl.constexpr, UPCAST_DOT: tl.constexpr,
                   HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                  HAS_ALIBI: tl.constexpr, HAS_LEFTPAD: tl.constexpr, HAS_NEW: tl.constexpr,
-                  ROT_DIM: tl.constexpr):
+                  HAS_ALIBI: tl.constexpr, HAS_LEFTPAD: tl.constexpr):
+    """The cache's keys ``[lo, hi)``, ``BLOCK_N`` at a time (``MASKED``: keys at or past
+    ``seqlen`` neither read nor attended)."""
     d_ok = offs_d < HEAD_DIM
     for start_n in tl.range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
@@ -154,109 +205,70 @@ def _decode_inner(acc, l_i, m_i, q, k_base, v_base, BlockTable, bt_row, offs_n, 
         kt_ptrs = k_base + k_rows[None, :] + offs_d[:, None]
         v_ptrs = v_base + v_rows[:, None] + offs_d[None, :]
         if MASKED:
-            if HAS_NEW:  # keys from cache_len on come from KNew/VNew, not the cache
-                n_ok = cols < cache_len
-            else:
-                n_ok = cols < seqlen
+            n_ok = cols < seqlen
             kt = tl.load(kt_ptrs, mask=n_ok[None, :] & d_ok[:, None], other=0.0)
             v = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-            if HAS_NEW:
-                if start_n + BLOCK_N > cache_len:  # the block holds new keys
-                    is_new = (cols >= cache_len) & (cols < seqlen)
-                    new_rows = (cols - cache_len).to(tl.int64)
-                    kn_rows = kn_base + (new_rows * stride_knn)[None, :]
-                    kt_new = _load_rotated(kn_rows + offs_d[:, None],
-                                           kn_rows + rot_partner[:, None], cols[None, :],
-                                           is_new[None, :] & d_ok[:, None], rot_on[:, None],
-                                           rot_freq[:, None], rot_sign[:, None], Cos, Sin,
-                                           seqlen_ro, ROT_DIM)
-                    kt = tl.where(is_new[None, :], kt_new, kt)
-                    v_new = tl.load(vn_base + (new_rows * stride_vnn)[:, None]
-                                    + offs_d[None, :],
-                                    mask=is_new[:, None] & d_ok[None, :], other=0.0)
-                    v = tl.where(is_new[:, None], v_new, v)
         elif BLOCK_D != HEAD_DIM:
             kt = tl.load(kt_ptrs, mask=d_ok[:, None], other=0.0)
             v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
         else:
             kt = tl.load(kt_ptrs)
             v = tl.load(v_ptrs)
-        if UPCAST_DOT:
-            qk = tl.dot(q.to(tl.float32), kt.to(tl.float32))
-        else:
-            qk = tl.dot(q, kt)
-        if HAS_SOFTCAP or HAS_ALIBI:
-            qk = modified_scores(qk, qk_scale, cap_in, cap_out, slope, causal_lim,
-                                 cols, HAS_SOFTCAP, HAS_ALIBI)
-        else:
-            qk = qk * qk_scale
-        if MASKED:
-            keep = (cols < seqlen)[None, :]
-            if HAS_LEFTPAD:
-                keep = keep & (cols >= key_lo)[None, :]
-            if IS_CAUSAL:
-                keep = keep & (cols[None, :] <= causal_lim[:, None])
-            if HAS_WINDOW:  # causal_lim is each row's key position
-                keep = keep & (cols[None, :] >= causal_lim[:, None] - win_l)
-                if not IS_CAUSAL:
-                    keep = keep & (cols[None, :] <= causal_lim[:, None] + win_r)
-            qk = tl.where(keep, qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            # rows with no visible key so far keep m = -inf; subtract 0 to avoid inf - inf
-            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-        else:
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            m_sub = m_new
-        p = tl.math.exp2(qk - m_sub[:, None])
-        alpha = tl.math.exp2(m_i - m_sub)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        if UPCAST_DOT:
-            acc += tl.dot(p, v.to(tl.float32))
-        else:
-            acc = tl.dot(p.to(v.dtype), v, acc)
-        m_i = m_new
+        acc, l_i, m_i = _fold_block(acc, l_i, m_i, q, kt, v, cols, seqlen, causal_lim,
+                                    qk_scale, win_l, win_r, cap_in, cap_out, slope, key_lo,
+                                    MASKED, IS_CAUSAL, UPCAST_DOT, HAS_WINDOW, HAS_SOFTCAP,
+                                    HAS_ALIBI, HAS_LEFTPAD)
     return acc, l_i, m_i
 
 
 @triton.jit
-def _append_new_kv(K, V, k_base, v_base, kn_base, vn_base, BlockTable, bt_row, offs_d,
-                   stride_kp, stride_kn, stride_vp, stride_vn, stride_btp,
-                   stride_knn, stride_vnn, cache_len, seqlen, n_new, page_size, num_pages,
-                   Cos, Sin, seqlen_ro, rot_partner, rot_freq, rot_sign, rot_on,
-                   HEAD_DIM: tl.constexpr, BLOCK_NEW: tl.constexpr, PAGED: tl.constexpr,
-                   ROT_DIM: tl.constexpr):
-    """Write one KV head's new keys (rotated) and values into the cache at ``cache_len``..,
-    ``BLOCK_NEW`` rows at a time: only slots below ``seqlen`` (the capacity-clamped length),
-    and with a paged cache only where the page id is in ``[0, num_pages)``."""
+def _decode_new(acc, l_i, m_i, q, K, V, k_base, v_base, kn_base, vn_base, BlockTable,
+                bt_row, offs_d, stride_kp, stride_kn, stride_vp, stride_vn, stride_btp,
+                stride_knn, stride_vnn, cache_len, new_hi, write, page_size,
+                num_pages, causal_lim, qk_scale, win_l, win_r, cap_in, cap_out, slope,
+                key_lo, Cos, Sin, seqlen_ro, rot_partner, rot_freq, rot_sign, rot_on,
+                HEAD_DIM: tl.constexpr, BLOCK_NEW: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                PAGED: tl.constexpr, UPCAST_DOT: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                HAS_LEFTPAD: tl.constexpr, ROT_DIM: tl.constexpr):
+    """The appended keys ``[cache_len, new_hi)`` (``new_hi <= seqlen``, the capacity-clamped
+    length), ``BLOCK_NEW`` at a time, read from KNew/VNew in rows (coalesced) and rotated
+    once: where ``write``, written into the cache (in the cache's dtype; a paged cache only
+    through page ids in ``[0, num_pages)``), and attended to, masked."""
     d_ok = offs_d < HEAD_DIM
-    for start in tl.range(0, n_new, BLOCK_NEW):
-        rows_n = start + tl.arange(0, BLOCK_NEW)
-        j = cache_len + rows_n  # the keys' positions in the sequence
-        w_ok = j < seqlen
-        new_rows = rows_n.to(tl.int64)
+    offs_j = tl.arange(0, BLOCK_NEW)
+    for start in tl.range(cache_len, new_hi, BLOCK_NEW):
+        cols = start + offs_j  # the keys' positions in the sequence
+        j_ok = cols < new_hi
+        new_rows = (cols - cache_len).to(tl.int64)
         kn_rows = kn_base + (new_rows * stride_knn)[:, None]
+        ok = j_ok[:, None] & d_ok[None, :]
         k_new = _load_rotated(kn_rows + offs_d[None, :], kn_rows + rot_partner[None, :],
-                              j[:, None], w_ok[:, None] & d_ok[None, :], rot_on[None, :],
-                              rot_freq[None, :], rot_sign[None, :], Cos, Sin, seqlen_ro,
-                              ROT_DIM)
+                              cols[:, None], ok, rot_on[None, :], rot_freq[None, :],
+                              rot_sign[None, :], Cos, Sin, seqlen_ro, ROT_DIM)
         v_new = tl.load(vn_base + (new_rows * stride_vnn)[:, None] + offs_d[None, :],
-                        mask=w_ok[:, None] & d_ok[None, :], other=0.0)
+                        mask=ok, other=0.0)
+        w_ok = j_ok & write
         if PAGED:
-            page = tl.load(BlockTable + bt_row + (j // page_size).to(tl.int64) * stride_btp,
+            page = tl.load(BlockTable + bt_row + (cols // page_size).to(tl.int64) * stride_btp,
                            mask=w_ok, other=-1)
             w_ok = w_ok & (page >= 0) & (page < num_pages)
-            slot = (j % page_size).to(tl.int64)
+            slot = (cols % page_size).to(tl.int64)
             k_dst = page.to(tl.int64) * stride_kp + slot * stride_kn
             v_dst = page.to(tl.int64) * stride_vp + slot * stride_vn
         else:
-            k_dst = j.to(tl.int64) * stride_kn
-            v_dst = j.to(tl.int64) * stride_vn
+            k_dst = cols.to(tl.int64) * stride_kn
+            v_dst = cols.to(tl.int64) * stride_vn
         st_ok = w_ok[:, None] & d_ok[None, :]
         tl.store(k_base + k_dst[:, None] + offs_d[None, :], k_new.to(K.dtype.element_ty),
                  mask=st_ok)
         tl.store(v_base + v_dst[:, None] + offs_d[None, :], v_new.to(V.dtype.element_ty),
                  mask=st_ok)
+        acc, l_i, m_i = _fold_block(acc, l_i, m_i, q, tl.trans(k_new), v_new, cols, new_hi,
+                                    causal_lim, qk_scale, win_l, win_r, cap_in, cap_out,
+                                    slope, key_lo, True, IS_CAUSAL, UPCAST_DOT, HAS_WINDOW,
+                                    HAS_SOFTCAP, HAS_ALIBI, HAS_LEFTPAD)
+    return acc, l_i, m_i
 
 
 @triton.jit
@@ -285,9 +297,9 @@ def attn_decode_split_kernel(
     ROT_Q_PER_POS: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
 ):
     """K/V strides: ``stride_kb`` is the page stride when PAGED (K is ``(pages, Hkv,
-    page_size, D)``), the batch stride otherwise. OPart ``(B, Hq, N_Q, NUM_SPLITS, HEAD_DIM)``
-    and LsePart ``(B, Hq, N_Q, NUM_SPLITS)`` are contiguous fp32; Lse ``(B, Hq, N_Q)``
-    contiguous fp32. ``WINDOW_LEFT``/``WINDOW_RIGHT`` (-1: unbounded; the right one unread
+    page_size, D)``), the batch stride otherwise. OPart ``(B, Hq, N_Q, P, HEAD_DIM)`` and
+    LsePart ``(B, Hq, N_Q, P)`` are contiguous fp32, ``P = NUM_SPLITS`` (+ 1 with HAS_NEW
+    and NUM_SPLITS > 1); Lse ``(B, Hq, N_Q)`` contiguous fp32. ``WINDOW_LEFT``/``WINDOW_RIGHT`` (-1: unbounded; the right one unread
     with IS_CAUSAL), ``SOFTCAP`` and ``Alibi`` are read only under their flags. ``N_K`` is
     the capacity every length is clamped to. KNew/VNew ``(B, Hkv, N_NEW, D)``; Cos/Sin
     ``(SEQLEN_RO, ROT_DIM // 2)`` contiguous; BatchIdx, LeftPad int32 ``(B,)``."""
@@ -343,17 +355,11 @@ def attn_decode_split_kernel(
     rot_partner, rot_freq, rot_sign, rot_on = _rotary_dims(offs_d, ROT_DIM, ROT_INTERLEAVED)
     kn_base = None
     vn_base = None
+    walk_end = seqlen  # the keys walked from the cache end here
     if HAS_NEW:
         kn_base = KNew + off_b.to(tl.int64) * stride_knb + off_hkv.to(tl.int64) * stride_knh
         vn_base = VNew + off_b.to(tl.int64) * stride_vnb + off_hkv.to(tl.int64) * stride_vnh
-        # one program of each KV head writes its new keys and values into the cache; every
-        # program reads them from KNew/VNew, so none reads a slot being written
-        if (split == 0) & (tl.program_id(2) == 0):
-            _append_new_kv(K, V, k_base, v_base, kn_base, vn_base, BlockTable, bt_row,
-                           offs_d, stride_kb, stride_kn, stride_vb, stride_vn, stride_btp,
-                           stride_knn, stride_vnn, cache_len, seqlen, n_new, page_size,
-                           NUM_PAGES, Cos, Sin, SEQLEN_RO, rot_partner, rot_freq, rot_sign,
-                           rot_on, HEAD_DIM, 16, PAGED, ROT_DIM)
+        walk_end = cache_len  # the new keys come from KNew/VNew, in _decode_new
 
     q_rows = (Q + off_b.to(tl.int64) * stride_qb + offs_h[:, None].to(tl.int64) * stride_qh
               + offs_i[:, None].to(tl.int64) * stride_qm)
@@ -374,10 +380,10 @@ def attn_decode_split_kernel(
     win_l = None
     win_r = None
     if not (HAS_WINDOW or HAS_LEFTPAD):
-        # this split's keys: whole blocks, [lo, hi)
-        blocks_per_split = tl.cdiv(tl.cdiv(seqlen, BLOCK_N), NUM_SPLITS)
+        # this split's cached keys: whole blocks, [lo, hi)
+        blocks_per_split = tl.cdiv(tl.cdiv(walk_end, BLOCK_N), NUM_SPLITS)
         lo = split * blocks_per_split * BLOCK_N
-        hi = tl.minimum(seqlen, lo + blocks_per_split * BLOCK_N)
+        hi = tl.minimum(walk_end, lo + blocks_per_split * BLOCK_N)
         # keys every row sees: [0, full_end); blocks of [lo, mid) need no mask
         causal_lim = offs_i + seqlen - N_Q
         if IS_CAUSAL:
@@ -385,8 +391,6 @@ def attn_decode_split_kernel(
         else:
             full_end = seqlen
         mid = lo + tl.maximum(tl.minimum(hi, full_end) - lo, 0) // BLOCK_N * BLOCK_N
-        if HAS_NEW:  # new keys are walked masked (read from KNew/VNew)
-            mid = tl.minimum(mid, tl.maximum(cache_len // BLOCK_N * BLOCK_N, lo))
         hi = tl.maximum(hi, mid)
     else:
         causal_lim = offs_i + seqlen - N_Q  # each row's key position
@@ -413,19 +417,23 @@ def attn_decode_split_kernel(
         if HAS_LEFTPAD:
             first_key = tl.maximum(first_key, key_lo)
             full_key = tl.maximum(full_key, key_lo)
-        # the splits cut the blocks from first_key's on, so none walks keys before it
+        # the splits cut the cached blocks from first_key's on, so none walks keys before it
         first = first_key // BLOCK_N * BLOCK_N
-        blocks_per_split = tl.cdiv(tl.cdiv(seqlen - first, BLOCK_N), NUM_SPLITS)
+        if HAS_NEW:  # the window may start among the new keys: no cached key to walk
+            span = tl.maximum(walk_end - first, 0)
+        else:
+            span = seqlen - first
+        blocks_per_split = tl.cdiv(tl.cdiv(span, BLOCK_N), NUM_SPLITS)
         lo = first + split * blocks_per_split * BLOCK_N
-        hi = tl.maximum(tl.minimum(seqlen, lo + blocks_per_split * BLOCK_N), lo)
+        hi = tl.maximum(tl.minimum(walk_end, lo + blocks_per_split * BLOCK_N), lo)
         # the whole blocks of [full_key, full_end), [full_lo, mid), need no mask; [lo,
         # full_lo) and [mid, hi) are walked masked (all of [lo, hi) when no block is seen in
         # full by every row)
         full_lo = (full_key + BLOCK_N - 1) // BLOCK_N * BLOCK_N
         full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+        if HAS_NEW:  # hi may be cache_len, inside a block
+            full_end = tl.minimum(full_end, walk_end)
         mid = tl.maximum(tl.minimum(full_end // BLOCK_N * BLOCK_N, hi), full_lo)
-        if HAS_NEW:  # new keys are walked masked (read from KNew/VNew)
-            mid = tl.minimum(mid, tl.maximum(cache_len // BLOCK_N * BLOCK_N, full_lo))
 
     qk_scale = sm_scale * 1.4426950408889634  # log2(e)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -447,34 +455,44 @@ def attn_decode_split_kernel(
     if HAS_WINDOW or HAS_LEFTPAD:  # the left band: the window's (or the keys') lower edge
         acc, l_i, m_i = _decode_inner(acc, l_i, m_i, q, k_base, v_base, BlockTable, bt_row,
                                       offs_n, offs_d, stride_kb, stride_kn, stride_vb,
-                                      stride_vn, stride_btp, lo, full_lo, seqlen, page_size,
-                                      NUM_PAGES, causal_lim, qk_scale, win_l, win_r, cap_in,
-                                      cap_out, slope, key_lo, cache_len, kn_base, vn_base,
-                                      stride_knn, stride_vnn, Cos, Sin, SEQLEN_RO,
-                                      rot_partner, rot_freq, rot_sign, rot_on,
+                                      stride_vn, stride_btp, lo, full_lo, walk_end,
+                                      page_size, NUM_PAGES, causal_lim, qk_scale, win_l,
+                                      win_r, cap_in, cap_out, slope, key_lo,
                                       HEAD_DIM, BLOCK_D, BLOCK_N, True, IS_CAUSAL,
                                       PAGED, PAGE_ALIGNED, UPCAST_DOT,
-                                      HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_LEFTPAD, HAS_NEW,
-                                      ROT_DIM)
+                                      HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_LEFTPAD)
         lo = full_lo
     acc, l_i, m_i = _decode_inner(acc, l_i, m_i, q, k_base, v_base, BlockTable, bt_row,
                                   offs_n, offs_d, stride_kb, stride_kn, stride_vb, stride_vn,
-                                  stride_btp, lo, mid, seqlen, page_size, NUM_PAGES,
+                                  stride_btp, lo, mid, walk_end, page_size, NUM_PAGES,
                                   causal_lim, qk_scale, win_l, win_r, cap_in, cap_out, slope,
-                                  key_lo, cache_len, kn_base, vn_base, stride_knn, stride_vnn,
-                                  Cos, Sin, SEQLEN_RO, rot_partner, rot_freq, rot_sign, rot_on,
-                                  HEAD_DIM, BLOCK_D, BLOCK_N, False, IS_CAUSAL, PAGED,
+                                  key_lo, HEAD_DIM, BLOCK_D, BLOCK_N, False, IS_CAUSAL, PAGED,
                                   PAGE_ALIGNED, UPCAST_DOT, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI,
-                                  HAS_LEFTPAD, HAS_NEW, ROT_DIM)
+                                  HAS_LEFTPAD)
     acc, l_i, m_i = _decode_inner(acc, l_i, m_i, q, k_base, v_base, BlockTable, bt_row,
                                   offs_n, offs_d, stride_kb, stride_kn, stride_vb, stride_vn,
-                                  stride_btp, mid, hi, seqlen, page_size, NUM_PAGES,
+                                  stride_btp, mid, hi, walk_end, page_size, NUM_PAGES,
                                   causal_lim, qk_scale, win_l, win_r, cap_in, cap_out, slope,
-                                  key_lo, cache_len, kn_base, vn_base, stride_knn, stride_vnn,
-                                  Cos, Sin, SEQLEN_RO, rot_partner, rot_freq, rot_sign, rot_on,
-                                  HEAD_DIM, BLOCK_D, BLOCK_N, True, IS_CAUSAL, PAGED,
+                                  key_lo, HEAD_DIM, BLOCK_D, BLOCK_N, True, IS_CAUSAL, PAGED,
                                   PAGE_ALIGNED, UPCAST_DOT, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI,
-                                  HAS_LEFTPAD, HAS_NEW, ROT_DIM)
+                                  HAS_LEFTPAD)
+    if HAS_NEW:
+        # the new keys: with one split its program walks them after the cache; with more,
+        # the extra program (split NUM_SPLITS, no cached keys) walks them alone, so no split
+        # of the cache waits on them. Its row block 0 writes them into the cache.
+        if NUM_SPLITS == 1:
+            new_hi = seqlen
+        else:
+            new_hi = tl.where(split == NUM_SPLITS, seqlen, cache_len)
+        acc, l_i, m_i = _decode_new(acc, l_i, m_i, q, K, V, k_base, v_base, kn_base, vn_base,
+                                    BlockTable, bt_row, offs_d, stride_kb, stride_kn,
+                                    stride_vb, stride_vn, stride_btp, stride_knn, stride_vnn,
+                                    cache_len, new_hi, tl.program_id(2) == 0,
+                                    page_size, NUM_PAGES, causal_lim, qk_scale, win_l, win_r,
+                                    cap_in, cap_out, slope, key_lo, Cos, Sin, SEQLEN_RO,
+                                    rot_partner, rot_freq, rot_sign, rot_on, HEAD_DIM, 16,
+                                    IS_CAUSAL, PAGED, UPCAST_DOT, HAS_WINDOW, HAS_SOFTCAP,
+                                    HAS_ALIBI, HAS_LEFTPAD, ROT_DIM)
 
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)
@@ -488,7 +506,10 @@ def attn_decode_split_kernel(
         if STORE_LSE:
             tl.store(Lse + row_ids, lse, mask=r_ok)
     else:
-        part = row_ids * NUM_SPLITS + split
+        if HAS_NEW:  # the new keys' program stores partial NUM_SPLITS
+            part = row_ids * (NUM_SPLITS + 1) + split
+        else:
+            part = row_ids * NUM_SPLITS + split
         tl.store(OPart + part[:, None] * HEAD_DIM + offs_d[None, :], out,
                  mask=r_ok[:, None] & d_ok[None, :])
         tl.store(LsePart + part, lse, mask=r_ok)

@@ -55,10 +55,18 @@ def rotary_q_per_position(causal: bool, window: tuple[int, int], capacity: int) 
     return bool(causal) or 0 <= left < capacity or 0 <= right < capacity
 
 
-def partial_shapes(q: Any, splits: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Shapes of the fp32 partial outputs and partial LSEs of ``splits`` > 1 chunks."""
+def partial_count(splits: int, has_new: bool) -> int:
+    """How many partial results a row gets: one per split, and with appended keys
+    (``has_new``) and ``splits`` > 1 one more, from the program that walks the new keys
+    alone (see kernel.py). 1 means no partials: the split kernel writes the output."""
+    return splits + 1 if has_new and splits > 1 else splits
+
+
+def partial_shapes(q: Any, parts: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Shapes of the fp32 partial outputs and partial LSEs of ``parts`` > 1 partial results
+    (:func:`partial_count`)."""
     batch, heads_q, seqlen_q, head_dim = q.shape
-    return (batch, heads_q, seqlen_q, splits, head_dim), (batch, heads_q, seqlen_q, splits)
+    return (batch, heads_q, seqlen_q, parts, head_dim), (batch, heads_q, seqlen_q, parts)
 
 
 def kernel_args(q: Any, k: Any, v: Any, out: Any, lse: Any, seqlens: Any, block_table: Any,
@@ -84,10 +92,11 @@ def kernel_args(q: Any, k: Any, v: Any, out: Any, lse: Any, seqlens: Any, block_
     splits = config["NUM_SPLITS"]
     if splits == 1:
         o_part = lse_part = out
+    parts = partial_count(splits, k_new is not None)
     paged = block_table is not None
     page_size = k.shape[2] if paged else 1
     bt_strides = (block_table.stride(0), block_table.stride(1)) if paged else (0, 0)
-    grid = (splits, batch * heads_kv, triton.cdiv(rows(group, seqlen_q), bm))
+    grid = (parts, batch * heads_kv, triton.cdiv(rows(group, seqlen_q), bm))
     left, right = (int(w) for w in window)
     if causal:
         right = 0  # FA2: causal is a window's right bound 0; a left bound stays
@@ -135,8 +144,8 @@ def kernel_args(q: Any, k: Any, v: Any, out: Any, lse: Any, seqlens: Any, block_
             attn_decode_combine_kernel,
             (o_part, lse_part, out, out if lse is None else lse,
              out.stride(0), out.stride(1), out.stride(2), heads_q, seqlen_q),
-            dict(HEAD_DIM=head_dim, BLOCK_D=bd, NUM_SPLITS=splits,
-                 BLOCK_S=triton.next_power_of_2(splits), STORE_LSE=lse is not None,
+            dict(HEAD_DIM=head_dim, BLOCK_D=bd, NUM_SPLITS=parts,
+                 BLOCK_S=triton.next_power_of_2(parts), STORE_LSE=lse is not None,
                  num_warps=4 if bd >= 128 else 2),
             (batch * heads_q * seqlen_q,)))
     return launches
@@ -156,7 +165,8 @@ def _launch(q: Any, k: Any, v: Any, config: Mapping[str, int], *, seqlens: Any,
            if return_lse else None)
     o_part = lse_part = None
     if config["NUM_SPLITS"] > 1:
-        o_shape, l_shape = partial_shapes(q, config["NUM_SPLITS"])
+        o_shape, l_shape = partial_shapes(
+            q, partial_count(config["NUM_SPLITS"], cache_options.get("k_new") is not None))
         o_part = torch.empty(o_shape, device=q.device, dtype=torch.float32)
         lse_part = torch.empty(l_shape, device=q.device, dtype=torch.float32)
     for kernel, args, kwargs, grid in kernel_args(
