@@ -104,16 +104,19 @@ _DEFAULTS: tuple[tuple[int, Config], ...] = (
     # (benchmarks/results/explore_bwd_h100.json: D128 1.4x, D64 1.0-1.1x the first
     # version's default); ONE_LAUNCH at D128 only (benchmarks/results/bwd_one_launch_h100.json:
     # 1.02x full, 1.04x causal at D128; 0.91x at D64);
-    # 128 < D <= 256 (256-wide tiles): the steps of 16 at one stage it had measured 65 TFLOP/s
-    # on the H100 (D224 N4096 causal, 0.2x cuDNN's training step) and spill for sm_90 (dK/dV
-    # 116 B at 255 registers); steps of 32 at two stages compile without spills (dK/dV 247
-    # registers, dQ 148; 128 KiB of shared memory), see benchmarks/README.md "Every head dim".
+    # 128 < D <= 256 (256-wide tiles): steps of 16 at one stage (the first default) spill for
+    # sm_90 (dK/dV 116 B at 255 registers); steps of 32 at three stages compile without
+    # (dK/dV 246 registers, dQ 148; 160 KiB of shared memory in each kernel). H100, D224
+    # N4096 causal, backward alone, one run (benchmarks/results/bwd_sweep_d224_h100.json):
+    # 2.52x the first default, 1.14x two stages; dQ key steps of 64 or dK/dV query steps of
+    # 64 at two stages were 2% faster (one kernel then holds 192 KiB, the other 128, and the
+    # dK/dV one spills 20 B at 64).
     (64, {"BLOCK_M1": 64, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 32,
           "num_warps": 4, "num_stages": 3, "SPLIT_LOOPS": 1}),
     (128, {"BLOCK_M1": 64, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 64,
            "num_warps": 8, "num_stages": 3, "SPLIT_LOOPS": 0, "ONE_LAUNCH": 1}),
     (256, {"BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32,
-           "num_warps": 8, "num_stages": 2, "SPLIT_LOOPS": 0}),
+           "num_warps": 8, "num_stages": 3, "SPLIT_LOOPS": 0}),
 )
 # small tiles keep the interpreter's per-block numpy work cheap
 _INTERPRETER: Config = {"BLOCK_M1": 16, "BLOCK_N1": 32, "BLOCK_M2": 32, "BLOCK_N2": 16,
