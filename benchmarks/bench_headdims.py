@@ -34,8 +34,10 @@ gradients of q, k, v). Contenders:
   ``F.scaled_dot_product_attention`` under ``sdpa_kernel(backend)``, torch's own padding of
   odd head dims included; a backend that refuses the shape is reported, not timed.
 
-Every contender is first checked against a float32 reference on a slice (batch 0, K/V head
-0 and its query heads): the output, and for ``train`` the three gradients, within the
+Each timed contender also records ``host_ms``, the host time of one call (launches
+enqueued back to back): a row whose host time reaches its timed median is host-bound, and
+the table says so. Every contender is first checked against a float32 reference on a slice
+(batch 0, K/V head 0 and its query heads): the output, and for ``train`` the three gradients, within the
 tuner's tolerance (relative Frobenius error), else it is reported with its error and not
 timed. Timing: ``flashtune.autotune.timing.bench`` (cold L2), the contenders in rotation
 for ``--rounds`` rounds, the median of the round medians. TFLOP/s as ANCHORS.md counts them:
@@ -397,11 +399,29 @@ def run_case(case: Case, args: argparse.Namespace, device: Any, dispatchers: dic
             med = statistics.median(ms)
             res[name].update(median_ms=med, round_medians_ms=ms,
                              tflops=tflops(row["flops"][mode], med))
+            if tensors["q"].is_cuda:
+                res[name]["host_ms"] = host_ms(runnable[name])
         res["ratios"] = ratios(res)
         row[mode] = res
         fns.clear()
         runnable.clear()
     return row
+
+
+def host_ms(fn: Callable[[], Any], calls: int = 5) -> float:
+    """Host time of one call of ``fn`` in milliseconds (``calls`` enqueued back to back after
+    a synchronisation, the GPU left to catch up after): where it is above the GPU time the
+    call is host-bound, and ``timing.bench`` (``do_bench`` once a median reaches 1 ms,
+    launch gaps included) times it as such."""
+    import torch
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return elapsed * 1e3 / calls
 
 
 def bwd_sweep(case: Case, tensors: dict[str, Any], refs: dict[str, Any],
@@ -620,6 +640,12 @@ def render_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
             lines.append(f"| {r['label']} | {mode} | " + " | ".join(cells)
                          + f" | {tcell} | {src} |")
     for r in rows:
+        for mode in MODES:
+            bound = [f"{n} {e['host_ms']:.3f} ms host / {e['median_ms']:.3f} ms timed"
+                     for n, e in r.get(mode, {}).items()
+                     if isinstance(e, dict) and e.get("host_ms", 0) >= e.get("median_ms", 1e9)]
+            if bound:
+                lines.append(f"{r['case']} {mode} host-bound: " + "; ".join(bound))
         for e in r.get("bwd_sweep", []):
             keys = ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "num_warps", "num_stages")
             tiles = "/".join(str(e["config"].get(n)) for n in keys)
