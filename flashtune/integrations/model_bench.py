@@ -9,7 +9,12 @@ switched between the contenders, same weights, same inputs, same run:
 * ``train``: forward, loss and backward of a batch (no optimizer step: it is the same work
   for every contender);
 * ``generate`` (``llama``): greedy generation of ``new`` tokens after a prompt, KV cache on;
-  its decode time is the generation's minus the prompt's prefill, timed beside it.
+  its decode time is the generation's minus the prompt's prefill, timed beside it;
+* ``generate_static`` (``llama``): the same with a static cache
+  (``cache_implementation="static"``), with which transformers compiles each decode step
+  with ``torch.compile(mode="reduce-overhead")`` on a GPU: the steps replay as CUDA graphs
+  (flashtune's steps run over the whole cache, lengths on the device:
+  :mod:`flashtune.runtime.static_cache`). On CPU the steps run eagerly.
 
 Contenders: ``flashtune`` (``attn_implementation="flashtune"``: what
 :func:`flashtune.scaled_dot_product_attention` routes each call to), ``sdpa`` (torch's own
@@ -54,8 +59,10 @@ DEFAULT_CONTENDERS = ("flashtune", "sdpa", "sdpa_flash", "sdpa_cudnn")
 # (pytorch_flash::flash_fwd_kernel), cuDNN's SDPA (..._sdpa_...), the efficient backend
 # (fmha_cutlass...). torch's math path (matmuls and a softmax) is not counted.
 ATTENTION_KERNEL = re.compile(r"attn|attention|flash|fmha|sdpa", re.IGNORECASE)
-PROBE = "ft_probe"  # the untimed pass's attention function ("flash" in a name makes
-# transformers look for a flash-attention package)
+# the untimed pass's attention function: a name with "flash" in it, as "flashtune", so that
+# transformers treats it as it treats flashtune (it keeps a static cache's padding mask for
+# flash implementations); the integration tells transformers it needs no flash package
+PROBE = "flashtune_probe"
 # a contender's output vs sdpa's, a sanity check (each kernel is checked on its own against
 # fp32 elsewhere): logits (bf16, through 8 Llama-3-8B layers SDPA's flash and cuDNN
 # backends differ by 2.1e-2 on the H100), and a training step's loss and per-parameter
@@ -154,7 +161,7 @@ class Workload:
     gen_batch: int = 0
     gen_prompt: int = 0
     new_tokens: int = 0
-    phases: tuple[str, ...] = ("prefill", "train", "generate")
+    phases: tuple[str, ...] = ("prefill", "train", "generate", "generate_static")
 
 
 # Llama-3-8B's layer (4096 wide, 32 query and 8 KV heads of 128, MLP 14336, vocab 128256), 8
@@ -246,8 +253,13 @@ def _probing(model: Any) -> Iterator[dict[str, dict[str, Any]]]:
     (shapes, dtype, causal, mask, dropout, gradients), how many times it came and where
     flashtune routes it (a fallback to torch says why)."""
     from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
 
-    from flashtune.integrations.transformers import flashtune_attention_forward
+    from flashtune.integrations.transformers import (
+        flashtune_attention_forward,
+        flashtune_attention_mask,
+        is_generation_step,
+    )
 
     calls: dict[str, dict[str, Any]] = {}
 
@@ -261,12 +273,16 @@ def _probing(model: Any) -> Iterator[dict[str, dict[str, Any]]]:
                  f"{' mask' if attention_mask is not None else ''}"
                  f"{' dropout' if a['dropout_p'] else ''}{' grad' if grad else ''}")
         if label not in calls:
-            calls[label] = {"call": label, "calls": 0, "route": describe_route(**a)}
+            step = is_generation_step(query, key, attention_mask, a["dropout_p"])
+            calls[label] = {"call": label, "calls": 0,
+                            "route": "attn_decode: a generation step over the whole cache"
+                            if step else describe_route(**a)}
         calls[label]["calls"] += 1
         return flashtune_attention_forward(module, query, key, value, attention_mask, *args,
                                            **kwargs)
 
     AttentionInterface.register(PROBE, probe)
+    AttentionMaskInterface.register(PROBE, flashtune_attention_mask)
     model.set_attn_implementation(PROBE)
     try:
         yield calls
@@ -332,23 +348,29 @@ def _phases(spec: ModelSpec, work: Workload, model: Any, device: str) -> list[_P
         phases.append(_Phase("train", f"B{work.train_batch} x "
                                       f"{tokens(1, work.train_seqlen)} tokens",
                              tokens(work.train_batch, work.train_seqlen), step, step))
-    if "generate" in work.phases and spec.family == "llama":
+    for name in ("generate", "generate_static"):
+        if name not in work.phases or spec.family != "llama":
+            continue
         prompt = ids(work.gen_batch, work.gen_prompt)
         mask = torch.ones_like(prompt)
+        static = {"cache_implementation": "static"} if name == "generate_static" else {}
 
-        def generate() -> torch.Tensor:
+        def generate(static: dict[str, str] = static, prompt: torch.Tensor = prompt,
+                     mask: torch.Tensor = mask) -> torch.Tensor:
             with torch.no_grad():
                 out = model.generate(input_ids=prompt, attention_mask=mask,
                                      max_new_tokens=work.new_tokens,
                                      min_new_tokens=work.new_tokens, do_sample=False,
-                                     pad_token_id=0)
+                                     pad_token_id=0, **static)
             new: torch.Tensor = out[:, work.gen_prompt:]
             return new
 
         prefill = infer({"input_ids": prompt, "logits_to_keep": 1})
-        phases.append(_Phase("generate", f"B{work.gen_batch} x {work.gen_prompt} + "
-                                         f"{work.new_tokens} new", work.gen_batch *
-                             work.new_tokens, generate, generate, {"prefill": prefill}))
+        label = (f"B{work.gen_batch} x {work.gen_prompt} + {work.new_tokens} new"
+                 + (", static cache" + (", CUDA graphs" if device == "cuda" else "")
+                    if static else ""))
+        phases.append(_Phase(name, label, work.gen_batch * work.new_tokens, generate,
+                             generate, {"prefill": prefill}))
     return phases
 
 
@@ -427,7 +449,7 @@ def bench_model(spec: ModelSpec, work: Workload, *, contenders: Sequence[str] = 
                 # (generated tokens are compared, not judged: one near-tie in bf16 changes
                 # the rest; with dropout each run draws its own mask)
                 row["check"][name] = err = _rel_err(outputs[name], ref)
-                if phase.name != "generate" and err > TOL:
+                if not phase.name.startswith("generate") and err > TOL:
                     row["errors"][name] = (f"output differs from sdpa's: relative error "
                                            f"{err:.2e} > {TOL}")
         timed = [c for c in contenders if c not in row["errors"]]

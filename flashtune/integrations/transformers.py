@@ -37,10 +37,16 @@ from flashtune.kernel_templates.attn_fwd.reference import visible
 from flashtune.runtime import scored
 from flashtune.runtime.ops import attention
 from flashtune.runtime.sdpa import scaled_dot_product_attention
+from flashtune.runtime.static_cache import attention_static_cache, one_run
 
-__all__ = ["NAME", "flashtune_attention_forward", "sdpa_arguments"]
+__all__ = ["NAME", "STEP_ROWS", "flashtune_attention_forward", "flashtune_attention_mask",
+           "is_generation_step", "sdpa_arguments"]
 
 NAME = "flashtune"
+# a call of at most this many query rows with a padding mask over the whole cache is a
+# generation step: it runs over the cache as it is, lengths from the mask on the device
+# (runtime.static_cache), no sync and no copy, so a CUDA graph can hold it
+STEP_ROWS = 16
 
 
 def flashtune_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -84,6 +90,10 @@ def flashtune_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
     softcap = kwargs.get("softcap")
     dropout_p = dropout if module.training else 0.0
     mask = attention_mask
+    if is_generation_step(query, key, mask, dropout_p):
+        out = attention_static_cache(query, key, value, mask, causal=causal, scale=scaling,
+                                     window=window, softcap=softcap)
+        return out.transpose(1, 2).contiguous(), None
     if mask is not None and mask.dim() == 2 and mask.shape[1] < lk:
         # a static cache: the slots past the mask hold no token yet; sliced off, as
         # transformers' flash path (_upad_input) does
@@ -125,6 +135,59 @@ def flashtune_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
                         softcap=softcap, dropout_p=dropout_p)
         return out.transpose(1, 2).contiguous(), None
     return _padded(query, key, value, mask, options), None
+
+
+def is_generation_step(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None,
+                     dropout_p: float) -> bool:
+    """Whether a call is a generation step over the whole cache: a few query rows against
+    more keys (a cache), a 2-D padding mask of every key (the cache's slots included:
+    :func:`flashtune_attention_mask` makes it so for a static cache), no dropout, a head
+    dim flashtune takes. While compiling
+    or capturing a CUDA graph the mask is taken as generation makes it (left padding, the
+    tokens, then empty slots); eagerly it is checked once per mask tensor (a sync) and one
+    with holes takes the unpadded path."""
+    if mask is None or mask.dim() != 2 or query.shape[2] > STEP_ROWS or dropout_p > 0 \
+            or key.shape[2] <= query.shape[2] or mask.shape != (query.shape[0], key.shape[2]) \
+            or query.shape[-1] > MAX_HEAD_DIM:
+        return False
+    if torch.compiler.is_compiling() or (mask.is_cuda and
+                                         torch.cuda.is_current_stream_capturing()):
+        return True
+    memo = _RUN_MEMO.get("last")
+    if memo is not None and memo[0] is mask and memo[1] == mask._version:
+        return memo[2]
+    found = one_run(mask)
+    _RUN_MEMO["last"] = (mask, mask._version, found)
+    return found
+
+
+# the last step mask seen and whether it is one run per row (every layer shares it)
+_RUN_MEMO: dict[str, tuple[torch.Tensor, int, bool]] = {}
+
+
+def flashtune_attention_mask(batch_size: int, q_length: int, kv_length: int,
+                             q_offset: int = 0, kv_offset: int = 0,
+                             mask_function: Any = None,
+                             attention_mask: torch.Tensor | None = None,
+                             **kwargs: Any) -> torch.Tensor | None:
+    """transformers' mask builder for ``"flashtune"``: FlashAttention-2's
+    (``flash_attention_mask``: None for plain causal, else the 2-D padding mask), except
+    for a generation step (at most :data:`STEP_ROWS` query rows), whose mask covers the
+    whole cache and keeps its shape from step to step: a static cache's empty slots are
+    padded in as False (FA2's builder returns the mask of the tokens so far, one column
+    longer each step, and K/V get sliced to it), and while compiling or capturing a CUDA
+    graph the mask is returned without FA2's ``mask.all()`` (a sync)."""
+    if attention_mask is not None and q_length <= STEP_ROWS:
+        mask = attention_mask[:, -kv_length:].bool()
+        if mask.shape[1] < kv_length:  # a static cache: slots past the tokens are empty
+            return torch.nn.functional.pad(mask, (0, kv_length - mask.shape[1]), value=False)
+        if torch.compiler.is_compiling() or (mask.is_cuda and
+                                             torch.cuda.is_current_stream_capturing()):
+            return mask
+    return flash_attention_mask(batch_size, q_length, kv_length, q_offset, kv_offset,
+                                **({} if mask_function is None
+                                   else {"mask_function": mask_function}),
+                                attention_mask=attention_mask, **kwargs)
 
 
 def _packed(query: torch.Tensor, mask: torch.Tensor | None,
@@ -270,8 +333,8 @@ def _skip_flash_package_import() -> None:
     """transformers 5.x takes every implementation name containing "flash" for a
     flash-attention package and imports that package (or a hub kernel) when a model is
     built; "flashtune" is neither, and needs none of what it would load. Wrap that import in
-    ``transformers.modeling_utils`` so it returns at once for "flashtune" and behaves as
-    before for every other name. A transformers without the hook needs nothing."""
+    ``transformers.modeling_utils`` so it returns at once for "flashtune" (and names that
+    start with it, as ``bench --model``'s probe) and behaves as before for every other name. A transformers without the hook needs nothing."""
     import transformers.modeling_utils as mu
 
     original = getattr(mu, "lazy_import_flash_attention", None)
@@ -279,7 +342,7 @@ def _skip_flash_package_import() -> None:
         return
 
     def lazy_import_flash_attention(implementation: Any, *args: Any, **kwargs: Any) -> Any:
-        if implementation == NAME:
+        if isinstance(implementation, str) and implementation.startswith(NAME):
             return None
         return original(implementation, *args, **kwargs)
 
@@ -290,5 +353,5 @@ def _skip_flash_package_import() -> None:
 
 
 AttentionInterface.register(NAME, flashtune_attention_forward)
-AttentionMaskInterface.register(NAME, flash_attention_mask)
+AttentionMaskInterface.register(NAME, flashtune_attention_mask)
 _skip_flash_package_import()

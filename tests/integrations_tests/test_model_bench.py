@@ -26,7 +26,7 @@ def test_llama_runs_every_phase_on_flashtune_checked_against_sdpa():
     result = _run("llama", rounds=2)
     json.dumps(result)  # JSON-ready as it is
     rows = {r["phase"]: r for r in result["phases"]}
-    assert list(rows) == ["prefill", "train", "generate"]
+    assert list(rows) == ["prefill", "train", "generate", "generate_static"]
     for name in ("prefill", "train"):
         r = rows[name]
         assert r["errors"] == {}, r["errors"]
@@ -49,6 +49,18 @@ def test_llama_runs_every_phase_on_flashtune_checked_against_sdpa():
     assert any(c["call"].startswith("q (2, 4, 1, 16)") for c in gen["routes"])  # decode
     assert gen["decode_ms_per_token"]["flashtune"] >= 0
     assert 0 <= gen["check"]["flashtune"] <= 1  # the share of generated tokens that differ
+    static = rows["generate_static"]
+    assert static["errors"] == {} and "static cache" in static["label"]
+    # the prompt (12 rows, more keys: the cache) and the steps run over the whole cache; the
+    # last step fills the cache, and FA2's builder drops a mask of nothing but tokens there
+    assert sum(c["calls"] for c in static["routes"]) == w.new_tokens * mb.TINY["llama"].layers
+    steps = [c for c in static["routes"] if c["call"].endswith(" mask")]
+    assert sum(c["calls"] for c in steps) == (w.new_tokens - 1) * mb.TINY["llama"].layers
+    assert all(c["route"].startswith("attn_decode: a generation step") for c in steps), \
+        json.dumps(static["routes"])
+    cache = f" k (2, 2, {w.gen_prompt + w.new_tokens - 1}, 16) "
+    assert all(cache in c["call"] for c in static["routes"])  # one key shape: the whole cache
+    assert static["check"]["flashtune"] == 0  # the same tokens as sdpa's
     text = mb.render_model(result)
     assert "generate" in text and "all 6 attention calls ran on flashtune's route" in text
 

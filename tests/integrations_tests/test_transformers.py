@@ -146,9 +146,23 @@ def test_gemma2_softcap_and_sliding_window_run_on_flashtune(varlen_calls):
     assert [o["window"] for o in seen[:2]] == [(7, 0), (-1, 0)]
 
 
-def test_generation_with_a_static_cache_matches_eager(models, varlen_calls):
-    """A static cache hands attention K/V of the cache's full length and a padding mask as
-    long as the tokens so far: the empty slots are sliced off, never attended to."""
+@pytest.fixture
+def step_calls(monkeypatch):
+    """The masks of the calls that ran as a generation step over the whole cache."""
+    from flashtune.integrations import transformers as integration
+
+    masks = []
+    real = integration.attention_static_cache
+    monkeypatch.setattr(integration, "attention_static_cache",
+                        lambda q, k, v, mask, **kw: masks.append(mask) or real(q, k, v, mask, **kw))
+    return masks
+
+
+def test_generation_with_a_static_cache_matches_eager(models, varlen_calls, step_calls):
+    """A static cache hands attention K/V of the cache's full length. flashtune's mask
+    builder pads the padding mask with the empty slots (False), so every step sees a mask of
+    the same shape, and the steps run over the cache as it is (lengths from the mask on the
+    device): no copy, no sync, nothing attended in the empty slots."""
     ours, eager = models
     ids = torch.randint(1, 128, (2, 9), generator=torch.Generator().manual_seed(6)).to(DEVICE)
     mask = torch.ones_like(ids)
@@ -158,4 +172,51 @@ def test_generation_with_a_static_cache_matches_eager(models, varlen_calls):
     got = ours.generate(ids, **kw)
     want = eager.generate(ids, **kw)
     assert got.tolist() == want.tolist()
-    assert varlen_calls  # the padded steps ran unpadded on flashtune's kernels
+    assert not varlen_calls  # no unpadding: the prompt (9 rows) and the steps are steps
+    shapes = {tuple(m.shape) for m in step_calls}
+    assert len(shapes) == 1  # one shape, the whole cache's, whatever the step
+    # on a GPU transformers compiles the steps (CUDA graphs): Python sees the traced calls
+    # only, not each replay
+    assert len(step_calls) >= (2 if DEVICE == "cuda" else 2 * 5)
+    first = step_calls[0]
+    assert not first[0, :3].any() and first[1, :3].all()  # the left padding stays out
+
+
+def test_generation_steps_with_left_padding_and_a_dynamic_cache(models, varlen_calls,
+                                                                step_calls):
+    """A left-padded batch decoding over a dynamic cache: its steps (one query row, more
+    keys, a mask of one run per row) run over the cache without unpadding it."""
+    ours, eager = models
+    ids = torch.randint(1, 128, (3, 7), generator=torch.Generator().manual_seed(8)).to(DEVICE)
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    mask[2, :5] = 0
+    kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False)
+    got = ours.generate(ids, **kw)
+    want = eager.generate(ids, **kw)
+    assert got.tolist() == want.tolist()
+    assert len(step_calls) == 2 * 3  # 3 decode steps, 2 layers; the prompt ran unpadded
+    assert len(varlen_calls) == 2
+
+
+def test_the_mask_builder_keeps_a_steps_shape():
+    """FA2's builder for the prefill and for caches it covers; for a step over a static
+    cache the whole cache's mask, padded with empty slots; while compiling no mask.all()."""
+    from flashtune.integrations.transformers import flashtune_attention_mask
+
+    ones = torch.ones(2, 6, dtype=torch.long)
+    assert flashtune_attention_mask(2, 6, 6, attention_mask=ones) is None  # FA2's: plain causal
+    assert flashtune_attention_mask(2, 1, 6, attention_mask=ones) is None
+    padded = flashtune_attention_mask(2, 1, 10, attention_mask=ones)
+    assert padded.shape == (2, 10) and padded.dtype == torch.bool
+    assert padded[:, :6].all() and not padded[:, 6:].any()
+    long_prompt = flashtune_attention_mask(2, 40, 64, attention_mask=torch.ones(2, 40))
+    assert long_prompt.shape == (2, 40)  # FA2's: K/V sliced to it by the attention call
+    seen = []
+
+    def step(mask):
+        seen.append(flashtune_attention_mask(2, 1, 6, attention_mask=mask))
+        return mask
+
+    torch.compile(step, backend="eager", fullgraph=True)(ones)  # no data-dependent branch
+    assert seen and seen[0] is not None and tuple(seen[0].shape) == (2, 6)
