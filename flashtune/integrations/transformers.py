@@ -334,7 +334,8 @@ def _skip_flash_package_import() -> None:
     flash-attention package and imports that package (or a hub kernel) when a model is
     built; "flashtune" is neither, and needs none of what it would load. Wrap that import in
     ``transformers.modeling_utils`` so it returns at once for "flashtune" (and names that
-    start with it, as ``bench --model``'s probe) and behaves as before for every other name. A transformers without the hook needs nothing."""
+    start with it, as ``bench --model``'s probe) and behaves as before for every other
+    name. A transformers without the hook needs nothing."""
     import transformers.modeling_utils as mu
 
     original = getattr(mu, "lazy_import_flash_attention", None)
