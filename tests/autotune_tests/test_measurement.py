@@ -139,3 +139,16 @@ def test_floor_constants_cover_anchors():
     # ANCHORS.md: H100 datasheet 989 TFLOP/s dense, 3.35 TB/s; the floor may not exceed them
     flops, bw = timing.device_peaks(H100)
     assert flops >= 989e12 and bw >= 3.35e12
+
+
+def test_host_bound_medians_are_re_timed():
+    """A median under SHORT_KERNEL_MS, or one whose host time per call is half of it or
+    more, may hold launch gaps (timing.bench re-times it queued); a long kernel behind a
+    cheap launch does not."""
+    from flashtune.autotune.timing import HOST_BOUND_SHARE, SHORT_KERNEL_MS, host_bound
+
+    assert host_bound(SHORT_KERNEL_MS / 2, 0.0)
+    assert host_bound(1.2, 1.2 * HOST_BOUND_SHARE)
+    assert host_bound(1.2, 1.5)
+    assert not host_bound(1.2, 0.05)
+    assert not host_bound(30.0, 0.2)

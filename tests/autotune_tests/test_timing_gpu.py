@@ -34,3 +34,26 @@ def test_a_slow_launcher_is_not_timed_as_kernel_time():
     assert graph * 0.7 <= got.median_ms <= max(4 * graph, graph + 0.03), (got, graph)
     queued = bench_queued(kernel)
     assert abs(queued.median_ms - got.median_ms) <= 0.3 * got.median_ms + 0.005
+
+
+def test_a_host_bound_step_over_a_millisecond_is_timed_for_its_gpu_work():
+    """A ~0.2 ms kernel behind 1.5 ms of host work: do_bench's median passes the 1 ms line
+    (the GPU waits for the host), so bench() must see the host share and re-time it queued:
+    the kernel's time, not the host's."""
+    x = torch.randn(16 * 1024 * 1024, device="cuda")  # 64 MB each way: ~0.05-0.1 ms
+    y = torch.empty_like(x)
+
+    def kernel():
+        for _ in range(3):
+            torch.mul(x, 2.0, out=y)
+
+    def slow_launch():
+        t = time.perf_counter()
+        while time.perf_counter() - t < 1.5e-3:
+            pass
+        kernel()
+
+    queued = bench_queued(kernel)
+    got = bench(slow_launch)
+    assert got.median_ms < 1.0, got
+    assert abs(queued.median_ms - got.median_ms) <= 0.3 * queued.median_ms + 0.01, (got, queued)
