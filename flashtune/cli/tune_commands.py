@@ -110,8 +110,10 @@ def _packed_problem(shape: dict[str, Any], dtype: str | None, spec: str, plan: s
 
 
 def _problems(shape: dict[str, Any], dtype: str | None, plan: str | None,
-              preset_name: str | None) -> list[Any]:
-    """The problems to tune from exactly one of shape options / --plan / --preset."""
+              preset_name: str | None, op: str | None = None) -> list[Any]:
+    """The problems to tune from exactly one of shape options / --plan / --preset;
+    ``--plan`` takes a TOML file or a packaged plan's name, and a plan made for one op
+    refuses another ``op``."""
     from flashtune.core.problem import AttentionProblem
 
     given = [name for name in _SHAPE_NAMES if shape[name] not in (None, False)]
@@ -125,12 +127,15 @@ def _problems(shape: dict[str, Any], dtype: str | None, plan: str | None,
         if dtype is not None:
             raise click.UsageError("--dtype cannot be combined with --plan (set dtype per "
                                    "[[shape]] in the plan)")
-        from flashtune.autotune.plans import PlanError, load_plan
+        from flashtune.autotune.plans import PlanError, read_plan
 
         try:
-            problems = load_plan(plan)
+            read = read_plan(plan)
         except PlanError as exc:
             raise click.BadParameter(" ".join(str(exc).split()), param_hint="'--plan'") from exc
+        if op is not None and read.op is not None and read.op != op:
+            raise click.UsageError(f"plan {plan} is made for --op {read.op}, not --op {op}")
+        problems = list(read.problems)
         check_head_dims([p.head_dim for p in problems], "--plan")
         return problems
     if preset_name is not None:
@@ -307,9 +312,11 @@ def render_op_results(results: Sequence[Any]) -> str:
               help="With --op: search only this implementation (repeatable).")
 @shape_options
 @mods_options
-@click.option("--plan", type=click.Path(dir_okay=False), default=None, metavar="FILE",
-              help="TOML file of [[shape]] tables to tune (score modifications per shape: "
-                   "window = [L, R], softcap, alibi; dropout).")
+@click.option("--plan", default=None, metavar="FILE|NAME",
+              help="TOML file of [[shape]] and [[grid]] tables to tune (score modifications "
+                   "per shape: window = [L, R], softcap, alibi; dropout), or the name of a "
+                   "plan shipped in flashtune/plans: shipped-fwd, shipped-train, "
+                   "shipped-decode (with --op fwd, train, decode).")
 @click.option("--preset", "preset_name", default=None, metavar="NAME",
               help="Named problem set: llama3-8b, llama3-70b, mistral-7b, qwen2.5-7b, "
                    "gemma2-9b, standard (sized for a GPU: too big for the interpreter).")
@@ -361,7 +368,7 @@ def tune_command(ctx: click.Context, template: str, op: str | None, impls: tuple
     if varlen_lengths is not None:
         problems = [_packed_problem(shape, dtype, varlen_lengths, plan, preset_name)]
     else:
-        problems = _problems(shape, dtype, plan, preset_name)
+        problems = _problems(shape, dtype, plan, preset_name, op)
     if window is not None or softcap is not None or alibi or dropout:
         if plan is not None or preset_name is not None:
             raise click.UsageError("--window, --softcap, --alibi and --dropout go with shape "

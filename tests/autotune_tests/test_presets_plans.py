@@ -2,13 +2,25 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from flashtune.autotune.grids import standard_grid
-from flashtune.autotune.plans import PlanError, load_plan, parse_plan
+from flashtune.autotune.plans import (
+    PACKAGED_DIR,
+    PlanError,
+    load_plan,
+    packaged_plans,
+    parse_plan,
+    read_plan,
+    resolve_plan,
+    tune_command,
+    varlen_lengths,
+)
 from flashtune.autotune.presets import MODELS, PRESET_TOKENS, UnknownPresetError, preset, presets
+from flashtune.core.device import DeviceFingerprint
 from flashtune.core.errors import FlashtuneError
 from flashtune.core.problem import AttentionProblem
 
@@ -122,3 +134,137 @@ def test_plan_errors(text: str, match: str) -> None:
     with pytest.raises(PlanError, match=match) as info:
         parse_plan(text, "p.toml")
     assert str(info.value).startswith("p.toml")
+
+
+# -- grids, derived fields, packaged plans ----------------------------------------------------
+
+def test_grid_is_the_product_in_written_order() -> None:
+    text = ("[[grid]]\nbatch = 1\nheads = 4\nhead_dim = 32\nseqlen = [64, 128]\n"
+            "causal = [false, true]\nwindow = [[-1, -1], [15, 0]]\n")
+    problems = parse_plan(text)
+    assert len(problems) == 8
+    assert [(p.seqlen_q, p.causal, p.window_left) for p in problems[:4]] == [
+        (64, False, -1), (64, False, 15), (64, True, -1), (64, True, 15)]
+    # one pair is one window, not two values
+    one = parse_plan("[[grid]]\nbatch = 1\nheads = 4\nhead_dim = 32\nseqlen = 64\n"
+                     "window = [15, 0]\n")
+    assert [(p.window_left, p.window_right) for p in one] == [(15, 0)]
+
+
+def test_derived_fields_match_the_presets_and_the_standard_grid() -> None:
+    text = ("[[grid]]\nhidden = 2048\ntokens = 16384\nhead_dim = [64, 128]\n"
+            "causal = [false, true]\nseqlen = [512, 1024, 2048, 4096, 8192, 16384]\n"
+            "[[grid]]\nmodel = 'llama3-70b'\ntokens = 16384\nseqlen = [512, 2048, 8192, 16384]\n"
+            "causal = true\n")
+    problems = parse_plan(text)
+    assert problems == [*standard_grid(), *preset("llama3-70b")]
+
+
+def test_a_problem_listed_twice_is_tuned_once() -> None:
+    text = ("[[shape]]\nbatch = 2\nheads = 4\nseqlen = 64\nhead_dim = 32\n"
+            "[[grid]]\ntokens = 128\nheads = 4\nseqlen = [64, 32]\nhead_dim = 32\n")
+    assert [(p.batch, p.seqlen_q) for p in parse_plan(text)] == [(2, 64), (4, 32)]
+
+
+@pytest.mark.parametrize("text,match", [
+    ("[[grid]]\nmodel = 'llama9'\ntokens = 8\nseqlen = 8\n", r"grid\[1\]\.model: expected one of llama3-8b"),
+    ("[[grid]]\nmodel = 'llama3-8b'\nheads = 4\ntokens = 8\nseqlen = 8\n", r"grid\[1\]: model gives .* drop heads"),
+    ("[[grid]]\nhidden = 100\nhead_dim = [64, 50]\ntokens = 8\nseqlen = 8\n",
+     r"grid\[1\] \(head_dim=64\)\.hidden: 100 is not a multiple of head_dim 64"),
+    ("[[grid]]\nhidden = 128\nheads = 2\nhead_dim = 64\ntokens = 8\nseqlen = 8\n", r"hidden gives heads"),
+    ("[[grid]]\nhidden = 128\ntokens = 8\nseqlen = 8\n", r"hidden needs head_dim"),
+    ("[[grid]]\nheads = 2\nhead_dim = 64\ntokens = 8\nbatch = 2\nseqlen = 8\n", r"tokens gives the batch"),
+    ("[[grid]]\nheads = 2\nhead_dim = 64\ntokens = 8\n", r"tokens needs seqlen"),
+    ("[[grid]]\nheads = 2\nhead_dim = 64\nbatch = 1\nseqlen = []\n", r"grid\[1\]\.seqlen: an empty list"),
+    ("[[grid]]\nheads = 2\nhead_dim = [64, 0]\nbatch = 1\nseqlen = 8\n", r"grid\[1\] \(head_dim=0\)\.head_dim: must be positive"),
+    ("op = 'bwd'\n[[shape]]\nbatch = 1\nheads = 4\nseqlen = 8\nhead_dim = 64\n", r"op: expected one of fwd, train, decode"),
+    ("grid = 3\n", r"no \[\[grid\]\] tables"),
+])
+def test_grid_errors(text: str, match: str) -> None:
+    with pytest.raises(PlanError, match=match):
+        parse_plan(text, "p.toml")
+
+
+def test_varlen_lengths_as_a_comma_list() -> None:
+    (packed,) = parse_plan("[[shape]]\nheads = 4\nhead_dim = 32\nvarlen_lengths = '64,30,2'\n")
+    assert (packed.batch, packed.seqlen_q, packed.tokens_q) == (3, 64, 96)
+    with pytest.raises(PlanError, match="positive token counts"):
+        varlen_lengths("64,0", None)
+
+
+def test_packaged_plans_by_name_and_path(tmp_path: Path) -> None:
+    assert packaged_plans() == ["shipped-decode", "shipped-fwd", "shipped-train"]
+    assert resolve_plan("shipped-fwd") == PACKAGED_DIR / "shipped-fwd.toml"
+    assert resolve_plan("shipped-fwd.toml") == PACKAGED_DIR / "shipped-fwd.toml"
+    own = tmp_path / "shipped-fwd"  # a file of that name wins over the packaged plan
+    own.write_text(GOOD)
+    assert resolve_plan(own) == own and len(read_plan(own).problems) == 2
+    with pytest.raises(PlanError, match="cannot read plan 'nope': it does not exist and is not a "
+                                        "packaged plan; "
+                                        "packaged plans: shipped-decode, shipped-fwd, "
+                                        "shipped-train"):
+        read_plan("nope")
+    with pytest.raises(PlanError, match="is not a file"):
+        read_plan(tmp_path)
+
+
+H100 = DeviceFingerprint("NVIDIA_H100_80GB_HBM3", "9.0", 132, 232448, 85 << 30)
+H200 = DeviceFingerprint("NVIDIA_H200", "9.0", 132, 232448, 141 << 30)
+
+
+@pytest.mark.parametrize("name", ["shipped-fwd", "shipped-train", "shipped-decode"])
+def test_every_packaged_plan_shape_is_served_on_hopper(name: str) -> None:
+    """Each shape of a shipped plan has an implementation of the plan's op that serves it on
+    an H100 and an H200 (else tuning it would store nothing), bf16 only."""
+    from flashtune.kernel_templates import implementations
+
+    plan = read_plan(name)
+    assert plan.op == name.removeprefix("shipped-") and plan.description
+    assert len(plan.problems) >= 40
+    specs = implementations(plan.op)
+    for problem in plan.problems:
+        assert problem.dtype == "bf16"
+        for device in (H100, H200):
+            assert any(s.refuse(problem, device) is None for s in specs), problem.describe()
+    if plan.op == "decode":
+        assert {p.seqlen_q for p in plan.problems} == {1}
+        assert {p.batch for p in plan.problems} == {1, 4, 16, 64}
+        assert {p.seqlen_k for p in plan.problems} >= {4096, 32768}
+    else:  # the standard grid, and every preset model's geometry at 2048 and 8192 tokens
+        assert set(standard_grid()) <= set(plan.problems)
+        plain = {replace(p, window_left=-1, softcap=0.0) for p in plan.problems}
+        for model in MODELS:
+            ladder = [p for p in preset(model) if p.seqlen_q in (2048, 8192)]
+            assert set(ladder) <= plain, model
+        if plan.op == "fwd":  # the forward keeps every preset's whole ladder, plain
+            assert {p for m in MODELS for p in preset(m)} <= set(plan.problems)
+    families = {(p.heads_q, p.heads_kv, p.head_dim) for p in plan.problems}
+    assert {(32, 8, 128), (64, 8, 128), (28, 4, 128), (16, 8, 256), (32, 32, 96)} <= families
+    assert any(p.softcap == 50 and p.window_left == 4095 for p in plan.problems)
+
+
+def test_tune_command_round_trips_through_the_cli(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The command :func:`tune_command` writes parses back to the same problem key."""
+    from click.testing import CliRunner
+
+    from flashtune.cli import tune_commands
+    from flashtune.cli.main import cli
+
+    seen: list[AttentionProblem] = []
+
+    def stop(problems: list[AttentionProblem], *args: object, **kwargs: object) -> None:
+        seen.extend(problems)
+        raise SystemExit(0)
+    monkeypatch.setattr(tune_commands, "refuse_under_interpreter", stop)
+    problems = [*read_plan("shipped-train").problems, *read_plan("shipped-decode").problems[:3],
+                AttentionProblem(2, 4, 2, 77, 133, 40, False, "fp16", 8, 3, alibi=True)]
+    for problem in problems:
+        command = tune_command(problem, op="train")
+        assert command.startswith("flashtune tune --op train ")
+        result = CliRunner().invoke(cli, command.split()[1:] + ["--interpret"])
+        assert result.exit_code == 0, (command, result.output)
+        assert seen[-1].key() == problem.key(), command
+    assert tune_command(problems[0], template="attn_bwd", plan="shipped-train") == \
+        "flashtune tune --template attn_bwd --plan shipped-train"
+    with pytest.raises(ValueError, match="exactly one of op and template"):
+        tune_command(problems[0])
