@@ -5,8 +5,8 @@ materialises the keep mask the kernels regenerate (never stored by them).
 The mask is :func:`~flashtune.kernel_templates.score_mods.dropout_keep`'s: score ``(i, j)``
 (query row ``i``, key column ``j``, positions within the sequence) of sequence ``b`` and
 query head ``h`` is kept iff an 8-bit draw of Philox-4x32-7 keyed by the seed, at counter
-``(4 * (j // 16) + (j // 2) % 4, 4 * (i // 16) + (i // 2) % 4, b * H_Q + h, 0)`` (one call
-for the 4 x 4 scores of rows and columns ``{c, c + 1, c + 8, c + 9}``), is below the
+``(b * H_Q + h, 8 * (i // 16) + i % 8, 0, 4 * (j // 32) + (j // 2) % 4)`` (one call for
+rows ``r, r + 8`` against keys ``c + {0, 1, 8, 9, 16, 17, 24, 25}``), is below the
 threshold; a pure function of the seed and ``(b, h, i, j)``, so the forward, the dK/dV and
 the dQ kernels (each with its own tiles, the dK/dV kernel's transposed) regenerate the same
 mask, and :func:`dropout_mask` (any tile) materialises it.

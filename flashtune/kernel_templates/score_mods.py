@@ -52,16 +52,18 @@ def dropout_keep(seed, head, start_row, start_col, threshold, BLOCK_R: tl.conste
 
     The mapping, the same in every kernel and for every tile: score ``(i, j)`` of ``head``
     is kept iff byte ``2 * i3 + j3`` (``(w >> 8 * byte) & 0xFF``) of word ``2 * j4 + j0``
-    of ``philox_4x32_7(key = seed, counter = (4 * (j // 32) + (j // 2) % 4, 8 * (i // 16) +
-    i % 8, head, 0))`` is below ``threshold``, where ``x0``, ``x3``, ``x4`` are bits 0, 3
+    of ``philox_4x32_7(key = seed, counter = (head, 8 * (i // 16) + i % 8, 0, 4 * (j // 32)
+    + (j // 2) % 4))`` is below ``threshold``, where ``x0``, ``x3``, ``x4`` are bits 0, 3
     and 4 of ``x`` (Triton's ``tl.philox``: the 64-bit seed's low word is key 0, its high
-    word key 1; 7 rounds, as FlashAttention-2). One call serves 16 scores: rows ``r, r +
-    8`` against keys ``c + {0, 1, 8, 9, 16, 17, 24, 25}``, which one thread holds in a
-    Hopper/Ampere MMA accumulator (rows ``g, g + 8``, pairs of columns every 8), so the
-    forward and dQ kernels build their mask in registers (FlashAttention-2's 16 scores a
-    call). Bits 3 of a row and of a column are registers of a thread in either orientation,
-    so each word's 4 bytes are one thread's in the dK/dV kernel's transposed tile too: it
-    moves words between threads (one per 4 scores), not the mask.
+    word key 1; 7 rounds, as FlashAttention-2). The rounds multiply counter words 0 and 2:
+    the first round's are constants of the program (head, 0), so it costs one XOR a word
+    that moves along the walk. One call serves 16 scores: rows ``r, r + 8`` against keys
+    ``c + {0, 1, 8, 9, 16, 17, 24, 25}``, which one thread holds in a Hopper/Ampere MMA
+    accumulator (rows ``g, g + 8``, pairs of columns every 8), so the forward and dQ
+    kernels build their mask in registers (FlashAttention-2's 16 scores a call). Bits 3 of
+    a row and of a column are registers of a thread in either orientation, so each word's
+    4 bytes are one thread's in the dK/dV kernel's transposed tile too: it moves words
+    between threads (one per 4 scores), not the mask.
     ``threshold`` in ``[1, 256]``: the keep probability is ``threshold / 256`` exactly
     (:func:`flashtune.kernel_templates.dropout.dropout_threshold`)."""
     tl.static_assert(BLOCK_R >= 16 and BLOCK_C >= 16, "dropout tiles are at least 16 x 16")
@@ -73,8 +75,8 @@ def dropout_keep(seed, head, start_row, start_col, threshold, BLOCK_R: tl.conste
     C32: tl.constexpr = 32 if BLOCK_C < 32 else BLOCK_C
     jc = start_col // 32 * 4 + tl.arange(0, C32 // 8)
     zero = tl.zeros([BLOCK_R // 2, C32 // 8], dtype=tl.int32)
-    w0, w1, w2, w3 = tl.philox(seed, jc[None, :] + zero, ic[:, None] + zero, head + zero,
-                               zero, 7)
+    w0, w1, w2, w3 = tl.philox(seed, head + zero, ic[:, None] + zero, zero,
+                               jc[None, :] + zero, 7)
     if BLOCK_C >= 32:
         # (ic, jc, j0, j4): word 2 j4 + j0; then (.., i3, j3): byte 2 i3 + j3
         draw = _byte_draws(tl.join(tl.join(w0, w1), tl.join(w2, w3)))

@@ -119,3 +119,41 @@ def test_backward_launch_arguments(device):
             assert off[name][1][-2] is lse and off[name][1][-1] == 0
     with pytest.raises(ValueError, match="seed"):
         bwd_kernel_args(q, k, v, q, lse, do, lse, q, k, v, BWD, dropout_p=P, **common)
+
+
+def test_the_backward_builds_its_masks_without_spills_on_sm90():
+    """BERT-base's backward (D64, dropout 0.1), the H100 default config, compiled for sm_90
+    on the CPU, with dropout and without (the same config): neither main kernel spills with
+    the mask, and the dK/dV kernel's transposed mask costs at most 4 KiB of shared memory
+    (Philox words moved between threads; the fp32 mask tile it used to convert took 16)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from flashtune.core.problem import AttentionProblem
+    from flashtune.kernel_templates import get_template
+    from flashtune.kernel_templates.sm90 import H100
+
+    root = Path(__file__).resolve().parents[2]
+    bert = AttentionProblem(32, 12, 12, 512, 512, 64, False, "bf16", dropout=0.1)
+    cfg = get_template("attn_bwd").default_config(bert, H100)
+    case = {"template": "attn_bwd", "batch": 32, "heads": 12, "seqlen": 512, "head_dim": 64,
+            "config": cfg}
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, "-m", "flashtune.kernel_templates.sm90",
+                           json.dumps([{**case, "dropout": 0.1}, {**case, "dropout": 0.0}])],
+                          capture_output=True, text=True, env=env, timeout=900, cwd=root,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = {(g["kernel"], g["dropout"]): g for g in
+           (json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{"))}
+    figures = {k: (g["registers"], g["spill_store_bytes"], g["shared"]) for k, g in got.items()}
+    for kernel in ("attn_bwd_dkdv", "attn_bwd_dq"):
+        drop, plain = got[(kernel, 0.1)], got[(kernel, 0.0)]
+        assert drop["spill_store_bytes"] == 0 and drop["registers"] <= 255, figures
+        assert drop["cubin"] != plain["cubin"], figures
+    assert got[("attn_bwd_dkdv", 0.1)]["shared"] <= got[("attn_bwd_dkdv", 0.0)]["shared"] \
+        + 4096, figures

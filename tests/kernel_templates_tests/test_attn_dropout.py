@@ -58,8 +58,8 @@ def _philox_4x32_7(seed: int, counter: list[int]) -> list[int]:
 
 def test_mask_is_the_documented_philox_mapping(device):
     """score_mods.dropout_keep's docstring, computed here in Python: byte 2 i3 + j3 of word
-    2 j4 + j0 of the call at counter (4 (j // 32) + (j // 2) % 4, 8 (i // 16) + i % 8,
-    b Hq + h, 0), xb bit b of x, kept below the threshold."""
+    2 j4 + j0 of the call at counter (b Hq + h, 8 (i // 16) + i % 8, 0, 4 (j // 32) +
+    (j // 2) % 4), xb bit b of x, kept below the threshold."""
     seed, hq, nq, nk = 0x0123_4567_89AB_CDEF >> 2, 3, 21, 150
     mask = dropout_mask(seed_tensor(device, seed), 2, hq, nq, nk, P).cpu().numpy()
     thr = dropout_threshold(P)
@@ -68,7 +68,7 @@ def test_mask_is_the_documented_philox_mapping(device):
         for i in range(nq):
             for j in range(nk):
                 ic, jc = 8 * (i // 16) + i % 8, 4 * (j // 32) + (j // 2) % 4
-                word = _philox_4x32_7(seed, [jc, ic, b * hq + h, 0])[2 * ((j // 16) % 2) + j % 2]
+                word = _philox_4x32_7(seed, [b * hq + h, ic, 0, jc])[2 * ((j // 16) % 2) + j % 2]
                 byte = 2 * ((i // 8) % 2) + (j // 8) % 2
                 want[b, h, i, j] = (word >> (8 * byte)) & 0xFF < thr
         np.testing.assert_array_equal(mask[b, h], want[b, h])
