@@ -86,7 +86,7 @@ DEFAULTS = dict(HEAD_DIM=128, BLOCK_D=128, GROUP=4, BLOCK_M=16, BLOCK_N=64, NUM_
                 IS_CAUSAL=True, HAS_SEQLENS=True, PAGED=False, PAGE_ALIGNED=False,
                 STORE_LSE=True, UPCAST_DOT=False, HAS_WINDOW=False, HAS_SOFTCAP=False,
                 HAS_ALIBI=False, HAS_NEW=False, ROT_DIM=0, ROT_INTERLEAVED=False,
-                ROT_Q_PER_POS=False, HAS_BATCH_IDX=False, HAS_LEFTPAD=False)
+                ROT_Q_PER_POS=False, HAS_BATCH_IDX=False, HAS_LEFTPAD=False, NEW_ROWS=False)
 PTR = {"Q": "*fp16", "K": "*fp16", "V": "*fp16", "Out": "*fp16", "Lse": "*fp32",
        "OPart": "*fp32", "LsePart": "*fp32", "Seqlens": "*i32", "BlockTable": "*i32",
        "Alibi": "*fp32", "KNew": "*fp16", "VNew": "*fp16", "Cos": "*fp16", "Sin": "*fp16",
@@ -106,7 +106,7 @@ print("ok")
 # the cache options' parameters, None when off
 NO_CACHE_OPTIONS = ["KNew", "VNew", "Cos", "Sin", "BatchIdx", "LeftPad", "stride_knb",
                     "stride_knh", "stride_knn", "stride_vnb", "stride_vnh", "stride_vnn",
-                    "N_NEW", "SEQLEN_RO", "CACHE_BATCH"]
+                    "N_NEW", "SEQLEN_RO", "CACHE_BATCH", "BATCH_HEADS"]
 
 
 def compile_split_kernel_sm90(cases):

@@ -126,8 +126,11 @@ def test_the_cache_options_compile_for_sm90():
            "stride_vnh", "stride_vnn", "N_NEW"]
     rope = ["Cos", "Sin", "SEQLEN_RO"]
     compile_split_kernel_sm90([
-        {"const": dict(HAS_NEW=True, ROT_DIM=64, ROT_INTERLEAVED=False, ROT_Q_PER_POS=True),
-         "none": off(*new, *rope)},
+        {"const": dict(HAS_NEW=True, ROT_DIM=64, ROT_INTERLEAVED=False, ROT_Q_PER_POS=True,
+                       NEW_ROWS=True),
+         "none": off(*new, *rope, "BATCH_HEADS")},
+        {"const": dict(HAS_NEW=True, ROT_DIM=64, ROT_INTERLEAVED=False, PAGED=True),
+         "none": off(*new, *rope, "NUM_PAGES")},
         {"const": dict(HAS_NEW=True, ROT_DIM=128, ROT_INTERLEAVED=True, PAGED=True,
                        PAGE_ALIGNED=True, NUM_SPLITS=1),
          "none": off(*new, *rope, "NUM_PAGES")},
@@ -168,6 +171,29 @@ def test_many_new_keys_in_chunks_written_bit_exact_at_every_split_count(paged):
     for out, cache in zip(outs[1:], caches[1:]):
         assert (out - outs[0]).abs().max().item() < 4e-3
         assert torch.equal(cache, caches[0])
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_without_rows_of_their_own_the_last_split_walks_the_new_keys(paged, monkeypatch):
+    """Where the new keys' rows would pass the grid's limit (here: any), the last split walks
+    them after its cached keys: the same caches, bit for bit, and the same outputs."""
+    from flashtune.kernel_templates.attn_decode import launcher
+
+    base = append_case([0, 20, 59], 4, 2, 2, 37, 32, torch.float16, DEVICE, capacity=96,
+                       page_size=16 if paged else None, rotary_dim=32, seed=24)
+    before = {n: base[n].clone() for n in ("k_cache", "v_cache")}
+    own = _fresh(base, before)
+    out_own = _launch(own, cfg(splits=5), causal=True, rotary_interleaved=False)
+    monkeypatch.setattr(launcher, "MAX_GRID_Y", 6)  # B * Hkv rows fit, no more
+    assert launcher.partial_count(5, True, 6) == 5
+    last = _fresh(base, before)
+    out_last, lse = _launch(last, cfg(splits=5), causal=True, return_lse=True,
+                            rotary_interleaved=False)
+    assert_kvcache_close(out_last, last, before, lse=lse, causal=True,
+                         rotary_interleaved=False)
+    assert torch.equal(last["k_cache"], own["k_cache"])
+    assert torch.equal(last["v_cache"], own["v_cache"])
+    assert (out_last.float() - out_own.float()).abs().max().item() < 4e-3
 
 
 @pytest.mark.parametrize("splits", [1, 3])
@@ -227,7 +253,7 @@ if fused:
     opts = dict(k_new=kn, v_new=kn, rotary_cos=cs, rotary_sin=cs, rotary_interleaved=False)
 o_part = l_part = None
 if splits > 1:
-    o, l = partial_shapes(q, partial_count(splits, fused))
+    o, l = partial_shapes(q, partial_count(splits, fused, b * hkv))
     o_part, l_part = Shaped(torch.float32, o), Shaped(torch.float32, l)
 kern, args, kw, grid = kernel_args(q, k, k, Shaped(dt, q.shape), None, Shaped(torch.int32, (b,)),
                                    bt, o_part, l_part, cfg, seqlen_k=nk, causal=True,
@@ -263,9 +289,10 @@ def test_the_fused_step_compiles_like_the_attention_alone_for_sm90(splits, paged
     append and the rotary, the split kernel takes the attention's shared memory (one K/V
     pipeline; the rotated new-key tile inside the walk took 132 KB, one program per SM) and
     spills nothing (it spilled 850-920 bytes at 255 registers); with splits, one program
-    more per KV head walks the new keys."""
+    more per KV head walks the new keys, in grid rows after the splits'."""
     alone = _ptxas(4, 4096, splits, paged, False)
     fused = _ptxas(4, 4096, splits, paged, True)
     assert fused["spills"] == 0 and alone["spills"] == 0, (alone, fused)
     assert fused["shared"] == alone["shared"], (alone, fused)
-    assert fused["grid"][0] == splits + (splits > 1)
+    assert alone["grid"] == [splits, 32, 1]
+    assert fused["grid"] == [splits, 32 + (-(-32 // splits) if splits > 1 else 0), 1]

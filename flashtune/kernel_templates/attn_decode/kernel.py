@@ -2,8 +2,8 @@
 
 Two kernels.
 
-``attn_decode_split_kernel``, grid ``(NUM_SPLITS, B * Hkv, row_blocks)`` (one more split
-with appended keys, see ``HAS_NEW``): one program owns
+``attn_decode_split_kernel``, grid ``(NUM_SPLITS, B * Hkv, row_blocks)`` (more rows with
+``NEW_ROWS``, see ``HAS_NEW``): one program owns
 one KV head of one sequence and one chunk of that sequence's keys. Its tile rows are every
 query head of the KV head's GQA group times every query: row ``r`` is query ``r % N_Q`` of
 query head ``h_kv * GROUP + r // N_Q`` (``GROUP * N_Q`` rows padded to ``BLOCK_M >= 16``
@@ -48,16 +48,18 @@ pointers None when off, so a call without them compiles without them):
 
 * ``HAS_NEW``: new keys/values ``KNew``/``VNew`` ``(B, Hkv, N_NEW, D)`` are appended at
   ``Seqlens[b]``: sequence ``b`` attends to ``L = Seqlens[b] + N_NEW`` keys. The splits cut
-  only the cached keys ``[0, Seqlens[b])``, walked exactly as without new keys; the new keys
-  are walked by one more program per ``(b, h_kv)`` (split index ``NUM_SPLITS``, grid
-  ``NUM_SPLITS + 1``, its partial the last one the combine merges), or with ``NUM_SPLITS ==
-  1`` by the one program after the cache. That program reads them from ``KNew``/``VNew``
-  16 rows at a time, rotates them once (in the cache's dtype), writes them into the cache
-  (row block 0 only) and attends to the same values, so no program reads a slot another
-  writes and the attended keys are the written ones bit for bit. No split of the cache waits
-  on the new keys, and the cache walk's code is the attention's alone (a rotary of the new
-  keys inside it, as a ``(D, BLOCK_N)`` tile, took 255 registers, spills and 132 KB of
-  shared memory on sm_90).
+  only the cached keys ``[0, Seqlens[b])``, walked exactly as without new keys. The new keys
+  are walked by one program per ``(b, h_kv)``: with ``NEW_ROWS`` (``NUM_SPLITS`` > 1) a
+  program of its own, in grid rows after the ``B * Hkv`` of the splits (``NUM_SPLITS`` of
+  them to a row, so they are launched last and the splits get the SMs first; split index
+  ``NUM_SPLITS``, its partial the last one the combine merges); otherwise the last split,
+  after its cached keys. That program reads them from ``KNew``/``VNew`` 16 rows at a time,
+  rotates them once (in the cache's dtype), writes them into the cache (row block 0 only)
+  and attends to the same values, so no program reads a slot another writes and the
+  attended keys are the written ones bit for bit. (A rotary of the new keys inside the
+  cache walk, as a ``(D, BLOCK_N)`` tile, took 255 registers, spills and 132 KB of shared
+  memory on sm_90; a program of their own beside each head's splits put two splits on some
+  SMs.)
 * ``ROT_DIM`` > 0: rotary embedding of the first ``ROT_DIM`` dims of the new keys (key ``j``
   at position ``j``) and of q (query ``i`` at ``Seqlens[b] + i`` with ``ROT_Q_PER_POS``, at
   ``Seqlens[b]`` otherwise), GPT-J pairs ``(2t, 2t+1)`` with ``ROT_INTERLEAVED``, GPT-NeoX
@@ -285,9 +287,10 @@ def attn_decode_split_kernel(
     # parameter's place, and so its code
     stride_ab, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
     # the cache options' scalars (None when unused): NUM_PAGES with PAGED, the new K/V's
-    # strides and N_NEW with HAS_NEW, SEQLEN_RO with ROT_DIM, CACHE_BATCH with HAS_BATCH_IDX
+    # strides and N_NEW with HAS_NEW, SEQLEN_RO with ROT_DIM, CACHE_BATCH with HAS_BATCH_IDX,
+    # BATCH_HEADS (B * Hkv) with NEW_ROWS
     NUM_PAGES, stride_knb, stride_knh, stride_knn, stride_vnb, stride_vnh, stride_vnn,
-    N_NEW, SEQLEN_RO, CACHE_BATCH,
+    N_NEW, SEQLEN_RO, CACHE_BATCH, BATCH_HEADS,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_SEQLENS: tl.constexpr, PAGED: tl.constexpr,
@@ -295,20 +298,33 @@ def attn_decode_split_kernel(
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_NEW: tl.constexpr, ROT_DIM: tl.constexpr, ROT_INTERLEAVED: tl.constexpr,
     ROT_Q_PER_POS: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
+    NEW_ROWS: tl.constexpr = False,
 ):
     """K/V strides: ``stride_kb`` is the page stride when PAGED (K is ``(pages, Hkv,
     page_size, D)``), the batch stride otherwise. OPart ``(B, Hq, N_Q, P, HEAD_DIM)`` and
-    LsePart ``(B, Hq, N_Q, P)`` are contiguous fp32, ``P = NUM_SPLITS`` (+ 1 with HAS_NEW
-    and NUM_SPLITS > 1); Lse ``(B, Hq, N_Q)`` contiguous fp32. ``WINDOW_LEFT``/``WINDOW_RIGHT`` (-1: unbounded; the right one unread
-    with IS_CAUSAL), ``SOFTCAP`` and ``Alibi`` are read only under their flags. ``N_K`` is
-    the capacity every length is clamped to. KNew/VNew ``(B, Hkv, N_NEW, D)``; Cos/Sin
-    ``(SEQLEN_RO, ROT_DIM // 2)`` contiguous; BatchIdx, LeftPad int32 ``(B,)``."""
+    LsePart ``(B, Hq, N_Q, P)`` are contiguous fp32, ``P = NUM_SPLITS`` (+ 1 with
+    NEW_ROWS); Lse ``(B, Hq, N_Q)`` contiguous fp32. ``WINDOW_LEFT``/``WINDOW_RIGHT`` (-1:
+    unbounded; the right one unread with IS_CAUSAL), ``SOFTCAP`` and ``Alibi`` are read only
+    under their flags. ``N_K`` is the capacity every length is clamped to. KNew/VNew
+    ``(B, Hkv, N_NEW, D)``; Cos/Sin ``(SEQLEN_RO, ROT_DIM // 2)`` contiguous; BatchIdx,
+    LeftPad int32 ``(B,)``; NEW_ROWS needs HAS_NEW and NUM_SPLITS > 1."""
+    tl.static_assert(not NEW_ROWS or (HAS_NEW and NUM_SPLITS > 1),
+                     "NEW_ROWS: the new keys' own programs, with new keys and splits")
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16, "tl.dot needs tiles of at least 16")
     tl.static_assert(BLOCK_D >= HEAD_DIM, "BLOCK_D must cover HEAD_DIM")
     tl.static_assert(ROT_DIM == 0 or HAS_NEW, "rotary comes with new keys")
     tl.static_assert(ROT_DIM % 2 == 0 and ROT_DIM <= HEAD_DIM, "ROT_DIM even, <= HEAD_DIM")
     split = tl.program_id(0)
     off_bh = tl.program_id(1)
+    if NEW_ROWS:
+        # grid rows past the B * Hkv of the cache's splits: the new keys' programs, one per
+        # KV head, NUM_SPLITS to a row (launched last, so the splits get the SMs first); the
+        # last row's spare programs do nothing
+        new_prog = off_bh >= BATCH_HEADS
+        new_bh = (off_bh - BATCH_HEADS) * NUM_SPLITS + split
+        live = (off_bh < BATCH_HEADS) | (new_bh < BATCH_HEADS)
+        off_bh = tl.where(new_prog, tl.minimum(new_bh, BATCH_HEADS - 1), off_bh)
+        split = tl.where(new_prog, NUM_SPLITS, split)
     off_b = off_bh // H_KV
     off_hkv = off_bh % H_KV
 
@@ -477,13 +493,13 @@ def attn_decode_split_kernel(
                                   PAGE_ALIGNED, UPCAST_DOT, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI,
                                   HAS_LEFTPAD)
     if HAS_NEW:
-        # the new keys: with one split its program walks them after the cache; with more,
-        # the extra program (split NUM_SPLITS, no cached keys) walks them alone, so no split
-        # of the cache waits on them. Its row block 0 writes them into the cache.
-        if NUM_SPLITS == 1:
-            new_hi = seqlen
+        # the new keys: with NEW_ROWS their own program (split NUM_SPLITS, no cached keys)
+        # walks them alone, so no split of the cache waits on them; otherwise the last split
+        # walks them after its cached keys. Its row block 0 writes them into the cache.
+        if NEW_ROWS:
+            new_hi = tl.where((split == NUM_SPLITS) & live, seqlen, cache_len)
         else:
-            new_hi = tl.where(split == NUM_SPLITS, seqlen, cache_len)
+            new_hi = tl.where(split == NUM_SPLITS - 1, seqlen, cache_len)
         acc, l_i, m_i = _decode_new(acc, l_i, m_i, q, K, V, k_base, v_base, kn_base, vn_base,
                                     BlockTable, bt_row, offs_d, stride_kb, stride_kn,
                                     stride_vb, stride_vn, stride_btp, stride_knn, stride_vnn,
@@ -506,13 +522,16 @@ def attn_decode_split_kernel(
         if STORE_LSE:
             tl.store(Lse + row_ids, lse, mask=r_ok)
     else:
-        if HAS_NEW:  # the new keys' program stores partial NUM_SPLITS
+        if NEW_ROWS:  # the new keys' program stores partial NUM_SPLITS
             part = row_ids * (NUM_SPLITS + 1) + split
+            tl.store(OPart + part[:, None] * HEAD_DIM + offs_d[None, :], out,
+                     mask=r_ok[:, None] & d_ok[None, :] & live)
+            tl.store(LsePart + part, lse, mask=r_ok & live)
         else:
             part = row_ids * NUM_SPLITS + split
-        tl.store(OPart + part[:, None] * HEAD_DIM + offs_d[None, :], out,
-                 mask=r_ok[:, None] & d_ok[None, :])
-        tl.store(LsePart + part, lse, mask=r_ok)
+            tl.store(OPart + part[:, None] * HEAD_DIM + offs_d[None, :], out,
+                     mask=r_ok[:, None] & d_ok[None, :])
+            tl.store(LsePart + part, lse, mask=r_ok)
 
 
 @triton.jit

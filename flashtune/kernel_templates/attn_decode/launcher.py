@@ -55,11 +55,26 @@ def rotary_q_per_position(causal: bool, window: tuple[int, int], capacity: int) 
     return bool(causal) or 0 <= left < capacity or 0 <= right < capacity
 
 
-def partial_count(splits: int, has_new: bool) -> int:
-    """How many partial results a row gets: one per split, and with appended keys
-    (``has_new``) and ``splits`` > 1 one more, from the program that walks the new keys
-    alone (see kernel.py). 1 means no partials: the split kernel writes the output."""
-    return splits + 1 if has_new and splits > 1 else splits
+# CUDA's limit on a launch grid's second dimension
+MAX_GRID_Y = 65535
+
+
+def new_key_rows(splits: int, has_new: bool, batch_heads: int) -> int:
+    """Grid rows of the new keys' own programs (kernel.py's ``NEW_ROWS``): with appended
+    keys and ``splits`` > 1, one program per KV head of each sequence, ``splits`` to a row
+    after the ``batch_heads`` rows of the splits; 0 (the last split walks the new keys) with
+    one split, or where the rows would pass :data:`MAX_GRID_Y`."""
+    if not has_new or splits == 1:
+        return 0
+    extra = -(-batch_heads // splits)
+    return extra if batch_heads + extra <= MAX_GRID_Y else 0
+
+
+def partial_count(splits: int, has_new: bool, batch_heads: int) -> int:
+    """How many partial results a row gets: one per split, and one more from the new keys'
+    own program where :func:`new_key_rows` gives them rows. 1 means no partials: the split
+    kernel writes the output."""
+    return splits + 1 if new_key_rows(splits, has_new, batch_heads) else splits
 
 
 def partial_shapes(q: Any, parts: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -92,11 +107,12 @@ def kernel_args(q: Any, k: Any, v: Any, out: Any, lse: Any, seqlens: Any, block_
     splits = config["NUM_SPLITS"]
     if splits == 1:
         o_part = lse_part = out
-    parts = partial_count(splits, k_new is not None)
+    extra_rows = new_key_rows(splits, k_new is not None, batch * heads_kv)
+    parts = splits + 1 if extra_rows else splits
     paged = block_table is not None
     page_size = k.shape[2] if paged else 1
     bt_strides = (block_table.stride(0), block_table.stride(1)) if paged else (0, 0)
-    grid = (parts, batch * heads_kv, triton.cdiv(rows(group, seqlen_q), bm))
+    grid = (splits, batch * heads_kv + extra_rows, triton.cdiv(rows(group, seqlen_q), bm))
     left, right = (int(w) for w in window)
     if causal:
         right = 0  # FA2: causal is a window's right bound 0; a left bound stays
@@ -124,7 +140,8 @@ def kernel_args(q: Any, k: Any, v: Any, out: Any, lse: Any, seqlens: Any, block_
             k.shape[0] if paged else None, *new_strides,
             k_new.shape[2] if has_new else None,
             rotary_cos.shape[0] if rot_dim else None,
-            k.shape[0] if cache_batch_idx is not None else None)
+            k.shape[0] if cache_batch_idx is not None else None,
+            batch * heads_kv if extra_rows else None)
     kwargs = dict(HEAD_DIM=head_dim, BLOCK_D=bd, GROUP=group, BLOCK_M=bm, BLOCK_N=bn,
                   NUM_SPLITS=splits, IS_CAUSAL=bool(causal), HAS_SEQLENS=seqlens is not None,
                   PAGED=paged, PAGE_ALIGNED=paged and page_size % bn == 0,
@@ -135,7 +152,7 @@ def kernel_args(q: Any, k: Any, v: Any, out: Any, lse: Any, seqlens: Any, block_
                   ROT_Q_PER_POS=rot_dim > 0 and rotary_q_per_position(causal, window,
                                                                        seqlen_k),
                   HAS_BATCH_IDX=cache_batch_idx is not None,
-                  HAS_LEFTPAD=cache_leftpad is not None,
+                  HAS_LEFTPAD=cache_leftpad is not None, NEW_ROWS=extra_rows > 0,
                   num_warps=config["num_warps"], num_stages=config["num_stages"])
     launches: list[tuple[Any, tuple[Any, ...], dict[str, Any], tuple[int, ...]]] = [
         (attn_decode_split_kernel, args, kwargs, grid)]
@@ -166,7 +183,8 @@ def _launch(q: Any, k: Any, v: Any, config: Mapping[str, int], *, seqlens: Any,
     o_part = lse_part = None
     if config["NUM_SPLITS"] > 1:
         o_shape, l_shape = partial_shapes(
-            q, partial_count(config["NUM_SPLITS"], cache_options.get("k_new") is not None))
+            q, partial_count(config["NUM_SPLITS"], cache_options.get("k_new") is not None,
+                             batch * k.shape[1]))
         o_part = torch.empty(o_shape, device=q.device, dtype=torch.float32)
         lse_part = torch.empty(l_shape, device=q.device, dtype=torch.float32)
     for kernel, args, kwargs, grid in kernel_args(

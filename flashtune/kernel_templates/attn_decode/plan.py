@@ -67,7 +67,8 @@ class AttnDecodePlan:
         self._out_shape = (batch, heads_q, seqlen_q, head_dim)
         self._lse_shape = (batch, heads_q, seqlen_q)
         splits = config["NUM_SPLITS"]
-        parts = partial_count(splits, cache_options.get("k_new") is not None)
+        parts = partial_count(splits, cache_options.get("k_new") is not None,
+                              batch * k.shape[1])
         self._part_shapes = partial_shapes(q, parts) if splits > 1 else None
         out, lse, o_part, lse_part = self._buffers()
         seqlen_k = (block_table.shape[1] * k.shape[2] if block_table is not None
