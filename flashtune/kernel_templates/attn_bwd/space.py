@@ -207,8 +207,11 @@ def default_config(problem: AttentionProblem, device: DeviceFingerprint) -> Conf
         # the mask's registers on top of two 128x64 fp32 accumulators); 64 keys does not.
         # H100, BERT-base B32 H12 N512 D64 dropout 0.1, backward alone (one run,
         # benchmarks/README.md "Attention dropout"): 149 TFLOP/s against 95 (128 keys at
-        # 8 warps: 140)
+        # 8 warps: 140). With the mask built keys by queries (no fp32 conversion) the dQ
+        # tile of 128 queries spills (292 B at 255 registers), 64 does not (158): backward
+        # 191 TFLOP/s against 183 (benchmarks/results/dropout_v2_sweep_h100.json)
         config["BLOCK_N1"] = min(config["BLOCK_N1"], 64)
+        config["BLOCK_M2"] = min(config["BLOCK_M2"], 64)
     config = fill_the_gpu(config, problem, device.sm_count)
     while check(config, problem, device) is not None:
         if config["num_stages"] > 1:
