@@ -82,9 +82,9 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-__all__ = ["PACKAGED_DIR", "RANDOM_LENGTHS", "Plan", "PlanError", "load_plan",
+__all__ = ["PACKAGED_DIR", "RANDOM_LENGTHS", "SHIPPED_PLANS", "Plan", "PlanError", "load_plan",
            "packaged_plans", "parse_plan", "read_lengths", "read_plan", "resolve_plan",
-           "tune_command", "varlen_lengths"]
+           "shipped_plan", "tune_command", "varlen_lengths"]
 
 _INT_FIELDS = ("batch", "heads", "kv_heads", "seqlen", "kv_seqlen", "head_dim")
 _REQUIRED = ("batch", "heads", "seqlen", "head_dim")
@@ -330,7 +330,18 @@ def resolve_plan(name_or_path: str | Path) -> Path:
                     f"packaged plans: {names} (or give a TOML file's path)")
 
 
-def tune_command(problem: AttentionProblem, *, op: str | None = None,
+# the packaged plan that holds each op's shapes (a backward template's: the training step's)
+SHIPPED_PLANS = {"fwd": "shipped-fwd", "train": "shipped-train", "bwd": "shipped-train",
+                 "decode": "shipped-decode"}
+
+
+def shipped_plan(op: str) -> str | None:
+    """The packaged plan (:data:`SHIPPED_PLANS`) whose shapes the shipped tables of ``op``
+    (a user op, or a template's op such as ``bwd``) are tuned on; None for another op."""
+    return SHIPPED_PLANS.get(op)
+
+
+def tune_command(problem: AttentionProblem | None, *, op: str | None = None,
                  template: str | None = None, plan: str | None = None) -> str:
     """The ``flashtune tune`` command that tunes ``problem`` (``op``: across the op's
     implementations; ``template``: that template's configs; ``plan``: instead of the
@@ -341,6 +352,8 @@ def tune_command(problem: AttentionProblem, *, op: str | None = None,
     args = ["flashtune", "tune", *(("--op", op) if op else ("--template", str(template)))]
     if plan is not None:
         return " ".join([*args, "--plan", shlex.quote(plan)])
+    if problem is None:
+        raise ValueError("give the problem, or the plan holding it")
     p = problem
     if p.packed:
         lengths_q, lengths_k = p.packed_lengths()

@@ -10,6 +10,12 @@ Three sources, in order of precedence (an earlier one wins for the same device a
 A file is found by :func:`flashtune.db.exchange.config_file_name`, the exporter's own naming
 function; every file is validated on read (:func:`flashtune.db.exchange.read_document`).
 Only configs tuned for the template's current ``source_hash`` are kept (others are stale).
+A stale file of the device asked for, in ``flashtune/configs/`` or ``$FLASHTUNE_CONFIG_DIR``
+(a shipped table tuned for an older kernel source), is one of the reasons returned (so the
+router warns once per process, naming it and the command that re-tunes it); a stale entry
+of the database, which keeps every source's results, is logged at info level.
+:func:`stale_tables` lists every stale shipped table, of any device, for ``flashtune show``,
+``db info`` and ``db verify``.
 A source nobody asked for is silently empty when missing (the default database file before
 the first tuning run); a locked, corrupt or unreadable one, and one asked for that is not
 there (``$FLASHTUNE_DB`` or a ``db_url`` naming a SQLite file that does not exist,
@@ -21,7 +27,8 @@ configs.
 serves each shape of a user op) from the same three sources, files named by
 :func:`flashtune.db.exchange.choice_file_name`. A choice is served only when its winner is
 an implementation the caller names with the source hash it was decided at; others are
-stale (logged at info level, once per source).
+stale (a shipped file of the device asked for: a reason returned, as above; else logged
+at info level, once per source).
 """
 
 from __future__ import annotations
@@ -39,8 +46,9 @@ from flashtune.core.spec import USER_OPS
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
-__all__ = ["ChoiceEntry", "DeviceKey", "TunedEntry", "device_key", "load_choices",
-           "load_entries", "source_dirs"]
+__all__ = ["ChoiceEntry", "DeviceKey", "StaleTable", "TunedEntry", "device_key",
+           "load_choices", "load_entries", "retune_file_command", "source_dirs",
+           "stale_tables"]
 
 # how the runtime matches a device: the hardware key without total memory, which moves
 # by a few MiB between drivers on the same card
@@ -109,22 +117,28 @@ def _from_db(template: str, source_hash: str, url: str | None) -> Iterator[Tuned
                          dict(b.config), b.median_ms, b.tflops, origin)
 
 
-def _from_file(path: Path, kind: str, template: str, source_hash: str) -> Iterator[TunedEntry]:
+def _from_file(path: Path, kind: str, template: str, source_hash: str,
+               device_name: str | None) -> tuple[list[TunedEntry], str | None]:
+    """The entries of a config file and, when it is stale and of ``device_name``, the line
+    that says so (else a stale file is logged at info level)."""
     from flashtune.db.exchange import ConfigDocument, read_document
     from flashtune.kernel_templates import catalog
 
-    doc = read_document(path, specs=catalog())
+    specs = catalog()
+    doc = read_document(path, specs=specs)
     if not isinstance(doc, ConfigDocument) or doc.template != template \
             or doc.file_name() != path.name:
         raise ValueError(f"{path} holds {doc.file_name()}, not what its name says")
     if doc.source_hash != source_hash:
+        stale = _config_staleness(path, kind, doc, specs)
+        if stale is not None and doc.device.name == device_name:
+            return [], stale.line()
         log.info("%s: tuned for %s source %s, this is %s: stale, not served", path, template,
                  doc.source_hash, source_hash)
-        return
+        return [], None
     key = device_key(doc.device)
-    for e in doc.entries:
-        yield TunedEntry(key, AttentionProblem.from_key(e.problem), dict(e.config),
-                         e.median_ms, e.tflops, f"{kind} {path}")
+    return [TunedEntry(key, AttentionProblem.from_key(e.problem), dict(e.config),
+                       e.median_ms, e.tflops, f"{kind} {path}") for e in doc.entries], None
 
 
 def _files(folder: Path, exact: str | None, suffix: str) -> list[Path]:
@@ -141,10 +155,11 @@ def _files(folder: Path, exact: str | None, suffix: str) -> list[Path]:
 
 
 def _gather(from_db: Callable[[], Iterable[_T]], files: Callable[[Path], list[Path]],
-            from_file: Callable[[Path, str], Iterable[_T]], what: str
+            from_file: Callable[[Path, str], tuple[list[_T], str | None]], what: str
             ) -> tuple[list[_T], list[str]]:
     """The entries of the database, then of every config folder, in precedence order, and
-    one line per source that failed (``what``: ``"config"``, ``"op choice"``, for it)."""
+    one line per source that failed or is stale (``what``: ``"config"``, ``"op choice"``,
+    for it)."""
     entries: list[_T] = []
     problems: list[str] = []
     try:
@@ -163,9 +178,13 @@ def _gather(from_db: Callable[[], Iterable[_T]], files: Callable[[Path], list[Pa
             continue
         for path in paths:
             try:
-                entries.extend(from_file(path, kind))
+                found, stale = from_file(path, kind)
             except Exception as exc:  # noqa: BLE001 - a bad file never stops the process
                 problems.append(f"{kind} {what} file skipped: {' '.join(str(exc).split())}")
+                continue
+            entries.extend(found)
+            if stale is not None:
+                problems.append(stale)
     return entries, problems
 
 
@@ -183,7 +202,8 @@ def load_entries(template: str, source_hash: str, device_name: str, *,
                    lambda folder: _files(
                        folder, None if aliases else config_file_name(device_name, template),
                        f",template={template}.json"),
-                   lambda path, kind: _from_file(path, kind, template, source_hash), "config")
+                   lambda path, kind: _from_file(path, kind, template, source_hash,
+                                                 device_name), "config")
 
 
 # -- op choices -------------------------------------------------------------------------------
@@ -247,8 +267,8 @@ def _choices_from_db(op: str, hashes: Mapping[str, str], url: str | None) -> lis
     return out
 
 
-def _choices_from_file(path: Path, kind: str, op: str,
-                       hashes: Mapping[str, str]) -> list[ChoiceEntry]:
+def _choices_from_file(path: Path, kind: str, op: str, hashes: Mapping[str, str],
+                       device_name: str | None) -> tuple[list[ChoiceEntry], str | None]:
     from flashtune.db.exchange_choices import read_choice_document
     from flashtune.kernel_templates import catalog
 
@@ -262,8 +282,15 @@ def _choices_from_file(path: Path, kind: str, op: str,
                        None if e.runner_up_ms is None else e.runner_up_ms / e.median_ms)
            for e in doc.entries
            if stale.keep(e.implementation, doc.implementations.get(e.implementation), hashes)]
+    # warned about: entries of an implementation known here whose source moved since (its
+    # kernels changed: re-tune); one this flashtune does not know (a file from a newer one)
+    # is only logged
+    if any(name in hashes for name in stale.skipped) and doc.device.name == device_name:
+        found = _choice_staleness(path, kind, doc, hashes)
+        if found is not None:
+            return out, found.line()
     stale.log(hashes)
-    return out
+    return out, None
 
 
 def load_choices(op: str, hashes: Mapping[str, str], device_name: str, *,
@@ -293,4 +320,140 @@ def load_choices(op: str, hashes: Mapping[str, str], device_name: str, *,
                    lambda folder: _files(
                        folder, None if aliases else choice_file_name(device_name, op),
                        f",op={op}.json"),
-                   lambda path, kind: _choices_from_file(path, kind, op, hashes), "op choice")
+                   lambda path, kind: _choices_from_file(path, kind, op, hashes,
+                                                         device_name), "op choice")
+
+
+# -- stale shipped tables ---------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class StaleTable:
+    """A shipped or exported file (``flashtune/configs/``, ``$FLASHTUNE_CONFIG_DIR``) with
+    entries that are not served: tuned for another source of their implementation than this
+    flashtune's (its kernels changed since), or for an implementation it does not know.
+
+    Attributes:
+        kind: ``"package"`` or ``"dir"``.
+        path: the file.
+        device: the device name it was tuned on.
+        what: ``"attn_fwd configs"`` or ``"op fwd choices"``.
+        stale: how many of its entries are not served; ``total``: how many it has.
+        reason: why, in one clause.
+        command: the commands that re-tune and re-export it on that device's GPU.
+    """
+
+    kind: str
+    path: Path
+    device: str
+    what: str
+    stale: int
+    total: int
+    reason: str
+    command: str
+
+    def line(self) -> str:
+        """One line: which file, how many entries, why, and how to re-tune them."""
+        count = "all" if self.stale == self.total else f"{self.stale} of"
+        return (f"{self.kind} {self.path.name} is stale: {count} {self.total} {self.what} "
+                f"not served ({self.reason}); re-tune on a {self.device}: {self.command}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready values (``path`` as a string)."""
+        return {"kind": self.kind, "path": str(self.path), "device": self.device,
+                "what": self.what, "stale": self.stale, "total": self.total,
+                "reason": self.reason, "command": self.command, "line": self.line()}
+
+
+def retune_file_command(folder: Path, device: str, *, template: str | None = None,
+                        template_op: str | None = None, op: str | None = None) -> str:
+    """The commands that re-tune a shipped file's table on its device and write it back:
+    ``flashtune tune`` over the packaged plan of its op
+    (:data:`flashtune.autotune.plans.SHIPPED_PLANS`), then ``flashtune export`` of that
+    template (``template``, whose op is ``template_op``) or op (``op``) into ``folder``."""
+    import shlex
+
+    from flashtune.autotune.plans import shipped_plan, tune_command
+
+    plan = shipped_plan(op or template_op or "")
+    what = ("--op", op) if op else ("--template", str(template))
+    export = (f"flashtune export -o {shlex.quote(str(folder))} --device {shlex.quote(device)} "
+              f"{' '.join(what)}")
+    if plan is None:  # a template no packaged plan covers: its shapes as tuned
+        return f"flashtune tune {' '.join(what)} <each shape>, then {export}"
+    return f"{tune_command(None, op=op, template=template, plan=plan)}, then {export}"
+
+
+def _config_staleness(path: Path, kind: str, doc: Any,
+                      specs: Mapping[str, Any]) -> StaleTable | None:
+    spec = specs.get(doc.template)
+    if spec is not None and spec.source_hash == doc.source_hash:
+        return None
+    reason = (f"tuned for {doc.template} source {doc.source_hash}, this flashtune's is "
+              f"{spec.source_hash}" if spec is not None
+              else f"this flashtune has no template {doc.template}")
+    return StaleTable(kind, path, doc.device.name, f"{doc.template} configs", len(doc.entries),
+                      len(doc.entries), reason,
+                      retune_file_command(path.parent, doc.device.name, template=doc.template,
+                                          template_op=getattr(spec, "op", None)))
+
+
+def _choice_staleness(path: Path, kind: str, doc: Any,
+                      hashes: Mapping[str, str]) -> StaleTable | None:
+    stale = [e for e in doc.entries if not doc.is_current(e, hashes)]
+    if not stale:
+        return None
+    moved = sorted({e.implementation for e in stale})
+    reasons = []
+    for name in moved:
+        if name in hashes:
+            reasons.append(f"{name} decided at source {doc.implementations.get(name)}, this "
+                           f"flashtune's is {hashes[name]}")
+        else:
+            reasons.append(f"this flashtune has no implementation {name} of op {doc.op}")
+    return StaleTable(kind, path, doc.device.name, f"op {doc.op} choices", len(stale),
+                      len(doc.entries), "; ".join(reasons),
+                      retune_file_command(path.parent, doc.device.name, op=doc.op))
+
+
+def stale_tables(device_name: str | None = None) -> tuple[list[StaleTable], list[str]]:
+    """Every stale table among the shipped and exported files (``$FLASHTUNE_CONFIG_DIR``,
+    then ``flashtune/configs/``), of ``device_name`` or (None) of every device, and one line
+    per file or folder that could not be read.
+
+    Reads every file once, on the caller's request (``flashtune show``, ``db info``,
+    ``db verify``); the router never calls it.
+    """
+    from flashtune.db.exchange import ConfigDocument, read_document
+    from flashtune.db.exchange_choices import read_choice_document
+    from flashtune.kernel_templates import catalog
+
+    specs = catalog()
+    out: list[StaleTable] = []
+    problems: list[str] = []
+    for kind, folder in source_dirs():
+        try:
+            paths = _files(folder, None, ".json")
+        except OSError as exc:
+            problems.append(f"{kind} folder {folder} skipped: {exc}")
+            continue
+        for path in paths:
+            try:
+                if ",op=" in path.name:
+                    doc: Any = read_choice_document(path, specs=specs, strict=False)
+                    if device_name not in (None, doc.device.name):
+                        continue
+                    hashes = {s.name: s.source_hash for s in specs.for_op(doc.op).values()}
+                    found = _choice_staleness(path, kind, doc, hashes)
+                else:
+                    doc = read_document(path, specs=specs)
+                    if not isinstance(doc, ConfigDocument) \
+                            or device_name not in (None, doc.device.name):
+                        continue
+                    found = _config_staleness(path, kind, doc, specs)
+            except Exception as exc:  # noqa: BLE001 - a bad file is a line, never a crash
+                problems.append(f"{kind} file {path.name} skipped: "
+                                f"{' '.join(str(exc).split())}")
+                continue
+            if found is not None:
+                out.append(found)
+    return out, problems

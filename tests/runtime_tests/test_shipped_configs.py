@@ -4,6 +4,7 @@ no tuning database and no config folder (a fresh install)."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -78,3 +79,85 @@ def test_other_shapes_on_an_h100_get_the_nearest_shipped_config(fresh_install):
 
 def test_the_loader_finds_the_package_folder():
     assert ("package", PACKAGE) in [(k, p.resolve()) for k, p in sources.source_dirs()]
+
+
+# -- a shipped table, current or stale, whatever the state of the real file ------------------
+
+def _ship(folder: Path, source_hash: str) -> Path:
+    """The real H100 attn_fwd file, keyed to ``source_hash``, as the only package file."""
+    real = json.loads((PACKAGE / config_file_name(H100.name, "attn_fwd")).read_text())
+    real["template"]["source_hash"] = source_hash
+    folder.mkdir(exist_ok=True)
+    path = folder / config_file_name(H100.name, "attn_fwd")
+    path.write_text(json.dumps(real))
+    return path
+
+
+@pytest.fixture
+def package(tmp_path, monkeypatch, fresh_install):
+    """An empty stand-in for flashtune/configs (the loader's package folder)."""
+    folder = tmp_path / "package"
+    folder.mkdir()
+    monkeypatch.setattr(sources, "source_dirs", lambda: [("package", folder)])
+    return folder
+
+
+def test_a_current_shipped_table_loads_validates_and_routes(package, caplog):
+    path = _ship(package, SPEC.source_hash)
+    doc = parse_document(path.read_text(), specs=SPECS)
+    assert sources.stale_tables() == ([], [])
+    dispatch = Dispatcher(SPEC)
+    with caplog.at_level("WARNING", logger="flashtune"):
+        for entry in doc.entries:
+            problem = AttentionProblem.from_key(entry.problem)
+            choice = dispatch.choose(problem, H100)
+            assert (choice.source, choice.config) == ("exact", entry.config)
+            assert choice.origin == f"package {path}"
+            off_grid = replace(problem, batch=problem.batch + 1)
+            assert dispatch.choose(off_grid, H100).source in ("bucket", "nearest")
+    assert not caplog.records
+
+
+def test_a_stale_shipped_table_is_reported_once_and_not_served(package, caplog):
+    path = _ship(package, "0123456789abcdef")
+    dispatch = Dispatcher(SPEC)
+    with caplog.at_level("WARNING", logger="flashtune"):
+        for problem in preset("llama3-8b"):
+            for _ in range(3):
+                assert dispatch.choose(problem, H100).source == "default"
+    stale = [r.getMessage() for r in caplog.records if "is stale" in r.getMessage()]
+    assert len(stale) == 1, stale  # once per process, not per call nor per shape
+    assert path.name in stale[0] and "0123456789abcdef" in stale[0]
+    assert SPEC.source_hash in stale[0]
+    assert "flashtune tune --template attn_fwd --plan shipped-fwd" in stale[0]
+    assert f"flashtune export -o {package} --device {H100.name} --template attn_fwd" \
+        in stale[0]
+    # no file read per call: the table is loaded once per device
+    reads = []
+    real = sources.load_entries
+    import flashtune.runtime.lookup as lookup
+    lookup_load = lookup.load_entries
+    try:
+        lookup.load_entries = lambda *a, **k: reads.append(a) or real(*a, **k)
+        dispatch.choose(preset("llama3-8b")[0], H100)
+        dispatch.choose(AttentionProblem(3, 32, 8, 3000, 3000, 128, True, "bf16"), H100)
+    finally:
+        lookup.load_entries = lookup_load
+    assert reads == []
+    # `flashtune show`, `db info` and `db verify` list it
+    (table,), problems = sources.stale_tables()
+    assert problems == [] and (table.path, table.device, table.stale) == (path, H100.name, 16)
+    assert table.line() == stale[0].removeprefix("flashtune: ").split(
+        "; serving what")[0]
+    assert sources.stale_tables(device_name="other") == ([], [])
+
+
+def test_a_stale_table_of_another_device_is_not_warned_about(package, caplog):
+    _ship(package, "0123456789abcdef")
+    other = replace(H100, name="NVIDIA_H200")
+    with caplog.at_level("WARNING", logger="flashtune"):
+        Dispatcher(SPEC).reload(device_alias=True)
+        dispatch = Dispatcher(SPEC)
+        dispatch.reload(device_alias=True)
+        assert dispatch.choose(preset("llama3-8b")[0], other).source == "default"
+    assert not [r for r in caplog.records if "is stale" in r.getMessage()]
