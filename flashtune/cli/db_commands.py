@@ -1,4 +1,5 @@
-"""``flashtune db``: upgrade the tuning database's schema, show what it holds.
+"""``flashtune db``: upgrade the tuning database's schema, show what it holds, verify the
+shipped and stored entries on this GPU (``db verify``, :mod:`flashtune.runtime.verify`).
 
 The root group (``flashtune.cli.main``) stores the ``--db`` URL in ``ctx.obj["db_url"]``;
 None means :func:`flashtune.db.default_db_url`. Heavy imports (torch, triton) never happen
@@ -12,7 +13,11 @@ from typing import Any
 
 import click
 
-__all__ = ["db", "info_command", "upgrade_command"]
+__all__ = ["VERIFY_SOURCES", "db", "info_command", "upgrade_command", "verify_command"]
+
+# flashtune.runtime.verify.SOURCES, spelled out so --help imports no torch (a test keeps the
+# two equal)
+VERIFY_SOURCES = ("shipped", "db", "all")
 
 
 def _db_url(ctx: click.Context, *, create: bool = True) -> str:
@@ -135,3 +140,60 @@ def _render(info: dict[str, Any]) -> str:
     width = max((len(name) for name in info["counts"]), default=0)
     lines += [f"  {name:<{width}}  {count:>8}" for name, count in info["counts"].items()]
     return "\n".join(lines)
+
+
+@db.command("verify")
+@click.option("--source", type=click.Choice(VERIFY_SOURCES), default="all", show_default=True,
+              help="Verify the shipped tables (flashtune/configs and $FLASHTUNE_CONFIG_DIR, "
+                   "as the router reads them), the tuning database's entries, or both.")
+@click.option("--sample", type=click.IntRange(min=0), default=8, show_default=True,
+              help="Re-time this many current entries of this GPU, drawn at random "
+                   "(--seed); 0: every one.")
+@click.option("--tolerance", type=click.FloatRange(min=0, max=10, max_open=True),
+              default=0.05, show_default=True,
+              help="Report an entry measured more than this fraction slower than recorded.")
+@click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Timing rounds per entry (the median of the round medians, as the "
+                   "tuner times).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Draws the sample.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.option("--interpret", is_flag=True,
+              help="Run on CPU under the Triton interpreter: checks the pipeline; its "
+                   "timings mean nothing.")
+@click.pass_context
+def verify_command(ctx: click.Context, source: str, sample: int, tolerance: float,
+                   rounds: int, seed: int, as_json: bool, interpret: bool) -> None:
+    """Re-time a sample of this GPU's shipped or stored entries and report what to re-tune.
+
+    Every entry of this GPU is checked first: one tuned for another source of its kernel
+    (stale: never served) or under other torch, Triton, CUDA or driver versions is
+    reported. A sample of the current ones is then checked against the fp32 reference and
+    timed as the tuner times a candidate; one now more than --tolerance slower than its
+    recorded time is reported. Each reported entry comes with the `flashtune tune` command
+    that re-tunes it. Exit status 1 when anything is reported. Without a GPU it says so and
+    stops (--interpret runs the pipeline on CPU).
+    """
+    from flashtune.cli.bench_modes import _gpu_or_interpret
+
+    _gpu_or_interpret(interpret, "db verify re-times entries on this machine's GPU; "
+                                 "--interpret checks the pipeline on CPU")
+    from flashtune.core.device import cuda_device, interpreter_device
+    from flashtune.core.errors import FlashtuneError
+    from flashtune.runtime.verify import render, verify
+
+    device = interpreter_device() if interpret else cuda_device()
+    url = (ctx.obj or {}).get("db_url") if isinstance(ctx.obj, dict) else None
+    try:
+        report = verify(device, source=source, sample=sample, tolerance=tolerance,
+                        rounds=rounds, seed=seed, db_url=url)
+    except (FlashtuneError, ValueError) as exc:
+        raise _fail(exc) from exc
+    if as_json:
+        data = report.to_dict()
+        data.update(source=source, sample=sample, tolerance=tolerance, rounds=rounds,
+                    seed=seed, interpret=interpret)
+        click.echo(json.dumps(data, indent=2, sort_keys=True))
+    else:
+        click.echo(render(report, interpret))
+    if report.reported or report.stale_tables:
+        ctx.exit(1)
