@@ -5,7 +5,8 @@ reference.
 
     python benchmarks/bench_kvcache_append.py [--batches 1,4,16,32,64]
         [--seqlens 4096,8192,16384,32768] [--page-size 64 | --page-size 0]
-        [--timing both|eager|graph] [--out benchmarks/results/kvcache_append.json]
+        [--timing both|eager|graph] [--variant-batches 1,4]
+        [--out benchmarks/results/kvcache_append.json]
 
 Grid: Nq = 1 and one new key per sequence, Hq 32, Hkv 8, D 128, bf16, GPT-NeoX rotary on
 every dim (Llama); every sequence holds ``Nk - 1`` keys before the step, so it attends to
@@ -21,6 +22,7 @@ one of the same size (shuffled pages; one cache held at a time):
 * ``attention``: ``flashtune.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens + 1)``
   on the same cache: the attention alone over the same keys. Issue 31's target: ``fused`` at
   most 1.1x this.
+* ``append_only``: the fused call without rotary (``k``/``v`` only): what the rotary adds.
 * ``unfused_flashtune``: the torch sequence a model runs without the fused call (rotary of q
   and k in torch, in bf16 as HF's ``apply_rotary_pos_emb``; the cache write by an indexed
   store; ``cache_seqlens + 1``) then flashtune's attention.
@@ -28,14 +30,19 @@ one of the same size (shuffled pages; one cache held at a time):
   SDPA (``enable_gqa=True``) over the whole cache.
 * ``sdpa_flash`` / ``sdpa_cudnn`` (contiguous only): SDPA's attention alone, for reference
   as the other decode scripts report it.
+* ``fused_launcher_own_rows`` / ``fused_launcher_last_split`` (``--variant-batches``, split
+  configs only): the fused call through the launcher, the new keys walked by programs in
+  grid rows of their own (as served) or by the last split (the fallback past the grid's
+  limit).
 
 Timings: ``eager`` is :func:`flashtune.autotune.timing.bench` (cold L2, calls as launched,
 host cost hidden as bench does for short kernels), ``graph`` is
 :func:`~flashtune.autotune.timing.bench_graph` (CUDA-graph replays: GPU time only, warm L2).
 Every implementation's output is checked against the fused call's reference (fp32, batch 0)
-before it is timed, and the fused call's cache slot against the torch write. Effective
-bandwidth as bench_decode.py's: ``2 B Hkv Nk D elem_size`` bytes, in TB/s. Prints a markdown
-table last; writes the full figures as JSON.
+before it is timed, and the fused call's cache slot against the torch write; every
+sequence's appended key and value are compared bit for bit with the reference rotation.
+Effective bandwidth as bench_decode.py's: ``2 B Hkv Nk D elem_size`` bytes, in TB/s. Prints
+a markdown table last; writes the full figures as JSON.
 """
 
 from __future__ import annotations
@@ -65,6 +72,10 @@ def parse_args(argv=None):
                     help="skip shapes whose K+V take more than this many GB")
     ap.add_argument("--timing", default="both", choices=["both", "eager", "graph"])
     ap.add_argument("--out", default="benchmarks/results/kvcache_append.json")
+    ap.add_argument("--variant-batches", default="",
+                    help="batches (e.g. 1,4) where split configs also time the fused call "
+                         "through the launcher with the new keys in their own grid rows "
+                         "(as served) and walked by the last split instead")
     return ap.parse_args(argv)
 
 
@@ -92,11 +103,15 @@ def main() -> None:
     import flashtune
     from flashtune.autotune.timing import bench, bench_graph
     from flashtune.core.device import cuda_device
+    from flashtune.core.problem import AttentionProblem
     from flashtune.kernel_templates import get_template
+    from flashtune.kernel_templates.attn_decode import launcher
     from flashtune.kernel_templates.attn_decode.reference import (
         attn_decode_kvcache_reference,
         attn_decode_reference,
+        rotary_reference,
     )
+    from flashtune.runtime import kvcache
     from flashtune.runtime.kvcache import attention_with_kvcache
 
     backends = {"sdpa_flash": SDPBackend.FLASH_ATTENTION,
@@ -161,6 +176,10 @@ def main() -> None:
                                           rotary_sin=sin, rotary_interleaved=False,
                                           block_table=table, causal=True)
 
+        def append_only():
+            return attention_with_kvcache(q, kc, vc, lens, k=knew, v=vnew, block_table=table,
+                                          causal=True)
+
         def attention():
             return attention_with_kvcache(q, kc, vc, lens_after, block_table=table,
                                           causal=True)
@@ -184,12 +203,46 @@ def main() -> None:
             return attention_with_kvcache(q_rot, kc, vc, new_lens, block_table=table,
                                           causal=True)
 
+        if b in variant_batches:
+            problem = AttentionProblem(b, hq, hkv, 1, nk, d, True, args.dtype, -1, -1, 0.0,
+                                       False)
+            cfg = kvcache.DISPATCH.peek(problem, kvcache._device("cuda", None)).config
+            row[f"config{suffix}"] = dict(cfg)
+            if cfg["NUM_SPLITS"] > 1:
+                for name, rows_limit in (("fused_launcher_own_rows", launcher.MAX_GRID_Y),
+                                         ("fused_launcher_last_split", 0)):
+                    def variant(rows_limit=rows_limit):
+                        saved, launcher.MAX_GRID_Y = launcher.MAX_GRID_Y, rows_limit
+                        try:
+                            return launcher.attn_decode_kvcache(
+                                q, kc, vc, lens, cfg, k=knew, v=vnew, rotary_cos=cos,
+                                rotary_sin=sin, rotary_interleaved=False, block_table=table,
+                                causal=True)
+                        finally:
+                            launcher.MAX_GRID_Y = saved
+
+                    run_impl(row, f"{name}{suffix}", variant, ref,
+                             "launcher, new keys in their own rows" if rows_limit
+                             else "launcher, new keys walked by the last split")
+
         # the fused call's cache slot against the torch write (both rotate at lens[0])
         fused()
         slot = (lambda t: t[0, :, int(lens[0])]) if table is None else (
             lambda t: t[int(table[0, int(lens[0]) // ps]), :, int(lens[0]) % ps])
         ours = slot(kc).float().clone()
         slot_err = (ours - slot(k_ref).float()).abs().max().item()
+        # every sequence's new slot (B, Hkv, D) against the reference rotation (fp32 math
+        # rounded to the dtype, as the kernel does): bit-exact expected
+        pos = lens.long()
+        if table is None:
+            written = kc[batch, :, pos]
+        else:
+            written = kc[table[batch, pos // ps].long(), :, pos % ps]
+        want = rotary_reference(knew, cos, sin, pos[:, None], interleaved=False)[:, :, 0]
+        row[f"k_slots_bit_exact{suffix}"] = bool(torch.equal(written, want))
+        row[f"v_slots_bit_exact{suffix}"] = bool(torch.equal(
+            vc[batch, :, pos] if table is None
+            else vc[table[batch, pos // ps].long(), :, pos % ps], vnew[:, :, 0]))
         torch_steps()
         row[f"k_slot_vs_torch_write{suffix}"] = (ours - slot(kc).float()).abs().max().item()
         row[f"k_slot_vs_reference{suffix}"] = slot_err
@@ -201,6 +254,13 @@ def main() -> None:
                      block_table=None if table is None else table[:1],
                      dtype=torch.float32)[0],
                  "cache_seqlens + 1, no options")
+        # the append alone (no rotary): what the rotary of q and k adds to the fused call
+        run_impl(row, f"append_only{suffix}", append_only,
+                 lambda: attn_decode_kvcache_reference(
+                     q[:1], kc, vc, lens[:1], k=knew[:1], v=vnew[:1],
+                     block_table=None if table is None else table[:1], causal=True,
+                     dtype=torch.float32)[0],
+                 "k, v, no rotary")
         run_impl(row, f"unfused_flashtune{suffix}", unfused_flashtune, ref,
                  "torch rotary (bf16) + indexed cache write + lens + 1, then flashtune")
         if not paged:
@@ -225,6 +285,7 @@ def main() -> None:
                          "enable_gqa=True, q not rotated")
         del kc, vc
 
+    variant_batches = {int(x) for x in args.variant_batches.split(",") if x}
     rows = []
     t0 = time.time()
     for b in (int(x) for x in args.batches.split(",")):
@@ -248,8 +309,9 @@ def main() -> None:
             for key in ("median_ms", "graph_ms"):
                 for sfx in ("", "_paged"):
                     base = row.get(f"attention{sfx}", {}).get(key)
-                    for name in ("fused", "unfused_flashtune", "unfused_sdpa_flash",
-                                 "unfused_sdpa_cudnn"):
+                    for name in ("fused", "append_only", "unfused_flashtune",
+                                 "unfused_sdpa_flash", "unfused_sdpa_cudnn",
+                                 "fused_launcher_own_rows", "fused_launcher_last_split"):
                         t = row.get(f"{name}{sfx}", {}).get(key)
                         if base and t:
                             row.setdefault("vs_attention", {})[f"{name}{sfx}/{key}"] = t / base
@@ -276,9 +338,9 @@ def main() -> None:
 
 
 def print_table(rows, key):
-    cols = ["fused", "attention", "unfused_flashtune", "unfused_sdpa_flash",
+    cols = ["fused", "attention", "append_only", "unfused_flashtune", "unfused_sdpa_flash",
             "unfused_sdpa_cudnn", "sdpa_flash", "sdpa_cudnn", "fused_paged",
-            "attention_paged", "unfused_flashtune_paged"]
+            "attention_paged", "append_only_paged", "unfused_flashtune_paged"]
     cols = [c for c in cols if any(key in r.get(c, {}) for r in rows)]
     print(f"{key} in us; ratios to flashtune's attention alone on the same cache")
     head = ("| B | Nk | " + " | ".join(cols) + " | fused/attn | unfused_ft/attn |"
@@ -302,6 +364,11 @@ def print_table(rows, key):
     def gm(xs):
         return 2 ** (sum(math.log2(x) for x in xs) / len(xs)) if xs else float("nan")
 
+    exact = [r.get(k) for r in rows for k in ("k_slots_bit_exact", "v_slots_bit_exact",
+                                               "k_slots_bit_exact_paged",
+                                               "v_slots_bit_exact_paged") if k in r]
+    print(f"appended slots bit-exact with the reference rotation: {sum(exact)} of "
+          f"{len(exact)}")
     print("geomean ratio to attention alone: " + ", ".join(
         f"{n} {gm(v):.3f} (max {max(v):.3f})" for n, v in ratios.items() if v))
 
