@@ -87,17 +87,35 @@ def info_command(ctx: click.Context, as_json: bool) -> None:
         raise click.ClickException(f"database {missing} does not exist (nothing tuned into "
                                    f"it yet; `flashtune tune` or `{upgrade_hint(safe_url(url))}` "
                                    "creates it)")
+    stale: list[dict[str, Any]] = []
     try:
         with open_store(url, read_only=True) as store:
             info = store.info()
+            stale = _stale_entries(store)
     except SchemaError as exc:
         info = _unopened_info(url, exc)
     except StoreError as exc:
         raise _fail(exc) from exc
+    from flashtune.runtime.sources import stale_tables
+
+    info["stale_entries"] = len(stale)
+    info["stale_tables"] = [t.to_dict() for t in stale_tables()[0]]
     if as_json:
         click.echo(json.dumps(info, indent=2, sort_keys=True))
     else:
         click.echo(_render(info))
+
+
+def _stale_entries(store: Any) -> list[dict[str, Any]]:
+    """The stored best configs and op choices that are stale and not replaced (as
+    ``flashtune show`` lists them)."""
+    from flashtune.cli.show_commands import _stale, best_to_dict, choice_to_dict
+    from flashtune.core.spec import USER_OPS
+
+    out = _stale([best_to_dict(b) for b in store.list_best()], None)[0]
+    for op in USER_OPS:
+        out += _stale([choice_to_dict(c) for c in store.list_choices(op=op)], op)[0]
+    return out
 
 
 def _unopened_info(url: str, refusal: Exception) -> dict[str, Any]:
@@ -139,6 +157,12 @@ def _render(info: dict[str, Any]) -> str:
     lines.append("rows")
     width = max((len(name) for name in info["counts"]), default=0)
     lines += [f"  {name:<{width}}  {count:>8}" for name, count in info["counts"].items()]
+    if info.get("stale_entries"):
+        lines.append(f"stale      {info['stale_entries']} stored entries tuned for an older "
+                     "kernel source, not served: `flashtune show` (and `show --op OP`) lists "
+                     "them with their re-tune commands")
+    for table in info.get("stale_tables", []):
+        lines.append(f"stale      {table['line']}")
     return "\n".join(lines)
 
 

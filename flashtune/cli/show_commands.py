@@ -12,6 +12,13 @@ implementation (and config) that serves it, its time and throughput, and its mar
 fastest extern implementation timed beside it (``winner`` when that extern won).
 ``--template`` then keeps the choices won by that implementation. Without ``--op`` the
 table of best configs ends with a line counting the op choices, when there are any.
+
+Stale entries are listed after the table (what, why, the command that re-tunes them): the
+database's configs or choices tuned for another source of their implementation than this
+flashtune's and not replaced since (never served), and the shipped tables in
+``flashtune/configs/`` or ``$FLASHTUNE_CONFIG_DIR`` that are
+(:func:`flashtune.runtime.sources.stale_tables`). ``--json`` rows carry ``stale``: the
+reason, or null.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ __all__ = ["best_to_dict", "choice_to_dict", "show_command"]
 _SHAPE_ORDER = ("batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_k", "head_dim", "causal",
                 "dtype")
 _SOFTWARE_ORDER = ("flashtune", "torch", "triton", "cuda", "driver")  # --software's columns
+STALE_LINES = 20  # stale entries listed after the table; the rest are counted
 
 
 def best_to_dict(best: Any) -> dict[str, Any]:
@@ -174,6 +182,7 @@ def show_command(ctx: click.Context, device: str | None, template: str | None,
                         ops[c.op] = ops.get(c.op, 0) + 1
     except StoreError as exc:
         raise fail(exc) from exc
+    stale_rows, shipped = _stale(rows, op)
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return
@@ -189,3 +198,55 @@ def show_command(ctx: click.Context, device: str | None, template: str | None,
         counts = ", ".join(f"{k}: {v}" for k, v in sorted(ops.items()))
         click.echo(f"{n} op choice{'' if n == 1 else 's'} stored ({counts}): list them with "
                    "`flashtune show --op OP`")
+    lines = [f"  {r['device']} {r.get('op') and 'op ' + r['op'] + ': ' or ''}"
+             f"{r.get('implementation') or r.get('template')} {_shape(r['problem'])}: "
+             f"{r['stale']}; re-tune on that GPU: {r['retune']}" for r in stale_rows]
+    lines += [f"  {t.line()}" for t in shipped]
+    if lines:
+        click.echo(f"stale, not served ({len(lines)}):")
+        for line in lines[:STALE_LINES]:
+            click.echo(line)
+        if len(lines) > STALE_LINES:
+            click.echo(f"  ... and {len(lines) - STALE_LINES} more (`flashtune show --json` "
+                       "and `flashtune db verify` list them)")
+
+
+def _stale(rows: list[dict[str, Any]], op: str | None
+           ) -> tuple[list[dict[str, Any]], list[Any]]:
+    """Marks each row ``stale`` (the reason, or None) and ``retune`` (the command); returns
+    the stale rows and the stale shipped tables."""
+    from flashtune.autotune.plans import tune_command
+    from flashtune.kernel_templates import catalog
+    from flashtune.runtime.sources import stale_tables
+
+    specs = dict(catalog()) if op is None else dict(catalog().for_op(op))
+    name = "implementation" if op else "template"
+
+    def reason(r: dict[str, Any]) -> str | None:
+        spec = specs.get(r[name])
+        if spec is None:
+            return f"this flashtune has no {name} {r[name]}"
+        if spec.source_hash != r["source_hash"]:
+            return (f"tuned for {r[name]} source {r['source_hash']}, this flashtune's is "
+                    f"{spec.source_hash}")
+        return None
+    current = set()
+    for r in rows:
+        r["stale"] = reason(r)
+        if r["stale"] is None:
+            current.add((r["device"], r[name], json.dumps(r["problem"], sort_keys=True)))
+    stale = []
+    for r in rows:
+        if r["stale"] is not None and (r["device"], r[name], json.dumps(
+                r["problem"], sort_keys=True)) in current:
+            r["stale"] = None  # an older source's result, replaced since: history
+        if r["stale"] is None:
+            continue
+        try:
+            problem = AttentionProblem.from_key(r["problem"])
+            r["retune"] = tune_command(problem, op=op, template=None if op else r[name])
+        except (TypeError, ValueError) as exc:
+            r["retune"] = f"(no single command: {exc})"
+        stale.append(r)
+    tables, _ = stale_tables()
+    return stale, tables

@@ -176,11 +176,15 @@ def test_one_bad_op_file_writes_nothing(db: str, tmp_path: Path, damage, message
 def test_show_op_lists_the_choices_with_their_margins(db: str) -> None:
     code, output = invoke("--db", db, "show", "--op", "fwd")
     assert code == 0, output
-    header, *rows = output.strip().splitlines()
+    table, stale = output.split("stale, not served (1):\n")
+    header, *rows = table.strip().splitlines()
     assert header.split() == ["device", "op", "shape", "implementation", "config", "median",
                               "ms", "TFLOP/s", "vs", "runner-up", "vs", "extern",
                               "decided_at"]
     assert len(rows) == 3  # the stale one too: show lists what is stored
+    # ... and names it after the table, with why and the command that re-tunes it
+    assert "decided at another source" not in stale and "source" in stale
+    assert "re-tune on that GPU: flashtune tune --op fwd --batch" in stale
     won_by_fwd = next(r for r in rows if "D=64 bf16 causal" in r)
     assert "attn_fwd" in won_by_fwd and "128,64,8,3" in won_by_fwd
     assert "1.30x over sdpa_toy" in won_by_fwd and "300.0" in won_by_fwd

@@ -147,3 +147,31 @@ def test_shipped_tables_current_timed_stale_reported(db: str, tmp_path: Path,
                     "--sample", "0", "--rounds", "1", "--tolerance", "9.9")
     assert code == 1 and "stale" not in out  # the other torch entry is still reported
     assert "torch 1.0.0" in out
+
+
+def test_show_and_db_info_list_stale_entries_and_tables(db: str, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    folder, package = tmp_path / "dir", tmp_path / "pkg"
+    assert run("--db", db, "export", "-o", str(folder))[0] == 0
+    (path,) = folder.glob("*.json")
+    package.mkdir()
+    stale = json.loads(path.read_text())
+    stale["template"]["source_hash"] = "0123456789abcdef"
+    (package / path.name).write_text(json.dumps(stale))
+    monkeypatch.setattr(sources, "source_dirs", lambda: [("package", package)])
+    code, out = run("--db", db, "show")
+    assert code == 0
+    listed = out.split("stale, not served (2):\n")[1].splitlines()
+    assert listed[0].startswith(f"  {CPU.name} attn_fwd {GONE.describe()}: tuned for attn_fwd "
+                                "source 0123456789abcdef")
+    assert listed[0].endswith("flashtune tune --template attn_fwd --batch 2 --heads 2 "
+                              "--seqlen 16 --head-dim 16 --dtype fp16")
+    assert listed[1].startswith(f"  package {path.name} is stale: all 3 attn_fwd configs")
+    rows = json.loads(run("--db", db, "show", "--json")[1])
+    assert sorted(r["stale"] is None for r in rows) == [False, True, True, True, True]
+    code, out = run("--db", db, "db", "info", "--json")
+    info = json.loads(out)
+    assert code == 0 and info["stale_entries"] == 1
+    assert [t["path"] for t in info["stale_tables"]] == [str(package / path.name)]
+    text = run("--db", db, "db", "info")[1]
+    assert "stale      1 stored entries" in text and f"stale      package {path.name}" in text

@@ -463,10 +463,15 @@ def populated(tmp_path: Path) -> str:
 def test_show_table(populated: str) -> None:
     result = run("--db", populated, "show")
     assert result.exit_code == 0, result.output
-    lines = result.output.strip().splitlines()
+    table, stale = result.output.split("stale, not served (3):\n")
+    lines = table.strip().splitlines()
     assert lines[0].split() == ["device", "template", "shape", "config", "median", "ms",
                                 "TFLOP/s", "trials", "tuned_at"]
     assert len(lines) == 4
+    # the fixture's source hash is no template's: each entry is listed with its command
+    assert len(stale.splitlines()) == 3 and "source 0123456789abcdef" in stale
+    assert ("re-tune on that GPU: flashtune tune --template attn_fwd --batch 4 --heads 32 "
+            "--kv-heads 8 --seqlen 4096 --head-dim 128 --causal --dtype bf16") in stale
     text = result.output
     assert "B=4 Hq=32 Hkv=8 Nq=4096 Nk=4096 D=128 bf16 causal" in text
     assert "128,64,8,3" in text and "1.2500" in text and "440.5" in text and "12" in text
@@ -476,7 +481,7 @@ def test_show_filters(populated: str) -> None:
     result = run("--db", populated, "show", "--device", "NVIDIA_H100_80GB_HBM3",
                  "--template", "attn_fwd")
     assert result.exit_code == 0
-    assert len(result.output.strip().splitlines()) == 2
+    assert len(result.output.split("stale, not served")[0].strip().splitlines()) == 2
     result = run("--db", populated, "show", "--device", "nope")
     assert result.exit_code == 0 and "no tuned configs" in result.output
     assert "device=nope" in result.output
@@ -527,7 +532,7 @@ def test_show_software(tmp_path: Path) -> None:
     assert plain.exit_code == 0 and "triton" not in plain.output
     result = run("--db", url, "show", "--software")
     assert result.exit_code == 0, result.output
-    header, *rows = result.output.strip().splitlines()
+    header, *rows = result.output.split("stale, not served")[0].strip().splitlines()
     assert header.split()[-6:] == ["tuned_at", "flashtune", "torch", "triton", "cuda",
                                    "driver"]
     by_shape = {("D=128" in row): row.split() for row in rows}
