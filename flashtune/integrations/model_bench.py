@@ -432,7 +432,9 @@ def bench_model(spec: ModelSpec, work: Workload, *, contenders: Sequence[str] = 
                 with _contender(model, name):
                     if name == "flashtune":
                         reset_fallback_counts()
-                        with _probing(model) as calls:
+                        # eagerly: the probe's bookkeeping, traced, would recompile a
+                        # compiled step (generate_static) until dynamo's limit sends it eager
+                        with _probing(model) as calls, torch.compiler.set_stance("force_eager"):
                             outputs[name] = phase.output()
                         row["routes"] = list(calls.values())
                         row["fallbacks"] = fallback_counts()
