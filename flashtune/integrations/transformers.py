@@ -90,7 +90,7 @@ def flashtune_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
     softcap = kwargs.get("softcap")
     dropout_p = dropout if module.training else 0.0
     mask = attention_mask
-    if is_generation_step(query, key, mask, dropout_p):
+    if mask is not None and is_generation_step(query, key, mask, dropout_p):
         out = attention_static_cache(query, key, value, mask, causal=causal, scale=scaling,
                                      window=window, softcap=softcap)
         return out.transpose(1, 2).contiguous(), None
@@ -145,7 +145,17 @@ def is_generation_step(query: torch.Tensor, key: torch.Tensor, mask: torch.Tenso
     dim flashtune takes. While compiling
     or capturing a CUDA graph the mask is taken as generation makes it (left padding, the
     tokens, then empty slots); eagerly it is checked once per mask tensor (a sync) and one
-    with holes takes the unpadded path."""
+    with holes takes the unpadded path.
+
+    Arguments:
+        query: ``(B, Hq, Lq, D)``.
+        key: ``(B, Hkv, Lk, D)``.
+        mask: what transformers hands the attention function (None, 2-D or not).
+        dropout_p: the call's dropout (0 outside training).
+    Returns:
+        True where :func:`~flashtune.runtime.static_cache.attention_static_cache` serves
+        the call.
+    """
     if mask is None or mask.dim() != 2 or query.shape[2] > STEP_ROWS or dropout_p > 0 \
             or key.shape[2] <= query.shape[2] or mask.shape != (query.shape[0], key.shape[2]) \
             or query.shape[-1] > MAX_HEAD_DIM:
@@ -176,7 +186,17 @@ def flashtune_attention_mask(batch_size: int, q_length: int, kv_length: int,
     whole cache and keeps its shape from step to step: a static cache's empty slots are
     padded in as False (FA2's builder returns the mask of the tokens so far, one column
     longer each step, and K/V get sliced to it), and while compiling or capturing a CUDA
-    graph the mask is returned without FA2's ``mask.all()`` (a sync)."""
+    graph the mask is returned without FA2's ``mask.all()`` (a sync).
+
+    Arguments:
+        batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, kwargs:
+            transformers' mask-builder arguments (``masking_utils``).
+        attention_mask: the 2-D padding mask ``(B, tokens so far)`` (1: a real token), or
+            None.
+    Returns:
+        None (plain causal) or a boolean 2-D padding mask; for a generation step over a
+        static cache ``(B, kv_length)``.
+    """
     if attention_mask is not None and q_length <= STEP_ROWS:
         mask = attention_mask[:, -kv_length:].bool()
         if mask.shape[1] < kv_length:  # a static cache: slots past the tokens are empty
@@ -184,10 +204,11 @@ def flashtune_attention_mask(batch_size: int, q_length: int, kv_length: int,
         if torch.compiler.is_compiling() or (mask.is_cuda and
                                              torch.cuda.is_current_stream_capturing()):
             return mask
-    return flash_attention_mask(batch_size, q_length, kv_length, q_offset, kv_offset,
-                                **({} if mask_function is None
-                                   else {"mask_function": mask_function}),
-                                attention_mask=attention_mask, **kwargs)
+    built: torch.Tensor | None = flash_attention_mask(
+        batch_size, q_length, kv_length, q_offset, kv_offset,
+        **({} if mask_function is None else {"mask_function": mask_function}),
+        attention_mask=attention_mask, **kwargs)
+    return built
 
 
 def _packed(query: torch.Tensor, mask: torch.Tensor | None,
