@@ -1,6 +1,8 @@
 """Compile a Triton template's launches for Hopper (sm_90) on the CPU, no GPU needed, and
-report what ptxas made of them: shared memory, registers, spill stores, and a hash of the
-machine code (to show that a change leaves a config's code as it was).
+report what ptxas made of them: shared memory, registers, spill stores, and hashes of the
+machine code (to show that a change leaves a config's code as it was): of the cubin's bytes
+(which also hold line tables, so moving code in a file changes it) and of its instructions
+alone (``nvdisasm``'s listing without addresses, encodings or line info).
 
 Each launch is compiled as the launcher would launch it for contiguous, aligned inputs of
 the problem (the template's ``warmup_launches``, built from shapes alone), with Triton's
@@ -49,7 +51,7 @@ def compile_launches(template: str, problem: AttentionProblem,
         One dict per launch, in launch order: ``kernel`` (its name), ``config``,
         ``shared`` (bytes), ``warps``, ``registers`` and ``spill_store_bytes`` (ptxas'
         figures for sm_90a), ``cubin`` (the first 16 hex characters of the machine code's
-        sha256).
+        sha256) and ``sass`` (the same of its instructions alone: :func:`sass_hash`).
     Raises:
         RuntimeError under ``TRITON_INTERPRET``; what the compiler raises for a config it
         cannot compile.
@@ -85,8 +87,36 @@ def compile_launches(template: str, problem: AttentionProblem,
             "kernel": kernel.fn.__name__, "config": cfg, "shared": compiled.metadata.shared,
             "warps": compiled.metadata.num_warps, "registers": max(stats["registers"]),
             "spill_store_bytes": max(stats["spill_store_bytes"], default=0),
-            "cubin": hashlib.sha256(compiled.asm["cubin"]).hexdigest()[:16]})
+            "cubin": hashlib.sha256(compiled.asm["cubin"]).hexdigest()[:16],
+            "sass": sass_hash(compiled.asm["cubin"])})
     return results
+
+
+def sass_hash(cubin: bytes) -> str:
+    """The first 16 hex characters of the sha256 of a cubin's instructions: ``nvdisasm``'s
+    listing (Triton's own copy) with addresses, encodings and comments dropped, so two
+    builds whose code differs only in its line tables (a kernel moved in its file) hash
+    the same. "" where no ``nvdisasm`` is found."""
+    import re
+    import shutil
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    found = str(tool) if tool.exists() else shutil.which("nvdisasm")
+    if found is None:
+        return ""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        listing = subprocess.run([found, f.name], capture_output=True, text=True,
+                                 check=True).stdout
+    code = [re.sub(r"/\*.*?\*/", "", line).strip() for line in listing.splitlines()
+            if ";" in line]
+    return hashlib.sha256("\n".join(c for c in code if c).encode()).hexdigest()[:16]
 
 
 def _problem(case: Mapping[str, Any]) -> AttentionProblem:
