@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from flashtune.core.problem import MAX_HEAD_DIM
 from flashtune.integrations.transformers import NAME, sdpa_arguments
 from flashtune.runtime.bench import _first_line
 from flashtune.runtime.sdpa import describe_route, fallback_counts, reset_fallback_counts
@@ -274,9 +275,15 @@ def _probing(model: Any) -> Iterator[dict[str, dict[str, Any]]]:
                  f"{' dropout' if a['dropout_p'] else ''}{' grad' if grad else ''}")
         if label not in calls:
             step = is_generation_step(query, key, attention_mask, a["dropout_p"])
-            calls[label] = {"call": label, "calls": 0,
-                            "route": "attn_decode: a generation step over the whole cache"
-                            if step else describe_route(**a)}
+            if step:
+                route = "attn_decode: a generation step over the whole cache"
+            elif attention_mask is not None and attention_mask.dim() == 2 \
+                    and attention_mask.shape[1] <= key.shape[2] \
+                    and query.shape[-1] <= MAX_HEAD_DIM:  # what the integration unpads
+                route = "attn_fwd: padding removed, run as a packed batch (attention_varlen)"
+            else:
+                route = describe_route(**a)
+            calls[label] = {"call": label, "calls": 0, "route": route}
         calls[label]["calls"] += 1
         return flashtune_attention_forward(module, query, key, value, attention_mask, *args,
                                            **kwargs)
