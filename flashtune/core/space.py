@@ -19,6 +19,40 @@ Config = dict[str, int]
 Predicate = Callable[[Mapping[str, int], Any, Any], "str | None"]
 
 
+def config_text(config: Mapping[str, int]) -> str:
+    """A config as the text a custom op takes (``"NAME=value,..."``, sorted by name), built
+    with string operations ``torch.compile`` traces (``json.dumps`` is a graph break).
+
+    Arguments:
+        config: parameter name -> integer value.
+    Returns:
+        The text; :func:`config_from_text` reads it back.
+    """
+    return ",".join(f"{name}={int(value)}" for name, value in sorted(config.items()))
+
+
+def config_from_text(text: str) -> Config:
+    """The config :func:`config_text` wrote.
+
+    Arguments:
+        text: ``"NAME=value,..."`` ("" for an empty config).
+    Returns:
+        parameter name -> integer value.
+    Raises:
+        ConfigError for text that is not of that form.
+    """
+    config: Config = {}
+    for item in filter(None, text.split(",")):
+        name, sep, value = item.partition("=")
+        try:
+            config[name] = int(value)
+        except ValueError:
+            sep = ""
+        if not sep or not name:
+            raise ConfigError(f"config text {text!r}: {item!r} is not NAME=integer")
+    return config
+
+
 @dataclass(frozen=True)
 class SearchSpace:
     """Discrete parameters (name -> allowed values, in order) and a validity predicate.

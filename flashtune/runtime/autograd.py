@@ -17,12 +17,12 @@ overhead.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
+from flashtune.core.space import config_from_text
 from flashtune.kernel_templates import get_template
 from flashtune.kernel_templates.training import pair_fn
 from flashtune.runtime.routing import _attention, _train_route
@@ -41,10 +41,10 @@ def _train(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     return (out, lse) if return_lse else out
 
 
-def _paired(q: torch.Tensor, k: torch.Tensor, causal: bool, config_json: str | None,
+def _paired(q: torch.Tensor, k: torch.Tensor, causal: bool, config_str: str | None,
             impl: str | None) -> Any:
     """The custom ops' route: flashtune's own pairs (their LSE feeds the backward op)."""
-    config = json.loads(config_json) if config_json else None
+    config = config_from_text(config_str) if config_str is not None else None
     return _train_route(q, k, causal, True, config, impl, paired=True)
 
 
@@ -54,15 +54,15 @@ def _paired(q: torch.Tensor, k: torch.Tensor, causal: bool, config_json: str | N
 @torch.library.custom_op("flashtune::attention_fwd", mutates_args=())
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                   scale: float | None, return_lse: bool,
-                  config_json: str | None, impl: str | None = None
+                  config_str: str | None, impl: str | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     # the LSE is always computed here: the backward needs it (return_lse only says what
     # flashtune.attention hands back)
     if impl is not None and "train" not in get_template(impl).serves:  # no backward:
-        config = json.loads(config_json) if config_json else None  # its backward op raises
+        config = config_from_text(config_str) if config_str is not None else None  # its backward op raises
         out, lse = _attention(q, k, v, causal, scale, True, config, impl)
         return out, lse
-    route = _paired(q, k, causal, config_json, impl)
+    route = _paired(q, k, causal, config_str, impl)
     out, lse = route.fwd.launcher(q, k, v, route.fwd_config, causal=causal, scale=scale,
                                   return_lse=True)
     return out, lse
@@ -71,7 +71,7 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
 @_attention_op.register_fake
 def _attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                     scale: float | None, return_lse: bool,
-                    config_json: str | None, impl: str | None = None
+                    config_str: str | None, impl: str | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     return out, q.new_empty(tuple(q.shape[:3]), dtype=torch.float32)
@@ -80,10 +80,10 @@ def _attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
 @torch.library.custom_op("flashtune::attention_bwd", mutates_args=())
 def _attention_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                       lse: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None,
-                      causal: bool, scale: float | None, config_json: str | None = None,
+                      causal: bool, scale: float | None, config_str: str | None = None,
                       impl: str | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    route = _paired(q, k, causal, config_json, impl)
+    route = _paired(q, k, causal, config_str, impl)
     grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = route.bwd.launcher(
         q, k, v, out, lse, dout, route.bwd_config, causal=causal, scale=scale, dlse=dlse)
     return grads
@@ -92,7 +92,7 @@ def _attention_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: to
 @_attention_bwd_op.register_fake
 def _attention_bwd_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                         lse: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None,
-                        causal: bool, scale: float | None, config_json: str | None = None,
+                        causal: bool, scale: float | None, config_str: str | None = None,
                         impl: str | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
@@ -101,17 +101,17 @@ def _attention_bwd_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
 
 
 def _op_setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-    q, k, v, causal, scale, _, config_json, impl = inputs
+    q, k, v, causal, scale, _, config_str, impl = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.causal, ctx.scale, ctx.config_json, ctx.impl = causal, scale, config_json, impl
+    ctx.causal, ctx.scale, ctx.config_str, ctx.impl = causal, scale, config_str, impl
 
 
 def _op_backward(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor) -> Any:
     q, k, v, out, lse = ctx.saved_tensors
     dq, dk, dv = torch.ops.flashtune.attention_bwd(q, k, v, out, lse, dout.contiguous(),
                                                    dlse, ctx.causal, ctx.scale,
-                                                   ctx.config_json, ctx.impl)
+                                                   ctx.config_str, ctx.impl)
     return dq, dk, dv, None, None, None, None, None
 
 

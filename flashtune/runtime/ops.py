@@ -14,7 +14,6 @@ calls skip the op dispatcher's overhead.
 from __future__ import annotations
 
 import functools
-import json
 from collections.abc import Iterable, Mapping
 from dataclasses import replace
 from typing import Any, Literal, overload
@@ -23,6 +22,7 @@ import torch
 
 from flashtune.core.device import interpreting
 from flashtune.core.problem import AttentionProblem
+from flashtune.core.space import config_text
 from flashtune.kernel_templates import get_template
 from flashtune.runtime import scored as _scored_module
 from flashtune.runtime.autograd import _train
@@ -178,7 +178,7 @@ def attention(
     if torch.compiler.is_compiling():
         out, lse = torch.ops.flashtune.attention_fwd(
             q, k, v, bool(causal), scale, bool(return_lse),
-            None if config is None else json.dumps(dict(config), sort_keys=True))
+            None if config is None else config_text(config))
         return (out, lse) if return_lse else out
     # _wants_grad, inlined: this runs on every call
     if torch.is_grad_enabled() and (getattr(q, "requires_grad", False)
@@ -210,7 +210,7 @@ def _attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
         if torch.compiler.is_compiling():
             out, lse = torch.ops.flashtune.attention_fwd(
                 q, k, v, bool(causal), scale, bool(return_lse),
-                None if config is None else json.dumps(dict(config), sort_keys=True), impl)
+                None if config is None else config_text(config), impl)
             return (out, lse) if return_lse else out
     result: torch.Tensor | tuple[torch.Tensor, torch.Tensor] = _attention(
         q, k, v, causal, scale, return_lse, config, impl)

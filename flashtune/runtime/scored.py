@@ -40,7 +40,6 @@ captured, where nothing may synchronise.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import replace
@@ -50,7 +49,7 @@ import torch
 
 from flashtune.core.errors import InputError, InputTypeError
 from flashtune.core.problem import AttentionProblem, dtype_name
-from flashtune.core.space import Config
+from flashtune.core.space import Config, config_from_text, config_text
 from flashtune.core.spec import TemplateSpec, join_pair, split_pair
 from flashtune.kernel_templates import get_template
 from flashtune.kernel_templates.dropout import draw_seed
@@ -443,13 +442,13 @@ def reset() -> None:
 
 
 def _pair_route(q: torch.Tensor, k: torch.Tensor, causal: bool, window_left: int,
-                window_right: int, softcap: float, alibi: bool, config_json: str | None,
+                window_right: int, softcap: float, alibi: bool, config_str: str | None,
                 impl: str | None, dropout_p: float = 0.0
                 ) -> tuple[TemplateSpec, Config, Config]:
     """The pair (forward, attn_bwd config) a compiled call runs: always one that saves the
     LSE for attn_bwd, as the plain custom op's route does; memoised."""
     key = ("compiled", q.shape, k.shape, q.dtype, q.get_device(), causal, window_left,
-           window_right, softcap, alibi, config_json, impl, dropout_p)
+           window_right, softcap, alibi, config_str, impl, dropout_p)
     route = _ROUTES.get(key)
     if route is None:
         problem = AttentionProblem.from_tensors(q, k, causal=causal,
@@ -457,7 +456,7 @@ def _pair_route(q: torch.Tensor, k: torch.Tensor, causal: bool, window_left: int
                                                 softcap=softcap or None, alibi=alibi,
                                                 dropout=dropout_p)
         check_grid(q, k)
-        config = json.loads(config_json) if config_json else None
+        config = config_from_text(config_str) if config_str is not None else None
         route = _ROUTES[key] = _choose(problem, q, causal, True, True, config, impl)
     spec, fcfg, bcfg = route
     assert bcfg is not None
@@ -487,11 +486,11 @@ def _compiled_options(spec: TemplateSpec, window_left: int, window_right: int,
 @torch.library.custom_op("flashtune::attention_scored_fwd", mutates_args=())
 def _scored_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                    scale: float | None, window_left: int, window_right: int, softcap: float,
-                   alibi_slopes: torch.Tensor | None, config_json: str | None,
+                   alibi_slopes: torch.Tensor | None, config_str: str | None,
                    impl: str | None, dropout_p: float = 0.0,
                    seed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     spec, fcfg, _ = _pair_route(q, k, causal, window_left, window_right, softcap,
-                                alibi_slopes is not None, config_json, impl, dropout_p)
+                                alibi_slopes is not None, config_str, impl, dropout_p)
     out, lse = spec.launcher(q, k, v, fcfg, causal=causal, scale=scale, return_lse=True,
                              **_compiled_options(spec, window_left, window_right, softcap,
                                                  alibi_slopes, dropout_p, seed))
@@ -502,7 +501,7 @@ def _scored_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
 def _scored_fwd_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                      scale: float | None, window_left: int, window_right: int,
                      softcap: float, alibi_slopes: torch.Tensor | None,
-                     config_json: str | None, impl: str | None, dropout_p: float = 0.0,
+                     config_str: str | None, impl: str | None, dropout_p: float = 0.0,
                      seed: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -514,11 +513,11 @@ def _scored_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
                    lse: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None,
                    causal: bool, scale: float | None, window_left: int, window_right: int,
                    softcap: float, alibi_slopes: torch.Tensor | None,
-                   config_json: str | None, impl: str | None, dropout_p: float = 0.0,
+                   config_str: str | None, impl: str | None, dropout_p: float = 0.0,
                    seed: torch.Tensor | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     spec, _, bcfg = _pair_route(q, k, causal, window_left, window_right, softcap,
-                                alibi_slopes is not None, config_json, impl, dropout_p)
+                                alibi_slopes is not None, config_str, impl, dropout_p)
     options = _compiled_options(_FWD, window_left, window_right, softcap, alibi_slopes,
                                 dropout_p, seed)
     grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = _BWD.launcher(
@@ -531,19 +530,19 @@ def _scored_bwd_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
                      lse: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None,
                      causal: bool, scale: float | None, window_left: int, window_right: int,
                      softcap: float, alibi_slopes: torch.Tensor | None,
-                     config_json: str | None, impl: str | None, dropout_p: float = 0.0,
+                     config_str: str | None, impl: str | None, dropout_p: float = 0.0,
                      seed: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _grads_like(q, k, v)
 
 
 def _scored_setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-    q, k, v, causal, scale, wl, wr, cap, slopes, config_json, impl, drop, seed = inputs
+    q, k, v, causal, scale, wl, wr, cap, slopes, config_str, impl, drop, seed = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, seed)  # the forward's seed: the same mask
     ctx.slopes = slopes
     ctx.args = (causal, scale, wl, wr, cap)
-    ctx.route = (config_json, impl, drop)
+    ctx.route = (config_str, impl, drop)
 
 
 def _scored_backward(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor) -> Any:
@@ -574,27 +573,27 @@ def attention_compiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cau
     seed = draw_seed(q.device) if drop else None
     out, lse = torch.ops.flashtune.attention_scored_fwd(
         q, k, v, bool(causal), scale, left, right, float(cap or 0.0), slopes,
-        None if config is None else json.dumps(dict(config), sort_keys=True), impl, drop,
+        None if config is None else config_text(config), impl, drop,
         seed)
     return (out, lse) if return_lse else out
 
 
 def _varlen_route(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Tensor,
                   max_seqlen_q: int, max_seqlen_k: int, causal: bool, window_left: int,
-                  window_right: int, softcap: float, alibi: bool, config_json: str | None,
+                  window_right: int, softcap: float, alibi: bool, config_str: str | None,
                   impl: str | None, dropout_p: float = 0.0
                   ) -> tuple[TemplateSpec, Config, Config]:
     """The pair (attn_fwd saving the LSE, attn_bwd) the compiled varlen ops run; memoised
     as the eager route is."""
     key = ("compiled-varlen", cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_k,
            q.shape, k.shape, q.dtype, q.get_device(), causal, window_left, window_right,
-           softcap, alibi, config_json, impl, dropout_p)
+           softcap, alibi, config_str, impl, dropout_p)
     route = _ROUTES.get(key)
     if route is None:
         problem = _packed_problem(q, k, cu_seqlens_q.numel() - 1, max_seqlen_q,
                                   max_seqlen_k, causal, window_left, window_right, softcap,
                                   alibi, dropout_p)
-        config = json.loads(config_json) if config_json else None
+        config = config_from_text(config_str) if config_str is not None else None
         route = _ROUTES[key] = _choose(problem, q, causal, True, True, config, impl)
     spec, fcfg, bcfg = route
     assert bcfg is not None
@@ -618,12 +617,12 @@ def _varlen_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
                    max_seqlen_k: int, causal: bool, scale: float | None, window_left: int,
                    window_right: int, softcap: float, alibi_slopes: torch.Tensor | None,
-                   config_json: str | None, impl: str | None, dropout_p: float = 0.0,
+                   config_str: str | None, impl: str | None, dropout_p: float = 0.0,
                    seed: torch.Tensor | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     spec, fcfg, _ = _varlen_route(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal,
                                   window_left, window_right, softcap,
-                                  alibi_slopes is not None, config_json, impl, dropout_p)
+                                  alibi_slopes is not None, config_str, impl, dropout_p)
     out, lse = spec.launcher(q, k, v, fcfg, causal=causal, scale=scale, return_lse=True,
                              **_varlen_options(cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                max_seqlen_k, window_left, window_right,
@@ -637,7 +636,7 @@ def _varlen_fwd_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      max_seqlen_q: int, max_seqlen_k: int, causal: bool,
                      scale: float | None, window_left: int, window_right: int,
                      softcap: float, alibi_slopes: torch.Tensor | None,
-                     config_json: str | None, impl: str | None, dropout_p: float = 0.0,
+                     config_str: str | None, impl: str | None, dropout_p: float = 0.0,
                      seed: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -650,12 +649,12 @@ def _varlen_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
                    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
                    max_seqlen_k: int, causal: bool, scale: float | None, window_left: int,
                    window_right: int, softcap: float, alibi_slopes: torch.Tensor | None,
-                   config_json: str | None, impl: str | None, dropout_p: float = 0.0,
+                   config_str: str | None, impl: str | None, dropout_p: float = 0.0,
                    seed: torch.Tensor | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     _, _, bcfg = _varlen_route(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal,
                                window_left, window_right, softcap, alibi_slopes is not None,
-                               config_json, impl, dropout_p)
+                               config_str, impl, dropout_p)
     grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = _BWD.launcher(
         q, k, v, out, lse, dout, bcfg, causal=causal, scale=scale, dlse=dlse,
         **_varlen_options(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -671,20 +670,20 @@ def _varlen_bwd_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
                      max_seqlen_q: int, max_seqlen_k: int, causal: bool,
                      scale: float | None, window_left: int, window_right: int,
                      softcap: float, alibi_slopes: torch.Tensor | None,
-                     config_json: str | None, impl: str | None, dropout_p: float = 0.0,
+                     config_str: str | None, impl: str | None, dropout_p: float = 0.0,
                      seed: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _grads_like(q, k, v)
 
 
 def _varlen_setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-    q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, wl, wr, cap, slopes, config_json, \
+    q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, wl, wr, cap, slopes, config_str, \
         impl, drop, seed = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, seed)
     ctx.slopes = slopes
     ctx.args = (max_q, max_k, causal, scale, wl, wr, cap)
-    ctx.route = (config_json, impl, drop)
+    ctx.route = (config_str, impl, drop)
 
 
 def _varlen_backward(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor) -> Any:
@@ -718,6 +717,6 @@ def varlen_compiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out, lse = torch.ops.flashtune.attention_varlen_fwd(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, bool(causal), scale,
         left, right, float(cap or 0.0), slopes,
-        None if config is None else json.dumps(dict(config), sort_keys=True), impl, drop,
+        None if config is None else config_text(config), impl, drop,
         seed)
     return (out, lse) if return_lse else out

@@ -203,3 +203,17 @@ def test_the_registered_hashes_are_those_of_their_files() -> None:
         spec = get_template(name)
         folder = Path(spec.launcher.__code__.co_filename).parent
         assert spec.source_hash == source_hash(folder / "kernel.py", folder / "launcher.py")
+
+
+def test_config_text_round_trips_and_refuses_what_it_did_not_write():
+    from flashtune.core.errors import ConfigError
+    from flashtune.core.space import config_from_text, config_text
+
+    config = {"num_warps": 8, "BLOCK_M": 128, "USE_TMA": 1, "REVERSE_M": 0}
+    text = config_text(config)
+    assert text == "BLOCK_M=128,REVERSE_M=0,USE_TMA=1,num_warps=8"
+    assert config_from_text(text) == config
+    assert config_from_text(config_text({})) == {}
+    for bad in ("BLOCK_M", "BLOCK_M=x", "=3", "BLOCK_M=1,,num_warps"):
+        with pytest.raises(ConfigError, match="is not NAME=integer"):
+            config_from_text(bad)

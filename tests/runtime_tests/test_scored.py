@@ -276,6 +276,28 @@ def test_torch_compile_traces_scored_calls_without_graph_breaks():
     assert explained.graph_break_count == 0
 
 
+@pytest.mark.parametrize("mods", [{}, {"window": (9, 0)}])
+def test_torch_compile_traces_calls_with_an_explicit_config(mods):
+    """config= under torch.compile: the config travels to the custom op as text the
+    compiler traces (it was json.dumps, a graph break), forward and backward; the output and
+    gradients equal eager's with the same config."""
+    from flashtune.kernel_templates.attn_fwd.space import DEFAULTS
+
+    q, k, v = qkv(b=2, grad=True)
+    config = {**DEFAULTS, "BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+
+    def block(q, k, v):
+        return flashtune.attention(q * 1.0, k, v, causal=True, config=config, **mods)
+
+    compiled = torch.compile(block, backend="aot_eager", fullgraph=True)
+    got, want = compiled(q, k, v), block(q, k, v)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    g_got = torch.autograd.grad(got.float().sum(), (q, k, v))
+    g_want = torch.autograd.grad(want.float().sum(), (q, k, v))
+    for a, b in zip(g_got, g_want):
+        torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-3)
+
+
 def test_torch_compile_traces_varlen_calls_without_graph_breaks():
     """attention_varlen under torch.compile: the custom ops (forward and backward), no graph
     break, the same output, LSE and gradients as eager."""
