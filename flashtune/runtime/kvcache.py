@@ -77,7 +77,7 @@ import torch
 from flashtune.core.device import DeviceFingerprint, current_device, interpreting
 from flashtune.core.errors import ConfigError, DeviceError, InputError, InputTypeError
 from flashtune.core.problem import MAX_HEAD_DIM, AttentionProblem
-from flashtune.core.space import Config
+from flashtune.core.space import Config, config_from_text, config_text
 from flashtune.kernel_templates import direct, get_template
 from flashtune.kernel_templates.attn_decode.launcher import attn_decode_kvcache
 from flashtune.kernel_templates.attn_decode.plan import AttnDecodePlan
@@ -347,6 +347,11 @@ def attention_with_kvcache(
         problem, DeviceError for CPU tensors without the interpreter. All before any launch
         (so before the cache is written).
     """
+    if torch.compiler.is_compiling():
+        return _compiled(q, k_cache, v_cache, cache_seqlens, k, v, rotary_cos, rotary_sin,
+                         rotary_interleaved, cache_batch_idx, cache_leftpad, block_table,
+                         causal, scale, window, softcap, alibi_slopes, return_lse, config,
+                         check_tables)
     key = None
     if config is None and _DIRECT and (check_tables is None or check_tables is False) \
             and type(q) is _Tensor \
@@ -503,3 +508,73 @@ def _new_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: Any,
     return plan
 
 
+
+
+# -- torch.compile: the call as one opaque op that writes the caches ---------------------------
+
+
+def _compiled(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              cache_seqlens: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+              rotary_cos: torch.Tensor | None, rotary_sin: torch.Tensor | None,
+              rotary_interleaved: bool, cache_batch_idx: torch.Tensor | None,
+              cache_leftpad: torch.Tensor | None, block_table: torch.Tensor | None,
+              causal: bool, scale: float | None, window: tuple[int, int] | None,
+              softcap: float | None, alibi_slopes: torch.Tensor | None, return_lse: bool,
+              config: Mapping[str, int] | None, check_tables: bool | None
+              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """:func:`attention_with_kvcache` while ``torch.compile`` traces: the custom op
+    ``flashtune::attention_with_kvcache`` (it declares that it writes ``k_cache`` and
+    ``v_cache``, so the compiler orders reads of the caches after it; no graph break)."""
+    left, right = window if window is not None else (-1, -1)
+    out, lse = torch.ops.flashtune.attention_with_kvcache(
+        q, k_cache, v_cache, cache_seqlens, k, v, rotary_cos, rotary_sin, rotary_interleaved,
+        cache_batch_idx, cache_leftpad, block_table, causal, scale, left, right,
+        softcap or 0.0, alibi_slopes, return_lse,
+        None if config is None else config_text(config),
+        check_tables)
+    return (out, lse) if return_lse else out
+
+
+@torch.library.custom_op("flashtune::attention_with_kvcache", mutates_args=("k_cache", "v_cache"))
+def _kvcache_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                cache_seqlens: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                rotary_cos: torch.Tensor | None, rotary_sin: torch.Tensor | None,
+                rotary_interleaved: bool, cache_batch_idx: torch.Tensor | None,
+                cache_leftpad: torch.Tensor | None, block_table: torch.Tensor | None,
+                causal: bool, scale: float | None, window_left: int, window_right: int,
+                softcap: float, alibi_slopes: torch.Tensor | None, return_lse: bool,
+                config_str: str | None, check_tables: bool | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    window = None if (window_left, window_right) == (-1, -1) else (window_left, window_right)
+    got = attention_with_kvcache(
+        q, k_cache, v_cache, cache_seqlens, k=k, v=v, rotary_cos=rotary_cos,
+        rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
+        cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, block_table=block_table,
+        causal=causal, scale=scale, window=window, softcap=softcap or None,
+        alibi_slopes=alibi_slopes, return_lse=return_lse,
+        config=None if config_str is None else config_from_text(config_str),
+        check_tables=check_tables)
+    if isinstance(got, tuple):
+        return got
+    return got, _no_lse(q)
+
+
+@_kvcache_op.register_fake
+def _kvcache_fake(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  cache_seqlens: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                  rotary_cos: torch.Tensor | None, rotary_sin: torch.Tensor | None,
+                  rotary_interleaved: bool, cache_batch_idx: torch.Tensor | None,
+                  cache_leftpad: torch.Tensor | None, block_table: torch.Tensor | None,
+                  causal: bool, scale: float | None, window_left: int, window_right: int,
+                  softcap: float, alibi_slopes: torch.Tensor | None, return_lse: bool,
+                  config_str: str | None, check_tables: bool | None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if return_lse:
+        return out, q.new_empty(q.shape[:3], dtype=torch.float32)
+    return out, _no_lse(q)
+
+
+def _no_lse(q: torch.Tensor) -> torch.Tensor:
+    """The op's second output when no LSE was asked for: an empty float32 tensor."""
+    return q.new_empty((0,), dtype=torch.float32)

@@ -372,3 +372,33 @@ def test_the_options_key_tells_the_options_apart():
                  cache_batch_idx=None, cache_leftpad=None)
         a.update(bad)
         assert kvcache._options_key(*a.values()) is None
+
+
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_under_torch_compile_the_call_is_one_op_that_writes_the_caches(page_size):
+    """fullgraph: attention_with_kvcache with append + rotary is the custom op
+    flashtune::attention_with_kvcache; out, LSE and the written caches equal eager's, and a
+    read of the cache after the call in the same graph sees the new keys."""
+    args = append_case(LENS, 4, 2, 1, 1, 32, torch.float16, DEVICE, page_size=page_size,
+                       rotary_dim=16, seed=13)
+    eager = {**args, **_before(args)}
+    want, want_lse = _call(eager, config=CFG, causal=True, return_lse=True)
+    rest = {n: t for n, t in args.items() if n not in ("q", "k_cache", "v_cache",
+                                                        "cache_seqlens")}
+
+    def step(q, k_cache, v_cache, seqlens):
+        out, lse = attention_with_kvcache(q, k_cache, v_cache, seqlens, config=CFG,
+                                          causal=True, return_lse=True, **rest)
+        return out, lse, k_cache.sum()
+
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    out, lse, total = compiled(args["q"], args["k_cache"], args["v_cache"],
+                               args["cache_seqlens"])
+    torch.testing.assert_close(out, want, atol=0, rtol=0)
+    torch.testing.assert_close(lse, want_lse, atol=0, rtol=0)
+    assert torch.equal(args["k_cache"], eager["k_cache"])
+    assert torch.equal(args["v_cache"], eager["v_cache"])
+    assert total == eager["k_cache"].sum()  # read after the write
+    assert not torch.equal(args["k_cache"], _before(append_case(
+        LENS, 4, 2, 1, 1, 32, torch.float16, DEVICE, page_size=page_size, rotary_dim=16,
+        seed=13))["k_cache"])  # the call did write
