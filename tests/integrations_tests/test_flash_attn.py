@@ -434,3 +434,29 @@ def test_with_kvcache_append_and_rotary_as_fa2(env):
         n = int(lens[b]) + new
         want, _ = ref(q_rot[b:b + 1], k_ref[b:b + 1, :n], v_ref[b:b + 1, :n], causal=True)
         close(out[b:b + 1], want, tol=1e-2)
+
+
+def test_with_kvcache_appends_under_torch_compile():
+    """A decode step through FA2's flash_attn_with_kvcache, compiled fullgraph: the same
+    output as eager and the same new keys/values written into both caches."""
+    g = torch.Generator().manual_seed(5)
+    b, hq, hkv, d, cap = 2, 4, 2, 32, 64
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g).to(DEVICE, torch.float16)
+
+    q, k_new, v_new = randn(b, 1, hq, d), randn(b, 1, hkv, d), randn(b, 1, hkv, d)
+    k_cache, v_cache = randn(b, cap, hkv, d), randn(b, cap, hkv, d)
+    lens = torch.tensor([5, 30], dtype=torch.int32, device=DEVICE)
+
+    def step(q, k_cache, v_cache, k_new, v_new, lens):
+        return fa.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new,
+                                          cache_seqlens=lens, causal=True)
+
+    k_eager, v_eager = k_cache.clone(), v_cache.clone()
+    want = step(q, k_eager, v_eager, k_new, v_new, lens)
+    got = torch.compile(step, backend="aot_eager", fullgraph=True)(q, k_cache, v_cache,
+                                                                    k_new, v_new, lens)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    assert torch.equal(k_cache, k_eager) and torch.equal(v_cache, v_eager)
+    assert torch.equal(k_cache[1, 30], k_new[1, 0])  # written where the sequence ends
