@@ -62,6 +62,10 @@ launches.
 
 :func:`decode_route` is how :func:`flashtune.attention` decides whether a short-query call
 on dense K/V runs this template instead of ``attn_fwd``.
+
+Under ``torch.compile`` the call is one custom op, ``flashtune::attention_with_kvcache``,
+that declares it writes ``k_cache`` and ``v_cache`` (no graph break; reads of the caches
+after it see the appended keys).
 """
 
 from __future__ import annotations
