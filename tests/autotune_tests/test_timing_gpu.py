@@ -12,6 +12,16 @@ from flashtune.autotune.timing import SHORT_KERNEL_MS, bench, bench_graph, bench
 pytestmark = pytest.mark.gpu
 
 
+def _behind_host_work(fn, seconds):
+    """``fn`` launched after ``seconds`` of busy host work (a slow Python launcher)."""
+    def launch():
+        t = time.perf_counter()
+        while time.perf_counter() - t < seconds:
+            pass
+        fn()
+    return launch
+
+
 def test_a_slow_launcher_is_not_timed_as_kernel_time():
     """A ~20 us kernel behind 300 us of host work: bench() reports the kernel (cold L2), not
     the host; the kernel alone, CUDA-graph timed with a warm L2, is a lower bound."""
@@ -21,14 +31,8 @@ def test_a_slow_launcher_is_not_timed_as_kernel_time():
     def kernel():
         torch.mul(x, 2.0, out=y)
 
-    def slow_launch():
-        t = time.perf_counter()
-        while time.perf_counter() - t < 3e-4:
-            pass
-        kernel()
-
     graph = bench_graph(kernel, reps=50)
-    got = bench(slow_launch)
+    got = bench(_behind_host_work(kernel, 3e-4))
     assert got.median_ms < SHORT_KERNEL_MS, got
     # the host's 0.3 ms do not show; a cold L2 costs at most a few x the warm graph time
     assert graph * 0.7 <= got.median_ms <= max(4 * graph, graph + 0.03), (got, graph)
@@ -47,13 +51,7 @@ def test_a_host_bound_step_over_a_millisecond_is_timed_for_its_gpu_work():
         for _ in range(3):
             torch.mul(x, 2.0, out=y)
 
-    def slow_launch():
-        t = time.perf_counter()
-        while time.perf_counter() - t < 1.5e-3:
-            pass
-        kernel()
-
     queued = bench_queued(kernel)
-    got = bench(slow_launch)
+    got = bench(_behind_host_work(kernel, 1.5e-3))
     assert got.median_ms < 1.0, got
     assert abs(queued.median_ms - got.median_ms) <= 0.3 * queued.median_ms + 0.01, (got, queued)
