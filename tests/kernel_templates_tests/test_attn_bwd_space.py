@@ -34,7 +34,8 @@ def test_registered_with_its_own_tuning_case():
 def test_validate_rejects_unknown_missing_and_out_of_space():
     # the knobs are optional and default to off
     assert SPEC.space.validate(GOOD) == {**GOOD, "SPLIT_LOOPS": 0, "KV_SPLITS": 1,
-                                         "USE_TMA": 0, "REVERSE_DQ": 0, "ONE_LAUNCH": 0}
+                                         "USE_TMA": 0, "REVERSE_DQ": 0, "ONE_LAUNCH": 0,
+                                         "DROPOUT_BITS": 0}
     assert SPEC.space.validate({**GOOD, "SPLIT_LOOPS": 1})["SPLIT_LOOPS"] == 1
     assert SPEC.space.validate({**GOOD, "USE_TMA": 1})["USE_TMA"] == 1
     assert SPEC.space.validate({**GOOD, "KV_SPLITS": 4})["KV_SPLITS"] == 4
@@ -191,7 +192,7 @@ def test_tma_needs_hopper_and_its_shared_memory():
 
 
 def test_space_is_data():
-    assert SPEC.space.size == len(list(SPEC.space)) == 4 ** 4 * 3 * 5 * 2 * 4 * 2 * 2 * 2
+    assert SPEC.space.size == len(list(SPEC.space)) == 4 ** 4 * 3 * 5 * 2 * 4 * 2 * 2 * 2 * 2
     valid = SPEC.space.valid_configs(prob(128), H100)
     assert 0 < len(valid) < SPEC.space.size
 

@@ -177,15 +177,88 @@ def _load_tile(desc, base, off_b, off_h, start, offs, offs_d, stride, N,
     return _load_rows(base, offs, offs_d, stride, N, HEAD_DIM, BLOCK_D, MASKED)
 
 
+# DROPOUT_BITS: the keep mask as bits, written by the dK/dV kernel and read by the dQ kernel.
+# Per query head (``b * H_Q + h``) an int32 array of ``NQB * NKB * 64`` words (NQB blocks
+# of 64 queries, NKB of 32 keys, both padded to the kernels' tiles), block ``(qb, kb)`` at
+# word ``(qb * NKB + kb) * 64``. Query ``i = 64 qb + 32 i5 + 16 i4 + 8 i3 + 2 i21 + i0``
+# against key ``j = 32 kb + 16 j4 + 8 j3 + j210`` (bits and fields of the offsets within
+# the block) is bit ``16 i5 + 8 i4 + 4 i0 + 2 i3 + j3`` of the block's word ``32 j4 + 8 i21
+# + j210``. The fields are chosen for the sm_90 MMA layouts of 64 x 64 tiles at 4 warps:
+# a word is the 32 scores one thread holds of the dK/dV kernel's transposed tile (keys by
+# queries: warp = (kb, j4), lane = (j210, i21)), so it packs its own word and a warp stores
+# 128 contiguous bytes; a thread of the dQ kernel's tile reads 4 bits of each of 8 words.
+
+
+@triton.jit
+def _or_shift(x, SHIFT: tl.constexpr):
+    """The two halves of ``x``'s last dim (of size 2) as one word: ``lo | hi << SHIFT``
+    (disjoint bits)."""
+    lo, hi = tl.split(x)
+    return lo | (hi << SHIFT)
+
+
+@triton.jit
+def _bits_offsets(bits_nkb, start_q, start_k, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Word offsets ``(qb, i21, kb, j4, j210)`` of queries ``start_q + [0, BLOCK_Q)`` against
+    keys ``start_k + [0, BLOCK_K)`` (starts multiples of 64 and 32)."""
+    qb = start_q // 64 + tl.arange(0, BLOCK_Q // 64)
+    kb = start_k // 32 + tl.arange(0, BLOCK_K // 32)
+    block = (qb[:, None] * bits_nkb + kb[None, :]) * 64
+    off = block[:, None, :, None, None] \
+        + tl.arange(0, 4)[None, :, None, None, None] * 8 \
+        + tl.arange(0, 2)[None, None, None, :, None] * 32 \
+        + tl.arange(0, 8)[None, None, None, None, :]
+    return off
+
+
+@triton.jit
+def _store_bits(bits_base, bits_nkb, keepT, start_n, start_m, BLOCK_N: tl.constexpr,
+                BLOCK_M: tl.constexpr):
+    """Store the dK/dV kernel's keep tile ``keepT`` (keys ``start_n + [0, BLOCK_N)`` by
+    queries ``start_m + [0, BLOCK_M)``) as whole words of the bit array at ``bits_base``."""
+    tl.static_assert(BLOCK_M % 64 == 0 and BLOCK_N % 32 == 0,
+                     "DROPOUT_BITS: query steps of 64k and key tiles of 32k")
+    # (kb, j4, j3, j210, qb, i5, i4, i3, i21, i0) -> (kb, j4, j210, qb, i21, | i5, i4, i0,
+    # i3, j3), the word's bits last, then folded from the lowest one up
+    x = keepT.to(tl.int32).reshape(BLOCK_N // 32, 2, 2, 8, BLOCK_M // 64, 2, 2, 2, 4, 2)
+    x = tl.permute(x, (4, 8, 0, 1, 3, 5, 6, 9, 7, 2))
+    x = _or_shift(_or_shift(_or_shift(_or_shift(_or_shift(x, 1), 2), 4), 8), 16)
+    tl.store(bits_base + _bits_offsets(bits_nkb, start_m, start_n, BLOCK_M, BLOCK_N), x)
+
+
+@triton.jit
+def _load_bits(bits_base, bits_nkb, start_m, start_n, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr):
+    """The keep tile of queries ``start_m + [0, BLOCK_M)`` against keys ``start_n + [0,
+    BLOCK_N)`` (``(BLOCK_M, BLOCK_N)`` bool) from the bit array at ``bits_base``."""
+    tl.static_assert(BLOCK_M % 64 == 0 and BLOCK_N % 32 == 0,
+                     "DROPOUT_BITS: query tiles of 64k and key steps of 32k")
+    w = tl.load(bits_base + _bits_offsets(bits_nkb, start_m, start_n, BLOCK_M, BLOCK_N))
+    # one bit per (i5, i4, i0, i3, j3)
+    i5 = tl.arange(0, 2)[:, None, None, None, None]
+    i4 = tl.arange(0, 2)[None, :, None, None, None]
+    i0 = tl.arange(0, 2)[None, None, :, None, None]
+    i3 = tl.arange(0, 2)[None, None, None, :, None]
+    j3 = tl.arange(0, 2)[None, None, None, None, :]
+    bit = 1 << (16 * i5 + 8 * i4 + 4 * i0 + 2 * i3 + j3)
+    keep = (w[:, :, :, :, :, None, None, None, None, None]
+            & bit[None, None, None, None, None, :, :, :, :, :]) != 0
+    # (qb, i21, kb, j4, j210, i5, i4, i0, i3, j3) -> (qb, i5, i4, i3, i21, i0, kb, j4, j3,
+    # j210)
+    keep = tl.permute(keep, (0, 5, 6, 8, 1, 7, 2, 3, 9, 4))
+    return keep.reshape(BLOCK_M, BLOCK_N)
+
+
 @triton.jit
 def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom,
                 offs_n, offs_m0, offs_d, lo, hi, N_Q, CAUSAL_OFFSET, qk_scale,
                 desc_q, desc_do, off_b, off_h, win_left, win_right, cap_scale, cap2, slope2,
-                seed, drop_head, drop_start, drop_t, drop_r,
+                seed, drop_head, drop_start, drop_t, drop_r, bits_base, bits_nkb,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M1: tl.constexpr,
                 MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr,
                 USE_TMA: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr):
+                HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+                DROPOUT_BITS: tl.constexpr):
     """Query blocks ``[lo, hi)`` of one head against the program's keys; MASKED blocks get
     the bounds and causal (window) masks, the others every entry. ``cap_scale``/``cap2``:
     ``scale / SOFTCAP`` and ``SOFTCAP * log2(e)``; ``slope2``: the ALiBi slope times
@@ -229,8 +302,12 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, 
             # Z r: the forward's mask (regenerated, built keys by queries: words move
             # between threads, not the mask), 1 / keep where kept; dV = (P Z r)^T dO,
             # dS = P (dP Z r - delta)
-            zT = tl.where(dropout_keep(seed, drop_head, start_m, drop_start, drop_t, BLOCK_M1,
-                                       k.shape[0], True), drop_r, 0.0)
+            keepT = dropout_keep(seed, drop_head, start_m, drop_start, drop_t, BLOCK_M1,
+                                 k.shape[0], True)
+            if DROPOUT_BITS:  # the mask as bits, for the dQ kernel (run after this one)
+                _store_bits(bits_base, bits_nkb, keepT, drop_start, start_m, k.shape[0],
+                            BLOCK_M1)
+            zT = tl.where(keepT, drop_r, 0.0)
             dv += _dot((pT * zT).to(do.dtype), do, UPCAST_DOT)
             dpT = _dot(v, tl.trans(do), UPCAST_DOT)
             dsT = pT * (dpT * zT - delta[None, :])
@@ -268,13 +345,14 @@ def attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, PartK, PartV, desc_q, desc_do
                   stride_dvb, stride_dvh, stride_dvn,
                   H_Q, H_KV, GROUP, N_Q, N_K, sm_scale,
                   Alibi, CuSeqQ, CuSeqK, stride_ab, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
-                  Seed, DROPOUT_T,
+                  Seed, DROPOUT_T, Bits, bits_stride_h, bits_nkb,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
                   IS_CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr, SPLIT_LOOPS: tl.constexpr,
                   KV_SPLITS: tl.constexpr, USE_TMA: tl.constexpr,
                   HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-                  VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr):
+                  VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+                  DROPOUT_BITS: tl.constexpr):
     _dkdv_program(tl.program_id(0), tl.program_id(1),
                   Q, K, V, DO, Lse, Delta, DK, DV, PartK, PartV, desc_q, desc_do,
                   stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
@@ -282,9 +360,9 @@ def attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, PartK, PartV, desc_q, desc_do
                   stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                   H_Q, H_KV, GROUP, N_Q, N_K, sm_scale, Alibi, CuSeqQ, CuSeqK, stride_ab,
                   WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
-                  Seed, DROPOUT_T, HEAD_DIM, BLOCK_D, BLOCK_M1, BLOCK_N1,
-                  IS_CAUSAL, UPCAST_DOT, SPLIT_LOOPS, KV_SPLITS, USE_TMA, HAS_WINDOW, HAS_SOFTCAP,
-                  HAS_ALIBI, VARLEN, HAS_DROPOUT)
+                  Seed, DROPOUT_T, Bits, bits_stride_h, bits_nkb, HEAD_DIM, BLOCK_D, BLOCK_M1,
+                  BLOCK_N1, IS_CAUSAL, UPCAST_DOT, SPLIT_LOOPS, KV_SPLITS, USE_TMA, HAS_WINDOW,
+                  HAS_SOFTCAP, HAS_ALIBI, VARLEN, HAS_DROPOUT, DROPOUT_BITS)
 
 
 @triton.jit
@@ -297,13 +375,14 @@ def _dkdv_program(tile_n, part, Q, K, V, DO, Lse, Delta, DK, DV, PartK, PartV, d
                   stride_dvb, stride_dvh, stride_dvn,
                   H_Q, H_KV, GROUP, N_Q, N_K, sm_scale,
                   Alibi, CuSeqQ, CuSeqK, stride_ab, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
-                  Seed, DROPOUT_T,
+                  Seed, DROPOUT_T, Bits, bits_stride_h, bits_nkb,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
                   IS_CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr, SPLIT_LOOPS: tl.constexpr,
                   KV_SPLITS: tl.constexpr, USE_TMA: tl.constexpr,
                   HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-                  VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr):
+                  VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+                  DROPOUT_BITS: tl.constexpr):
     """One dK/dV program: key tile ``tile_n`` of part ``part`` = ``(b, hkv) * KV_SPLITS +``
     the slice of the group's query heads."""
     tl.static_assert(BLOCK_M1 >= 16 and BLOCK_N1 >= 16, "tl.dot needs tiles of at least 16")
@@ -395,6 +474,9 @@ def _dkdv_program(tile_n, part, Q, K, V, DO, Lse, Delta, DK, DV, PartK, PartV, d
         else:
             slope2 = qk_scale
         drop_head = off_b * H_Q + off_h  # dropout's head index, as in the forward
+        bits_base = None
+        if DROPOUT_BITS:  # this head's bit array
+            bits_base = Bits + drop_head.to(tl.int64) * bits_stride_h
         if SPLIT_LOOPS:
             if IS_CAUSAL or HAS_WINDOW:
                 dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
@@ -403,30 +485,38 @@ def _dkdv_program(tile_n, part, Q, K, V, DO, Lse, Delta, DK, DV, PartK, PartV, d
                                      desc_q, desc_do, off_b, off_h, win_left, win_right,
                                      cap_scale, cap2, slope2,
                                      seed, drop_head, start_n, DROPOUT_T, drop_r,
+                                 bits_base, bits_nkb,
                                      HEAD_DIM, BLOCK_D, BLOCK_M1, True, IS_CAUSAL, UPCAST_DOT,
-                                     USE_TMA, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)
+                                     USE_TMA, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
+                                 DROPOUT_BITS)
             dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
                                  stride_qm, stride_dom, offs_n, offs_m0, offs_d, m_mid, m_full,
                                  seq_q, causal_offset, qk_scale, desc_q, desc_do, off_b, off_h,
                                  win_left, win_right, cap_scale, cap2, slope2,
                                  seed, drop_head, start_n, DROPOUT_T, drop_r,
+                                 bits_base, bits_nkb,
                                  HEAD_DIM, BLOCK_D, BLOCK_M1, False, IS_CAUSAL, UPCAST_DOT,
-                                 USE_TMA, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)
+                                 USE_TMA, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
+                                 DROPOUT_BITS)
             dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
                                  stride_qm, stride_dom, offs_n, offs_m0, offs_d, m_full, m_hi,
                                  seq_q, causal_offset, qk_scale, desc_q, desc_do, off_b, off_h,
                                  win_left, win_right, cap_scale, cap2, slope2,
                                  seed, drop_head, start_n, DROPOUT_T, drop_r,
+                                 bits_base, bits_nkb,
                                  HEAD_DIM, BLOCK_D, BLOCK_M1, True, IS_CAUSAL, UPCAST_DOT,
-                                 USE_TMA, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)
+                                 USE_TMA, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
+                                 DROPOUT_BITS)
         else:  # one loop over every block with a visible entry, each one masked
             dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
                                  stride_qm, stride_dom, offs_n, offs_m0, offs_d, m_lo, m_hi,
                                  seq_q, causal_offset, qk_scale, desc_q, desc_do, off_b, off_h,
                                  win_left, win_right, cap_scale, cap2, slope2,
                                  seed, drop_head, start_n, DROPOUT_T, drop_r,
+                                 bits_base, bits_nkb,
                                  HEAD_DIM, BLOCK_D, BLOCK_M1, True, IS_CAUSAL, UPCAST_DOT,
-                                 USE_TMA, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)
+                                 USE_TMA, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
+                                 DROPOUT_BITS)
     dk *= sm_scale
     kv_mask = (offs_n < seq_k)[:, None] & (offs_d < HEAD_DIM)[None, :]
     if KV_SPLITS > 1:  # fp32 partial sums, added up in order by attn_bwd_kv_reduce
@@ -473,11 +563,12 @@ def attn_bwd_kv_reduce(PartK, PartV, DK, DV,
 def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn,
               offs_m, offs_n0, offs_d, lo, hi, N_K, CAUSAL_OFFSET, qk_scale,
               desc_k, desc_v, off_b, off_hkv, win_left, win_right, cap_scale, cap2, slope2,
-              seed, drop_head, drop_row, drop_t, drop_r,
+              seed, drop_head, drop_row, drop_t, drop_r, bits_base, bits_nkb,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N2: tl.constexpr,
               MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr,
               USE_TMA: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-              HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr):
+              HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+              DROPOUT_BITS: tl.constexpr):
     """Key blocks ``[lo, hi)`` against the program's queries (``lse2``: LSE in log2 units;
     the modifications' scalars as in :func:`_dkdv_inner`)."""
     for start_n in range(lo, hi, BLOCK_N2):
@@ -510,8 +601,12 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn,
             p = tl.where(keep, p, 0.0)  # also drops the inf of rows with LSE = -inf
         dp = _dot(do, tl.trans(v), UPCAST_DOT)
         if HAS_DROPOUT:  # dP Z r (Z regenerated), as in _dkdv_inner
-            z = tl.where(dropout_keep(seed, drop_head, drop_row, start_n, drop_t,
-                                      offs_m.shape[0], BLOCK_N2), drop_r, 0.0)
+            if DROPOUT_BITS:  # the dK/dV kernel's bits of the same mask
+                z = tl.where(_load_bits(bits_base, bits_nkb, drop_row, start_n,
+                                        offs_m.shape[0], BLOCK_N2), drop_r, 0.0)
+            else:
+                z = tl.where(dropout_keep(seed, drop_head, drop_row, start_n, drop_t,
+                                          offs_m.shape[0], BLOCK_N2), drop_r, 0.0)
             ds = p * (dp * z - delta[:, None])
         else:
             ds = p * (dp - delta[:, None])
@@ -530,13 +625,14 @@ def attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, desc_k, desc_v,
                 stride_dqb, stride_dqh, stride_dqm,
                 H_Q, GROUP, N_Q, N_K, sm_scale,
                 Alibi, CuSeqQ, CuSeqK, stride_ab, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
-                Seed, DROPOUT_T,
+                Seed, DROPOUT_T, Bits, bits_stride_h, bits_nkb,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
                 IS_CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr, SPLIT_LOOPS: tl.constexpr,
                 USE_TMA: tl.constexpr, REVERSE_DQ: tl.constexpr,
                 HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-                VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr):
+                VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+                DROPOUT_BITS: tl.constexpr):
     tile_m = tl.program_id(0)
     if REVERSE_DQ:
         tile_m = tl.num_programs(0) - 1 - tile_m
@@ -545,9 +641,9 @@ def attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, desc_k, desc_v,
                 stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
                 stride_dqb, stride_dqh, stride_dqm, H_Q, GROUP, N_Q, N_K, sm_scale,
                 Alibi, CuSeqQ, CuSeqK, stride_ab, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
-                Seed, DROPOUT_T,
+                Seed, DROPOUT_T, Bits, bits_stride_h, bits_nkb,
                 HEAD_DIM, BLOCK_D, BLOCK_M2, BLOCK_N2, IS_CAUSAL, UPCAST_DOT, SPLIT_LOOPS,
-                USE_TMA, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, VARLEN, HAS_DROPOUT)
+                USE_TMA, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, VARLEN, HAS_DROPOUT, DROPOUT_BITS)
 
 
 @triton.jit
@@ -559,12 +655,13 @@ def _dq_program(tile_m, off_bh, Q, K, V, DO, Lse, Delta, DQ, desc_k, desc_v,
                 stride_dqb, stride_dqh, stride_dqm,
                 H_Q, GROUP, N_Q, N_K, sm_scale,
                 Alibi, CuSeqQ, CuSeqK, stride_ab, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
-                Seed, DROPOUT_T,
+                Seed, DROPOUT_T, Bits, bits_stride_h, bits_nkb,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
                 IS_CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr, SPLIT_LOOPS: tl.constexpr,
                 USE_TMA: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                HAS_ALIBI: tl.constexpr, VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr):
+                HAS_ALIBI: tl.constexpr, VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+                DROPOUT_BITS: tl.constexpr):
     """One dQ program: query tile ``tile_m`` of query head ``off_bh`` = ``b * H_Q + h``."""
     tl.static_assert(BLOCK_M2 >= 16 and BLOCK_N2 >= 16, "tl.dot needs tiles of at least 16")
     tl.static_assert(BLOCK_D >= HEAD_DIM, "BLOCK_D must cover HEAD_DIM")
@@ -615,6 +712,9 @@ def _dq_program(tile_m, off_bh, Q, K, V, DO, Lse, Delta, DQ, desc_k, desc_v,
     if HAS_DROPOUT:  # the forward's seed; 1 / keep, keep = DROPOUT_T / 256
         seed = tl.load(Seed)
         drop_r = 256.0 / DROPOUT_T
+    bits_base = None
+    if DROPOUT_BITS:  # this head's bit array, written by the dK/dV kernel
+        bits_base = Bits + off_bh.to(tl.int64) * bits_stride_h
 
     # Key ranges: [n_lo, n_mid) the left band (masked, windows only), [n_mid, n_full) seen
     # in full by every row of the tile, [n_full, n_hi) the causal (right) band and the
@@ -651,27 +751,31 @@ def _dq_program(tile_m, off_bh, Q, K, V, DO, Lse, Delta, DQ, desc_k, desc_v,
                            offs_m, offs_n0, offs_d, n_lo, n_mid, seq_k, causal_offset,
                            qk_scale, desc_k, desc_v, off_b, off_hkv, win_left, win_right,
                            cap_scale, cap2, slope2, seed, off_bh, start_m, DROPOUT_T, drop_r,
+                       bits_base, bits_nkb,
                            HEAD_DIM, BLOCK_D, BLOCK_N2, True, IS_CAUSAL, UPCAST_DOT, USE_TMA,
-                           HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)
+                           HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DROPOUT_BITS)
         dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, offs_m,
                        offs_n0, offs_d, n_mid, n_full, seq_k, causal_offset, qk_scale,
                        desc_k, desc_v, off_b, off_hkv, win_left, win_right,
                        cap_scale, cap2, slope2, seed, off_bh, start_m, DROPOUT_T, drop_r,
+                       bits_base, bits_nkb,
                        HEAD_DIM, BLOCK_D, BLOCK_N2, False, IS_CAUSAL, UPCAST_DOT, USE_TMA,
-                       HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)
+                       HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DROPOUT_BITS)
         dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, offs_m,
                        offs_n0, offs_d, n_full, n_hi, seq_k, causal_offset, qk_scale,
                        desc_k, desc_v, off_b, off_hkv, win_left, win_right,
                        cap_scale, cap2, slope2, seed, off_bh, start_m, DROPOUT_T, drop_r,
+                       bits_base, bits_nkb,
                        HEAD_DIM, BLOCK_D, BLOCK_N2, True, IS_CAUSAL, UPCAST_DOT, USE_TMA,
-                       HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)
+                       HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DROPOUT_BITS)
     else:  # one loop over every block with a visible entry, each one masked
         dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, offs_m,
                        offs_n0, offs_d, n_lo, n_hi, seq_k, causal_offset, qk_scale,
                        desc_k, desc_v, off_b, off_hkv, win_left, win_right,
                        cap_scale, cap2, slope2, seed, off_bh, start_m, DROPOUT_T, drop_r,
+                       bits_base, bits_nkb,
                        HEAD_DIM, BLOCK_D, BLOCK_N2, True, IS_CAUSAL, UPCAST_DOT, USE_TMA,
-                       HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)
+                       HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DROPOUT_BITS)
     dq *= sm_scale
     tl.store(_head(DQ, off_b, off_h, q_start, stride_dqb, stride_dqh, stride_dqm, VARLEN)
              + offs_m[:, None].to(tl.int64) * stride_dqm + offs_d[None, :],
@@ -711,9 +815,9 @@ def attn_bwd_fused(Q, K, V, DO, Lse, Delta, DQ, DK, DV, PartK, PartV,
                       stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                       H_Q, H_KV, GROUP, N_Q, N_K, sm_scale, Alibi, CuSeqQ, CuSeqK, stride_ab,
                       WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
-                      Seed, DROPOUT_T, HEAD_DIM, BLOCK_D, BLOCK_M1,
+                      Seed, DROPOUT_T, None, None, None, HEAD_DIM, BLOCK_D, BLOCK_M1,
                       BLOCK_N1, IS_CAUSAL, UPCAST_DOT, SPLIT_LOOPS, KV_SPLITS, USE_TMA,
-                      HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, VARLEN, HAS_DROPOUT)
+                      HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, VARLEN, HAS_DROPOUT, False)
     else:
         pid -= N1_PROGRAMS
         tile_m = pid % N2_TILES
@@ -724,6 +828,6 @@ def attn_bwd_fused(Q, K, V, DO, Lse, Delta, DQ, DK, DV, PartK, PartV,
                     stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
                     stride_dqb, stride_dqh, stride_dqm, H_Q, GROUP, N_Q, N_K, sm_scale,
                     Alibi, CuSeqQ, CuSeqK, stride_ab, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
-                    Seed, DROPOUT_T,
+                    Seed, DROPOUT_T, None, None, None,
                     HEAD_DIM, BLOCK_D, BLOCK_M2, BLOCK_N2, IS_CAUSAL, UPCAST_DOT, SPLIT_LOOPS,
-                    USE_TMA, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, VARLEN, HAS_DROPOUT)
+                    USE_TMA, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, VARLEN, HAS_DROPOUT, False)

@@ -10,6 +10,16 @@ flag of the kernels, so calls without them run the plain kernels. Packed sequenc
 ``KV_SPLITS`` (the partial sums are laid out per K/V head over the packed keys) and never use
 TMA.
 
+``DROPOUT_BITS`` (a knob, with dropout; not with ``ONE_LAUNCH``): the dK/dV kernel writes the
+keep mask it builds as bits into a scratch and the dQ kernel, launched after it on the same
+stream, reads them instead of drawing Philox again. The scratch is one int32 array of
+:func:`dropout_bits_shape` (``batch * heads_q`` rows of about ``seqlen_q * seqlen_k / 32``
+words, padded to the tiles: 12 MiB for BERT-base's B32 H12 N512), allocated by
+:func:`attn_bwd` with ``torch.empty`` for the call (never initialised: every word a visible
+score needs is written by the dK/dV kernel before the dQ kernel reads it, the others only
+meet scores whose probability is zero) and dropped when it returns, so nothing N x N
+outlives the call. Same mask, same arithmetic: the same bits as without the knob.
+
 :func:`kernel_args` is the one place that maps tensors and a config to the kernels'
 arguments; the launcher and the precompiler (:mod:`flashtune.autotune.precompile`, which
 passes shape-only stand-ins) both use it, so a precompiled kernel is the one the launch
@@ -32,7 +42,11 @@ from flashtune.kernel_templates.attn_bwd.kernel import (
     attn_bwd_kv_reduce,
     attn_bwd_preprocess,
 )
-from flashtune.kernel_templates.attn_bwd.space import DEFAULTS
+from flashtune.kernel_templates.attn_bwd.space import (
+    DEFAULTS,
+    dropout_bits_refusal,
+    dropout_bits_words,
+)
 from flashtune.kernel_templates.attn_fwd.space import block_d
 from flashtune.kernel_templates.dropout import dropout_threshold
 from flashtune.kernel_templates.tma import (
@@ -85,6 +99,14 @@ def partial_shape(k: Any, splits: int) -> tuple[int, int, int]:
     return batch * heads_kv * splits, seqlen_k, head_dim
 
 
+def dropout_bits_shape(config: Mapping[str, int], batch: int, heads_q: int, seqlen_q: int,
+                       seqlen_k: int) -> tuple[int, int]:
+    """Shape of DROPOUT_BITS' int32 scratch: ``(batch * heads_q, words)``, ``words`` the
+    bit array of one query head's ``seqlen_q x seqlen_k`` scores (the longest sequences of a
+    packed batch) padded to the config's tiles (``space.dropout_bits_words``)."""
+    return batch * heads_q, dropout_bits_words(config, seqlen_q, seqlen_k)[0]
+
+
 def _window_args(causal: bool, window: tuple[int, int]) -> tuple[bool, int, int]:
     """``(HAS_WINDOW, WINDOW_LEFT, WINDOW_RIGHT)``: causal alone is IS_CAUSAL's (no window);
     with a left bound causal makes the right bound 0 (FlashAttention-2); a negative bound
@@ -108,7 +130,8 @@ def kernel_args(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, delta: An
                 softcap: float | None = None, alibi_slopes: Any = None,
                 cu_seqlens_q: Any = None, cu_seqlens_k: Any = None,
                 max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
-                dropout_p: float = 0.0, seed: Any = None) -> dict[str, Launch]:
+                dropout_p: float = 0.0, seed: Any = None,
+                bits: Any = None) -> dict[str, Launch]:
     """The launches in order: ``{"preprocess", "dkdv", ["kv_reduce",] "dq"}``, or with
     ``ONE_LAUNCH`` ``{"preprocess", "fused", ["kv_reduce"]}`` -> ``(kernel, args, kwargs,
     grid)``.
@@ -120,7 +143,8 @@ def kernel_args(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, delta: An
     needed when :func:`kv_splits` > 1. ``window``, ``softcap``, ``alibi_slopes`` and the
     varlen arguments as :func:`attn_bwd` takes them (``max_seqlen_q``/``max_seqlen_k``
     read from ``cu_seqlens_q``/``cu_seqlens_k`` when None); ``dropout_p`` with the
-    forward's ``seed``.
+    forward's ``seed``; ``bits``: with ``DROPOUT_BITS`` (and dropout) the int32 scratch of
+    :func:`dropout_bits_shape`, contiguous (ignored without dropout).
     """
     varlen = cu_seqlens_q is not None
     if varlen:
@@ -156,6 +180,21 @@ def kernel_args(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, delta: An
             seed if has_dropout else lse, dropout_threshold(dropout_p) if has_dropout else 0)
     flags = dict(HAS_WINDOW=has_window, HAS_SOFTCAP=has_softcap, HAS_ALIBI=has_alibi,
                  VARLEN=varlen, HAS_DROPOUT=has_dropout)
+    # DROPOUT_BITS: the scratch and its layout as keyword arguments of the two main kernels
+    # (None without the knob: specialised away, the kernels' parameters as they were)
+    refusal = dropout_bits_refusal(config, has_dropout) if has_dropout else None
+    if refusal is not None:
+        raise ValueError(refusal)
+    use_bits = has_dropout and bool(config.get("DROPOUT_BITS", DEFAULTS["DROPOUT_BITS"]))
+    bits_args: dict[str, Any] = dict(Bits=None, bits_stride_h=None, bits_nkb=None,
+                                     DROPOUT_BITS=False)
+    if use_bits:
+        shape = dropout_bits_shape(config, batch, heads_q, seqlen_q, seqlen_k)
+        if bits is None or tuple(bits.shape) != shape or bits.dtype != torch.int32:
+            raise ValueError(f"DROPOUT_BITS needs an int32 scratch of shape {shape}")
+        bits_args = dict(Bits=bits, bits_stride_h=shape[1],
+                         bits_nkb=dropout_bits_words(config, seqlen_q, seqlen_k)[1],
+                         DROPOUT_BITS=True)
     if dlse is None:
         dl_strides: tuple[int, int, int] = (0, 0, 0)
     elif varlen:  # (heads_q, total_q)
@@ -210,7 +249,8 @@ def kernel_args(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, delta: An
          heads_q, heads_kv, group, n_q, n_k, float(scale), *mods),
         dict(HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_M1=bm1, BLOCK_N1=bn1,
              IS_CAUSAL=bool(causal), UPCAST_DOT=upcast_dot, SPLIT_LOOPS=split,
-             KV_SPLITS=splits, USE_TMA=use_tma, **flags, num_warps=warps, num_stages=stages),
+             KV_SPLITS=splits, USE_TMA=use_tma, **flags, **bits_args, num_warps=warps,
+             num_stages=stages),
         (triton.cdiv(seqlen_k, bn1), batch * heads_kv * splits))
     if splits > 1:
         launches["kv_reduce"] = _kv_reduce(part_k, part_v, *reduce)
@@ -221,8 +261,8 @@ def kernel_args(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, delta: An
          heads_q, group, n_q, n_k, float(scale), *mods),
         dict(HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_M2=bm2, BLOCK_N2=bn2,
              IS_CAUSAL=bool(causal), UPCAST_DOT=upcast_dot, SPLIT_LOOPS=split,
-             USE_TMA=use_tma, REVERSE_DQ=reverse_dq, **flags, num_warps=warps,
-             num_stages=stages),
+             USE_TMA=use_tma, REVERSE_DQ=reverse_dq, **flags, **bits_args,
+             num_warps=warps, num_stages=stages),
         (triton.cdiv(seqlen_q, bm2), batch * heads_q))
     return launches
 
@@ -287,7 +327,10 @@ def attn_bwd(
             aligned, see ``attn_fwd.launcher.tma_ok``, and for packed sequences),
             ``ONE_LAUNCH`` (0/1: the dK/dV and dQ programs in one launch) and ``REVERSE_DQ``
             (0/1: dQ query tiles last-first); the last two only reorder programs (the same
-            bits).
+            bits); ``DROPOUT_BITS`` (0/1, with dropout: the dQ kernel reads the dK/dV
+            kernel's mask from a scratch of ~``seqlen_q * seqlen_k / 8`` bytes per query
+            head held during the call; not with ONE_LAUNCH, query tiles of 64k, key tiles
+            of 32k; ignored without dropout).
         causal: bottom-right aligned mask: query ``i`` sees key ``j`` iff
             ``j <= i + seqlen_k - seqlen_q`` (FlashAttention-2's ``window_size``
             ``(left, 0)``).
@@ -357,12 +400,28 @@ def attn_bwd(
         shape = partial_shape(k, splits)
         part_k = torch.empty(shape, device=q.device, dtype=torch.float32)
         part_v = torch.empty(shape, device=q.device, dtype=torch.float32)
+    bits = None
+    if dropout_p > 0 and config.get("DROPOUT_BITS", DEFAULTS["DROPOUT_BITS"]):
+        # the keep mask as bits for this call only (see the module doc): written by the
+        # dK/dV launch, read by the dQ launch after it, freed on return
+        if cu_seqlens_q is not None:
+            batch = cu_seqlens_q.shape[0] - 1
+            if max_seqlen_q is None:
+                max_seqlen_q = _max_len(cu_seqlens_q)
+            if max_seqlen_k is None:
+                max_seqlen_k = _max_len(cu_seqlens_k)
+            lens = (int(max_seqlen_q), int(max_seqlen_k))
+        else:
+            batch, lens = q.shape[0], (q.shape[2], k.shape[2])
+        bits = torch.empty(dropout_bits_shape(config, batch, q.shape[1], *lens),
+                           device=q.device, dtype=torch.int32)
     launches = kernel_args(q, k, v, out, lse, dout, delta, dq, dk, dv, config, causal=causal,
                            scale=scale, upcast_dot=_upcast_dot(q), dlse=dlse, part_k=part_k,
                            part_v=part_v, window=window, softcap=softcap,
                            alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q,
                            cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                           max_seqlen_k=max_seqlen_k, dropout_p=dropout_p, seed=seed)
+                           max_seqlen_k=max_seqlen_k, dropout_p=dropout_p, seed=seed,
+                           bits=bits)
     for kernel, args, kwargs, grid in launches.values():
         kernel[grid](*args, **kwargs)
     return dq, dk, dv

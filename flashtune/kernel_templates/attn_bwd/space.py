@@ -29,10 +29,13 @@ KNOBS: dict[str, tuple[int, ...]] = {
     "USE_TMA": (0, 1),  # streamed tiles through tensor descriptors (compute capability >= 9)
     "REVERSE_DQ": (0, 1),  # causal: dQ programs take query tiles last-first (longest first)
     "ONE_LAUNCH": (0, 1),  # the dK/dV and dQ programs in one grid (dQ fills dK/dV's tail)
+    # dropout: the dK/dV kernel stores its keep mask as bits, the dQ kernel reads them instead
+    # of drawing Philox again (a scratch of Nq x Nk bits per query head during the backward)
+    "DROPOUT_BITS": (0, 1),
 }
 PARAMS: dict[str, tuple[int, ...]] = {**BASE_PARAMS, **KNOBS}
 DEFAULTS: dict[str, int] = {"SPLIT_LOOPS": 0, "KV_SPLITS": 1, "USE_TMA": 0, "REVERSE_DQ": 0,
-                            "ONE_LAUNCH": 0}
+                            "ONE_LAUNCH": 0, "DROPOUT_BITS": 0}
 # fp32 accumulators a thread may hold (dK + dV tiles, or the dQ tile) before the config is
 # pruned as hopeless (it would spill to local memory)
 MAX_ACC_PER_THREAD = 256
@@ -62,6 +65,41 @@ def shared_mem_bytes(config: Mapping[str, int], head_dim: int, elem_size: int = 
     return max(dkdv, dq) + (TMA_SMEM_EXTRA if config.get("USE_TMA", 0) else 0)
 
 
+# DROPOUT_BITS' scratch past this is refused (the bits of B x Hq x Nq x Nk scores)
+MAX_DROPOUT_BITS_BYTES = 1 << 30
+
+
+def dropout_bits_words(config: Mapping[str, int], seqlen_q: int,
+                       seqlen_k: int) -> tuple[int, int]:
+    """``(words, nkb)`` of DROPOUT_BITS' int32 bit array per query head: ``seqlen_q`` and
+    ``seqlen_k`` (the longest sequences of a packed batch) padded to both kernels' tiles,
+    in blocks of 64 queries by 32 keys (64 words each), ``nkb`` key blocks a row of blocks
+    (layout: ``attn_bwd/kernel.py``, ``_bits_offsets``)."""
+    pad_q = max(config["BLOCK_M1"], config["BLOCK_M2"], 64)
+    pad_k = max(config["BLOCK_N1"], config["BLOCK_N2"], 32)
+    nqb = -(-seqlen_q // pad_q) * pad_q // 64
+    nkb = -(-seqlen_k // pad_k) * pad_k // 32
+    return nqb * nkb * 64, nkb
+
+
+def dropout_bits_refusal(config: Mapping[str, int], has_dropout: bool) -> str | None:
+    """Why ``config``'s DROPOUT_BITS cannot run (None: it can, or it is off)."""
+    if not config.get("DROPOUT_BITS", 0):
+        return None
+    if not has_dropout:
+        return "DROPOUT_BITS stores the dropout mask: the problem has no dropout"
+    if config.get("ONE_LAUNCH", 0):
+        return ("DROPOUT_BITS needs the dK/dV kernel (which writes the bits) to finish before "
+                "the dQ kernel reads them: ONE_LAUNCH runs both in one launch")
+    if config["BLOCK_M1"] % 64 or config["BLOCK_M2"] % 64:
+        return (f"DROPOUT_BITS needs query tiles of 64 or more (whole 64-query words): "
+                f"BLOCK_M1 {config['BLOCK_M1']}, BLOCK_M2 {config['BLOCK_M2']}")
+    if config["BLOCK_N1"] % 32 or config["BLOCK_N2"] % 32:
+        return (f"DROPOUT_BITS needs key tiles of 32 or more (whole 32-key words): "
+                f"BLOCK_N1 {config['BLOCK_N1']}, BLOCK_N2 {config['BLOCK_N2']}")
+    return None
+
+
 def check(config: Mapping[str, int], problem: AttentionProblem,
           device: DeviceFingerprint) -> str | None:
     """Why ``config`` cannot (or should not) run ``problem`` on ``device``; None if it can."""
@@ -75,6 +113,15 @@ def check(config: Mapping[str, int], problem: AttentionProblem,
                 f"thread (> {MAX_ACC_PER_THREAD}) at {config['num_warps']} warps: would spill")
     if config.get("REVERSE_DQ", 0) and not problem.causal:
         return "REVERSE_DQ only reorders causal problems (no-op here)"
+    refusal = dropout_bits_refusal(config, problem.dropout > 0)
+    if refusal is not None:
+        return refusal
+    if config.get("DROPOUT_BITS", 0):
+        words, _ = dropout_bits_words(config, problem.seqlen_q, problem.seqlen_k)
+        scratch = 4 * words * problem.batch * problem.heads_q
+        if scratch > MAX_DROPOUT_BITS_BYTES:
+            return (f"DROPOUT_BITS' scratch would hold {scratch} B (> "
+                    f"{MAX_DROPOUT_BITS_BYTES}): regenerate the mask instead")
     if config.get("USE_TMA", 0):
         refusal = tma_refusal(problem, device)  # an unaligned head dim, interpreted
         if refusal is not None:

@@ -19,6 +19,7 @@ def attn_bwd_warmup_args(problem: AttentionProblem, config: Mapping[str, int]) -
     import torch
 
     from flashtune.kernel_templates.attn_bwd.launcher import (
+        dropout_bits_shape,
         kernel_args,
         kv_splits,
         partial_shape,
@@ -31,9 +32,14 @@ def attn_bwd_warmup_args(problem: AttentionProblem, config: Mapping[str, int]) -
     lse = Shaped(torch.float32, q.shape[:3])
     splits = kv_splits(config, p.heads_q // p.heads_kv)
     part = Shaped(torch.float32, partial_shape(k, splits)) if splits > 1 else None
+    mods = warmup_mods(p)
+    bits = None
+    if mods.get("dropout_p", 0) > 0 and config.get("DROPOUT_BITS", 0):
+        bits = Shaped(torch.int32, dropout_bits_shape(config, p.batch, p.heads_q, p.seqlen_q,
+                                                      p.seqlen_k))
     launches = kernel_args(q, k, k, q, lse, q, lse, q, k, k, config, causal=p.causal,
                            scale=1.0 / math.sqrt(p.head_dim), upcast_dot=False, part_k=part,
-                           part_v=part, **warmup_mods(p))
+                           part_v=part, bits=bits, **mods)
     return list(launches.values())
 
 
