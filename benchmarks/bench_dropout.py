@@ -4,7 +4,7 @@ backends with the same ``dropout_p``, forward and training step, one run, bf16.
     python benchmarks/bench_dropout.py [--cases bert,d128c] [--dropout 0.1] [--rounds 5]
         [--db URL] [--tune | --tune-only] [--tune-ops] [--trials 10]
         [--out benchmarks/results/dropout_h100.json] [--dry-run]
-        [--sweep-bwd '[{}, {"num_stages": 2}, ...]']
+        [--sweep-bwd '[{}, {"num_stages": 2}, ...]'] [--variant '{"DROPOUT_BITS": 1}']
 
 Cases (``benchmarks/plans/dropout.toml`` holds the same shapes, dropout 0.1):
 
@@ -48,6 +48,12 @@ database; ``--tune-only`` stops after tuning (a device command is 10 minutes at 
 in one, bench in the next). ``--dry-run`` prints the cases, the configs flashtune would run
 on an H100 without a database and the tuning commands, and checks the plan file; no GPU.
 Writes JSON (rewritten after every case); prints a table last.
+
+``--variant JSON`` (an object of ``attn_bwd`` config overrides) adds the contender
+``flashtune_variant`` to the training step: flashtune's kernels as ``flashtune`` runs them,
+the backward with the served config and the overrides (e.g. ``{"DROPOUT_BITS": 1}``: the dQ
+kernel reads the dK/dV kernel's mask as bits), checked the same way, timed in the same
+rotation; its ratios beside flashtune's, and ``variant_over_default``.
 
 ``--sweep-bwd JSON`` (a list of ``attn_bwd`` config overrides, ``{}`` the served config)
 times the kernels alone instead, per case: the forward (served config) with and without
@@ -132,6 +138,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="print the cases, configs and tuning commands; no GPU needed")
     ap.add_argument("--sweep-bwd", default=None, metavar="JSON",
                     help="time the kernels alone: these attn_bwd config overrides (a JSON list)")
+    ap.add_argument("--variant", default=None, metavar="JSON",
+                    help="train mode: also time flashtune with these attn_bwd config "
+                         "overrides (a JSON object), as flashtune_variant")
     args = ap.parse_args(argv)
     unknown = [c for c in args.cases.split(",") if c not in CASES]
     if unknown:
@@ -152,6 +161,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if not (isinstance(sweep, list) and sweep and all(isinstance(o, dict) for o in sweep)):
             ap.error("--sweep-bwd takes a non-empty JSON list of config overrides")
         args.sweep_bwd = sweep
+    if args.variant is not None:
+        try:
+            variant = json.loads(args.variant)
+        except ValueError:
+            variant = None
+        if not (isinstance(variant, dict) and variant
+                and all(isinstance(v, int) for v in variant.values())):
+            ap.error("--variant takes a non-empty JSON object of integer config overrides")
+        args.variant = variant
     return args
 
 
@@ -244,9 +262,10 @@ def make_tensors(case: Case, dtype: Any, device: str) -> dict[str, Any]:
 
 
 def contenders(case: Case, mode: str, t: Mapping[str, Any], fcfg: Mapping[str, int],
-               bcfg: Mapping[str, int], p: float, baselines: list[str], routed: bool
-               ) -> dict[str, Callable[[], Any]]:
-    """``name -> fn()``: ``fwd`` returns the output, ``train`` the gradients (dq, dk, dv)."""
+               bcfg: Mapping[str, int], p: float, baselines: list[str], routed: bool,
+               variant: Mapping[str, int] | None = None) -> dict[str, Callable[[], Any]]:
+    """``name -> fn()``: ``fwd`` returns the output, ``train`` the gradients (dq, dk, dv);
+    ``variant``: ``train``'s ``flashtune_variant``, the backward's config overridden."""
     import torch
     import torch.nn.functional as F
 
@@ -266,6 +285,14 @@ def contenders(case: Case, mode: str, t: Mapping[str, Any], fcfg: Mapping[str, i
                 out, lse = fwd.launcher(q, k, v, fcfg, causal=causal, return_lse=True, **drop)
                 return bwd.launcher(q, k, v, out, lse, do, bcfg, causal=causal, **drop)
             fns[name] = own_step
+    if variant and mode == "train":
+        vcfg = {**bcfg, **variant}
+
+        def variant_step() -> Any:
+            drop = {"dropout_p": p, "seed": seed}
+            out, lse = fwd.launcher(q, k, v, fcfg, causal=causal, return_lse=True, **drop)
+            return bwd.launcher(q, k, v, out, lse, do, vcfg, causal=causal, **drop)
+        fns["flashtune_variant"] = variant_step
     if routed:
         if mode == "fwd":
             def routed_fwd() -> Any:
@@ -390,7 +417,9 @@ def run_case(case: Case, args: argparse.Namespace, device: Any,
         "case": case.name, "label": case.label, "problem": prob.key(),
         "flops": {"fwd": prob.flops(), "train": prob.flops() * TRAIN_FACTOR},
         "attn_fwd": {"config": fchoice.config, "source": fchoice.source},
-        "attn_bwd": {"config": bchoice.config, "source": bchoice.source},
+        "attn_bwd": {"config": bchoice.config, "source": bchoice.source,
+                     **({"variant": {**bchoice.config, **args.variant}}
+                        if getattr(args, "variant", None) else {})},
         "kept_fraction": fractions(case, dtype, p, baselines, torch_device)}
     t = make_tensors(case, dtype, torch_device)
     refs = {"fixed": references(case, t, t["seed"], p, modes)}
@@ -399,7 +428,7 @@ def run_case(case: Case, args: argparse.Namespace, device: Any,
     tol = TOLERANCE[args.dtype]
     for mode in modes:
         fns = contenders(case, mode, t, fchoice.config, bchoice.config, p, baselines,
-                         routed=not args.no_routed)
+                         routed=not args.no_routed, variant=getattr(args, "variant", None))
         res: dict[str, Any] = {}
         runnable = {}
         for name, fn in fns.items():
@@ -539,13 +568,15 @@ def ratios(res: Mapping[str, Any], mode: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     timed = [b for b in BASELINES if ms(b) is not None]
     best = min(timed, key=lambda b: ms(b) or math.inf) if timed else None
-    for ours in ("flashtune", "flashtune_routed"):
+    for ours in ("flashtune", "flashtune_routed", "flashtune_variant"):
         if ms(ours) is None:
             continue
         for base in timed:
             out[f"{ours}_vs_{base}"] = (ms(base) or 0) / (ms(ours) or 1)
         if best is not None:
             out[f"{ours}_vs_best_sdpa"] = (ms(best) or 0) / (ms(ours) or 1)
+    if ms("flashtune") is not None and ms("flashtune_variant") is not None:
+        out["variant_over_default"] = (ms("flashtune") or 0) / (ms("flashtune_variant") or 1)
     if ms("flashtune") is not None and ms("flashtune_nodrop") is not None:
         out["dropout_cost"] = (ms("flashtune") or 0) / (ms("flashtune_nodrop") or 1)
     if mode == "train" and best is not None and "flashtune_vs_best_sdpa" in out:
@@ -655,6 +686,7 @@ def render_sweep(rows: list[dict[str, Any]]) -> str:
 
 def render_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
     names = ["flashtune", *([] if args.no_routed else ["flashtune_routed"]),
+             *(["flashtune_variant"] if getattr(args, "variant", None) else []),
              "flashtune_nodrop", *[b for b in args.baselines.split(",") if b]]
     lines = [f"TFLOP/s, {args.dtype}, dropout {args.dropout}, median of {args.rounds} rounds "
              f"(training step counted {TRAIN_FACTOR}x the forward); target: training step "

@@ -137,3 +137,37 @@ def test_the_kernel_sweep_under_the_interpreter(script, monkeypatch):
         assert max(res[name]["rel_err_vs_fp32"].values()) < 2e-2, res[name]
     assert res["bwd_BLOCK_N116_BLOCK_M216"]["config"]["BLOCK_N1"] == 16
     assert "| tiny | bwd_default | " in script.render_sweep([row])
+
+
+def test_the_backward_variant_under_the_interpreter(script, monkeypatch):
+    """``--variant``: the training step also runs flashtune with the backward's config
+    overridden (DROPOUT_BITS here), checked against fp32 with the mask, timed in the same
+    rotation, with its ratio over the default; a bad object is refused."""
+    from flashtune.autotune.timing import Timing
+    from flashtune.core.device import interpreter_device
+
+    for bad in ("[]", "{}", '{"DROPOUT_BITS": "yes"}', "nope"):
+        with pytest.raises(SystemExit):
+            script.parse_args(["--variant", bad])
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    case = script.Case("tiny", "tiny", 1, 2, 70, 16, True)
+    variant = '{"DROPOUT_BITS": 1, "BLOCK_M1": 64, "BLOCK_N1": 32, "BLOCK_M2": 64, ' \
+        '"BLOCK_N2": 32}'
+    args = script.parse_args(["--rounds", "1", "--modes", "train", "--no-routed",
+                              "--variant", variant])
+    timings = iter([2.0, 1.0, 1.6])  # flashtune, flashtune_nodrop, flashtune_variant
+
+    def bench(fn):
+        fn()
+        median = next(timings)
+        return Timing(median_ms=median, p20_ms=median, p80_ms=median)
+
+    row = script.run_case(case, args, interpreter_device(), script.dispatchers_for(None),
+                          bench, torch_device="cpu")
+    res = row["train"]
+    assert set(res) == {"flashtune", "flashtune_nodrop", "flashtune_variant", "ratios"}, res
+    assert max(res["flashtune_variant"]["rel_err_vs_fp32"].values()) < 2e-2, res
+    assert res["flashtune_variant"]["rel_err_vs_fp32"] == res["flashtune"]["rel_err_vs_fp32"]
+    assert row["attn_bwd"]["variant"]["DROPOUT_BITS"] == 1
+    assert res["ratios"]["variant_over_default"] == pytest.approx(2.0 / 1.6)
+    assert "flashtune_variant" in script.render_table([row], args)
