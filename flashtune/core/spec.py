@@ -70,6 +70,11 @@ class Limits:
         dropout: whether it serves attention dropout (FlashAttention-2's ``dropout_p``:
             :attr:`AttentionProblem.dropout`), drawing flashtune's mask from the call's
             seed (``kernel_templates.dropout``).
+        deterministic: whether its gradients are bitwise reproducible (the same inputs and
+            config give the same bits); False for a backward that sums with atomics in an
+            order the hardware picks (attn_bwd_gluon's dQ). Declared, not a refusal: callers
+            that need reproducible gradients name a deterministic pair (FlashAttention-2's
+            ``deterministic=True`` runs attn_fwd with attn_bwd).
         available: ``available(device) -> reason | None``: a check that only the running
             process can answer (a library built without a backend); None: always.
     """
@@ -86,6 +91,7 @@ class Limits:
     packed: bool = False
     dropout: bool = False
     single_token: bool = True
+    deterministic: bool = True
     available: Callable[[DeviceFingerprint], str | None] | None = field(default=None,
                                                                         compare=False)
 
@@ -160,6 +166,7 @@ class Limits:
                       packed=self.packed and other.packed,
                       single_token=self.single_token and other.single_token,
                       dropout=self.dropout and other.dropout,
+                      deterministic=self.deterministic and other.deterministic,
                       available=available if checks else None)
 
 

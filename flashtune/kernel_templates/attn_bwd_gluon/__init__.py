@@ -1,0 +1,80 @@
+"""attn_bwd_gluon: a Hopper flash-attention backward in Gluon with FlashAttention-3's
+structure (``hopper/mainloop_bwd_sm90_tma_gmma_ws.hpp``), an implementation of the op
+``bwd`` beside ``attn_bwd`` (sm_90, head dims 64 and 128, fp16 and bf16, GQA/MQA,
+bottom-right causal, Nq != Nk, ragged lengths; no dropout, score modifications or packed
+batches: its ``Limits`` refuse them).
+
+* a **preprocess** launch: ``delta = rowsum(dO * O) - dLSE`` and ``lse * log2 e`` per query
+  row into padded float32 rows, and the fp32 dQ accumulator zeroed (FA3's
+  ``flash_bwd_preprocess``);
+* the **main** launch, one CTA per (key block of ``BLOCK_N`` keys, batch x KV head), warp
+  specialized: a **producer** warp TMA-loads K and V once and streams Q and dO tiles
+  through a ring of ``NUM_STAGES`` buffers (``q_ready`` / ``do_ready`` / ``qdo_empty``
+  mbarriers) for every query block at or below the diagonal (causal) of every query head of
+  the GQA group; ``NUM_CONSUMERS`` **consumer** warpgroups, each owning ``BLOCK_N /
+  NUM_CONSUMERS`` keys, compute ``S^T = K Q^T`` and ``dP^T = V dO^T`` (two async wgmma, the
+  exp2 of ``P^T`` while the second runs), ``dS^T = P^T (dP^T - delta)`` (to shared memory),
+  ``dV += P^T dO`` and ``dK += dS^T Q`` accumulated in registers (fp32) over the whole walk,
+  and ``dS K`` through shared memory into the accumulator with fp32 atomics (FA3 reduces
+  with TMA bulk adds, which Gluon 3.6 cannot issue on Hopper);
+* a **convert** launch: ``dQ = scale * accumulator`` in the input dtype.
+
+dQ's atomics make its last bits depend on the CTAs' order: ``Limits.deterministic`` is
+False, and a caller asking for reproducible gradients (FlashAttention-2's
+``deterministic=True``) runs ``attn_fwd`` with ``attn_bwd``. dK and dV are exact sums in a
+fixed order.
+
+Registered: this backward (op ``bwd``, serving no user op by itself, as ``attn_bwd``), and
+its training pair ``attn_fwd_gluon_bwd_gluon``: attn_fwd_gluon's forward (same kernel, same
+source hash, ``serves=("train",)`` only) whose ``backward`` is this template, so ``flashtune
+tune --op train`` searches the pair beside the others and the router runs it only where a
+tuning run stored it as the measured winner (nothing routes to it by default).
+
+Gluon has no interpreter mode: ``needs_gpu``, sm_90 only. ``space.py``'s predicate reads
+``sm90_compile.json`` (:mod:`.prefilter`); numerics are checked on the GPU
+(``tests/kernel_templates_tests/test_attn_bwd_gluon.py``, marked ``gpu``) and by the tuner
+against fp32 before timing, as for every implementation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from flashtune.core.spec import Limits
+from flashtune.kernel_templates.attn_bwd.case import make_case
+from flashtune.kernel_templates.attn_bwd.reference import attn_bwd_reference
+from flashtune.kernel_templates.attn_bwd_gluon.kernel import gluon_attn_bwd_kernel
+from flashtune.kernel_templates.attn_bwd_gluon.launcher import HEAD_DIMS, attn_bwd_gluon
+from flashtune.kernel_templates.attn_bwd_gluon.space import SPACE, default_config
+from flashtune.kernel_templates.attn_bwd_gluon.warmup import warmup_launches
+from flashtune.kernel_templates.attn_fwd_gluon import SPEC as FWD_GLUON
+from flashtune.kernel_templates.registry import TemplateSpec, register_template, source_hash
+
+_HERE = Path(__file__).parent
+# the training pair's name: attn_fwd_gluon's forward with this backward
+PAIR_NAME = "attn_fwd_gluon_bwd_gluon"
+
+SPEC = register_template(TemplateSpec(
+    name="attn_bwd_gluon",
+    op="bwd",
+    source_hash=source_hash(_HERE / "kernel.py", _HERE / "launcher.py"),
+    launcher=attn_bwd_gluon,
+    reference=attn_bwd_reference,
+    space=SPACE,
+    default_config=default_config,
+    make_case=make_case,
+    warmup_launches=warmup_launches,
+    kernel=gluon_attn_bwd_kernel,
+    kind="gluon",
+    limits=Limits(head_dims=HEAD_DIMS, dtypes=("fp16", "bf16"), gqa=True,
+                  causal_unaligned=True, lse=True, needs_gpu=True, capabilities=((9, 0),),
+                  deterministic=False),
+))
+
+# the pair's forward: attn_fwd_gluon as it is (its kernel, space, hash), for train only
+PAIR_SPEC = register_template(replace(FWD_GLUON, name=PAIR_NAME, serves=("train",),
+                                      backward=SPEC.name))
+
+__all__ = ["PAIR_NAME", "PAIR_SPEC", "SPACE", "SPEC", "attn_bwd_gluon", "default_config",
+           "gluon_attn_bwd_kernel"]

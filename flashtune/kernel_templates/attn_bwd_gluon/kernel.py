@@ -1,0 +1,327 @@
+"""The Gluon backward's kernels (``@gluon.jit`` only; the package doc describes the
+structure, :mod:`.launcher` plans and launches them).
+
+* ``gluon_attn_bwd_preprocess``: per query row ``delta = rowsum(dO * O) - dLSE`` and
+  ``lse * log2(e)`` (``+inf`` where the row sees no key, and in the padding rows up to the
+  query tile, so their probabilities are 0), both into ``(B * Hq, Nq_pad)`` float32 rows,
+  and the fp32 dQ accumulator's rows zeroed;
+* ``gluon_attn_bwd_kernel``: one CTA per (key block, batch x KV head), warp specialized:
+  ``_producer`` (1 warp) TMA-loads the CTA's K and V once and streams Q and dO tiles of
+  every query block (of every query head of the GQA group) that sees the key block through
+  a ring of ``NUM_STAGES`` buffers; ``_consumer`` (``NUM_CONSUMERS`` warpgroups, each owning
+  ``BLOCK_N // NUM_CONSUMERS`` keys) computes ``S^T = K Q^T``, ``P^T``, ``dP^T = V dO^T``,
+  ``dS^T``, accumulates ``dV += P^T dO`` and ``dK += dS^T Q`` in registers and adds
+  ``dS K`` to the dQ accumulator with fp32 atomics;
+* ``gluon_attn_bwd_convert_dq``: ``dQ = scale * accumulator`` cast to the input dtype.
+
+``_steps`` is the one place both partitions read the CTA's walk from (which query blocks,
+how many steps); keep the two in step.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+
+@gluon.jit
+def gluon_attn_bwd_preprocess(o_ptr, do_ptr, lse_ptr, dlse_ptr, lse2_ptr, delta_ptr,
+                              dq_acc_ptr, stride_ob, stride_oh, stride_on, stride_dob,
+                              stride_doh, stride_don, stride_lb, stride_lh, stride_ln,
+                              heads_q, seqlen_q, seqlen_q_pad,
+                              HEAD_D: gl.constexpr, BLOCK: gl.constexpr,
+                              HAS_DLSE: gl.constexpr):
+    layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [gl.num_warps(), 1], [1, 0])
+    row_l: gl.constexpr = gl.SliceLayout(1, layout)
+    col_l: gl.constexpr = gl.SliceLayout(0, layout)
+    bh = gl.program_id(1)
+    b = bh // heads_q
+    h = bh % heads_q
+    rows = gl.program_id(0) * BLOCK + gl.arange(0, BLOCK, layout=row_l)
+    cols = gl.arange(0, HEAD_D, layout=col_l)
+    valid = rows < seqlen_q
+    r64 = rows.to(gl.int64)
+    o_offs = b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh \
+        + gl.expand_dims(r64 * stride_on, 1) + gl.expand_dims(cols, 0)
+    do_offs = b.to(gl.int64) * stride_dob + h.to(gl.int64) * stride_doh \
+        + gl.expand_dims(r64 * stride_don, 1) + gl.expand_dims(cols, 0)
+    m2 = gl.expand_dims(valid, 1)
+    o = gl.load(o_ptr + o_offs, mask=m2, other=0.0).to(gl.float32)
+    do = gl.load(do_ptr + do_offs, mask=m2, other=0.0).to(gl.float32)
+    delta = gl.sum(o * do, axis=1)
+    lse = gl.load(lse_ptr + bh.to(gl.int64) * seqlen_q + rows, mask=valid,
+                  other=float("inf"))
+    if HAS_DLSE:  # d lse_i / d s_ij = p_ij: dS = P (dP - (delta - dlse))
+        dlse = gl.load(dlse_ptr + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
+                       + r64 * stride_ln, mask=valid, other=0.0)
+        delta = delta - dlse
+    # a row that sees no key (lse -inf) or a padding row: +inf, so exp2(s - lse2) = 0
+    lse2 = gl.where(lse == -float("inf"), float("inf"), lse * 1.4426950408889634)
+    out_rows = bh.to(gl.int64) * seqlen_q_pad + rows
+    in_pad = rows < seqlen_q_pad
+    gl.store(lse2_ptr + out_rows, lse2, mask=in_pad)
+    gl.store(delta_ptr + out_rows, gl.where(valid, delta, 0.0), mask=in_pad)
+    acc_offs = gl.expand_dims(out_rows * HEAD_D, 1) + gl.expand_dims(cols, 0)
+    gl.store(dq_acc_ptr + acc_offs, gl.zeros([BLOCK, HEAD_D], gl.float32, layout),
+             mask=gl.expand_dims(in_pad, 1))
+
+
+@gluon.jit
+def gluon_attn_bwd_convert_dq(dq_acc_ptr, dq_ptr, stride_b, stride_h, stride_n, heads_q,
+                              seqlen_q, seqlen_q_pad, scale, HEAD_D: gl.constexpr,
+                              BLOCK: gl.constexpr):
+    layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [gl.num_warps(), 1], [1, 0])
+    bh = gl.program_id(1)
+    b = bh // heads_q
+    h = bh % heads_q
+    rows = gl.program_id(0) * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, layout))
+    m2 = gl.expand_dims(rows < seqlen_q, 1)
+    acc_rows = bh.to(gl.int64) * seqlen_q_pad + rows
+    acc = gl.load(dq_acc_ptr + gl.expand_dims(acc_rows * HEAD_D, 1) + gl.expand_dims(cols, 0),
+                  mask=m2, other=0.0)
+    offs = b.to(gl.int64) * stride_b + h.to(gl.int64) * stride_h \
+        + gl.expand_dims(rows.to(gl.int64) * stride_n, 1) + gl.expand_dims(cols, 0)
+    gl.store(dq_ptr + offs, (acc * scale).to(dq_ptr.dtype.element_ty), mask=m2)
+
+
+@gluon.jit
+def _steps(n_block, seqlen_q, seqlen_k, group, BLOCK_M: gl.constexpr,
+           BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """The CTA's walk: its first query block ``m_lo`` and per query head ``n_m`` blocks
+    (``m_lo .. m_lo + n_m - 1``; causal: from the first block whose last row sees the key
+    block's first key, bottom-right aligned); ``group * n_m`` steps in all."""
+    m_lo = 0
+    if CAUSAL:  # query i sees key j iff j <= i + seqlen_k - seqlen_q
+        m_lo = gl.maximum(n_block * BLOCK_N - (seqlen_k - seqlen_q), 0) // BLOCK_M
+    n_m = gl.maximum(gl.cdiv(seqlen_q, BLOCK_M) - m_lo, 0)
+    return m_lo, n_m, group * n_m
+
+
+@gluon.jit
+def _q_coords(b, h, m, heads_q, seqlen_q, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
+              Q_BSHD: gl.constexpr):
+    """``[row, column]`` of query block ``m`` of head ``h`` of batch ``b`` in Q's (and
+    dO's) 2-D TMA view: ``(B * H * N, D)``, or ``(B * N, H * D)`` with ``Q_BSHD``."""
+    if Q_BSHD:
+        return b * seqlen_q + m * BLOCK_M, h * HEAD_D
+    return (b * heads_q + h) * seqlen_q + m * BLOCK_M, 0
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, kv_bar,
+              q_ready, do_ready, qdo_empty, seqlen_q, seqlen_k, heads_q, heads_kv,
+              HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
+              Q_BSHD: gl.constexpr, KV_BSHD: gl.constexpr):
+    ROWS_N: gl.constexpr = BLOCK_N // NUM_CONSUMERS
+    n_block = gl.program_id(0)
+    bhk = gl.program_id(1)
+    b = bhk // heads_kv
+    hk = bhk % heads_kv
+    group = heads_q // heads_kv
+    # K and V of the CTA's keys, once: a slice of ROWS_N keys per consumer
+    if KV_BSHD:
+        kv_row = b * seqlen_k + n_block * BLOCK_N
+        kv_col = hk * HEAD_D
+    else:
+        kv_row = bhk * seqlen_k + n_block * BLOCK_N
+        kv_col = 0
+    mbarrier.expect(kv_bar, NUM_CONSUMERS * (k_desc.block_type.nbytes
+                                             + v_desc.block_type.nbytes))
+    for c in gl.static_range(NUM_CONSUMERS):
+        tma.async_copy_global_to_shared(k_desc, [kv_row + c * ROWS_N, kv_col], kv_bar,
+                                        k_smem.index(c))
+        tma.async_copy_global_to_shared(v_desc, [kv_row + c * ROWS_N, kv_col], kv_bar,
+                                        v_smem.index(c))
+    m_lo, n_m, total = _steps(n_block, seqlen_q, seqlen_k, group, BLOCK_M, BLOCK_N, CAUSAL)
+    for t in range(total):
+        h = hk * group + t // n_m
+        m = m_lo + t % n_m
+        st = t % NUM_STAGES
+        # a fresh mbarrier counts as phase 1 complete: the first NUM_STAGES waits pass
+        mbarrier.wait(qdo_empty.index(st), ((t // NUM_STAGES) & 1) ^ 1)
+        row, col = _q_coords(b, h, m, heads_q, seqlen_q, HEAD_D, BLOCK_M, Q_BSHD)
+        mbarrier.expect(q_ready.index(st), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [row, col], q_ready.index(st),
+                                        q_smem.index(st))
+        mbarrier.expect(do_ready.index(st), do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(do_desc, [row, col], do_ready.index(st),
+                                        do_smem.index(st))
+
+
+@gluon.jit
+def _consumer(cid, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, q_ready, do_ready,
+              qdo_empty, lse2_ptr, delta_ptr, dq_acc_ptr, dk_ptr, dv_ptr, stride_dkb,
+              stride_dkh, stride_dkn, seqlen_q, seqlen_k, seqlen_q_pad, heads_q, heads_kv,
+              qk_scale, sm_scale, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
+              CAUSAL: gl.constexpr):
+    """Consumer ``cid``: keys ``[k0, k0 + ROWS_N)`` of the CTA's block, every step's
+    ``S^T``, ``dP^T``, ``dS^T`` and the three products; dK, dV stored at the end."""
+    ROWS_N: gl.constexpr = BLOCK_N // NUM_CONSUMERS
+    dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HEAD_D, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout,
+                                                 k_width=2)
+    key_l: gl.constexpr = gl.SliceLayout(1, s_layout)
+    qry_l: gl.constexpr = gl.SliceLayout(0, s_layout)
+
+    n_block = gl.program_id(0)
+    bhk = gl.program_id(1)
+    b = bhk // heads_kv
+    hk = bhk % heads_kv
+    group = heads_q // heads_kv
+    k0 = n_block * BLOCK_N + cid * ROWS_N
+    keys = k0 + gl.arange(0, ROWS_N, layout=key_l)
+    m_lo, n_m, total = _steps(n_block, seqlen_q, seqlen_k, group, BLOCK_M, BLOCK_N, CAUSAL)
+
+    dk = gl.zeros([ROWS_N, HEAD_D], gl.float32, acc_layout)
+    dv = gl.zeros([ROWS_N, HEAD_D], gl.float32, acc_layout)
+    dq_cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, acc_layout))
+    k_c = k_smem.index(cid)
+    v_c = v_smem.index(cid)
+    ds_c = ds_smem.index(cid)
+    dq_c = dq_smem.index(cid)
+    DQ_CHUNK: gl.constexpr = 16
+    red_layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0])
+    red_offs = gl.expand_dims(gl.arange(0, DQ_CHUNK, layout=gl.SliceLayout(1, red_layout))
+                              * HEAD_D, 1) \
+        + gl.expand_dims(gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, red_layout)), 0)
+    mbarrier.wait(kv_bar, 0)
+    for t in range(total):
+        h = hk * group + t // n_m
+        m = m_lo + t % n_m
+        st = t % NUM_STAGES
+        ph = (t // NUM_STAGES) & 1
+        q_row0 = (b * heads_q + h).to(gl.int64) * seqlen_q_pad + m * BLOCK_M
+        # the query rows' LSE (log2 domain, +inf past the end) and delta: padded rows, no mask
+        qrows = gl.arange(0, BLOCK_M, layout=qry_l)
+        lse2 = gl.load(lse2_ptr + q_row0 + qrows)
+        delta = gl.load(delta_ptr + q_row0 + qrows)
+        mbarrier.wait(q_ready.index(st), ph)
+        q_t = q_smem.index(st)
+        do_t = do_smem.index(st)
+        # (the zero accumulators made at their use: hoisted, they hold registers throughout)
+        s_zero = gl.zeros([ROWS_N, BLOCK_M], gl.float32, s_layout)
+        s = warpgroup_mma(k_c, q_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        mbarrier.wait(do_ready.index(st), ph)
+        dp = warpgroup_mma(v_c, do_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
+        # P^T while dP^T is on the tensor cores
+        p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 0))
+        need_mask = k0 + ROWS_N > seqlen_k
+        if CAUSAL:  # the block's first query row misses some of the keys
+            need_mask = need_mask | (m * BLOCK_M + (seqlen_k - seqlen_q) < k0 + ROWS_N - 1)
+        if need_mask:
+            ok = gl.expand_dims(keys < seqlen_k, 1)
+            if CAUSAL:
+                qpos = m * BLOCK_M + qrows + (seqlen_k - seqlen_q)
+                ok = ok & (gl.expand_dims(keys, 1) <= gl.expand_dims(qpos, 0))
+            p = gl.where(ok, p, 0.0)
+        dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp, ))
+        ds = p * (dp - gl.expand_dims(delta, 0))
+        p16 = gl.convert_layout(p.to(dtype), a_layout)
+        ds_c.store(ds.to(dtype))
+        fence_async_shared()
+        # dV += P^T dO (P^T in registers), dK += dS^T Q (dS^T from shared memory: no second
+        # register copy), then dQ_part = dS K (both operands in shared memory): its
+        # accumulator is live only once P^T's registers are free
+        dv = warpgroup_mma(p16, do_t, dv, is_async=True)
+        dk = warpgroup_mma(ds_c, q_t, dk, is_async=True)
+        dv, dk, p16 = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, p16))
+        dq_zero = gl.zeros([BLOCK_M, HEAD_D], gl.float32, acc_layout)
+        dq = warpgroup_mma(ds_c.permute((1, 0)), k_c, dq_zero, use_acc=False, is_async=True)
+        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
+        dq_c.store(dq)
+        mbarrier.arrive(qdo_empty.index(st), count=1)
+        # dQ += dS K: through shared memory, then fp32 atomics of DQ_CHUNK rows at a time
+        # into the padded accumulator (padding rows add zeros): a register tile of
+        # BLOCK_M x HEAD_D addresses would not fit beside dK and dV
+        for r in gl.static_range(BLOCK_M // DQ_CHUNK):
+            part = dq_c.slice(r * DQ_CHUNK, DQ_CHUNK, dim=0).load(red_layout)
+            rows_r = (q_row0 + r * DQ_CHUNK) * HEAD_D + red_offs
+            gl.atomic_add(dq_acc_ptr + rows_r, part, sem="relaxed")
+
+    # epilogue: dK = scale * dS^T Q, dV = P^T dO, keys past the end not stored; 32-bit
+    # offsets from the head's base (64-bit ones beside dK and dV spill)
+    rows = k0 + gl.arange(0, ROWS_N, layout=gl.SliceLayout(1, acc_layout))
+    offs = gl.expand_dims(rows * stride_dkn, 1) + gl.expand_dims(dq_cols, 0)
+    base = b.to(gl.int64) * stride_dkb + hk.to(gl.int64) * stride_dkh
+    ok = gl.expand_dims(rows < seqlen_k, 1)
+    gl.store(dk_ptr + base + offs, (dk * sm_scale).to(dtype), mask=ok)
+    gl.store(dv_ptr + base + offs, dv.to(dtype), mask=ok)
+
+
+@gluon.jit
+def gluon_attn_bwd_kernel(q_desc, k_desc, v_desc, do_desc, lse2_ptr, delta_ptr, dq_acc_ptr,
+                          dk_ptr, dv_ptr, stride_dkb, stride_dkh, stride_dkn, seqlen_q,
+                          seqlen_k, seqlen_q_pad, heads_q, heads_kv, qk_scale, sm_scale,
+                          HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                          NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
+                          CAUSAL: gl.constexpr, Q_BSHD: gl.constexpr, KV_BSHD: gl.constexpr,
+                          PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+    gl.static_assert(NUM_CONSUMERS == 1 or NUM_CONSUMERS == 2)
+    gl.static_assert(BLOCK_N // NUM_CONSUMERS >= 64)  # a wgmma's M per warpgroup
+    gl.static_assert(NUM_STAGES >= 2)
+    ROWS_N: gl.constexpr = BLOCK_N // NUM_CONSUMERS
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_D], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_D], do_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, ROWS_N, HEAD_D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, ROWS_N, HEAD_D], v_desc.layout)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS_N, BLOCK_M], dtype)
+    ds_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, ROWS_N, BLOCK_M], ds_layout)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [NUM_CONSUMERS, BLOCK_M, HEAD_D],
+                                        gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    do_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    qdo_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1],
+                                          mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for s in gl.static_range(NUM_STAGES):
+        mbarrier.init(q_ready.index(s), count=1)
+        mbarrier.init(do_ready.index(s), count=1)
+        mbarrier.init(qdo_empty.index(s), count=NUM_CONSUMERS)
+
+    # (a partition's tuple cannot be named: the frontend reads a name as a tensor)
+    if NUM_CONSUMERS == 1:
+        gl.warp_specialize([
+            (_consumer, (0, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, q_ready,
+                         do_ready, qdo_empty, lse2_ptr, delta_ptr, dq_acc_ptr, dk_ptr, dv_ptr,
+                         stride_dkb, stride_dkh, stride_dkn, seqlen_q, seqlen_k, seqlen_q_pad,
+                         heads_q, heads_kv, qk_scale, sm_scale, HEAD_D, BLOCK_M, BLOCK_N,
+                         NUM_STAGES, NUM_CONSUMERS, CAUSAL)),
+            (_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem,
+                         kv_bar, q_ready, do_ready, qdo_empty, seqlen_q, seqlen_k, heads_q,
+                         heads_kv, HEAD_D, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL,
+                         Q_BSHD, KV_BSHD)),
+        ], [1], [PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_consumer, (0, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, q_ready,
+                         do_ready, qdo_empty, lse2_ptr, delta_ptr, dq_acc_ptr, dk_ptr, dv_ptr,
+                         stride_dkb, stride_dkh, stride_dkn, seqlen_q, seqlen_k, seqlen_q_pad,
+                         heads_q, heads_kv, qk_scale, sm_scale, HEAD_D, BLOCK_M, BLOCK_N,
+                         NUM_STAGES, NUM_CONSUMERS, CAUSAL)),
+            (_consumer, (1, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, q_ready,
+                         do_ready, qdo_empty, lse2_ptr, delta_ptr, dq_acc_ptr, dk_ptr, dv_ptr,
+                         stride_dkb, stride_dkh, stride_dkn, seqlen_q, seqlen_k, seqlen_q_pad,
+                         heads_q, heads_kv, qk_scale, sm_scale, HEAD_D, BLOCK_M, BLOCK_N,
+                         NUM_STAGES, NUM_CONSUMERS, CAUSAL)),
+            (_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem,
+                         kv_bar, q_ready, do_ready, qdo_empty, seqlen_q, seqlen_k, heads_q,
+                         heads_kv, HEAD_D, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL,
+                         Q_BSHD, KV_BSHD)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

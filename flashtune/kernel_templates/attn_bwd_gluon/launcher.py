@@ -1,0 +1,327 @@
+"""Host side of the Gluon backward: the three launches planned from a config
+(:func:`plan`: scratch sizes, TMA descriptors, grids, the register split), :func:`attn_bwd_gluon`
+to run them on a Hopper GPU (the registered launcher), and :func:`compile_sm90` to compile
+the main kernel for sm_90 without one (``attn_fwd_gluon.launcher.ptxas_stats`` reads it).
+
+Launches, in order on the current stream:
+
+1. ``preprocess`` (grid ``(cdiv(Nq_pad, 64), B * Hq)``): ``delta`` and ``lse * log2 e`` into
+   float32 ``(B * Hq, Nq_pad)`` scratch rows, the dQ accumulator zeroed;
+2. ``main`` (grid ``(cdiv(Nk, BLOCK_N), B * Hkv)``): dK and dV written, dS K added to the
+   accumulator with fp32 atomics;
+3. ``convert`` (grid ``(cdiv(Nq, 64), B * Hq)``): ``dQ = scale * accumulator``.
+
+``Nq_pad`` is ``Nq`` rounded up to ``BLOCK_M``: a query tile never reads another head's LSE
+or writes another head's accumulator rows, so neither needs a mask. The accumulator is
+float32 ``(B * Hq * Nq_pad, D)`` (``4 * B * Hq * Nq_pad * D`` bytes, freed on return).
+
+Layouts: Q, K, V, dO are read through 2-D TMA descriptors (``attn_fwd_gluon``'s
+``layout``): contiguous ``(B, H, N, D)`` or ``(B, N, H, D)`` storage seen as ``(B, H, N,
+D)``; others are copied. dO is read in q's layout (copied to it when it differs); O is read
+with plain loads (any strides, last dim contiguous). dQ, dK, dV are returned in the layouts
+of q, k, v (``empty_like``).
+
+The atomics make dQ's last bits depend on the order the CTAs add (not deterministic; dK, dV
+are: one CTA sums each element in a fixed order). Callers that need bitwise reproducible
+gradients run ``attn_bwd`` (``Limits.deterministic`` is False here).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from flashtune.core.errors import ConfigError, DeviceError, InputError, InputTypeError
+from flashtune.kernel_templates.attn_bwd_gluon.kernel import (
+    gluon_attn_bwd_convert_dq,
+    gluon_attn_bwd_kernel,
+    gluon_attn_bwd_preprocess,
+)
+
+LOG2E = 1.4426950408889634
+HEAD_DIMS = (64, 128)  # the wgmma N of dK, dV and dQ; their accumulators fit 240 registers
+PRE_BLOCK = 64  # rows per program of the preprocess and the dQ conversion
+# BLOCK_M query rows per step, BLOCK_N keys per CTA (split between the consumers),
+# NUM_STAGES Q/dO buffers, NUM_CONSUMERS consumer warpgroups
+DEFAULT_CONFIG: dict[str, int] = {"BLOCK_M": 64, "BLOCK_N": 128, "NUM_STAGES": 2,
+                                  "NUM_CONSUMERS": 2}
+
+# (kernel, positional args, keyword args, grid) of one launch
+Launch = tuple[Any, tuple[Any, ...], dict[str, Any], tuple[int, int]]
+
+
+def launch_meta(config: Mapping[str, int]) -> dict[str, int]:
+    """Warps and register split: consumers of 4 warps each, a 1-warp producer; ``maxnreg``
+    so the CTA fits the 64K-register file (24 / 240 with one or two consumers)."""
+    consumers = config["NUM_CONSUMERS"]
+    groups = consumers + 1
+    maxnreg = min(256, (65536 // (groups * 128)) // 8 * 8)
+    producer = 24
+    consumer = min(240, ((maxnreg * groups - producer) // consumers) // 8 * 8)
+    return {"num_warps": 4, "maxnreg": maxnreg, "PRODUCER_REGS": producer,
+            "CONSUMER_REGS": consumer}
+
+
+def padded_seqlen(seqlen_q: int, config: Mapping[str, int]) -> int:
+    """``Nq_pad``: the query length rounded up to the config's ``BLOCK_M``."""
+    bm = config["BLOCK_M"]
+    return -(-seqlen_q // bm) * bm
+
+
+def scratch_shapes(q_shape: tuple[int, ...], config: Mapping[str, int]
+                   ) -> dict[str, tuple[int, ...]]:
+    """The float32 scratch a call allocates for ``q`` of ``(B, Hq, Nq, D)``: ``lse2`` and
+    ``delta`` rows ``(B * Hq, Nq_pad)``, the dQ accumulator ``(B * Hq * Nq_pad, D)``."""
+    batch, heads_q, seqlen_q, head_dim = q_shape
+    pad = padded_seqlen(seqlen_q, config)
+    return {"lse2": (batch * heads_q, pad), "delta": (batch * heads_q, pad),
+            "dq_acc": (batch * heads_q * pad, head_dim)}
+
+
+def layout(t: Any) -> str | None:
+    """How the kernel reads a ``(B, H, N, D)`` tensor (or a shape-only stand-in) through a
+    2-D TMA view: ``"bhsd"`` (contiguous), ``"bshd"`` (``(B, N, H, D)`` storage seen as
+    ``(B, H, N, D)``), or None (another layout, or a base not 16-byte aligned: copied).
+    ``attn_fwd_gluon.launcher.layout``'s rule, kept here so the forward's files stay out of
+    this kernel's source hash."""
+    if t.data_ptr() % 16:
+        return None
+    batch, heads, seqlen, dim = t.shape
+    want = {"bhsd": (heads * seqlen * dim, seqlen * dim, dim, 1),
+            "bshd": (seqlen * heads * dim, dim, heads * dim, 1)}
+    got = tuple(int(x) for x in t.stride())
+    for name, strides in want.items():  # a dimension of size 1 may have any stride
+        if all(n == 1 or g == w for n, g, w in zip(t.shape, got, strides)):
+            return name
+    return None
+
+
+def _desc_shape(t: Any, how: str) -> tuple[list[int], list[int]]:
+    batch, heads, seqlen, dim = t.shape
+    if how == "bshd":
+        return [batch * seqlen, heads * dim], [heads * dim, 1]
+    return [batch * heads * seqlen, dim], [dim, 1]
+
+
+def _smem_layout(block: list[int], dtype: Any) -> Any:
+    return gl.NVMMASharedLayout.get_default_for(block, dtype)
+
+
+def _strides3(t: Any) -> tuple[int, int, int]:
+    return int(t.stride(0)), int(t.stride(1)), int(t.stride(2))
+
+
+def plan(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, dq: Any, dk: Any, dv: Any,
+         scratch: Mapping[str, Any], config: Mapping[str, int], *, causal: bool,
+         scale: float, dlse: Any = None) -> dict[str, Launch]:
+    """``{"preprocess", "main", "convert"} -> (kernel, args, kwargs, grid)`` for tensors
+    (or shape-only stand-ins) with q and dout in one :func:`layout`, k and v in one, dk and
+    dv in k's; ``scratch`` the buffers of :func:`scratch_shapes`; ``lse`` contiguous
+    float32 ``(B, Hq, Nq)``; ``dlse`` optional, any strides."""
+    batch, heads_q, seqlen_q, head_dim = q.shape
+    heads_kv, seqlen_k = k.shape[1], k.shape[2]
+    bm, bn, nc = config["BLOCK_M"], config["BLOCK_N"], config["NUM_CONSUMERS"]
+    rows_n = bn // nc
+    gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    q_how, kv_how = layout(q), layout(k)
+    assert q_how and kv_how and layout(dout) == q_how and layout(v) == kv_how, "see layout"
+    q_shape, q_strides = _desc_shape(q, q_how)
+    kv_shape, kv_strides = _desc_shape(k, kv_how)
+    q_desc = TensorDescriptor(q, q_shape, q_strides, [bm, head_dim],
+                              _smem_layout([bm, head_dim], gdt))
+    do_desc = TensorDescriptor(dout, q_shape, q_strides, [bm, head_dim],
+                               _smem_layout([bm, head_dim], gdt))
+    k_desc = TensorDescriptor(k, kv_shape, kv_strides, [rows_n, head_dim],
+                              _smem_layout([rows_n, head_dim], gdt))
+    v_desc = TensorDescriptor(v, kv_shape, kv_strides, [rows_n, head_dim],
+                              _smem_layout([rows_n, head_dim], gdt))
+    pad = padded_seqlen(seqlen_q, config)
+    lse2, delta, dq_acc = scratch["lse2"], scratch["delta"], scratch["dq_acc"]
+    dl_strides = _strides3(dlse) if dlse is not None else (0, 0, 0)
+    pre: Launch = (
+        gluon_attn_bwd_preprocess,
+        (out, dout, lse, lse if dlse is None else dlse, lse2, delta, dq_acc,
+         *_strides3(out), *_strides3(dout), *dl_strides, heads_q, seqlen_q, pad),
+        dict(HEAD_D=head_dim, BLOCK=PRE_BLOCK, HAS_DLSE=dlse is not None, num_warps=4),
+        (-(-pad // PRE_BLOCK), batch * heads_q))
+    meta = launch_meta(config)
+    main: Launch = (
+        gluon_attn_bwd_kernel,
+        (q_desc, k_desc, v_desc, do_desc, lse2, delta, dq_acc, dk, dv, *_strides3(dk),
+         seqlen_q, seqlen_k, pad, heads_q, heads_kv, float(scale) * LOG2E, float(scale)),
+        dict(HEAD_D=head_dim, BLOCK_M=bm, BLOCK_N=bn, NUM_STAGES=config["NUM_STAGES"],
+             NUM_CONSUMERS=nc, CAUSAL=bool(causal), Q_BSHD=q_how == "bshd",
+             KV_BSHD=kv_how == "bshd", PRODUCER_REGS=meta["PRODUCER_REGS"],
+             CONSUMER_REGS=meta["CONSUMER_REGS"], num_warps=meta["num_warps"],
+             maxnreg=meta["maxnreg"]),
+        (-(-seqlen_k // bn), batch * heads_kv))
+    conv: Launch = (
+        gluon_attn_bwd_convert_dq,
+        (dq_acc, dq, *_strides3(dq), heads_q, seqlen_q, pad, float(scale)),
+        dict(HEAD_D=head_dim, BLOCK=PRE_BLOCK, num_warps=4),
+        (-(-seqlen_q // PRE_BLOCK), batch * heads_q))
+    return {"preprocess": pre, "main": main, "convert": conv}
+
+
+def check_config(config: Mapping[str, int]) -> None:
+    """ConfigError unless ``config`` has exactly the knobs, with values the kernel takes."""
+    missing = sorted(set(DEFAULT_CONFIG) - set(config))
+    unknown = sorted(set(config) - set(DEFAULT_CONFIG))
+    if missing or unknown:
+        raise ConfigError(f"config needs exactly the keys {sorted(DEFAULT_CONFIG)}; missing "
+                          f"{missing}, unknown {unknown}")
+    bm, bn, nc, st = (config[n] for n in ("BLOCK_M", "BLOCK_N", "NUM_CONSUMERS", "NUM_STAGES"))
+    if bm not in (64, 128) or bn not in (64, 128) or nc not in (1, 2) or st < 2 \
+            or bn // nc < 64:
+        raise ConfigError(f"BLOCK_M and BLOCK_N must be 64 or 128, NUM_CONSUMERS 1 or 2 with "
+                          f"BLOCK_N / NUM_CONSUMERS >= 64 keys each (a wgmma's rows), "
+                          f"NUM_STAGES >= 2; got {dict(config)}")
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+           dout: torch.Tensor) -> None:
+    """What the kernel cannot serve, refused by name."""
+    if any(t.dim() != 4 for t in (q, k, v, out, dout)):
+        raise InputError("q, k, v, out, dout must be 4-D (batch, heads, seqlen, head_dim)")
+    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3] \
+            or out.shape != q.shape or dout.shape != q.shape:
+        raise InputError(f"k and v must be (batch, heads_kv, seqlen_k, head_dim) with q's "
+                         f"batch and head_dim, out and dout shaped like q; got q "
+                         f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, out "
+                         f"{tuple(out.shape)}, dout {tuple(dout.shape)}")
+    if q.dtype not in (torch.float16, torch.bfloat16) \
+            or any(t.dtype != q.dtype for t in (k, v, out, dout)):
+        raise InputTypeError(f"the Gluon backward takes fp16 or bf16 q, k, v, out, dout of "
+                             f"one dtype; got {q.dtype}, {k.dtype}, {v.dtype}, {out.dtype}, "
+                             f"{dout.dtype}")
+    if q.shape[3] not in HEAD_DIMS:
+        raise InputError(f"head_dim must be one of {list(HEAD_DIMS)} for the Gluon backward, "
+                         f"got {q.shape[3]} (attn_bwd serves the others)")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        raise InputError(f"heads_q ({q.shape[1]}) must be a multiple of heads_kv "
+                         f"({k.shape[1]})")
+    rows = max(q.shape[0] * q.shape[1] * (q.shape[2] + 128), k.shape[0] * k.shape[1]
+               * k.shape[2])
+    if rows >= 2**31:
+        raise InputError(f"batch x heads x seqlen must stay below 2**31 rows (TMA "
+                         f"coordinates are 32-bit), got {rows}")
+    if q.device.type != "cuda" or any(t.device != q.device for t in (k, v, out, dout)):
+        raise DeviceError(f"the Gluon backward runs on one CUDA GPU (sm_90) and has no "
+                          f"interpreter mode; got q on {q.device}")
+    if torch.cuda.get_device_capability(q.device) != (9, 0):
+        raise DeviceError(f"the Gluon backward runs on sm_90 (Hopper) only; {q.device} is "
+                          f"sm_{''.join(map(str, torch.cuda.get_device_capability(q.device)))}")
+
+
+def _ready(t: torch.Tensor) -> torch.Tensor:
+    """``t`` where the TMA engine reads it as it is, else a contiguous 16-byte aligned copy."""
+    if layout(t) is not None:
+        return t
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+def attn_bwd_gluon(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dout: torch.Tensor,
+    config: Mapping[str, int],
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    dlse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of flash attention with the Gluon warp-specialized kernel (a Hopper GPU).
+
+    Arguments:
+        q: ``(batch, heads_q, seqlen_q, head_dim)``, fp16 or bf16, ``head_dim`` 64 or 128,
+            on a CUDA device of compute capability 9.0.
+        k, v: ``(batch, heads_kv, seqlen_k, head_dim)``, q's dtype and device; ``heads_q``
+            a multiple of ``heads_kv`` (GQA/MQA: a CTA walks the group's query heads).
+        out: the forward's output, shaped like ``q`` (last dim contiguous).
+        lse: the forward's float32 log-sum-exp ``(batch, heads_q, seqlen_q)``, natural log,
+            ``-inf`` for rows that see no key (``attn_fwd``/``attn_fwd_gluon`` with
+            ``return_lse=True``).
+        dout: the gradient of ``out``, shaped like ``q``.
+        config: ``{"BLOCK_M", "BLOCK_N", "NUM_STAGES", "NUM_CONSUMERS"}`` from the
+            template's space.
+        causal: bottom-right aligned mask: query ``i`` sees key ``j`` iff
+            ``j <= i + seqlen_k - seqlen_q``.
+        scale: softmax scale, default ``1 / sqrt(head_dim)``.
+        dlse: optional gradient of ``lse`` (any strides): ``dS = P (dP - (delta - dlse))``.
+    Returns:
+        ``(dq, dk, dv)`` in the input dtype, in the layouts of ``q``, ``k``, ``v``. dK and
+        dV are summed over each GQA group in a fixed order; dQ by fp32 atomics (its last
+        bits may differ between runs).
+    Raises:
+        InputError, InputTypeError, DeviceError for inputs it cannot serve; ConfigError for
+        a config outside its knobs.
+    """
+    check_config(config)
+    _check(q, k, v, out, dout)
+    head_dim = q.shape[3]
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    q, k, v = _ready(q), _ready(k), _ready(v)
+    if layout(k) != layout(v):  # one descriptor shape for both
+        k, v = _ready(k.contiguous()), _ready(v.contiguous())
+    if layout(dout) != layout(q):  # dO through q's descriptor shape
+        dout = torch.empty_like(q).copy_(dout)
+    if out.stride(-1) != 1:
+        out = out.contiguous()
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if q.numel() == 0 or k.shape[2] == 0:
+        dq.zero_(), dk.zero_(), dv.zero_()
+        return dq, dk, dv
+    scratch = {name: torch.empty(shape, device=q.device, dtype=torch.float32)
+               for name, shape in scratch_shapes(tuple(q.shape), config).items()}
+    lse = lse.contiguous()
+    if dlse is not None and dlse.dtype != torch.float32:
+        dlse = dlse.to(torch.float32)
+    for kernel, args, kwargs, grid in plan(q, k, v, out, lse, dout, dq, dk, dv, scratch,
+                                           config, causal=causal, scale=scale,
+                                           dlse=dlse).values():
+        kernel[grid](*args, **kwargs)
+    return dq, dk, dv
+
+
+def compile_sm90(config: Mapping[str, int], head_dim: int = 128, causal: bool = False,
+                 dtype: str = "bf16", layout: str = "bhsd") -> Any:
+    """Compile the main kernel of ``config`` for sm_90 on the CPU (no GPU needed), planned as
+    :func:`attn_bwd_gluon` launches it for inputs in ``layout`` (q, k, v alike); returns the
+    compiled kernel (``.asm["ptx"]``, ``.metadata.shared``). Needs a process without
+    ``TRITON_INTERPRET``."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    check_config(config)
+    gdt = gl.bfloat16 if dtype == "bf16" else gl.float16
+    bm, bn, nc = config["BLOCK_M"], config["BLOCK_N"], config["NUM_CONSUMERS"]
+    rows_n = bn // nc
+    qd = f"tensordesc<{dtype}[{bm}, {head_dim}],{_smem_layout([bm, head_dim], gdt)!r}>"
+    kd = f"tensordesc<{dtype}[{rows_n}, {head_dim}],{_smem_layout([rows_n, head_dim], gdt)!r}>"
+    meta = launch_meta(config)
+    const = {"HEAD_D": head_dim, "BLOCK_M": bm, "BLOCK_N": bn,
+             "NUM_STAGES": config["NUM_STAGES"], "NUM_CONSUMERS": nc, "CAUSAL": bool(causal),
+             "Q_BSHD": layout == "bshd", "KV_BSHD": layout == "bshd",
+             "PRODUCER_REGS": meta["PRODUCER_REGS"], "CONSUMER_REGS": meta["CONSUMER_REGS"]}
+    kern = gluon_attn_bwd_kernel
+    names = kern.arg_names
+    types = {"q_desc": qd, "k_desc": kd, "v_desc": kd, "do_desc": qd, "lse2_ptr": "*fp32",
+             "delta_ptr": "*fp32", "dq_acc_ptr": "*fp32", "dk_ptr": f"*{dtype}",
+             "dv_ptr": f"*{dtype}", "qk_scale": "fp32", "sm_scale": "fp32"}
+    sig = {n: "constexpr" if n in const else types.get(n, "i32") for n in names}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]]
+             for n in ("lse2_ptr", "delta_ptr", "dq_acc_ptr", "dk_ptr", "dv_ptr")}
+    src = GluonASTSource(fn=kern, signature=sig, attrs=attrs,
+                         constexprs={(names.index(k),): v for k, v in const.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": meta["num_warps"], "maxnreg": meta["maxnreg"]})

@@ -1,0 +1,185 @@
+"""attn_bwd_gluon's search space and validity predicate.
+
+The knobs are the launcher's: ``BLOCK_M`` query rows per step (64, 128), ``BLOCK_N`` keys
+per CTA (64, 128; the consumers split them), ``NUM_STAGES`` Q/dO buffers (2, 3: one would
+deadlock the ring), ``NUM_CONSUMERS`` consumer warpgroups (1, 2). Structurally refused:
+``BLOCK_N // NUM_CONSUMERS < 64`` (a warpgroup's wgmma covers 64 rows).
+
+Whether a config fits is what ptxas makes of it, read from ``sm90_compile.json`` beside this
+file (shared memory, registers, spill-store bytes or the compile error of every structurally
+valid point per head dim and causal flag, compiled for sm_90a on the CPU by
+:mod:`.prefilter`):
+
+    python -m flashtune.kernel_templates.attn_bwd_gluon --prefilter
+
+The table is compiled in bf16; fp16 compiles to the same registers and shared memory (the
+same tile shapes, wgmma of another input type), so its verdicts serve both. A config spilling
+more than :data:`SPILL_LIMIT` bytes or needing more than 227 KiB of shared memory is refused.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from flashtune.core.device import DeviceFingerprint
+from flashtune.core.problem import AttentionProblem
+from flashtune.core.space import Config, SearchSpace
+
+log = logging.getLogger(__name__)
+
+__all__ = ["HEAD_DIMS", "PARAMS", "REGENERATE", "SMEM_LIMIT", "SPACE", "SPILL_LIMIT", "TABLE",
+           "Compiled", "check", "default_config", "entry_key", "load_table", "parse_table",
+           "structural_reason"]
+
+PARAMS: dict[str, tuple[int, ...]] = {
+    "BLOCK_M": (64, 128),
+    "BLOCK_N": (64, 128),
+    "NUM_STAGES": (2, 3),
+    "NUM_CONSUMERS": (1, 2),
+}
+HEAD_DIMS = (64, 128)
+SMEM_LIMIT = 227 * 1024
+# spill-store bytes allowed: at D128 the consumers hold dK and dV (128 fp32 registers a
+# thread) across the walk; 8-220 B spill around the epilogue's stores (as attn_fwd_gluon's
+# allowance: a pre-filter, the tuner's timing judges)
+SPILL_LIMIT = 256
+TABLE = Path(__file__).with_name("sm90_compile.json")
+TABLE_FORMAT = 1
+REGENERATE = "python -m flashtune.kernel_templates.attn_bwd_gluon --prefilter"
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """What compiling one config for sm_90a gave: ``error`` (its first line) or the figures."""
+
+    shared: int | None
+    registers: int | None
+    spill_bytes: int | None
+    error: str | None = None
+
+    def reason(self, smem_limit: int = SMEM_LIMIT) -> str | None:
+        """Why this compiled kernel should not run (None: it may)."""
+        if self.error is not None:
+            return f"does not compile for sm_90a: {self.error}"
+        if (self.spill_bytes or 0) > SPILL_LIMIT:
+            return (f"spills {self.spill_bytes} B of registers to local memory (ptxas, sm_90a; "
+                    f"at most {SPILL_LIMIT} B allowed)")
+        if self.shared is not None and self.shared > smem_limit:
+            return f"needs {self.shared} B of shared memory, an sm_90 block may use {smem_limit} B"
+        return None
+
+
+def entry_key(head_dim: int, causal: bool, config: Mapping[str, int]) -> str:
+    """The table's key: ``d128-causal-BLOCK_M=64,BLOCK_N=128,NUM_STAGES=2,NUM_CONSUMERS=2``."""
+    knobs = ",".join(f"{name}={int(config[name])}" for name in PARAMS)
+    return f"d{head_dim}-{'causal' if causal else 'full'}-{knobs}"
+
+
+def structural_reason(config: Mapping[str, int]) -> str | None:
+    """What the kernel's static asserts refuse (never compiled, not in the table)."""
+    if config["BLOCK_N"] // config["NUM_CONSUMERS"] < 64:
+        return (f"BLOCK_N {config['BLOCK_N']} over {config['NUM_CONSUMERS']} consumers leaves "
+                f"fewer than 64 keys a warpgroup (a wgmma's rows)")
+    return None
+
+
+def _entry(raw: Any, where: str) -> tuple[str, Compiled]:
+    fields = {"head_dim", "causal", "config", "shared", "registers", "spill_bytes", "error"}
+    if not isinstance(raw, dict) or set(raw) != fields:
+        raise ValueError(f"{where}: an entry is an object with the keys {sorted(fields)}")
+    config = raw["config"]
+    if not isinstance(config, dict) or set(config) != set(PARAMS) \
+            or any(type(config[n]) is not int for n in PARAMS):
+        raise ValueError(f"{where}: config must map {list(PARAMS)} to ints, got {config!r}")
+    if type(raw["head_dim"]) is not int or type(raw["causal"]) is not bool:
+        raise ValueError(f"{where}: head_dim int and causal bool, got {raw['head_dim']!r}, "
+                         f"{raw['causal']!r}")
+    for name in ("shared", "registers", "spill_bytes"):
+        if raw[name] is not None and type(raw[name]) is not int:
+            raise ValueError(f"{where}: {name} must be an int or null, got {raw[name]!r}")
+    if raw["error"] is None and None in (raw["shared"], raw["registers"], raw["spill_bytes"]):
+        raise ValueError(f"{where}: an entry without an error needs shared, registers and "
+                         f"spill_bytes")
+    return (entry_key(raw["head_dim"], raw["causal"], config),
+            Compiled(raw["shared"], raw["registers"], raw["spill_bytes"], raw["error"]))
+
+
+def parse_table(doc: Any, where: str = "table") -> dict[str, Compiled]:
+    """The entries of a table document, checked (ValueError naming what and where)."""
+    if not isinstance(doc, dict) or doc.get("format") != TABLE_FORMAT \
+            or not isinstance(doc.get("entries"), list):
+        raise ValueError(f"{where}: expected an object with format {TABLE_FORMAT} and a list "
+                         f"of entries; regenerate it: {REGENERATE}")
+    table: dict[str, Compiled] = {}
+    for i, raw in enumerate(doc["entries"]):
+        key, compiled = _entry(raw, f"{where}, entry {i}")
+        if key in table:
+            raise ValueError(f"{where}, entry {i}: {key} appears twice")
+        table[key] = compiled
+    return table
+
+
+@functools.lru_cache(maxsize=1)
+def load_table(path: Path = TABLE) -> dict[str, Compiled]:
+    """The sm_90 compile table, read and checked once (a stale source hash is logged)."""
+    with open(path, encoding="utf-8") as f:
+        doc = json.load(f)
+    table = parse_table(doc, str(path))
+    from flashtune.kernel_templates.registry import source_hash
+
+    current = source_hash(path.parent / "kernel.py", path.parent / "launcher.py")
+    if doc.get("source_hash") != current:
+        log.warning("%s was compiled from attn_bwd_gluon source %s, the source is now %s: its "
+                    "verdicts may be stale; regenerate it: %s", path, doc.get("source_hash"),
+                    current, REGENERATE)
+    return table
+
+
+def check(config: Mapping[str, int], problem: AttentionProblem,
+          device: DeviceFingerprint) -> str | None:
+    """Why ``config`` cannot (or should not) run ``problem`` on ``device``; None if it can:
+    the structural rule, the head dim, then the sm_90 compile table's verdict."""
+    reason = structural_reason(config)
+    if reason is not None:
+        return reason
+    if problem.head_dim not in HEAD_DIMS:
+        return f"head_dim {problem.head_dim}: the Gluon backward serves {list(HEAD_DIMS)}"
+    compiled = load_table().get(entry_key(problem.head_dim, problem.causal, config))
+    if compiled is None:
+        return f"not in the sm_90 compile table ({TABLE.name}); regenerate it: {REGENERATE}"
+    limit = SMEM_LIMIT
+    if not device.is_interpreter and 0 < device.shared_mem_per_block < limit:
+        limit = device.shared_mem_per_block
+    return compiled.reason(limit)
+
+
+SPACE = SearchSpace(params=PARAMS, predicate=check)
+
+
+def _knobs(bm: int, bn: int, stages: int, consumers: int) -> Config:
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "NUM_STAGES": stages, "NUM_CONSUMERS": consumers}
+
+
+# per head dim, best guess first (FA3's sm90 backward: 64 x 128 tiles at D128 with two MMA
+# warpgroups, 128 x 128 at D64); the first the predicate accepts is the default. Untimed:
+# the GPU benchmark decides (benchmarks/bench_bwd.py --gluon)
+_DEFAULTS: dict[int, tuple[Config, ...]] = {
+    64: (_knobs(64, 128, 2, 2), _knobs(128, 128, 2, 2), _knobs(64, 64, 2, 1)),
+    128: (_knobs(64, 128, 2, 2), _knobs(64, 64, 2, 1), _knobs(64, 64, 3, 1)),
+}
+
+
+def default_config(problem: AttentionProblem, device: DeviceFingerprint) -> Config:
+    """A safe config for ``problem``: the first of its head dim's defaults the predicate
+    accepts (the first one when none is: the predicate names why)."""
+    defaults = _DEFAULTS.get(problem.head_dim, _DEFAULTS[128])
+    for config in defaults:
+        if check(config, problem, device) is None:
+            return dict(config)
+    return dict(defaults[0])

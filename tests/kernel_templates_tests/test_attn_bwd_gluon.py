@@ -1,0 +1,354 @@
+"""attn_bwd_gluon, the Gluon warp-specialized backward: its spec, limits and training pair,
+its space and the sm_90 compile table behind the predicate, the launch plan (grids, scratch,
+descriptors) built from shapes, compiles for sm_90 (CPU), and (GPU, sm_90,
+``FLASHTUNE_TEST_DEVICE=cuda``) its gradients against the float64 reference on odd shapes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from flashtune.core.device import DeviceFingerprint, interpreter_device
+from flashtune.core.errors import ConfigError, DeviceError, InputError
+from flashtune.core.problem import AttentionProblem
+from flashtune.kernel_templates import get_template, implementations
+from flashtune.kernel_templates.attn_bwd.reference import attn_bwd_reference
+from flashtune.kernel_templates.attn_bwd_gluon import PAIR_NAME, space
+from flashtune.kernel_templates.attn_bwd_gluon.launcher import (
+    DEFAULT_CONFIG,
+    PRE_BLOCK,
+    attn_bwd_gluon,
+    check_config,
+    layout,
+    plan,
+    scratch_shapes,
+)
+from flashtune.kernel_templates.attn_bwd_gluon.prefilter import cases
+from flashtune.kernel_templates.registry import source_hash
+from flashtune.kernel_templates.shaped import Shaped
+from tests.helpers import assert_grads_close
+
+SPEC = get_template("attn_bwd_gluon")
+FOLDER = space.TABLE.parent
+H100 = DeviceFingerprint("NVIDIA_H100_80GB_HBM3", "9.0", 132, 232448, 85 * 2**30)
+A100 = DeviceFingerprint("NVIDIA_A100_SXM4_80GB", "8.0", 108, 166912, 85 * 2**30)
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _problem(d: int = 128, causal: bool = False, dtype: str = "bf16", *, hq: int = 8,
+             hkv: int = 8, nq: int = 1000, nk: int = 1000, **mods: object) -> AttentionProblem:
+    return AttentionProblem(2, hq, hkv, nq, nk, d, causal, dtype, **mods)
+
+
+def _config(**knobs: int) -> dict[str, int]:
+    return {**DEFAULT_CONFIG, **knobs}
+
+
+# -- the spec, its limits, the training pair ---------------------------------------------------
+
+def test_it_is_registered_as_a_gluon_backward() -> None:
+    assert SPEC.op == "bwd" and SPEC.kind == "gluon" and SPEC.serves == ()
+    assert SPEC.reference is attn_bwd_reference
+    assert SPEC.source_hash == source_hash(FOLDER / "kernel.py", FOLDER / "launcher.py")
+    assert SPEC not in implementations("fwd") and SPEC not in implementations("train")
+    # importing it moves neither forward's hash (the shipped table is keyed to attn_fwd's)
+    assert get_template("attn_fwd").source_hash == "132e9a9d1f30314b"
+    assert get_template(PAIR_NAME).source_hash == get_template("attn_fwd_gluon").source_hash
+
+
+def test_its_dq_is_declared_not_deterministic_and_the_old_pairs_still_are() -> None:
+    assert SPEC.limits.deterministic is False
+    trains = {s.name: s for s in implementations("train")}
+    assert trains[PAIR_NAME].limits.deterministic is False  # the pair meets both kernels'
+    assert trains["attn_fwd"].limits.deterministic and trains["attn_fwd_gluon"].limits.deterministic
+    assert get_template("attn_bwd").limits.deterministic
+
+
+def test_the_training_pair_is_attn_fwd_gluon_with_this_backward() -> None:
+    fwd = get_template(PAIR_NAME)
+    assert fwd.op == "fwd" and fwd.serves == ("train",) and fwd.backward == "attn_bwd_gluon"
+    assert fwd.launcher is get_template("attn_fwd_gluon").launcher
+    assert fwd not in implementations("fwd")  # a forward-only call never sees it
+    pair = {s.name: s for s in implementations("train")}[PAIR_NAME]
+    assert set(pair.space.params) == set(fwd.space.params) | {f"bwd.{n}" for n in space.PARAMS}
+    assert pair.refuse(_problem(128, True, hq=8, hkv=2, nq=333, nk=517), H100,
+                       return_lse=True) is None
+    # the router's default pairs are unchanged: attn_fwd_gluon still pairs with attn_bwd
+    assert get_template("attn_fwd_gluon").backward == "attn_bwd"
+
+
+def test_its_limits_refuse_what_it_cannot_serve() -> None:
+    assert "needs a CUDA GPU" in SPEC.refuse(_problem(), interpreter_device())
+    assert "sm_90" in SPEC.refuse(_problem(), A100)
+    for d in (96, 256, 32):
+        assert f"head_dim {d}" in SPEC.refuse(_problem(d), H100)
+    assert "dropout" in SPEC.refuse(_problem(dropout=0.1), H100)
+    assert "window" in SPEC.refuse(_problem(128, True, window_left=255), H100)
+    assert "softcap" in SPEC.refuse(_problem(softcap=30.0), H100)
+    assert "ALiBi" in SPEC.refuse(_problem(alibi=True), H100)
+    assert "packed" in SPEC.refuse(_problem(tokens_q=1500, tokens_k=1500), H100)
+    for d in (64, 128):
+        for dtype in ("fp16", "bf16"):  # GQA, MQA, causal with Nq != Nk, ragged
+            assert SPEC.refuse(_problem(d, True, dtype, hq=8, hkv=2, nq=333, nk=517), H100) \
+                is None
+            assert SPEC.refuse(_problem(d, False, dtype, hq=8, hkv=1, nq=197, nk=197), H100) \
+                is None
+
+
+def test_the_launcher_refuses_what_it_cannot_serve_by_name() -> None:
+    q = torch.zeros(1, 2, 64, 128, dtype=torch.bfloat16)
+    with pytest.raises(DeviceError, match="CUDA GPU"):
+        attn_bwd_gluon(q, q, q, q, torch.zeros(1, 2, 64), q, DEFAULT_CONFIG)
+    q96 = torch.zeros(1, 2, 64, 96, dtype=torch.bfloat16)
+    with pytest.raises(InputError, match="head_dim must be one of"):
+        attn_bwd_gluon(q96, q96, q96, q96, torch.zeros(1, 2, 64), q96, DEFAULT_CONFIG)
+    with pytest.raises(ConfigError, match="missing"):
+        attn_bwd_gluon(q, q, q, q, torch.zeros(1, 2, 64), q, {"BLOCK_M": 64})
+    with pytest.raises(ConfigError, match="64 keys each"):
+        check_config(_config(BLOCK_N=64, NUM_CONSUMERS=2))
+    with pytest.raises(ConfigError, match="NUM_STAGES"):
+        check_config(_config(NUM_STAGES=1))
+
+
+# -- the space and its compile table -----------------------------------------------------------
+
+def test_the_predicate_refuses_structure_head_dims_spills_and_shared_memory() -> None:
+    p = _problem(128, True)
+    assert "fewer than 64 keys" in space.check(_config(BLOCK_N=64, NUM_CONSUMERS=2), p, H100)
+    assert "head_dim 96" in space.check(DEFAULT_CONFIG, _problem(96), H100)
+    table = space.load_table()
+    refused = {k: c.reason() for k, c in table.items() if c.reason() is not None}
+    # something is refused (the space is not all valid) and something is left at each dim
+    assert refused
+    for d in space.HEAD_DIMS:
+        for causal in (False, True):
+            ok = [c for c in space.SPACE
+                  if space.check(c, _problem(d, causal), H100) is None]
+            assert ok, (d, causal)
+    spill = space.Compiled(100_000, 255, space.SPILL_LIMIT + 8)
+    assert "spills" in spill.reason()
+    big = space.Compiled(space.SMEM_LIMIT + 1, 168, 0)
+    assert "shared memory" in big.reason()
+    assert "does not compile" in space.Compiled(None, None, None, "CompilationError: x").reason()
+    # a device that opts in to less shared memory refuses more configs
+    small = DeviceFingerprint("GPU_SMALL_SMEM", "9.0", 132, 100_000, 85 * 2**30)
+    assert any(space.check(c, p, H100) is None and space.check(c, p, small) is not None
+               for c in space.SPACE)
+
+
+def test_the_table_holds_every_point_of_the_space_and_the_current_source() -> None:
+    doc = json.loads(space.TABLE.read_text())
+    assert doc["source_hash"] == SPEC.source_hash, f"stale: {space.REGENERATE}"
+    table = space.parse_table(doc)
+    want = {space.entry_key(c["head_dim"], c["causal"], c["config"]) for c in cases()}
+    assert set(table) == want
+    assert len(want) == 2 * 2 * 12  # head dims x causal x structurally valid configs
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_default_config_is_valid_for_every_problem_it_serves(d: int, causal: bool) -> None:
+    p = _problem(d, causal)
+    config = SPEC.default_config(p, H100)
+    assert space.check(config, p, H100) is None
+    assert SPEC.space.validate(config) == config
+
+
+# -- the launch plan, from shapes --------------------------------------------------------------
+
+def _plan(b: int, hq: int, hkv: int, nq: int, nk: int, d: int, config: dict[str, int],
+          causal: bool = True, dlse: bool = False) -> dict:
+    dt = torch.bfloat16
+    q, k = Shaped(dt, (b, hq, nq, d)), Shaped(dt, (b, hkv, nk, d))
+    scratch = {n: Shaped(torch.float32, s) for n, s in scratch_shapes(q.shape, config).items()}
+    lse = Shaped(torch.float32, (b, hq, nq))
+    return plan(q, k, k, Shaped(dt, q.shape), lse, Shaped(dt, q.shape), Shaped(dt, q.shape),
+                Shaped(dt, k.shape), Shaped(dt, k.shape), scratch, config, causal=causal,
+                scale=0.125, dlse=lse if dlse else None)
+
+
+def test_the_plan_sizes_the_grids_and_the_padded_scratch_from_the_shapes() -> None:
+    config = _config(BLOCK_M=128, BLOCK_N=128, NUM_CONSUMERS=2)
+    # GQA 4:1, ragged Nq 197 (padded to 256), Nk 1000 (8 key blocks, the last ragged)
+    shapes = scratch_shapes((3, 8, 197, 64), config)
+    assert shapes == {"lse2": (24, 256), "delta": (24, 256), "dq_acc": (24 * 256, 64)}
+    launches = _plan(3, 8, 2, 197, 1000, 64, config)
+    assert list(launches) == ["preprocess", "main", "convert"]
+    assert launches["preprocess"][3] == (256 // PRE_BLOCK, 24)
+    assert launches["main"][3] == (math.ceil(1000 / 128), 3 * 2)  # key blocks x batch x kv heads
+    assert launches["convert"][3] == (math.ceil(197 / PRE_BLOCK), 24)
+    kernel, args, kwargs, grid = launches["main"]
+    q_desc, k_desc, v_desc, do_desc = args[:4]
+    assert q_desc.block_shape == do_desc.block_shape == [128, 64]
+    assert k_desc.block_shape == v_desc.block_shape == [64, 64]  # a consumer's 64 keys
+    assert q_desc.shape == [3 * 8 * 197, 64] and k_desc.shape == [3 * 2 * 1000, 64]
+    assert kwargs["CAUSAL"] and not kwargs["Q_BSHD"] and not kwargs["KV_BSHD"]
+    assert kwargs["maxnreg"] * 3 * 128 <= 65536
+    assert kwargs["CONSUMER_REGS"] == 240 and kwargs["PRODUCER_REGS"] == 24
+    seqlen_q, seqlen_k, pad = args[12:15]
+    assert (seqlen_q, seqlen_k, pad) == (197, 1000, 256)
+    assert args[-2] == pytest.approx(0.125 * 1.4426950408889634) and args[-1] == 0.125
+    # MQA, one consumer over 64 keys, no dLSE vs with one
+    one = _plan(1, 4, 1, 77, 133, 128, _config(BLOCK_N=64, NUM_CONSUMERS=1), causal=False)
+    assert one["main"][3] == (3, 1) and one["main"][1][1].block_shape == [64, 128]
+    assert not one["preprocess"][2]["HAS_DLSE"]
+    assert _plan(1, 4, 1, 77, 133, 128, DEFAULT_CONFIG, dlse=True)["preprocess"][2]["HAS_DLSE"]
+
+
+def test_bshd_storage_is_read_through_its_own_descriptor_shape() -> None:
+    x = torch.empty(2, 197, 4, 64, dtype=torch.bfloat16).transpose(1, 2)  # (B, H, N, D) view
+    assert layout(x) == "bshd" and layout(x.contiguous()) == "bhsd"
+    assert layout(torch.empty(2, 4, 197, 80)[..., :64]) is None  # rows not dense: copied
+    k = torch.empty(2, 1, 300, 64, dtype=torch.bfloat16)
+    scratch = {n: torch.empty(s) for n, s in scratch_shapes(tuple(x.shape), DEFAULT_CONFIG).items()}
+    launches = plan(x, k, k, x, torch.empty(2, 4, 197), x, x, k, k, scratch, DEFAULT_CONFIG,
+                    causal=False, scale=0.125)
+    args, kwargs = launches["main"][1], launches["main"][2]
+    assert kwargs["Q_BSHD"] and not kwargs["KV_BSHD"]
+    assert args[0].shape == [2 * 197, 4 * 64] and args[3].shape == [2 * 197, 4 * 64]
+
+
+def test_the_warmup_launches_are_the_three_planned() -> None:
+    p = _problem(64, True, hq=8, hkv=2, nq=333, nk=517)
+    launches = SPEC.warmup_launches(p, DEFAULT_CONFIG)
+    names = [launch[0].fn.__name__ if hasattr(launch[0], "fn") else launch[0].__name__
+             for launch in launches]
+    assert names == ["gluon_attn_bwd_preprocess", "gluon_attn_bwd_kernel",
+                     "gluon_attn_bwd_convert_dq"]
+    assert launches[1][3] == (math.ceil(517 / 128), 2 * 2)
+
+
+# -- sm_90 compiles (CPU) ----------------------------------------------------------------------
+
+def _compile(cases: list[dict]) -> list[dict]:
+    # in a process of its own: this one may run triton under the interpreter
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, "-m", "flashtune.kernel_templates.attn_bwd_gluon",
+                           json.dumps(cases)], capture_output=True, check=False, text=True,
+                          env=env, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def test_each_structural_variant_compiles_for_sm90_within_its_budget() -> None:
+    """One consumer (D128, causal), two consumers (D64, (B, N, H, D) storage; D128 causal):
+    no spill beyond the allowance, shared memory within 227 KiB, the register split, a wgmma
+    left in flight, dQ by vector fp32 atomics; the contiguous ones as the table says."""
+    cases = [
+        dict(BLOCK_M=64, BLOCK_N=64, NUM_STAGES=2, NUM_CONSUMERS=1, head_dim=128, causal=True),
+        dict(BLOCK_M=64, BLOCK_N=128, NUM_STAGES=2, NUM_CONSUMERS=2, head_dim=64, causal=False,
+             layout="bshd"),
+        dict(BLOCK_M=64, BLOCK_N=128, NUM_STAGES=2, NUM_CONSUMERS=2, head_dim=128, causal=True),
+    ]
+    got = _compile([dict(c) for c in cases])
+    assert len(got) == len(cases)
+    table = space.load_table()
+    for case, g in zip(cases, got, strict=True):
+        assert sum(g["spill_store_bytes"]) <= space.SPILL_LIMIT, g
+        assert g["shared"] <= space.SMEM_LIMIT, g
+        assert g["warps"] == 4 + 4 * case["NUM_CONSUMERS"], g  # + the producer's warpgroup
+        assert ["dec", "24"] in g["setmaxnreg"], g
+        if case["NUM_CONSUMERS"] == 2:
+            assert ["inc", "240"] in g["setmaxnreg"], g
+        assert 1 in g["wgmma_wait_depths"], g  # dP^T in flight while P^T is computed
+        assert "atom.global.gpu.relaxed.add.v4.f32" in g["atomics"], g
+        if g["layout"] == "bhsd":
+            entry = table[space.entry_key(case["head_dim"], case["causal"], g["config"])]
+            assert (entry.shared, entry.spill_bytes) == (g["shared"],
+                                                         sum(g["spill_store_bytes"])), g
+
+
+# -- numerics on the GPU (sm_90) ---------------------------------------------------------------
+
+GPU_CASES = [  # (batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, causal)
+    (2, 4, 4, 1000, 1000, 128, False),  # ragged: 1000 is no multiple of a tile
+    (2, 4, 4, 1000, 1000, 64, True),
+    (1, 8, 2, 77, 133, 64, True),  # GQA 4:1, causal Nq < Nk
+    (2, 8, 2, 333, 517, 128, True),  # GQA 4:1, causal Nq < Nk
+    (1, 4, 1, 384, 130, 128, True),  # MQA, causal Nq > Nk: rows that see no key
+    (1, 6, 1, 197, 197, 64, False),  # MQA, ViT's 197
+    (32, 12, 12, 197, 197, 64, False),  # B x H large (384), short N
+    (1, 1, 1, 1000, 1000, 128, True),  # B x H = 1
+    (1, 2, 2, 1, 1000, 64, False),  # one query
+]
+
+
+def _rand(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.randn(*shape, device="cuda", dtype=dtype)
+
+
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool):
+    from flashtune.core.device import cuda_device
+
+    fwd = get_template("attn_fwd")
+    p = AttentionProblem.from_tensors(q, k, causal=causal)
+    return fwd.launcher(q, k, v, fwd.default_config(p, cuda_device()), causal=causal,
+                        return_lse=True)
+
+
+def _valid_configs(p: AttentionProblem) -> list[dict[str, int]]:
+    from flashtune.core.device import cuda_device
+
+    return [c for c in space.SPACE if space.check(c, p, cuda_device()) is None]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("case", GPU_CASES,
+                         ids=lambda s: "b{}h{}:{}q{}k{}d{}{}".format(*s[:6], "c" if s[6] else ""))
+def test_gradients_match_the_reference_for_every_valid_config(case, dtype) -> None:
+    b, hq, hkv, nq, nk, d, causal = case
+    torch.manual_seed(0)
+    q, k, v = _rand(b, hq, nq, d, dtype=dtype), _rand(b, hkv, nk, d, dtype=dtype), \
+        _rand(b, hkv, nk, d, dtype=dtype)
+    do = _rand(b, hq, nq, d, dtype=dtype)
+    out, lse = _forward(q, k, v, causal)
+    p = AttentionProblem.from_tensors(q, k, causal=causal)
+    configs = _valid_configs(p)
+    assert configs
+    from tests.helpers import grad_references
+
+    refs = grad_references(q, k, v, do, causal=causal)
+    for config in configs:
+        got = SPEC.launcher(q, k, v, out, lse, do, config, causal=causal)
+        assert_grads_close(got, q, k, v, do, causal=causal, refs=refs)
+
+
+@pytest.mark.gpu
+def test_bshd_inputs_a_dlse_and_the_training_pair() -> None:
+    """(B, N, H, D) storage read in place, the LSE's gradient, and the pair through autograd
+    (attn_fwd_gluon's forward, this backward) against attn_fwd + attn_bwd's gradients."""
+    torch.manual_seed(1)
+    b, hq, hkv, n, d = 2, 8, 2, 333, 128
+    q = torch.randn(b, n, hq, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    k = torch.randn(b, n, hkv, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    v = torch.randn(b, n, hkv, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    do = torch.randn(b, n, hq, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    out, lse = _forward(q, k, v, True)
+    got = SPEC.launcher(q, k, v, out, lse, do, DEFAULT_CONFIG, causal=True)
+    assert_grads_close(got, q, k, v, do, causal=True)
+    assert got[0].stride() == q.stride() and got[1].stride() == k.stride()
+    dlse = torch.randn_like(lse)
+    ref = get_template("attn_bwd")
+    from flashtune.core.device import cuda_device
+
+    p = AttentionProblem.from_tensors(q, k, causal=True)
+    want = ref.launcher(q, k, v, out, lse, do, ref.default_config(p, cuda_device()),
+                        causal=True, dlse=dlse)
+    have = SPEC.launcher(q, k, v, out, lse, do, DEFAULT_CONFIG, causal=True, dlse=dlse)
+    for w, h in zip(want, have):
+        assert ((w.float() - h.float()).norm() / w.float().norm()).item() < 1e-2
+    pair = {s.name: s for s in implementations("train")}[PAIR_NAME]
+    qs, ks, vs = (t.detach().contiguous().requires_grad_() for t in (q, k, v))
+    config = pair.default_config(p, cuda_device())
+    _, dq, dk, dv = pair.launcher(qs, ks, vs, do, config, causal=True)
+    assert_grads_close((dq, dk, dv), qs, ks, vs, do, causal=True)
