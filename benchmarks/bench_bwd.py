@@ -11,6 +11,10 @@ knob's effect, measured in the same run as the default and SDPA); the first is r
 ``flashtune_variant``, the next ones as ``flashtune_variant2``, ``flashtune_variant3``, ...
 ``--rounds R``: time every implementation of a shape R times in rotation and report the
 median of the R medians (knobs worth a few % need the interleaving).
+``--gluon``: also time attn_bwd_gluon (the Gluon warp-specialized backward, sm_90) with its
+default config (``--gluon-config JSON``: entries over it), as ``flashtune_gluon``.
+``--shape B,HQ,HKV,NQ,NK,D,causal`` (repeatable; causal ``c`` or ``n``): these shapes
+instead of the standard grid (issue 24's: ``4,32,8,8192,8192,64,c``, ``32,16,16,512,512,64,n``).
 
 Only the backward is timed: the forward runs once per shape and implementation, then
 * flashtune: ``attn_bwd(q, k, v, out, lse, dout, config)`` (preprocess, dK/dV, dQ);
@@ -36,6 +40,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 IMPLS = ("flashtune", "flashtune_tuned", "flashtune_variant", "sdpa_flash", "sdpa_cudnn")
+GLUON = "flashtune_gluon"
 
 
 def variant_name(i: int) -> str:
@@ -61,6 +66,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "(repeatable)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="time the implementations of a shape this many times in rotation")
+    ap.add_argument("--gluon", action="store_true",
+                    help="also time attn_bwd_gluon (sm_90) with its default config")
+    ap.add_argument("--gluon-config", type=json.loads, default={}, metavar="JSON",
+                    help="entries over attn_bwd_gluon's default config (with --gluon)")
+    ap.add_argument("--shape", action="append", default=[], metavar="B,HQ,HKV,NQ,NK,D,c|n",
+                    help="time these shapes instead of the standard grid (repeatable)")
     return ap.parse_args(argv)
 
 
@@ -97,8 +108,17 @@ def main(argv: list[str] | None = None) -> None:
     problems = standard_grid(tuple(int(x) for x in args.head_dims.split(",")), causal=causal,
                              seqlens=tuple(int(x) for x in args.seqlens.split(",")),
                              dtype=args.dtype)
+    if args.shape:
+        from flashtune.core.problem import AttentionProblem
+
+        problems = []
+        for text in args.shape:
+            *dims, c = text.split(",")
+            b, hq, hkv, nq, nk, d = (int(x) for x in dims)
+            problems.append(AttentionProblem(b, hq, hkv, nq, nk, d, c == "c", args.dtype))
     if args.limit:
         problems = problems[:args.limit]
+    gluon = get_template("attn_bwd_gluon") if args.gluon else None
     rows = []
     t0 = time.time()
     for p in problems:
@@ -124,6 +144,15 @@ def main(argv: list[str] | None = None) -> None:
             row[name.replace("flashtune_", "")] = c = spec.space.validate(
                 {**row["config"], **variant})
             fns[name] = lambda c=c: spec.launcher(q, k, v, out, lse, do, c, causal=p.causal)
+        if gluon is not None:
+            reason = gluon.refuse(p, dev)
+            if reason is not None:
+                row[GLUON] = {"error": f"refused: {reason}"}
+            else:
+                row["gluon"] = c = gluon.space.validate(
+                    {**gluon.default_config(p, dev), **args.gluon_config})
+                fns[GLUON] = lambda c=c: gluon.launcher(q, k, v, out, lse, do, c,
+                                                        causal=p.causal)
         if dispatcher is not None:
             choice = dispatcher.choose(p, dev)
             row["tuned"] = {"config": choice.config, "source": choice.source}
@@ -191,7 +220,8 @@ def _impls(rows: list[dict]) -> list[str]:
     """IMPLS plus the extra variants any row has, in order."""
     extra = sorted({n for r in rows for n in r if n.startswith("flashtune_variant")} - set(IMPLS),
                    key=lambda n: int(n.removeprefix("flashtune_variant")))
-    return [*IMPLS[:3], *extra, *IMPLS[3:]]
+    gluon = [GLUON] if any(GLUON in r for r in rows) else []
+    return [*IMPLS[:3], *extra, *gluon, *IMPLS[3:]]
 
 
 def _tf(row: dict, name: str) -> float | None:
@@ -214,7 +244,7 @@ def summarize(rows: list[dict]) -> dict:
                       for r in rows if _tf(r, base) and (_best(r) if impl == "best"
                                                          else _tf(r, impl))]
             out[f"{label}_vs_{base}_geomean"] = geo(ratios)
-    for impl in [n for n in _impls(rows) if n.startswith("flashtune_variant")]:
+    for impl in [n for n in _impls(rows) if n.startswith("flashtune_variant") or n == GLUON]:
         for base in ("flashtune", "sdpa_flash", "sdpa_cudnn"):
             ratios = [_tf(r, impl) / _tf(r, base) for r in rows if _tf(r, impl) and _tf(r, base)]
             out[f"{impl.removeprefix('flashtune_')}_vs_{base}_geomean"] = geo(ratios)
@@ -241,7 +271,8 @@ def print_table(rows: list[dict], summary: dict) -> None:
           f"one) {fmt(summary['best_vs_sdpa_flash_geomean'])}x flash, "
           f"{fmt(summary['best_vs_sdpa_cudnn_geomean'])}x cudnn; "
           f"all checked: {summary['all_checked']}")
-    for impl in [n.removeprefix("flashtune_") for n in impls if n.startswith("flashtune_var")]:
+    for impl in [n.removeprefix("flashtune_") for n in impls
+                 if n.startswith("flashtune_var") or n == GLUON]:
         if summary.get(f"{impl}_vs_flashtune_geomean"):
             print(f"{impl}: {fmt(summary[f'{impl}_vs_flashtune_geomean'])}x default, "
                   f"{fmt(summary[f'{impl}_vs_sdpa_flash_geomean'])}x flash, "
