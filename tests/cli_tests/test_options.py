@@ -92,4 +92,4 @@ def test_bench_refuses_a_template_of_another_op(tmp_path) -> None:
                                       "--out", str(tmp_path / "b.json"), "--no-plot"])
     assert result.exit_code == 2
     assert ("Invalid value for '--template': template 'attn_decode' is not of op fwd or bwd; "
-            "choose one of attn_bwd, attn_fwd") in result.output
+            "choose one of attn_bwd, attn_bwd_gluon, attn_fwd") in result.output
