@@ -115,8 +115,9 @@ def test_backward_launch_arguments(device):
             if name == "preprocess":
                 continue
             assert on[name][2]["HAS_DROPOUT"] is True and off[name][2]["HAS_DROPOUT"] is False
-            assert on[name][1][-2] is seed and on[name][1][-1] == dropout_threshold(P)
-            assert off[name][1][-2] is lse and off[name][1][-1] == 0
+            at = list(on[name][0].arg_names).index("Seed")  # then DROPOUT_T
+            assert on[name][1][at] is seed and on[name][1][at + 1] == dropout_threshold(P)
+            assert off[name][1][at] is lse and off[name][1][at + 1] == 0
     with pytest.raises(ValueError, match="seed"):
         bwd_kernel_args(q, k, v, q, lse, do, lse, q, k, v, BWD, dropout_p=P, **common)
 

@@ -186,15 +186,14 @@ def kernel_args(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, delta: An
     if refusal is not None:
         raise ValueError(refusal)
     use_bits = has_dropout and bool(config.get("DROPOUT_BITS", DEFAULTS["DROPOUT_BITS"]))
-    bits_args: dict[str, Any] = dict(Bits=None, bits_stride_h=None, bits_nkb=None,
-                                     DROPOUT_BITS=False)
+    # the kernels' Bits, bits_stride_h, bits_nkb (after the dropout arguments, in their
+    # order) and the DROPOUT_BITS flag
+    bits_args: tuple[Any, ...] = (None, None, None)
     if use_bits:
         shape = dropout_bits_shape(config, batch, heads_q, seqlen_q, seqlen_k)
         if bits is None or tuple(bits.shape) != shape or bits.dtype != torch.int32:
             raise ValueError(f"DROPOUT_BITS needs an int32 scratch of shape {shape}")
-        bits_args = dict(Bits=bits, bits_stride_h=shape[1],
-                         bits_nkb=dropout_bits_words(config, seqlen_q, seqlen_k)[1],
-                         DROPOUT_BITS=True)
+        bits_args = (bits, shape[1], dropout_bits_words(config, seqlen_q, seqlen_k)[1])
     if dlse is None:
         dl_strides: tuple[int, int, int] = (0, 0, 0)
     elif varlen:  # (heads_q, total_q)
@@ -246,11 +245,11 @@ def kernel_args(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, delta: An
         attn_bwd_dkdv,
         (q, k, v, dout, lse, delta, dk, dv, parts_k, parts_v, *desc_qdo,
          *s_q, *s_k, *s_v, *s_do, *s_dk, *s_dv,
-         heads_q, heads_kv, group, n_q, n_k, float(scale), *mods),
+         heads_q, heads_kv, group, n_q, n_k, float(scale), *mods, *bits_args),
         dict(HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_M1=bm1, BLOCK_N1=bn1,
              IS_CAUSAL=bool(causal), UPCAST_DOT=upcast_dot, SPLIT_LOOPS=split,
-             KV_SPLITS=splits, USE_TMA=use_tma, **flags, **bits_args, num_warps=warps,
-             num_stages=stages),
+             KV_SPLITS=splits, USE_TMA=use_tma, **flags, DROPOUT_BITS=use_bits,
+             num_warps=warps, num_stages=stages),
         (triton.cdiv(seqlen_k, bn1), batch * heads_kv * splits))
     if splits > 1:
         launches["kv_reduce"] = _kv_reduce(part_k, part_v, *reduce)
@@ -258,10 +257,10 @@ def kernel_args(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, delta: An
         attn_bwd_dq,
         (q, k, v, dout, lse, delta, dq, *desc_kv,
          *s_q, *s_k, *s_v, *s_do, *s_dq,
-         heads_q, group, n_q, n_k, float(scale), *mods),
+         heads_q, group, n_q, n_k, float(scale), *mods, *bits_args),
         dict(HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_M2=bm2, BLOCK_N2=bn2,
              IS_CAUSAL=bool(causal), UPCAST_DOT=upcast_dot, SPLIT_LOOPS=split,
-             USE_TMA=use_tma, REVERSE_DQ=reverse_dq, **flags, **bits_args,
+             USE_TMA=use_tma, REVERSE_DQ=reverse_dq, **flags, DROPOUT_BITS=use_bits,
              num_warps=warps, num_stages=stages),
         (triton.cdiv(seqlen_q, bm2), batch * heads_q))
     return launches
