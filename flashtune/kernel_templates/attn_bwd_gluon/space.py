@@ -23,13 +23,13 @@ import functools
 import json
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from flashtune.core.device import DeviceFingerprint
 from flashtune.core.problem import AttentionProblem
 from flashtune.core.space import Config, SearchSpace
+from flashtune.kernel_templates.sm90_table import SMEM_LIMIT, SPILL_LIMIT, Compiled
 
 log = logging.getLogger(__name__)
 
@@ -44,35 +44,12 @@ PARAMS: dict[str, tuple[int, ...]] = {
     "NUM_CONSUMERS": (1, 2),
 }
 HEAD_DIMS = (64, 128)
-SMEM_LIMIT = 227 * 1024
-# spill-store bytes allowed: at D128 the consumers hold dK and dV (128 fp32 registers a
+# SPILL_LIMIT (sm90_table: 256 spill-store bytes allowed): at D128 the consumers hold dK and dV (128 fp32 registers a
 # thread) across the walk; 8-220 B spill around the epilogue's stores (as attn_fwd_gluon's
 # allowance: a pre-filter, the tuner's timing judges)
-SPILL_LIMIT = 256
 TABLE = Path(__file__).with_name("sm90_compile.json")
 TABLE_FORMAT = 1
 REGENERATE = "python -m flashtune.kernel_templates.attn_bwd_gluon --prefilter"
-
-
-@dataclass(frozen=True)
-class Compiled:
-    """What compiling one config for sm_90a gave: ``error`` (its first line) or the figures."""
-
-    shared: int | None
-    registers: int | None
-    spill_bytes: int | None
-    error: str | None = None
-
-    def reason(self, smem_limit: int = SMEM_LIMIT) -> str | None:
-        """Why this compiled kernel should not run (None: it may)."""
-        if self.error is not None:
-            return f"does not compile for sm_90a: {self.error}"
-        if (self.spill_bytes or 0) > SPILL_LIMIT:
-            return (f"spills {self.spill_bytes} B of registers to local memory (ptxas, sm_90a; "
-                    f"at most {SPILL_LIMIT} B allowed)")
-        if self.shared is not None and self.shared > smem_limit:
-            return f"needs {self.shared} B of shared memory, an sm_90 block may use {smem_limit} B"
-        return None
 
 
 def entry_key(head_dim: int, causal: bool, config: Mapping[str, int]) -> str:

@@ -30,13 +30,13 @@ import functools
 import json
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from flashtune.core.device import DeviceFingerprint
 from flashtune.core.problem import AttentionProblem
 from flashtune.core.space import Config, SearchSpace
+from flashtune.kernel_templates.sm90_table import SMEM_LIMIT, SPILL_LIMIT, Compiled
 
 log = logging.getLogger(__name__)
 
@@ -59,39 +59,16 @@ PARAMS: dict[str, tuple[int, ...]] = {
 }
 HEAD_DIMS = (64, 128, 256)  # the wgmma N of P V; the launcher refuses others
 DTYPES = ("fp16", "bf16")
-SMEM_LIMIT = 227 * 1024  # dynamic shared memory an sm_90 block may opt in to
-# spill-store bytes a config may have. The persistent kernel's consumers spill 72-216 B at
+# SPILL_LIMIT (sm90_table: 256 spill-store bytes a config may have). The persistent kernel's consumers spill 72-216 B at
 # 240 registers (sm_90a SASS, D64 and D128): the per-thread column predicates of the first
 # key block, hoisted out of the tile loop, stored once at the start and reloaded only on a
 # masked block; the inner loop stays in registers. The limit also lets through a few ROWS 128
 # configs that spill 40-240 B: the tuner's timing judges them. Larger spills (ROWS 128 at
 # D128: 0.7-5 KiB, 256-key tiles: 0.7-2 KiB, three consumers over 128-key tiles: 1.6 KiB
 # and more) are the inner loop's and are refused.
-SPILL_LIMIT = 256
 TABLE = Path(__file__).with_name("sm90_compile.json")
 TABLE_FORMAT = 1
 REGENERATE = "python -m flashtune.kernel_templates.attn_fwd_gluon --prefilter"
-
-
-@dataclass(frozen=True)
-class Compiled:
-    """What compiling one config for sm_90a gave: ``error`` (its first line) or the figures."""
-
-    shared: int | None
-    registers: int | None
-    spill_bytes: int | None
-    error: str | None = None
-
-    def reason(self, smem_limit: int = SMEM_LIMIT) -> str | None:
-        """Why this compiled kernel should not run (None: it may)."""
-        if self.error is not None:
-            return f"does not compile for sm_90a: {self.error}"
-        if (self.spill_bytes or 0) > SPILL_LIMIT:
-            return (f"spills {self.spill_bytes} B of registers to local memory (ptxas, sm_90a, "
-                    f"{self.registers} registers; at most {SPILL_LIMIT} B allowed)")
-        if self.shared is not None and self.shared > smem_limit:
-            return f"needs {self.shared} B of shared memory, an sm_90 block may use {smem_limit} B"
-        return None
 
 
 def entry_key(head_dim: int, dtype: str, causal: bool, config: Mapping[str, int]) -> str:

@@ -1,0 +1,129 @@
+"""The sm_90 compile tables behind the Gluon templates' validity predicates
+(``attn_fwd_gluon``, ``attn_bwd_gluon``): what one compile gave (:class:`Compiled`), how a
+table entry is made (:func:`compile_entry`), and the command that writes a table
+(:func:`write_table`). Each template's ``space.py`` reads its table and ``prefilter.py``
+writes it; both import this module, which no launcher imports, so it is in no source hash.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+__all__ = ["SMEM_LIMIT", "SPILL_LIMIT", "Compiled", "compile_entry", "write_table"]
+
+SMEM_LIMIT = 227 * 1024  # dynamic shared memory an sm_90 block may opt in to
+# spill-store bytes a config may have (each template's space.py says what spills there)
+SPILL_LIMIT = 256
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """What compiling one config for sm_90a gave: ``error`` (its first line) or the figures."""
+
+    shared: int | None
+    registers: int | None
+    spill_bytes: int | None
+    error: str | None = None
+
+    def reason(self, smem_limit: int = SMEM_LIMIT, spill_limit: int = SPILL_LIMIT) -> str | None:
+        """Why this compiled kernel should not run (None: it may).
+
+        Arguments:
+            smem_limit: the shared memory a block may use on the device, in bytes.
+            spill_limit: the spill-store bytes allowed.
+        Returns:
+            The reason, or None.
+        """
+        if self.error is not None:
+            return f"does not compile for sm_90a: {self.error}"
+        if (self.spill_bytes or 0) > spill_limit:
+            return (f"spills {self.spill_bytes} B of registers to local memory (ptxas, sm_90a, "
+                    f"{self.registers} registers; at most {spill_limit} B allowed)")
+        if self.shared is not None and self.shared > smem_limit:
+            return f"needs {self.shared} B of shared memory, an sm_90 block may use {smem_limit} B"
+        return None
+
+
+def compile_entry(case: Mapping[str, Any], compile_fn: Callable[[], Any]) -> dict[str, Any]:
+    """One table entry: ``case`` with the shared memory, registers and spill-store bytes of
+    ``compile_fn()`` (a Triton compiled kernel for sm_90a), or the error's first line.
+
+    Arguments:
+        case: the compile's fields (head dim, causal flag, config...).
+        compile_fn: compiles it.
+    Returns:
+        The entry (``shared``, ``registers``, ``spill_bytes``, ``error``).
+    """
+    from flashtune.kernel_templates.attn_fwd_gluon.launcher import ptxas_stats
+
+    entry = dict(case, shared=None, registers=None, spill_bytes=None, error=None)
+    try:
+        compiled = compile_fn()
+        stats = ptxas_stats(compiled.asm["ptx"])
+        figures = dict(shared=int(compiled.metadata.shared), registers=max(stats["registers"]),
+                       spill_bytes=sum(stats["spill_store_bytes"]))
+    except Exception as exc:  # noqa: BLE001 - a failure is a verdict
+        lines = [t.strip() for t in str(exc).splitlines() if t.strip()]
+        entry["error"] = f"{type(exc).__name__}: {lines[0] if lines else ''}"[:300]
+        return entry
+    entry.update(figures)
+    return entry
+
+
+def write_table(argv: list[str] | None, *, command: str, description: str | None,
+                table: Path, cases: list[dict[str, Any]],
+                compile_case: Callable[[dict[str, Any]], dict[str, Any]],
+                label: Callable[[dict[str, Any]], str], header: Mapping[str, Any],
+                check: Callable[[dict[str, Any], str], Any]) -> int:
+    """The ``--prefilter`` command: compile ``cases`` in a process pool and write the table.
+
+    Arguments:
+        argv: the command line (``--prefilter --jobs N --out PATH``).
+        command: how the command is run (its name for ``--help``).
+        description: ``--help``'s text.
+        table: the default output path.
+        cases: every compile the table holds.
+        compile_case: a module-level function (the pool pickles it) making one entry.
+        label: an entry's table key, for the progress lines.
+        header: the table's fields before ``entries`` (format, about, command, source
+            hash...).
+        check: reads the new table back as the predicate will (raises on a bad one).
+    Returns:
+        0, or 2 under ``TRITON_INTERPRET`` (nothing compiles there).
+    """
+    parser = argparse.ArgumentParser(prog=command.rsplit(" ", 1)[0], description=description,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prefilter", action="store_true", help="(the mode flag)")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                        help="compile processes (default: every core)")
+    parser.add_argument("--out", type=Path, default=table, help=f"default: {table}")
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET"):
+        print("unset TRITON_INTERPRET: this compiles for sm_90", file=sys.stderr)
+        return 2
+    start = time.monotonic()
+    entries = []
+    with ProcessPoolExecutor(max_workers=max(1, args.jobs),
+                             mp_context=get_context("spawn")) as pool:
+        for i, entry in enumerate(pool.map(compile_case, cases), 1):
+            entries.append(entry)
+            print(f"[{i}/{len(cases)} {time.monotonic() - start:.0f}s] {label(entry)}: shared "
+                  f"{entry['shared']}, registers {entry['registers']}, spills "
+                  f"{entry['spill_bytes']}{', ' + entry['error'] if entry['error'] else ''}",
+                  file=sys.stderr, flush=True)
+    doc = {**header, "entries": entries}
+    check(doc, "the new table")  # what the predicate will read back
+    args.out.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+    print(f"wrote {len(entries)} entries to {args.out} in {time.monotonic() - start:.0f}s",
+          file=sys.stderr)
+    return 0
