@@ -223,6 +223,7 @@ def _parameters(fn: Callable[..., Any]) -> frozenset[str]:
     return frozenset(inspect.signature(fn).parameters)
 
 
+@torch.compiler.assume_constant_result  # type: ignore[untyped-decorator]  # a signature
 def accepts(fn: Callable[..., Any], name: str) -> bool:
     """Whether flashtune's op ``fn`` takes the keyword ``name`` (the features other work adds
     to the ops: ``dropout_p``, the KV-cache call's ``k``, ``rotary_cos``...)."""
