@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
@@ -19,7 +20,10 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SMEM_LIMIT", "SPILL_LIMIT", "Compiled", "compile_entry", "write_table"]
+log = logging.getLogger(__name__)
+
+__all__ = ["SMEM_LIMIT", "SPILL_LIMIT", "Compiled", "compile_entry", "parse_table", "read_table",
+           "smem_limit", "write_table"]
 
 SMEM_LIMIT = 227 * 1024  # dynamic shared memory an sm_90 block may opt in to
 # spill-store bytes a config may have (each template's space.py says what spills there)
@@ -52,6 +56,76 @@ class Compiled:
         if self.shared is not None and self.shared > smem_limit:
             return f"needs {self.shared} B of shared memory, an sm_90 block may use {smem_limit} B"
         return None
+
+
+def smem_limit(device: Any) -> int:
+    """The shared memory a block may use on ``device``: :data:`SMEM_LIMIT`, or the device's
+    opt-in limit where it is lower (not under the interpreter, whose figure means nothing).
+
+    Arguments:
+        device: a :class:`~flashtune.core.device.DeviceFingerprint`.
+    Returns:
+        Bytes.
+    """
+    if not device.is_interpreter and 0 < device.shared_mem_per_block < SMEM_LIMIT:
+        return int(device.shared_mem_per_block)
+    return SMEM_LIMIT
+
+
+def parse_table(doc: Any, where: str, *, table_format: int, regenerate: str,
+                entry: Callable[[Any, str], tuple[str, Compiled]]) -> dict[str, Compiled]:
+    """The entries of a table document (``json.load`` of a ``sm90_compile.json``), checked.
+
+    Arguments:
+        doc: the document.
+        where: what to name in an error (its path).
+        table_format: the format the template's tables have.
+        regenerate: the command that writes the table (named in an error).
+        entry: one entry's ``(key, Compiled)``, checked (ValueError naming where).
+    Returns:
+        key -> :class:`Compiled`.
+    Raises:
+        ValueError naming what is wrong and where.
+    """
+    if not isinstance(doc, dict) or doc.get("format") != table_format \
+            or not isinstance(doc.get("entries"), list):
+        raise ValueError(f"{where}: expected an object with format {table_format} and a list "
+                         f"of entries; regenerate it: {regenerate}")
+    table: dict[str, Compiled] = {}
+    for i, raw in enumerate(doc["entries"]):
+        key, compiled = entry(raw, f"{where}, entry {i}")
+        if key in table:
+            raise ValueError(f"{where}, entry {i}: {key} appears twice")
+        table[key] = compiled
+    return table
+
+
+def read_table(path: Path, template: str, regenerate: str,
+               parse: Callable[[Any, str], dict[str, Compiled]]) -> dict[str, Compiled]:
+    """A template's table read from ``path`` and checked; a source hash that is not the
+    template's (its ``kernel.py`` and ``launcher.py`` beside the table) is logged.
+
+    Arguments:
+        path: the table.
+        template: the template's name (for the log line).
+        regenerate: the command that writes the table.
+        parse: the template's :func:`parse_table`.
+    Returns:
+        key -> :class:`Compiled`.
+    Raises:
+        OSError when it cannot be read; ValueError when it is not a valid table.
+    """
+    from flashtune.kernel_templates.registry import source_hash
+
+    with open(path, encoding="utf-8") as f:
+        doc = json.load(f)
+    table = parse(doc, str(path))
+    current = source_hash(path.parent / "kernel.py", path.parent / "launcher.py")
+    if doc.get("source_hash") != current:
+        log.warning("%s was compiled from %s source %s, the source is now %s: its verdicts may "
+                    "be stale; regenerate it: %s", path, template, doc.get("source_hash"),
+                    current, regenerate)
+    return table
 
 
 def compile_entry(case: Mapping[str, Any], compile_fn: Callable[[], Any]) -> dict[str, Any]:

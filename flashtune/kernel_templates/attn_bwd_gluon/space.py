@@ -20,8 +20,6 @@ more than :data:`SPILL_LIMIT` bytes or needing more than 227 KiB of shared memor
 from __future__ import annotations
 
 import functools
-import json
-import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -29,9 +27,8 @@ from typing import Any
 from flashtune.core.device import DeviceFingerprint
 from flashtune.core.problem import AttentionProblem
 from flashtune.core.space import Config, SearchSpace
+from flashtune.kernel_templates import sm90_table
 from flashtune.kernel_templates.sm90_table import SMEM_LIMIT, SPILL_LIMIT, Compiled
-
-log = logging.getLogger(__name__)
 
 __all__ = ["HEAD_DIMS", "PARAMS", "REGENERATE", "SMEM_LIMIT", "SPACE", "SPILL_LIMIT", "TABLE",
            "Compiled", "check", "default_config", "entry_key", "load_table", "parse_table",
@@ -88,34 +85,23 @@ def _entry(raw: Any, where: str) -> tuple[str, Compiled]:
 
 
 def parse_table(doc: Any, where: str = "table") -> dict[str, Compiled]:
-    """The entries of a table document, checked (ValueError naming what and where)."""
-    if not isinstance(doc, dict) or doc.get("format") != TABLE_FORMAT \
-            or not isinstance(doc.get("entries"), list):
-        raise ValueError(f"{where}: expected an object with format {TABLE_FORMAT} and a list "
-                         f"of entries; regenerate it: {REGENERATE}")
-    table: dict[str, Compiled] = {}
-    for i, raw in enumerate(doc["entries"]):
-        key, compiled = _entry(raw, f"{where}, entry {i}")
-        if key in table:
-            raise ValueError(f"{where}, entry {i}: {key} appears twice")
-        table[key] = compiled
-    return table
+    """The entries of a table document (``json.load`` of ``sm90_compile.json``), checked.
+
+    Raises:
+        ValueError naming what is wrong and where.
+    """
+    return sm90_table.parse_table(doc, where, table_format=TABLE_FORMAT,
+                                  regenerate=REGENERATE, entry=_entry)
 
 
 @functools.lru_cache(maxsize=1)
 def load_table(path: Path = TABLE) -> dict[str, Compiled]:
-    """The sm_90 compile table, read and checked once (a stale source hash is logged)."""
-    with open(path, encoding="utf-8") as f:
-        doc = json.load(f)
-    table = parse_table(doc, str(path))
-    from flashtune.kernel_templates.registry import source_hash
+    """The sm_90 compile table, read and checked once (a stale source hash is logged).
 
-    current = source_hash(path.parent / "kernel.py", path.parent / "launcher.py")
-    if doc.get("source_hash") != current:
-        log.warning("%s was compiled from attn_bwd_gluon source %s, the source is now %s: its "
-                    "verdicts may be stale; regenerate it: %s", path, doc.get("source_hash"),
-                    current, REGENERATE)
-    return table
+    Raises:
+        OSError when it cannot be read; ValueError when it is not a valid table.
+    """
+    return sm90_table.read_table(path, "attn_bwd_gluon", REGENERATE, parse_table)
 
 
 def check(config: Mapping[str, int], problem: AttentionProblem,
@@ -130,10 +116,7 @@ def check(config: Mapping[str, int], problem: AttentionProblem,
     compiled = load_table().get(entry_key(problem.head_dim, problem.causal, config))
     if compiled is None:
         return f"not in the sm_90 compile table ({TABLE.name}); regenerate it: {REGENERATE}"
-    limit = SMEM_LIMIT
-    if not device.is_interpreter and 0 < device.shared_mem_per_block < limit:
-        limit = device.shared_mem_per_block
-    return compiled.reason(limit)
+    return compiled.reason(sm90_table.smem_limit(device))
 
 
 SPACE = SearchSpace(params=PARAMS, predicate=check)

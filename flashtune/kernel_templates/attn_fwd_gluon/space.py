@@ -27,8 +27,6 @@ tuner's trials have the last word.
 from __future__ import annotations
 
 import functools
-import json
-import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -36,9 +34,8 @@ from typing import Any
 from flashtune.core.device import DeviceFingerprint
 from flashtune.core.problem import AttentionProblem
 from flashtune.core.space import Config, SearchSpace
+from flashtune.kernel_templates import sm90_table
 from flashtune.kernel_templates.sm90_table import SMEM_LIMIT, SPILL_LIMIT, Compiled
-
-log = logging.getLogger(__name__)
 
 __all__ = ["HEAD_DIMS", "PARAMS", "SMEM_LIMIT", "SPILL_LIMIT", "SPACE", "TABLE", "Compiled", "check",
            "default_config", "entry_key", "load_table", "structural_reason"]
@@ -118,17 +115,8 @@ def parse_table(doc: Any, where: str = "table") -> dict[str, Compiled]:
     Raises:
         ValueError naming what is wrong and where.
     """
-    if not isinstance(doc, dict) or doc.get("format") != TABLE_FORMAT \
-            or not isinstance(doc.get("entries"), list):
-        raise ValueError(f"{where}: expected an object with format {TABLE_FORMAT} and a list "
-                         f"of entries; regenerate it: {REGENERATE}")
-    table: dict[str, Compiled] = {}
-    for i, raw in enumerate(doc["entries"]):
-        key, compiled = _entry(raw, f"{where}, entry {i}")
-        if key in table:
-            raise ValueError(f"{where}, entry {i}: {key} appears twice")
-        table[key] = compiled
-    return table
+    return sm90_table.parse_table(doc, where, table_format=TABLE_FORMAT,
+                                  regenerate=REGENERATE, entry=_entry)
 
 
 @functools.lru_cache(maxsize=1)
@@ -138,18 +126,7 @@ def load_table(path: Path = TABLE) -> dict[str, Compiled]:
     Raises:
         OSError when it cannot be read; ValueError when it is not a valid table.
     """
-    with open(path, encoding="utf-8") as f:
-        doc = json.load(f)
-    table = parse_table(doc, str(path))
-    from flashtune.kernel_templates.registry import source_hash
-
-    here = path.parent
-    current = source_hash(here / "kernel.py", here / "launcher.py")
-    if doc.get("source_hash") != current:
-        log.warning("%s was compiled from attn_fwd_gluon source %s, the source is now %s: its "
-                    "verdicts may be stale; regenerate it: %s", path, doc.get("source_hash"),
-                    current, REGENERATE)
-    return table
+    return sm90_table.read_table(path, "attn_fwd_gluon", REGENERATE, parse_table)
 
 
 def check(config: Mapping[str, int], problem: AttentionProblem,
@@ -169,10 +146,7 @@ def check(config: Mapping[str, int], problem: AttentionProblem,
                                           config))
     if compiled is None:
         return f"not in the sm_90 compile table ({TABLE.name}); regenerate it: {REGENERATE}"
-    limit = SMEM_LIMIT
-    if not device.is_interpreter and 0 < device.shared_mem_per_block < limit:
-        limit = device.shared_mem_per_block
-    return compiled.reason(limit)
+    return compiled.reason(sm90_table.smem_limit(device))
 
 
 SPACE = SearchSpace(params=PARAMS, predicate=check)
