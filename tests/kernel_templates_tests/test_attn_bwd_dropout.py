@@ -71,17 +71,22 @@ def test_backward_of_the_forward_bf16_same_bits(device):
     assert all(torch.equal(a, b) for a, b in zip(got, again))
 
 
-def test_varlen_backward(device):
-    seqs = [(17, 30), (30, 9)]
+def packed_case(seqs, seed, device):
+    """A packed batch of ``seqs`` ((Nq, Nk) per sequence, GQA 2:1, D16) with dropout: the
+    tensors, cumulative lengths, seed, and the per-sequence fp32 references (out, LSE and
+    gradients through the masked reference) concatenated in packed order."""
     hq, hkv, d = 2, 1, 16
-    g = torch.Generator().manual_seed(6)
+    g = torch.Generator().manual_seed(seed)
     tq, tk = sum(s[0] for s in seqs), sum(s[1] for s in seqs)
     q, do = (torch.randn(tq, hq, d, generator=g).half().to(device) for _ in range(2))
     k, v = (torch.randn(tk, hkv, d, generator=g).half().to(device) for _ in range(2))
-    cu_q = torch.tensor([0, 17, 47], dtype=torch.int32, device=device)
-    cu_k = torch.tensor([0, 30, 39], dtype=torch.int32, device=device)
-    seed = seed_tensor(device)
-    mask = dropout_mask(seed, 2, hq, 30, 30, P)
+    starts_q = [sum(s[0] for s in seqs[:i]) for i in range(len(seqs) + 1)]
+    starts_k = [sum(s[1] for s in seqs[:i]) for i in range(len(seqs) + 1)]
+    cu_q = torch.tensor(starts_q, dtype=torch.int32, device=device)
+    cu_k = torch.tensor(starts_k, dtype=torch.int32, device=device)
+    drop_seed = seed_tensor(device)
+    mask = dropout_mask(drop_seed, len(seqs), hq, max(s[0] for s in seqs),
+                        max(s[1] for s in seqs), P)
     outs, lses, grads = [], [], [[[], [], []], [[], [], []]]
     for b, (nq, nk) in enumerate(seqs):
         sq, sk = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
@@ -93,7 +98,13 @@ def test_varlen_backward(device):
             for i in range(3):
                 grads[which][i].append(refs[which][i][0].transpose(0, 1))
     refs = tuple(tuple(torch.cat(x) for x in gs) for gs in grads)
-    got = attn_bwd(q, k, v, torch.cat(outs).half(), torch.cat(lses, dim=1).float(), do,
+    return (q, k, v, do, cu_q, cu_k, drop_seed, torch.cat(outs).half(),
+            torch.cat(lses, dim=1).float(), refs)
+
+
+def test_varlen_backward(device):
+    q, k, v, do, cu_q, cu_k, seed, out, lse, refs = packed_case([(17, 30), (30, 9)], 6, device)
+    got = attn_bwd(q, k, v, out, lse, do,
                    {**BWD, "KV_SPLITS": 1}, causal=True, dropout_p=P, seed=seed,
                    cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=30, max_seqlen_k=30)
     assert_grads_close(got, q, k, v, do, causal=False, refs=refs)

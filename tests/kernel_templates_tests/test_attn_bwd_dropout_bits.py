@@ -24,7 +24,7 @@ from flashtune.kernel_templates.attn_bwd.space import (
 from flashtune.kernel_templates.dropout import dropout_mask
 from flashtune.kernel_templates.sm90 import H100
 from tests.helpers import assert_grads_close
-from tests.kernel_templates_tests.test_attn_bwd_dropout import grad_refs
+from tests.kernel_templates_tests.test_attn_bwd_dropout import grad_refs, packed_case
 from tests.kernel_templates_tests.test_attn_dropout import P, make, seed_tensor
 
 # the smallest tiles the bit layout allows (64-query, 32-key words)
@@ -73,30 +73,10 @@ def test_bits_give_the_same_gradients_as_the_regenerated_mask(device, case):
 
 
 def test_packed_sequences(device):
-    seqs = [(70, 40), (23, 90)]
-    hq, hkv, d = 2, 1, 16
-    g = torch.Generator().manual_seed(7)
-    tq, tk = sum(s[0] for s in seqs), sum(s[1] for s in seqs)
-    q, do = (torch.randn(tq, hq, d, generator=g).half().to(device) for _ in range(2))
-    k, v = (torch.randn(tk, hkv, d, generator=g).half().to(device) for _ in range(2))
-    cu_q = torch.tensor([0, 70, 93], dtype=torch.int32, device=device)
-    cu_k = torch.tensor([0, 40, 130], dtype=torch.int32, device=device)
-    seed = seed_tensor(device)
-    mask = dropout_mask(seed, 2, hq, 70, 90, P)
-    outs, lses, grads = [], [], [[[], [], []], [[], [], []]]
-    for b, (nq, nk) in enumerate(seqs):
-        sq, sk = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
-        seq = [t[s].transpose(0, 1)[None] for t, s in ((q, sq), (k, sk), (v, sk), (do, sq))]
-        out, lse, refs = grad_refs(*seq, mask[b:b + 1, :, :nq, :nk], causal=True)
-        outs.append(out[0].transpose(0, 1))
-        lses.append(lse[0])
-        for which in (0, 1):
-            for i in range(3):
-                grads[which][i].append(refs[which][i][0].transpose(0, 1))
-    refs = tuple(tuple(torch.cat(x) for x in gs) for gs in grads)
+    q, k, v, do, cu_q, cu_k, seed, out, lse, refs = packed_case([(70, 40), (23, 90)], 7, device)
     varlen = dict(causal=True, dropout_p=P, seed=seed, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
                   max_seqlen_q=70, max_seqlen_k=90)
-    args = (q, k, v, torch.cat(outs).half(), torch.cat(lses, dim=1).float(), do)
+    args = (q, k, v, out, lse, do)
     plain = attn_bwd(*args, BITS, **varlen)
     got = attn_bwd(*args, {**BITS, "DROPOUT_BITS": 1}, **varlen)
     assert all(torch.equal(x, y) for x, y in zip(plain, got))
