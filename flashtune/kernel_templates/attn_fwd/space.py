@@ -138,6 +138,13 @@ def default_config(problem: AttentionProblem, device: DeviceFingerprint) -> Conf
         table = _DEFAULTS
     cfg = next((c for max_d, c in table if problem.head_dim <= max_d), table[-1][1])
     config = {**DEFAULTS, **cfg, "REVERSE_M": int(problem.causal)}
+    if problem.dropout > 0 and table is _DEFAULTS_TMA and problem.head_dim <= 64:
+        # the dropout mask's registers on top of a 128 x 128 score tile at 4 warps spill
+        # for sm_90 (D64: 100 B at 255 registers; D32: 848 B); 64 keys at 8 warps take 128
+        # and none. H100, BERT-base B32 H12 N512 D64 dropout 0.1, `bench_dropout.py
+        # --tune-ops` (benchmarks/README.md "Attention dropout"): this config was the
+        # fastest of 65 forward trials, 0.100 ms against the old default's 0.111
+        config.update(BLOCK_N=64, num_warps=8)
     while check(config, problem, device) is not None:
         if config["num_stages"] > 1:
             config["num_stages"] -= 1
