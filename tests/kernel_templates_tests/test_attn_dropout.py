@@ -13,15 +13,18 @@ import numpy as np
 import pytest
 import torch
 
+from flashtune.core.problem import AttentionProblem
 from flashtune.kernel_templates.attn_fwd import attn_fwd
 from flashtune.kernel_templates.attn_fwd.launcher import kernel_args as fwd_kernel_args
 from flashtune.kernel_templates.attn_fwd.reference import attn_fwd_reference
+from flashtune.kernel_templates.attn_fwd.space import default_config
 from flashtune.kernel_templates.dropout import (
     draw_seed,
     dropout_mask,
     dropout_threshold,
     keep_probability,
 )
+from flashtune.kernel_templates.sm90 import H100
 
 FWD = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
 FWD_32 = {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
@@ -242,9 +245,11 @@ def test_varlen_forward_uses_each_sequences_own_positions(device):
 
 def test_the_forward_builds_its_mask_in_registers_on_sm90():
     """The H100 default configs at D64 and D128 (BERT-base's shape, TMA on), compiled for
-    sm_90 on the CPU with and without dropout: the same shared memory (the mask needs no
-    layout conversion through shared memory), at most 255 registers, no spills at D128
-    (the figures are in the message); and dropout_p 0.999 (threshold 1) compiles."""
+    sm_90 on the CPU with and without dropout: with the plain default's config the same
+    shared memory (the mask needs no layout conversion through shared memory) and at most
+    255 registers; the default with dropout spills nothing (at D64 it takes 64-key tiles
+    at 8 warps, where the plain 128 x 128 tile at 4 warps spills with the mask: the
+    figures are in the message); and dropout_p 0.999 (threshold 1) compiles."""
     import json
     import os
     import subprocess
@@ -252,8 +257,10 @@ def test_the_forward_builds_its_mask_in_registers_on_sm90():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    cases = [{"template": "attn_fwd", "batch": 32, "heads": 12, "seqlen": 512, "head_dim": d,
-              "dropout": p} for d in (64, 128) for p in (0.0, 0.1)]
+    shape = {"template": "attn_fwd", "batch": 32, "heads": 12, "seqlen": 512}
+    cases = [{**shape, "head_dim": d, "dropout": p} for d in (64, 128) for p in (0.0, 0.1)]
+    plain_d64 = default_config(AttentionProblem(32, 12, 12, 512, 512, 64, False, "bf16"), H100)
+    cases.append({**shape, "head_dim": 64, "dropout": 0.2, "config": plain_d64})
     # a threshold of 1 (dropout_p >= 0.998) is an integer Triton specialises as a constant
     cases.append({"template": "attn_fwd", "batch": 1, "heads": 2, "seqlen": 256,
                   "head_dim": 64, "dropout": 0.999})
@@ -267,9 +274,11 @@ def test_the_forward_builds_its_mask_in_registers_on_sm90():
            (json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{"))}
     assert (64, 0.999) in got
     figures = {k: (g["registers"], g["spill_store_bytes"], g["shared"]) for k, g in got.items()}
-    for d in (64, 128):
-        plain, drop = got[(d, 0.0)], got[(d, 0.1)]
+    # same config, with and without the mask (dropout 0.2 at D64: the plain default's tile)
+    for plain, drop in ((got[(64, 0.0)], got[(64, 0.2)]), (got[(128, 0.0)], got[(128, 0.1)])):
         assert drop["config"] == plain["config"], figures
         assert drop["shared"] == plain["shared"], figures
         assert drop["registers"] <= 255 and drop["cubin"] != plain["cubin"], figures
+    assert got[(64, 0.1)]["config"]["BLOCK_N"] == 64, figures
+    assert got[(64, 0.1)]["spill_store_bytes"] == 0, figures
     assert got[(128, 0.1)]["spill_store_bytes"] == 0, figures
