@@ -13,7 +13,10 @@ Cases (bf16):
   (SDPA cannot apply a softcap: it is timed with the mask alone, a lower bound of its cost);
 * ``packed``: documents of random lengths 128-4096 (seed 0) packed into 16384 tokens,
   Hq32 Hkv8 D128, causal inside each document, forward + backward
-  (``flashtune.attention_varlen`` against FlexAttention with a document block mask).
+  (``flashtune.attention_varlen`` against FlexAttention with a document block mask;
+  with ``--njt`` also torch SDPA over nested jagged tensors, the varlen entry torch has,
+  under each of its cuDNN, flash and efficient backends, K/V heads expanded to the query
+  heads since that path takes no GQA: ``sdpa_njt_*``).
 
 Every contender is checked against a float32 reference (first KV head's group of query
 heads; per document for ``packed``) before it is timed; one that fails or raises is
@@ -151,7 +154,7 @@ def _sdpa_plain(backend, q, k, v):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
 
-def case_packed(rounds, hq=32, hkv=8, d=128, total=16384):
+def case_packed(rounds, hq=32, hkv=8, d=128, total=16384, njt=False):
     gen = torch.Generator().manual_seed(0)
     lens = []
     while sum(lens) < total:
@@ -186,6 +189,21 @@ def case_packed(rounds, hq=32, hkv=8, d=128, total=16384):
         out = flex(*(t.transpose(0, 1)[None] for t in (q_, k_, v_)))
         return out[0].transpose(0, 1)
 
+    offsets = cu.long()
+
+    def njt_sdpa(backend):
+        """SDPA over nested jagged tensors (torch's varlen entry: ``(B, j, H, D)`` viewed as
+        ``(B, H, j, D)``, offsets from ``cu``), K/V heads expanded to the query heads (its
+        jagged path takes no GQA), under one backend."""
+        def run(q_, k_, v_):
+            k_, v_ = (t.repeat_interleave(hq // hkv, 1) for t in (k_, v_))
+            nq, nk, nv = (torch.nested.nested_tensor_from_jagged(t, offsets).transpose(1, 2)
+                          for t in (q_, k_, v_))
+            with sdpa_kernel(backend):
+                out = F.scaled_dot_product_attention(nq, nk, nv, is_causal=True)
+            return out.transpose(1, 2).values()
+        return run
+
     row = {"case": "packed", "label": f"{len(lens)} documents, {total} tokens, Hq{hq} "
            f"Hkv{hkv} D{d} causal, fwd+bwd", "lengths": lens, "flops": flops,
            "errors": {}, "ms": {}}
@@ -201,7 +219,13 @@ def case_packed(rounds, hq=32, hkv=8, d=128, total=16384):
         dref = do[s].transpose(0, 1)[None][:, :hq // hkv].float()
         refs.append((s, out.detach(), torch.autograd.grad(out, leaves, dref)))
     runnable = {}
-    for cname, fwd in (("flashtune", ours), ("flex", theirs)):
+    contenders = [("flashtune", ours), ("flex", theirs)]
+    if njt:
+        contenders += [(f"sdpa_njt_{name}", njt_sdpa(backend)) for name, backend in
+                       (("cudnn", SDPBackend.CUDNN_ATTENTION),
+                        ("flash", SDPBackend.FLASH_ATTENTION),
+                        ("efficient", SDPBackend.EFFICIENT_ATTENTION))]
+    for cname, fwd in contenders:
         try:
             out = fwd(q, k, v)
             grads = torch.autograd.grad(out, (q, k, v), do)
@@ -251,6 +275,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--cases", default="swa,gemma2,packed")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--njt", action="store_true",
+                    help="packed: also SDPA over nested jagged tensors under its cuDNN, "
+                         "flash and efficient backends (K/V heads expanded)")
     ap.add_argument("--out", default="benchmarks/results/mods_h100.json")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -264,7 +291,7 @@ def main() -> None:
         elif name == "gemma2":
             rows.append(case_window("gemma2", 1, 16, 8, 16384, 256, 4095, 50.0, args.rounds))
         elif name == "packed":
-            rows.append(case_packed(args.rounds))
+            rows.append(case_packed(args.rounds, njt=args.njt))
         else:
             raise SystemExit(f"unknown case {name!r}")
         print(f"{name}: {time.time() - t0:.0f} s", flush=True)
@@ -297,6 +324,13 @@ def main() -> None:
               f"{cell('sdpa_cudnn_causal')} | {ratio('flashtune', 'flex')} | "
               f"{ratio('flashtune', 'sdpa_masked')} | {cell('flashtune_fwd')} / "
               f"{cell('flex_fwd')} |")
+        njt = [c for c in ms if c.startswith("sdpa_njt_")]
+        if njt:
+            steps = [ms[c] for c in njt if isinstance(ms[c], float) and not c.endswith("_fwd")]
+            best = (f" (flashtune / best step: {min(steps) / ms['flashtune']:.2f}x)"
+                    if steps and isinstance(ms.get("flashtune"), float) else "")
+            print("  SDPA over nested tensors (step / forward): "
+                  + "; ".join(f"{c[9:]} {cell(c)}" for c in njt) + best)
 
 
 if __name__ == "__main__":
