@@ -36,12 +36,20 @@ side, the fastest kept).
    measured 0.95-0.97x the extern in the next run at N 8k-16k, where round medians spread
    by 10-18% (``benchmarks/README.md``): a lead inside the noise is not a reason to leave
    the library the user already runs.
+
+A plan of many shapes is finished over several commands with ``skip_tuned``
+(:mod:`flashtune.autotune.resume`): a shape whose stored choice is current is not tuned again
+(its :class:`OpResult` is rebuilt from the store, ``reused``), a stale one is, and an
+implementation whose search of the shape finished at its current source is not searched
+again; ``deadline`` stops starting shapes after a point in time. :func:`flashtune.autotune.
+workers.tune_op_on_gpus` spreads the shapes over several GPUs.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -79,10 +87,12 @@ class Leader:
     median_ms: float | None
     tflops: float | None
     message: str | None = None
+    source_hash: str = ""  # the implementation's when it was timed ("" unknown)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"implementation": self.implementation, "config": dict(self.config),
-                "median_ms": self.median_ms}
+        out = {"implementation": self.implementation, "config": dict(self.config),
+               "median_ms": self.median_ms}
+        return out | ({"source_hash": self.source_hash} if self.source_hash else {})
 
 
 @dataclass(frozen=True)
@@ -92,6 +102,9 @@ class OpResult:
     ``winner`` is None when no implementation completed (every one failed its checks or
     none applies); ``margin`` is the runner-up's time over the winner's, ``extern_margin``
     the fastest extern's over the winner's (1.0 when the winner is that extern).
+    ``reused``: the choice was current in the store and not made again (``skip_tuned``;
+    ``leaders`` are then the stored candidates); ``stale``: why a stored choice was made
+    again (None when there was none, or it was current).
     """
 
     problem: AttentionProblem
@@ -100,6 +113,8 @@ class OpResult:
     leaders: tuple[Leader, ...]  # fastest first; failures last
     skipped: tuple[tuple[str, str], ...]  # (implementation, why it cannot serve the problem)
     results: tuple[TuneResult, ...]  # each implementation's search
+    reused: bool = False
+    stale: str | None = None
 
     @property
     def ranked(self) -> list[Leader]:
@@ -218,6 +233,8 @@ def _leader_runner(spec: TemplateSpec, problem: AttentionProblem, device: Device
 def tune_op(problems: Sequence[AttentionProblem], op: str, options: TuneOptions, *,
             impls: Sequence[str] | None = None, db_url: str | None = None,
             progress: bool = True, rounds: int = SIDE_BY_SIDE_ROUNDS,
+            skip_tuned: bool = False, deadline: float | None = None,
+            progress_position: int = 0,
             _runner_factory: Callable[..., Any] | None = None,
             _device: DeviceFingerprint | None = None) -> list[OpResult]:
     """Choose, per problem, the fastest implementation of ``op`` and its config, and store
@@ -235,8 +252,17 @@ def tune_op(problems: Sequence[AttentionProblem], op: str, options: TuneOptions,
         db_url: the tuning database (None: ``$FLASHTUNE_DB`` or the default file).
         progress: a progress bar per implementation and problem.
         rounds: rounds of the side-by-side timing of the leaders.
+        skip_tuned: skip a problem whose stored choice is current
+            (:func:`~flashtune.autotune.resume.stored_choice`; its result is rebuilt from
+            the store, ``reused``), and reuse an implementation's finished search of a
+            problem at its current source (:func:`~flashtune.autotune.resume.
+            finished_search`) instead of searching it again.
+        deadline: a :func:`time.time` after which no problem is started (one started
+            finishes); None: no limit.
+        progress_position: the progress bars' line (one per worker process).
     Returns:
-        One :class:`OpResult` per problem.
+        One :class:`OpResult` per problem started, in order: every problem unless
+        ``deadline`` passed first.
     Raises:
         InputError for an unknown op, a named implementation that cannot serve a problem
         (before any work), or a problem the runtime would refuse; the store's errors.
@@ -258,14 +284,30 @@ def tune_op(problems: Sequence[AttentionProblem], op: str, options: TuneOptions,
     software = SoftwareVersions(cuda=device.cuda_version, driver=device.driver_version,
                                 flashtune=__version__, torch=device.torch_version,
                                 triton=device.triton_version)
-    out = []
+    out: list[OpResult] = []
     for problem in problems:
+        if deadline is not None and time.time() >= deadline:
+            log.info("deadline passed: %d of %d shape(s) not started", len(problems) - len(out),
+                     len(problems))
+            break
         specs, skipped = applicable(op, problem, device, impls)
+        stale = None
+        if skip_tuned:
+            stored = _stored_choice(url, op, problem, device, specs, impls)
+            if stored.current:
+                log.info("%s: already tuned on %s (%s): skipped", problem.describe(),
+                         device.name, stored.choice.implementation)
+                out.append(_reused(stored.choice, problem, op, device))
+                continue
+            stale = stored.stale
+            if stale is not None:
+                log.info("%s: the stored choice is stale (%s): tuning again",
+                         problem.describe(), stale)
         for name, reason in skipped:
             log.warning("%s: %s skipped: %s", problem.describe(), name, reason)
         results: list[TuneResult] = []
         search = functools.partial(_search, results, problem, options, url, progress,
-                                   _runner_factory, device)
+                                   progress_position, skip_tuned, _runner_factory, device)
         entries = [(spec, _searched(spec, search)) for spec in specs]
         # with --impl, the other applicable implementations' stored bests still take part
         # in the side-by-side timing: --impl narrows the search, not the choice
@@ -273,7 +315,8 @@ def tune_op(problems: Sequence[AttentionProblem], op: str, options: TuneOptions,
             entries += _stored_leaders(url, op, problem, device,
                                        {s.name for s in specs})
         leaders = _side_by_side(entries, problem, device, options, rounds, _runner_factory)
-        result = OpResult(problem, op, device.name, leaders, tuple(skipped), tuple(results))
+        result = OpResult(problem, op, device.name, leaders, tuple(skipped), tuple(results),
+                          stale=stale)
         win = result.winner
         if win is not None and win.median_ms is not None:
             ext, up = result.best_extern, result.runner_up
@@ -293,18 +336,67 @@ def tune_op(problems: Sequence[AttentionProblem], op: str, options: TuneOptions,
     return out
 
 
+def _stored_choice(url: str, op: str, problem: AttentionProblem, device: DeviceFingerprint,
+                   specs: Sequence[TemplateSpec], impls: Sequence[str] | None) -> Any:
+    """:func:`~flashtune.autotune.resume.stored_choice` against every implementation that
+    can serve ``problem`` here (``specs`` unless ``impls`` narrowed them: the choice is made
+    across all)."""
+    from flashtune.autotune.resume import stored_choice
+    from flashtune.db import open_store
+
+    serving = specs if impls is None else applicable(op, problem, device)[0]
+    with open_store(url) as store:
+        return stored_choice(store, op, problem, device, serving)
+
+
+def _reused(choice: Any, problem: AttentionProblem, op: str,
+            device: DeviceFingerprint) -> OpResult:
+    """The :class:`OpResult` of a stored current choice: its candidates as the leaders, in
+    the stored order (the decision's, tie rule included)."""
+    from flashtune.autotune.timing import tflops
+    from flashtune.kernel_templates import implementations
+
+    kinds = {s.name: s.kind for s in implementations(op)}
+    flops = _work(problem, op)
+    leaders = tuple(
+        Leader(c["implementation"], kinds.get(c["implementation"], "?"), dict(c["config"]),
+               c["median_ms"], tflops(flops, c["median_ms"]) if c["median_ms"] else None,
+               None if c["median_ms"] else "failed in the stored decision",
+               c.get("source_hash") or "")
+        for c in choice.candidates)
+    return OpResult(problem, op, device.name, leaders, (), (), reused=True)
+
+
+def _work(problem: AttentionProblem, op: str | None) -> float:
+    """The FLOPs of what is timed: a training step's are its forward's and its backward's."""
+    return problem.flops() + (problem.flops(backward=True) if op == "train" else 0.0)
+
+
 def _search(results: list[TuneResult], problem: AttentionProblem, options: TuneOptions,
-            url: str, progress: bool, factory: Callable[..., Any] | None,
-            device: DeviceFingerprint, name: str) -> dict[str, int] | None:
+            url: str, progress: bool, position: int, reuse: bool,
+            factory: Callable[..., Any] | None, device: DeviceFingerprint,
+            name: str) -> dict[str, int] | None:
     """Template ``name``'s best config for ``problem`` (:func:`~flashtune.autotune.
     trial_loop.tune_on_device`), its search appended to ``results``; a template searched
-    already for the problem (a backward two pairs share) is not searched again."""
+    already for the problem (a backward two pairs share) is not searched again, nor, with
+    ``reuse``, one whose search finished in the store at its current source."""
     from flashtune.autotune.trial_loop import tune_on_device
 
     found = next((r for r in results if r.template == name), None)
+    if found is None and reuse:
+        from flashtune.autotune.resume import finished_search
+        from flashtune.db import open_store
+
+        with open_store(url) as store:
+            finished, best = finished_search(store, name, problem, device)
+        if finished:
+            log.info("%s: %s was searched here already: its stored best", problem.describe(),
+                     name)
+            return best
     if found is None:
         found, = tune_on_device([problem], replace(options, template=name), db_url=url,
-                                progress=progress, runner_factory=factory, device=device)
+                                progress=progress, progress_position=position,
+                                runner_factory=factory, device=device)
         results.append(found)
     return found.best_config
 
@@ -389,16 +481,14 @@ def _side_by_side(candidates: Sequence[tuple[TemplateSpec, Mapping[str, int] | N
             close = getattr(runner, "close", None)
             if callable(close):
                 close()
-    # the work of what was timed: a training step's is its forward's and its backward's
-    flops = problem.flops() + (problem.flops(backward=True) if _op_of(candidates) == "train"
-                               else 0.0)
+    flops = _work(problem, _op_of(candidates))
     leaders = [Leader(spec.name, spec.kind, config, ms,
-                      tflops(flops, ms) if ms else None, message)
+                      tflops(flops, ms) if ms else None, message, spec.source_hash)
                for (spec, config), (ms, message) in zip(entries, timed, strict=True)]
     for spec, missing in candidates:
         if missing is None:
             leaders.append(Leader(spec.name, spec.kind, {}, None, None,
-                                  "no config passed its checks"))
+                                  "no config passed its checks", spec.source_hash))
     leaders.sort(key=lambda x: (x.median_ms is None, x.median_ms or 0.0, x.implementation))
     return prefer_extern_on_ties(tuple(leaders))
 

@@ -1,0 +1,36 @@
+"""Runner factories for the ``tune --op`` worker tests. Worker processes import them by name,
+so they live at module level: :func:`synthetic_runner` answers every config at once with a
+made-up time; :func:`dying_runner` does the same except for head dim 16, where the worker
+process exits at once (a crashed driver, say)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from flashtune.autotune.runners import TrialResult
+from flashtune.db.records import TrialState
+
+DIES_AT_HEAD_DIM = 16
+
+
+class SyntheticRunner:
+    def __init__(self, spec: Any, problem: Any) -> None:
+        self.flops = problem.flops()
+        self.bias = 0.5 if spec.kind == "extern" else 0.0
+        self.interpreting = True
+
+    def evaluate(self, config: Mapping[str, int]) -> TrialResult:
+        ms = 1.0 + self.bias + sum(config.values()) / 10000
+        return TrialResult(TrialState.COMPLETE, None, ms, ms, ms, self.flops / ms / 1e9, 0.0)
+
+
+def synthetic_runner(spec: Any, problem: Any, device: Any, options: Any) -> SyntheticRunner:
+    return SyntheticRunner(spec, problem)
+
+
+def dying_runner(spec: Any, problem: Any, device: Any, options: Any) -> SyntheticRunner:
+    if problem.head_dim == DIES_AT_HEAD_DIM:
+        os._exit(3)
+    return SyntheticRunner(spec, problem)

@@ -1,0 +1,109 @@
+"""Finishing ``tune --op`` over several commands (flashtune.autotune.resume, tune_op's
+``skip_tuned`` and ``deadline``): a current stored choice is skipped, a stale one made again,
+an implementation's finished search reused, and no shape is started after the deadline.
+Runs under the interpreter with made-up timings (tests/autotune_tests/op_runners.py)."""
+
+from __future__ import annotations
+
+import time
+
+from flashtune.autotune.jobs import tune
+from flashtune.autotune.options import TuneOptions
+from flashtune.autotune.resume import finished_search, stored_choice
+from flashtune.autotune.select import applicable, tune_op
+from flashtune.core.device import interpreter_device
+from flashtune.core.problem import AttentionProblem
+from flashtune.db import open_store
+from tests.autotune_tests.op_runners import synthetic_runner
+
+TINY = AttentionProblem(1, 2, 2, 48, 48, 32, False, "fp16")
+OTHER = AttentionProblem(1, 2, 2, 40, 40, 16, True, "fp16")
+DEV = interpreter_device()
+OPTS = TuneOptions(trials=1, interpret=True, seed=0, top_k_confirm=1)
+
+
+def _tune(url, problems, **kw):
+    return tune_op(problems, "fwd", OPTS, db_url=url, progress=False, rounds=1,
+                   _runner_factory=synthetic_runner, _device=DEV, **kw)
+
+
+def _state(url, problem):
+    with open_store(url) as store:
+        return stored_choice(store, "fwd", problem, DEV, applicable("fwd", problem, DEV)[0])
+
+
+def _restamp(url, problem, name, source_hash):
+    """Store the problem's choice again as if ``name`` had been timed at ``source_hash``."""
+    with open_store(url) as store:
+        (c,) = [c for c in store.list_choices(op="fwd") if c.problem_key == problem.key()]
+        candidates = [dict(x, source_hash=source_hash) if x["implementation"] == name else x
+                      for x in c.candidates]
+        store.put_choice(c.device.id, "fwd", c.problem_key, implementation=c.implementation,
+                         source_hash=c.source_hash, config=c.config, median_ms=c.median_ms,
+                         tflops=c.tflops, runner_up=c.runner_up, runner_up_ms=c.runner_up_ms,
+                         extern=c.extern, extern_ms=c.extern_ms, candidates=candidates)
+
+
+def test_a_current_choice_is_skipped_and_rebuilt_from_the_store(tmp_path):
+    url = f"sqlite:///{tmp_path / 'r.db'}"
+    assert _state(url, TINY).choice is None
+    (first,) = _tune(url, [TINY])
+    assert not first.reused and first.stale is None
+    assert _state(url, TINY).current
+    with open_store(url) as store:
+        (choice,) = store.list_choices(op="fwd")
+    specs = {s.name: s for s in applicable("fwd", TINY, DEV)[0]}
+    assert {c["implementation"]: c["source_hash"] for c in choice.candidates} \
+        == {name: s.source_hash for name, s in specs.items()}
+
+    (again,) = _tune(url, [TINY], skip_tuned=True)
+    assert again.reused and again.results == () and again.skipped == ()
+    assert [x.implementation for x in again.leaders] == [x.implementation
+                                                         for x in first.leaders]
+    assert again.winner.median_ms == first.winner.median_ms
+    assert again.margin == first.margin
+    with open_store(url) as store:
+        (same,) = store.list_choices(op="fwd")
+    assert same.decided_at == choice.decided_at  # not decided again
+
+    (without,) = _tune(url, [TINY])  # without skip_tuned: tuned again
+    assert not without.reused and without.results
+
+
+def test_a_stale_choice_is_made_again_reusing_the_searches_that_are_current(tmp_path):
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    _tune(url, [TINY])
+    _restamp(url, TINY, "attn_fwd", "0" * 16)
+    state = _state(url, TINY)
+    assert not state.current and "attn_fwd's source changed (0000000000000000 ->" in state.stale
+
+    (r,) = _tune(url, [TINY], skip_tuned=True)
+    assert not r.reused and "attn_fwd's source changed" in r.stale
+    # both searches finished at the current sources: only the side-by-side ran again
+    assert r.results == () and {x.implementation for x in r.leaders} == {"attn_fwd",
+                                                                          "sdpa_math"}
+    assert _state(url, TINY).current
+
+    _restamp(url, TINY, "sdpa_math", None)  # a choice from before hashes were recorded
+    assert "does not record" in _state(url, TINY).stale
+
+
+def test_a_shape_killed_half_way_searches_only_what_it_had_not_finished(tmp_path):
+    url = f"sqlite:///{tmp_path / 'k.db'}"
+    # the attn_fwd search finished and the command died before the choice was stored
+    tune([TINY], OPTS, db_url=url, progress=False, _runner_factory=synthetic_runner,
+         _device=DEV)
+    with open_store(url) as store:
+        assert finished_search(store, "attn_fwd", TINY, DEV)[0]
+        assert finished_search(store, "sdpa_math", TINY, DEV) == (False, None)
+        assert _state(url, TINY).choice is None
+    (r,) = _tune(url, [TINY], skip_tuned=True)
+    assert [res.template for res in r.results] == ["sdpa_math"]
+    assert {x.implementation for x in r.leaders} == {"attn_fwd", "sdpa_math"}
+
+
+def test_no_shape_is_started_after_the_deadline(tmp_path):
+    url = f"sqlite:///{tmp_path / 'd.db'}"
+    assert _tune(url, [TINY, OTHER], deadline=time.time() - 1) == []
+    assert [r.problem for r in _tune(url, [TINY, OTHER], deadline=time.time() + 600)] \
+        == [TINY, OTHER]
