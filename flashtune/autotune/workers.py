@@ -15,6 +15,17 @@ Results come back as JSON over a queue. A worker that dies (a crashed driver, sa
 only the task it held: the parent reports which, the other workers go on, and running the
 same command again resumes that study (its stale trials are failed on resume). Under the
 Triton interpreter the "GPUs" are just worker slots, which is how the tests run this on CPU.
+
+:func:`tune_op_on_gpus` does the same for ``tune --op``: a task is one whole problem, on which
+a worker runs :func:`flashtune.autotune.select.tune_op` (every implementation searched, the
+leaders timed side by side on that worker's GPU, the choice stored). A worker's
+:class:`~flashtune.core.errors.FlashtuneError` for a problem (one the runtime would refuse,
+say) is reported for that problem and the worker goes on; a worker that dies loses the
+problem it held. With ``deadline`` a worker starts no problem after that time.
+
+Every worker stops on SIGTERM as the CLI does (the trial in flight failed, its run recorded
+INTERRUPTED); the parent, stopped or interrupted itself, sends SIGTERM to the workers still
+running and waits for them, so a killed command leaves no RUNNING run behind a live worker.
 """
 
 from __future__ import annotations
@@ -23,18 +34,26 @@ import json
 import logging
 import os
 import queue as queue_mod
-from collections.abc import Sequence
+import signal
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, replace
 from multiprocessing import get_context
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flashtune.autotune.options import TuneOptions, TuneResult
 from flashtune.core.errors import FlashtuneError
 from flashtune.core.problem import AttentionProblem
 
+if TYPE_CHECKING:
+    from flashtune.autotune.select import OpResult
+
 log = logging.getLogger(__name__)
 
-__all__ = ["WorkerError", "plan_tasks", "tune_on_gpus"]
+__all__ = ["WorkerError", "plan_tasks", "tune_on_gpus", "tune_op_on_gpus"]
+
+# how long the parent waits for workers to finish their run records after SIGTERM
+_STOP_WAIT_S = 30.0
 
 
 class WorkerError(FlashtuneError, RuntimeError):
@@ -70,14 +89,61 @@ def _result_from_json(text: str) -> TuneResult:
     return TuneResult(**data)
 
 
-def _worker(slot: int, gpu: int, problem_keys: list[dict[str, Any]], options_json: str,
-            db_url: str, tasks: Any, results: Any, progress: bool) -> None:
-    """One worker: pin the GPU, then run tasks until the queue is empty."""
+def _leader_from_dict(data: dict[str, Any]) -> Any:
+    from flashtune.autotune.select import Leader
+
+    return Leader(**data)
+
+
+def _op_result_to_json(result: OpResult) -> str:
+    return json.dumps({
+        "problem": result.problem.key(), "op": result.op, "device_name": result.device_name,
+        "leaders": [asdict(x) for x in result.leaders],
+        "skipped": [list(x) for x in result.skipped],
+        "results": [_result_to_json(r) for r in result.results],
+        "reused": result.reused, "stale": result.stale})
+
+
+def _op_result_from_json(text: str) -> OpResult:
+    from flashtune.autotune.select import OpResult
+
+    data = json.loads(text)
+    return OpResult(AttentionProblem.from_key(data["problem"]), data["op"],
+                    data["device_name"], tuple(_leader_from_dict(x) for x in data["leaders"]),
+                    tuple((a, b) for a, b in data["skipped"]),
+                    tuple(_result_from_json(r) for r in data["results"]),
+                    reused=data["reused"], stale=data["stale"])
+
+
+def _stop_on_sigterm() -> None:
+    """SIGTERM stops this worker as it stops the CLI (``flashtune.cli.tune_commands``): the
+    request is recorded (:mod:`flashtune.autotune.stop`) and raised as Ctrl-C, so the run in
+    flight is recorded INTERRUPTED."""
+    from flashtune.autotune import stop
+
+    def handler(signum: int, frame: Any) -> None:
+        stop.request("SIGTERM")
+        if not stop.in_finalizer(frame):
+            raise stop.Terminated("SIGTERM")
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def _pin(slot: int, gpu: int, options_json: str) -> TuneOptions:
+    """A worker's options, its GPU made the only one it sees, SIGTERM handled."""
+    _stop_on_sigterm()
     options = TuneOptions(**json.loads(options_json))
     if options.seed is not None:  # workers sharing a study must not propose the same configs
         options = replace(options, seed=(options.seed + slot) % 2**32)  # Optuna's range
     if not options.interpret:
         os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)  # before torch initialises CUDA
+    return options
+
+
+def _worker(slot: int, gpu: int, problem_keys: list[dict[str, Any]], options_json: str,
+            db_url: str, tasks: Any, results: Any, progress: bool) -> None:
+    """One worker: pin the GPU, then run tasks until the queue is empty."""
+    options = _pin(slot, gpu, options_json)
     from flashtune.autotune.trial_loop import tune_on_device
 
     while True:
@@ -87,9 +153,40 @@ def _worker(slot: int, gpu: int, problem_keys: list[dict[str, Any]], options_jso
             return
         results.put(("start", slot, index, None))
         problem = AttentionProblem.from_key(problem_keys[index])
-        [res] = tune_on_device([problem], replace(options, trials=trials), db_url=db_url,
-                               progress=progress, progress_position=slot)
+        try:
+            [res] = tune_on_device([problem], replace(options, trials=trials), db_url=db_url,
+                                   progress=progress, progress_position=slot)
+        except KeyboardInterrupt:
+            raise SystemExit(128 + signal.SIGTERM) from None  # recorded INTERRUPTED
         results.put(("done", slot, index, _result_to_json(res)))
+
+
+def _op_worker(slot: int, gpu: int, problem_keys: list[dict[str, Any]], op: str,
+               impls: list[str] | None, options_json: str, db_url: str, tasks: Any,
+               results: Any, progress: bool, skip_tuned: bool, deadline: float | None,
+               runner_factory: Callable[..., Any] | None) -> None:
+    """One ``tune --op`` worker: pin the GPU, then choose for problems from the queue until
+    it is empty or ``deadline`` has passed."""
+    options = _pin(slot, gpu, options_json)
+    from flashtune.autotune.select import tune_op
+
+    while deadline is None or time.time() < deadline:
+        try:
+            index = tasks.get_nowait()
+        except queue_mod.Empty:
+            return
+        results.put(("start", slot, index, None))
+        problem = AttentionProblem.from_key(problem_keys[index])
+        try:
+            [res] = tune_op([problem], op, options, impls=impls, db_url=db_url,
+                            progress=progress, progress_position=slot,
+                            skip_tuned=skip_tuned, _runner_factory=runner_factory)
+        except FlashtuneError as exc:  # this problem's: report it, go on with the next
+            results.put(("error", slot, index, str(exc)))
+            continue
+        except KeyboardInterrupt:
+            raise SystemExit(128 + signal.SIGTERM) from None  # recorded INTERRUPTED
+        results.put(("done", slot, index, _op_result_to_json(res)))
 
 
 def tune_on_gpus(problems: Sequence[AttentionProblem], options: TuneOptions, *, db_url: str,
@@ -100,16 +197,7 @@ def tune_on_gpus(problems: Sequence[AttentionProblem], options: TuneOptions, *, 
     gives one result per share; each reports the study's stored best). Raises
     :class:`WorkerError` if a worker died, after the others have finished.
     """
-    if not gpus:
-        raise ValueError("gpus must name at least one GPU index")
-    if len(set(gpus)) != len(gpus):
-        raise ValueError(f"gpus has duplicates: {list(gpus)}")
-    # create both schemas (flashtune's and Optuna's) once, before the workers race to
-    from flashtune.autotune.study import _optuna_storage
-    from flashtune.db import open_store
-
-    open_store(db_url).close()
-    _optuna_storage(db_url)
+    _prepare(db_url, gpus)
     ctx = get_context("spawn")
     tasks_plan = plan_tasks(problems, options.trials, len(gpus))
     tasks, results = ctx.Queue(), ctx.Queue()
@@ -120,10 +208,40 @@ def tune_on_gpus(problems: Sequence[AttentionProblem], options: TuneOptions, *, 
     procs = [ctx.Process(target=_worker, name=f"flashtune-gpu{gpu}",
                          args=(slot, gpu, keys, options_json, db_url, tasks, results, progress))
              for slot, gpu in enumerate(gpus)]
-    for p in procs:
-        p.start()
+    done, lost = _supervise(procs, tasks, results, problems, gpus, _result_from_json)
+    done.sort(key=lambda item: item[0])
+    out = [res for _, res in done]
+    if lost:
+        raise WorkerError("; ".join(lost) + ". Run the same command again to resume.", out)
+    return out
+
+
+def _prepare(db_url: str, gpus: Sequence[int]) -> None:
+    """Check ``gpus``; create both schemas (flashtune's and Optuna's) once, before the
+    workers race to."""
+    if not gpus:
+        raise ValueError("gpus must name at least one GPU index")
+    if len(set(gpus)) != len(gpus):
+        raise ValueError(f"gpus has duplicates: {list(gpus)}")
+    from flashtune.autotune.study import _optuna_storage
+    from flashtune.db import open_store
+
+    open_store(db_url).close()
+    _optuna_storage(db_url)
+
+
+def _supervise(procs: list[Any], tasks: Any, results: Any,
+               problems: Sequence[AttentionProblem], gpus: Sequence[int],
+               decode: Callable[[str], Any]) -> tuple[list[tuple[int, Any]], list[str]]:
+    """Start the workers and collect their messages until every one has exited.
+
+    Returns ``(done, lost)``: ``(problem index, decoded result)`` per task finished, and one
+    line per problem lost (a worker died holding it, or reported an error for it). If this
+    process is interrupted (SIGTERM, Ctrl-C), the workers still running get SIGTERM and are
+    waited for (up to :data:`_STOP_WAIT_S`, then killed) before the exception goes on.
+    """
     held: dict[int, int] = {}  # worker slot -> problem index it is tuning
-    done: list[tuple[int, TuneResult]] = []
+    done: list[tuple[int, Any]] = []
     lost: list[str] = []
 
     def drain(timeout: float) -> bool:
@@ -134,25 +252,97 @@ def tune_on_gpus(problems: Sequence[AttentionProblem], options: TuneOptions, *, 
             return False
         if kind == "start":
             held[slot] = index
+        elif kind == "error":
+            held.pop(slot, None)
+            lost.append(f"worker on GPU {gpus[slot]} could not tune "
+                        f"{problems[index].describe()}: {payload}")
         else:
             held.pop(slot, None)
-            done.append((index, _result_from_json(payload)))
+            done.append((index, decode(payload)))
         return True
 
-    alive = set(range(len(procs)))
-    while alive:
-        drain(0.5)
-        for slot in [s for s in alive if not procs[s].is_alive()]:
-            procs[slot].join()
-            while drain(0.1):  # what it sent before it exited
-                pass
-            alive.discard(slot)
-            if procs[slot].exitcode != 0:
-                what = problems[held.pop(slot)].describe() if slot in held else "no task"
-                lost.append(f"worker on GPU {gpus[slot]} died (exit code "
-                            f"{procs[slot].exitcode}) while tuning {what}")
+    try:
+        for p in procs:
+            p.start()
+        alive = set(range(len(procs)))
+        while alive:
+            drain(0.5)
+            for slot in [s for s in alive if not procs[s].is_alive()]:
+                procs[slot].join()
+                while drain(0.1):  # what it sent before it exited
+                    pass
+                alive.discard(slot)
+                if procs[slot].exitcode != 0:
+                    what = problems[held.pop(slot)].describe() if slot in held else "no task"
+                    lost.append(f"worker on GPU {gpus[slot]} died (exit code "
+                                f"{procs[slot].exitcode}) while tuning {what}")
+    except BaseException:
+        _stop_workers(procs)
+        raise
+    finally:
+        while True:  # tasks no worker took (a deadline passed): empty the queue's pipe
+            try:
+                tasks.get_nowait()
+            except (queue_mod.Empty, OSError, ValueError):
+                break
+    return done, lost
+
+
+def _stop_workers(procs: Sequence[Any]) -> None:
+    """SIGTERM to the workers still running, then wait for them to record their runs."""
+    running = [p for p in procs if p.pid is not None and p.is_alive()]
+    for p in running:
+        p.terminate()
+    until = time.monotonic() + _STOP_WAIT_S
+    for p in running:
+        p.join(max(0.0, until - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def tune_op_on_gpus(problems: Sequence[AttentionProblem], op: str, options: TuneOptions, *,
+                    db_url: str | None, gpus: Sequence[int], impls: Sequence[str] | None = None,
+                    progress: bool = False, skip_tuned: bool = False,
+                    deadline: float | None = None,
+                    _runner_factory: Callable[..., Any] | None = None) -> list[OpResult]:
+    """:func:`~flashtune.autotune.select.tune_op` over ``problems`` with one worker process
+    per entry of ``gpus``, each taking whole problems from a shared queue; see the module
+    doc. ``db_url`` None: ``$FLASHTUNE_DB`` or the default file. ``_runner_factory``
+    (tests) must be importable by name in the workers.
+
+    Returns:
+        One :class:`~flashtune.autotune.select.OpResult` per problem finished, in the order
+        of ``problems``: every problem unless ``deadline`` passed first (the problems no
+        worker started are left out).
+    Raises:
+        WorkerError (after the others have finished) when a worker died or could not tune
+        a problem, with the finished results; ValueError for ``gpus`` empty or repeated,
+        or an in-memory database.
+    """
+    from flashtune.autotune.study import _is_memory_url
+    from flashtune.db import default_db_url
+
+    db_url = default_db_url() if db_url is None else str(db_url)
+    if _is_memory_url(db_url):
+        raise ValueError("several GPU workers need a database they can share; an "
+                         "in-memory database is private to one process")
+    _prepare(db_url, gpus)
+    ctx = get_context("spawn")
+    tasks, results = ctx.Queue(), ctx.Queue()
+    for index in range(len(problems)):
+        tasks.put(index)
+    keys = [p.key() for p in problems]
+    options_json = json.dumps(asdict(options))
+    impl_list = None if impls is None else list(impls)
+    procs = [ctx.Process(target=_op_worker, name=f"flashtune-gpu{gpu}",
+                         args=(slot, gpu, keys, op, impl_list, options_json, db_url, tasks,
+                               results, progress, skip_tuned, deadline, _runner_factory))
+             for slot, gpu in enumerate(gpus)]
+    done, lost = _supervise(procs, tasks, results, problems, gpus, _op_result_from_json)
     done.sort(key=lambda item: item[0])
     out = [res for _, res in done]
     if lost:
-        raise WorkerError("; ".join(lost) + ". Run the same command again to resume.", out)
+        raise WorkerError("; ".join(lost) + ". Run the same command again (with "
+                          "--skip-tuned) to finish.", out)
     return out

@@ -1,0 +1,61 @@
+"""``tune --op`` on several GPUs (flashtune.autotune.workers.tune_op_on_gpus), run on CPU as
+interpreter slots with made-up timings: whole shapes spread over the workers into one
+database, results in the plan's order, a worker that dies or cannot tune a shape reported
+while the others go on, and ``skip_tuned`` honoured in the workers."""
+
+from __future__ import annotations
+
+import pytest
+
+from flashtune.autotune.options import TuneOptions
+from flashtune.autotune.workers import WorkerError, tune_op_on_gpus
+from flashtune.core.problem import AttentionProblem
+from flashtune.db import open_store
+from tests.autotune_tests.op_runners import DIES_AT_HEAD_DIM, dying_runner, synthetic_runner
+
+P1 = AttentionProblem(1, 2, 2, 48, 48, 32, False, "fp16")
+P2 = AttentionProblem(1, 2, 1, 24, 56, 32, False, "fp16")
+DIES = AttentionProblem(1, 2, 2, 40, 40, DIES_AT_HEAD_DIM, True, "fp16")
+OPTS = TuneOptions(trials=1, interpret=True, seed=0, top_k_confirm=1)
+
+
+def test_two_workers_choose_for_every_shape_and_a_rerun_skips_them(tmp_path):
+    url = f"sqlite:///{tmp_path / 'w.db'}"
+    results = tune_op_on_gpus([P1, P2], "fwd", OPTS, db_url=url, gpus=[0, 1],
+                              _runner_factory=synthetic_runner)
+    assert [r.problem for r in results] == [P1, P2]
+    assert all(r.winner is not None and not r.reused for r in results)
+    assert all(r.results and r.results[0].problem == r.problem for r in results)
+    with open_store(url) as store:
+        choices = store.list_choices(op="fwd")
+    assert sorted(c.problem_key["seqlen_q"] for c in choices) == [24, 48]
+
+    again = tune_op_on_gpus([P1, P2], "fwd", OPTS, db_url=url, gpus=[0, 1],
+                            skip_tuned=True, _runner_factory=synthetic_runner)
+    assert [(r.problem, r.reused) for r in again] == [(P1, True), (P2, True)]
+    assert [x.implementation for x in again[0].leaders] \
+        == [x.implementation for x in results[0].leaders]
+
+
+def test_a_dead_worker_and_a_refused_shape_are_reported_and_the_rest_finishes(tmp_path):
+    url = f"sqlite:///{tmp_path / 'd.db'}"
+    refused = AttentionProblem(1, 2, 2, 40, 40, 300, False, "fp16")  # no kernel serves D300
+    with pytest.raises(WorkerError) as err:
+        tune_op_on_gpus([P1, DIES, refused], "fwd", OPTS, db_url=url, gpus=[0, 1],
+                        _runner_factory=dying_runner)
+    message = str(err.value)
+    assert f"died (exit code 3) while tuning {DIES.describe()}" in message
+    assert f"could not tune {refused.describe()}: head_dim 300 is not supported" in message
+    assert "--skip-tuned" in message
+    assert [r.problem for r in err.value.results] == [P1]
+    with open_store(url) as store:
+        (choice,) = store.list_choices(op="fwd")
+    assert choice.problem_key == P1.key()
+
+
+def test_bad_arguments_are_refused_before_any_worker_starts(tmp_path):
+    with pytest.raises(ValueError, match="in-memory database is private"):
+        tune_op_on_gpus([P1], "fwd", OPTS, db_url="sqlite://", gpus=[0, 1])
+    with pytest.raises(ValueError, match="duplicates"):
+        tune_op_on_gpus([P1], "fwd", OPTS, db_url=f"sqlite:///{tmp_path / 'x.db'}",
+                        gpus=[0, 0])
