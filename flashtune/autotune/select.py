@@ -257,12 +257,13 @@ def tune_op(problems: Sequence[AttentionProblem], op: str, options: TuneOptions,
             the store, ``reused``), and reuse an implementation's finished search of a
             problem at its current source (:func:`~flashtune.autotune.resume.
             finished_search`) instead of searching it again.
-        deadline: a :func:`time.time` after which no problem is started (one started
+        deadline: a :func:`time.time` after which no problem is started once one was
+            tuned (not reused) in this call, so every call makes progress (one started
             finishes); None: no limit.
         progress_position: the progress bars' line (one per worker process).
     Returns:
         One :class:`OpResult` per problem started, in order: every problem unless
-        ``deadline`` passed first.
+        ``deadline`` passed before the last.
     Raises:
         InputError for an unknown op, a named implementation that cannot serve a problem
         (before any work), or a problem the runtime would refuse; the store's errors.
@@ -286,7 +287,10 @@ def tune_op(problems: Sequence[AttentionProblem], op: str, options: TuneOptions,
                                 triton=device.triton_version)
     out: list[OpResult] = []
     for problem in problems:
-        if deadline is not None and time.time() >= deadline:
+        # past the deadline no shape is started once one was tuned here: every call
+        # makes progress, however short its time
+        if deadline is not None and time.time() >= deadline \
+                and any(not r.reused for r in out):
             log.info("deadline passed: %d of %d shape(s) not started", len(problems) - len(out),
                      len(problems))
             break

@@ -21,7 +21,8 @@ a worker runs :func:`flashtune.autotune.select.tune_op` (every implementation se
 leaders timed side by side on that worker's GPU, the choice stored). A worker's
 :class:`~flashtune.core.errors.FlashtuneError` for a problem (one the runtime would refuse,
 say) is reported for that problem and the worker goes on; a worker that dies loses the
-problem it held. With ``deadline`` a worker starts no problem after that time.
+problem it held. With ``deadline`` a worker starts no problem after that time once it has
+tuned one (so every command makes progress).
 
 Every worker stops on SIGTERM as the CLI does (the trial in flight failed, its run recorded
 INTERRUPTED); the parent, stopped or interrupted itself, sends SIGTERM to the workers still
@@ -166,11 +167,12 @@ def _op_worker(slot: int, gpu: int, problem_keys: list[dict[str, Any]], op: str,
                results: Any, progress: bool, skip_tuned: bool, deadline: float | None,
                runner_factory: Callable[..., Any] | None) -> None:
     """One ``tune --op`` worker: pin the GPU, then choose for problems from the queue until
-    it is empty or ``deadline`` has passed."""
+    it is empty or ``deadline`` has passed (once it has tuned one)."""
     options = _pin(slot, gpu, options_json)
     from flashtune.autotune.select import tune_op
 
-    while deadline is None or time.time() < deadline:
+    tuned = False  # past the deadline a worker starts no shape once it has tuned one
+    while deadline is None or not tuned or time.time() < deadline:
         try:
             index = tasks.get_nowait()
         except queue_mod.Empty:
@@ -186,6 +188,7 @@ def _op_worker(slot: int, gpu: int, problem_keys: list[dict[str, Any]], op: str,
             continue
         except KeyboardInterrupt:
             raise SystemExit(128 + signal.SIGTERM) from None  # recorded INTERRUPTED
+        tuned = tuned or not res.reused
         results.put(("done", slot, index, _op_result_to_json(res)))
 
 
@@ -313,8 +316,8 @@ def tune_op_on_gpus(problems: Sequence[AttentionProblem], op: str, options: Tune
 
     Returns:
         One :class:`~flashtune.autotune.select.OpResult` per problem finished, in the order
-        of ``problems``: every problem unless ``deadline`` passed first (the problems no
-        worker started are left out).
+        of ``problems``: every problem unless ``deadline`` passed (each worker starts no
+        problem after it once it has tuned one; those no worker started are left out).
     Raises:
         WorkerError (after the others have finished) when a worker died or could not tune
         a problem, with the finished results; ValueError for ``gpus`` empty or repeated,

@@ -18,6 +18,7 @@ import importlib
 import os
 import signal
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -25,6 +26,7 @@ from typing import Any
 import click
 
 from flashtune.cli.options import (
+    FiniteFloatRange,
     TemplateChoice,
     check_head_dims,
     db_url,
@@ -36,7 +38,8 @@ from flashtune.cli.options import (
 )
 
 __all__ = ["INTERPRETER_MAX_FLOPS", "OP_CHOICES", "format_config", "format_tflops",
-           "refuse_under_interpreter", "render_op_results", "render_results", "tune_command"]
+           "refuse_under_interpreter", "render_op_results", "render_op_summary",
+           "render_results", "tune_command"]
 
 # flashtune.core.spec.USER_OPS, written out: parsing imports nothing of the library's kernels
 # (a test keeps the two equal)
@@ -299,7 +302,23 @@ def render_op_results(results: Sequence[Any]) -> str:
                    "over extern"), rows, right={3, 4})
     skipped = [f"  {r.problem.describe()}: {name} skipped: {why}"
                for r in results for name, why in r.skipped]
+    skipped += [f"  {r.problem.describe()}: already tuned on this device: not tuned again"
+                for r in results if r.reused]
+    skipped += [f"  {r.problem.describe()}: the stored choice was stale ({r.stale}): tuned "
+                f"again" for r in results if r.stale]
     return text + ("\n" + "\n".join(skipped) if skipped else "")
+
+
+def render_op_summary(results: Sequence[Any], total: int) -> str:
+    """One line counting the shapes of a ``tune --op`` command: tuned, already tuned
+    (skipped), and not started (of ``total``)."""
+    reused = sum(1 for r in results if r.reused)
+    parts = [f"{len(results) - reused} tuned"]
+    if reused:
+        parts.append(f"{reused} already tuned (skipped)")
+    if total > len(results):
+        parts.append(f"{total - len(results)} not done")
+    return f"{total} shape{'s' if total != 1 else ''}: " + ", ".join(parts)
 
 
 @click.command("tune")
@@ -323,7 +342,19 @@ def render_op_results(results: Sequence[Any]) -> str:
 @search_options
 @click.option("--gpus", "gpus_text", default=None, metavar="LIST",
               help="Tune on these GPUs, one worker process each (e.g. 0,1,2,3), all writing "
-                   "to the same database; default: the current GPU only.")
+                   "to the same database; with --op each worker takes whole shapes. "
+                   "Default: the current GPU only.")
+@click.option("--skip-tuned", is_flag=True,
+              help="With --op: skip a shape whose choice is stored for this device and "
+                   "current (every implementation that can serve it timed at its current "
+                   "source), and do not search again an implementation whose search of a "
+                   "shape finished at its current source; a stale choice is made again. "
+                   "Runs the rest of a plan that an earlier command did not finish.")
+@click.option("--stop-after", "stop_after_s", type=FiniteFloatRange(min=0, min_open=True),
+              default=None, metavar="SECONDS",
+              help="With --op --skip-tuned: start no shape after SECONDS of wall time (one "
+                   "started finishes; give the time a shape takes as margin) and exit 0; "
+                   "the same command then goes on with the shapes not done.")
 @click.option("--isolate/--no-isolate", default=None,
               help="Evaluate candidates in a worker process that a crash or a hang (past "
                    "the trial timeout) kills instead of the job. Default: on with a GPU, off "
@@ -337,8 +368,8 @@ def tune_command(ctx: click.Context, template: str, op: str | None, impls: tuple
                  dropout: float | None, varlen_lengths: str | None, plan: str | None,
                  preset_name: str | None, trials: int, timeout_s: float | None,
                  patience: int | None, sampler: str, seed: int | None, workers: int | None,
-                 interpret: bool, progress: bool, gpus_text: str | None,
-                 isolate: bool | None) -> None:
+                 interpret: bool, progress: bool, gpus_text: str | None, skip_tuned: bool,
+                 stop_after_s: float | None, isolate: bool | None) -> None:
     """Search kernel configs for attention shapes and store the best ones.
 
     Give exactly one of: a shape (--batch --heads [--kv-heads] --seqlen [--kv-seqlen]
@@ -354,6 +385,12 @@ def tune_command(ctx: click.Context, template: str, op: str | None, impls: tuple
     line saying why. --op train chooses the training step: a forward that saves the LSE and
     its backward (flashtune's pairs, each kernel searched on its own, then the pair timed
     as one step) or an SDPA backend's forward and backward.
+
+    A plan too long for one sitting is finished over several commands: run the same
+    command with --skip-tuned until every shape is tuned (shapes stored and current are
+    skipped; a command killed mid-shape loses only the implementation search in flight), with
+    --stop-after SECONDS to stop starting shapes before a time limit. --gpus 0,1 spreads the
+    shapes over GPUs, one worker process each, into the same database.
     """
     if impls and op is None:
         raise click.UsageError("--impl needs --op (the op whose implementations to search)")
@@ -361,8 +398,12 @@ def tune_command(ctx: click.Context, template: str, op: str | None, impls: tuple
             is not click.core.ParameterSource.DEFAULT:
         raise click.UsageError("give --op (search across implementations) or --template "
                                "(tune one template's configs), not both")
-    if op is not None and gpus_text is not None:
-        raise click.UsageError("--op tunes on the current GPU; --gpus is for --template")
+    if op is None and (skip_tuned or stop_after_s is not None):
+        raise click.UsageError(f"{'--skip-tuned' if skip_tuned else '--stop-after'} goes "
+                               "with --op (tune a plan's op choices over several commands)")
+    if stop_after_s is not None and not skip_tuned:
+        raise click.UsageError("--stop-after needs --skip-tuned: without it the next "
+                               "command would tune again the shapes this one finished")
     shape = dict(batch=batch, heads=heads, kv_heads=kv_heads, seqlen=seqlen,
                  kv_seqlen=kv_seqlen, head_dim=head_dim, causal=causal)
     if varlen_lengths is not None:
@@ -389,6 +430,7 @@ def tune_command(ctx: click.Context, template: str, op: str | None, impls: tuple
     from flashtune.autotune import stop
     from flashtune.core.errors import FlashtuneError
 
+    deadline = None if stop_after_s is None else time.time() + stop_after_s
     previous = _sigterm_as_interrupt()
     try:
         jobs = importlib.import_module("flashtune.autotune.jobs")
@@ -396,21 +438,24 @@ def tune_command(ctx: click.Context, template: str, op: str | None, impls: tuple
                                    sampler=sampler, seed=seed, patience=patience,
                                    interpret=interpret, workers=workers, isolate=isolate)
         if op is not None:
-            select = importlib.import_module("flashtune.autotune.select")
-            op_results = select.tune_op(problems, op, options, impls=impls or None,
-                                        db_url=db_url(ctx), progress=progress)
-            click.echo(render_op_results(op_results))
+            _tune_op(problems, op, options, impls, db_url(ctx), progress, gpus, skip_tuned,
+                     deadline, stop_after_s)
             return
         results = jobs.tune(problems, options, db_url=db_url(ctx), progress=progress,
                             gpus=gpus)
     except FlashtuneError as exc:
         finished = getattr(exc, "results", None)  # a worker died: show what the others did
         if finished:
-            click.echo(render_results(finished))
+            click.echo(render_op_results(finished) if op is not None
+                       else render_results(finished))
+            if op is not None:
+                click.echo(render_op_summary(finished, len(problems)))
         raise fail(exc) from exc
     except stop.Terminated:
-        click.echo("flashtune: terminated (SIGTERM); the run is recorded as interrupted "
-                   "and the same command resumes it", err=True)
+        again = "the same command with --skip-tuned goes on" if op is not None \
+            else "the same command resumes it"
+        click.echo(f"flashtune: terminated (SIGTERM); the run is recorded as interrupted "
+                   f"and {again}", err=True)
         ctx.exit(128 + signal.SIGTERM)
     except KeyboardInterrupt:
         raise click.Abort() from None
@@ -419,3 +464,23 @@ def tune_command(ctx: click.Context, template: str, op: str | None, impls: tuple
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
     click.echo(render_results(results))
+
+
+def _tune_op(problems: Sequence[Any], op: str, options: Any, impls: tuple[str, ...],
+             url: str | None, progress: bool, gpus: list[int] | None, skip_tuned: bool,
+             deadline: float | None, stop_after_s: float | None) -> None:
+    """``tune --op``: here or on ``gpus``, then the closing table and the count of shapes."""
+    if gpus is None:
+        select = importlib.import_module("flashtune.autotune.select")
+        results = select.tune_op(problems, op, options, impls=impls or None, db_url=url,
+                                 progress=progress, skip_tuned=skip_tuned, deadline=deadline)
+    else:
+        workers = importlib.import_module("flashtune.autotune.workers")
+        results = workers.tune_op_on_gpus(problems, op, options, impls=impls or None,
+                                          db_url=url, gpus=gpus, progress=progress,
+                                          skip_tuned=skip_tuned, deadline=deadline)
+    click.echo(render_op_results(results))
+    click.echo(render_op_summary(results, len(problems)))
+    if stop_after_s is not None and len(results) < len(problems):
+        click.echo(f"--stop-after {stop_after_s:g}: {len(problems) - len(results)} shape(s) "
+                   f"not started; run the same command again to go on")

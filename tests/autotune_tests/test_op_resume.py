@@ -18,6 +18,7 @@ from tests.autotune_tests.op_runners import synthetic_runner
 
 TINY = AttentionProblem(1, 2, 2, 48, 48, 32, False, "fp16")
 OTHER = AttentionProblem(1, 2, 2, 40, 40, 16, True, "fp16")
+TINY2 = AttentionProblem(1, 2, 2, 32, 32, 16, False, "fp16")
 DEV = interpreter_device()
 OPTS = TuneOptions(trials=1, interpret=True, seed=0, top_k_confirm=1)
 
@@ -102,8 +103,12 @@ def test_a_shape_killed_half_way_searches_only_what_it_had_not_finished(tmp_path
     assert {x.implementation for x in r.leaders} == {"attn_fwd", "sdpa_math"}
 
 
-def test_no_shape_is_started_after_the_deadline(tmp_path):
+def test_no_shape_is_started_after_the_deadline_once_one_was_tuned(tmp_path):
     url = f"sqlite:///{tmp_path / 'd.db'}"
-    assert _tune(url, [TINY, OTHER], deadline=time.time() - 1) == []
-    assert [r.problem for r in _tune(url, [TINY, OTHER], deadline=time.time() + 600)] \
-        == [TINY, OTHER]
+    past = time.time() - 1
+    # every call makes progress: the first shape is tuned however late it is
+    assert [r.problem for r in _tune(url, [TINY, OTHER], deadline=past)] == [TINY]
+    # a shape skipped as tuned is not progress: the next one is still tuned
+    done = _tune(url, [TINY, OTHER, TINY2], deadline=past, skip_tuned=True)
+    assert [(r.problem, r.reused) for r in done] == [(TINY, True), (OTHER, False)]
+    assert [r.problem for r in _tune(url, [TINY2], deadline=time.time() + 600)] == [TINY2]
