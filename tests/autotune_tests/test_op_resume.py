@@ -112,3 +112,14 @@ def test_no_shape_is_started_after_the_deadline_once_one_was_tuned(tmp_path):
     done = _tune(url, [TINY, OTHER, TINY2], deadline=past, skip_tuned=True)
     assert [(r.problem, r.reused) for r in done] == [(TINY, True), (OTHER, False)]
     assert [r.problem for r in _tune(url, [TINY2], deadline=time.time() + 600)] == [TINY2]
+
+
+def test_a_training_step_choice_is_skipped_when_current(tmp_path):
+    url = f"sqlite:///{tmp_path / 't.db'}"
+    problem = AttentionProblem(1, 2, 2, 32, 32, 16, False, "fp16")
+    opts = dict(db_url=url, progress=False, rounds=1, _runner_factory=synthetic_runner,
+                _device=DEV)
+    (first,) = tune_op([problem], "train", OPTS, **opts)
+    assert {r.template for r in first.results} == {"attn_fwd", "attn_bwd"}
+    (again,) = tune_op([problem], "train", OPTS, skip_tuned=True, **opts)
+    assert again.reused and again.winner.implementation == first.winner.implementation
