@@ -12,7 +12,9 @@ knob's effect, measured in the same run as the default and SDPA); the first is r
 ``--rounds R``: time every implementation of a shape R times in rotation and report the
 median of the R medians (knobs worth a few % need the interleaving).
 ``--gluon``: also time attn_bwd_gluon (the Gluon warp-specialized backward, sm_90) with its
-default config (``--gluon-config JSON``: entries over it), as ``flashtune_gluon``.
+default config (``--gluon-config JSON``: entries over it), as ``flashtune_gluon``;
+``--gluon-variant JSON`` (repeatable): also its config with these entries changed, as
+``flashtune_gluon2``, ``flashtune_gluon3``, ... (its knobs compared in one run).
 ``--shape B,HQ,HKV,NQ,NK,D,causal`` (repeatable; causal ``c`` or ``n``): these shapes
 instead of the standard grid (issue 24's: ``4,32,8,8192,8192,64,c``, ``32,16,16,512,512,64,n``).
 
@@ -43,6 +45,11 @@ IMPLS = ("flashtune", "flashtune_tuned", "flashtune_variant", "sdpa_flash", "sdp
 GLUON = "flashtune_gluon"
 
 
+def gluon_variant_name(i: int) -> str:
+    """The row key of the ``i``-th (0-based) ``--gluon-variant``."""
+    return f"{GLUON}{i + 2}"
+
+
 def variant_name(i: int) -> str:
     """The row key of the ``i``-th (0-based) ``--variant``."""
     return "flashtune_variant" if i == 0 else f"flashtune_variant{i + 1}"
@@ -70,6 +77,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="also time attn_bwd_gluon (sm_90) with its default config")
     ap.add_argument("--gluon-config", type=json.loads, default={}, metavar="JSON",
                     help="entries over attn_bwd_gluon's default config (with --gluon)")
+    ap.add_argument("--gluon-variant", type=json.loads, action="append", default=[],
+                    metavar="JSON", help="another attn_bwd_gluon row: entries over its config "
+                                         "(with --gluon; repeatable)")
     ap.add_argument("--shape", action="append", default=[], metavar="B,HQ,HKV,NQ,NK,D,c|n",
                     help="time these shapes instead of the standard grid (repeatable)")
     return ap.parse_args(argv)
@@ -153,6 +163,12 @@ def main(argv: list[str] | None = None) -> None:
                     {**gluon.default_config(p, dev), **args.gluon_config})
                 fns[GLUON] = lambda c=c: gluon.launcher(q, k, v, out, lse, do, c,
                                                         causal=p.causal)
+                for i, variant in enumerate(args.gluon_variant):
+                    name = gluon_variant_name(i)
+                    row[name.removeprefix("flashtune_")] = cv = gluon.space.validate(
+                        {**c, **variant})
+                    fns[name] = lambda cv=cv: gluon.launcher(q, k, v, out, lse, do, cv,
+                                                             causal=p.causal)
         if dispatcher is not None:
             choice = dispatcher.choose(p, dev)
             row["tuned"] = {"config": choice.config, "source": choice.source}
@@ -220,7 +236,8 @@ def _impls(rows: list[dict]) -> list[str]:
     """IMPLS plus the extra variants any row has, in order."""
     extra = sorted({n for r in rows for n in r if n.startswith("flashtune_variant")} - set(IMPLS),
                    key=lambda n: int(n.removeprefix("flashtune_variant")))
-    gluon = [GLUON] if any(GLUON in r for r in rows) else []
+    gluon = sorted({n for r in rows for n in r if n.startswith(GLUON)},
+                   key=lambda n: int(n.removeprefix(GLUON) or 1))
     return [*IMPLS[:3], *extra, *gluon, *IMPLS[3:]]
 
 
@@ -244,7 +261,7 @@ def summarize(rows: list[dict]) -> dict:
                       for r in rows if _tf(r, base) and (_best(r) if impl == "best"
                                                          else _tf(r, impl))]
             out[f"{label}_vs_{base}_geomean"] = geo(ratios)
-    for impl in [n for n in _impls(rows) if n.startswith("flashtune_variant") or n == GLUON]:
+    for impl in [n for n in _impls(rows) if n.startswith(("flashtune_variant", GLUON))]:
         for base in ("flashtune", "sdpa_flash", "sdpa_cudnn"):
             ratios = [_tf(r, impl) / _tf(r, base) for r in rows if _tf(r, impl) and _tf(r, base)]
             out[f"{impl.removeprefix('flashtune_')}_vs_{base}_geomean"] = geo(ratios)
@@ -272,7 +289,7 @@ def print_table(rows: list[dict], summary: dict) -> None:
           f"{fmt(summary['best_vs_sdpa_cudnn_geomean'])}x cudnn; "
           f"all checked: {summary['all_checked']}")
     for impl in [n.removeprefix("flashtune_") for n in impls
-                 if n.startswith("flashtune_var") or n == GLUON]:
+                 if n.startswith(("flashtune_var", GLUON))]:
         if summary.get(f"{impl}_vs_flashtune_geomean"):
             print(f"{impl}: {fmt(summary[f'{impl}_vs_flashtune_geomean'])}x default, "
                   f"{fmt(summary[f'{impl}_vs_sdpa_flash_geomean'])}x flash, "

@@ -188,7 +188,7 @@ def test_the_plan_sizes_the_grids_and_the_padded_scratch_from_the_shapes() -> No
     kernel, args, kwargs, grid = launches["main"]
     q_desc, k_desc, v_desc, do_desc = args[:4]
     assert q_desc.block_shape == do_desc.block_shape == [128, 64]
-    assert k_desc.block_shape == v_desc.block_shape == [64, 64]  # a consumer's 64 keys
+    assert k_desc.block_shape == v_desc.block_shape == [128, 64]  # the CTA's keys, once
     assert q_desc.shape == [3 * 8 * 197, 64] and k_desc.shape == [3 * 2 * 1000, 64]
     assert kwargs["CAUSAL"] and not kwargs["Q_BSHD"] and not kwargs["KV_BSHD"]
     assert kwargs["maxnreg"] * 3 * 128 <= 65536

@@ -8,15 +8,19 @@ batches: its ``Limits`` refuse them).
   row into padded float32 rows, and the fp32 dQ accumulator zeroed (FA3's
   ``flash_bwd_preprocess``);
 * the **main** launch, one CTA per (key block of ``BLOCK_N`` keys, batch x KV head), warp
-  specialized: a **producer** warp TMA-loads K and V once and streams Q and dO tiles
-  through a ring of ``NUM_STAGES`` buffers (``q_ready`` / ``do_ready`` / ``qdo_empty``
-  mbarriers) for every query block at or below the diagonal (causal) of every query head of
-  the GQA group; ``NUM_CONSUMERS`` **consumer** warpgroups, each owning ``BLOCK_N /
-  NUM_CONSUMERS`` keys, compute ``S^T = K Q^T`` and ``dP^T = V dO^T`` (two async wgmma, the
-  exp2 of ``P^T`` while the second runs), ``dS^T = P^T (dP^T - delta)`` (to shared memory),
-  ``dV += P^T dO`` and ``dK += dS^T Q`` accumulated in registers (fp32) over the whole walk,
-  and ``dS K`` through shared memory into the accumulator with fp32 atomics (FA3 reduces
-  with TMA bulk adds, which Gluon 3.6 cannot issue on Hopper);
+  specialized: a **producer** warp TMA-loads K and V once and streams Q and dO tiles (with
+  the rows' LSE and delta, by cp.async on the same mbarrier) through a ring of
+  ``NUM_STAGES`` buffers (``q_ready`` / ``do_ready`` / ``qdo_empty`` mbarriers) for every
+  query block at or below the diagonal (causal) of every query head of the GQA group;
+  ``NUM_CONSUMERS`` **consumer** warpgroups, each owning ``BLOCK_N / NUM_CONSUMERS`` keys,
+  compute ``S^T = K Q^T`` and ``dP^T = V dO^T`` (two async wgmma, the exp2 of ``P^T``
+  while the second runs), ``dS^T = P^T (dP^T - delta)`` (its rows of a double-buffered
+  shared tile, ``ds_ready``), ``dV += P^T dO`` and ``dK += dS^T Q`` accumulated in
+  registers (fp32) over the whole walk, and ``HEAD_D / NUM_CONSUMERS`` columns of ``dS K``
+  over all the CTA's keys (FA3's split of the dQ product: one partial a CTA and step);
+  a **dQ writer** (2 warps, the producer's warpgroup) adds each partial to the accumulator
+  with fp32 vector atomics off the consumers' path (FA3's writer issues TMA bulk
+  reduce-adds, which Gluon 3.6 cannot issue on Hopper);
 * a **convert** launch: ``dQ = scale * accumulator`` in the input dtype.
 
 dQ's atomics make its last bits depend on the CTAs' order: ``Limits.deterministic`` is

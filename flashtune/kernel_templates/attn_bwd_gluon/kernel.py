@@ -5,13 +5,17 @@ structure, :mod:`.launcher` plans and launches them).
   ``lse * log2(e)`` (``+inf`` where the row sees no key, and in the padding rows up to the
   query tile, so their probabilities are 0), both into ``(B * Hq, Nq_pad)`` float32 rows,
   and the fp32 dQ accumulator's rows zeroed;
-* ``gluon_attn_bwd_kernel``: one CTA per (key block, batch x KV head), warp specialized:
-  ``_producer`` (1 warp) TMA-loads the CTA's K and V once and streams Q and dO tiles of
-  every query block (of every query head of the GQA group) that sees the key block through
-  a ring of ``NUM_STAGES`` buffers; ``_consumer`` (``NUM_CONSUMERS`` warpgroups, each owning
+* ``gluon_attn_bwd_kernel``: one CTA per (key block, batch x KV head), warp specialized
+  as FA3's sm90 backward: ``_producer`` (1 warp) TMA-loads the CTA's K and V once and
+  streams Q and dO tiles (and the rows' LSE and delta, by cp.async) of every query block
+  (of every query head of the GQA group) that sees the key block through a ring of
+  ``NUM_STAGES`` buffers; ``_consumer`` (``NUM_CONSUMERS`` warpgroups, each owning
   ``BLOCK_N // NUM_CONSUMERS`` keys) computes ``S^T = K Q^T``, ``P^T``, ``dP^T = V dO^T``,
-  ``dS^T``, accumulates ``dV += P^T dO`` and ``dK += dS^T Q`` in registers and adds
-  ``dS K`` to the dQ accumulator with fp32 atomics;
+  ``dS^T`` (to shared memory), accumulates ``dV += P^T dO`` and ``dK += dS^T Q`` in
+  registers, and, once every consumer's ``dS^T`` rows are in, its ``HEAD_D //
+  NUM_CONSUMERS`` columns of ``dS K`` over all the CTA's keys (one dQ partial a CTA and
+  step) into shared memory; ``_dq_writer`` (2 warps) adds each step's partial to the fp32
+  accumulator with vector atomics while the consumers go on;
 * ``gluon_attn_bwd_convert_dq``: ``dQ = scale * accumulator`` cast to the input dtype.
 
 ``_steps`` is the one place both partitions read the CTA's walk from (which query blocks,
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -116,31 +121,28 @@ def _q_coords(b, h, m, heads_q, seqlen_q, HEAD_D: gl.constexpr, BLOCK_M: gl.cons
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, kv_bar,
-              q_ready, do_ready, qdo_empty, seqlen_q, seqlen_k, heads_q, heads_kv,
-              HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
-              Q_BSHD: gl.constexpr, KV_BSHD: gl.constexpr):
-    ROWS_N: gl.constexpr = BLOCK_N // NUM_CONSUMERS
+def _producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, lse_smem,
+              delta_smem, kv_bar, q_ready, do_ready, qdo_empty, lse2_ptr, delta_ptr, seqlen_q,
+              seqlen_k, seqlen_q_pad, heads_q, heads_kv, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, Q_BSHD: gl.constexpr,
+              KV_BSHD: gl.constexpr):
     n_block = gl.program_id(0)
     bhk = gl.program_id(1)
     b = bhk // heads_kv
     hk = bhk % heads_kv
     group = heads_q // heads_kv
-    # K and V of the CTA's keys, once: a slice of ROWS_N keys per consumer
+    # K and V of the CTA's keys, once
     if KV_BSHD:
         kv_row = b * seqlen_k + n_block * BLOCK_N
         kv_col = hk * HEAD_D
     else:
         kv_row = bhk * seqlen_k + n_block * BLOCK_N
         kv_col = 0
-    mbarrier.expect(kv_bar, NUM_CONSUMERS * (k_desc.block_type.nbytes
-                                             + v_desc.block_type.nbytes))
-    for c in gl.static_range(NUM_CONSUMERS):
-        tma.async_copy_global_to_shared(k_desc, [kv_row + c * ROWS_N, kv_col], kv_bar,
-                                        k_smem.index(c))
-        tma.async_copy_global_to_shared(v_desc, [kv_row + c * ROWS_N, kv_col], kv_bar,
-                                        v_smem.index(c))
+    rows_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
+    rows = gl.arange(0, BLOCK_M, layout=rows_layout)
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [kv_row, kv_col], kv_bar, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [kv_row, kv_col], kv_bar, v_smem)
     m_lo, n_m, total = _steps(n_block, seqlen_q, seqlen_k, group, BLOCK_M, BLOCK_N, CAUSAL)
     for t in range(total):
         h = hk * group + t // n_m
@@ -148,6 +150,13 @@ def _producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, 
         st = t % NUM_STAGES
         # a fresh mbarrier counts as phase 1 complete: the first NUM_STAGES waits pass
         mbarrier.wait(qdo_empty.index(st), ((t // NUM_STAGES) & 1) ^ 1)
+        # the rows' LSE and delta (padded rows: no mask) by cp.async, on q_ready: the
+        # arrive counts itself in, so the phase also waits for them (FA3 loads them with Q)
+        q_row0 = (b * heads_q + h).to(gl.int64) * seqlen_q_pad + m * BLOCK_M
+        async_copy.async_copy_global_to_shared(lse_smem.index(st), lse2_ptr + q_row0 + rows)
+        async_copy.async_copy_global_to_shared(delta_smem.index(st),
+                                               delta_ptr + q_row0 + rows)
+        async_copy.mbarrier_arrive(q_ready.index(st))
         row, col = _q_coords(b, h, m, heads_q, seqlen_q, HEAD_D, BLOCK_M, Q_BSHD)
         mbarrier.expect(q_ready.index(st), q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [row, col], q_ready.index(st),
@@ -158,20 +167,60 @@ def _producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, 
 
 
 @gluon.jit
-def _consumer(cid, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, q_ready, do_ready,
-              qdo_empty, lse2_ptr, delta_ptr, dq_acc_ptr, dk_ptr, dv_ptr, stride_dkb,
-              stride_dkh, stride_dkn, seqlen_q, seqlen_k, seqlen_q_pad, heads_q, heads_kv,
-              qk_scale, sm_scale, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
-              CAUSAL: gl.constexpr):
+def _dq_writer(dq_smem, dq_full, dq_empty, dq_acc_ptr, seqlen_q, seqlen_k, seqlen_q_pad,
+               heads_q, heads_kv, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
+               BLOCK_N: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr):
+    """Two warps: each step's ``dS K`` (the consumers' column slices in ``dq_smem``) added
+    to the fp32 accumulator's rows with vector atomics, off the consumers' path (FA3's dQ
+    writer warp, which issues TMA bulk reduce-adds; Gluon 3.6 has none on Hopper)."""
+    DQ_COLS: gl.constexpr = HEAD_D // NUM_CONSUMERS
+    LANES_C: gl.constexpr = DQ_COLS // 4
+    CHUNK: gl.constexpr = 8  # rows a load: dq_smem's swizzle period
+    layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 // LANES_C, LANES_C],
+                                            [gl.num_warps(), 1], [1, 0])
+    offs = gl.expand_dims(gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout)) * HEAD_D, 1) \
+        + gl.expand_dims(gl.arange(0, DQ_COLS, layout=gl.SliceLayout(0, layout)), 0)
+    n_block = gl.program_id(0)
+    bhk = gl.program_id(1)
+    b = bhk // heads_kv
+    hk = bhk % heads_kv
+    group = heads_q // heads_kv
+    m_lo, n_m, total = _steps(n_block, seqlen_q, seqlen_k, group, BLOCK_M, BLOCK_N, CAUSAL)
+    for t in range(total):
+        h = hk * group + t // n_m
+        m = m_lo + t % n_m
+        base = dq_acc_ptr + ((b * heads_q + h).to(gl.int64) * seqlen_q_pad + m * BLOCK_M) \
+            * HEAD_D
+        mbarrier.wait(dq_full, t & 1)
+        for c in gl.static_range(NUM_CONSUMERS):
+            for r in gl.static_range(BLOCK_M // CHUNK):
+                part = dq_smem.index(c).slice(r * CHUNK, CHUNK, dim=0).load(layout)
+                gl.atomic_add(base + (r * CHUNK * HEAD_D + c * DQ_COLS) + offs, part,
+                              sem="relaxed")
+        mbarrier.arrive(dq_empty, count=1)
+
+
+@gluon.jit
+def _consumer(cid, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, delta_smem,
+              kv_bar, q_ready, do_ready, qdo_empty, ds_ready, dq_full, dq_empty, dk_ptr,
+              dv_ptr, stride_dkb, stride_dkh, stride_dkn, seqlen_q, seqlen_k, seqlen_q_pad,
+              heads_q, heads_kv, qk_scale, sm_scale, HEAD_D: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+              NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr):
     """Consumer ``cid``: keys ``[k0, k0 + ROWS_N)`` of the CTA's block, every step's
-    ``S^T``, ``dP^T``, ``dS^T`` and the three products; dK, dV stored at the end."""
+    ``S^T``, ``dP^T``, ``dS^T`` (its rows of the CTA's ``dS^T`` in shared memory), ``dV``
+    and ``dK`` of its keys, and columns ``[cid * DQ_COLS, ...)`` of ``dS K`` over all the
+    CTA's keys (FA3's split: one dQ partial a CTA, not one a warpgroup); dK, dV stored at
+    the end."""
     ROWS_N: gl.constexpr = BLOCK_N // NUM_CONSUMERS
+    DQ_COLS: gl.constexpr = HEAD_D // NUM_CONSUMERS
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, HEAD_D, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, DQ_COLS, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout,
                                                  k_width=2)
     key_l: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -188,28 +237,20 @@ def _consumer(cid, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, q_
 
     dk = gl.zeros([ROWS_N, HEAD_D], gl.float32, acc_layout)
     dv = gl.zeros([ROWS_N, HEAD_D], gl.float32, acc_layout)
-    dq_cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, acc_layout))
-    k_c = k_smem.index(cid)
-    v_c = v_smem.index(cid)
-    ds_c = ds_smem.index(cid)
+    k_c = k_smem.slice(cid * ROWS_N, ROWS_N, dim=0)
+    v_c = v_smem.slice(cid * ROWS_N, ROWS_N, dim=0)
+    k_cols = k_smem.slice(cid * DQ_COLS, DQ_COLS, dim=1)
     dq_c = dq_smem.index(cid)
-    DQ_CHUNK: gl.constexpr = 16
-    red_layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0])
-    red_offs = gl.expand_dims(gl.arange(0, DQ_CHUNK, layout=gl.SliceLayout(1, red_layout))
-                              * HEAD_D, 1) \
-        + gl.expand_dims(gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, red_layout)), 0)
     mbarrier.wait(kv_bar, 0)
     for t in range(total):
-        h = hk * group + t // n_m
         m = m_lo + t % n_m
         st = t % NUM_STAGES
         ph = (t // NUM_STAGES) & 1
-        q_row0 = (b * heads_q + h).to(gl.int64) * seqlen_q_pad + m * BLOCK_M
-        # the query rows' LSE (log2 domain, +inf past the end) and delta: padded rows, no mask
         qrows = gl.arange(0, BLOCK_M, layout=qry_l)
-        lse2 = gl.load(lse2_ptr + q_row0 + qrows)
-        delta = gl.load(delta_ptr + q_row0 + qrows)
         mbarrier.wait(q_ready.index(st), ph)
+        # the query rows' LSE (log2 domain, +inf past the end) and delta, with Q
+        lse2 = lse_smem.index(st).load(qry_l)
+        delta = delta_smem.index(st).load(qry_l)
         q_t = q_smem.index(st)
         do_t = do_smem.index(st)
         # (the zero accumulators made at their use: hoisted, they hold registers throughout)
@@ -232,31 +273,36 @@ def _consumer(cid, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, q_
         dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp, ))
         ds = p * (dp - gl.expand_dims(delta, 0))
         p16 = gl.convert_layout(p.to(dtype), a_layout)
-        ds_c.store(ds.to(dtype))
+        # dS^T: this consumer's rows of the step's buffer (two buffers: a consumer writes
+        # buffer t % 2 again only after both passed step t + 1's ds_ready, so after the
+        # other's dS K of step t has completed)
+        ds_b = ds_smem.index(t % 2)
+        ds_own = ds_b.slice(cid * ROWS_N, ROWS_N, dim=0)
+        ds_own.store(ds.to(dtype))
         fence_async_shared()
-        # dV += P^T dO (P^T in registers), dK += dS^T Q (dS^T from shared memory: no second
-        # register copy), then dQ_part = dS K (both operands in shared memory): its
-        # accumulator is live only once P^T's registers are free
+        mbarrier.arrive(ds_ready.index(t % 2), count=1)
+        # dV += P^T dO (P^T in registers), dK += dS^T Q (own rows, from shared memory)
         dv = warpgroup_mma(p16, do_t, dv, is_async=True)
-        dk = warpgroup_mma(ds_c, q_t, dk, is_async=True)
-        dv, dk, p16 = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, p16))
-        dq_zero = gl.zeros([BLOCK_M, HEAD_D], gl.float32, acc_layout)
-        dq = warpgroup_mma(ds_c.permute((1, 0)), k_c, dq_zero, use_acc=False, is_async=True)
+        dk = warpgroup_mma(ds_own, q_t, dk, is_async=True)
+        # dQ_part[:, cols] = dS K[:, cols] over all the CTA's keys, once every consumer's
+        # dS^T rows are in
+        mbarrier.wait(ds_ready.index(t % 2), (t // 2) & 1)
+        dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout)
+        dq = warpgroup_mma(ds_b.permute((1, 0)), k_cols, dq_zero, use_acc=False,
+                           is_async=True)
+        dv, dk, p16 = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dk, p16))
+        mbarrier.arrive(qdo_empty.index(st), count=1)  # Q and dO read
         dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
+        # to the dQ writer: its buffer free once it read the previous step's
+        mbarrier.wait(dq_empty, (t & 1) ^ 1)
         dq_c.store(dq)
-        mbarrier.arrive(qdo_empty.index(st), count=1)
-        # dQ += dS K: through shared memory, then fp32 atomics of DQ_CHUNK rows at a time
-        # into the padded accumulator (padding rows add zeros): a register tile of
-        # BLOCK_M x HEAD_D addresses would not fit beside dK and dV
-        for r in gl.static_range(BLOCK_M // DQ_CHUNK):
-            part = dq_c.slice(r * DQ_CHUNK, DQ_CHUNK, dim=0).load(red_layout)
-            rows_r = (q_row0 + r * DQ_CHUNK) * HEAD_D + red_offs
-            gl.atomic_add(dq_acc_ptr + rows_r, part, sem="relaxed")
+        mbarrier.arrive(dq_full, count=1)
 
     # epilogue: dK = scale * dS^T Q, dV = P^T dO, keys past the end not stored; 32-bit
     # offsets from the head's base (64-bit ones beside dK and dV spill)
+    cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, acc_layout))
     rows = k0 + gl.arange(0, ROWS_N, layout=gl.SliceLayout(1, acc_layout))
-    offs = gl.expand_dims(rows * stride_dkn, 1) + gl.expand_dims(dq_cols, 0)
+    offs = gl.expand_dims(rows * stride_dkn, 1) + gl.expand_dims(cols, 0)
     base = b.to(gl.int64) * stride_dkb + hk.to(gl.int64) * stride_dkh
     ok = gl.expand_dims(rows < seqlen_k, 1)
     gl.store(dk_ptr + base + offs, (dk * sm_scale).to(dtype), mask=ok)
@@ -274,54 +320,73 @@ def gluon_attn_bwd_kernel(q_desc, k_desc, v_desc, do_desc, lse2_ptr, delta_ptr, 
     gl.static_assert(NUM_CONSUMERS == 1 or NUM_CONSUMERS == 2)
     gl.static_assert(BLOCK_N // NUM_CONSUMERS >= 64)  # a wgmma's M per warpgroup
     gl.static_assert(NUM_STAGES >= 2)
-    ROWS_N: gl.constexpr = BLOCK_N // NUM_CONSUMERS
+    DQ_COLS: gl.constexpr = HEAD_D // NUM_CONSUMERS
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_D], q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_D], do_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, ROWS_N, HEAD_D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, ROWS_N, HEAD_D], v_desc.layout)
-    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS_N, BLOCK_M], dtype)
-    ds_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, ROWS_N, BLOCK_M], ds_layout)
-    dq_smem = gl.allocate_shared_memory(gl.float32, [NUM_CONSUMERS, BLOCK_M, HEAD_D],
-                                        gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_D], v_desc.layout)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
+    ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
+    # 16-byte vectors XOR-swizzled over 8 rows: the accumulator layout's stores (8 rows of a
+    # warp at once) and the writer's row loads both without bank conflicts
+    dq_layout: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 8, [1, 0])
+    dq_smem = gl.allocate_shared_memory(gl.float32, [NUM_CONSUMERS, BLOCK_M, DQ_COLS],
+                                        dq_layout)
+    rows_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    lse_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], rows_layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], rows_layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     do_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     qdo_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1],
                                           mbarrier.MBarrierLayout())
+    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    dq_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    dq_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
     for s in gl.static_range(NUM_STAGES):
         mbarrier.init(q_ready.index(s), count=1)
         mbarrier.init(do_ready.index(s), count=1)
         mbarrier.init(qdo_empty.index(s), count=NUM_CONSUMERS)
+    for s in gl.static_range(2):
+        mbarrier.init(ds_ready.index(s), count=NUM_CONSUMERS)
+    mbarrier.init(dq_full, count=NUM_CONSUMERS)
+    mbarrier.init(dq_empty, count=1)
 
     # (a partition's tuple cannot be named: the frontend reads a name as a tensor)
     if NUM_CONSUMERS == 1:
         gl.warp_specialize([
-            (_consumer, (0, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, q_ready,
-                         do_ready, qdo_empty, lse2_ptr, delta_ptr, dq_acc_ptr, dk_ptr, dv_ptr,
-                         stride_dkb, stride_dkh, stride_dkn, seqlen_q, seqlen_k, seqlen_q_pad,
-                         heads_q, heads_kv, qk_scale, sm_scale, HEAD_D, BLOCK_M, BLOCK_N,
-                         NUM_STAGES, NUM_CONSUMERS, CAUSAL)),
+            (_consumer, (0, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem,
+                         delta_smem, kv_bar, q_ready, do_ready, qdo_empty, ds_ready, dq_full,
+                         dq_empty, dk_ptr, dv_ptr, stride_dkb, stride_dkh, stride_dkn, seqlen_q,
+                         seqlen_k, seqlen_q_pad, heads_q, heads_kv, qk_scale, sm_scale, HEAD_D,
+                         BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL)),
             (_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem,
-                         kv_bar, q_ready, do_ready, qdo_empty, seqlen_q, seqlen_k, heads_q,
-                         heads_kv, HEAD_D, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL,
-                         Q_BSHD, KV_BSHD)),
-        ], [1], [PRODUCER_REGS])
+                         lse_smem, delta_smem, kv_bar, q_ready, do_ready, qdo_empty, lse2_ptr,
+                         delta_ptr, seqlen_q, seqlen_k, seqlen_q_pad, heads_q, heads_kv, HEAD_D,
+                         BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, Q_BSHD, KV_BSHD)),
+            (_dq_writer, (dq_smem, dq_full, dq_empty, dq_acc_ptr, seqlen_q, seqlen_k,
+                          seqlen_q_pad, heads_q, heads_kv, HEAD_D, BLOCK_M, BLOCK_N,
+                          NUM_CONSUMERS, CAUSAL)),
+        ], [1, 2], [PRODUCER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer, (0, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, q_ready,
-                         do_ready, qdo_empty, lse2_ptr, delta_ptr, dq_acc_ptr, dk_ptr, dv_ptr,
-                         stride_dkb, stride_dkh, stride_dkn, seqlen_q, seqlen_k, seqlen_q_pad,
-                         heads_q, heads_kv, qk_scale, sm_scale, HEAD_D, BLOCK_M, BLOCK_N,
-                         NUM_STAGES, NUM_CONSUMERS, CAUSAL)),
-            (_consumer, (1, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, q_ready,
-                         do_ready, qdo_empty, lse2_ptr, delta_ptr, dq_acc_ptr, dk_ptr, dv_ptr,
-                         stride_dkb, stride_dkh, stride_dkn, seqlen_q, seqlen_k, seqlen_q_pad,
-                         heads_q, heads_kv, qk_scale, sm_scale, HEAD_D, BLOCK_M, BLOCK_N,
-                         NUM_STAGES, NUM_CONSUMERS, CAUSAL)),
+            (_consumer, (0, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem,
+                         delta_smem, kv_bar, q_ready, do_ready, qdo_empty, ds_ready, dq_full,
+                         dq_empty, dk_ptr, dv_ptr, stride_dkb, stride_dkh, stride_dkn, seqlen_q,
+                         seqlen_k, seqlen_q_pad, heads_q, heads_kv, qk_scale, sm_scale, HEAD_D,
+                         BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL)),
+            (_consumer, (1, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem,
+                         delta_smem, kv_bar, q_ready, do_ready, qdo_empty, ds_ready, dq_full,
+                         dq_empty, dk_ptr, dv_ptr, stride_dkb, stride_dkh, stride_dkn, seqlen_q,
+                         seqlen_k, seqlen_q_pad, heads_q, heads_kv, qk_scale, sm_scale, HEAD_D,
+                         BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL)),
             (_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem,
-                         kv_bar, q_ready, do_ready, qdo_empty, seqlen_q, seqlen_k, heads_q,
-                         heads_kv, HEAD_D, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL,
-                         Q_BSHD, KV_BSHD)),
-        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+                         lse_smem, delta_smem, kv_bar, q_ready, do_ready, qdo_empty, lse2_ptr,
+                         delta_ptr, seqlen_q, seqlen_k, seqlen_q_pad, heads_q, heads_kv, HEAD_D,
+                         BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, Q_BSHD, KV_BSHD)),
+            (_dq_writer, (dq_smem, dq_full, dq_empty, dq_acc_ptr, seqlen_q, seqlen_k,
+                          seqlen_q_pad, heads_q, heads_kv, HEAD_D, BLOCK_M, BLOCK_N,
+                          NUM_CONSUMERS, CAUSAL)),
+        ], [4, 1, 2], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])

@@ -126,7 +126,6 @@ def plan(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, dq: Any, dk: Any
     batch, heads_q, seqlen_q, head_dim = q.shape
     heads_kv, seqlen_k = k.shape[1], k.shape[2]
     bm, bn, nc = config["BLOCK_M"], config["BLOCK_N"], config["NUM_CONSUMERS"]
-    rows_n = bn // nc
     gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     q_how, kv_how = layout(q), layout(k)
     assert q_how and kv_how and layout(dout) == q_how and layout(v) == kv_how, "see layout"
@@ -136,10 +135,10 @@ def plan(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, dq: Any, dk: Any
                               _smem_layout([bm, head_dim], gdt))
     do_desc = TensorDescriptor(dout, q_shape, q_strides, [bm, head_dim],
                                _smem_layout([bm, head_dim], gdt))
-    k_desc = TensorDescriptor(k, kv_shape, kv_strides, [rows_n, head_dim],
-                              _smem_layout([rows_n, head_dim], gdt))
-    v_desc = TensorDescriptor(v, kv_shape, kv_strides, [rows_n, head_dim],
-                              _smem_layout([rows_n, head_dim], gdt))
+    k_desc = TensorDescriptor(k, kv_shape, kv_strides, [bn, head_dim],
+                              _smem_layout([bn, head_dim], gdt))
+    v_desc = TensorDescriptor(v, kv_shape, kv_strides, [bn, head_dim],
+                              _smem_layout([bn, head_dim], gdt))
     pad = padded_seqlen(seqlen_q, config)
     lse2, delta, dq_acc = scratch["lse2"], scratch["delta"], scratch["dq_acc"]
     dl_strides = _strides3(dlse) if dlse is not None else (0, 0, 0)
@@ -305,9 +304,8 @@ def compile_sm90(config: Mapping[str, int], head_dim: int = 128, causal: bool = 
     check_config(config)
     gdt = gl.bfloat16 if dtype == "bf16" else gl.float16
     bm, bn, nc = config["BLOCK_M"], config["BLOCK_N"], config["NUM_CONSUMERS"]
-    rows_n = bn // nc
     qd = f"tensordesc<{dtype}[{bm}, {head_dim}],{_smem_layout([bm, head_dim], gdt)!r}>"
-    kd = f"tensordesc<{dtype}[{rows_n}, {head_dim}],{_smem_layout([rows_n, head_dim], gdt)!r}>"
+    kd = f"tensordesc<{dtype}[{bn}, {head_dim}],{_smem_layout([bn, head_dim], gdt)!r}>"
     meta = launch_meta(config)
     const = {"HEAD_D": head_dim, "BLOCK_M": bm, "BLOCK_N": bn,
              "NUM_STAGES": config["NUM_STAGES"], "NUM_CONSUMERS": nc, "CAUSAL": bool(causal),
