@@ -89,19 +89,23 @@ from flashtune.kernel_templates.score_mods import modified_scores
 @triton.jit
 def _rotary_dims(offs_d, ROT_DIM: tl.constexpr, ROT_INTERLEAVED: tl.constexpr):
     """Per dim ``d``: its rotary partner, the cos/sin column it uses, the sign of the
-    partner's term and whether it rotates at all (``d < ROT_DIM``; the others are their own
-    partner and read column 0, unused)."""
+    partner's term and whether it rotates at all (``d < ROT_DIM``). A dim that does not
+    rotate gets some partner and column in range, never read (the loads mask them). NeoX's
+    partner and column are written as ``%`` of ``offs_d`` so that the compiler sees them
+    contiguous and loads them in 16-byte vectors in q's own layout."""
     if ROT_INTERLEAVED:  # GPT-J: dims (2t, 2t + 1) turn by column t
         partner = offs_d ^ 1
         freq = offs_d // 2
         sign = tl.where(offs_d % 2 == 0, -1.0, 1.0)
-    else:  # GPT-NeoX: dims (t, t + ROT_DIM / 2) turn by column t
-        low = offs_d < ROT_DIM // 2
-        partner = tl.where(low, offs_d + ROT_DIM // 2, offs_d - ROT_DIM // 2)
-        freq = tl.where(low, offs_d, offs_d - ROT_DIM // 2)
-        sign = tl.where(low, -1.0, 1.0)
-    rot = offs_d < ROT_DIM
-    return tl.where(rot, partner, offs_d), tl.where(rot, freq, 0), sign, rot
+    elif ROT_DIM > 0:  # GPT-NeoX: dims (t, t + ROT_DIM / 2) turn by column t
+        partner = (offs_d + ROT_DIM // 2) % ROT_DIM
+        freq = offs_d % (ROT_DIM // 2)
+        sign = tl.where(offs_d % ROT_DIM < ROT_DIM // 2, -1.0, 1.0)
+    else:  # no rotary: unused (and not compiled)
+        partner = offs_d
+        freq = offs_d
+        sign = tl.where(offs_d < 0, -1.0, 1.0)
+    return partner, freq, sign, offs_d < ROT_DIM
 
 
 @triton.jit
