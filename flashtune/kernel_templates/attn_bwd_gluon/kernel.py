@@ -270,27 +270,30 @@ def _consumer(cid, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, 
                 qpos = m * BLOCK_M + qrows + (seqlen_k - seqlen_q)
                 ok = ok & (gl.expand_dims(keys, 1) <= gl.expand_dims(qpos, 0))
             p = gl.where(ok, p, 0.0)
-        dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp, ))
-        ds = p * (dp - gl.expand_dims(delta, 0))
+        # dV += P^T dO with P^T in registers, on the tensor cores while dS^T is computed
         p16 = gl.convert_layout(p.to(dtype), a_layout)
+        dv = warpgroup_mma(p16, do_t, dv, is_async=True)
+        dp = warpgroup_mma_wait(num_outstanding=1, deps=(dp, ))
+        ds = p * (dp - gl.expand_dims(delta, 0))
+        # dK += dS^T Q with dS^T in registers too: issued before dS^T's store to shared
+        # memory (for dS K), not after it
+        ds16 = gl.convert_layout(ds.to(dtype), a_layout)
+        dk = warpgroup_mma(ds16, q_t, dk, is_async=True)
         # dS^T: this consumer's rows of the step's buffer (two buffers: a consumer writes
         # buffer t % 2 again only after both passed step t + 1's ds_ready, so after the
         # other's dS K of step t has completed)
         ds_b = ds_smem.index(t % 2)
         ds_own = ds_b.slice(cid * ROWS_N, ROWS_N, dim=0)
-        ds_own.store(ds.to(dtype))
+        ds_own.store(ds16)
         fence_async_shared()
         mbarrier.arrive(ds_ready.index(t % 2), count=1)
-        # dV += P^T dO (P^T in registers), dK += dS^T Q (own rows, from shared memory)
-        dv = warpgroup_mma(p16, do_t, dv, is_async=True)
-        dk = warpgroup_mma(ds_own, q_t, dk, is_async=True)
         # dQ_part[:, cols] = dS K[:, cols] over all the CTA's keys, once every consumer's
         # dS^T rows are in
         mbarrier.wait(ds_ready.index(t % 2), (t // 2) & 1)
         dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout)
         dq = warpgroup_mma(ds_b.permute((1, 0)), k_cols, dq_zero, use_acc=False,
                            is_async=True)
-        dv, dk, p16 = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dk, p16))
+        dv, dk, p16, ds16 = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dk, p16, ds16))
         mbarrier.arrive(qdo_empty.index(st), count=1)  # Q and dO read
         dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
         # to the dQ writer: its buffer free once it read the previous step's
