@@ -214,11 +214,17 @@ class _Served:
                         for op in USER_OPS}
         self.own = [Dispatcher(s) for s in implementations("fwd") if s.kind != "extern"]
         self.backward = Dispatcher(get_template("attn_bwd"))
+        self.trains = {s.name: s for s in implementations("train")}
+        # each own pair's backward template (attn_bwd, attn_bwd_gluon), its tuned configs
+        self.backwards = {self.backward.spec.name: self.backward}
+        for step in self.trains.values():
+            pair = getattr(step.launcher, "bwd", None)
+            if pair is not None and pair.name not in self.backwards:
+                self.backwards[pair.name] = Dispatcher(pair)
         for router in self.routers.values():
             router.reload(db_url=db_url)
-        for own in [*self.own, self.backward]:
+        for own in [*self.own, *self.backwards.values()]:
             own.reload(db_url=db_url)
-        self.trains = {s.name: s for s in implementations("train")}
 
     def choice(self, p: AttentionProblem, spec: Any, device: Any) -> Any:
         """What a call of ``p`` runs with: for the forward the router's answer (its op
@@ -245,15 +251,23 @@ class _Served:
                             train: bool = False) -> dict[str, tuple[Any, dict[str, int]]]:
         """``impl_<name>``: each of flashtune's own forward implementations that can serve
         ``p`` on ``device``, with its own tuned config (else its default); with ``train``
-        its training pair, with attn_bwd's tuned config."""
+        each of its own training pairs (a forward with attn_bwd, the Gluon forward with the
+        Gluon backward, ...): the forward's tuned config (of the forward implementation
+        whose kernel it runs) joined with its backward template's."""
         if not train:
             return {f"impl_{d.spec.name}": (d.spec, dict(d.choose(p, device).config))
                     for d in self.own if d.spec.refuse(p, device) is None}
-        bwd = self.backward.choose(p, device).config
-        return {f"impl_{d.spec.name}": (self.trains[d.spec.name],
-                                        join_pair(d.choose(p, device).config, bwd))
-                for d in self.own if d.spec.name in self.trains
-                and self.trains[d.spec.name].refuse(p, device) is None}
+        pairs = {}
+        for name, step in self.trains.items():
+            fwd, bwd = (getattr(step.launcher, side, None) for side in ("fwd", "bwd"))
+            if fwd is None or bwd is None or step.refuse(p, device) is not None:
+                continue  # an extern's step, or a pair that cannot serve p here
+            runs = next((d for d in self.own if d.spec.name == fwd.name), None) or next(
+                (d for d in self.own if d.spec.launcher is fwd.launcher), None)
+            fcfg = runs.choose(p, device).config if runs else fwd.default_config(p, device)
+            pairs[f"impl_{name}"] = (step, join_pair(fcfg, self.backwards[bwd.name]
+                                                     .choose(p, device).config))
+        return pairs
 
 
 def _inputs(p: AttentionProblem, torch_device: str, names: Sequence[str]) -> list[Any]:
