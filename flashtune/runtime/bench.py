@@ -229,20 +229,29 @@ class _Served:
     def choice(self, p: AttentionProblem, spec: Any, device: Any) -> Any:
         """What a call of ``p`` runs with: for the forward the router's answer (its op
         choice, else the dispatcher's config), for the backward the dispatcher's config,
-        for the training step the train op's choice, else attn_fwd's config and attn_bwd's
-        joined."""
+        for the training step the train op's choice; with nothing tuned, the default the
+        runtime takes on the device's compute capability (an SDPA backend, as
+        ``routing._capability_default``), else attn_fwd's config (and attn_bwd's, joined)."""
+        from flashtune.runtime.routing import _capability_default
+
         if spec.op == "train":
-            chosen = self.routers["train"].choose(p, device)
+            chosen = self.routers["train"].choose(p, device) \
+                or _capability_default("train", p, device, False)
             if chosen is not None:
                 return chosen
             fwd, bwd = self.dispatcher.choose(p, device), self.backward.choose(p, device)
             return replace(fwd, config=join_pair(fwd.config, bwd.config), tflops=None,
                            median_ms=None)
         if spec.op == "fwd":
-            from flashtune.runtime.routing import _route_ops
+            from flashtune.runtime.routing import _USERS_OWN, _route_ops
 
             for op in _route_ops(p):
                 chosen = self.routers[op].choose(p, device)
+                if chosen is not None:
+                    return chosen
+            # not tuned by the user: the runtime's default by capability (routing._route)
+            if not self.dispatcher.peek(p, device).origin.startswith(_USERS_OWN):
+                chosen = _capability_default("fwd", p, device, False)
                 if chosen is not None:
                     return chosen
         return self.dispatcher.choose(p, device)
