@@ -27,7 +27,6 @@ import click
 
 from flashtune.cli.options import (
     FiniteFloatRange,
-    TemplateChoice,
     check_head_dims,
     db_url,
     fail,
@@ -241,6 +240,20 @@ def _check_gpus(gpus: list[int] | None, interpret: bool) -> None:
                                  f"(indices 0-{count - 1})", param_hint="'--gpus'")
 
 
+def _check_impls(op: str | None, impls: Sequence[str]) -> None:
+    """BadParameter naming ``--impl`` for a name that is not an implementation of ``op``
+    (the registry's, listed: a training pair such as ``attn_fwd_gluon_bwd_gluon`` is
+    registered by its backward's folder, so parsing cannot know it without importing)."""
+    from flashtune.kernel_templates import implementations
+
+    names = [spec.name for spec in implementations(op or "fwd")]
+    unknown = [name for name in impls if name not in names]
+    if unknown:
+        raise click.BadParameter(f"{', '.join(map(repr, unknown))}: not an implementation of "
+                                 f"op {op!r}; its implementations: {', '.join(names)}",
+                                 param_hint="'--impl'")
+
+
 def format_config(config: dict[str, Any] | None) -> str:
     """``BM,BN,w,s`` of an attn_fwd config (other templates: ``k=v`` pairs); ``-`` for None."""
     if not config:
@@ -327,8 +340,10 @@ def render_op_summary(results: Sequence[Any], total: int) -> str:
               help="Search across the implementations of this op (every one that can serve "
                    "the shape here, or those named by --impl) and store the fastest with "
                    "its margins; without it, --template's configs are tuned.")
-@click.option("--impl", "impls", type=TemplateChoice(), multiple=True, metavar="NAME",
-              help="With --op: search only this implementation (repeatable).")
+@click.option("--impl", "impls", multiple=True, metavar="NAME",
+              help="With --op: search only this implementation of the op (repeatable; "
+                   "train's include the pair attn_fwd_gluon_bwd_gluon, which no template "
+                   "folder is named after).")
 @shape_options
 @mods_options
 @click.option("--plan", default=None, metavar="FILE|NAME",
@@ -426,6 +441,8 @@ def tune_command(ctx: click.Context, template: str, op: str | None, impls: tuple
     if interpret:
         refuse_under_interpreter(problems, backward=template == "attn_bwd" or op == "train")
     _check_gpus(gpus, interpret)
+    if impls:  # checked now that the interpreter mode is set (the names import kernels)
+        _check_impls(op, impls)
 
     from flashtune.autotune import stop
     from flashtune.core.errors import FlashtuneError

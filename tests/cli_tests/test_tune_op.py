@@ -40,7 +40,9 @@ def test_tune_op_searches_every_implementation_that_can_run_and_stores_the_winne
 @pytest.mark.parametrize("args, message", [
     (["--impl", "sdpa_math"], "--impl needs --op"),
     (["--op", "fwd", "--template", "attn_bwd"], "not both"),
-    (["--op", "fwd", "--impl", "no_such"], "unknown template 'no_such'"),
+    (["--op", "fwd", "--impl", "no_such"], "'no_such': not an implementation of op 'fwd'"),
+    (["--op", "fwd", "--impl", "attn_fwd_gluon_bwd_gluon"], "Invalid value for '--impl'"),
+    (["--op", "train", "--impl", "attn_bwd"], "not an implementation of op 'train'"),
     (["--op", "bwd"], "'bwd' is not one of"),
 ])
 def test_tune_op_usage_errors(tmp_path, args, message):
@@ -182,3 +184,14 @@ def test_a_lost_worker_is_reported_after_the_table_of_what_the_others_finished(t
     assert "sdpa_math" in res.output and "2 shapes: 1 tuned, 1 not done" in res.output
     assert "worker on GPU 1 died (exit code 3) while tuning B=1 Hq=2 Hkv=2 Nq=40" in res.output
     assert "--skip-tuned" in res.output
+
+
+def test_the_gluon_training_pair_can_be_named_by_impl(tmp_path):
+    """``--impl attn_fwd_gluon_bwd_gluon`` (registered by the Gluon backward's folder, not
+    a folder of its own) names a train implementation; on a CPU it is skipped with the
+    reason, as any GPU-only one."""
+    res = _run(["tune", "--op", "train", "--impl", "attn_fwd_gluon_bwd_gluon", *TINY,
+                "--interpret"], tmp_path / "g.db")
+    assert "Invalid value" not in res.output, res.output
+    assert "attn_fwd_gluon_bwd_gluon" in res.output and "needs a CUDA GPU" in res.output, \
+        res.output
