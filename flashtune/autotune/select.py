@@ -257,9 +257,10 @@ def tune_op(problems: Sequence[AttentionProblem], op: str, options: TuneOptions,
             the store, ``reused``), and reuse an implementation's finished search of a
             problem at its current source (:func:`~flashtune.autotune.resume.
             finished_search`) instead of searching it again.
-        deadline: a :func:`time.time` after which no problem is started once one was
+        deadline: a :func:`time.time` past which no problem is started once one was
             tuned (not reused) in this call, so every call makes progress (one started
-            finishes); None: no limit.
+            finishes): none that the longest one tuned so far in this call would carry
+            past it (:func:`past_deadline`); None: no limit.
         progress_position: the progress bars' line (one per worker process).
     Returns:
         One :class:`OpResult` per problem started, in order: every problem unless
@@ -286,14 +287,15 @@ def tune_op(problems: Sequence[AttentionProblem], op: str, options: TuneOptions,
                                 flashtune=__version__, torch=device.torch_version,
                                 triton=device.triton_version)
     out: list[OpResult] = []
+    longest = 0.0  # the longest shape tuned in this call, seconds
     for problem in problems:
-        # past the deadline no shape is started once one was tuned here: every call
-        # makes progress, however short its time
-        if deadline is not None and time.time() >= deadline \
-                and any(not r.reused for r in out):
+        # no shape is started that the longest one so far would carry past the deadline,
+        # once one was tuned here: every call makes progress, however short its time
+        if past_deadline(deadline, longest) and any(not r.reused for r in out):
             log.info("deadline passed: %d of %d shape(s) not started", len(problems) - len(out),
                      len(problems))
             break
+        started = time.time()
         specs, skipped = applicable(op, problem, device, impls)
         stale = None
         if skip_tuned:
@@ -337,7 +339,14 @@ def tune_op(problems: Sequence[AttentionProblem], op: str, options: TuneOptions,
                                  candidates=[x.as_dict() for x in leaders],
                                  software=software)
         out.append(result)
+        longest = max(longest, time.time() - started)
     return out
+
+
+def past_deadline(deadline: float | None, longest_s: float) -> bool:
+    """Whether a shape started now, taking as long as the longest one so far
+    (``longest_s``), would end past ``deadline`` (a :func:`time.time`; None: never)."""
+    return deadline is not None and time.time() + longest_s >= deadline
 
 
 def _stored_choice(url: str, op: str, problem: AttentionProblem, device: DeviceFingerprint,

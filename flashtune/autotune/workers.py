@@ -169,10 +169,12 @@ def _op_worker(slot: int, gpu: int, problem_keys: list[dict[str, Any]], op: str,
     """One ``tune --op`` worker: pin the GPU, then choose for problems from the queue until
     it is empty or ``deadline`` has passed (once it has tuned one)."""
     options = _pin(slot, gpu, options_json)
-    from flashtune.autotune.select import tune_op
+    from flashtune.autotune.select import past_deadline, tune_op
 
     tuned = False  # past the deadline a worker starts no shape once it has tuned one
-    while deadline is None or not tuned or time.time() < deadline:
+    longest = 0.0  # nor one that its longest shape so far would carry past it
+    while not tuned or not past_deadline(deadline, longest):
+        started = time.time()
         try:
             index = tasks.get_nowait()
         except queue_mod.Empty:
@@ -188,7 +190,8 @@ def _op_worker(slot: int, gpu: int, problem_keys: list[dict[str, Any]], op: str,
             continue
         except KeyboardInterrupt:
             raise SystemExit(128 + signal.SIGTERM) from None  # recorded INTERRUPTED
-        tuned = tuned or not res.reused
+        if not res.reused:
+            tuned, longest = True, max(longest, time.time() - started)
         results.put(("done", slot, index, _op_result_to_json(res)))
 
 

@@ -367,9 +367,11 @@ def render_op_summary(results: Sequence[Any], total: int) -> str:
                    "Runs the rest of a plan that an earlier command did not finish.")
 @click.option("--stop-after", "stop_after_s", type=FiniteFloatRange(min=0, min_open=True),
               default=None, metavar="SECONDS",
-              help="With --op --skip-tuned: start no shape after SECONDS of wall time (one "
-                   "started finishes; give the time a shape takes as margin) and exit 0; "
-                   "the same command then goes on with the shapes not done.")
+              help="With --op --skip-tuned: start no shape that would end after SECONDS "
+                   "of wall time, judged by the longest shape this command tuned so far "
+                   "(one started finishes; a longer one than any before can still run "
+                   "over: leave margin) and exit 0; the same command then goes on with the "
+                   "shapes not done.")
 @click.option("--isolate/--no-isolate", default=None,
               help="Evaluate candidates in a worker process that a crash or a hang (past "
                    "the trial timeout) kills instead of the job. Default: on with a GPU, off "

@@ -114,6 +114,40 @@ def test_no_shape_is_started_after_the_deadline_once_one_was_tuned(tmp_path):
     assert [r.problem for r in _tune(url, [TINY2], deadline=time.time() + 600)] == [TINY2]
 
 
+def test_no_shape_is_started_that_the_longest_so_far_would_carry_past_the_deadline(
+        tmp_path, monkeypatch):
+    """A deadline in the future still stops the next shape when the longest shape tuned so
+    far would end past it (a device command's hard limit is the real constraint)."""
+    from flashtune.autotune import select
+
+    url = f"sqlite:///{tmp_path / 'l.db'}"
+    clock = [1000.0]
+    monkeypatch.setattr(select.time, "time", lambda: clock[0])
+
+    def slow_runner(spec, problem, device, options):  # every evaluation: 10 s of "time"
+        runner = synthetic_runner(spec, problem, device, options)
+        evaluate = runner.evaluate
+
+        def timed(config):
+            clock[0] += 10.0
+            return evaluate(config)
+        runner.evaluate = timed
+        return runner
+
+    done = tune_op([TINY, OTHER, TINY2], "fwd", OPTS, db_url=url, progress=False, rounds=1,
+                   _runner_factory=slow_runner, _device=DEV, deadline=clock[0] + 10_000)
+    assert len(done) == 3  # far away: every shape
+    first = clock[0] - 1000.0  # what three shapes took, > 0
+    assert first > 0
+    # a deadline one shape away from now: the first shape runs, the second would not end
+    done = tune_op([TINY, OTHER], "fwd", OPTS, db_url=f"sqlite:///{tmp_path / 'm.db'}",
+                   progress=False, rounds=1, _runner_factory=slow_runner, _device=DEV,
+                   deadline=clock[0] + first / 3 * 1.5)
+    assert [r.problem for r in done] == [TINY]
+    assert not select.past_deadline(None, 1e9)
+    assert select.past_deadline(clock[0] + 5, 5.0) and not select.past_deadline(clock[0] + 5, 4)
+
+
 def test_a_training_step_choice_is_skipped_when_current(tmp_path):
     url = f"sqlite:///{tmp_path / 't.db'}"
     problem = AttentionProblem(1, 2, 2, 32, 32, 16, False, "fp16")
