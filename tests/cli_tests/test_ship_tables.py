@@ -1,0 +1,45 @@
+"""``benchmarks/ship_tables.sh``, the resumable run of the shipped plans (issue 26), on the
+CPU under the interpreter: tiny plans in its PLAN_DIR, two worker slots as its "GPUs"; a
+second command skips what the first tuned, and the database it copies out is one file."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PLAN = """op = "{op}"
+[[shape]]
+batch = 1
+heads = 2
+seqlen = 32
+head_dim = 16
+causal = true
+dtype = "fp16"
+"""
+
+
+def _ship(tmp_path: Path, out: str) -> str:
+    env = {**os.environ, "SHIP_DB": str(tmp_path / "ship.db"), "PLAN_DIR": str(tmp_path),
+           "OPS": "fwd", "GPUS": "0,1", "TRIALS": "1", "LIMIT": "300", "MARGIN": "60",
+           "TUNE_ARGS": "--interpret", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "ship_tables.sh"), "tune",
+                           str(tmp_path / out)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_the_ship_script_tunes_a_plan_then_skips_it_and_copies_one_database(tmp_path):
+    (tmp_path / "shipped-fwd.toml").write_text(PLAN.format(op="fwd"))
+    first = _ship(tmp_path, "one")
+    assert "== tune --op fwd" in first and "1 shape: 1 tuned" in first, first
+    copy = tmp_path / "one" / "ship.db"
+    assert copy.is_file() and not (tmp_path / "one" / "ship.db-wal").exists()
+    with sqlite3.connect(copy) as db:  # the copy holds the choice
+        assert db.execute("select count(*) from ft_choices").fetchone()[0] == 1
+    second = _ship(tmp_path, "two")
+    assert "already tuned (skipped)" in second, second
