@@ -31,7 +31,9 @@ implementations).
 A call with gradients takes its training route (:func:`_train_route`, memoised per call
 signature in ``_TRAIN_FAST``): the ``train`` op's stored choice (a forward of flashtune's
 with its backward's config, or an SDPA backend that torch differentiates), else attn_fwd's
-config with attn_bwd's tuned config (else its default).
+config with attn_bwd's tuned config (else its default). Under
+``torch.use_deterministic_algorithms(True)`` a pair whose backward is not deterministic
+(``Limits.deterministic``: the Gluon backward's atomic dQ) gives way to attn_fwd with attn_bwd.
 :func:`_reload` drops what every dispatcher and router loaded and every memoised route and
 plan (``flashtune.reload_configs`` and that tuning run call it).
 """
@@ -348,7 +350,8 @@ def _train_route(q: torch.Tensor, k: torch.Tensor, causal: bool, return_lse: boo
     backward's under ``bwd.``; without them the backward's tuned config), checked against
     the implementation's limits and spaces."""
     if config is None and impl is None:
-        key = (q.shape, k.shape, q.dtype, q.get_device(), causal, return_lse, paired)
+        strict = torch.are_deterministic_algorithms_enabled()
+        key = (q.shape, k.shape, q.dtype, q.get_device(), causal, return_lse, paired, strict)
         route = _TRAIN_FAST.get(key)
         if route is not None:
             return route
@@ -357,6 +360,14 @@ def _train_route(q: torch.Tensor, k: torch.Tensor, causal: bool, return_lse: boo
         choice = _train_choice(problem, device, return_lse=return_lse, paired=paired)
         spec = get_template(choice.template)
         fcfg, bcfg = split_pair(choice.config)
+        if strict and spec.backward is not None \
+                and not get_template(spec.backward).limits.deterministic:
+            # torch.use_deterministic_algorithms(True): not a backward with atomics (the
+            # Gluon backward's dQ); attn_fwd with attn_bwd sums every gradient in order
+            spec = _FWD
+            fcfg = _dispatcher(_FWD).choose(problem, device).config
+            bcfg = _dispatcher(get_template(_FWD.backward or "attn_bwd")).choose(
+                problem, device).config
     else:
         spec = _FWD if impl is None else _implementation(impl)
         if "train" not in spec.serves:

@@ -342,3 +342,32 @@ def test_untuned_training_on_hopper_defaults_to_cudnn_where_it_serves(tmp_path, 
         other = routing._train_choice(problem, device, tune=False, **kw)
         assert other.template == "attn_fwd" and split_pair(other.config)[1], (problem, kw)
     flashtune.reload_configs()
+
+
+def test_deterministic_algorithms_keep_a_training_call_off_the_atomic_backward(monkeypatch):
+    """Under ``torch.use_deterministic_algorithms(True)`` a training call whose routed pair
+    has a backward declared not deterministic (the Gluon backward's atomic dQ) runs attn_fwd
+    with attn_bwd instead; without it, the routed pair; the memo keeps the two apart."""
+    from flashtune.runtime import routing
+    from flashtune.runtime.lookup import ConfigChoice
+
+    pair = get_template("attn_fwd_gluon_bwd_gluon")
+    assert not get_template(pair.backward).limits.deterministic
+    gluon = ConfigChoice(join_pair(pair.default_config(SQUARE, DEV),
+                                   get_template(pair.backward).default_config(SQUARE, DEV)),
+                         "exact", template=pair.name)
+    monkeypatch.setattr(routing, "_train_choice", lambda *a, **kw: gluon)
+    monkeypatch.setattr(routing, "check_grid", lambda *a, **kw: None)
+    routing._TRAIN_FAST.clear()
+    q = torch.zeros(1, 2, 40, 32, dtype=torch.float16)
+    try:
+        assert routing._train_route(q, q, True, False).fwd.name == pair.name
+        torch.use_deterministic_algorithms(True)
+        route = routing._train_route(q, q, True, False)
+        assert (route.fwd.name, route.bwd.name) == ("attn_fwd", "attn_bwd")
+        assert set(route.bwd_config) == set(get_template("attn_bwd").space.params)
+    finally:
+        torch.use_deterministic_algorithms(False)
+        routing._TRAIN_FAST.clear()
+    assert routing._train_route(q, q, True, False).fwd.name == pair.name
+    routing._TRAIN_FAST.clear()
