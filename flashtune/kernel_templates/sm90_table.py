@@ -13,7 +13,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from multiprocessing import get_context
@@ -22,8 +22,8 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SMEM_LIMIT", "SPILL_LIMIT", "Compiled", "compile_entry", "parse_table", "read_table",
-           "smem_limit", "write_table"]
+__all__ = ["SMEM_LIMIT", "SPILL_LIMIT", "Compiled", "compile_entry", "entry_config",
+           "entry_figures", "parse_table", "read_table", "smem_limit", "write_table"]
 
 SMEM_LIMIT = 227 * 1024  # dynamic shared memory an sm_90 block may opt in to
 # spill-store bytes a config may have (each template's space.py says what spills there)
@@ -70,6 +70,32 @@ def smem_limit(device: Any) -> int:
     if not device.is_interpreter and 0 < device.shared_mem_per_block < SMEM_LIMIT:
         return int(device.shared_mem_per_block)
     return SMEM_LIMIT
+
+
+def entry_config(raw: Mapping[str, Any], params: Iterable[str], where: str) -> dict[str, int]:
+    """An entry's ``config``: a dict of exactly ``params``, each an int (ValueError naming
+    ``where`` otherwise)."""
+    names = list(params)
+    config = raw["config"]
+    if not isinstance(config, dict) or set(config) != set(names) \
+            or any(type(config[n]) is not int for n in names):
+        raise ValueError(f"{where}: config must map {names} to ints, got {config!r}")
+    return config
+
+
+def entry_figures(raw: Mapping[str, Any], where: str) -> Compiled:
+    """An entry's compile figures (``shared``, ``registers``, ``spill_bytes``: ints or null;
+    ``error``: a string or null, the three figures required without one), checked
+    (ValueError naming ``where``)."""
+    for name in ("shared", "registers", "spill_bytes"):
+        if raw[name] is not None and type(raw[name]) is not int:
+            raise ValueError(f"{where}: {name} must be an int or null, got {raw[name]!r}")
+    if raw["error"] is not None and not isinstance(raw["error"], str):
+        raise ValueError(f"{where}: error must be a string or null, got {raw['error']!r}")
+    if raw["error"] is None and None in (raw["shared"], raw["registers"], raw["spill_bytes"]):
+        raise ValueError(f"{where}: an entry without an error needs shared, registers and "
+                         f"spill_bytes")
+    return Compiled(raw["shared"], raw["registers"], raw["spill_bytes"], raw["error"])
 
 
 def parse_table(doc: Any, where: str, *, table_format: int, regenerate: str,

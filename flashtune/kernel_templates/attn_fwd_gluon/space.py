@@ -89,24 +89,13 @@ def _entry(raw: Any, where: str) -> tuple[str, Compiled]:
               "error"}
     if set(raw) != fields:
         raise ValueError(f"{where}: an entry has the keys {sorted(fields)}, got {sorted(raw)}")
-    config = raw["config"]
-    if not isinstance(config, dict) or set(config) != set(PARAMS) \
-            or any(type(config[n]) is not int for n in PARAMS):
-        raise ValueError(f"{where}: config must map {list(PARAMS)} to ints, got {config!r}")
+    config = sm90_table.entry_config(raw, PARAMS, where)
     if type(raw["head_dim"]) is not int or raw["dtype"] not in DTYPES \
             or type(raw["causal"]) is not bool:
         raise ValueError(f"{where}: head_dim int, dtype in {DTYPES}, causal bool; got "
                          f"{raw['head_dim']!r}, {raw['dtype']!r}, {raw['causal']!r}")
-    for name in ("shared", "registers", "spill_bytes"):
-        if raw[name] is not None and type(raw[name]) is not int:
-            raise ValueError(f"{where}: {name} must be an int or null, got {raw[name]!r}")
-    if raw["error"] is not None and not isinstance(raw["error"], str):
-        raise ValueError(f"{where}: error must be a string or null, got {raw['error']!r}")
-    if raw["error"] is None and None in (raw["shared"], raw["registers"], raw["spill_bytes"]):
-        raise ValueError(f"{where}: an entry without an error needs shared, registers and "
-                         f"spill_bytes")
     return (entry_key(raw["head_dim"], raw["dtype"], raw["causal"], config),
-            Compiled(raw["shared"], raw["registers"], raw["spill_bytes"], raw["error"]))
+            sm90_table.entry_figures(raw, where))
 
 
 def parse_table(doc: Any, where: str = "table") -> dict[str, Compiled]:
