@@ -271,8 +271,9 @@ class _Served:
             fwd, bwd = (getattr(step.launcher, side, None) for side in ("fwd", "bwd"))
             if fwd is None or bwd is None or step.refuse(p, device) is not None:
                 continue  # an extern's step, or a pair that cannot serve p here
-            runs = next((d for d in self.own if d.spec.name == fwd.name), None) or next(
-                (d for d in self.own if d.spec.launcher is fwd.launcher), None)
+            # the forward implementation whose kernel the pair runs (the Gluon pair's
+            # forward is attn_fwd_gluon's, registered under the pair's name)
+            runs = next((d for d in self.own if d.spec.launcher is fwd.launcher), None)
             fcfg = runs.choose(p, device).config if runs else fwd.default_config(p, device)
             pairs[f"impl_{name}"] = (step, join_pair(fcfg, self.backwards[bwd.name]
                                                      .choose(p, device).config))
