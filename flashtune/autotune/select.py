@@ -59,6 +59,7 @@ from flashtune.core.device import DeviceFingerprint, cuda_device, interpreter_de
 from flashtune.core.errors import InputError
 from flashtune.core.problem import AttentionProblem
 from flashtune.core.spec import USER_OPS, TemplateSpec, join_pair
+from flashtune.db.records import SoftwareVersions
 
 log = logging.getLogger(__name__)
 
@@ -235,6 +236,7 @@ def tune_op(problems: Sequence[AttentionProblem], op: str, options: TuneOptions,
             progress: bool = True, rounds: int = SIDE_BY_SIDE_ROUNDS,
             skip_tuned: bool = False, deadline: float | None = None,
             progress_position: int = 0,
+            shared_factory: Callable[..., Any] | None = None,
             _runner_factory: Callable[..., Any] | None = None,
             _device: DeviceFingerprint | None = None) -> list[OpResult]:
     """Choose, per problem, the fastest implementation of ``op`` and its config, and store
@@ -262,6 +264,12 @@ def tune_op(problems: Sequence[AttentionProblem], op: str, options: TuneOptions,
             finishes): none that the longest one tuned so far in this call would carry
             past it (:func:`past_deadline`); None: no limit.
         progress_position: the progress bars' line (one per worker process).
+        shared_factory: the candidates' runner factory
+            (:func:`~flashtune.autotune.trial_loop.runner_factory_for`), owned and closed
+            by the caller, which calls ``tune_op`` again with it (a GPU worker, shape after
+            shape); None: one is made here. Either way every search of the call shares it,
+            so an isolated job starts one candidate worker, not one per implementation and
+            shape (seconds each on a GPU).
     Returns:
         One :class:`OpResult` per problem started, in order: every problem unless
         ``deadline`` passed before the last.
@@ -270,9 +278,7 @@ def tune_op(problems: Sequence[AttentionProblem], op: str, options: TuneOptions,
         (before any work), or a problem the runtime would refuse; the store's errors.
     """
     from flashtune.autotune.options import check_tunable
-    from flashtune.db import default_db_url, open_store
-    from flashtune.db.records import SoftwareVersions
-    from flashtune.kernel_templates import implementations
+    from flashtune.db import default_db_url
 
     url = default_db_url() if db_url is None else str(db_url)
     device = _device or (interpreter_device() if options.interpret else cuda_device())
@@ -286,6 +292,27 @@ def tune_op(problems: Sequence[AttentionProblem], op: str, options: TuneOptions,
     software = SoftwareVersions(cuda=device.cuda_version, driver=device.driver_version,
                                 flashtune=__version__, torch=device.torch_version,
                                 triton=device.triton_version)
+    from flashtune.autotune.trial_loop import shared_runner_factory
+
+    if shared_factory is not None:
+        return _tune_problems(problems, op, options, impls, url, progress, rounds,
+                              skip_tuned, deadline, progress_position, shared_factory,
+                              _runner_factory, device, software)
+    with shared_runner_factory(options, _runner_factory, device) as factory:
+        return _tune_problems(problems, op, options, impls, url, progress, rounds,
+                              skip_tuned, deadline, progress_position, factory,
+                              _runner_factory, device, software)
+
+
+def _tune_problems(problems: Sequence[AttentionProblem], op: str, options: TuneOptions,
+                   impls: Sequence[str] | None, url: str, progress: bool, rounds: int,
+                   skip_tuned: bool, deadline: float | None, progress_position: int,
+                   factory: Callable[..., Any], custom: Callable[..., Any] | None,
+                   device: DeviceFingerprint, software: SoftwareVersions) -> list[OpResult]:
+    """:func:`tune_op`'s loop over the problems, every search with ``factory``."""
+    from flashtune.db import open_store
+    from flashtune.kernel_templates import implementations
+
     out: list[OpResult] = []
     longest = 0.0  # the longest shape tuned in this call, seconds
     for problem in problems:
@@ -313,14 +340,14 @@ def tune_op(problems: Sequence[AttentionProblem], op: str, options: TuneOptions,
             log.warning("%s: %s skipped: %s", problem.describe(), name, reason)
         results: list[TuneResult] = []
         search = functools.partial(_search, results, problem, options, url, progress,
-                                   progress_position, skip_tuned, _runner_factory, device)
+                                   progress_position, skip_tuned, custom, factory, device)
         entries = [(spec, _searched(spec, search)) for spec in specs]
         # with --impl, the other applicable implementations' stored bests still take part
         # in the side-by-side timing: --impl narrows the search, not the choice
         if impls is not None:
             entries += _stored_leaders(url, op, problem, device,
                                        {s.name for s in specs})
-        leaders = _side_by_side(entries, problem, device, options, rounds, _runner_factory)
+        leaders = _side_by_side(entries, problem, device, options, rounds, custom)
         result = OpResult(problem, op, device.name, leaders, tuple(skipped), tuple(results),
                           stale=stale)
         win = result.winner
@@ -387,12 +414,14 @@ def _work(problem: AttentionProblem, op: str | None) -> float:
 
 def _search(results: list[TuneResult], problem: AttentionProblem, options: TuneOptions,
             url: str, progress: bool, position: int, reuse: bool,
-            factory: Callable[..., Any] | None, device: DeviceFingerprint,
-            name: str) -> dict[str, int] | None:
+            custom: Callable[..., Any] | None, factory: Callable[..., Any],
+            device: DeviceFingerprint, name: str) -> dict[str, int] | None:
     """Template ``name``'s best config for ``problem`` (:func:`~flashtune.autotune.
     trial_loop.tune_on_device`), its search appended to ``results``; a template searched
     already for the problem (a backward two pairs share) is not searched again, nor, with
-    ``reuse``, one whose search finished in the store at its current source."""
+    ``reuse``, one whose search finished in the store at its current source. ``custom``
+    is the tests' runner factory (None: the real runner), ``factory`` the one every search
+    of the call shares (:func:`tune_op`)."""
     from flashtune.autotune.trial_loop import tune_on_device
 
     found = next((r for r in results if r.template == name), None)
@@ -409,7 +438,8 @@ def _search(results: list[TuneResult], problem: AttentionProblem, options: TuneO
     if found is None:
         found, = tune_on_device([problem], replace(options, template=name), db_url=url,
                                 progress=progress, progress_position=position,
-                                runner_factory=factory, device=device)
+                                runner_factory=custom, device=device,
+                                shared_factory=factory)
         results.append(found)
     return found.best_config
 

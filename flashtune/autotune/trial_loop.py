@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from flashtune.autotune import stop
@@ -52,7 +53,7 @@ from flashtune.db.store import STALE_MESSAGE, TuningStore
 
 log = logging.getLogger(__name__)
 
-__all__ = ["tune_on_device"]
+__all__ = ["runner_factory_for", "shared_runner_factory", "tune_on_device"]
 
 EXHAUSTION_CHECK = 25  # fruitless asks in a row before the study is checked for configs left
 
@@ -65,10 +66,14 @@ def _default_runner(spec: Any, problem: AttentionProblem, device: DeviceFingerpr
                        timeout_s=options.trial_timeout_s)
 
 
-def _runner_factory_for(options: TuneOptions, custom: Callable[..., Any] | None,
-                        device: DeviceFingerprint) -> Callable[..., Any]:
+def runner_factory_for(options: TuneOptions, custom: Callable[..., Any] | None,
+                       device: DeviceFingerprint) -> Callable[..., Any]:
     """The runner factory a job uses: ``custom`` or the default one, wrapped in a worker
-    process when isolated (see ``TuneOptions.isolate``)."""
+    process when isolated (see ``TuneOptions.isolate``). An isolated factory keeps one
+    worker for all the runners it makes (a worker costs seconds to start on a GPU): a
+    caller that runs several searches (``tune --op``: every implementation of every shape)
+    makes it once, passes it to each :func:`tune_on_device` as ``shared_factory`` and
+    closes it at the end."""
     factory = custom or _default_runner
     isolate = options.isolate
     if isolate is None:
@@ -76,6 +81,18 @@ def _runner_factory_for(options: TuneOptions, custom: Callable[..., Any] | None,
     if not isolate:
         return factory
     return isolated(factory)
+
+
+@contextmanager
+def shared_runner_factory(options: TuneOptions, custom: Callable[..., Any] | None,
+                          device: DeviceFingerprint) -> Iterator[Callable[..., Any]]:
+    """:func:`runner_factory_for` for a caller's several searches, closed (its parked worker
+    stopped) when the block ends."""
+    factory = runner_factory_for(options, custom, device)
+    try:
+        yield factory
+    finally:
+        _close(factory)
 
 
 def _close(runner: Any) -> None:
@@ -88,8 +105,13 @@ def tune_on_device(problems: Sequence[AttentionProblem], options: TuneOptions, *
                    db_url: str, progress: bool = True, progress_position: int = 0,
                    runner_factory: Callable[..., Any] | None = None,
                    device: DeviceFingerprint | None = None,
-                   space: SearchSpace | None = None) -> list[TuneResult]:
+                   space: SearchSpace | None = None,
+                   shared_factory: Callable[..., Any] | None = None) -> list[TuneResult]:
     """Tune each problem in turn in this process; see the module docstring.
+
+    ``shared_factory``: the factory :func:`runner_factory_for` made for the caller, who
+    closes it (its worker then serves the caller's next search too); None: one is made
+    for this call and closed at its end.
 
     ``runner_factory(spec, problem, device, options)`` replaces :class:`LocalRunner`,
     ``device`` the device fingerprint (None: the interpreter's or the current GPU's) and
@@ -101,7 +123,7 @@ def tune_on_device(problems: Sequence[AttentionProblem], options: TuneOptions, *
     check_tunable(problems, options.template, custom_runner=runner_factory is not None)
     spec = get_template(options.template)
     device = device or (interpreter_device() if options.interpret else cuda_device())
-    factory = _runner_factory_for(options, runner_factory, device)
+    factory = shared_factory or runner_factory_for(options, runner_factory, device)
     results = []
     try:
         with open_store(db_url) as store:
@@ -110,7 +132,8 @@ def tune_on_device(problems: Sequence[AttentionProblem], options: TuneOptions, *
                                          factory, space or spec.space,
                                          progress, progress_position))
     finally:
-        _close(factory)  # an isolated factory's parked worker
+        if shared_factory is None:
+            _close(factory)  # an isolated factory's parked worker
     return results
 
 

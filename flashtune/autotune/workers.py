@@ -43,6 +43,7 @@ from multiprocessing import get_context
 from typing import TYPE_CHECKING, Any
 
 from flashtune.autotune.options import TuneOptions, TuneResult
+from flashtune.core.device import DeviceFingerprint
 from flashtune.core.errors import FlashtuneError
 from flashtune.core.problem import AttentionProblem
 
@@ -145,21 +146,31 @@ def _worker(slot: int, gpu: int, problem_keys: list[dict[str, Any]], options_jso
             db_url: str, tasks: Any, results: Any, progress: bool) -> None:
     """One worker: pin the GPU, then run tasks until the queue is empty."""
     options = _pin(slot, gpu, options_json)
-    from flashtune.autotune.trial_loop import tune_on_device
+    from flashtune.autotune.trial_loop import shared_runner_factory, tune_on_device
 
-    while True:
-        try:
-            index, trials = tasks.get_nowait()
-        except queue_mod.Empty:
-            return
-        results.put(("start", slot, index, None))
-        problem = AttentionProblem.from_key(problem_keys[index])
-        try:
-            [res] = tune_on_device([problem], replace(options, trials=trials), db_url=db_url,
-                                   progress=progress, progress_position=slot)
-        except KeyboardInterrupt:
-            raise SystemExit(128 + signal.SIGTERM) from None  # recorded INTERRUPTED
-        results.put(("done", slot, index, _result_to_json(res)))
+    # one candidate worker for every task this GPU takes (each costs seconds to start)
+    with shared_runner_factory(options, None, _device(options)) as factory:
+        while True:
+            try:
+                index, trials = tasks.get_nowait()
+            except queue_mod.Empty:
+                return
+            results.put(("start", slot, index, None))
+            problem = AttentionProblem.from_key(problem_keys[index])
+            try:
+                [res] = tune_on_device([problem], replace(options, trials=trials),
+                                       db_url=db_url, progress=progress,
+                                       progress_position=slot, shared_factory=factory)
+            except KeyboardInterrupt:
+                raise SystemExit(128 + signal.SIGTERM) from None  # recorded INTERRUPTED
+            results.put(("done", slot, index, _result_to_json(res)))
+
+
+def _device(options: TuneOptions) -> DeviceFingerprint:
+    """The device a pinned worker tunes on."""
+    from flashtune.core.device import cuda_device, interpreter_device
+
+    return interpreter_device() if options.interpret else cuda_device()
 
 
 def _op_worker(slot: int, gpu: int, problem_keys: list[dict[str, Any]], op: str,
@@ -170,29 +181,33 @@ def _op_worker(slot: int, gpu: int, problem_keys: list[dict[str, Any]], op: str,
     it is empty or ``deadline`` has passed (once it has tuned one)."""
     options = _pin(slot, gpu, options_json)
     from flashtune.autotune.select import past_deadline, tune_op
+    from flashtune.autotune.trial_loop import shared_runner_factory
 
     tuned = False  # past the deadline a worker starts no shape once it has tuned one
     longest = 0.0  # nor one that its longest shape so far would carry past it
-    while not tuned or not past_deadline(deadline, longest):
-        started = time.time()
-        try:
-            index = tasks.get_nowait()
-        except queue_mod.Empty:
-            return
-        results.put(("start", slot, index, None))
-        problem = AttentionProblem.from_key(problem_keys[index])
-        try:
-            [res] = tune_op([problem], op, options, impls=impls, db_url=db_url,
-                            progress=progress, progress_position=slot,
-                            skip_tuned=skip_tuned, _runner_factory=runner_factory)
-        except FlashtuneError as exc:  # this problem's: report it, go on with the next
-            results.put(("error", slot, index, str(exc)))
-            continue
-        except KeyboardInterrupt:
-            raise SystemExit(128 + signal.SIGTERM) from None  # recorded INTERRUPTED
-        if not res.reused:
-            tuned, longest = True, max(longest, time.time() - started)
-        results.put(("done", slot, index, _op_result_to_json(res)))
+    # one candidate worker for every shape this GPU takes (each costs seconds to start)
+    with shared_runner_factory(options, runner_factory, _device(options)) as factory:
+        while not tuned or not past_deadline(deadline, longest):
+            started = time.time()
+            try:
+                index = tasks.get_nowait()
+            except queue_mod.Empty:
+                return
+            results.put(("start", slot, index, None))
+            problem = AttentionProblem.from_key(problem_keys[index])
+            try:
+                [res] = tune_op([problem], op, options, impls=impls, db_url=db_url,
+                                progress=progress, progress_position=slot,
+                                skip_tuned=skip_tuned, shared_factory=factory,
+                                _runner_factory=runner_factory)
+            except FlashtuneError as exc:  # this problem's: report it, go on with the next
+                results.put(("error", slot, index, str(exc)))
+                continue
+            except KeyboardInterrupt:
+                raise SystemExit(128 + signal.SIGTERM) from None  # recorded INTERRUPTED
+            if not res.reused:
+                tuned, longest = True, max(longest, time.time() - started)
+            results.put(("done", slot, index, _op_result_to_json(res)))
 
 
 def tune_on_gpus(problems: Sequence[AttentionProblem], options: TuneOptions, *, db_url: str,

@@ -34,3 +34,17 @@ def dying_runner(spec: Any, problem: Any, device: Any, options: Any) -> Syntheti
     if problem.head_dim == DIES_AT_HEAD_DIM:
         os._exit(3)
     return SyntheticRunner(spec, problem)
+
+
+class PidRunner(SyntheticRunner):
+    """:class:`SyntheticRunner` whose results name the process that evaluated them (in the
+    trial message): which candidate worker served which search."""
+
+    def evaluate(self, config: Mapping[str, int]) -> TrialResult:
+        res = super().evaluate(config)
+        return TrialResult(res.state, f"pid {os.getpid()}", res.median_ms, res.p20_ms,
+                           res.p80_ms, res.tflops, res.compile_s)
+
+
+def pid_runner(spec: Any, problem: Any, device: Any, options: Any) -> PidRunner:
+    return PidRunner(spec, problem)

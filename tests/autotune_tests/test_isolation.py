@@ -138,12 +138,12 @@ def test_closures_cannot_be_isolated(tmp_path):
 def test_when_isolation_is_on_by_default():
     gpu = dataclasses.replace(interpreter_device(), name="NVIDIA_H100_80GB_HBM3")
     auto = TuneOptions()
-    assert loop._runner_factory_for(auto, None, gpu) is not loop._default_runner  # GPU: on
-    assert loop._runner_factory_for(auto, None, interpreter_device()) is loop._default_runner
-    assert loop._runner_factory_for(auto, faulty.crashing_runner, gpu) is \
+    assert loop.runner_factory_for(auto, None, gpu) is not loop._default_runner  # GPU: on
+    assert loop.runner_factory_for(auto, None, interpreter_device()) is loop._default_runner
+    assert loop.runner_factory_for(auto, faulty.crashing_runner, gpu) is \
         faulty.crashing_runner  # custom factories: only when asked
     off = dataclasses.replace(auto, isolate=False)
-    assert loop._runner_factory_for(off, None, gpu) is loop._default_runner
+    assert loop.runner_factory_for(off, None, gpu) is loop._default_runner
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="interpreter mode: the CPU run's TRITON_INTERPRET=1")

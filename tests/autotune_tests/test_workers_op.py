@@ -5,13 +5,22 @@ while the others go on, and ``skip_tuned`` honoured in the workers."""
 
 from __future__ import annotations
 
+import dataclasses
+import os
+
 import pytest
 
 from flashtune.autotune.options import TuneOptions
 from flashtune.autotune.workers import WorkerError, tune_op_on_gpus
 from flashtune.core.problem import AttentionProblem
 from flashtune.db import open_store
-from tests.autotune_tests.op_runners import DIES_AT_HEAD_DIM, dying_runner, synthetic_runner
+from flashtune.autotune.select import tune_op
+from tests.autotune_tests.op_runners import (
+    DIES_AT_HEAD_DIM,
+    dying_runner,
+    pid_runner,
+    synthetic_runner,
+)
 
 P1 = AttentionProblem(1, 2, 2, 48, 48, 32, False, "fp16")
 P2 = AttentionProblem(1, 2, 1, 24, 56, 32, False, "fp16")
@@ -35,6 +44,41 @@ def test_two_workers_choose_for_every_shape_and_a_rerun_skips_them(tmp_path):
     assert [(r.problem, r.reused) for r in again] == [(P1, True), (P2, True)]
     assert [x.implementation for x in again[0].leaders] \
         == [x.implementation for x in results[0].leaders]
+
+
+def _evaluating_pids(url: str) -> tuple[set[str], int]:
+    """The processes that evaluated the database's trials, and how many searches ran."""
+    with open_store(url) as store:
+        trials, runs = store.list_trials(), store.list_runs()
+    assert trials and all(t.message and t.message.startswith("pid ") for t in trials)
+    return {t.message.split()[1] for t in trials}, len(runs)
+
+
+def test_one_candidate_worker_serves_every_search_of_a_tune_op_call(tmp_path):
+    """A candidate worker costs seconds to start on a GPU (a process, torch, a CUDA
+    context): every implementation of every shape of one call is searched in the same one,
+    and it is stopped when the call ends."""
+    url = f"sqlite:///{tmp_path / 'one.db'}"
+    isolated = dataclasses.replace(OPTS, isolate=True)
+    results = tune_op([P1, P2], "fwd", isolated, db_url=url, progress=False, rounds=1,
+                      _runner_factory=pid_runner)
+    assert all(r.winner is not None for r in results)
+    pids, searches = _evaluating_pids(url)
+    assert searches >= 4  # attn_fwd and sdpa_math on each shape
+    assert len(pids) == 1 and str(os.getpid()) not in pids, pids
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(pids.pop()), 0)
+
+
+def test_each_gpu_worker_keeps_one_candidate_worker_for_all_its_shapes(tmp_path):
+    url = f"sqlite:///{tmp_path / 'two.db'}"
+    isolated = dataclasses.replace(OPTS, isolate=True)
+    shapes = [dataclasses.replace(P1, seqlen_q=n, seqlen_k=n) for n in (24, 32, 40, 48)]
+    results = tune_op_on_gpus(shapes, "fwd", isolated, db_url=url, gpus=[0, 1],
+                              _runner_factory=pid_runner)
+    assert len(results) == 4
+    pids, searches = _evaluating_pids(url)
+    assert searches >= 8 and 1 <= len(pids) <= 2, pids
 
 
 def test_a_dead_worker_and_a_refused_shape_are_reported_and_the_rest_finishes(tmp_path):
