@@ -144,12 +144,14 @@ def _build(conn: Any, path: str, init_json: str) -> Any:
     return runner
 
 
-def _release(runner: Any) -> None:
-    """Drop a runner's references (its input tensors) before the next one is built."""
+def _release() -> None:
+    """Free what a dropped runner held (its inputs, its reference, the blocks torch's CUDA
+    allocator cached for them): a parked worker must not keep GPU memory that the parent's
+    side-by-side timing or the next runner needs (a math-SDPA candidate at 32k tokens
+    left 138 GB cached on an H200)."""
     import gc
     import sys
 
-    del runner
     gc.collect()
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
@@ -158,7 +160,8 @@ def _release(runner: Any) -> None:
 
 def _serve(conn: Any, path: str, init_json: str) -> None:
     """The worker: build the runner, then answer requests until told to stop; an ``init``
-    request replaces the runner with one for another problem."""
+    request replaces the runner with one for another problem, a ``release`` request drops
+    it (the worker is parked) and frees its memory."""
     runner = _build(conn, path, init_json)
     if runner is None:
         return
@@ -169,10 +172,17 @@ def _serve(conn: Any, path: str, init_json: str) -> None:
             return
         op, config = request.get("op"), request.get("config")
         if op == "init":
-            _release(runner)
+            runner = None  # freed before the next one is built
+            _release()
             runner = _build(conn, path, request["init"])
             if runner is None:
                 return
+        elif op == "release":
+            runner = None
+            _release()
+            _send(conn, {"released": True})
+        elif runner is None:  # parked: only init, release or stop
+            return
         elif op == "evaluate":
             try:
                 res = runner.evaluate(config)
@@ -375,12 +385,25 @@ class IsolatedRunner(_Closing):
         this runner for that factory's next runner."""
         if self._proc is None:
             return
+        if self._parking is not None and self._proc.is_alive():
+            # the worker drops this runner and frees its GPU memory before it is parked
+            try:
+                self._conn.send_bytes(json.dumps({"op": "release"}).encode())
+            except (OSError, ValueError):
+                self._kill()
+                return
+            reply, _ = self._receive(STOP_TIMEOUT_S)
+            if reply is None or not reply.get("released"):
+                if self._proc is not None:
+                    self._kill()
+                return
+            proc, conn = self._proc, self._conn
+            self._proc = self._conn = None
+            self._parking.park(proc, conn)
+            return
         proc, conn = self._proc, self._conn
         self._proc = self._conn = None
-        if self._parking is not None and proc.is_alive():
-            self._parking.park(proc, conn)
-        else:
-            _stop(proc, conn)
+        _stop(proc, conn)
 
     @property
     def pid(self) -> int | None:

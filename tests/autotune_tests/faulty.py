@@ -138,3 +138,26 @@ class TaggedRunner(CrashingRunner):
 
 def tagged_runner(spec: Any, problem: Any, device: Any, options: Any) -> TaggedRunner:
     return TaggedRunner(problem)
+
+
+RELEASED_ENV = "FLASHTUNE_TEST_RELEASED"  # a file each dropped ReleaseMarkingRunner writes to
+
+
+class ReleaseMarkingRunner(CrashingRunner):
+    """:class:`CrashingRunner` that notes in the file ``$FLASHTUNE_TEST_RELEASED`` when it is
+    freed (its process id and problem): whether a parked worker let go of its runner."""
+
+    def __init__(self, problem: Any) -> None:
+        super().__init__(problem)
+        self.problem = problem
+
+    def __del__(self) -> None:
+        path = os.environ.get(RELEASED_ENV)
+        if path:
+            with open(path, "a") as f:
+                f.write(f"{os.getpid()} {self.problem.seqlen_q}\n")
+
+
+def release_marking_runner(spec: Any, problem: Any, device: Any,
+                           options: Any) -> ReleaseMarkingRunner:
+    return ReleaseMarkingRunner(problem)

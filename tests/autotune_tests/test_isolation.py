@@ -115,6 +115,28 @@ def test_a_dead_worker_is_not_carried_to_the_next_problem():
         os.kill(third_pid, 0)
 
 
+def test_a_parked_worker_lets_go_of_its_runner(tmp_path, monkeypatch):
+    """A parked worker holds no runner: its inputs and the GPU memory cached for them are
+    freed before the parent goes on (the parent's side-by-side timing, or the next runner,
+    needs that memory; a 32k-token math-SDPA candidate left 138 GB cached on an H200)."""
+    from flashtune.autotune.isolation import isolated
+
+    marks = tmp_path / "released"
+    monkeypatch.setenv(faulty.RELEASED_ENV, str(marks))
+    spec, dev = get_template("attn_fwd"), interpreter_device()
+    with isolated(faulty.release_marking_runner) as factory:
+        first = factory(spec, PROBLEM, dev, OPTS)
+        pid = first.pid
+        assert first.evaluate({"BLOCK_M": 16, "BLOCK_N": 32}).state is TrialState.COMPLETE
+        assert not marks.exists()
+        first.close()  # parked: the worker lives on, without the runner
+        assert factory._parked is not None and factory._parked[0].pid == pid
+        assert marks.read_text() == f"{pid} {PROBLEM.seqlen_q}\n"
+        second = factory(spec, dataclasses.replace(PROBLEM, seqlen_q=80), dev, OPTS)
+        assert second.pid == pid
+        assert second.evaluate({"BLOCK_M": 16, "BLOCK_N": 32}).state is TrialState.COMPLETE
+
+
 def test_a_factory_that_fails_in_the_worker_is_a_clear_error():
     with pytest.raises(IsolationError, match="did not start: RuntimeError: cannot build the "
                                              "runner here"):
