@@ -17,8 +17,12 @@ attn_decode).
 Choices come from :func:`flashtune.runtime.sources.load_choices` (the database read-only,
 ``$FLASHTUNE_CONFIG_DIR``, the shipped ``flashtune/configs``), read once per process and
 device; a choice tuned for another source hash of its implementation is stale and not
-served. Answers are memoised per (device, problem, LSE asked, paired): after the first call
-a lookup is one dict read.
+served, but it keeps its place: a call whose exact, bucket or nearest match is a stale
+choice gets None (the documented default), not the next fresh choice further away, which
+was made for another shape (when cuDNN's choices go stale with a torch upgrade, the shapes
+where cuDNN beat flashtune's kernels stay off those kernels). A fresh choice of the same
+device and shape, from any source, replaces a stale one. Answers are memoised per (device,
+problem, LSE asked, paired): after the first call a lookup is one dict read.
 """
 
 from __future__ import annotations
@@ -90,7 +94,7 @@ class OpRouter:
             for reason in problems:
                 _warn_once(_SOURCE_WARNED, _SOURCE_LOCK, reason, "flashtune: %s; serving "
                            "what the other sources have (else defaults)", reason)
-            table = self._tables[key] = split_by_device(entries, key, aliases)
+            table = self._tables[key] = split_by_device(_unshadowed(entries), key, aliases)
             return table
 
     def choose(self, problem: AttentionProblem, device: Any, *, return_lse: bool = False,
@@ -132,21 +136,37 @@ class OpRouter:
     def _walk(self, problem: AttentionProblem, device: Any, return_lse: bool,
               paired: bool) -> ConfigChoice | None:
         own, alias = self._table(device)
+
+        def usable(e: ChoiceEntry) -> bool:  # a stale choice answers "the default"
+            return e.stale or self._serves(e, problem, device, return_lse, paired)
+
         for e in own:
-            if e.problem == problem and self._serves(e, problem, device, return_lse, paired):
-                return _choice(e, "exact")
+            if e.problem == problem and usable(e):
+                return _choice(e, "exact", problem, self.op)
         for source, entries, same_bucket in (("bucket", own, True), ("nearest", own, False),
                                              ("device-alias", alias, False)):
-            pick = pick_nearest(entries, problem, same_bucket,
-                                lambda e: self._serves(e, problem, device, return_lse, paired))
+            pick = pick_nearest(entries, problem, same_bucket, usable)
             if pick is not None:
-                log.info("%s: op %s served by %s as chosen for %s (%s, %s)", problem.describe(),
-                         self.op, pick.implementation, pick.problem.describe(), source,
-                         pick.origin)
-                return _choice(pick, source)
+                return _choice(pick, source, problem, self.op)
         return None
 
 
-def _choice(entry: ChoiceEntry, source: str) -> ConfigChoice:
+def _choice(entry: ChoiceEntry, source: str, problem: AttentionProblem,
+            op: str) -> ConfigChoice | None:
+    """``entry`` as the answer for ``problem`` (found by ``source``); None for a stale one."""
+    if entry.stale:
+        log.info("%s: op %s takes the default: its %s match, %s for %s (%s), is stale",
+                 problem.describe(), op, source, entry.implementation,
+                 entry.problem.describe(), entry.origin)
+        return None
+    if source != "exact":
+        log.info("%s: op %s served by %s as chosen for %s (%s, %s)", problem.describe(), op,
+                 entry.implementation, entry.problem.describe(), source, entry.origin)
     return ConfigChoice(dict(entry.config), source, entry.tflops, entry.median_ms,
                         entry.problem, entry.origin, entry.implementation)
+
+
+def _unshadowed(entries: list[ChoiceEntry]) -> list[ChoiceEntry]:
+    """``entries`` less the stale ones whose device and shape have a fresh choice."""
+    fresh = {(e.device, e.problem) for e in entries if not e.stale}
+    return [e for e in entries if not e.stale or (e.device, e.problem) not in fresh]

@@ -28,7 +28,11 @@ serves each shape of a user op) from the same three sources, files named by
 :func:`flashtune.db.exchange.choice_file_name`. A choice is served only when its winner is
 an implementation the caller names with the source hash it was decided at; others are
 stale (a shipped file of the device asked for: a reason returned, as above; else logged
-at info level, once per source).
+at info level, once per source). A stale choice is still returned, marked ``stale``: it
+holds its shape's ground, so the router sends calls near it to the documented default
+rather than to a fresh choice made for another shape (an SDPA backend's choice goes stale
+with the torch or cuDNN version, and the shapes where it beat flashtune's kernels must not
+be handed to those kernels by a nearest lookup).
 """
 
 from __future__ import annotations
@@ -212,7 +216,9 @@ def load_entries(template: str, source_hash: str, device_name: str, *,
 class ChoiceEntry:
     """One op choice as the router serves it: on ``device``, ``problem`` runs
     ``implementation`` with ``config``, which beat the runner-up by ``margin``
-    (``runner_up_ms / median_ms``; None when nothing else was timed)."""
+    (``runner_up_ms / median_ms``; None when nothing else was timed). ``stale``: decided at
+    another source of ``implementation`` (or by one this flashtune does not know): never
+    served, it only marks where that choice was made (see the module docstring)."""
 
     device: DeviceKey
     problem: AttentionProblem
@@ -222,6 +228,7 @@ class ChoiceEntry:
     tflops: float | None
     origin: str  # "db <url>", "dir <path>" or "package <path>"
     margin: float | None
+    stale: bool = False
 
 
 class _Stale:
@@ -246,7 +253,8 @@ class _Stale:
             what = ", ".join(
                 f"{n} of {name} ({'decided at another source' if name in hashes else 'unknown'})"
                 for name, n in sorted(self.skipped.items()))
-            log.info("%s: op choices not served (stale): %s", self.origin, what)
+            log.info("%s: op choices not served (stale; calls near them take the default): "
+                     "%s", self.origin, what)
 
 
 def _choices_from_db(op: str, hashes: Mapping[str, str], url: str | None) -> list[ChoiceEntry]:
@@ -261,8 +269,8 @@ def _choices_from_db(op: str, hashes: Mapping[str, str], url: str | None) -> lis
     stale = _Stale(f"db {safe_url(url)}")
     out = [ChoiceEntry(device_key(c.device), AttentionProblem.from_key(c.problem_key),
                        c.implementation, dict(c.config), c.median_ms, c.tflops, stale.origin,
-                       c.margin)
-           for c in stored if stale.keep(c.implementation, c.source_hash, hashes)]
+                       c.margin, not stale.keep(c.implementation, c.source_hash, hashes))
+           for c in stored]
     stale.log(hashes)
     return out
 
@@ -279,9 +287,10 @@ def _choices_from_file(path: Path, kind: str, op: str, hashes: Mapping[str, str]
     stale = _Stale(f"{kind} {path}")
     out = [ChoiceEntry(key, AttentionProblem.from_key(e.problem), e.implementation,
                        dict(e.config), e.median_ms, e.tflops, stale.origin,
-                       None if e.runner_up_ms is None else e.runner_up_ms / e.median_ms)
-           for e in doc.entries
-           if stale.keep(e.implementation, doc.implementations.get(e.implementation), hashes)]
+                       None if e.runner_up_ms is None else e.runner_up_ms / e.median_ms,
+                       not stale.keep(e.implementation,
+                                      doc.implementations.get(e.implementation), hashes))
+           for e in doc.entries]
     # warned about: entries of an implementation known here whose source moved since (its
     # kernels changed: re-tune); one this flashtune does not know (a file from a newer one)
     # is only logged
@@ -303,8 +312,8 @@ def load_choices(op: str, hashes: Mapping[str, str], device_name: str, *,
     Arguments:
         op: the user op (``"fwd"``, ``"decode"``).
         hashes: implementation name -> its current source hash: a choice whose winner is
-            not named here, or was decided at another hash, is stale and skipped (one
-            info line per source).
+            not named here, or was decided at another hash, is stale (one info line per
+            source), returned marked ``stale``.
         device_name: the device whose files are read (the database holds every device).
         aliases: read the files of every device too (device aliases).
         db_url: the database (None: ``$FLASHTUNE_DB``, else the default file).

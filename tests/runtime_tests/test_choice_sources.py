@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import sqlite3
+from dataclasses import replace
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -110,20 +111,23 @@ def test_a_db_url_argument_wins_over_the_default(env: dict, tmp_path: Path) -> N
     assert load_choices("fwd", env["hashes"], HERE.name) == ([], [])  # default: not there
 
 
-def test_stale_and_unknown_winners_are_skipped_with_one_info_line(
+def test_stale_and_unknown_winners_are_marked_with_one_info_line(
         env: dict, caplog: pytest.LogCaptureFixture) -> None:
     decide(env["db"], "fwd", 0, source_hash=OLD)  # decided at an old attn_fwd source
     decide(env["db"], "fwd", 1, "no_such_impl", config={"BLOCK_M": 64})  # unknown here
     decide(env["db"], "fwd", 2)
     with caplog.at_level(logging.INFO, logger="flashtune.runtime.sources"):
         entries, problems = load_choices("fwd", env["hashes"], HERE.name)
-    assert problems == [] and [e.problem for e in entries] == [FWD_PROBLEMS[2]]
+    # the stale ones come back marked: the router serves them as "take the default"
+    assert problems == [] and sorted((e.problem.seqlen_q, e.stale) for e in entries) == \
+        sorted((p.seqlen_q, i < 2) for i, p in enumerate(FWD_PROBLEMS[:3]))
     [line] = [r.getMessage() for r in caplog.records if "not served" in r.getMessage()]
-    assert line == (f"db {env['db']}: op choices not served (stale): 1 of attn_fwd (decided "
-                    "at another source), 1 of no_such_impl (unknown)")
+    assert line == (f"db {env['db']}: op choices not served (stale; calls near them take the "
+                    "default): 1 of attn_fwd (decided at another source), 1 of no_such_impl "
+                    "(unknown)")
     # the caller decides what is current: with the old hash, the old decision is served
     old = load_choices("fwd", {**env["hashes"], "attn_fwd": OLD}, HERE.name)[0]
-    assert [e.problem for e in old] == [FWD_PROBLEMS[0]]
+    assert [e.problem for e in old if not e.stale] == [FWD_PROBLEMS[0]]
 
 
 def test_files_of_the_config_dir_and_the_package(env: dict) -> None:
@@ -172,14 +176,17 @@ def test_the_file_name_is_the_exporters(env: dict) -> None:
 
 def test_a_file_naming_an_implementation_unknown_here_serves_the_rest(env: dict) -> None:
     """A file from a flashtune with more implementations is read leniently: the entries of
-    the unknown one are stale, the others served (an import would refuse the file)."""
+    the unknown one are stale (marking where it won), the others served (an import would
+    refuse the file)."""
     write(env["dir"], entry(FWD_PROBLEMS[0], implementation="no_such_impl",
                             config={"BLOCK_M": 64}),
           entry(FWD_PROBLEMS[1]),
           implementations={"no_such_impl": "abcdefabcdefabcd", "attn_fwd": FWD,
                            EXTERN: EXTERN_HASH})
     entries, problems = load_choices("fwd", env["hashes"], HERE.name)
-    assert problems == [] and [e.problem for e in entries] == [FWD_PROBLEMS[1]]
+    assert problems == []
+    assert [(e.problem, e.stale) for e in entries] == [(FWD_PROBLEMS[1], False),
+                                                       (FWD_PROBLEMS[0], True)]
 
 
 @pytest.mark.parametrize("damage", ["garbage-db", "newer-schema-db", "corrupt-json",
@@ -221,3 +228,42 @@ def test_a_bad_source_is_reported_and_the_others_still_serve(
     assert [(e.origin.split()[0], e.problem) for e in entries] == \
         [("package", FWD_PROBLEMS[2])]
     assert not (db_path.parent / "typo.db").exists()  # never created
+
+
+def test_a_stale_choice_sends_the_calls_near_it_to_the_default(env: dict) -> None:
+    """A shipped table's cuDNN wins go stale with the torch version: the shapes near them
+    must take the default (cuDNN on Hopper), not the nearest fresh choice, which was made
+    for another shape (flashtune's kernel where it beat cuDNN)."""
+    from flashtune.core.problem import AttentionProblem
+    from flashtune.kernel_templates import implementations
+    from flashtune.runtime.choices import OpRouter
+
+    a = AttentionProblem(2, 8, 2, 2048, 2048, 64, True, "bf16")  # the extern won here
+    b = AttentionProblem(2, 8, 2, 8192, 8192, 64, True, "bf16")  # attn_fwd won here
+    write(env["package"],
+          entry(a, implementation=EXTERN, config={}, runner_up="attn_fwd", runner_up_ms=1.3,
+                extern=None, extern_ms=None),
+          entry(b), implementations={EXTERN: OLD, "attn_fwd": FWD})  # the extern: stale
+    router = OpRouter("fwd", {s.name: s for s in implementations("fwd")})
+
+    def served(nq: int) -> tuple[str | None, str | None]:
+        got = router.choose(replace(a, seqlen_q=nq, seqlen_k=nq), HERE)
+        return (None, None) if got is None else (got.template, got.source)
+
+    assert served(2048) == (None, None)  # its exact match is stale: the default
+    assert served(2560) == (None, None)  # nearer the stale choice than the fresh one
+    assert served(8192) == ("attn_fwd", "exact")
+    assert served(7168)[0] == "attn_fwd"
+    # a fresh choice of the same shape (here the user's database) replaces the stale one
+    decide(env["db"], "fwd", 0, EXTERN, source_hash=EXTERN_HASH, config={}, median_ms=0.5,
+           tflops=None)
+    write(env["package"],
+          entry(a, implementation=EXTERN, config={}, runner_up="attn_fwd", runner_up_ms=1.3,
+                extern=None, extern_ms=None),
+          entry(FWD_PROBLEMS[0], implementation=EXTERN, config={}, runner_up=None,
+                runner_up_ms=None, extern=None, extern_ms=None),
+          entry(b), implementations={EXTERN: OLD, "attn_fwd": FWD})
+    router.reload()
+    fresh = router.choose(FWD_PROBLEMS[0], HERE)
+    assert fresh is not None and (fresh.template, fresh.origin.split()[0]) == (EXTERN, "db")
+    assert served(2048) == (None, None)
