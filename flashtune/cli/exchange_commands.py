@@ -92,7 +92,9 @@ def export_command(ctx: click.Context, device: str | None, template: str | None,
     read-only).
 
     Only configs tuned for the current template sources, and op choices whose winner was
-    decided at its current source, are written (older ones would never be served). -o DIR
+    decided at its current source, are written (older ones would never be served); an SDPA
+    backend's choices keep the torch and cuDNN they were timed with, whatever this
+    machine's, and each reader judges them against its own. -o DIR
     writes one file per device and template and one per device and op (with --format vllm:
     per device, template, dtype, head_dim and causal; the vLLM format carries Triton
     configs only, never op choices); -o FILE.json needs exactly one.

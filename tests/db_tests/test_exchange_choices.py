@@ -333,6 +333,30 @@ def test_export_leaves_out_a_rival_this_flashtune_does_not_know(
     assert "its runner_up 'no_such_impl' is not a registered implementation" in caplog.text
 
 
+def test_an_externs_choices_export_with_the_torch_they_were_timed_with(url: str) -> None:
+    """An SDPA backend's hash is the torch and cuDNN of the GPU box that timed it: a
+    database exports whole from any machine (here the extern is registered with another
+    hash, as on a laptop with another torch), each choice with the hash it was decided at;
+    where an extern's choices span two hashes the latest's are kept. An own kernel's
+    stale choice is still left out."""
+    timed_later, timed_before = "a" * 16, "b" * 16
+    decide(url, H100, "fwd", FWD_PROBLEMS[1], implementation=EXTERN,
+           source_hash=timed_before, config={}, median_ms=0.5, tflops=None)
+    decide(url, H100, "fwd", FWD_PROBLEMS[0], implementation=EXTERN, source_hash=timed_later,
+           config={}, median_ms=1.0, tflops=None, runner_up="attn_fwd", runner_up_ms=1.1)
+    decide(url, H100, "fwd", FWD_PROBLEMS[2], implementation="attn_fwd", source_hash=OLD,
+           config=FWD_CFG, median_ms=3.0, tflops=400.0)
+    [doc] = export(url)
+    assert [e.problem for e in doc.entries] == [FWD_PROBLEMS[0].key()]
+    assert doc.implementations == {EXTERN: timed_later, "attn_fwd": FWD}
+    # where the extern's hash is the reader's, the choice imports; elsewhere it is stale
+    specs = {**SPECS, EXTERN: extern_spec(source_hash=timed_later)}
+    with open_store(url.replace("a.db", "b.db")) as store:
+        report = import_documents(store, [("x", doc)], specs=specs)
+    assert report.total("added") == 1 and report.total("stale") == 0
+    assert import_(url.replace("a.db", "c.db"), [doc]).total("stale") == 1
+
+
 def test_an_export_checks_what_it_writes(url: str) -> None:
     decide(url, H100, "fwd", FWD_PROBLEMS[0], implementation="attn_fwd", source_hash=FWD,
            config={"BLOCK_M": 7}, median_ms=1.0, tflops=None)
