@@ -1,5 +1,5 @@
-"""The configs shipped in ``flashtune/configs/``: valid, current, and what an H100 gets with
-no tuning database and no config folder (a fresh install)."""
+"""The configs shipped in ``flashtune/configs/``: valid, current, and what an H100 or an
+H200 gets with no tuning database and no config folder (a fresh install)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ import flashtune
 from flashtune.autotune.presets import preset
 from flashtune.core.device import DeviceFingerprint
 from flashtune.core.problem import AttentionProblem
-from flashtune.db.exchange import config_file_name, parse_document
+from flashtune.core.spec import op_implementations
+from flashtune.db.exchange import choice_file_name, config_file_name, parse_document
+from flashtune.db.exchange_choices import read_choice_document
 from flashtune.kernel_templates import (
     catalog,  # noqa: E402
     get_template,
@@ -24,7 +26,8 @@ from flashtune.runtime.lookup import Dispatcher
 SPECS = catalog()
 
 PACKAGE = Path(flashtune.__file__).parent / "configs"
-FILES = sorted(PACKAGE.glob("*.json"))
+FILES = sorted(p for p in PACKAGE.glob("*.json") if ",template=" in p.name)
+OP_FILES = sorted(p for p in PACKAGE.glob("*.json") if ",op=" in p.name)
 SPEC = get_template("attn_fwd")
 H100 = DeviceFingerprint("NVIDIA_H100_80GB_HBM3", "9.0", 132, 232448, 85 << 30)
 
@@ -42,9 +45,42 @@ def test_shipped_files_are_valid_current_and_named_by_the_loader(path):
         f"{path.name} was tuned for {doc.template}@{doc.source_hash}, the template is now "
         f"@{spec.source_hash}: re-tune on the GPU (see flashtune/configs/README.md)")
     assert doc.software["triton"] and doc.software["torch"]
+    device = _fingerprint(doc.device)
     for entry in doc.entries:
         problem = AttentionProblem.from_key(entry.problem)
-        assert spec.space.check(spec.space.validate(entry.config), problem, H100) is None
+        assert spec.space.check(spec.space.validate(entry.config), problem, device) is None
+
+
+def _fingerprint(info) -> DeviceFingerprint:
+    return DeviceFingerprint(info.name, info.compute_capability, info.sm_count,
+                             info.shared_mem_per_block, info.total_memory)
+
+
+def test_every_shipped_file_is_of_one_kind_or_the_other():
+    assert sorted(PACKAGE.glob("*.json")) == sorted(FILES + OP_FILES)
+
+
+@pytest.mark.parametrize("path", OP_FILES, ids=lambda p: p.name)
+def test_shipped_op_choices_are_valid_and_current_for_flashtunes_kernels(path):
+    """Own kernels' choices must be current (a kernel change re-tunes them); an SDPA
+    backend's carry the torch and cuDNN of the GPU that timed them, which a reader with
+    another torch treats as stale (its calls there take the default)."""
+    doc = read_choice_document(path, specs=SPECS)  # the importer's strict validation
+    assert path.name == choice_file_name(doc.device.name, doc.op)
+    serving = op_implementations(SPECS, doc.op)
+    winners = {e.implementation for e in doc.entries}
+    for name in winners:
+        if serving[name].kind != "extern":
+            assert doc.implementations[name] == serving[name].source_hash, (
+                f"{path.name}: {name} was tuned at {doc.implementations[name]}, it is now "
+                f"@{serving[name].source_hash}: re-tune on the GPU (flashtune/configs/README.md)")
+    assert doc.software["triton"] and doc.software["torch"]
+    device = _fingerprint(doc.device)
+    for entry in doc.entries:
+        if doc.is_current(entry, {n: s.source_hash for n, s in serving.items()}):
+            spec = serving[entry.implementation]
+            problem = AttentionProblem.from_key(entry.problem)
+            assert spec.space.check(spec.space.validate(entry.config), problem, device) is None
 
 
 @pytest.fixture
@@ -161,3 +197,36 @@ def test_a_stale_table_of_another_device_is_not_warned_about(package, caplog):
         dispatch.reload(device_alias=True)
         assert dispatch.choose(preset("llama3-8b")[0], other).source == "default"
     assert not [r for r in caplog.records if "is stale" in r.getMessage()]
+
+
+H200_FWD = PACKAGE / choice_file_name("NVIDIA_H200", "fwd")
+
+
+@pytest.mark.skipif(not H200_FWD.exists(), reason="no H200 forward table shipped")
+def test_a_fresh_h200_routes_by_the_shipped_op_choices(fresh_install):
+    """Each shipped shape is served by its winner where the winner is current here (an SDPA
+    backend: only under the torch and cuDNN that timed it); a stale winner's shape takes the
+    default, as do the shapes nearest it; and no call reads a file."""
+    from flashtune.runtime.choices import OpRouter
+
+    doc = read_choice_document(H200_FWD, specs=SPECS)
+    device = _fingerprint(doc.device)
+    serving = op_implementations(SPECS, "fwd")
+    router = OpRouter("fwd", serving)
+    hashes = {n: s.source_hash for n, s in serving.items()}
+    own = stale = 0
+    for entry in doc.entries:
+        problem = AttentionProblem.from_key(entry.problem)
+        got = router.choose(problem, device)
+        if not doc.is_current(entry, hashes):
+            stale += 1
+            assert got is None, (problem.describe(), got)
+        elif serving[entry.implementation].refuse(problem, device) is None:
+            own += serving[entry.implementation].kind != "extern"
+            assert got is not None and (got.template, got.source, got.config) == \
+                (entry.implementation, "exact", entry.config)
+    assert own > 0  # the table has own-kernel wins this machine can check
+    if stale:  # then near a stale cuDNN win is the default too, not a far own-kernel win
+        first = next(AttentionProblem.from_key(e.problem) for e in doc.entries
+                     if not doc.is_current(e, hashes))
+        assert router.choose(replace(first, batch=first.batch + 1), device) is None
