@@ -150,6 +150,12 @@ class OpResult:
         return self._over(self.best_extern)
 
 
+# implementations searched on a GPU only when named (--impl): torch's math SDPA
+# materialises the scores (128 GB of them at 32k tokens, 32 heads), so it never wins there
+# and can run the GPU out of memory; under the interpreter it stands in for an extern
+REFERENCE_ONLY = frozenset({"sdpa_math"})
+
+
 def applicable(op: str, problem: AttentionProblem, device: DeviceFingerprint,
                impls: Sequence[str] | None = None
                ) -> tuple[list[TemplateSpec], list[tuple[str, str]]]:
@@ -160,7 +166,8 @@ def applicable(op: str, problem: AttentionProblem, device: DeviceFingerprint,
         op: one of :data:`~flashtune.core.spec.USER_OPS`.
         problem: the shape.
         device: where it would run.
-        impls: only these implementations (each must serve ``op``); None: every one.
+        impls: only these implementations (each must serve ``op``); None: every one
+            (on a GPU, less :data:`REFERENCE_ONLY`).
     Returns:
         ``(specs, skipped)``: the specs that can, sorted by name; ``(name, reason)`` for
         the others.
@@ -186,6 +193,10 @@ def applicable(op: str, problem: AttentionProblem, device: DeviceFingerprint,
     ok, skipped = [], []
     for spec in specs:
         reason = spec.refuse(problem, device)
+        if reason is None and impls is None and spec.name in REFERENCE_ONLY \
+                and not device.is_interpreter:
+            reason = ("a reference, never a contender on a GPU (it writes the N x N scores "
+                      "to memory); name it with --impl to time it")
         if reason is None:
             ok.append(spec)
         else:

@@ -49,6 +49,20 @@ def test_applicable_skips_what_cannot_run_here_with_the_reason():
     assert "attn_decode" in dict(applicable("decode", TINY, DEV)[1])
 
 
+def test_on_a_gpu_the_math_backend_is_searched_only_when_named():
+    from dataclasses import replace
+
+    from flashtune.core.device import DeviceFingerprint
+
+    h100 = DeviceFingerprint("NVIDIA_H100_80GB_HBM3", "9.0", 132, 232448, 85 << 30)
+    long = replace(TINY, seqlen_q=32768, seqlen_k=32768, head_dim=128, dtype="bf16")
+    specs, skipped = applicable("fwd", long, h100)
+    assert "sdpa_math" not in [s.name for s in specs]
+    assert "never a contender on a GPU" in dict(skipped)["sdpa_math"]
+    assert [s.name for s in applicable("fwd", long, h100, ["sdpa_math"])[0]] == ["sdpa_math"]
+    assert "sdpa_math" in [s.name for s in applicable("fwd", long, DEV)[0]]  # interpreter
+
+
 def test_applicable_refuses_an_unknown_op_and_an_implementation_of_another_op():
     with pytest.raises(InputError, match="op must be one of"):
         applicable("bwd", TINY, DEV)

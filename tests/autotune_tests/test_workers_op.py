@@ -11,10 +11,10 @@ import os
 import pytest
 
 from flashtune.autotune.options import TuneOptions
+from flashtune.autotune.select import tune_op
 from flashtune.autotune.workers import WorkerError, tune_op_on_gpus
 from flashtune.core.problem import AttentionProblem
 from flashtune.db import open_store
-from flashtune.autotune.select import tune_op
 from tests.autotune_tests.op_runners import (
     DIES_AT_HEAD_DIM,
     dying_runner,

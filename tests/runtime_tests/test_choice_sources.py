@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 import logging
 import sqlite3
-from dataclasses import replace
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
