@@ -36,7 +36,7 @@ bench "$out/ship_exact_$name.json" --db "sqlite:///$work/exact.db"
 echo "== 4. nearest against exact"
 python - "$out/ship_nearest_$name.json" "$out/ship_exact_$name.json" \
     "$out/ship_check_$name.json" <<'PY'
-import json, math, sys
+import json, math, os, sys
 
 near, exact = (json.load(open(p)) for p in sys.argv[1:3])
 by_label = {r["label"]: r for r in near["rows"]}
@@ -59,8 +59,9 @@ worst = max((r["nearest_over_exact"] for r in rows), default=math.nan)
 geo = math.exp(sum(math.log(r["nearest_over_exact"]) for r in rows) / len(rows)) if rows else math.nan
 print(f"{len(rows)} shapes tuned exactly: nearest/exact time geomean {geo:.3f}, worst {worst:.3f} "
       f"(target: every one <= 1.05)")
-json.dump({"benchmark": "ship_check", "device": exact.get("device"), "nearest": sys.argv[1],
-           "exact": sys.argv[2], "rows": rows, "geomean_nearest_over_exact": geo,
+json.dump({"benchmark": "ship_check", "device": exact.get("device"),
+           "nearest": os.path.basename(sys.argv[1]),
+           "exact": os.path.basename(sys.argv[2]), "rows": rows, "geomean_nearest_over_exact": geo,
            "worst_nearest_over_exact": worst}, open(sys.argv[3], "w"), indent=1)
 PY
 rm -rf "$work"
