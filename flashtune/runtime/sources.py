@@ -27,8 +27,9 @@ configs.
 serves each shape of a user op) from the same three sources, files named by
 :func:`flashtune.db.exchange.choice_file_name`. A choice is served only when its winner is
 an implementation the caller names with the source hash it was decided at; others are
-stale (a shipped file of the device asked for: a reason returned, as above; else logged
-at info level, once per source). A stale choice is still returned, marked ``stale``: it
+stale (a shipped file of the device asked for whose own-kernel choices are stale: a reason
+returned, as above; else, an SDPA backend's choice timed under another torch or cuDNN
+among them, logged at info level, once per source). A stale choice is still returned, marked ``stale``: it
 holds its shape's ground, so the router sends calls near it to the documented default
 rather than to a fresh choice made for another shape (an SDPA backend's choice goes stale
 with the torch or cuDNN version, and the shapes where it beat flashtune's kernels must not
@@ -280,7 +281,8 @@ def _choices_from_file(path: Path, kind: str, op: str, hashes: Mapping[str, str]
     from flashtune.db.exchange_choices import read_choice_document
     from flashtune.kernel_templates import catalog
 
-    doc = read_choice_document(path, specs=catalog(), strict=False)
+    specs = catalog()
+    doc = read_choice_document(path, specs=specs, strict=False)
     if doc.op != op or doc.file_name() != path.name:
         raise ValueError(f"{path} holds {doc.file_name()}, not what its name says")
     key = device_key(doc.device)
@@ -291,10 +293,12 @@ def _choices_from_file(path: Path, kind: str, op: str, hashes: Mapping[str, str]
                        not stale.keep(e.implementation,
                                       doc.implementations.get(e.implementation), hashes))
            for e in doc.entries]
-    # warned about: entries of an implementation known here whose source moved since (its
-    # kernels changed: re-tune); one this flashtune does not know (a file from a newer one)
-    # is only logged
-    if any(name in hashes for name in stale.skipped) and doc.device.name == device_name:
+    # warned about: entries of one of flashtune's own kernels whose source moved since (its
+    # kernels changed: re-tune); only logged: an SDPA backend's, whose hash is the torch and
+    # cuDNN that timed it (any other torch: their shapes take the default, cuDNN on Hopper,
+    # as the stale choice would), and one this flashtune does not know (a newer file's)
+    moved = [n for n in stale.skipped if n in hashes and specs[n].kind != "extern"]
+    if moved and doc.device.name == device_name:
         found = _choice_staleness(path, kind, doc, hashes)
         if found is not None:
             return out, found.line()

@@ -267,3 +267,26 @@ def test_a_stale_choice_sends_the_calls_near_it_to_the_default(env: dict) -> Non
     fresh = router.choose(FWD_PROBLEMS[0], HERE)
     assert fresh is not None and (fresh.template, fresh.origin.split()[0]) == (EXTERN, "db")
     assert served(2048) == (None, None)
+
+
+def test_a_shipped_file_is_warned_about_when_flashtunes_kernels_moved_not_torch(
+        env: dict, caplog: pytest.LogCaptureFixture) -> None:
+    """An SDPA backend's choices go stale with every torch or cuDNN other than the one
+    that timed them: that is logged (their shapes take the default, as the choice would),
+    not warned about in every process; a stale choice of flashtune's own kernel is (it
+    changed since: re-tune)."""
+    write(env["package"], entry(FWD_PROBLEMS[0], implementation=EXTERN, config={},
+                                runner_up=None, runner_up_ms=None, extern=None,
+                                extern_ms=None),
+          entry(FWD_PROBLEMS[1]), implementations={EXTERN: OLD, "attn_fwd": FWD})
+    with caplog.at_level(logging.INFO, logger="flashtune.runtime.sources"):
+        entries, problems = load_choices("fwd", env["hashes"], HERE.name)
+    assert problems == [] and sorted(e.stale for e in entries) == [False, True]
+    assert any("not served" in r.getMessage() and EXTERN in r.getMessage()
+               for r in caplog.records)
+    path = write(env["package"], entry(FWD_PROBLEMS[0]), entry(FWD_PROBLEMS[1]),
+                 implementations={"attn_fwd": OLD, EXTERN: EXTERN_HASH})
+    entries, [problem] = load_choices("fwd", env["hashes"], HERE.name)
+    assert all(e.stale for e in entries)
+    assert problem.startswith(f"package {path.name} is stale: all 2 op fwd choices")
+    assert "flashtune tune --op fwd" in problem
