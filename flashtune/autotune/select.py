@@ -75,6 +75,11 @@ EXTERN_TIE = 0.02
 # D128 N16k where the next run measured the Gluon forward 8% ahead (benchmarks/README.md)
 CLOSE_CALL = 0.05
 CLOSE_CALL_ROUNDS = 3
+# a checked candidate this many times slower than the fastest checked one is out of the
+# race: it keeps its check's timing and is not timed in the rounds (SDPA flash or the
+# efficient kernel against cuDNN and the Gluon kernels: 1.5-3x behind, a third of a long
+# training shape's side-by-side); one run's round medians spread 10%, far below it
+FAR_BEHIND = 1.3
 
 
 @dataclass(frozen=True)
@@ -518,7 +523,7 @@ def _side_by_side(candidates: Sequence[tuple[TemplateSpec, Mapping[str, int] | N
         # every candidate is checked before it is timed (a training pair's or an extern's
         # step is checked here for the first time), and its kernels compiled
         checked = [runner.evaluate(config) for runner, config in runners]
-        ok = [i for i, r in enumerate(checked) if r.ok]
+        ok = _contenders(checked)
         timed_ok = time_side_by_side([runners[i] for i in ok], rounds)
         if _close_call([entries[i][0].kind for i in ok], timed_ok) \
                 and all(_gpu_timed(runners[i][0]) for i in ok):
@@ -527,7 +532,8 @@ def _side_by_side(candidates: Sequence[tuple[TemplateSpec, Mapping[str, int] | N
                      rounds * CLOSE_CALL_ROUNDS)
             timed_ok = time_side_by_side([runners[i] for i in ok], rounds * CLOSE_CALL_ROUNDS)
         timed: list[tuple[float | None, str | None]] = [
-            (None, r.message or r.state.value) for r in checked]
+            (r.median_ms, None) if r.ok and r.median_ms else (None, r.message or r.state.value)
+            for r in checked]  # the far-behind keep their check's timing
         for i, t in zip(ok, timed_ok, strict=True):
             timed[i] = t
     finally:
@@ -545,6 +551,18 @@ def _side_by_side(candidates: Sequence[tuple[TemplateSpec, Mapping[str, int] | N
                                   "no config passed its checks", spec.source_hash))
     leaders.sort(key=lambda x: (x.median_ms is None, x.median_ms or 0.0, x.implementation))
     return prefer_extern_on_ties(tuple(leaders))
+
+
+def _contenders(checked: Sequence[Any]) -> list[int]:
+    """The indices of the checked candidates to time side by side: those that passed their
+    check, less those :data:`FAR_BEHIND` the fastest check's timing."""
+    ok = [i for i, r in enumerate(checked) if r.ok]
+    times = [checked[i].median_ms for i in ok if checked[i].median_ms]
+    if not times:
+        return ok
+    fastest = min(times)
+    return [i for i in ok if not checked[i].median_ms
+            or checked[i].median_ms <= FAR_BEHIND * fastest]
 
 
 def _gpu_timed(runner: Any) -> bool:

@@ -265,3 +265,20 @@ def test_a_close_call_between_own_kernel_and_extern_is_timed_again_with_more_rou
     assert select._close_call(["triton", "extern"], [(1.0, None), (1.04, None)])
     assert not select._close_call(["triton", "extern"], [(1.0, None), (None, "failed")])
     assert not select._close_call(["triton", "gluon"], [(1.0, None), (1.01, None)])
+
+
+def test_a_candidate_far_behind_at_its_check_is_not_timed_in_the_rounds():
+    """SDPA flash or the efficient kernel 1.5-3x behind cuDNN and the Gluon kernels: their
+    check's timing stands, and the rounds time only the race that is open."""
+    from flashtune.autotune import select
+    from flashtune.kernel_templates import get_template
+
+    own, near, far = _Leading(1.0, 1.0), _Leading(1.25, 1.25), _Leading(2.0, 0.1)
+    fakes = {"attn_fwd": own, "sdpa_math": far, "attn_decode": near}
+    candidates = [(get_template("attn_fwd"), {"BLOCK_M": 16}), (get_template("sdpa_math"), {}),
+                  (get_template("attn_decode"), {})]
+    leaders = select._side_by_side(candidates, TINY, DEV, TuneOptions(trials=1), 5,
+                                   lambda spec, *a: fakes[spec.name])
+    assert (own.calls, near.calls, far.calls) == (5, 5, 0)
+    assert [(x.implementation, x.median_ms) for x in leaders] == [
+        ("attn_fwd", 1.0), ("attn_decode", 1.25), ("sdpa_math", 2.0)]
