@@ -34,7 +34,7 @@ class TuneOptions:
     seed: int | None = None
     patience: int | None = None  # early stop after K evaluated trials w/o improvement
     interpret: bool = False
-    workers: int | None = None  # precompile processes (GPU); None = CPU count
+    workers: int | None = None  # precompile processes (GPU); None: trial_loop.default_workers
     trial_timeout_s: float = 120.0
     top_k_confirm: int = 3
     # evaluate candidates in a worker process (crash/hang isolation); None: on for the

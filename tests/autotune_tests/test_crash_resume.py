@@ -19,6 +19,8 @@ import random
 import signal
 import time
 
+import pytest
+
 from flashtune.autotune.study import _optuna_storage
 from flashtune.db import RunStatus, TrialState, canonical_json, open_store
 from flashtune.db.store import STALE_MESSAGE
@@ -55,13 +57,15 @@ def _interrupting_factory(after: int):
     return factory
 
 
-def test_interrupted_grid_study_resumed_with_other_seeds_measures_every_config_once(tmp_path):
+@pytest.mark.parametrize("workers", [1, 4])
+def test_interrupted_grid_study_resumed_with_other_seeds_measures_every_config_once(
+        tmp_path, workers):
     """Deterministic: each interrupted job leaves a grid point Optuna counts as visited
     but whose config was never measured, and each job has a seed of its own (as the
     workers of ``tune --gpus`` do). The last job must still measure every config of the
-    grid, each once."""
+    grid, each once; with batches of ``workers`` configs asked at once (a GPU compiles them
+    side by side), an interrupted job can leave up to a batch of them."""
     import optuna
-    import pytest
 
     from flashtune.autotune.jobs import tune
     from flashtune.autotune.options import TuneOptions
@@ -70,7 +74,8 @@ def test_interrupted_grid_study_resumed_with_other_seeds_measures_every_config_o
     url = f"sqlite:///{tmp_path / 'grid.db'}"
 
     def job(seed, after):
-        options = TuneOptions(sampler="grid", seed=seed, trials=10_000, top_k_confirm=2)
+        options = TuneOptions(sampler="grid", seed=seed, trials=10_000, top_k_confirm=2,
+                              workers=workers)
         return tune([PROBLEM], options, db_url=url, progress=False, _device=H100,
                     _runner_factory=_interrupting_factory(after), _space=space)
 
@@ -82,7 +87,7 @@ def test_interrupted_grid_study_resumed_with_other_seeds_measures_every_config_o
         ids = _study_ids(store)
         study = check_study(store, ids)
         interrupted = [t for t in study["trials"] if t.message == STALE_MESSAGE]
-        assert len(interrupted) == 3
+        assert 3 <= len(interrupted) <= 3 * workers
         measured = sorted(canonical_json(t.config) for t in study["trials"]
                           if t.state is not TrialState.PRUNED_STATIC
                           and t.message != STALE_MESSAGE)
@@ -91,10 +96,10 @@ def test_interrupted_grid_study_resumed_with_other_seeds_measures_every_config_o
         assert {r.status for r in store.list_runs()} == {RunStatus.INTERRUPTED,
                                                         RunStatus.COMPLETE}
     assert res.best_ms == study["best"].median_ms
-    # every job walked the one grid order: each point asked about once, plus the three
-    # points lost and queued again and the warm start's default
+    # every job walked the one grid order: each point asked about once, plus the points
+    # lost (a batch at most per interrupted job) and queued again and the warm start's default
     asked = optuna.load_study(study_name=res.study_name, storage=url).trials
-    assert len(asked) <= space.size + 3 + 1, len(asked)
+    assert len(asked) <= space.size + 3 * workers + 1, len(asked)
 
 
 def _study_ids(store):
