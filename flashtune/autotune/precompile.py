@@ -23,7 +23,7 @@ from flashtune.db.jsonutil import canonical_json
 
 log = logging.getLogger(__name__)
 
-__all__ = ["precompile"]
+__all__ = ["precompile", "share_cache_dir"]
 
 
 def _compile_one(template: str, problem_key: dict[str, Any], config: dict[str, int]) -> str | None:
@@ -42,6 +42,17 @@ def _compile_one(template: str, problem_key: dict[str, Any], config: dict[str, i
         return f"{type(exc).__name__}: {lines[0].strip() if lines else ''}"[:300]
 
 
+def share_cache_dir() -> str:
+    """Set ``TRITON_CACHE_DIR`` if unset (to a folder under the temp dir) and return it:
+    the compile pool's processes, the candidate worker and this process must all find the
+    kernels there, so a process that will start them calls this first (a candidate worker
+    spawned before it was set would look in Triton's default folder and compile again)."""
+    if not os.environ.get("TRITON_CACHE_DIR"):
+        os.environ["TRITON_CACHE_DIR"] = os.path.join(tempfile.gettempdir(),
+                                                      "flashtune-triton-cache")
+    return os.environ["TRITON_CACHE_DIR"]
+
+
 def precompile(spec: TemplateSpec, problem: AttentionProblem, configs: Sequence[Mapping[str, int]], *,
                workers: int | None) -> dict[str, str | None]:
     """Compile ``configs`` in a process pool; canonical config JSON -> error or None.
@@ -57,9 +68,7 @@ def precompile(spec: TemplateSpec, problem: AttentionProblem, configs: Sequence[
     workers = workers if workers is not None else min(len(configs), os.cpu_count() or 1)
     if workers <= 1:
         return {}
-    if not os.environ.get("TRITON_CACHE_DIR"):
-        os.environ["TRITON_CACHE_DIR"] = os.path.join(tempfile.gettempdir(),
-                                                      "flashtune-triton-cache")
+    share_cache_dir()
     results: dict[str, str | None] = {}
     key = problem.key()
     try:

@@ -82,6 +82,10 @@ def runner_factory_for(options: TuneOptions, custom: Callable[..., Any] | None,
         isolate = custom is None and not device.is_interpreter
     if not isolate:
         return factory
+    if not device.is_interpreter:
+        from flashtune.autotune.precompile import share_cache_dir
+
+        share_cache_dir()  # before the worker starts: it reads what the compile pool writes
     return isolated(factory)
 
 

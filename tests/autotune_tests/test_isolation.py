@@ -157,9 +157,14 @@ def test_closures_cannot_be_isolated(tmp_path):
     assert factory_path(faulty.crashing_runner) == "tests.autotune_tests.faulty:crashing_runner"
 
 
-def test_when_isolation_is_on_by_default():
+def test_when_isolation_is_on_by_default(monkeypatch):
     gpu = dataclasses.replace(interpreter_device(), name="NVIDIA_H100_80GB_HBM3")
     auto = TuneOptions()
+    monkeypatch.setenv("TRITON_CACHE_DIR", "")  # restored after the test
+    monkeypatch.delenv("TRITON_CACHE_DIR")
+    # the worker must read the folder the compile pool writes: it is set before it starts
+    loop.runner_factory_for(auto, None, gpu)
+    assert os.environ["TRITON_CACHE_DIR"].endswith("flashtune-triton-cache")
     assert loop.runner_factory_for(auto, None, gpu) is not loop._default_runner  # GPU: on
     assert loop.runner_factory_for(auto, None, interpreter_device()) is loop._default_runner
     assert loop.runner_factory_for(auto, faulty.crashing_runner, gpu) is \
