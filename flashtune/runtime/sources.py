@@ -412,13 +412,20 @@ def _config_staleness(path: Path, kind: str, doc: Any,
 
 def _choice_staleness(path: Path, kind: str, doc: Any,
                       hashes: Mapping[str, str]) -> StaleTable | None:
+    from flashtune.kernel_templates import catalog
+
     stale = [e for e in doc.entries if not doc.is_current(e, hashes)]
     if not stale:
         return None
     moved = sorted({e.implementation for e in stale})
+    specs = catalog()
     reasons = []
     for name in moved:
-        if name in hashes:
+        if name in hashes and specs[name].kind == "extern":
+            reasons.append(f"{name} timed under another torch or cuDNN than this one (source "
+                           f"{doc.implementations.get(name)}, here {hashes[name]}): those "
+                           f"shapes take the default")
+        elif name in hashes:
             reasons.append(f"{name} decided at source {doc.implementations.get(name)}, this "
                            f"flashtune's is {hashes[name]}")
         else:

@@ -284,6 +284,10 @@ def test_a_shipped_file_is_warned_about_when_flashtunes_kernels_moved_not_torch(
     assert problems == [] and sorted(e.stale for e in entries) == [False, True]
     assert any("not served" in r.getMessage() and EXTERN in r.getMessage()
                for r in caplog.records)
+    # `flashtune show` and `db verify` still list it, saying what it means
+    (table,), _ = sources.stale_tables(device_name=HERE.name)
+    assert f"{EXTERN} timed under another torch or cuDNN" in table.reason
+    assert "those shapes take the default" in table.line()
     path = write(env["package"], entry(FWD_PROBLEMS[0]), entry(FWD_PROBLEMS[1]),
                  implementations={"attn_fwd": OLD, EXTERN: EXTERN_HASH})
     entries, [problem] = load_choices("fwd", env["hashes"], HERE.name)
