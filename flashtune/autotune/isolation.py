@@ -385,25 +385,32 @@ class IsolatedRunner(_Closing):
         this runner for that factory's next runner."""
         if self._proc is None:
             return
-        if self._parking is not None and self._proc.is_alive():
-            # the worker drops this runner and frees its GPU memory before it is parked
-            try:
-                self._conn.send_bytes(json.dumps({"op": "release"}).encode())
-            except (OSError, ValueError):
-                self._kill()
-                return
-            reply, _ = self._receive(STOP_TIMEOUT_S)
-            if reply is None or not reply.get("released"):
-                if self._proc is not None:
-                    self._kill()
-                return
-            proc, conn = self._proc, self._conn
-            self._proc = self._conn = None
-            self._parking.park(proc, conn)
+        parking = self._parking
+        if parking is not None and not (self._proc.is_alive() and self._released()):
+            parking = None
+        if self._proc is None:  # it did not release: stopped
             return
         proc, conn = self._proc, self._conn
         self._proc = self._conn = None
-        _stop(proc, conn)
+        if parking is not None:
+            parking.park(proc, conn)
+        else:
+            _stop(proc, conn)
+
+    def _released(self) -> bool:
+        """Ask the worker to drop this runner and free its GPU memory before it is parked;
+        False (the worker stopped) when it does not confirm."""
+        try:
+            self._conn.send_bytes(json.dumps({"op": "release"}).encode())
+        except (OSError, ValueError):
+            self._kill()
+            return False
+        reply, _ = self._receive(STOP_TIMEOUT_S)
+        if reply is not None and reply.get("released"):
+            return True
+        if self._proc is not None:
+            self._kill()
+        return False
 
     @property
     def pid(self) -> int | None:

@@ -10,9 +10,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from flashtune.core.device import DeviceFingerprint, cuda_device, interpreter_device
 from flashtune.core.problem import AttentionProblem
 
-__all__ = ["TuneOptions", "TuneResult", "check_tunable"]
+__all__ = ["TuneOptions", "TuneResult", "check_tunable", "tuning_device"]
 
 
 @dataclass(frozen=True)
@@ -137,3 +138,9 @@ def check_tunable(problems: Sequence[AttentionProblem], template: str, *,
     if spec.limits.needs_gpu and interpreting():  # every trial would fail
         raise ConfigError(f"template {template!r} ({spec.kind}) needs a CUDA GPU: it does "
                           f"not run under the Triton interpreter; tune it on a GPU")
+
+
+def tuning_device(options: TuneOptions) -> DeviceFingerprint:
+    """The device a job with ``options`` tunes on: the interpreter's, else the current
+    GPU's."""
+    return interpreter_device() if options.interpret else cuda_device()

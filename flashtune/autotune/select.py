@@ -51,11 +51,13 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from typing import Any
 
-from flashtune.autotune.options import TuneOptions, TuneResult
-from flashtune.core.device import DeviceFingerprint, cuda_device, interpreter_device
+from flashtune.autotune.options import TuneOptions, TuneResult, tuning_device
+from flashtune.autotune.runners import TrialResult
+from flashtune.core.device import DeviceFingerprint
 from flashtune.core.errors import InputError
 from flashtune.core.problem import AttentionProblem
 from flashtune.core.spec import USER_OPS, TemplateSpec, join_pair
@@ -297,7 +299,7 @@ def tune_op(problems: Sequence[AttentionProblem], op: str, options: TuneOptions,
     from flashtune.db import default_db_url
 
     url = default_db_url() if db_url is None else str(db_url)
-    device = _device or (interpreter_device() if options.interpret else cuda_device())
+    device = _device or tuning_device(options)
     if op not in USER_OPS:
         raise InputError(f"op must be one of {', '.join(USER_OPS)}, got {op!r}")
     check_tunable(problems, "attn_fwd", custom_runner=True)  # head dims, before any work
@@ -310,11 +312,9 @@ def tune_op(problems: Sequence[AttentionProblem], op: str, options: TuneOptions,
                                 triton=device.triton_version)
     from flashtune.autotune.trial_loop import shared_runner_factory
 
-    if shared_factory is not None:
-        return _tune_problems(problems, op, options, impls, url, progress, rounds,
-                              skip_tuned, deadline, progress_position, shared_factory,
-                              _runner_factory, device, software)
-    with shared_runner_factory(options, _runner_factory, device) as factory:
+    owned = shared_runner_factory(options, _runner_factory, device) \
+        if shared_factory is None else nullcontext(shared_factory)
+    with owned as factory:
         return _tune_problems(problems, op, options, impls, url, progress, rounds,
                               skip_tuned, deadline, progress_position, factory,
                               _runner_factory, device, software)
@@ -553,16 +553,12 @@ def _side_by_side(candidates: Sequence[tuple[TemplateSpec, Mapping[str, int] | N
     return prefer_extern_on_ties(tuple(leaders))
 
 
-def _contenders(checked: Sequence[Any]) -> list[int]:
+def _contenders(checked: Sequence[TrialResult]) -> list[int]:
     """The indices of the checked candidates to time side by side: those that passed their
     check, less those :data:`FAR_BEHIND` the fastest check's timing."""
-    ok = [i for i, r in enumerate(checked) if r.ok]
-    times = [checked[i].median_ms for i in ok if checked[i].median_ms]
-    if not times:
-        return ok
-    fastest = min(times)
-    return [i for i in ok if not checked[i].median_ms
-            or checked[i].median_ms <= FAR_BEHIND * fastest]
+    times = {i: r.median_ms for i, r in enumerate(checked) if r.ok}
+    fastest = min((t for t in times.values() if t), default=None)
+    return [i for i, t in times.items() if fastest is None or not t or t <= FAR_BEHIND * fastest]
 
 
 def _gpu_timed(runner: Any) -> bool:

@@ -34,7 +34,7 @@ from typing import Any
 
 from flashtune.autotune import stop
 from flashtune.autotune.isolation import isolated
-from flashtune.autotune.options import TuneOptions, TuneResult, check_tunable
+from flashtune.autotune.options import TuneOptions, TuneResult, check_tunable, tuning_device
 from flashtune.autotune.study import (
     RUN_ATTR,
     OpenStudy,
@@ -44,7 +44,7 @@ from flashtune.autotune.study import (
     abandon_run,
     open_study,
 )
-from flashtune.core.device import DeviceFingerprint, cuda_device, interpreter_device
+from flashtune.core.device import DeviceFingerprint
 from flashtune.core.problem import AttentionProblem
 from flashtune.core.space import SearchSpace
 from flashtune.db import open_store
@@ -137,7 +137,7 @@ def tune_on_device(problems: Sequence[AttentionProblem], options: TuneOptions, *
 
     check_tunable(problems, options.template, custom_runner=runner_factory is not None)
     spec = get_template(options.template)
-    device = device or (interpreter_device() if options.interpret else cuda_device())
+    device = device or tuning_device(options)
     factory = shared_factory or runner_factory_for(options, runner_factory, device)
     results = []
     try:

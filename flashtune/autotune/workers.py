@@ -42,8 +42,7 @@ from dataclasses import asdict, replace
 from multiprocessing import get_context
 from typing import TYPE_CHECKING, Any
 
-from flashtune.autotune.options import TuneOptions, TuneResult
-from flashtune.core.device import DeviceFingerprint
+from flashtune.autotune.options import TuneOptions, TuneResult, tuning_device
 from flashtune.core.errors import FlashtuneError
 from flashtune.core.problem import AttentionProblem
 
@@ -149,7 +148,7 @@ def _worker(slot: int, gpu: int, problem_keys: list[dict[str, Any]], options_jso
     from flashtune.autotune.trial_loop import shared_runner_factory, tune_on_device
 
     # one candidate worker for every task this GPU takes (each costs seconds to start)
-    with shared_runner_factory(options, None, _device(options)) as factory:
+    with shared_runner_factory(options, None, tuning_device(options)) as factory:
         while True:
             try:
                 index, trials = tasks.get_nowait()
@@ -166,13 +165,6 @@ def _worker(slot: int, gpu: int, problem_keys: list[dict[str, Any]], options_jso
             results.put(("done", slot, index, _result_to_json(res)))
 
 
-def _device(options: TuneOptions) -> DeviceFingerprint:
-    """The device a pinned worker tunes on."""
-    from flashtune.core.device import cuda_device, interpreter_device
-
-    return interpreter_device() if options.interpret else cuda_device()
-
-
 def _op_worker(slot: int, gpu: int, problem_keys: list[dict[str, Any]], op: str,
                impls: list[str] | None, options_json: str, db_url: str, tasks: Any,
                results: Any, progress: bool, skip_tuned: bool, deadline: float | None,
@@ -186,7 +178,7 @@ def _op_worker(slot: int, gpu: int, problem_keys: list[dict[str, Any]], op: str,
     tuned = False  # past the deadline a worker starts no shape once it has tuned one
     longest = 0.0  # nor one that its longest shape so far would carry past it
     # one candidate worker for every shape this GPU takes (each costs seconds to start)
-    with shared_runner_factory(options, runner_factory, _device(options)) as factory:
+    with shared_runner_factory(options, runner_factory, tuning_device(options)) as factory:
         while not tuned or not past_deadline(deadline, longest):
             started = time.time()
             try:

@@ -29,11 +29,11 @@ serves each shape of a user op) from the same three sources, files named by
 an implementation the caller names with the source hash it was decided at; others are
 stale (a shipped file of the device asked for whose own-kernel choices are stale: a reason
 returned, as above; else, an SDPA backend's choice timed under another torch or cuDNN
-among them, logged at info level, once per source). A stale choice is still returned, marked ``stale``: it
-holds its shape's ground, so the router sends calls near it to the documented default
-rather than to a fresh choice made for another shape (an SDPA backend's choice goes stale
-with the torch or cuDNN version, and the shapes where it beat flashtune's kernels must not
-be handed to those kernels by a nearest lookup).
+among them, logged at info level, once per source). A stale choice is still returned,
+marked ``stale``: it holds its shape's ground, so the router sends calls near it to the
+documented default rather than to a fresh choice made for another shape (an SDPA
+backend's choice goes stale with the torch or cuDNN version, and the shapes where it beat
+flashtune's kernels must not be handed to those kernels by a nearest lookup).
 """
 
 from __future__ import annotations
@@ -299,7 +299,7 @@ def _choices_from_file(path: Path, kind: str, op: str, hashes: Mapping[str, str]
     # as the stale choice would), and one this flashtune does not know (a newer file's)
     moved = [n for n in stale.skipped if n in hashes and specs[n].kind != "extern"]
     if moved and doc.device.name == device_name:
-        found = _choice_staleness(path, kind, doc, hashes)
+        found = _choice_staleness(path, kind, doc, hashes, specs)
         if found is not None:
             return out, found.line()
     stale.log(hashes)
@@ -410,15 +410,12 @@ def _config_staleness(path: Path, kind: str, doc: Any,
                                           template_op=getattr(spec, "op", None)))
 
 
-def _choice_staleness(path: Path, kind: str, doc: Any,
-                      hashes: Mapping[str, str]) -> StaleTable | None:
-    from flashtune.kernel_templates import catalog
-
+def _choice_staleness(path: Path, kind: str, doc: Any, hashes: Mapping[str, str],
+                      specs: Mapping[str, Any]) -> StaleTable | None:
     stale = [e for e in doc.entries if not doc.is_current(e, hashes)]
     if not stale:
         return None
     moved = sorted({e.implementation for e in stale})
-    specs = catalog()
     reasons = []
     for name in moved:
         if name in hashes and specs[name].kind == "extern":
@@ -463,7 +460,7 @@ def stale_tables(device_name: str | None = None) -> tuple[list[StaleTable], list
                     if device_name not in (None, doc.device.name):
                         continue
                     hashes = {s.name: s.source_hash for s in specs.for_op(doc.op).values()}
-                    found = _choice_staleness(path, kind, doc, hashes)
+                    found = _choice_staleness(path, kind, doc, hashes, specs)
                 else:
                     doc = read_document(path, specs=specs)
                     if not isinstance(doc, ConfigDocument) \
