@@ -199,20 +199,17 @@ def test_a_stale_table_of_another_device_is_not_warned_about(package, caplog):
     assert not [r for r in caplog.records if "is stale" in r.getMessage()]
 
 
-H200_FWD = PACKAGE / choice_file_name("NVIDIA_H200", "fwd")
-
-
-@pytest.mark.skipif(not H200_FWD.exists(), reason="no H200 forward table shipped")
-def test_a_fresh_h200_routes_by_the_shipped_op_choices(fresh_install):
+@pytest.mark.parametrize("path", OP_FILES, ids=lambda p: p.name)
+def test_a_fresh_gpu_routes_by_the_shipped_op_choices(fresh_install, path):
     """Each shipped shape is served by its winner where the winner is current here (an SDPA
     backend: only under the torch and cuDNN that timed it); a stale winner's shape takes the
     default, as do the shapes nearest it; and no call reads a file."""
     from flashtune.runtime.choices import OpRouter
 
-    doc = read_choice_document(H200_FWD, specs=SPECS)
+    doc = read_choice_document(path, specs=SPECS)
     device = _fingerprint(doc.device)
-    serving = op_implementations(SPECS, "fwd")
-    router = OpRouter("fwd", serving)
+    serving = op_implementations(SPECS, doc.op)
+    router = OpRouter(doc.op, serving)
     hashes = {n: s.source_hash for n, s in serving.items()}
     own = stale = 0
     for entry in doc.entries:
