@@ -23,7 +23,7 @@ from flashtune.db.jsonutil import canonical_json
 
 log = logging.getLogger(__name__)
 
-__all__ = ["precompile", "share_cache_dir"]
+__all__ = ["precompile", "share_cache_dir", "shutdown_pool"]
 
 
 def _compile_one(template: str, problem_key: dict[str, Any], config: dict[str, int]) -> str | None:
@@ -82,9 +82,9 @@ def precompile(spec: TemplateSpec, problem: AttentionProblem, configs: Sequence[
                 results[futures[fut]] = f"{type(exc).__name__}: {exc}"[:300]
     except Exception as exc:  # noqa: BLE001 - the pool itself failed: compile lazily instead
         log.warning("precompile pool failed (%s); configs compile on first launch", exc)
-        _shutdown_pool()
+        shutdown_pool()
     if any(r is not None and r.startswith("BrokenProcessPool") for r in results.values()):
-        _shutdown_pool()  # a worker died: start a fresh pool next time
+        shutdown_pool()  # a worker died: start a fresh pool next time
     return results
 
 
@@ -96,17 +96,23 @@ _POOL: tuple[int, ProcessPoolExecutor] | None = None
 def _pool(workers: int) -> ProcessPoolExecutor:
     global _POOL
     if _POOL is None or _POOL[0] != workers:
-        _shutdown_pool()
+        shutdown_pool()
         _POOL = (workers, ProcessPoolExecutor(max_workers=workers,
                                               mp_context=get_context("spawn")))
     return _POOL[1]
 
 
-def _shutdown_pool() -> None:
+def shutdown_pool(*, wait: bool = False) -> None:
+    """Stop this process's compile pool (``wait``: until its workers have exited).
+
+    A process that :mod:`multiprocessing` started must call it, with ``wait``, before its
+    target returns: such a process runs no ``atexit`` handler, and multiprocessing's own
+    exit joins the pool's idle workers, which never return (a ``tune --gpus`` worker so
+    hung after its last shape until the command's timeout killed it)."""
     global _POOL
     if _POOL is not None:
-        _POOL[1].shutdown(wait=False, cancel_futures=True)
-        _POOL = None
+        pool, _POOL = _POOL[1], None
+        pool.shutdown(wait=wait, cancel_futures=True)
 
 
-atexit.register(_shutdown_pool)
+atexit.register(shutdown_pool)

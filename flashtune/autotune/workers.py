@@ -37,7 +37,8 @@ import os
 import queue as queue_mod
 import signal
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, replace
 from multiprocessing import get_context
 from typing import TYPE_CHECKING, Any
@@ -141,6 +142,19 @@ def _pin(slot: int, gpu: int, options_json: str) -> TuneOptions:
     return options
 
 
+@contextmanager
+def _compile_pool_stopped() -> Iterator[None]:
+    """Stop the worker's compile pool when its work ends: a process multiprocessing
+    started would otherwise wait on the pool's idle workers forever as it exits
+    (:func:`flashtune.autotune.precompile.shutdown_pool`)."""
+    try:
+        yield
+    finally:
+        from flashtune.autotune.precompile import shutdown_pool
+
+        shutdown_pool(wait=True)
+
+
 def _worker(slot: int, gpu: int, problem_keys: list[dict[str, Any]], options_json: str,
             db_url: str, tasks: Any, results: Any, progress: bool) -> None:
     """One worker: pin the GPU, then run tasks until the queue is empty."""
@@ -148,7 +162,8 @@ def _worker(slot: int, gpu: int, problem_keys: list[dict[str, Any]], options_jso
     from flashtune.autotune.trial_loop import shared_runner_factory, tune_on_device
 
     # one candidate worker for every task this GPU takes (each costs seconds to start)
-    with shared_runner_factory(options, None, tuning_device(options)) as factory:
+    with _compile_pool_stopped(), \
+            shared_runner_factory(options, None, tuning_device(options)) as factory:
         while True:
             try:
                 index, trials = tasks.get_nowait()
@@ -178,7 +193,8 @@ def _op_worker(slot: int, gpu: int, problem_keys: list[dict[str, Any]], op: str,
     tuned = False  # past the deadline a worker starts no shape once it has tuned one
     longest = 0.0  # nor one that its longest shape so far would carry past it
     # one candidate worker for every shape this GPU takes (each costs seconds to start)
-    with shared_runner_factory(options, runner_factory, tuning_device(options)) as factory:
+    with _compile_pool_stopped(), \
+            shared_runner_factory(options, runner_factory, tuning_device(options)) as factory:
         while not tuned or not past_deadline(deadline, longest):
             started = time.time()
             try:

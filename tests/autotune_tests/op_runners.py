@@ -48,3 +48,12 @@ class PidRunner(SyntheticRunner):
 
 def pid_runner(spec: Any, problem: Any, device: Any, options: Any) -> PidRunner:
     return PidRunner(spec, problem)
+
+
+def pool_runner(spec: Any, problem: Any, device: Any, options: Any) -> SyntheticRunner:
+    """:class:`SyntheticRunner` built after starting this process's compile pool, as a GPU
+    worker's first precompile does."""
+    from flashtune.autotune.precompile import _pool
+
+    assert _pool(1).submit(os.getpid).result(timeout=60) != os.getpid()
+    return SyntheticRunner(spec, problem)

@@ -19,6 +19,7 @@ from tests.autotune_tests.op_runners import (
     DIES_AT_HEAD_DIM,
     dying_runner,
     pid_runner,
+    pool_runner,
     synthetic_runner,
 )
 
@@ -79,6 +80,28 @@ def test_each_gpu_worker_keeps_one_candidate_worker_for_all_its_shapes(tmp_path)
     assert len(results) == 4
     pids, searches = _evaluating_pids(url)
     assert searches >= 8 and 1 <= len(pids) <= 2, pids
+
+
+def test_a_gpu_worker_with_a_compile_pool_exits_when_its_shapes_are_done(tmp_path):
+    """A worker process runs no atexit handler: its compile pool is stopped before it
+    returns, or multiprocessing's exit waits on the pool's idle workers forever (on two
+    H200s each command hung after its last shape until its timeout)."""
+    import multiprocessing
+    import threading
+
+    url = f"sqlite:///{tmp_path / 'pool.db'}"
+    out: list[object] = []
+    call = threading.Thread(target=lambda: out.append(tune_op_on_gpus(
+        [P1, P2], "fwd", OPTS, db_url=url, gpus=[0, 1], _runner_factory=pool_runner)))
+    call.start()
+    call.join(240)
+    hung = call.is_alive()
+    if hung:  # the workers wait on their pools: kill them so the session can go on
+        for child in multiprocessing.active_children():
+            child.kill()
+        call.join(60)
+    assert not hung, "the workers did not exit after their last shape"
+    assert [r.problem for r in out[0]] == [P1, P2]
 
 
 def test_a_dead_worker_and_a_refused_shape_are_reported_and_the_rest_finishes(tmp_path):
