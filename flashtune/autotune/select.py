@@ -112,7 +112,8 @@ class OpResult:
     the fastest extern's over the winner's (1.0 when the winner is that extern).
     ``reused``: the choice was current in the store and not made again (``skip_tuned``;
     ``leaders`` are then the stored candidates); ``stale``: why a stored choice was made
-    again (None when there was none, or it was current).
+    again (None when there was none, or it was current). ``seconds``: the wall time this
+    call spent on the problem (searches, side-by-side timing, storing; 0 for a reused one).
     """
 
     problem: AttentionProblem
@@ -123,6 +124,7 @@ class OpResult:
     results: tuple[TuneResult, ...]  # each implementation's search
     reused: bool = False
     stale: str | None = None
+    seconds: float = 0.0
 
     @property
     def ranked(self) -> list[Leader]:
@@ -381,8 +383,9 @@ def _tune_problems(problems: Sequence[AttentionProblem], op: str, options: TuneO
                                  extern_ms=ext.median_ms if ext else None,
                                  candidates=[x.as_dict() for x in leaders],
                                  software=software)
-        out.append(result)
-        longest = max(longest, time.time() - started)
+        elapsed = time.time() - started
+        out.append(replace(result, seconds=elapsed))
+        longest = max(longest, elapsed)
     return out
 
 

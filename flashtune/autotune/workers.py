@@ -103,7 +103,7 @@ def _op_result_to_json(result: OpResult) -> str:
         "leaders": [asdict(x) for x in result.leaders],
         "skipped": [list(x) for x in result.skipped],
         "results": [_result_to_json(r) for r in result.results],
-        "reused": result.reused, "stale": result.stale})
+        "reused": result.reused, "stale": result.stale, "seconds": result.seconds})
 
 
 def _op_result_from_json(text: str) -> OpResult:
@@ -114,7 +114,7 @@ def _op_result_from_json(text: str) -> OpResult:
                     data["device_name"], tuple(_leader_from_dict(x) for x in data["leaders"]),
                     tuple((a, b) for a, b in data["skipped"]),
                     tuple(_result_from_json(r) for r in data["results"]),
-                    reused=data["reused"], stale=data["stale"])
+                    reused=data["reused"], stale=data["stale"], seconds=data["seconds"])
 
 
 def _stop_on_sigterm() -> None:

@@ -323,10 +323,15 @@ def render_op_results(results: Sequence[Any]) -> str:
 
 
 def render_op_summary(results: Sequence[Any], total: int) -> str:
-    """One line counting the shapes of a ``tune --op`` command: tuned, already tuned
-    (skipped), and not started (of ``total``)."""
+    """One line counting the shapes of a ``tune --op`` command: tuned (with the seconds
+    spent on them, added over the GPUs' workers), already tuned (skipped), and not started
+    (of ``total``)."""
     reused = sum(1 for r in results if r.reused)
-    parts = [f"{len(results) - reused} tuned"]
+    seconds = [r.seconds for r in results if not r.reused]
+    parts = [f"{len(seconds)} tuned"]
+    if seconds:  # what a device command's share of a plan costs, to size the next one
+        parts[0] += (f" ({sum(seconds):.0f} s, {sum(seconds) / len(seconds):.0f} s a shape, "
+                     f"the longest {max(seconds):.0f} s)")
     if reused:
         parts.append(f"{reused} already tuned (skipped)")
     if total > len(results):
