@@ -267,6 +267,26 @@ def test_a_close_call_between_own_kernel_and_extern_is_timed_again_with_more_rou
     assert not select._close_call(["triton", "gluon"], [(1.0, None), (1.01, None)])
 
 
+def test_a_close_call_times_again_only_the_leaders_near_the_fastest():
+    """The re-timing decides between the near-equal leaders; one 20% behind keeps its first
+    timing (re-timing every leader was a third of a training shape's tuning time)."""
+    from flashtune.autotune import select
+    from flashtune.kernel_templates import get_template
+
+    own, ext, behind = _Leading(1.0, 1.0), _Leading(1.03, 0.97), _Leading(1.2, 1.2)
+    fakes = {"attn_fwd": own, "sdpa_math": ext, "attn_decode": behind}
+    candidates = [(get_template("attn_fwd"), {"BLOCK_M": 16}), (get_template("sdpa_math"), {}),
+                  (get_template("attn_decode"), {})]
+    leaders = select._side_by_side(candidates, TINY, DEV, TuneOptions(trials=1), 5,
+                                   lambda spec, *a: fakes[spec.name])
+    again = 5 * select.CLOSE_CALL_ROUNDS
+    assert (own.calls, ext.calls, behind.calls) == (5 + again, 5 + again, 5)
+    assert [(x.implementation, x.median_ms) for x in leaders] == [
+        ("sdpa_math", 0.97), ("attn_fwd", 1.0), ("attn_decode", 1.2)]
+    assert select._near_fastest([(1.0, None), (None, "failed"), (1.1, None), (1.11, None)]) \
+        == [0, 2]
+
+
 def test_a_candidate_far_behind_at_its_check_is_not_timed_in_the_rounds():
     """SDPA flash or the efficient kernel 1.5-3x behind cuDNN and the Gluon kernels: their
     check's timing stands, and the rounds time only the race that is open."""
