@@ -7,59 +7,78 @@
 #
 # 1. `bench --plan PLAN` with no tuning database (a fresh install: flashtune/configs only)
 #    -> OUTDIR/ship_nearest_NAME.json;
-# 2. `tune --op fwd --plan PLAN` into a new database, for at most STOP_AFTER seconds
+# 2. `tune --op OP --plan PLAN` into a new database, for at most STOP_AFTER seconds
 #    (default 240; `--stop-after`, so a command's limit is kept);
 # 3. `bench --plan PLAN` with that database -> OUTDIR/ship_exact_NAME.json;
 # 4. a table of the shapes step 2 tuned: each run's flashtune time over its cuDNN time, and
 #    nearest over exact (within 5% is the target) -> OUTDIR/ship_check_NAME.json.
+#
+# OP: fwd (default) or train (`bench --train`: the training step the train op chose);
+# BASELINES (default sdpa_flash,sdpa_cudnn) and ANCHOR (default sdpa_cudnn, the baseline
+# each run's ratio is taken to); TUNE_ARGS and BENCH_ARGS: more options (`--interpret`
+# with a tiny plan and ANCHOR=sdpa_flash is how it is tested on a CPU); TRIALS, ROUNDS.
 set -u
 out=${1:?usage: ship_check.sh OUTDIR PLAN NAME [STOP_AFTER]}
 plan=${2:?usage: ship_check.sh OUTDIR PLAN NAME [STOP_AFTER]}
 name=${3:?usage: ship_check.sh OUTDIR PLAN NAME [STOP_AFTER]}
 stop=${4:-240}
+op=${OP:-fwd}
+anchor=${ANCHOR:-sdpa_cudnn}
+case $op in
+  fwd) train=() ;;
+  train) train=(--train) ;;
+  *) echo "ship_check: OP is fwd or train, got $op" >&2; exit 2 ;;
+esac
 work=$(mktemp -d)
 mkdir -p "$out"
 bench() {  # OUTFILE [flashtune options]
     local file=$1; shift
-    python -m flashtune "$@" bench --plan "$plan" --baselines sdpa_flash,sdpa_cudnn \
-        --rounds "${ROUNDS:-3}" --no-plot --out "$file" 2>&1 | tail -n 14
+    # shellcheck disable=SC2086
+    python -m flashtune "$@" bench --plan "$plan" "${train[@]}" \
+        --baselines "${BASELINES:-sdpa_flash,sdpa_cudnn}" --rounds "${ROUNDS:-3}" --no-plot \
+        --out "$file" ${BENCH_ARGS:-} 2>&1 | tail -n 14
 }
 echo "== 1. shipped tables only (nearest entry): no database, no config folder"
 XDG_CACHE_HOME=$work/cache FLASHTUNE_DB='' FLASHTUNE_CONFIG_DIR='' \
     bench "$out/ship_nearest_$name.json"
-echo "== 2. tune --op fwd for the plan's shapes (stop after $stop s)"
+echo "== 2. tune --op $op for the plan's shapes (stop after $stop s)"
+# shellcheck disable=SC2086
 timeout -s TERM -k 30 $(( stop + 120 )) python -m flashtune --db "sqlite:///$work/exact.db" \
-    tune --op fwd --plan "$plan" --trials "${TRIALS:-6}" --timeout 40 --patience 6 \
-    --no-progress --skip-tuned --stop-after "$stop" 2>&1 | grep -v "skipped:" | tail -n 14
+    tune --op "$op" --plan "$plan" --trials "${TRIALS:-6}" --timeout 40 --patience 6 \
+    --no-progress --skip-tuned --stop-after "$stop" ${TUNE_ARGS:-} 2>&1 \
+    | grep -v "skipped:" | tail -n 14
 echo "== 3. tuned exactly"
 bench "$out/ship_exact_$name.json" --db "sqlite:///$work/exact.db"
 echo "== 4. nearest against exact"
 python - "$out/ship_nearest_$name.json" "$out/ship_exact_$name.json" \
-    "$out/ship_check_$name.json" <<'PY'
+    "$out/ship_check_$name.json" "$op" "$anchor" <<'PY'
 import json, math, os, sys
 
 near, exact = (json.load(open(p)) for p in sys.argv[1:3])
+op, anchor = sys.argv[4:6]
 by_label = {r["label"]: r for r in near["rows"]}
 rows = []
 for e in exact["rows"]:
     n = by_label.get(e["label"])
-    if n is None or e.get("source") != "exact" or "sdpa_cudnn" not in e or "sdpa_cudnn" not in n:
+    if n is None or e.get("source") != "exact" or "median_ms" not in e.get(anchor, {}) \
+            or "median_ms" not in n.get(anchor, {}):
         continue
-    vs_n = n["flashtune"]["median_ms"] / n["sdpa_cudnn"]["median_ms"]
-    vs_e = e["flashtune"]["median_ms"] / e["sdpa_cudnn"]["median_ms"]
+    vs_n = n["flashtune"]["median_ms"] / n[anchor]["median_ms"]
+    vs_e = e["flashtune"]["median_ms"] / e[anchor]["median_ms"]
     rows.append({"label": e["label"], "nearest": n["implementation"], "nearest_source": n["source"],
-                 "exact": e["implementation"], "nearest_over_cudnn": vs_n,
-                 "exact_over_cudnn": vs_e, "nearest_over_exact": vs_n / vs_e})
-print(f"{'shape':<52} {'nearest (source)':<30} {'exact':<16} near/cuDNN exact/cuDNN near/exact")
+                 "exact": e["implementation"], "nearest_over_anchor": vs_n,
+                 "exact_over_anchor": vs_e, "nearest_over_exact": vs_n / vs_e})
+print(f"{'shape':<52} {'nearest (source)':<30} {'exact':<16} near/{anchor} exact/{anchor} "
+      f"near/exact")
 for r in rows:
     print(f"{r['label']:<52} {r['nearest'] + ' (' + r['nearest_source'] + ')':<30} "
-          f"{r['exact']:<16} {r['nearest_over_cudnn']:10.3f} {r['exact_over_cudnn']:11.3f} "
+          f"{r['exact']:<16} {r['nearest_over_anchor']:10.3f} {r['exact_over_anchor']:11.3f} "
           f"{r['nearest_over_exact']:10.3f}")
 worst = max((r["nearest_over_exact"] for r in rows), default=math.nan)
 geo = math.exp(sum(math.log(r["nearest_over_exact"]) for r in rows) / len(rows)) if rows else math.nan
 print(f"{len(rows)} shapes tuned exactly: nearest/exact time geomean {geo:.3f}, worst {worst:.3f} "
       f"(target: every one <= 1.05)")
-json.dump({"benchmark": "ship_check", "device": exact.get("device"),
+json.dump({"benchmark": "ship_check", "op": op, "anchor": anchor, "device": exact.get("device"),
            "nearest": os.path.basename(sys.argv[1]),
            "exact": os.path.basename(sys.argv[2]), "rows": rows, "geomean_nearest_over_exact": geo,
            "worst_nearest_over_exact": worst}, open(sys.argv[3], "w"), indent=1)

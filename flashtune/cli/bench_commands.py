@@ -205,6 +205,7 @@ def bench_command(ctx: click.Context, template: str, plan: str | None, preset_na
                                "give it without --template")
     dtype = shape.pop("dtype")
     names = [b for b in baselines.split(",") if b]
+    interpreting = _decide_interpret(interpret)  # before anything imports triton
     from flashtune.runtime.bench import BASELINES
 
     unknown = [b for b in names if b not in BASELINES]
@@ -231,7 +232,6 @@ def bench_command(ctx: click.Context, template: str, plan: str | None, preset_na
             from flashtune.report.plots import MATPLOTLIB_MISSING
 
             raise click.UsageError(MATPLOTLIB_MISSING + "; or pass --no-plot") from None
-    interpreting = _decide_interpret(interpret)  # before anything imports triton
     check_template_op(template, BENCH_OPS)
     if interpreting:
         if not chosen:
