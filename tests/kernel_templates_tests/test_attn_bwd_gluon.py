@@ -150,7 +150,7 @@ def test_the_table_holds_every_point_of_the_space_and_the_current_source() -> No
     table = space.parse_table(doc)
     want = {space.entry_key(c["head_dim"], c["causal"], c["config"]) for c in cases()}
     assert set(table) == want
-    assert len(want) == 2 * 2 * 12  # head dims x causal x structurally valid configs
+    assert len(want) == 2 * 2 * 12 * 2  # head dims x causal x valid configs x LPT
 
 
 @pytest.mark.parametrize("d", [64, 128])
@@ -195,12 +195,35 @@ def test_the_plan_sizes_the_grids_and_the_padded_scratch_from_the_shapes() -> No
     assert kwargs["CONSUMER_REGS"] == 240 and kwargs["PRODUCER_REGS"] == 24
     seqlen_q, seqlen_k, pad = args[12:15]
     assert (seqlen_q, seqlen_k, pad) == (197, 1000, 256)
-    assert args[-2] == pytest.approx(0.125 * 1.4426950408889634) and args[-1] == 0.125
+    assert args[-3] == pytest.approx(0.125 * 1.4426950408889634) and args[-2] == 0.125
+    assert args[-1] == 0 and not kwargs["LPT"]  # no sections
     # MQA, one consumer over 64 keys, no dLSE vs with one
     one = _plan(1, 4, 1, 77, 133, 128, _config(BLOCK_N=64, NUM_CONSUMERS=1), causal=False)
     assert one["main"][3] == (3, 1) and one["main"][1][1].block_shape == [64, 128]
     assert not one["preprocess"][2]["HAS_DLSE"]
     assert _plan(1, 4, 1, 77, 133, 128, DEFAULT_CONFIG, dlse=True)["preprocess"][2]["HAS_DLSE"]
+
+
+def test_the_longest_first_order_is_one_grid_dimension_in_sections_that_fit_l2() -> None:
+    """LPT 1: ``key blocks x batch x kv heads`` CTAs on one grid axis, in sections of the
+    most KV heads whose Q and dO fit the L2 budget, a power of two dividing the batch's KV
+    heads (the kernel takes its log2); a config without the knob runs LPT 0."""
+    from flashtune.kernel_templates.attn_bwd_gluon.launcher import L2_BUDGET, lpt_section
+
+    per_head = 2 * 4 * 4096 * 128 * 2  # Q and dO of a 4-head group, N 4096, D128, bf16
+    assert L2_BUDGET // per_head == 5
+    assert lpt_section(64, 4, 4096, 128) == 4  # 5 fit: the power of two below
+    assert lpt_section(12, 1, 512, 64) == 4  # all fit: the most that divides 12
+    assert lpt_section(7, 1, 512, 64) == 1  # an odd count: one head a section
+    assert lpt_section(64, 8, 131072, 128) == 1  # not even one head fits
+    launches = _plan(2, 32, 8, 4096, 4096, 128, _config(LPT=1))
+    kernel, args, kwargs, grid = launches["main"]
+    assert kwargs["LPT"] and grid == (32 * 2 * 8, 1)
+    assert args[-1] == 2  # sections of 4 of the 16 KV heads
+    assert _plan(2, 32, 8, 4096, 4096, 128, DEFAULT_CONFIG)["main"][3] == (32, 16)
+    with pytest.raises(ConfigError, match="LPT must be 0 or 1"):
+        check_config(_config(LPT=2))
+    assert space.SPACE.validate(DEFAULT_CONFIG) == {**DEFAULT_CONFIG, "LPT": 0}
 
 
 def test_bshd_storage_is_read_through_its_own_descriptor_shape() -> None:
@@ -248,6 +271,8 @@ def test_each_structural_variant_compiles_for_sm90_within_its_budget() -> None:
         dict(BLOCK_M=64, BLOCK_N=128, NUM_STAGES=2, NUM_CONSUMERS=2, head_dim=64, causal=False,
              layout="bshd"),
         dict(BLOCK_M=64, BLOCK_N=128, NUM_STAGES=2, NUM_CONSUMERS=2, head_dim=128, causal=True),
+        dict(BLOCK_M=64, BLOCK_N=128, NUM_STAGES=2, NUM_CONSUMERS=2, LPT=1, head_dim=128,
+             causal=True),
     ]
     got = _compile([dict(c) for c in cases])
     assert len(got) == len(cases)
@@ -321,6 +346,34 @@ def test_gradients_match_the_reference_for_every_valid_config(case, dtype) -> No
     for config in configs:
         got = SPEC.launcher(q, k, v, out, lse, do, config, causal=causal)
         assert_grads_close(got, q, k, v, do, causal=causal, refs=refs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("budget", [1, 400_000], ids=["one-head-sections", "two-head-sections"])
+def test_the_longest_first_order_covers_every_tile_once(monkeypatch, budget) -> None:
+    """LPT 1 with sections smaller than the batch's heads (an L2 budget made small): one
+    head a section, and sections of 2 of the 6 KV heads, one of them across the two
+    batches; every CTA's tile is its own, or dK and dV of some keys would be wrong or
+    unwritten."""
+    from flashtune.kernel_templates.attn_bwd_gluon import launcher
+
+    monkeypatch.setattr(launcher, "L2_BUDGET", budget)
+    assert launcher.lpt_section(6, 2, 333, 64) == (1 if budget == 1 else 2)
+    torch.manual_seed(2)
+    dt = torch.bfloat16
+    q, k, v = _rand(2, 6, 333, 64, dtype=dt), _rand(2, 3, 517, 64, dtype=dt), \
+        _rand(2, 3, 517, 64, dtype=dt)
+    do = _rand(2, 6, 333, 64, dtype=dt)
+    out, lse = _forward(q, k, v, True)
+    p = AttentionProblem.from_tensors(q, k, causal=True)
+    configs = [c for c in _valid_configs(p) if c["LPT"] == 1]
+    assert configs
+    from tests.helpers import grad_references
+
+    refs = grad_references(q, k, v, do, causal=True)
+    for config in configs:
+        got = SPEC.launcher(q, k, v, out, lse, do, config, causal=True)
+        assert_grads_close(got, q, k, v, do, causal=True, refs=refs)
 
 
 @pytest.mark.gpu

@@ -5,7 +5,9 @@ structure, :mod:`.launcher` plans and launches them).
   ``lse * log2(e)`` (``+inf`` where the row sees no key, and in the padding rows up to the
   query tile, so their probabilities are 0), both into ``(B * Hq, Nq_pad)`` float32 rows,
   and the fp32 dQ accumulator's rows zeroed;
-* ``gluon_attn_bwd_kernel``: one CTA per (key block, batch x KV head), warp specialized
+* ``gluon_attn_bwd_kernel``: one CTA per (key block, batch x KV head) (in the order
+  ``_tile`` gives: a head's key blocks side by side, or with ``LPT`` longest first in
+  sections of heads), warp specialized
   as FA3's sm90 backward: ``_producer`` (1 warp) TMA-loads the CTA's K and V once and
   streams Q and dO tiles (and the rows' LSE and delta, by cp.async) of every query block
   (of every query head of the GQA group) that sees the key block through a ring of
@@ -111,6 +113,27 @@ def _steps(n_block, seqlen_q, seqlen_k, group, BLOCK_M: gl.constexpr,
 
 
 @gluon.jit
+def _tile(seqlen_k, section_log2, BLOCK_N: gl.constexpr, LPT: gl.constexpr):
+    """The CTA's key block and ``batch * heads_kv + kv_head`` (every partition reads its tile
+    here). ``LPT`` 0: the 2-D grid ``(key block, batch x KV head)``, a head's key blocks
+    side by side (they share its Q and dO in L2). ``LPT`` 1: a 1-D grid in sections of
+    ``2 ** section_log2`` heads (as many as L2 holds the Q and dO of, dividing the batch's
+    heads; the launcher's :func:`lpt_section`), key block outer, heads inner: under a causal
+    mask the longest walks (the first key blocks, seen by every later query) start first
+    and the shortest fill the tail (FA3's longest-processing-time order). Shifts and masks
+    but one division: the partitions run on 24 registers."""
+    n_block = gl.program_id(0)
+    bhk = gl.program_id(1)
+    if LPT:
+        per = gl.cdiv(seqlen_k, BLOCK_N) << section_log2  # CTAs of a section
+        sec = n_block // per
+        r = n_block - sec * per
+        bhk = (sec << section_log2) + (r & ((1 << section_log2) - 1))
+        n_block = r >> section_log2
+    return n_block, bhk
+
+
+@gluon.jit
 def _q_coords(b, h, m, heads_q, seqlen_q, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
               Q_BSHD: gl.constexpr):
     """``[row, column]`` of query block ``m`` of head ``h`` of batch ``b`` in Q's (and
@@ -123,11 +146,11 @@ def _q_coords(b, h, m, heads_q, seqlen_q, HEAD_D: gl.constexpr, BLOCK_M: gl.cons
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, lse_smem,
               delta_smem, kv_bar, q_ready, do_ready, qdo_empty, lse2_ptr, delta_ptr, seqlen_q,
-              seqlen_k, seqlen_q_pad, heads_q, heads_kv, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              seqlen_k, seqlen_q_pad, heads_q, heads_kv, section_log2,
+              HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, Q_BSHD: gl.constexpr,
-              KV_BSHD: gl.constexpr):
-    n_block = gl.program_id(0)
-    bhk = gl.program_id(1)
+              KV_BSHD: gl.constexpr, LPT: gl.constexpr):
+    n_block, bhk = _tile(seqlen_k, section_log2, BLOCK_N, LPT)
     b = bhk // heads_kv
     hk = bhk % heads_kv
     group = heads_q // heads_kv
@@ -168,8 +191,9 @@ def _producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, 
 
 @gluon.jit
 def _dq_writer(dq_smem, dq_full, dq_empty, dq_acc_ptr, seqlen_q, seqlen_k, seqlen_q_pad,
-               heads_q, heads_kv, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
-               BLOCK_N: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr):
+               heads_q, heads_kv, section_log2, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
+               BLOCK_N: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
+               LPT: gl.constexpr):
     """Two warps: each step's ``dS K`` (the consumers' column slices in ``dq_smem``) added
     to the fp32 accumulator's rows with vector atomics, off the consumers' path (FA3's dQ
     writer warp, which issues TMA bulk reduce-adds; Gluon 3.6 has none on Hopper)."""
@@ -180,8 +204,7 @@ def _dq_writer(dq_smem, dq_full, dq_empty, dq_acc_ptr, seqlen_q, seqlen_k, seqle
                                             [gl.num_warps(), 1], [1, 0])
     offs = gl.expand_dims(gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout)) * HEAD_D, 1) \
         + gl.expand_dims(gl.arange(0, DQ_COLS, layout=gl.SliceLayout(0, layout)), 0)
-    n_block = gl.program_id(0)
-    bhk = gl.program_id(1)
+    n_block, bhk = _tile(seqlen_k, section_log2, BLOCK_N, LPT)
     b = bhk // heads_kv
     hk = bhk % heads_kv
     group = heads_q // heads_kv
@@ -204,9 +227,9 @@ def _dq_writer(dq_smem, dq_full, dq_empty, dq_acc_ptr, seqlen_q, seqlen_k, seqle
 def _consumer(cid, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, delta_smem,
               kv_bar, q_ready, do_ready, qdo_empty, ds_ready, dq_full, dq_empty, dk_ptr,
               dv_ptr, stride_dkb, stride_dkh, stride_dkn, seqlen_q, seqlen_k, seqlen_q_pad,
-              heads_q, heads_kv, qk_scale, sm_scale, HEAD_D: gl.constexpr,
+              heads_q, heads_kv, qk_scale, sm_scale, section_log2, HEAD_D: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-              NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr):
+              NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, LPT: gl.constexpr):
     """Consumer ``cid``: keys ``[k0, k0 + ROWS_N)`` of the CTA's block, every step's
     ``S^T``, ``dP^T``, ``dS^T`` (its rows of the CTA's ``dS^T`` in shared memory), ``dV``
     and ``dK`` of its keys, and columns ``[cid * DQ_COLS, ...)`` of ``dS K`` over all the
@@ -226,8 +249,7 @@ def _consumer(cid, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, 
     key_l: gl.constexpr = gl.SliceLayout(1, s_layout)
     qry_l: gl.constexpr = gl.SliceLayout(0, s_layout)
 
-    n_block = gl.program_id(0)
-    bhk = gl.program_id(1)
+    n_block, bhk = _tile(seqlen_k, section_log2, BLOCK_N, LPT)
     b = bhk // heads_kv
     hk = bhk % heads_kv
     group = heads_q // heads_kv
@@ -316,10 +338,12 @@ def _consumer(cid, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, 
 def gluon_attn_bwd_kernel(q_desc, k_desc, v_desc, do_desc, lse2_ptr, delta_ptr, dq_acc_ptr,
                           dk_ptr, dv_ptr, stride_dkb, stride_dkh, stride_dkn, seqlen_q,
                           seqlen_k, seqlen_q_pad, heads_q, heads_kv, qk_scale, sm_scale,
+                          section_log2,
                           HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                           NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
                           CAUSAL: gl.constexpr, Q_BSHD: gl.constexpr, KV_BSHD: gl.constexpr,
-                          PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                          PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                          LPT: gl.constexpr):
     gl.static_assert(NUM_CONSUMERS == 1 or NUM_CONSUMERS == 2)
     gl.static_assert(BLOCK_N // NUM_CONSUMERS >= 64)  # a wgmma's M per warpgroup
     gl.static_assert(NUM_STAGES >= 2)
@@ -363,33 +387,38 @@ def gluon_attn_bwd_kernel(q_desc, k_desc, v_desc, do_desc, lse2_ptr, delta_ptr, 
             (_consumer, (0, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem,
                          delta_smem, kv_bar, q_ready, do_ready, qdo_empty, ds_ready, dq_full,
                          dq_empty, dk_ptr, dv_ptr, stride_dkb, stride_dkh, stride_dkn, seqlen_q,
-                         seqlen_k, seqlen_q_pad, heads_q, heads_kv, qk_scale, sm_scale, HEAD_D,
-                         BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL)),
+                         seqlen_k, seqlen_q_pad, heads_q, heads_kv, qk_scale, sm_scale,
+                         section_log2, HEAD_D, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL,
+                         LPT)),
             (_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem,
                          lse_smem, delta_smem, kv_bar, q_ready, do_ready, qdo_empty, lse2_ptr,
-                         delta_ptr, seqlen_q, seqlen_k, seqlen_q_pad, heads_q, heads_kv, HEAD_D,
-                         BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, Q_BSHD, KV_BSHD)),
+                         delta_ptr, seqlen_q, seqlen_k, seqlen_q_pad, heads_q, heads_kv,
+                         section_log2, HEAD_D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, Q_BSHD, KV_BSHD,
+                         LPT)),
             (_dq_writer, (dq_smem, dq_full, dq_empty, dq_acc_ptr, seqlen_q, seqlen_k,
-                          seqlen_q_pad, heads_q, heads_kv, HEAD_D, BLOCK_M, BLOCK_N,
-                          NUM_CONSUMERS, CAUSAL)),
+                          seqlen_q_pad, heads_q, heads_kv, section_log2, HEAD_D, BLOCK_M,
+                          BLOCK_N, NUM_CONSUMERS, CAUSAL, LPT)),
         ], [1, 2], [PRODUCER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (0, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem,
                          delta_smem, kv_bar, q_ready, do_ready, qdo_empty, ds_ready, dq_full,
                          dq_empty, dk_ptr, dv_ptr, stride_dkb, stride_dkh, stride_dkn, seqlen_q,
-                         seqlen_k, seqlen_q_pad, heads_q, heads_kv, qk_scale, sm_scale, HEAD_D,
-                         BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL)),
+                         seqlen_k, seqlen_q_pad, heads_q, heads_kv, qk_scale, sm_scale,
+                         section_log2, HEAD_D, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL,
+                         LPT)),
             (_consumer, (1, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem,
                          delta_smem, kv_bar, q_ready, do_ready, qdo_empty, ds_ready, dq_full,
                          dq_empty, dk_ptr, dv_ptr, stride_dkb, stride_dkh, stride_dkn, seqlen_q,
-                         seqlen_k, seqlen_q_pad, heads_q, heads_kv, qk_scale, sm_scale, HEAD_D,
-                         BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL)),
+                         seqlen_k, seqlen_q_pad, heads_q, heads_kv, qk_scale, sm_scale,
+                         section_log2, HEAD_D, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL,
+                         LPT)),
             (_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem,
                          lse_smem, delta_smem, kv_bar, q_ready, do_ready, qdo_empty, lse2_ptr,
-                         delta_ptr, seqlen_q, seqlen_k, seqlen_q_pad, heads_q, heads_kv, HEAD_D,
-                         BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, Q_BSHD, KV_BSHD)),
+                         delta_ptr, seqlen_q, seqlen_k, seqlen_q_pad, heads_q, heads_kv,
+                         section_log2, HEAD_D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, Q_BSHD, KV_BSHD,
+                         LPT)),
             (_dq_writer, (dq_smem, dq_full, dq_empty, dq_acc_ptr, seqlen_q, seqlen_k,
-                          seqlen_q_pad, heads_q, heads_kv, HEAD_D, BLOCK_M, BLOCK_N,
-                          NUM_CONSUMERS, CAUSAL)),
+                          seqlen_q_pad, heads_q, heads_kv, section_log2, HEAD_D, BLOCK_M,
+                          BLOCK_N, NUM_CONSUMERS, CAUSAL, LPT)),
         ], [4, 1, 2], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])

@@ -50,6 +50,11 @@ PRE_BLOCK = 64  # rows per program of the preprocess and the dQ conversion
 # NUM_STAGES Q/dO buffers, NUM_CONSUMERS consumer warpgroups
 DEFAULT_CONFIG: dict[str, int] = {"BLOCK_M": 64, "BLOCK_N": 128, "NUM_STAGES": 2,
                                   "NUM_CONSUMERS": 2}
+# knobs a config may leave out, and their value then: LPT 1 walks the CTAs longest first in
+# sections of heads (kernel._tile), 0 a head's key blocks side by side
+OPTIONAL_CONFIG: dict[str, int] = {"LPT": 0}
+# bytes of L2 a section's Q and dO may take (FA3's tile scheduler budgets 40 of the 50 MB)
+L2_BUDGET = 40 << 20
 
 # (kernel, positional args, keyword args, grid) of one launch
 Launch = tuple[Any, tuple[Any, ...], dict[str, Any], tuple[int, int]]
@@ -65,6 +70,17 @@ def launch_meta(config: Mapping[str, int]) -> dict[str, int]:
     consumer = min(240, ((maxnreg * groups - producer) // consumers) // 8 * 8)
     return {"num_warps": 4, "maxnreg": maxnreg, "PRODUCER_REGS": producer,
             "CONSUMER_REGS": consumer}
+
+
+def lpt_section(batch_heads_kv: int, group: int, seqlen_q: int, head_dim: int,
+                itemsize: int = 2) -> int:
+    """KV heads a section of the ``LPT`` order holds: the most whose Q and dO (``group``
+    query heads each) fit :data:`L2_BUDGET`, a power of two that divides ``batch_heads_kv``
+    (so every section is whole and the kernel maps a CTA to its tile with shifts); 1 when
+    not even one head fits."""
+    per_head = 2 * group * seqlen_q * head_dim * itemsize
+    fit = max(1, L2_BUDGET // max(1, per_head))
+    return min(1 << (fit.bit_length() - 1), batch_heads_kv & -batch_heads_kv)
 
 
 def padded_seqlen(seqlen_q: int, config: Mapping[str, int]) -> int:
@@ -149,16 +165,21 @@ def plan(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, dq: Any, dk: Any
         dict(HEAD_D=head_dim, BLOCK=PRE_BLOCK, HAS_DLSE=dlse is not None, num_warps=4),
         (-(-pad // PRE_BLOCK), batch * heads_q))
     meta = launch_meta(config)
+    lpt = bool(config.get("LPT", OPTIONAL_CONFIG["LPT"]))
+    n_blocks, bh_kv = -(-seqlen_k // bn), batch * heads_kv
+    section = lpt_section(bh_kv, heads_q // heads_kv, seqlen_q, head_dim) if lpt else 1
+    section_log2 = section.bit_length() - 1
     main: Launch = (
         gluon_attn_bwd_kernel,
         (q_desc, k_desc, v_desc, do_desc, lse2, delta, dq_acc, dk, dv, *_strides3(dk),
-         seqlen_q, seqlen_k, pad, heads_q, heads_kv, float(scale) * LOG2E, float(scale)),
+         seqlen_q, seqlen_k, pad, heads_q, heads_kv, float(scale) * LOG2E, float(scale),
+         section_log2),
         dict(HEAD_D=head_dim, BLOCK_M=bm, BLOCK_N=bn, NUM_STAGES=config["NUM_STAGES"],
              NUM_CONSUMERS=nc, CAUSAL=bool(causal), Q_BSHD=q_how == "bshd",
              KV_BSHD=kv_how == "bshd", PRODUCER_REGS=meta["PRODUCER_REGS"],
-             CONSUMER_REGS=meta["CONSUMER_REGS"], num_warps=meta["num_warps"],
+             CONSUMER_REGS=meta["CONSUMER_REGS"], LPT=lpt, num_warps=meta["num_warps"],
              maxnreg=meta["maxnreg"]),
-        (-(-seqlen_k // bn), batch * heads_kv))
+        (n_blocks * bh_kv, 1) if lpt else (n_blocks, bh_kv))
     conv: Launch = (
         gluon_attn_bwd_convert_dq,
         (dq_acc, dq, *_strides3(dq), heads_q, seqlen_q, pad, float(scale)),
@@ -170,10 +191,12 @@ def plan(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, dq: Any, dk: Any
 def check_config(config: Mapping[str, int]) -> None:
     """ConfigError unless ``config`` has exactly the knobs, with values the kernel takes."""
     missing = sorted(set(DEFAULT_CONFIG) - set(config))
-    unknown = sorted(set(config) - set(DEFAULT_CONFIG))
+    unknown = sorted(set(config) - set(DEFAULT_CONFIG) - set(OPTIONAL_CONFIG))
     if missing or unknown:
-        raise ConfigError(f"config needs exactly the keys {sorted(DEFAULT_CONFIG)}; missing "
-                          f"{missing}, unknown {unknown}")
+        raise ConfigError(f"config needs exactly the keys {sorted(DEFAULT_CONFIG)} (optional: "
+                          f"{sorted(OPTIONAL_CONFIG)}); missing {missing}, unknown {unknown}")
+    if config.get("LPT", 0) not in (0, 1):
+        raise ConfigError(f"LPT must be 0 or 1, got {config['LPT']!r}")
     bm, bn, nc, st = (config[n] for n in ("BLOCK_M", "BLOCK_N", "NUM_CONSUMERS", "NUM_STAGES"))
     if bm not in (64, 128) or bn not in (64, 128) or nc not in (1, 2) or st < 2 \
             or bn // nc < 64:
@@ -310,7 +333,8 @@ def compile_sm90(config: Mapping[str, int], head_dim: int = 128, causal: bool = 
     const = {"HEAD_D": head_dim, "BLOCK_M": bm, "BLOCK_N": bn,
              "NUM_STAGES": config["NUM_STAGES"], "NUM_CONSUMERS": nc, "CAUSAL": bool(causal),
              "Q_BSHD": layout == "bshd", "KV_BSHD": layout == "bshd",
-             "PRODUCER_REGS": meta["PRODUCER_REGS"], "CONSUMER_REGS": meta["CONSUMER_REGS"]}
+             "PRODUCER_REGS": meta["PRODUCER_REGS"], "CONSUMER_REGS": meta["CONSUMER_REGS"],
+             "LPT": bool(config.get("LPT", OPTIONAL_CONFIG["LPT"]))}
     kern = gluon_attn_bwd_kernel
     names = kern.arg_names
     types = {"q_desc": qd, "k_desc": kd, "v_desc": kd, "do_desc": qd, "lse2_ptr": "*fp32",

@@ -2,8 +2,12 @@
 
 The knobs are the launcher's: ``BLOCK_M`` query rows per step (64, 128), ``BLOCK_N`` keys
 per CTA (64, 128; the consumers split them), ``NUM_STAGES`` Q/dO buffers (2, 3: one would
-deadlock the ring), ``NUM_CONSUMERS`` consumer warpgroups (1, 2). Structurally refused:
-``BLOCK_N // NUM_CONSUMERS < 64`` (a warpgroup's wgmma covers 64 rows).
+deadlock the ring), ``NUM_CONSUMERS`` consumer warpgroups (1, 2), ``LPT`` the order the
+CTAs run in (0: a head's key blocks side by side; 1: longest walk first, in sections of heads
+whose Q and dO fit L2: under a causal mask the first key blocks walk every later query
+block, and in the 2-D order one of them can start last and run alone; optional, 0 when left
+out). Structurally refused: ``BLOCK_N // NUM_CONSUMERS < 64`` (a warpgroup's wgmma covers
+64 rows).
 
 Whether a config fits is what ptxas makes of it, read from ``sm90_compile.json`` beside this
 file (shared memory, registers, spill-store bytes or the compile error of every structurally
@@ -30,7 +34,7 @@ from flashtune.core.space import Config, SearchSpace
 from flashtune.kernel_templates import sm90_table
 from flashtune.kernel_templates.sm90_table import SMEM_LIMIT, SPILL_LIMIT, Compiled
 
-__all__ = ["HEAD_DIMS", "PARAMS", "REGENERATE", "SMEM_LIMIT", "SPACE", "SPILL_LIMIT", "TABLE",
+__all__ = ["DEFAULTS", "HEAD_DIMS", "PARAMS", "REGENERATE", "SMEM_LIMIT", "SPACE", "SPILL_LIMIT", "TABLE",
            "Compiled", "check", "default_config", "entry_key", "load_table", "parse_table",
            "structural_reason"]
 
@@ -39,7 +43,10 @@ PARAMS: dict[str, tuple[int, ...]] = {
     "BLOCK_N": (64, 128),
     "NUM_STAGES": (2, 3),
     "NUM_CONSUMERS": (1, 2),
+    "LPT": (0, 1),
 }
+# knobs a config may leave out (configs stored before LPT existed ran its 0)
+DEFAULTS: dict[str, int] = {"LPT": 0}
 HEAD_DIMS = (64, 128)
 # SPILL_LIMIT (sm90_table: 256 spill-store bytes allowed): at D128 the consumers hold dK and dV (128 fp32 registers a
 # thread) across the walk; 8-220 B spill around the epilogue's stores (as attn_fwd_gluon's
@@ -50,8 +57,10 @@ REGENERATE = "python -m flashtune.kernel_templates.attn_bwd_gluon --prefilter"
 
 
 def entry_key(head_dim: int, causal: bool, config: Mapping[str, int]) -> str:
-    """The table's key: ``d128-causal-BLOCK_M=64,BLOCK_N=128,NUM_STAGES=2,NUM_CONSUMERS=2``."""
-    knobs = ",".join(f"{name}={int(config[name])}" for name in PARAMS)
+    """The table's key: ``d128-causal-BLOCK_M=64,BLOCK_N=128,NUM_STAGES=2,NUM_CONSUMERS=2,
+    LPT=0``."""
+    knobs = ",".join(f"{name}={int(config.get(name, DEFAULTS.get(name, 0)))}"
+                     for name in PARAMS)
     return f"d{head_dim}-{'causal' if causal else 'full'}-{knobs}"
 
 
@@ -110,11 +119,12 @@ def check(config: Mapping[str, int], problem: AttentionProblem,
     return compiled.reason(sm90_table.smem_limit(device))
 
 
-SPACE = SearchSpace(params=PARAMS, predicate=check)
+SPACE = SearchSpace(params=PARAMS, predicate=check, defaults=DEFAULTS)
 
 
 def _knobs(bm: int, bn: int, stages: int, consumers: int) -> Config:
-    return {"BLOCK_M": bm, "BLOCK_N": bn, "NUM_STAGES": stages, "NUM_CONSUMERS": consumers}
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "NUM_STAGES": stages, "NUM_CONSUMERS": consumers,
+            "LPT": 0}
 
 
 # per head dim, best guess first (FA3's sm90 backward: 64 x 128 tiles at D128 with two MMA
