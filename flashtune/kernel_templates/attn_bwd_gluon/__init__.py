@@ -12,10 +12,11 @@ batches: its ``Limits`` refuse them).
   dO in L2; 1: FA3's longest-processing-time order, the key blocks outer and first, in
   sections of as many heads as L2 holds the Q and dO of: under a causal mask a GQA group's
   first key blocks walk every query block of every query head of the group, and in the
-  other order one of them can start last and run alone), warp specialized: a **producer** warp TMA-loads K and V once and streams Q and dO tiles (with
-  the rows' LSE and delta, by cp.async on the same mbarrier) through a ring of
-  ``NUM_STAGES`` buffers (``q_ready`` / ``do_ready`` / ``qdo_empty`` mbarriers) for every
-  query block at or below the diagonal (causal) of every query head of the GQA group;
+  other order one of them can start last and run alone), warp specialized: a **producer**
+  warp TMA-loads K and V once and streams Q and dO tiles (with the rows' LSE and delta,
+  by cp.async on the same mbarrier) through a ring of ``NUM_STAGES`` buffers (``q_ready``
+  / ``do_ready`` / ``qdo_empty`` mbarriers) for every query block at or below the diagonal
+  (causal) of every query head of the GQA group;
   ``NUM_CONSUMERS`` **consumer** warpgroups, each owning ``BLOCK_N / NUM_CONSUMERS`` keys,
   compute ``S^T = K Q^T`` and ``dP^T = V dO^T`` (two async wgmma, the exp2 of ``P^T``
   while the second runs), ``dS^T = P^T (dP^T - delta)`` (its rows of a double-buffered
