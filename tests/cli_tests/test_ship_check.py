@@ -16,21 +16,13 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-PLAN = """[[shape]]
-batch = 1
-heads = 2
-seqlen = 32
-head_dim = 16
-causal = true
-dtype = "fp16"
-"""
+from tests.cli_tests.test_ship_tables import PLAN, ROOT
 
 
 @pytest.mark.parametrize("op", ["fwd", "train"])
 def test_the_check_compares_nearest_with_exact_for_each_tuned_shape(tmp_path, op):
     plan = tmp_path / "plan.toml"
-    plan.write_text(PLAN)
+    plan.write_text(PLAN.format(op=op))
     env = {k: v for k, v in os.environ.items()
            if k not in ("TRITON_INTERPRET", "FLASHTUNE_DB", "FLASHTUNE_CONFIG_DIR")}
     env.update(OP=op, ANCHOR="sdpa_flash", BASELINES="sdpa_flash", TRIALS="1", ROUNDS="1",
