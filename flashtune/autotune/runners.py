@@ -32,6 +32,12 @@ __all__ = ["LocalRunner", "ReplayRunner", "Runner", "TrialResult", "time_interle
 # timed calls per config under the interpreter (timings there are recorded but meaningless)
 INTERPRETER_REPS = 2
 MESSAGE_MAX = 300
+# a config whose one timed launch (after its check) takes this many times the best median
+# the runner has measured, and at least ABANDON_MIN_MS, keeps that one timing instead of a
+# full measurement: do_bench's estimate runs and the host-bound probe of a 1.8 s backward
+# config (the attn_bwd search at N 16k on an H200) took 24 s of its shape's 59
+ABANDON_FACTOR = 3.0
+ABANDON_MIN_MS = 5.0
 
 
 def _first_line(exc: BaseException) -> str:
@@ -101,10 +107,12 @@ class LocalRunner:
     RUNTIME_ERROR), its output is checked against the reference (relative Frobenius error
     under ``TOLERANCE[dtype]`` and no NaN, else WRONG_RESULT), then it is timed (``bench``
     on GPU; ``time.perf_counter`` over :data:`INTERPRETER_REPS` calls under the interpreter,
-    meaningless but recorded). A median that is not positive or is below the physical
-    floor (``Case.flops`` over the device's peak, ``Case.min_bytes`` over its bandwidth) is
-    a measurement error: re-measured once, then recorded RUNTIME_ERROR. ``timeout_s`` is
-    checked *after the fact*: a trial whose compile + check + timing took longer is
+    meaningless but recorded); on a GPU a config whose one timed launch is
+    :data:`ABANDON_FACTOR` times the runner's best median or more keeps that timing (its
+    message says so) instead of a full measurement. A median that is not positive or is
+    below the physical floor (``Case.flops`` over the device's peak, ``Case.min_bytes`` over
+    its bandwidth) is a measurement error: re-measured once, then recorded RUNTIME_ERROR.
+    ``timeout_s`` is checked *after the fact*: a trial whose compile + check + timing took longer is
     recorded TIMEOUT; a hung kernel is not interrupted, and on GPU an illegal memory access
     may leave the CUDA context unusable: isolated mode
     (:class:`flashtune.autotune.isolation.IsolatedRunner`) runs this runner in a worker
@@ -133,6 +141,7 @@ class LocalRunner:
         from flashtune.autotune.timing import physical_floor_ms
 
         self.floor_ms = physical_floor_ms(device, self.case.flops, self.case.min_bytes)
+        self._best_ms: float | None = None  # the best full measurement of this runner
 
     def _launch(self) -> Any:
         return self.case.launch(self._config)
@@ -165,8 +174,16 @@ class LocalRunner:
             return TrialResult(TrialState.WRONG_RESULT,
                                f"relative error {err:.3g} vs fp32 reference (tolerance {tol:g})",
                                compile_s=compile_s)
+        message = None
         try:
-            median, p20, p80 = self.time_config()
+            once = self._far_behind()
+            if once is not None:  # out of the race: its one timing stands
+                median = p20 = p80 = once
+                message = (f"timed once: {once:.3g} ms, over {ABANDON_FACTOR:g}x the best "
+                           f"so far ({self._best_ms:.3g} ms)")
+            else:
+                median, p20, p80 = self.time_config()
+                self._best_ms = min(self._best_ms or median, median)
         except Exception as exc:
             return TrialResult(TrialState.RUNTIME_ERROR, _first_line(exc), compile_s=compile_s)
         wall = time.perf_counter() - t0
@@ -176,8 +193,34 @@ class LocalRunner:
                                f"the fact)", compile_s=compile_s)
         from flashtune.autotune.timing import tflops
 
-        return TrialResult(TrialState.COMPLETE, None, median, p20, p80,
+        return TrialResult(TrialState.COMPLETE, message, median, p20, p80,
                            tflops(self.flops, median) if median > 0 else None, compile_s)
+
+    def _far_behind(self) -> float | None:
+        """On a GPU, once a config was measured: the current config's one timed launch (L2
+        flushed) when it is :data:`ABANDON_FACTOR` times the best median or more (and at
+        least :data:`ABANDON_MIN_MS`: short launches carry host time), else None."""
+        if self.interpreting or self._best_ms is None:
+            return None
+        once = self._once_ms()
+        if once >= max(ABANDON_FACTOR * self._best_ms, ABANDON_MIN_MS):
+            return once
+        return None
+
+    def _once_ms(self) -> float:
+        """One launch's GPU milliseconds, the L2 flushed before it."""
+        import torch
+
+        from flashtune.autotune.timing import FLUSH_BYTES
+
+        flush = torch.empty(FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
+        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+        flush.zero_()
+        start.record()
+        self._launch()
+        end.record()
+        torch.cuda.synchronize()
+        return float(start.elapsed_time(end))
 
     def time_config(self, config: Mapping[str, int] | None = None) -> tuple[float, float, float]:
         """(median, p20, p80) ms of the config (the last evaluated one by default).

@@ -131,6 +131,34 @@ def test_local_runner_states(problem):
     assert TrialResult.from_dict(ok.to_dict()) == ok
 
 
+def test_a_config_far_behind_the_best_is_timed_once(problem, monkeypatch):
+    """On a GPU, after a full measurement: a config whose one timed launch is 3x the best
+    median or more (and at least 5 ms) keeps that timing and says so; one closer is measured
+    in full. Played on the CPU with the GPU timings made up (the kernel still runs and is
+    checked under the interpreter)."""
+    spec = get_template("attn_fwd")
+    runner = LocalRunner(spec, problem, interpreter_device(), seed=0)
+    runner.interpreting = False  # as on a GPU: the timings below stand in for CUDA events
+    full = iter([(8.0, 7.9, 8.1), (16.0, 15.9, 16.1)])
+    once = iter([30.0, 16.5])
+    monkeypatch.setattr(runner, "time_config", lambda config=None: next(full))
+    monkeypatch.setattr(runner, "_once_ms", lambda: next(once))
+    cfg = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 2, "num_stages": 1}
+    first = runner.evaluate(cfg)  # nothing measured yet: in full
+    assert (first.state, first.median_ms, first.message) == (TrialState.COMPLETE, 8.0, None)
+    far = runner.evaluate(cfg)  # 30 ms >= 3 x 8: once
+    assert (far.state, far.median_ms, far.p80_ms) == (TrialState.COMPLETE, 30.0, 30.0)
+    assert far.message == "timed once: 30 ms, over 3x the best so far (8 ms)"
+    near = runner.evaluate(cfg)  # 16.5 ms < 24: in full
+    assert (near.median_ms, near.message) == (16.0, None)
+    with pytest.raises(StopIteration):
+        next(once)  # both one-launch timings were taken
+    short = LocalRunner(spec, problem, interpreter_device(), seed=0)
+    short.interpreting, short._best_ms = False, 0.5
+    monkeypatch.setattr(short, "_once_ms", lambda: 4.0)  # 8x, but under 5 ms: host time
+    assert short._far_behind() is None
+
+
 def test_precompile_is_skipped_under_interpreter(problem):
     from flashtune.autotune.precompile import precompile
     from flashtune.kernel_templates.attn_fwd.warmup import attn_fwd_warmup_args
