@@ -17,7 +17,8 @@
 # `timeout` stops what still runs over (the shape in flight is then tuned again next time).
 # TRIALS (default 10) configs per template and shape; GPUS (default: every visible one);
 # PLAN_DIR: plans named shipped-OP.toml there instead of the packaged ones; TUNE_ARGS: more
-# `tune` options (e.g. `--interpret` with tiny plans, which is how it is tested on a CPU).
+# `tune` options (e.g. `--interpret` with tiny plans, which is how it is tested on a CPU);
+# VERBOSE=1: `flashtune -v`, every worker's log with times (where a command's time went).
 # Prints each op's closing table and, last, the plan's progress (`flashtune show --op`).
 set -u
 what=${1:?usage: ship_tables.sh tune|export OUTDIR}
@@ -41,12 +42,12 @@ case $what in
             echo "ship_tables: $left s left of $limit: --op $op waits for the next command"
             continue
         fi
-        echo "== tune --op $op (stop after $left s, GPUs $GPUS)"
+        echo "== tune --op $op (stop after $left s, GPUs $GPUS, $(date -u +%T) UTC)"
         plan="shipped-$op"
         if [ -n "${PLAN_DIR:-}" ]; then plan="$PLAN_DIR/shipped-$op.toml"; fi
         # shellcheck disable=SC2086
         timeout -s TERM -k 30 $(( left + margin / 2 )) python -m flashtune \
-            --db "sqlite:///$db" tune --op "$op" --plan "$plan" --trials "$trials" \
+            ${VERBOSE:+-v} --db "sqlite:///$db" tune --op "$op" --plan "$plan" --trials "$trials" \
             --timeout 60 --patience 6 --no-progress --skip-tuned --stop-after "$left" \
             --gpus "$GPUS" ${TUNE_ARGS:-} 2>&1 | grep -v "no tuned .* config for"
     done

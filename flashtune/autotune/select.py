@@ -360,6 +360,7 @@ def _tune_problems(problems: Sequence[AttentionProblem], op: str, options: TuneO
                          problem.describe(), stale)
         for name, reason in skipped:
             log.warning("%s: %s skipped: %s", problem.describe(), name, reason)
+        log.info("%s: searching %s", problem.describe(), ", ".join(s.name for s in specs))
         results: list[TuneResult] = []
         search = functools.partial(_search, results, problem, options, url, progress,
                                    progress_position, skip_tuned, custom, factory, device)
@@ -388,6 +389,8 @@ def _tune_problems(problems: Sequence[AttentionProblem], op: str, options: TuneO
                                  candidates=[x.as_dict() for x in leaders],
                                  software=software)
         elapsed = time.time() - started
+        log.info("%s: %s chosen in %.1f s", problem.describe(),
+                 win.implementation if win is not None else "nothing", elapsed)
         out.append(replace(result, seconds=elapsed))
         longest = max(longest, elapsed)
     return out

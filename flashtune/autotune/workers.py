@@ -131,9 +131,15 @@ def _stop_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
-def _pin(slot: int, gpu: int, options_json: str) -> TuneOptions:
-    """A worker's options, its GPU made the only one it sees, SIGTERM handled."""
+def _pin(slot: int, gpu: int, options_json: str, log_level: int) -> TuneOptions:
+    """A worker's options, its GPU made the only one it sees, SIGTERM handled, and below
+    WARNING (the parent runs with ``-v``) its log on stderr as the parent's, with times and
+    its GPU (a spawned process configures no logging of its own)."""
     _stop_on_sigterm()
+    if log_level < logging.WARNING:
+        logging.basicConfig(level=log_level, format=f"%(asctime)s gpu{gpu} %(levelname)s "
+                                                    f"%(name)s: %(message)s")
+        logging.getLogger("flashtune").setLevel(log_level)
     options = TuneOptions(**json.loads(options_json))
     if options.seed is not None:  # workers sharing a study must not propose the same configs
         options = replace(options, seed=(options.seed + slot) % 2**32)  # Optuna's range
@@ -156,9 +162,9 @@ def _compile_pool_stopped() -> Iterator[None]:
 
 
 def _worker(slot: int, gpu: int, problem_keys: list[dict[str, Any]], options_json: str,
-            db_url: str, tasks: Any, results: Any, progress: bool) -> None:
+            db_url: str, tasks: Any, results: Any, progress: bool, log_level: int) -> None:
     """One worker: pin the GPU, then run tasks until the queue is empty."""
-    options = _pin(slot, gpu, options_json)
+    options = _pin(slot, gpu, options_json, log_level)
     from flashtune.autotune.trial_loop import shared_runner_factory, tune_on_device
 
     # one candidate worker for every task this GPU takes (each costs seconds to start)
@@ -183,10 +189,10 @@ def _worker(slot: int, gpu: int, problem_keys: list[dict[str, Any]], options_jso
 def _op_worker(slot: int, gpu: int, problem_keys: list[dict[str, Any]], op: str,
                impls: list[str] | None, options_json: str, db_url: str, tasks: Any,
                results: Any, progress: bool, skip_tuned: bool, deadline: float | None,
-               runner_factory: Callable[..., Any] | None) -> None:
+               runner_factory: Callable[..., Any] | None, log_level: int) -> None:
     """One ``tune --op`` worker: pin the GPU, then choose for problems from the queue until
     it is empty or ``deadline`` has passed (once it has tuned one)."""
-    options = _pin(slot, gpu, options_json)
+    options = _pin(slot, gpu, options_json, log_level)
     from flashtune.autotune.select import past_deadline, tune_op
     from flashtune.autotune.trial_loop import shared_runner_factory
 
@@ -195,6 +201,7 @@ def _op_worker(slot: int, gpu: int, problem_keys: list[dict[str, Any]], op: str,
     # one candidate worker for every shape this GPU takes (each costs seconds to start)
     with _compile_pool_stopped(), \
             shared_runner_factory(options, runner_factory, tuning_device(options)) as factory:
+        log.info("worker %d on GPU %d: ready", slot, gpu)
         while not tuned or not past_deadline(deadline, longest):
             started = time.time()
             try:
@@ -235,7 +242,8 @@ def tune_on_gpus(problems: Sequence[AttentionProblem], options: TuneOptions, *, 
     keys = [p.key() for p in problems]
     options_json = json.dumps(asdict(options))
     procs = [ctx.Process(target=_worker, name=f"flashtune-gpu{gpu}",
-                         args=(slot, gpu, keys, options_json, db_url, tasks, results, progress))
+                         args=(slot, gpu, keys, options_json, db_url, tasks, results, progress,
+                               _log_level()))
              for slot, gpu in enumerate(gpus)]
     done, lost = _supervise(procs, tasks, results, problems, gpus, _result_from_json)
     done.sort(key=lambda item: item[0])
@@ -243,6 +251,11 @@ def tune_on_gpus(problems: Sequence[AttentionProblem], options: TuneOptions, *, 
     if lost:
         raise WorkerError("; ".join(lost) + ". Run the same command again to resume.", out)
     return out
+
+
+def _log_level() -> int:
+    """The level flashtune's log runs at here, for the workers to log at."""
+    return logging.getLogger("flashtune").getEffectiveLevel()
 
 
 def _prepare(db_url: str, gpus: Sequence[int]) -> None:
@@ -364,9 +377,12 @@ def tune_op_on_gpus(problems: Sequence[AttentionProblem], op: str, options: Tune
     keys = [p.key() for p in problems]
     options_json = json.dumps(asdict(options))
     impl_list = None if impls is None else list(impls)
+    log.info("%d shape(s) of op %s on GPUs %s: starting the workers", len(problems), op,
+             ",".join(map(str, gpus)))
     procs = [ctx.Process(target=_op_worker, name=f"flashtune-gpu{gpu}",
                          args=(slot, gpu, keys, op, impl_list, options_json, db_url, tasks,
-                               results, progress, skip_tuned, deadline, _runner_factory))
+                               results, progress, skip_tuned, deadline, _runner_factory,
+                               _log_level()))
              for slot, gpu in enumerate(gpus)]
     done, lost = _supervise(procs, tasks, results, problems, gpus, _op_result_from_json)
     done.sort(key=lambda item: item[0])

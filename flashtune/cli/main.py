@@ -50,7 +50,10 @@ def _check_db_url(ctx: click.Context, param: click.Parameter, value: str | None)
 def cli(ctx: click.Context, db_url: str | None, verbose: int) -> None:
     """Autotune Triton flash-attention kernels and manage the tuned configs."""
     level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
-    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    # with -v, times: a long job's log says where its time went
+    fmt = "%(levelname)s %(name)s: %(message)s" if verbose == 0 \
+        else "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    logging.basicConfig(level=level, format=fmt)
     logging.getLogger("flashtune").setLevel(level)
     ctx.ensure_object(dict)
     ctx.obj["db_url"] = db_url or None

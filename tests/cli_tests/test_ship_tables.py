@@ -5,6 +5,7 @@ second command skips what the first tuned, and the database it copies out is one
 from __future__ import annotations
 
 import os
+import re
 import sqlite3
 import subprocess
 import sys
@@ -22,10 +23,11 @@ dtype = "fp16"
 """
 
 
-def _ship(tmp_path: Path, out: str) -> str:
+def _ship(tmp_path: Path, out: str, **more: str) -> str:
     env = {**os.environ, "SHIP_DB": str(tmp_path / "ship.db"), "PLAN_DIR": str(tmp_path),
            "OPS": "fwd", "GPUS": "0,1", "TRIALS": "1", "LIMIT": "300", "MARGIN": "60",
-           "TUNE_ARGS": "--interpret", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+           "TUNE_ARGS": "--interpret", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+           **more}
     proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "ship_tables.sh"), "tune",
                            str(tmp_path / out)], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600, check=False)
@@ -35,8 +37,14 @@ def _ship(tmp_path: Path, out: str) -> str:
 
 def test_the_ship_script_tunes_a_plan_then_skips_it_and_copies_one_database(tmp_path):
     (tmp_path / "shipped-fwd.toml").write_text(PLAN.format(op="fwd"))
-    first = _ship(tmp_path, "one")
+    first = _ship(tmp_path, "one", VERBOSE="1")
     assert "== tune --op fwd" in first and "1 shape: 1 tuned" in first, first
+    # VERBOSE: each worker's log, with times and its GPU (a spawned process logs nothing
+    # unless told to): where a device command's time went
+    assert re.search(r"\d\d:\d\d:\d\d,\d+ gpu0 INFO flashtune.autotune.workers: worker 0 on "
+                     r"GPU 0: ready", first), first
+    assert re.search(r"gpu[01] INFO flashtune.autotune.select: B=1 .*: \w+ chosen in [\d.]+ s",
+                     first), first
     copy = tmp_path / "one" / "ship.db"
     assert copy.is_file() and not (tmp_path / "one" / "ship.db-wal").exists()
     with sqlite3.connect(copy) as db:  # the copy holds the choice
