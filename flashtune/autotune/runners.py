@@ -208,19 +208,10 @@ class LocalRunner:
         return None
 
     def _once_ms(self) -> float:
-        """One launch's GPU milliseconds, the L2 flushed before it."""
-        import torch
+        """One launch's milliseconds, the L2 flushed before it."""
+        from flashtune.autotune.timing import bench_once
 
-        from flashtune.autotune.timing import FLUSH_BYTES
-
-        flush = torch.empty(FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
-        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-        flush.zero_()
-        start.record()
-        self._launch()
-        end.record()
-        torch.cuda.synchronize()
-        return float(start.elapsed_time(end))
+        return bench_once(self._launch)
 
     def time_config(self, config: Mapping[str, int] | None = None) -> tuple[float, float, float]:
         """(median, p20, p80) ms of the config (the last evaluated one by default).

@@ -83,6 +83,21 @@ def _host_ms(fn: Callable[[], object], flush: Any = None, calls: int = 5) -> flo
     return host
 
 
+def bench_once(fn: Callable[[], object]) -> float:
+    """Milliseconds of one call of ``fn`` between CUDA events, the L2 flushed before it (its
+    host launch included: a screen for calls far slower than others, not a measurement)."""
+    import torch
+
+    flush = torch.empty(FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
+    start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+    flush.zero_()
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    return float(start.elapsed_time(end))
+
+
 def bench_queued(fn: Callable[[], object], *, reps: int = 100) -> Timing:
     """GPU time of ``fn`` without its host launch cost, with a cold L2 before every run.
 

@@ -203,7 +203,6 @@ def _op_worker(slot: int, gpu: int, problem_keys: list[dict[str, Any]], op: str,
             shared_runner_factory(options, runner_factory, tuning_device(options)) as factory:
         log.info("worker %d on GPU %d: ready", slot, gpu)
         while not tuned or not past_deadline(deadline, longest):
-            started = time.time()
             try:
                 index = tasks.get_nowait()
             except queue_mod.Empty:
@@ -221,7 +220,7 @@ def _op_worker(slot: int, gpu: int, problem_keys: list[dict[str, Any]], op: str,
             except KeyboardInterrupt:
                 raise SystemExit(128 + signal.SIGTERM) from None  # recorded INTERRUPTED
             if not res.reused:
-                tuned, longest = True, max(longest, time.time() - started)
+                tuned, longest = True, max(longest, res.seconds)
             results.put(("done", slot, index, _op_result_to_json(res)))
 
 

@@ -32,6 +32,7 @@ from flashtune.core.device import DeviceFingerprint
 from flashtune.core.problem import AttentionProblem
 from flashtune.core.space import Config, SearchSpace
 from flashtune.kernel_templates import sm90_table
+from flashtune.kernel_templates.attn_bwd_gluon.launcher import OPTIONAL_CONFIG
 from flashtune.kernel_templates.sm90_table import SMEM_LIMIT, SPILL_LIMIT, Compiled
 
 __all__ = ["DEFAULTS", "HEAD_DIMS", "PARAMS", "REGENERATE", "SMEM_LIMIT", "SPACE", "SPILL_LIMIT", "TABLE",
@@ -45,8 +46,8 @@ PARAMS: dict[str, tuple[int, ...]] = {
     "NUM_CONSUMERS": (1, 2),
     "LPT": (0, 1),
 }
-# knobs a config may leave out (configs stored before LPT existed ran its 0)
-DEFAULTS: dict[str, int] = {"LPT": 0}
+# knobs a config may leave out, the launcher's (configs stored before LPT existed ran its 0)
+DEFAULTS: dict[str, int] = OPTIONAL_CONFIG
 HEAD_DIMS = (64, 128)
 # SPILL_LIMIT (sm90_table: 256 spill-store bytes allowed): at D128 the consumers hold dK and dV (128 fp32 registers a
 # thread) across the walk; 8-220 B spill around the epilogue's stores (as attn_fwd_gluon's
