@@ -41,6 +41,7 @@ from multiprocessing import get_context
 from typing import Any, TypeVar
 
 from flashtune.autotune.runners import TrialResult
+from flashtune.autotune.timing import REP_MS
 from flashtune.core.device import DeviceFingerprint
 from flashtune.core.errors import ConfigError, FlashtuneError
 from flashtune.core.problem import AttentionProblem
@@ -194,7 +195,8 @@ def _serve(conn: Any, path: str, init_json: str) -> None:
                 return
         elif op == "time":
             try:
-                _send(conn, {"timing": list(runner.time_config(config))})
+                rep_ms = float(request.get("rep_ms", REP_MS))
+                _send(conn, {"timing": list(runner.time_config(config, rep_ms=rep_ms))})
             except Exception as exc:  # noqa: BLE001
                 _send(conn, {"error": _first_line(exc), "broken": _cuda_broken(runner)})
         else:
@@ -370,9 +372,12 @@ class IsolatedRunner(_Closing):
                   time.perf_counter() - t0)
         return res
 
-    def time_config(self, config: Mapping[str, int] | None = None) -> tuple[float, float, float]:
-        """(median, p20, p80) ms, measured by the worker (for interleaved re-timing)."""
-        reply, failure = self._request({"op": "time", "config": dict(config or {})})
+    def time_config(self, config: Mapping[str, int] | None = None,
+                    rep_ms: float = REP_MS) -> tuple[float, float, float]:
+        """(median, p20, p80) ms, measured by the worker for ``rep_ms`` (for interleaved
+        re-timing)."""
+        reply, failure = self._request({"op": "time", "config": dict(config or {}),
+                                        "rep_ms": rep_ms})
         if reply is None:
             raise IsolationError(failure)
         if "timing" not in reply:

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from flashtune.autotune.timing import REP_MS
 from flashtune.core.case import TOLERANCE, Case
 from flashtune.core.device import DeviceFingerprint
 from flashtune.core.problem import AttentionProblem
@@ -38,6 +39,12 @@ MESSAGE_MAX = 300
 # config (the attn_bwd search at N 16k on an H200) took 24 s of its shape's 59
 ABANDON_FACTOR = 3.0
 ABANDON_MIN_MS = 5.0
+# what one pair's rounds of time_pairs measure in all (ms): five rounds of bench's REP_MS.
+# More rounds (a close call's) split it, to no less than ROUND_REP_MIN_MS a round: more
+# samples of the drift between rounds, not more GPU time (a close call's 15 full rounds of
+# four training steps took 32 s of a 110 s shape on the H100)
+ROUNDS_REP_MS = 5 * REP_MS
+ROUND_REP_MIN_MS = 20.0
 
 
 def _first_line(exc: BaseException) -> str:
@@ -213,8 +220,10 @@ class LocalRunner:
 
         return bench_once(self._launch)
 
-    def time_config(self, config: Mapping[str, int] | None = None) -> tuple[float, float, float]:
-        """(median, p20, p80) ms of the config (the last evaluated one by default).
+    def time_config(self, config: Mapping[str, int] | None = None,
+                    rep_ms: float = REP_MS) -> tuple[float, float, float]:
+        """(median, p20, p80) ms of the config (the last evaluated one by default), measured
+        for ``rep_ms`` (:func:`~flashtune.autotune.timing.bench`).
 
         A median that cannot be real (see :func:`flashtune.autotune.timing.
         measurement_problem`) is measured again once; ``MeasurementError`` if it still is.
@@ -223,19 +232,19 @@ class LocalRunner:
 
         if config is not None:
             self._config = dict(config)
-        timing = self._measure()
+        timing = self._measure(rep_ms)
         problem = measurement_problem(timing[0], self.floor_ms)
         if problem is None:
             return timing
         log.warning("%s for %s: re-measuring", problem, self._config)
-        timing = self._measure()
+        timing = self._measure(rep_ms)
         again = measurement_problem(timing[0], self.floor_ms)
         if again is None:
             return timing
         raise MeasurementError(f"{again} (first measurement: {problem.split(' is ')[0]}); "
                                f"re-measured once")
 
-    def _measure(self) -> tuple[float, float, float]:
+    def _measure(self, rep_ms: float = REP_MS) -> tuple[float, float, float]:
         """One measurement of the current config: (median, p20, p80) ms."""
         if self.interpreting:
             times = []
@@ -247,7 +256,7 @@ class LocalRunner:
             return statistics.median(times), times[0], times[-1]
         from flashtune.autotune.timing import bench
 
-        timing = bench(self._launch)
+        timing = bench(self._launch, rep_ms=rep_ms)
         return timing.median_ms, timing.p20_ms, timing.p80_ms
 
 
@@ -277,6 +286,13 @@ class ReplayRunner:
         return found
 
 
+def round_rep_ms(rounds: int) -> float:
+    """Each round's measuring time when a pair is timed in ``rounds`` rounds: bench's
+    REP_MS up to five rounds, then ROUNDS_REP_MS split among them (at least
+    ROUND_REP_MIN_MS)."""
+    return min(REP_MS, max(ROUND_REP_MIN_MS, ROUNDS_REP_MS / max(1, rounds)))
+
+
 def time_interleaved(runner: Any, configs: Iterable[Mapping[str, int]],
                      rounds: int = 3) -> dict[str, TrialResult]:
     """Re-time ``configs`` of one runner round-robin (:func:`time_pairs`); keyed by
@@ -292,8 +308,9 @@ def time_pairs(pairs: Sequence[tuple[Any, Mapping[str, int]]],
     drift hit them alike: one runner's configs (the confirmation) or the leaders of several
     implementations (:mod:`flashtune.autotune.select`). The median of the per-round medians
     is reported; a pair whose timing fails (e.g. a measurement error that a re-measurement
-    did not cure) is a RUNTIME_ERROR and is not timed again. Runners without GPU timing (the
-    interpreter, replay) are simply evaluated once per config.
+    did not cure) is a RUNTIME_ERROR and is not timed again. Each round measures a pair for
+    :func:`round_rep_ms`. Runners without GPU timing (the interpreter, replay) are simply
+    evaluated once per config.
 
     Returns:
         One :class:`TrialResult` per pair, in order.
@@ -306,12 +323,13 @@ def time_pairs(pairs: Sequence[tuple[Any, Mapping[str, int]]],
 
     out: list[TrialResult | None] = [None if gpu(r) else r.evaluate(dict(c)) for r, c in pairs]
     samples: list[list[tuple[float, float, float]]] = [[] for _ in pairs]
+    rep_ms = round_rep_ms(rounds)
     for _ in range(max(1, rounds)):
         for i, (runner, config) in enumerate(pairs):
             if out[i] is not None:
                 continue
             try:
-                samples[i].append(runner.time_config(dict(config)))
+                samples[i].append(runner.time_config(dict(config), rep_ms=rep_ms))
             except Exception as exc:
                 out[i] = TrialResult(TrialState.RUNTIME_ERROR, _first_line(exc))
     done: list[TrialResult] = []

@@ -30,12 +30,18 @@ SHORT_KERNEL_MS = 1.0
 HOST_BOUND_SHARE = 0.5
 # L2 flush buffer, as do_bench's (larger than any GPU's L2)
 FLUSH_BYTES = 256 * 1024 * 1024
+# do_bench's measuring time (ms) in one call of bench, and the runs bench_queued times for it
+# (a shorter rep_ms, as in the many rounds of a close call, takes proportionally fewer runs,
+# no fewer than MIN_QUEUED_REPS)
+REP_MS = 100
+QUEUED_REPS = 100
+MIN_QUEUED_REPS = 20
 # GPU clock assumed when sizing the queueing sleep: above any GPU's, so the sleep lasts at
 # least as long as asked
 _SLEEP_CYCLES_PER_MS = 2.5e6
 
 
-def bench(fn: Callable[[], object], *, warmup_ms: int = 25, rep_ms: int = 100) -> Timing:
+def bench(fn: Callable[[], object], *, warmup_ms: int = 25, rep_ms: float = REP_MS) -> Timing:
     """Median, p20 and p80 of ``fn``'s GPU time in milliseconds, with a cold L2 before every
     run.
 
@@ -47,14 +53,21 @@ def bench(fn: Callable[[], object], *, warmup_ms: int = 25, rep_ms: int = 100) -
     a median under :data:`SHORT_KERNEL_MS`, or one whose host time per call is at least
     :data:`HOST_BOUND_SHARE` of it (:func:`host_bound`), is re-timed by
     :func:`bench_queued`, which keeps the host ahead of the GPU. So two contenders of one
-    case are both timed for their GPU work, whatever their host costs.
+    case are both timed for their GPU work, whatever their host costs. ``rep_ms`` is the
+    measuring time of either (:func:`queued_reps` runs for bench_queued).
     """
     from triton.testing import do_bench
 
     p50, p20, p80 = do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=[0.5, 0.2, 0.8])
     if p50 < SHORT_KERNEL_MS or host_bound(float(p50), _host_ms(fn)):
-        return bench_queued(fn)
+        return bench_queued(fn, reps=queued_reps(rep_ms))
     return Timing(float(p50), float(p20), float(p80))
+
+
+def queued_reps(rep_ms: float) -> int:
+    """The runs :func:`bench_queued` times for a measuring time of ``rep_ms``: QUEUED_REPS
+    for REP_MS, in proportion below it, never fewer than MIN_QUEUED_REPS."""
+    return max(MIN_QUEUED_REPS, min(QUEUED_REPS, round(QUEUED_REPS * rep_ms / REP_MS)))
 
 
 def host_bound(median_ms: float, host_ms: float) -> bool:
@@ -98,7 +111,7 @@ def bench_once(fn: Callable[[], object]) -> float:
     return float(start.elapsed_time(end))
 
 
-def bench_queued(fn: Callable[[], object], *, reps: int = 100) -> Timing:
+def bench_queued(fn: Callable[[], object], *, reps: int = QUEUED_REPS) -> Timing:
     """GPU time of ``fn`` without its host launch cost, with a cold L2 before every run.
 
     The GPU is first held by a sleep kernel long enough for the host to enqueue every

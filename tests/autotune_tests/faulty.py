@@ -113,7 +113,8 @@ class FaultyGpuRunner:
         ms = synthetic_ms(config)
         return TrialResult(TrialState.COMPLETE, None, ms, ms, ms, None, 0.0)
 
-    def time_config(self, config: Mapping[str, int] | None = None) -> tuple[float, float, float]:
+    def time_config(self, config: Mapping[str, int] | None = None,
+                    rep_ms: float = 100.0) -> tuple[float, float, float]:
         ms = synthetic_ms(config or {"BLOCK_M": 64, "BLOCK_N": 16})
         return ms, ms, ms
 

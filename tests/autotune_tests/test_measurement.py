@@ -38,9 +38,11 @@ class FakeTimer(LocalRunner):
         self.interpreting = False
         self.script = script
         self.calls = 0
+        self.reps: list[float] = []
 
-    def _measure(self):
+    def _measure(self, rep_ms=100.0):
         self.calls += 1
+        self.reps.append(rep_ms)
         seq = self.script if isinstance(self.script, list) else \
             self.script[canonical_json(self._config)]
         ms = seq.pop(0) if len(seq) > 1 else seq[0]
@@ -113,7 +115,7 @@ class Retimed:
         ms = self.SEARCH[config["BLOCK_M"]]
         return TrialResult(TrialState.COMPLETE, None, ms, ms, ms, None, 0.0)
 
-    def time_config(self, config):
+    def time_config(self, config, rep_ms=100.0):
         if config["BLOCK_M"] not in self.RETIME:
             raise MeasurementError("a median of 0 ms is not a positive time; re-measured once")
         ms = self.RETIME[config["BLOCK_M"]]
@@ -139,6 +141,29 @@ def test_floor_constants_cover_anchors():
     # ANCHORS.md: H100 datasheet 989 TFLOP/s dense, 3.35 TB/s; the floor may not exceed them
     flops, bw = timing.device_peaks(H100)
     assert flops >= 989e12 and bw >= 3.35e12
+
+
+@pytest.mark.parametrize("rounds,rep", [(1, 100.0), (3, 100.0), (5, 100.0), (10, 50.0),
+                                        (15, 500 / 15), (100, 20.0)])
+def test_more_rounds_split_five_rounds_measuring_time(rounds, rep):
+    """A pair's rounds measure it for five rounds of bench's 100 ms in all: a close call's
+    15 rounds take a third of that each (more samples of the drift between rounds, not three
+    times the GPU time), never under 20 ms a round."""
+    from flashtune.autotune.runners import round_rep_ms
+
+    assert round_rep_ms(rounds) == pytest.approx(rep)
+    runner = FakeTimer([1.0])
+    time_interleaved(runner, [CFG], rounds=rounds)
+    assert runner.reps == [pytest.approx(rep)] * rounds
+
+
+def test_bench_queued_times_fewer_runs_for_a_shorter_measuring_time():
+    from flashtune.autotune.timing import MIN_QUEUED_REPS, QUEUED_REPS, REP_MS, queued_reps
+
+    assert queued_reps(REP_MS) == QUEUED_REPS == 100
+    assert queued_reps(REP_MS / 3) == 33
+    assert queued_reps(1.0) == MIN_QUEUED_REPS == 20
+    assert queued_reps(10 * REP_MS) == QUEUED_REPS
 
 
 def test_host_bound_medians_are_re_timed():

@@ -93,7 +93,7 @@ class _Timed:
         self.calls = 0
         self.fail_at = fail_at
 
-    def time_config(self, config):
+    def time_config(self, config, rep_ms=100.0):
         self.calls += 1
         if self.fail_at is not None and self.calls == self.fail_at:
             raise RuntimeError("launch failed\nmore")
@@ -234,12 +234,14 @@ class _Leading:
 
     def __init__(self, first: float, then: float, n_first: int = 5):
         self.first, self.then, self.n_first, self.calls = first, then, n_first, 0
+        self.reps: list[float] = []
 
     def evaluate(self, config):
         return TrialResult(TrialState.COMPLETE, median_ms=self.first)
 
-    def time_config(self, config):
+    def time_config(self, config, rep_ms=100.0):
         self.calls += 1
+        self.reps.append(rep_ms)
         t = self.first if self.calls <= self.n_first else self.then
         return t, t, t
 
@@ -281,6 +283,9 @@ def test_a_close_call_times_again_only_the_leaders_near_the_fastest():
                                    lambda spec, *a: fakes[spec.name])
     again = 5 * select.CLOSE_CALL_ROUNDS
     assert (own.calls, ext.calls, behind.calls) == (5 + again, 5 + again, 5)
+    # the close call's rounds split five rounds' measuring time: more samples, no more time
+    assert own.reps[:5] == [100.0] * 5 and sum(own.reps[5:]) == pytest.approx(500.0)
+    assert len(set(own.reps[5:])) == 1 and own.reps == ext.reps
     assert [(x.implementation, x.median_ms) for x in leaders] == [
         ("sdpa_math", 0.97), ("attn_fwd", 1.0), ("attn_decode", 1.2)]
     assert select._near_fastest([(1.0, None), (None, "failed"), (1.1, None), (1.11, None)]) \
