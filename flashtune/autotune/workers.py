@@ -137,8 +137,9 @@ def _pin(slot: int, gpu: int, options_json: str, log_level: int) -> TuneOptions:
     its GPU (a spawned process configures no logging of its own)."""
     _stop_on_sigterm()
     if log_level < logging.WARNING:
-        logging.basicConfig(level=log_level, format=f"%(asctime)s gpu{gpu} %(levelname)s "
-                                                    f"%(name)s: %(message)s")
+        # as the parent's: other libraries' info only with -vv
+        logging.basicConfig(level=log_level if log_level <= logging.DEBUG else logging.WARNING,
+                            format=f"%(asctime)s gpu{gpu} %(levelname)s %(name)s: %(message)s")
         logging.getLogger("flashtune").setLevel(log_level)
     options = TuneOptions(**json.loads(options_json))
     if options.seed is not None:  # workers sharing a study must not propose the same configs

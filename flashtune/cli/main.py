@@ -53,7 +53,8 @@ def cli(ctx: click.Context, db_url: str | None, verbose: int) -> None:
     # with -v, times: a long job's log says where its time went
     fmt = "%(levelname)s %(name)s: %(message)s" if verbose == 0 \
         else "%(asctime)s %(levelname)s %(name)s: %(message)s"
-    logging.basicConfig(level=level, format=fmt)
+    # -v is flashtune's info; other libraries' (alembic's plugin setup...) only from -vv
+    logging.basicConfig(level=level if verbose > 1 else logging.WARNING, format=fmt)
     logging.getLogger("flashtune").setLevel(level)
     ctx.ensure_object(dict)
     ctx.obj["db_url"] = db_url or None

@@ -57,6 +57,30 @@ def test_verbose_sets_logging_level() -> None:
         logging.getLogger("flashtune").setLevel(before)
 
 
+def test_v_logs_flashtune_info_and_leaves_other_libraries_at_warning() -> None:
+    """-v is flashtune's info (with times); alembic's plugin setup lines, seven per process
+    and worker, come only with -vv."""
+    import subprocess
+    import sys
+
+    code = """
+import logging
+from flashtune.cli.main import cli
+try:
+    cli.main(["{flag}", "db", "--help"], standalone_mode=False)
+except SystemExit:
+    pass
+logging.getLogger("flashtune.autotune.select").info("ours")
+logging.getLogger("alembic.runtime.plugins").info("theirs")
+"""
+    for flag, theirs in (("-v", False), ("-vv", True)):
+        out = subprocess.run([sys.executable, "-c", code.format(flag=flag)],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert "INFO flashtune.autotune.select: ours" in out.stderr
+        assert ("theirs" in out.stderr) is theirs, out.stderr
+
+
 def test_unknown_command_is_usage_error() -> None:
     result = CliRunner().invoke(cli, ["frobnicate"])
     assert result.exit_code == 2
