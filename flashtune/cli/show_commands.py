@@ -10,7 +10,11 @@ versions each config was tuned under to the table (``--json`` always has them, a
 implementation (and config) that serves it, its time and throughput, and its margins:
 ``1.07x over attn_fwd`` (the runner-up's time over the winner's) and the same over the
 fastest extern implementation timed beside it (``winner`` when that extern won).
-``--template`` then keeps the choices won by that implementation. Without ``--op`` the
+``--template`` then keeps the choices won by that implementation. Under the table, one line
+per device says what the choices are worth against torch's backends: over the shapes where
+an extern implementation was timed beside the winner, the fastest extern's time over the
+chosen one's (what routing by them gains) and over flashtune's fastest own kernel's (what
+its kernels reach alone), geomean and range (:func:`worth_lines`). Without ``--op`` the
 table of best configs ends with a line counting the op choices, when there are any.
 
 Stale entries are listed after the table (what, why, the command that re-tunes them): the
@@ -39,7 +43,7 @@ from flashtune.cli.options import (
 from flashtune.cli.tune_commands import format_config, format_tflops
 from flashtune.core.problem import AttentionProblem
 
-__all__ = ["best_to_dict", "choice_to_dict", "show_command"]
+__all__ = ["best_to_dict", "choice_to_dict", "show_command", "worth_lines"]
 
 _SHAPE_ORDER = ("batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_k", "head_dim", "causal",
                 "dtype")
@@ -132,6 +136,50 @@ def _render_choices(rows: list[dict[str, Any]], software: bool = False) -> str:
     return _table(header, body, {5, 6})
 
 
+def worth_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """Per device and op of the choice rows, against the fastest extern
+    implementation timed beside each winner: ``NVIDIA_H100 fwd, 63 shapes against an extern:
+    chosen 1.03x (1.00-1.09x), flashtune's own fastest 0.93x (0.64-1.09x, 62 shapes),
+    own kernels chosen on 7``. Each figure is the extern's time over the other's (above 1:
+    faster than torch's best backend). The own fastest comes from the stored candidates, or
+    the winner or runner-up where a file carried none. A row whose own winner went stale
+    (its kernel changed since) is left out; an extern winner's staleness is this machine's
+    torch, not the timing's."""
+    from flashtune.kernel_templates import catalog
+
+    own = {name for name, spec in catalog().items() if spec.kind != "extern"}
+    groups: dict[tuple[str, str], tuple[list[float], list[float], list[str]]] = {}
+    for r in rows:
+        if (r.get("stale") and r["implementation"] in own) or not r.get("extern_ms"):
+            continue
+        chosen, owns, winners = groups.setdefault((r["device"], r["op"]), ([], [], []))
+        chosen.append(r["extern_ms"] / r["median_ms"])
+        winners.append(r["implementation"])
+        timed = [c["median_ms"] for c in r.get("candidates") or ()
+                 if c.get("implementation") in own and c.get("median_ms")]
+        timed += [ms for name, ms in ((r["implementation"], r["median_ms"]),
+                                      (r["runner_up"], r["runner_up_ms"]))
+                  if name in own and ms]
+        if timed:
+            owns.append(r["extern_ms"] / min(timed))
+    lines = []
+    for (device, op), (chosen, owns, winners) in groups.items():
+        line = f"{device} {op}, {len(chosen)} shapes against an extern: chosen {_spread(chosen)}"
+        if owns:
+            line += f", flashtune's own fastest {_spread(owns)} on {len(owns)}"
+        won = sum(w in own for w in winners)
+        lines.append(f"{line}; own kernels chosen on {won}")
+    return lines
+
+
+def _spread(ratios: list[float]) -> str:
+    """``0.93x (0.64-1.09x)``: the geomean and range of ``ratios``."""
+    import math
+
+    mean = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
+    return f"{mean:.2f}x ({min(ratios):.2f}-{max(ratios):.2f}x)"
+
+
 def _table(header: tuple[str, ...], body: list[tuple[str, ...]], right: set[int]) -> str:
     widths = [max(len(c) for c in col) for col in zip(header, *body)]
     return "\n".join("  ".join(c.rjust(w) if i in right else c.ljust(w)
@@ -193,6 +241,9 @@ def show_command(ctx: click.Context, device: str | None, template: str | None,
         click.echo(f"no {what} in {safe_url(url)}{filters and ' matching' + filters}")
     else:
         click.echo(_render_choices(rows, software) if op else _render(rows, software))
+        if op:
+            for line in worth_lines(rows):
+                click.echo(line)
     if ops:
         n = sum(ops.values())
         counts = ", ".join(f"{k}: {v}" for k, v in sorted(ops.items()))

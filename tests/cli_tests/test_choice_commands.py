@@ -177,7 +177,7 @@ def test_show_op_lists_the_choices_with_their_margins(db: str) -> None:
     code, output = invoke("--db", db, "show", "--op", "fwd")
     assert code == 0, output
     table, stale = output.split("stale, not served (1):\n")
-    header, *rows = table.strip().splitlines()
+    header, *rows, worth = table.strip().splitlines()
     assert header.split() == ["device", "op", "shape", "implementation", "config", "median",
                               "ms", "TFLOP/s", "vs", "runner-up", "vs", "extern",
                               "decided_at"]
@@ -191,8 +191,17 @@ def test_show_op_lists_the_choices_with_their_margins(db: str) -> None:
     won_by_extern = next(r for r in rows if "Nq=77" in r)
     assert "1.25x over attn_fwd" in won_by_extern and won_by_extern.count("winner") == 1
     assert " - " in won_by_extern  # the extern's empty config
+    # what the choices are worth against the fastest extern (the stale one left out): the
+    # extern's time over the chosen one's (1.3, 1.0) and over the fastest own kernel's
+    # (1.3; 0.02 / 0.025 = 0.8, the runner-up's, where the decision kept no candidates)
+    assert worth == (f"{H100.name} fwd, 2 shapes against an extern: chosen 1.14x (1.00-1.30x), "
+                     "flashtune's own fastest 1.02x (0.80-1.30x) on 2; own kernels chosen on 1")
     only = invoke("--db", db, "show", "--op", "fwd", "--template", EXTERN)[1]
-    assert len(only.strip().splitlines()) == 2 and "Nq=77" in only
+    assert len(only.strip().splitlines()) == 3 and "Nq=77" in only
+    assert "chosen 1.00x (1.00-1.00x)" in only and "own kernels chosen on 0" in only
+    # no extern timed beside any decode winner: no line
+    decode = invoke("--db", db, "show", "--op", "decode")[1]
+    assert "against an extern" not in decode
 
 
 def test_show_op_json(db: str) -> None:
