@@ -42,7 +42,7 @@ def _problem(d: int = 128, causal: bool = False, dtype: str = "bf16", *, hq: int
 
 def _config(**knobs: int) -> dict[str, int]:
     return {"ROWS": 64, "BLOCK_N": 128, "NUM_STAGES": 2, "NUM_CONSUMERS": 2, "PINGPONG": 0,
-            "PERSISTENT": 0, **knobs}
+            "PERSISTENT": 0, "LPT": 0, **knobs}
 
 
 def _entry(compiled: space.Compiled, config: dict[str, int], **problem: object) -> dict:
@@ -108,6 +108,10 @@ def test_the_launcher_refuses_what_it_cannot_serve_by_name() -> None:
         SPEC.launcher(q, k, k, _config(NUM_CONSUMERS=4))
     with pytest.raises(ConfigError, match="PERSISTENT must be 0 or 1"):
         SPEC.launcher(q, k, k, _config(PERSISTENT=2))
+    with pytest.raises(ConfigError, match="LPT must be 0 or 1, and 1 orders a PERSISTENT"):
+        SPEC.launcher(q, k, k, _config(LPT=1))
+    with pytest.raises(ConfigError, match="LPT must be 0 or 1"):
+        SPEC.launcher(q, k, k, _config(PERSISTENT=1, LPT=2))
     with pytest.raises(ConfigError, match="missing \\['PERSISTENT'\\]"):
         SPEC.launcher(q, k, k, {n: v for n, v in _config().items() if n != "PERSISTENT"})
     with pytest.raises(ConfigError, match="unknown \\['BLOCK_M'\\]"):
@@ -133,7 +137,7 @@ def test_the_default_config_is_valid_for_every_problem_it_serves(d: int) -> None
 def test_the_predicate_rejects_spills_shared_memory_and_compile_errors_with_a_reason() -> None:
     table = space.load_table()
     p = _problem(128)
-    spills = [c for c in SPEC.space if (space.structural_reason(c) is None
+    spills = [c for c in SPEC.space if (space.structural_reason(c) is None and not c["LPT"]
               and (table[space.entry_key(128, "bf16", False, c)].spill_bytes or 0)
               > space.SPILL_LIMIT)]
     assert spills, "the space holds no spilling config at D128: the test needs another"
@@ -181,7 +185,9 @@ def test_the_table_holds_every_point_of_the_space_and_the_current_source() -> No
     table = space.load_table()
     want = {space.entry_key(c["head_dim"], c["dtype"], c["causal"], c["config"])
             for c in cases()}
-    assert len(want) == 96 * 12  # 96 configs pass the structural rule, x 3 D x 2 dtypes x causal
+    # 96 LPT-0 configs pass the structural rule (x 3 D x 2 dtypes x causal), and the 48
+    # persistent ones with LPT 1 (causal only)
+    assert len(want) == 96 * 12 + 48 * 6
     assert want == set(table), (sorted(want - set(table))[:3], sorted(set(table) - want)[:3])
 
 
@@ -222,14 +228,17 @@ def _recompile(entries: list[dict]) -> list[dict]:
 
 @pytest.mark.slow
 def test_recompiling_agrees_with_the_table() -> None:
-    """The default config at D64 causal fp16, and a spilling config at D128: the compiler's
-    figures now are the table's."""
+    """The default config at D64 causal fp16, a spilling config at D128 and the persistent
+    default tiles with LPT at D128 causal: the compiler's figures now are the table's."""
     doc = json.loads(space.TABLE.read_text())
     entries = doc["entries"]
     default = next(e for e in entries if e["config"] == _config() and e["head_dim"] == 64
                    and e["causal"] and e["dtype"] == "fp16")
     spilling = next(e for e in entries if e["spill_bytes"] and e["head_dim"] == 128)
-    for want, got in zip([default, spilling], _recompile([default, spilling]), strict=True):
+    lpt = next(e for e in entries if e["config"] == _config(PERSISTENT=1, LPT=1)
+               and e["head_dim"] == 128 and e["causal"] and e["dtype"] == "bf16")
+    picked = [default, spilling, lpt]
+    for want, got in zip(picked, _recompile(picked), strict=True):
         assert (got["shared"], max(got["registers"]), sum(got["spill_store_bytes"])) == \
             (want["shared"], want["registers"], want["spill_bytes"]), (want, got)
 
@@ -279,6 +288,100 @@ def test_a_persistent_launch_plans_a_cta_per_sm_or_per_tile() -> None:
     assert plan(4000, 0)[2] == (32, 12)
     p = _problem(64, True, "fp16", hq=6, hkv=2, nq=4000, nk=517)
     assert SPEC.warmup_launches(p, _config(PERSISTENT=1))[0][3] == (PLANNING_SMS, 1)
+
+
+# -- LPT: a persistent causal launch's tiles longest first ----------------------------------
+
+def _lpt_coords(t: int, n_mblocks: int, batch_heads: int, section: int) -> tuple[int, int]:
+    """The kernel's ``_coords`` with ``LPT`` (``kernel.py``), in Python: tile ``t``'s
+    ``(bh, m_block)``."""
+    per = section * n_mblocks
+    s, r = divmod(t, per)
+    heads = min(section, batch_heads - s * section)
+    return s * section + r % heads, n_mblocks - 1 - r // heads
+
+
+def _head_major(t: int, n_mblocks: int, batch_heads: int, section: int) -> tuple[int, int]:
+    """``_coords`` without ``LPT``, causal."""
+    bh, m = divmod(t, n_mblocks)
+    return bh, n_mblocks - 1 - m
+
+
+def test_lpt_sections_hold_whole_kv_groups_that_share_or_fit_l2_in_whole_rounds() -> None:
+    from flashtune.kernel_templates.attn_fwd_gluon.launcher import L2_BUDGET, lpt_section
+
+    assert L2_BUDGET == 40 << 20
+    # N 512, D 128: a KV head's K and V take 256 KiB, 160 fit, rounded to whole rounds of
+    # 132 CTAs over 4 query blocks (33 heads a round): 132; a batch of 100 heads: one section
+    assert lpt_section(512, 1, 512, 128, 4, 132) == 132
+    assert lpt_section(100, 1, 512, 128, 4, 132) == 100
+    # N 16k, D 128, GQA 4:1: 8 MiB a KV head, 5 fit, but 64 heads run side by side: one
+    # section; 1024 heads: 132 (33 heads a round over 128 query blocks, whole groups)
+    assert lpt_section(64, 4, 16384, 128, 128, 132) == 64
+    assert lpt_section(1024, 4, 16384, 128, 128, 132) == 132
+    # no whole round fits (a round is lcm(33, 8) = 264 heads): the most whole groups that do
+    assert lpt_section(512, 8, 1 << 20, 256, 8192, 132) == 128
+
+
+@pytest.mark.parametrize("b,hq,hkv,nq,lpt_worst,head_major_worst", [
+    (32, 16, 16, 512, 1.04, 1.6),  # BERT-like: 4 query blocks, 132 SMs: 62 blocks vs 16
+    (16, 16, 16, 1024, 1.04, 1.35),
+    (8, 28, 4, 2048, 1.04, 1.2),
+    (3, 12, 4, 1000, 1.43, 2.0),  # ragged: 288 tiles for 132 CTAs
+    (1, 16, 16, 16384, 1.07, 1.55),  # 2048 tiles: a CTA's stride covers half the lengths
+    (1, 64, 8, 16384, 1.02, 1.05),
+])
+def test_the_lpt_order_covers_every_tile_once_and_evens_out_the_ctas(
+        b, hq, hkv, nq, lpt_worst, head_major_worst) -> None:
+    """Every (head, query block) once, each section's heads consecutive; a CTA striding over
+    the tiles (132 SMs) walks about the mean of key blocks (causal, 128-row tiles of
+    128-key blocks): the head-major order gave one CTA tiles of one length only."""
+    from flashtune.kernel_templates.attn_fwd_gluon.launcher import lpt_section
+
+    n, bh = -(-nq // 128), b * hq
+    tiles = n * bh
+    ctas = min(132, tiles)
+    section = lpt_section(bh, hq // hkv, nq, 128, n, ctas)
+    order = [_lpt_coords(t, n, bh, section) for t in range(tiles)]
+    assert sorted(order) == [(h, m) for h in range(bh) for m in range(n)]
+    assert all(h // section == t // (section * n) for t, (h, _) in enumerate(order))
+
+    def worst(coords) -> float:
+        load = [0] * ctas
+        for t in range(tiles):
+            load[t % ctas] += coords(t, n, bh, section)[1] + 1  # key blocks of the tile
+        return max(load) / (sum(load) / ctas)
+
+    assert worst(_lpt_coords) <= lpt_worst < head_major_worst <= worst(_head_major)
+
+
+def test_lpt_is_searched_for_persistent_causal_launches_only() -> None:
+    causal, full = _problem(128, True), _problem(128, False)
+    lpt = _config(PERSISTENT=1, LPT=1)
+    assert SPEC.space.check(lpt, causal, H100) is None and lpt in \
+        SPEC.space.valid_configs(causal, H100)
+    assert "orders causal tiles" in SPEC.space.check(lpt, full, H100)
+    assert "PERSISTENT 1" in SPEC.space.check(_config(LPT=1), causal, H100)
+    # a config stored before LPT existed is valid and runs its 0
+    old = {k: v for k, v in _config(PERSISTENT=1).items() if k != "LPT"}
+    assert SPEC.space.validate(old) == _config(PERSISTENT=1)
+    assert SPEC.default_config(causal, H100)["LPT"] == 0
+
+
+def test_an_lpt_launch_passes_its_section_and_compiles_the_order() -> None:
+    from flashtune.kernel_templates.attn_fwd_gluon.launcher import kernel_args, lpt_section
+
+    q = torch.zeros(4, 16, 512, 128, dtype=torch.bfloat16)
+    k = torch.zeros(4, 4, 512, 128, dtype=torch.bfloat16)
+
+    def plan(config):
+        return kernel_args(q, k, k, torch.zeros_like(q), torch.zeros(4, 16, 512), config,
+                           causal=True, scale=0.125)
+
+    args, kwargs, grid = plan(_config(PERSISTENT=1, LPT=1))
+    assert args[-1] == lpt_section(64, 4, 512, 128, 4, 132) == 64 and kwargs["LPT"] is True
+    args0, kwargs0, grid0 = plan(_config(PERSISTENT=1))
+    assert args0[-1] == 1 and kwargs0["LPT"] is False and grid0 == grid == (132, 1)
 
 
 # -- GPU (sm_90) -------------------------------------------------------------------------------------
@@ -429,6 +532,32 @@ def test_persistent_ctas_serve_many_tiles_each(case) -> None:
         tiles = -(-nq // (config["ROWS"] * config["NUM_CONSUMERS"])) * b * hq
         assert tiles > persistent_ctas(q, tiles), (config, tiles)  # several tiles a CTA
         out, lse = SPEC.launcher(q, k, v, config, causal=causal, return_lse=True)
+        rel = ((out.float() - ref).norm() / ref.norm()).item()
+        assert rel < 2e-2, (config, rel)
+        assert torch.allclose(lse, ref_lse, atol=1e-2), config
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("budget", [1, 2_560_000], ids=["two-group-sections", "ragged-sections"])
+def test_lpt_sections_smaller_than_the_batch_cover_every_tile(monkeypatch, budget) -> None:
+    """``LPT`` on 8 persistent CTAs (36 tiles each) with sections of two GQA groups (6
+    heads) and of 15 heads (15, 15 and a last one of 6 over 36 batch x heads): every tile
+    is computed once, output and LSE against float32."""
+    from flashtune.core.device import cuda_device
+    from flashtune.kernel_templates.attn_fwd_gluon import launcher
+
+    monkeypatch.setattr(launcher, "L2_BUDGET", budget)
+    monkeypatch.setattr(launcher, "persistent_ctas", lambda t, tiles: min(tiles, 8))
+    assert launcher.lpt_section(36, 3, 1000, 128, 8, 8) == (6 if budget == 1 else 15)
+    q = _rand(3, 12, 1000, 128, dtype=torch.bfloat16)
+    k, v = (_rand(3, 4, 1000, 128, dtype=torch.bfloat16) for _ in range(2))
+    p = AttentionProblem.from_tensors(q, k, causal=True)
+    configs = [c for c in SPEC.space.valid_configs(p, cuda_device()) if c["LPT"]]
+    assert configs
+    _precompile(p, configs)
+    ref, ref_lse = attn_fwd_reference(q, k, v, causal=True, dtype=torch.float32)
+    for config in configs:
+        out, lse = SPEC.launcher(q, k, v, config, causal=True, return_lse=True)
         rel = ((out.float() - ref).norm() / ref.norm()).item()
         assert rel < 2e-2, (config, rel)
         assert torch.allclose(lse, ref_lse, atol=1e-2), config

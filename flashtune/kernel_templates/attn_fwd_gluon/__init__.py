@@ -21,7 +21,12 @@ This kernel is FA3's forward (Shah et al. 2024, Algorithm 1 and 2) written in Gl
   tensor cores; ``O`` is rescaled after that second wait;
 * exp2 with the softmax scale folded in; masking (causal diagonal, ragged key end) only on
   the blocks that need it; causal query tiles launched longest first; ``lse`` in natural log
-  as ``attn_fwd`` stores it.
+  as ``attn_fwd`` stores it;
+* ``PERSISTENT``: a CTA per SM looping over the tiles (FA3's persistent kernel: the next
+  tile's loads overlap this one's epilogue), with ``LPT`` the causal tiles longest first
+  across the heads of an L2-sized section (FA3's longest-processing-time order; the
+  head-major order gives a CTA striding by a multiple of the query blocks tiles of one
+  length only).
 
 ``kernel.py`` holds the ``@gluon.jit`` code, ``launcher.py`` plans and launches it (and
 compiles it for sm_90 without a GPU), ``space.py`` is the search space, whose validity

@@ -14,9 +14,11 @@ CTA per tile, or with ``PERSISTENT`` the tiles ``first, first + stride, ... < en
 SM looping over the tiles, FA3's persistent kernel: the producer loads the next tile's Q and
 first K/V blocks while the consumers finish the last ``P V`` and the epilogue of this one;
 ``_coords`` maps a tile index to its ``(bh, m_block)``, ``_tile`` a tile to its rows and key
-blocks). Barrier phases run on over the tiles: ring slot and phase come from a count of key
-blocks over the CTA's tiles (``kv_base + j - lo``), the ping-pong turn from a count of steps,
-``q_bar`` / ``q_empty`` from the tile count.
+blocks). ``LPT`` (persistent, causal) orders the tiles longest first across the heads of a
+section (FA3's longest-processing-time order; see ``_coords``). Barrier phases run on over
+the tiles: ring slot and phase come from a count of key blocks over the CTA's tiles
+(``kv_base + j - lo``), the ping-pong turn from a count of steps, ``q_bar`` / ``q_empty``
+from the tile count.
 
 ``WINDOW`` (with ``CAUSAL``): a sliding window of ``window_left`` keys before each query
 (FlashAttention-2's ``window_size = (window_left, 0)``). A tile's key blocks start at the
@@ -42,14 +44,29 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 
 @gluon.jit
-def _coords(t, n_mblocks, CAUSAL: gl.constexpr):
-    """Tile ``t`` of a persistent CTA: ``(bh, m_block)``, in the order a grid launch runs
-    them: query blocks of one head are consecutive tiles (CTAs running side by side share K
-    and V in L2), causal ones longest first, so the short ones fill the tail."""
-    bh = t // n_mblocks
-    m_block = t % n_mblocks
-    if CAUSAL:
-        m_block = n_mblocks - 1 - m_block
+def _coords(t, n_mblocks, end, section, CAUSAL: gl.constexpr, LPT: gl.constexpr):
+    """Tile ``t`` of a persistent CTA: ``(bh, m_block)``.
+
+    By default in the order a grid launch runs them: query blocks of one head are
+    consecutive tiles (CTAs running side by side share K and V in L2), causal ones longest
+    first. A CTA striding over that order by a multiple of ``n_mblocks`` takes causal tiles
+    of one length only (132 SMs, 4 query blocks at N 512: one CTA walks 62 key blocks,
+    another 16). With ``LPT``: sections of ``section`` consecutive heads (batch x heads_q,
+    the last one shorter; the launcher sizes them so their K and V fit in L2), each
+    section's tiles longest first across its heads (``m_block`` outer, descending), so a
+    striding CTA takes every length in turn."""
+    if LPT:
+        per = section * n_mblocks
+        s = t // per
+        r = t - s * per
+        heads = gl.minimum(section, end // n_mblocks - s * section)
+        bh = s * section + r % heads
+        m_block = n_mblocks - 1 - r // heads
+    else:
+        bh = t // n_mblocks
+        m_block = t % n_mblocks
+        if CAUSAL:
+            m_block = n_mblocks - 1 - m_block
     return bh, m_block
 
 
@@ -138,15 +155,15 @@ def _producer_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empt
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
               v_ready, kv_empty, first, end, stride, n_mblocks, heads_q, group, seqlen_q,
-              seqlen_k, window_left, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+              seqlen_k, window_left, section, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
               WINDOW: gl.constexpr, PERSISTENT: gl.constexpr, Q_BSHD: gl.constexpr,
-              KV_BSHD: gl.constexpr):
+              KV_BSHD: gl.constexpr, LPT: gl.constexpr):
     if PERSISTENT:
         kv_base = 0
         tile_i = 0
         for t in range(first, end, stride):
-            bh, m_block = _coords(t, n_mblocks, CAUSAL)
+            bh, m_block = _coords(t, n_mblocks, end, section, CAUSAL, LPT)
             kv_base += _producer_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar,
                                       q_empty, k_ready, v_ready, kv_empty, bh, m_block,
                                       kv_base, tile_i, heads_q, group, seqlen_q, seqlen_k,
@@ -331,16 +348,16 @@ def _consumer_tile(cid, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready
 @gluon.jit
 def _consumer(cid, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty, turn,
               o_ptr, lse_ptr, first, end, stride, n_mblocks, heads_q, group, seqlen_q,
-              seqlen_k, qk_scale, window_left,
+              seqlen_k, qk_scale, window_left, section,
               HEAD_D: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
               WINDOW: gl.constexpr, PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr,
-              Q_BSHD: gl.constexpr):
+              Q_BSHD: gl.constexpr, LPT: gl.constexpr):
     if PERSISTENT:  # key blocks and tiles of the CTA so far: ring slots and phases run on
         kv_base = 0
         tile_i = 0
         for t in range(first, end, stride):
-            bh, m_block = _coords(t, n_mblocks, CAUSAL)
+            bh, m_block = _coords(t, n_mblocks, end, section, CAUSAL, LPT)
             kv_base += _consumer_tile(cid, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
                                       v_ready, kv_empty, turn, o_ptr, lse_ptr, bh, m_block,
                                       kv_base, tile_i, heads_q, group, seqlen_q, seqlen_k,
@@ -356,14 +373,14 @@ def _consumer(cid, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_
 
 @gluon.jit
 def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, seqlen_q, seqlen_k, heads_q,
-                          group, batch_heads, qk_scale, window_left,
+                          group, batch_heads, qk_scale, window_left, section,
                           HEAD_D: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
                           NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
                           CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
                           PERSISTENT: gl.constexpr, Q_BSHD: gl.constexpr,
                           KV_BSHD: gl.constexpr,
                           PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                          WINDOW: gl.constexpr = False):
+                          WINDOW: gl.constexpr = False, LPT: gl.constexpr = False):
     n_mblocks = gl.cdiv(seqlen_q, NUM_CONSUMERS * ROWS)
     if PERSISTENT:  # a CTA per SM (or fewer), each taking every stride-th tile
         first = gl.program_id(0)
@@ -404,53 +421,53 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, seqlen_q, seql
         gl.warp_specialize([
             (_consumer, (0, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty,
                          turn, o_ptr, lse_ptr, first, end, stride, n_mblocks, heads_q, group,
-                         seqlen_q, seqlen_k, qk_scale, window_left, HEAD_D, ROWS,
+                         seqlen_q, seqlen_k, qk_scale, window_left, section, HEAD_D, ROWS,
                          BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, WINDOW, PINGPONG,
-                         PERSISTENT, Q_BSHD)),
+                         PERSISTENT, Q_BSHD, LPT)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty,
                          k_ready, v_ready, kv_empty, first, end, stride, n_mblocks, heads_q,
-                         group, seqlen_q, seqlen_k, window_left, ROWS,
+                         group, seqlen_q, seqlen_k, window_left, section, ROWS,
                          BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, WINDOW, PERSISTENT, Q_BSHD,
-                         KV_BSHD)),
+                         KV_BSHD, LPT)),
         ], [1], [PRODUCER_REGS])
     elif NUM_CONSUMERS == 2:
         gl.warp_specialize([
             (_consumer, (0, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty,
                          turn, o_ptr, lse_ptr, first, end, stride, n_mblocks, heads_q, group,
-                         seqlen_q, seqlen_k, qk_scale, window_left, HEAD_D, ROWS,
+                         seqlen_q, seqlen_k, qk_scale, window_left, section, HEAD_D, ROWS,
                          BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, WINDOW, PINGPONG,
-                         PERSISTENT, Q_BSHD)),
+                         PERSISTENT, Q_BSHD, LPT)),
             (_consumer, (1, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty,
                          turn, o_ptr, lse_ptr, first, end, stride, n_mblocks, heads_q, group,
-                         seqlen_q, seqlen_k, qk_scale, window_left, HEAD_D, ROWS,
+                         seqlen_q, seqlen_k, qk_scale, window_left, section, HEAD_D, ROWS,
                          BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, WINDOW, PINGPONG,
-                         PERSISTENT, Q_BSHD)),
+                         PERSISTENT, Q_BSHD, LPT)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty,
                          k_ready, v_ready, kv_empty, first, end, stride, n_mblocks, heads_q,
-                         group, seqlen_q, seqlen_k, window_left, ROWS,
+                         group, seqlen_q, seqlen_k, window_left, section, ROWS,
                          BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, WINDOW, PERSISTENT, Q_BSHD,
-                         KV_BSHD)),
+                         KV_BSHD, LPT)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:  # FA3's 192-row tile at head dim 64: three consumer warpgroups
         gl.warp_specialize([
             (_consumer, (0, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty,
                          turn, o_ptr, lse_ptr, first, end, stride, n_mblocks, heads_q, group,
-                         seqlen_q, seqlen_k, qk_scale, window_left, HEAD_D, ROWS,
+                         seqlen_q, seqlen_k, qk_scale, window_left, section, HEAD_D, ROWS,
                          BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, WINDOW, PINGPONG,
-                         PERSISTENT, Q_BSHD)),
+                         PERSISTENT, Q_BSHD, LPT)),
             (_consumer, (1, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty,
                          turn, o_ptr, lse_ptr, first, end, stride, n_mblocks, heads_q, group,
-                         seqlen_q, seqlen_k, qk_scale, window_left, HEAD_D, ROWS,
+                         seqlen_q, seqlen_k, qk_scale, window_left, section, HEAD_D, ROWS,
                          BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, WINDOW, PINGPONG,
-                         PERSISTENT, Q_BSHD)),
+                         PERSISTENT, Q_BSHD, LPT)),
             (_consumer, (2, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty,
                          turn, o_ptr, lse_ptr, first, end, stride, n_mblocks, heads_q, group,
-                         seqlen_q, seqlen_k, qk_scale, window_left, HEAD_D, ROWS,
+                         seqlen_q, seqlen_k, qk_scale, window_left, section, HEAD_D, ROWS,
                          BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, WINDOW, PINGPONG,
-                         PERSISTENT, Q_BSHD)),
+                         PERSISTENT, Q_BSHD, LPT)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty,
                          k_ready, v_ready, kv_empty, first, end, stride, n_mblocks, heads_q,
-                         group, seqlen_q, seqlen_k, window_left, ROWS,
+                         group, seqlen_q, seqlen_k, window_left, section, ROWS,
                          BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, WINDOW, PERSISTENT, Q_BSHD,
-                         KV_BSHD)),
+                         KV_BSHD, LPT)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])

@@ -11,7 +11,9 @@ Layout: Q, K, V are read through 2-D TMA descriptors (:func:`layout`): contiguou
 ``KV_BSHD``), so neither is copied; O is written in q's layout (``empty_like``). A tile that runs past a sequence's end reads the next
 rows of the view (another head's or batch's): keys are masked (``>= Nk``), query rows are
 never stored. D is 64, 128 or 256 (the wgmma N of ``P V``), fp16 or bf16. The grid has a CTA per
-tile (query block x head), or with ``PERSISTENT`` a CTA per SM looping over the tiles.
+tile (query block x head), or with ``PERSISTENT`` a CTA per SM looping over the tiles, with
+``LPT`` (causal) in sections of heads whose K and V fit in L2 (:func:`lpt_section`), each
+section's tiles longest first.
 Other layouts, and bases or row strides not 16-byte aligned (the tensor-copy engine's
 rule), are copied to contiguous first.
 """
@@ -38,6 +40,11 @@ HEAD_DIMS = (64, 128, 256)  # the wgmma N of P V; 256 fits 2 stages of 64-key ti
 # PERSISTENT (a CTA per SM looping over the tiles instead of a CTA per tile)
 DEFAULT_CONFIG: dict[str, int] = {"ROWS": 64, "BLOCK_N": 128, "NUM_STAGES": 2,
                                   "NUM_CONSUMERS": 2, "PINGPONG": 0, "PERSISTENT": 0}
+# knobs a config may leave out, and their value then (configs stored before LPT ran its 0):
+# LPT, a persistent causal launch's tiles longest first across the heads of a section
+OPTIONAL_CONFIG: dict[str, int] = {"LPT": 0}
+# bytes of L2 a section's K and V may take (FA3's tile scheduler budgets 40 of the 50 MB)
+L2_BUDGET = 40 << 20
 # the SMs a persistent launch plans for when it has shapes only (warmup): an H100 SXM's
 PLANNING_SMS = 132
 
@@ -75,6 +82,29 @@ def persistent_ctas(t: Any, tiles: int) -> int:
     else:
         sms = PLANNING_SMS
     return max(1, min(tiles, sms))
+
+
+def lpt_section(batch_heads: int, group: int, seqlen_k: int, head_dim: int, m_blocks: int,
+                ctas: int, itemsize: int = 2) -> int:
+    """Heads (batch x heads_q) a section of the ``LPT`` order holds, whole GQA groups.
+
+    In a section's order a head's next (shorter) tile comes a section's heads later. Up to
+    ``ctas`` heads the two run side by side and share K and V in L2 as they stream them;
+    beyond, the K and V of a section's heads must stay in :data:`L2_BUDGET` between them. So
+    every head, where that many fit either way; else the most that do, rounded to a multiple
+    of ``ctas / gcd(ctas, m_blocks)`` where one fits: a section is then whole rounds of the
+    CTAs striding over it, and no CTA takes two of its longest tiles (a section cut across a
+    round left one CTA 14% over the mean, each round cut again)."""
+    per_kv_head = 2 * seqlen_k * head_dim * itemsize
+    fit = max(1, L2_BUDGET // max(1, per_kv_head)) * group
+    allowed = max(fit, ctas // group * group)
+    if allowed >= batch_heads:
+        return batch_heads
+    per_round = ctas // math.gcd(ctas, m_blocks)
+    step = per_round * group // math.gcd(per_round, group)
+    if step <= allowed:
+        return allowed // step * step
+    return max(group, allowed // group * group)
 
 
 def layout(t: Any) -> str | None:
@@ -124,18 +154,24 @@ def kernel_args(q: Any, k: Any, v: Any, out: Any, lse: Any, config: Mapping[str,
     v_desc = TensorDescriptor(v, kv_shape, kv_strides, [bn, head_dim],
                               _layout([bn, head_dim], gdt))
     meta = launch_meta(config)
-    args = (q_desc, k_desc, v_desc, out, lse, seqlen_q, seqlen_k, heads_q,
-            heads_q // heads_kv, batch * heads_q, scale * LOG2E, max(window_left, 0))
+    m_blocks = -(-seqlen_q // (config["NUM_CONSUMERS"] * rows))
+    ctas = persistent_ctas(q, m_blocks * batch * heads_q)
+    lpt = bool(config.get("LPT", OPTIONAL_CONFIG["LPT"]))
+    group = heads_q // heads_kv
+    section = lpt_section(batch * heads_q, group, seqlen_k, head_dim, m_blocks, ctas) \
+        if lpt else 1
+    args = (q_desc, k_desc, v_desc, out, lse, seqlen_q, seqlen_k, heads_q, group,
+            batch * heads_q, scale * LOG2E, max(window_left, 0), section)
     kwargs = dict(
         HEAD_D=head_dim, ROWS=rows, BLOCK_N=bn, NUM_STAGES=config["NUM_STAGES"],
         NUM_CONSUMERS=config["NUM_CONSUMERS"], CAUSAL=bool(causal),
         PINGPONG=bool(config["PINGPONG"]), PERSISTENT=bool(config["PERSISTENT"]),
         Q_BSHD=q_how == "bshd", KV_BSHD=kv_how == "bshd",
         PRODUCER_REGS=meta["PRODUCER_REGS"], CONSUMER_REGS=meta["CONSUMER_REGS"],
-        WINDOW=window_left >= 0, num_warps=meta["num_warps"], maxnreg=meta["maxnreg"])
-    m_blocks = -(-seqlen_q // (config["NUM_CONSUMERS"] * rows))
+        WINDOW=window_left >= 0, LPT=lpt, num_warps=meta["num_warps"],
+        maxnreg=meta["maxnreg"])
     if config["PERSISTENT"]:
-        return args, kwargs, (persistent_ctas(q, m_blocks * batch * heads_q), 1)
+        return args, kwargs, (ctas, 1)
     return args, kwargs, (m_blocks, batch * heads_q)
 
 
@@ -164,16 +200,19 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         raise InputError(f"batch x heads x seqlen must stay below 2**31 rows (TMA "
                          f"coordinates are 32-bit), got {rows}")
     missing = sorted(set(DEFAULT_CONFIG) - set(config))
-    unknown = sorted(set(config) - set(DEFAULT_CONFIG))
+    unknown = sorted(set(config) - set(DEFAULT_CONFIG) - set(OPTIONAL_CONFIG))
     if missing or unknown:
-        raise ConfigError(f"config needs exactly the keys {sorted(DEFAULT_CONFIG)}; missing "
-                          f"{missing}, unknown {unknown}")
+        raise ConfigError(f"config needs exactly the keys {sorted(DEFAULT_CONFIG)} (optional: "
+                          f"{sorted(OPTIONAL_CONFIG)}); missing {missing}, unknown {unknown}")
     if config["NUM_CONSUMERS"] not in (1, 2, 3) or (config["PINGPONG"]
                                                    and config["NUM_CONSUMERS"] != 2):
         raise ConfigError(f"NUM_CONSUMERS must be 1, 2 or 3 and PINGPONG needs 2; got "
                           f"{dict(config)}")
     if config["PERSISTENT"] not in (0, 1):
         raise ConfigError(f"PERSISTENT must be 0 or 1; got {dict(config)}")
+    if config.get("LPT", 0) not in (0, 1) or (config.get("LPT", 0) and not config["PERSISTENT"]):
+        raise ConfigError(f"LPT must be 0 or 1, and 1 orders a PERSISTENT launch's tiles; got "
+                          f"{dict(config)}")
     if q.device.type != "cuda" or k.device != q.device or v.device != q.device:
         raise DeviceError(f"the Gluon forward runs on one CUDA GPU (sm_90) and has no "
                           f"interpreter mode; got q, k, v on {q.device}, {k.device}, {v.device}")
@@ -218,7 +257,8 @@ def attn_fwd_gluon(
             ``heads_q`` a multiple of ``heads_kv`` (GQA/MQA, never expanded). Inputs that
             are not contiguous, or not 16-byte aligned, are copied (see the module doc).
         config: ``{"ROWS", "BLOCK_N", "NUM_STAGES", "NUM_CONSUMERS", "PINGPONG",
-            "PERSISTENT"}``, from the template's space.
+            "PERSISTENT"}`` and optionally ``"LPT"`` (0 when left out), from the template's
+            space.
         causal: bottom-right aligned mask, as ``attn_fwd``: query ``i`` sees key ``j`` iff
             ``j <= i + seqlen_k - seqlen_q``.
         scale: softmax scale, default ``1 / sqrt(head_dim)``. A negative scale runs as
@@ -294,7 +334,7 @@ def compile_sm90(config: dict[str, int], head_dim: int = 128, causal: bool = Fal
              "PINGPONG": bool(cfg["PINGPONG"]), "PERSISTENT": bool(cfg["PERSISTENT"]),
              "Q_BSHD": layout == "bshd", "KV_BSHD": layout == "bshd",
              "PRODUCER_REGS": meta["PRODUCER_REGS"], "CONSUMER_REGS": meta["CONSUMER_REGS"],
-             "WINDOW": bool(window)}
+             "WINDOW": bool(window), "LPT": bool(cfg.get("LPT", OPTIONAL_CONFIG["LPT"]))}
     kern = gluon_attn_fwd_kernel
     names = kern.arg_names
     types = {"q_desc": qd, "k_desc": kd, "v_desc": kd, "o_ptr": f"*{dtype}",

@@ -2,8 +2,10 @@
 
 The knobs are the launcher's: ``ROWS`` query rows per consumer warpgroup, ``BLOCK_N`` keys
 per K/V tile, ``NUM_STAGES`` K/V buffers, ``NUM_CONSUMERS`` consumer warpgroups and
-``PINGPONG`` (the two consumers take turns to issue their wgmmas) and ``PERSISTENT`` (a CTA
-per SM looping over the tiles instead of a CTA per tile). Tiles are powers of two
+``PINGPONG`` (the two consumers take turns to issue their wgmmas), ``PERSISTENT`` (a CTA
+per SM looping over the tiles instead of a CTA per tile) and ``LPT`` (a persistent causal
+launch's tiles longest first across the heads of an L2-sized section; optional, 0 when a
+stored config predates it). Tiles are powers of two
 (Gluon tensors and TMA boxes are), so FA3's 176-key tile is out; ``NUM_STAGES`` starts at 2
 (one buffer would deadlock: block ``j`` is loaded only once block ``j - 1``'s buffer is
 released, which waits for block ``j``).
@@ -35,10 +37,12 @@ from flashtune.core.device import DeviceFingerprint
 from flashtune.core.problem import AttentionProblem
 from flashtune.core.space import Config, SearchSpace
 from flashtune.kernel_templates import sm90_table
+from flashtune.kernel_templates.attn_fwd_gluon.launcher import OPTIONAL_CONFIG
 from flashtune.kernel_templates.sm90_table import SMEM_LIMIT, SPILL_LIMIT, Compiled
 
-__all__ = ["HEAD_DIMS", "PARAMS", "SMEM_LIMIT", "SPILL_LIMIT", "SPACE", "TABLE", "Compiled", "check",
-           "default_config", "entry_key", "load_table", "structural_reason"]
+__all__ = ["DEFAULTS", "HEAD_DIMS", "PARAMS", "SMEM_LIMIT", "SPILL_LIMIT", "SPACE", "TABLE",
+           "Compiled", "check", "default_config", "entry_key", "load_table",
+           "structural_reason"]
 
 PARAMS: dict[str, tuple[int, ...]] = {
     # ROWS 128 fits at D64 with 64-key tiles (no spill), spills with larger tiles
@@ -53,7 +57,13 @@ PARAMS: dict[str, tuple[int, ...]] = {
     "PINGPONG": (0, 1),
     # a CTA per SM looping over the tiles (the next tile's loads overlap this one's epilogue)
     "PERSISTENT": (0, 1),
+    # a persistent causal launch: the tiles longest first across a section's heads (the
+    # head-major order leaves a CTA striding by a multiple of the query blocks tiles of one
+    # length: 0.72-1.01x the grid launch, explore_fwd_gluon_persistent_h100.json)
+    "LPT": (0, 1),
 }
+# knobs a config may leave out, the launcher's (configs stored before LPT existed ran its 0)
+DEFAULTS: dict[str, int] = OPTIONAL_CONFIG
 HEAD_DIMS = (64, 128, 256)  # the wgmma N of P V; the launcher refuses others
 DTYPES = ("fp16", "bf16")
 # SPILL_LIMIT (sm90_table: 256 spill-store bytes a config may have). The persistent kernel's consumers spill 72-216 B at
@@ -70,7 +80,8 @@ REGENERATE = "python -m flashtune.kernel_templates.attn_fwd_gluon --prefilter"
 
 def entry_key(head_dim: int, dtype: str, causal: bool, config: Mapping[str, int]) -> str:
     """The table's key for one compile: ``d128-bf16-causal-ROWS=64,BLOCK_N=128,...``."""
-    knobs = ",".join(f"{name}={int(config[name])}" for name in PARAMS)
+    knobs = ",".join(f"{name}={int(config.get(name, DEFAULTS.get(name, 0)))}"
+                     for name in PARAMS)
     return f"d{head_dim}-{dtype}-{'causal' if causal else 'full'}-{knobs}"
 
 
@@ -78,6 +89,9 @@ def structural_reason(config: Mapping[str, int]) -> str | None:
     """What the kernel's own static asserts refuse (never compiled, not in the table)."""
     if config["PINGPONG"] and config["NUM_CONSUMERS"] != 2:
         return "PINGPONG takes turns between two consumers (NUM_CONSUMERS 2)"
+    if config.get("LPT", 0) and not config["PERSISTENT"]:
+        return "LPT orders a persistent launch's tiles (PERSISTENT 1; a grid launch runs " \
+               "its causal CTAs longest first already)"
     return None
 
 
@@ -131,6 +145,8 @@ def check(config: Mapping[str, int], problem: AttentionProblem,
         return reason
     if problem.head_dim not in HEAD_DIMS:
         return f"head_dim {problem.head_dim}: the Gluon forward serves {list(HEAD_DIMS)}"
+    if config.get("LPT", 0) and not problem.causal:
+        return "LPT orders causal tiles (without a mask every tile is as long: LPT 0's order)"
     compiled = load_table().get(entry_key(problem.head_dim, problem.dtype, problem.causal,
                                           config))
     if compiled is None:
@@ -138,16 +154,17 @@ def check(config: Mapping[str, int], problem: AttentionProblem,
     return compiled.reason(sm90_table.smem_limit(device))
 
 
-SPACE = SearchSpace(params=PARAMS, predicate=check)
+SPACE = SearchSpace(params=PARAMS, predicate=check, defaults=DEFAULTS)
 
 # what an untuned shape runs, best first where the predicate allows it. On the H100 (bf16,
 # standard grid, benchmarks/results/explore_fwd_gluon_persistent_h100.json) 3 stages of
 # 128-key tiles led, persistent without a mask (1.03-1.23x the grid launch at N 512-4k:
 # the next tile's loads overlap this one's epilogue), grid-launched with one (the static
-# round-robin of a persistent CTA leaves causal tiles unbalanced: 0.72-1.01x)
+# round-robin of a persistent CTA leaves causal tiles unbalanced: 0.72-1.01x; LPT 1 evens
+# them out, not yet measured on a GPU: the tuner may pick it)
 def _knobs(stages: int, persistent: int, block_n: int = 128, consumers: int = 2) -> Config:
     return {"ROWS": 64, "BLOCK_N": block_n, "NUM_STAGES": stages, "NUM_CONSUMERS": consumers,
-            "PINGPONG": 0, "PERSISTENT": persistent}
+            "PINGPONG": 0, "PERSISTENT": persistent, "LPT": 0}
 
 
 _FALLBACKS: tuple[Config, ...] = (_knobs(2, 0), _knobs(3, 0, 64), _knobs(2, 0, 64),
