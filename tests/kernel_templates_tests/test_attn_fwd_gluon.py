@@ -399,6 +399,17 @@ def _precompile(p: AttentionProblem, configs: list[dict[str, int]]) -> None:
     assert not errors, errors
 
 
+def _assert_each_matches_the_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                       configs: list[dict[str, int]], causal: bool) -> None:
+    """Output (relative error < 2e-2) and LSE (1e-2) of each config against float32."""
+    ref, ref_lse = attn_fwd_reference(q, k, v, causal=causal, dtype=torch.float32)
+    for config in configs:
+        out, lse = SPEC.launcher(q, k, v, config, causal=causal, return_lse=True)
+        rel = ((out.float() - ref).norm() / ref.norm()).item()
+        assert rel < 2e-2, (config, causal, rel)
+        assert torch.allclose(lse, ref_lse, atol=1e-2), (config, causal)
+
+
 CASES = [  # (batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, causal)
     (2, 4, 4, 1000, 1000, 128, False),  # ragged: 1000 is no multiple of a tile
     (2, 4, 4, 1000, 1000, 64, True),
@@ -499,12 +510,7 @@ def test_every_valid_config_of_the_space_compiles_and_runs(d: int) -> None:
         valid = SPEC.space.valid_configs(p, cuda_device())
         assert valid
         _precompile(p, valid)
-        ref, ref_lse = attn_fwd_reference(q, k, v, causal=causal, dtype=torch.float32)
-        for config in valid:
-            out, lse = SPEC.launcher(q, k, v, config, causal=causal, return_lse=True)
-            rel = ((out.float() - ref).norm() / ref.norm()).item()
-            assert rel < 2e-2, (config, causal, rel)
-            assert torch.allclose(lse, ref_lse, atol=1e-2), (config, causal)
+        _assert_each_matches_the_reference(q, k, v, valid, causal)
 
 
 @pytest.mark.gpu
@@ -555,12 +561,7 @@ def test_lpt_sections_smaller_than_the_batch_cover_every_tile(monkeypatch, budge
     configs = [c for c in SPEC.space.valid_configs(p, cuda_device()) if c["LPT"]]
     assert configs
     _precompile(p, configs)
-    ref, ref_lse = attn_fwd_reference(q, k, v, causal=True, dtype=torch.float32)
-    for config in configs:
-        out, lse = SPEC.launcher(q, k, v, config, causal=True, return_lse=True)
-        rel = ((out.float() - ref).norm() / ref.norm()).item()
-        assert rel < 2e-2, (config, rel)
-        assert torch.allclose(lse, ref_lse, atol=1e-2), config
+    _assert_each_matches_the_reference(q, k, v, configs, True)
 
 
 @pytest.mark.gpu
