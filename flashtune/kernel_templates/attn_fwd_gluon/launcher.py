@@ -155,7 +155,7 @@ def kernel_args(q: Any, k: Any, v: Any, out: Any, lse: Any, config: Mapping[str,
                               _layout([bn, head_dim], gdt))
     meta = launch_meta(config)
     m_blocks = -(-seqlen_q // (config["NUM_CONSUMERS"] * rows))
-    ctas = persistent_ctas(q, m_blocks * batch * heads_q)
+    ctas = persistent_ctas(q, m_blocks * batch * heads_q) if config["PERSISTENT"] else 0
     lpt = bool(config.get("LPT", OPTIONAL_CONFIG["LPT"]))
     group = heads_q // heads_kv
     section = lpt_section(batch * heads_q, group, seqlen_k, head_dim, m_blocks, ctas) \
