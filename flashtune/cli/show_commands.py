@@ -137,10 +137,10 @@ def _render_choices(rows: list[dict[str, Any]], software: bool = False) -> str:
 
 
 def worth_lines(rows: list[dict[str, Any]]) -> list[str]:
-    """Per device and op of the choice rows, against the fastest extern
-    implementation timed beside each winner: ``NVIDIA_H100 fwd, 63 shapes against an extern:
-    chosen 1.03x (1.00-1.09x), flashtune's own fastest 0.93x (0.64-1.09x, 62 shapes),
-    own kernels chosen on 7``. Each figure is the extern's time over the other's (above 1:
+    """Per device and op of the choice rows, against the fastest extern implementation
+    timed beside each winner: ``NVIDIA_H100 fwd, 55 shapes against an extern: chosen 1.00x
+    (1.00-1.09x), flashtune's own fastest 0.89x (0.63-1.09x) on 55; own kernels chosen on
+    5``. Each figure is the extern's time over the other's (above 1:
     faster than torch's best backend). The own fastest comes from the stored candidates, or
     the winner or runner-up where a file carried none. A row whose own winner went stale
     (its kernel changed since) is left out; an extern winner's staleness is this machine's
@@ -174,10 +174,9 @@ def worth_lines(rows: list[dict[str, Any]]) -> list[str]:
 
 def _spread(ratios: list[float]) -> str:
     """``0.93x (0.64-1.09x)``: the geomean and range of ``ratios``."""
-    import math
+    from flashtune.report.headroom import geomean
 
-    mean = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
-    return f"{mean:.2f}x ({min(ratios):.2f}-{max(ratios):.2f}x)"
+    return f"{geomean(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}x)"
 
 
 def _table(header: tuple[str, ...], body: list[tuple[str, ...]], right: set[int]) -> str:

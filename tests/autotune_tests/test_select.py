@@ -269,18 +269,26 @@ def test_a_close_call_between_own_kernel_and_extern_is_timed_again_with_more_rou
     assert not select._close_call(["triton", "gluon"], [(1.0, None), (1.01, None)])
 
 
+def _race_of_three(own: _Leading, extern: _Leading, other: _Leading) -> tuple[Leader, ...]:
+    """``select._side_by_side`` of attn_fwd (``own``), the extern sdpa_math (``extern``) and
+    attn_decode (``other``), each timed by its fake runner, five rounds."""
+    from flashtune.autotune import select
+    from flashtune.kernel_templates import get_template
+
+    fakes = {"attn_fwd": own, "sdpa_math": extern, "attn_decode": other}
+    candidates = [(get_template("attn_fwd"), {"BLOCK_M": 16}), (get_template("sdpa_math"), {}),
+                  (get_template("attn_decode"), {})]
+    return select._side_by_side(candidates, TINY, DEV, TuneOptions(trials=1), 5,
+                                lambda spec, *a: fakes[spec.name])
+
+
 def test_a_close_call_times_again_only_the_leaders_near_the_fastest():
     """The re-timing decides between the near-equal leaders; one 20% behind keeps its first
     timing (re-timing every leader was a third of a training shape's tuning time)."""
     from flashtune.autotune import select
-    from flashtune.kernel_templates import get_template
 
     own, ext, behind = _Leading(1.0, 1.0), _Leading(1.03, 0.97), _Leading(1.2, 1.2)
-    fakes = {"attn_fwd": own, "sdpa_math": ext, "attn_decode": behind}
-    candidates = [(get_template("attn_fwd"), {"BLOCK_M": 16}), (get_template("sdpa_math"), {}),
-                  (get_template("attn_decode"), {})]
-    leaders = select._side_by_side(candidates, TINY, DEV, TuneOptions(trials=1), 5,
-                                   lambda spec, *a: fakes[spec.name])
+    leaders = _race_of_three(own, ext, behind)
     again = 5 * select.CLOSE_CALL_ROUNDS
     assert (own.calls, ext.calls, behind.calls) == (5 + again, 5 + again, 5)
     # the close call's rounds split five rounds' measuring time: more samples, no more time
@@ -295,15 +303,9 @@ def test_a_close_call_times_again_only_the_leaders_near_the_fastest():
 def test_a_candidate_far_behind_at_its_check_is_not_timed_in_the_rounds():
     """SDPA flash or the efficient kernel 1.5-3x behind cuDNN and the Gluon kernels: their
     check's timing stands, and the rounds time only the race that is open."""
-    from flashtune.autotune import select
-    from flashtune.kernel_templates import get_template
 
     own, near, far = _Leading(1.0, 1.0), _Leading(1.25, 1.25), _Leading(2.0, 0.1)
-    fakes = {"attn_fwd": own, "sdpa_math": far, "attn_decode": near}
-    candidates = [(get_template("attn_fwd"), {"BLOCK_M": 16}), (get_template("sdpa_math"), {}),
-                  (get_template("attn_decode"), {})]
-    leaders = select._side_by_side(candidates, TINY, DEV, TuneOptions(trials=1), 5,
-                                   lambda spec, *a: fakes[spec.name])
+    leaders = _race_of_three(own, far, near)
     assert (own.calls, near.calls, far.calls) == (5, 5, 0)
     assert [(x.implementation, x.median_ms) for x in leaders] == [
         ("attn_fwd", 1.0), ("attn_decode", 1.25), ("sdpa_math", 2.0)]
