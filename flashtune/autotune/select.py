@@ -58,6 +58,7 @@ from typing import Any
 
 from flashtune.autotune.options import TuneOptions, TuneResult, tuning_device
 from flashtune.autotune.runners import TrialResult
+from flashtune.core.case import shared_inputs
 from flashtune.core.device import DeviceFingerprint
 from flashtune.core.errors import InputError
 from flashtune.core.problem import AttentionProblem
@@ -253,6 +254,32 @@ def _leader_runner(spec: TemplateSpec, problem: AttentionProblem, device: Device
 
     return LocalRunner(spec, problem, device, seed=options.seed or 0,
                        timeout_s=options.trial_timeout_s)
+
+
+class _Unbuilt:
+    """A leader whose runner could not be built (its inputs did not fit the GPU, say): its
+    check fails with why, and the other leaders race on."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+    def evaluate(self, config: Mapping[str, int]) -> TrialResult:
+        from flashtune.autotune.runners import TrialState
+
+        return TrialResult(TrialState.RUNTIME_ERROR, self.message)
+
+
+def _built_leader(spec: TemplateSpec, problem: AttentionProblem, device: DeviceFingerprint,
+                  options: TuneOptions, factory: Callable[..., Any] | None) -> Any:
+    """:func:`_leader_runner`, or an :class:`_Unbuilt` one saying why it failed (a failing
+    leader is data: the shape is still decided and stored)."""
+    from flashtune.autotune.runners import _first_line
+
+    try:
+        return _leader_runner(spec, problem, device, options, factory)
+    except Exception as exc:
+        log.warning("%s: %s's runner: %s", problem.describe(), spec.name, _first_line(exc))
+        return _Unbuilt(f"could not build its inputs: {_first_line(exc)}")
 
 
 def tune_op(problems: Sequence[AttentionProblem], op: str, options: TuneOptions, *,
@@ -528,8 +555,10 @@ def _side_by_side(candidates: Sequence[tuple[TemplateSpec, Mapping[str, int] | N
     entries = [(spec, dict(config)) for spec, config in candidates if config is not None]
     runners = []
     try:
-        for spec, config in entries:
-            runners.append((_leader_runner(spec, problem, device, options, factory), config))
+        with shared_inputs():  # one copy of the seeded inputs, however many leaders
+            for spec, config in entries:
+                runners.append((_built_leader(spec, problem, device, options, factory),
+                                config))
         # every candidate is checked before it is timed (a training pair's or an extern's
         # step is checked here for the first time), and its kernels compiled
         checked = [runner.evaluate(config) for runner, config in runners]

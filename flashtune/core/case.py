@@ -9,7 +9,8 @@ launch, check and time it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +19,8 @@ from flashtune.core.problem import AttentionProblem
 
 __all__ = ["FULL_REFERENCE_MAX_ELEMS", "TOLERANCE", "Case", "MaskFn", "forward_case",
            "mods_kwargs", "mods_options", "packed_gradients", "packed_inputs",
-           "packed_reference", "random_inputs", "reference_options", "relative_error"]
+           "packed_reference", "random_inputs", "reference_options", "relative_error",
+           "shared_inputs"]
 
 # relative Frobenius error allowed against the fp32 reference
 TOLERANCE = {"bf16": 2e-2, "fp16": 5e-3}
@@ -65,6 +67,45 @@ def relative_error(got: Any, ref: Any) -> float:
                                                          or 1.0)
 
 
+# the draws :func:`shared_inputs` hands out again while it is active (None: it is not)
+_SHARED: dict[tuple[Any, ...], tuple[Any, Any]] | None = None
+
+
+@contextlib.contextmanager
+def shared_inputs() -> Iterator[None]:
+    """While active, :func:`random_inputs` and :func:`packed_inputs` give every caller that
+    asks for the same draw (problem, device, names, generator state) the tensors of the
+    first, and leave its generator where the draw would have: the side-by-side timing's
+    runners, which all draw the same seeded inputs, then hold one copy of them, not one
+    each (a decode shape's 26 GB cache, six times over, did not fit an H200). The tensors
+    are shared, so a case must not write into them (the training cases only set
+    ``requires_grad``, the same for each). Nested uses share the outermost's draws."""
+    global _SHARED
+    outer = _SHARED
+    if outer is None:
+        _SHARED = {}
+    try:
+        yield
+    finally:
+        if outer is None:
+            _SHARED = None
+
+
+def _draw(what: str, problem: AttentionProblem, torch_device: str, generator: Any,
+          names: Sequence[str], make: Callable[[], Any]) -> Any:
+    """``make()``, or while :func:`shared_inputs` is active the same draw's earlier result
+    (its generator moved on as ``make`` would have moved it)."""
+    if _SHARED is None:
+        return make()
+    key = (what, problem, torch_device, tuple(names),
+           generator.get_state().numpy().tobytes())
+    if key not in _SHARED:
+        _SHARED[key] = (make(), generator.get_state())
+    drawn, after = _SHARED[key]
+    generator.set_state(after)
+    return drawn
+
+
 def random_inputs(problem: AttentionProblem, torch_device: str, generator: Any,
                   names: Sequence[str] = ("q", "k", "v")) -> dict[str, Any]:
     """Seeded ``randn`` tensors ``(batch, heads, seqlen, head_dim)`` in the problem's dtype,
@@ -73,12 +114,16 @@ def random_inputs(problem: AttentionProblem, torch_device: str, generator: Any,
 
     p = problem
     dtype = torch.float16 if p.dtype == "fp16" else torch.bfloat16
-    out = {}
-    for name in names:
-        h, n = (p.heads_q, p.seqlen_q) if name in ("q", "do") else (p.heads_kv, p.seqlen_k)
-        out[name] = torch.randn((p.batch, h, n, p.head_dim), generator=generator,
-                                device=torch_device, dtype=torch.float32).to(dtype)
-    return out
+
+    def make() -> dict[str, Any]:
+        out = {}
+        for name in names:
+            h, n = (p.heads_q, p.seqlen_q) if name in ("q", "do") else (p.heads_kv, p.seqlen_k)
+            out[name] = torch.randn((p.batch, h, n, p.head_dim), generator=generator,
+                                    device=torch_device, dtype=torch.float32).to(dtype)
+        return out
+
+    return dict(_draw("dense", p, torch_device, generator, names, make))
 
 
 def packed_inputs(problem: AttentionProblem, torch_device: str, generator: Any,
@@ -94,11 +139,16 @@ def packed_inputs(problem: AttentionProblem, torch_device: str, generator: Any,
 
     p = problem
     dtype = torch.float16 if p.dtype == "fp16" else torch.bfloat16
-    tensors = {}
-    for name in names:
-        h, n = (p.heads_q, p.tokens_q) if name in ("q", "do") else (p.heads_kv, p.tokens_k)
-        tensors[name] = torch.randn((n, h, p.head_dim), generator=generator,
+
+    def make() -> dict[str, Any]:
+        out = {}
+        for name in names:
+            h, n = (p.heads_q, p.tokens_q) if name in ("q", "do") else (p.heads_kv, p.tokens_k)
+            out[name] = torch.randn((n, h, p.head_dim), generator=generator,
                                     device=torch_device, dtype=torch.float32).to(dtype)
+        return out
+
+    tensors = dict(_draw("packed", p, torch_device, generator, names, make))
     lens_q, lens_k = p.packed_lengths()
     options: dict[str, Any] = {
         f"cu_seqlens_{side}": torch.tensor([0, *itertools.accumulate(lens)],

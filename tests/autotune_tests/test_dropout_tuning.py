@@ -145,3 +145,34 @@ def test_tune_dropout_and_the_router_runs_what_was_tuned(
         assert torch.isfinite(flashtune.attention(q, q, q, dropout_p=0.1).float()).all()
     finally:
         flashtune.reload_configs()
+
+
+def test_shared_inputs_hand_out_one_draw_and_move_the_generator_as_drawing_would():
+    """``shared_inputs``: the same draw (problem, names, generator state) is the same
+    tensors, and what the generator draws next (a dropout seed, ALiBi slopes) is what it
+    would have drawn without the sharing; packed batches too."""
+    from dataclasses import replace
+
+    from flashtune.core.case import packed_inputs, random_inputs, shared_inputs
+
+    p = AttentionProblem(2, 4, 2, 24, 40, 16, True, "fp16", dropout=0.1)
+
+    def draw(problem, names=("q", "k", "v")):
+        g = torch.Generator().manual_seed(3)
+        t = random_inputs(problem, "cpu", g, names)
+        return t, mods_options(problem, "cpu", g)
+
+    alone, alone_mods = draw(p)
+    with shared_inputs():
+        first, first_mods = draw(p)
+        second, second_mods = draw(p)
+        other, _ = draw(p, ("q", "k", "v", "do"))  # another draw: its own tensors
+        packed = replace(p, tokens_q=50, tokens_k=60, batch=3)
+        pa = packed_inputs(packed, "cpu", torch.Generator().manual_seed(1))[0]
+        pb = packed_inputs(packed, "cpu", torch.Generator().manual_seed(1))[0]
+    assert all(first[n] is second[n] for n in "qkv") and pa["k"] is pb["k"]
+    assert other["q"] is not first["q"] and torch.equal(other["q"], first["q"])
+    assert all(torch.equal(alone[n], first[n]) for n in "qkv")
+    assert int(alone_mods["seed"]) == int(first_mods["seed"]) == int(second_mods["seed"])
+    after = draw(p)[0]  # the sharing ended with the block
+    assert after["q"] is not first["q"]

@@ -309,3 +309,50 @@ def test_a_candidate_far_behind_at_its_check_is_not_timed_in_the_rounds():
     assert (own.calls, near.calls, far.calls) == (5, 5, 0)
     assert [(x.implementation, x.median_ms) for x in leaders] == [
         ("attn_fwd", 1.0), ("attn_decode", 1.25), ("sdpa_math", 2.0)]
+
+
+def test_a_leader_whose_runner_cannot_be_built_fails_and_the_others_race_on():
+    """Building a leader's inputs can fail (a 26 GB decode cache ran an H200 out of memory):
+    that leader is a failure with the reason and the shape is still decided."""
+    from flashtune.autotune import select
+    from flashtune.kernel_templates import get_template
+
+    own = _Leading(1.0, 1.0)
+
+    def factory(spec, *args):
+        if spec.name == "sdpa_math":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 12.00 GiB.")
+        return own
+
+    candidates = [(get_template("attn_fwd"), {"BLOCK_M": 16}), (get_template("sdpa_math"), {})]
+    leaders = select._side_by_side(candidates, TINY, DEV, TuneOptions(trials=1), 5, factory)
+    assert [(x.implementation, x.median_ms) for x in leaders] == [("attn_fwd", 1.0),
+                                                                  ("sdpa_math", None)]
+    assert "out of memory" in leaders[1].message and "inputs" in leaders[1].message
+    assert own.calls == 5
+
+
+def test_the_leaders_of_a_shape_share_one_copy_of_its_inputs():
+    """Every leader draws the same seeded inputs; side by side they hold one copy, not one
+    each (six copies of a decode shape's cache did not fit an H200)."""
+    from flashtune.autotune import select
+    from flashtune.autotune.runners import LocalRunner
+    from flashtune.kernel_templates import get_template
+
+    built = []
+
+    def factory(spec, problem, device, options):
+        built.append(LocalRunner(spec, problem, device, seed=0))
+        return built[-1]
+
+    candidates = [(get_template("attn_fwd"), {"BLOCK_M": 16}), (get_template("sdpa_math"), {})]
+    if DEVICE == "cpu":  # checked and timed under the interpreter
+        select._side_by_side(candidates, TINY, DEV, TuneOptions(trials=1), 1, factory)
+    else:  # pragma: no cover - the sharing itself needs no kernel to run
+        built.extend(select._built_leader(s, TINY, DEV, TuneOptions(), factory)
+                     for s, _ in candidates)
+    a, b = (r.case.inputs for r in built)
+    assert all(a[n] is b[n] for n in ("q", "k", "v"))
+    # outside a side-by-side every runner draws its own (equal) tensors
+    c = LocalRunner(get_template("attn_fwd"), TINY, DEV, seed=0).case.inputs
+    assert c["k"] is not a["k"] and torch.equal(c["k"], a["k"])
