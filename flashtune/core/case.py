@@ -17,7 +17,7 @@ from typing import Any
 from flashtune.core.device import DeviceFingerprint
 from flashtune.core.problem import AttentionProblem
 
-__all__ = ["FULL_REFERENCE_MAX_ELEMS", "TOLERANCE", "Case", "MaskFn", "forward_case",
+__all__ = ["FULL_REFERENCE_MAX_ELEMS", "TOLERANCE", "Case", "MaskFn", "forward_case", "least_bytes",
            "mods_kwargs", "mods_options", "packed_gradients", "packed_inputs",
            "packed_reference", "random_inputs", "reference_options", "relative_error",
            "shared_inputs"]
@@ -276,6 +276,15 @@ def _sliced(options: Mapping[str, Any], heads: int) -> dict[str, Any]:
     return out
 
 
+def least_bytes(problem: AttentionProblem, q: Any, k: Any, v: Any) -> float:
+    """The bytes a forward launch must move: q read and the output written whole, and of k
+    and v the keys some query can see (:meth:`AttentionProblem.keys_read`)."""
+    def size(t: Any) -> int:
+        return t.numel() * t.element_size()
+
+    return 2 * size(q) + (size(k) + size(v)) * problem.keys_read()
+
+
 def forward_case(reference: Callable[..., Any], problem: AttentionProblem,
                  device: DeviceFingerprint, *, torch_device: str, generator: Any,
                  launcher: Callable[..., Any], check_slice: bool = True,
@@ -308,7 +317,7 @@ def forward_case(reference: Callable[..., Any], problem: AttentionProblem,
         sl = (slice(None), slice(None))
         ref, _ = reference(q, k, v, causal=p.causal, dtype=torch.float32,
                            **reference_options(options, p, dropout_mask))
-    io = sum(t.numel() * t.element_size() for t in (q, k, v, q))  # q, k, v read; o written
+    io = least_bytes(p, q, k, v)
     return Case(launch=lambda config: launcher(q, k, v, config, causal=p.causal, **options),
                 error=lambda out: relative_error(out[sl], ref), flops=p.flops(),
                 inputs={"q": q, "k": k, "v": v, "ref": ref, "ref_slice": sl}, min_bytes=io)
@@ -332,7 +341,7 @@ def _packed_forward_case(reference: Callable[..., Any], problem: AttentionProble
     hkv = (hq - 1) // (p.heads_q // p.heads_kv) + 1
     ref = packed_reference(reference, p, q[:, :hq], k[:, :hkv], v[:, :hkv],
                            reference_options(mods, p, dropout_mask, heads=hq))
-    io = sum(t.numel() * t.element_size() for t in (q, k, v, q))
+    io = least_bytes(p, q, k, v)
     options = {**mods, **packing}
     return Case(launch=lambda config: launcher(q, k, v, config, causal=p.causal, **options),
                 error=lambda out: relative_error(out[:, :hq], ref), flops=p.flops(),

@@ -279,6 +279,21 @@ class AttentionProblem:
                 pairs = float(visible_pairs(self.seqlen_q, self.seqlen_k, -1, 0))
         return pairs
 
+    def keys_read(self) -> float:
+        """The share of the keys (and values) that some query can see: a kernel must read
+        those and no others. 1 but for a window that a short query block cannot span (a
+        decode step under a 4096 window sees 4096 keys of a 32k cache)."""
+        if self.window_left == -1 and self.window_right == -1:
+            return 1.0
+        right = 0 if self.causal else self.window_right
+        lengths = zip(*self.packed_lengths()) if self.packed \
+            else [(self.seqlen_q, self.seqlen_k)]
+        seen = total = 0
+        for nq, nk in lengths:
+            seen += visible_keys(nq, nk, self.window_left, right) if nq else 0
+            total += nk
+        return seen / total if total else 1.0
+
     def describe(self) -> str:
         """One line for messages: ``B=.. Hq=.. Hkv=.. Nq=.. Nk=.. D=.. dtype [causal]``."""
         causal = " causal" if self.causal else ""
@@ -324,6 +339,16 @@ def _spread(tokens: int, count: int, longest: int) -> tuple[int, ...]:
     first = min(longest, max(1, tokens - (count - 1)))
     rest, extra = divmod(tokens - first, count - 1) if count > 1 else (0, 0)
     return (first, *(rest + (i < extra) for i in range(count - 1)))
+
+
+def visible_keys(seqlen_q: int, seqlen_k: int, left: int, right: int) -> int:
+    """How many keys some query sees under :func:`visible_pairs`' window: the windows of
+    consecutive queries overlap, so their union runs from query 0's first key to the last
+    query's last."""
+    shift = seqlen_k - seqlen_q
+    lo = 0 if left < 0 else max(0, shift - left)
+    hi = seqlen_k - 1 if right < 0 else min(seqlen_k - 1, seqlen_q - 1 + shift + right)
+    return max(0, hi - lo + 1)
 
 
 @functools.lru_cache(maxsize=256)

@@ -46,6 +46,7 @@ import torch
 from flashtune.core.case import (
     FULL_REFERENCE_MAX_ELEMS,
     Case,
+    least_bytes,
     mods_options,
     packed_gradients,
     packed_inputs,
@@ -259,7 +260,7 @@ def train_case(problem: AttentionProblem, device: DeviceFingerprint, *, torch_de
                 for g, s, r in zip(got, (sq, sq, skv, skv), refs, strict=True)]
         return float("nan") if any(e != e for e in errs) else max(errs)
 
-    io = 2 * sum(x.numel() * x.element_size() for x in (q, k, v, q))  # read and written
+    io = 2 * least_bytes(p, q, k, v)  # read, then their gradients written
     return Case(launch=lambda config: launcher(q, k, v, do, config, causal=p.causal,
                                                **options),
                 error=error, flops=p.flops() + p.flops(backward=True),
@@ -286,7 +287,7 @@ def _packed_train_case(problem: AttentionProblem, *, torch_device: str, generato
                 for g, s, r in zip(got, (heads, heads, kv_heads, kv_heads), refs, strict=True)]
         return float("nan") if any(e != e for e in errs) else max(errs)
 
-    io = 2 * sum(x.numel() * x.element_size() for x in (q, k, v, q))  # read and written
+    io = 2 * least_bytes(p, q, k, v)  # read, then their gradients written
     return Case(launch=lambda config: launcher(q, k, v, do, config, causal=p.causal,
                                                **options),
                 error=error, flops=p.flops() + p.flops(backward=True),

@@ -63,6 +63,37 @@ def test_the_physical_floor():
                                                 io / 3.9e12) * 1e3)
 
 
+def test_a_window_s_floor_counts_only_the_keys_some_query_sees():
+    """A decode step under a 4096 window reads 4096 keys of a 32k cache: its floor counts
+    those (all of them put every H200 decode trial of Mistral's window below the floor),
+    while a prefill's windows together reach every key."""
+    from dataclasses import replace
+
+    from flashtune.core.case import least_bytes
+    from flashtune.core.problem import visible_keys
+
+    assert visible_keys(1, 32768, 4095, 0) == 4096
+    assert visible_keys(16, 100, 9, 0) == 25 and visible_keys(16, 100, -1, 0) == 100
+    assert visible_keys(4, 100, 2, 3) == 6  # not causal: no key lies past the last query's
+    assert visible_keys(100, 50, 0, 3) == 50 and visible_keys(100, 50, 0, 0) == 50
+    assert visible_keys(8, 4, 1, 0) == 4  # queries before the first key see none of it
+    step = AttentionProblem(2, 4, 2, 1, 64, 16, True, "fp16", window_left=15)
+    assert step.keys_read() == 16 / 64
+    assert replace(step, seqlen_q=64).keys_read() == 1.0  # a prefill reads every key
+    assert replace(step, window_left=-1).keys_read() == 1.0
+    packed = replace(step, batch=2, seqlen_q=40, seqlen_k=40, tokens_q=48, tokens_k=48)
+    lens_q, lens_k = packed.packed_lengths()
+    assert packed.keys_read() == pytest.approx(
+        sum(visible_keys(a, b, 15, 0) for a, b in zip(lens_q, lens_k, strict=True)) / 48)
+    import torch
+
+    q, k, v = (torch.empty(2, h, n, 16, dtype=torch.float16) for h, n in
+               ((4, 1), (2, 64), (2, 64)))
+    assert least_bytes(step, q, k, v) == 2 * q.nbytes + (k.nbytes + v.nbytes) * 16 / 64
+    runner = LocalRunner(get_template("attn_decode"), step, H100, launcher=exact)
+    assert runner.floor_ms == pytest.approx(least_bytes(step, q, k, v) / 3.9e12 * 1e3)
+
+
 @pytest.mark.parametrize("first,second,state,message", [
     (0.0, 0.02, TrialState.COMPLETE, None),
     (-1.0, 0.02, TrialState.COMPLETE, None),
