@@ -54,16 +54,30 @@ CASES = [(2, 4, 4, 200, 200, False), (2, 4, 4, 333, 333, True), (1, 8, 2, 256, 5
 
 
 def parse_configs(text: str) -> list[dict[str, int]]:
+    """``'K=V,...;K=V,...'`` over the launcher's default config; two configs of one name
+    (:func:`name_of`) are an error, since results are kept by name."""
     out = []
     for part in filter(None, text.split(";")):
         out.append(dict(DEFAULT_CONFIG, **{k: int(v) for k, v in
                                            (kv.split("=") for kv in part.split(","))}))
+    names = [name_of(c) for c in out]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise SystemExit(f"--configs: {', '.join(twice)} named twice; the configs must differ")
     return out
 
 
+# the knobs the name spells out at its start; any other set knob is appended (LPT=1: _lpt1)
+NAMED = ("ROWS", "NUM_CONSUMERS", "BLOCK_N", "NUM_STAGES", "PINGPONG", "PERSISTENT")
+
+
 def name_of(cfg: dict[str, int]) -> str:
+    """``gluon_64x2_128_s3`` (+ ``_pp`` ping-pong, ``_ps`` persistent, ``_lpt1``...)."""
+    rest = "".join(f"_{k.lower()}{v}" for k, v in sorted(cfg.items())
+                   if k not in NAMED and v != DEFAULT_CONFIG.get(k, 0))
     return ("gluon_{ROWS}x{NUM_CONSUMERS}_{BLOCK_N}_s{NUM_STAGES}".format(**cfg)
-            + ("_pp" if cfg.get("PINGPONG") else "") + ("_ps" if cfg.get("PERSISTENT") else ""))
+            + ("_pp" if cfg.get("PINGPONG") else "") + ("_ps" if cfg.get("PERSISTENT") else "")
+            + rest)
 
 
 def check_case(cfg, case, d, dtype) -> dict:

@@ -97,3 +97,25 @@ def test_the_protocol_model_catches_each_planted_bug(mutation: str) -> None:
     CTA and a ``kv_empty`` counting one consumer let a barrier run a phase ahead."""
     with pytest.raises(AssertionError):
         protocol.check_all(mutation, seeds=5)
+
+
+def test_the_explore_script_names_every_knob_so_no_two_configs_share_a_row():
+    """``explore_fwd_gluon.py`` keeps results by a config's name: the LPT config once took
+    its persistent twin's name, and one overwrote the other's timings in an H200 run."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "explore_fwd_gluon", ROOT / "benchmarks" / "explore_fwd_gluon.py")
+    assert spec and spec.loader
+    script = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(ROOT / "benchmarks"))  # it imports bench_fwd beside it
+    try:
+        spec.loader.exec_module(script)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    base = "ROWS=64,BLOCK_N=128,NUM_STAGES=3,NUM_CONSUMERS=2"
+    configs = script.parse_configs(f"{base};{base},PERSISTENT=1;{base},PERSISTENT=1,LPT=1")
+    assert [script.name_of(c) for c in configs] == [
+        "gluon_64x2_128_s3", "gluon_64x2_128_s3_ps", "gluon_64x2_128_s3_ps_lpt1"]
+    with pytest.raises(SystemExit, match="named twice"):
+        script.parse_configs(f"{base};{base},LPT=0")
