@@ -390,7 +390,8 @@ def _tune_problems(problems: Sequence[AttentionProblem], op: str, options: TuneO
         log.info("%s: searching %s", problem.describe(), ", ".join(s.name for s in specs))
         results: list[TuneResult] = []
         search = functools.partial(_search, results, problem, options, url, progress,
-                                   progress_position, skip_tuned, custom, factory, device)
+                                   progress_position, skip_tuned, custom, factory, device,
+                                   software)
         entries = [(spec, _searched(spec, search)) for spec in specs]
         # with --impl, the other applicable implementations' stored bests still take part
         # in the side-by-side timing: --impl narrows the search, not the choice
@@ -468,16 +469,22 @@ def _work(problem: AttentionProblem, op: str | None) -> float:
 def _search(results: list[TuneResult], problem: AttentionProblem, options: TuneOptions,
             url: str, progress: bool, position: int, reuse: bool,
             custom: Callable[..., Any] | None, factory: Callable[..., Any],
-            device: DeviceFingerprint, name: str) -> dict[str, int] | None:
+            device: DeviceFingerprint, software: SoftwareVersions,
+            name: str) -> dict[str, int] | None:
     """Template ``name``'s best config for ``problem`` (:func:`~flashtune.autotune.
     trial_loop.tune_on_device`), its search appended to ``results``; a template searched
-    already for the problem (a backward two pairs share) is not searched again, nor, with
-    ``reuse``, one whose search finished in the store at its current source. ``custom``
-    is the tests' runner factory (None: the real runner), ``factory`` the one every search
-    of the call shares (:func:`tune_op`)."""
+    already for the problem (a backward two pairs share, or a twin: :func:`_twin`) is not
+    searched again, nor, with ``reuse``, one whose search finished in the store at its
+    current source. ``custom`` is the tests' runner factory (None: the real runner),
+    ``factory`` the one every search of the call shares (:func:`tune_op`)."""
     from flashtune.autotune.trial_loop import tune_on_device
 
     found = next((r for r in results if r.template == name), None)
+    if found is None:
+        twin = next((r for r in results if _twins(r.template, name)), None)
+        if twin is not None:
+            found = _twin(twin, name, problem, url, device, software)
+            results.append(found)
     if found is None and reuse:
         from flashtune.autotune.resume import finished_search
         from flashtune.db import open_store
@@ -495,6 +502,37 @@ def _search(results: list[TuneResult], problem: AttentionProblem, options: TuneO
                                 shared_factory=factory)
         results.append(found)
     return found.best_config
+
+
+def _twins(a: str, b: str) -> bool:
+    """Whether templates ``a`` and ``b`` search the same thing: one kernel (source hash and
+    launcher), one space, one case. The Gluon training pair's forward is attn_fwd_gluon
+    under another name; a training shape searched it twice, 12 s of a 44-70 s shape."""
+    from flashtune.kernel_templates import get_template
+
+    x, y = get_template(a), get_template(b)
+    return a != b and x.op == y.op and x.source_hash == y.source_hash \
+        and x.launcher is y.launcher and x.space is y.space and x.make_case is y.make_case
+
+
+def _twin(found: TuneResult, name: str, problem: AttentionProblem, url: str,
+          device: DeviceFingerprint, software: SoftwareVersions) -> TuneResult:
+    """Template ``name``'s result as its twin's search ``found`` (:func:`_twins`), its best
+    stored under ``name`` as well (exports and ``--impl`` runs read it there)."""
+    from flashtune.db import open_store
+    from flashtune.kernel_templates import get_template
+
+    log.info("%s: %s is %s's kernel, searched already: its best", problem.describe(), name,
+             found.template)
+    if found.best_config is not None and found.best_ms is not None:
+        with open_store(url) as store:
+            dev = store.ensure_device(device)
+            tpl = store.ensure_template(name, get_template(name).source_hash)
+            prob = store.ensure_problem(name, problem.key(), problem.bucket())
+            store.offer_best(dev.id, tpl.id, prob.id, config=found.best_config,
+                             median_ms=found.best_ms, tflops=found.best_tflops, trial_id=None,
+                             trials_count=0, software=software)
+    return replace(found, template=name, trials=0, states={}, wall_s=0.0)
 
 
 def _searched(spec: TemplateSpec,

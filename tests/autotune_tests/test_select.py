@@ -356,3 +356,35 @@ def test_the_leaders_of_a_shape_share_one_copy_of_its_inputs():
     # outside a side-by-side every runner draws its own (equal) tensors
     c = LocalRunner(get_template("attn_fwd"), TINY, DEV, seed=0).case.inputs
     assert c["k"] is not a["k"] and torch.equal(c["k"], a["k"])
+
+
+@interpreter_only
+def test_a_twin_of_a_searched_template_takes_its_best_without_a_search(tmp_path):
+    """Two names of one kernel (the Gluon training pair's forward is attn_fwd_gluon): the
+    second takes the first's best, stored under its own name too, and runs no trial."""
+    from dataclasses import replace
+
+    from flashtune.autotune.select import _twins
+    from flashtune.kernel_templates import get_template, register_template, \
+        unregister_template
+
+    attn = get_template("attn_fwd")
+    register_template(replace(attn, name="attn_fwd_twin"))
+    try:
+        assert _twins("attn_fwd", "attn_fwd_twin") and not _twins("attn_fwd", "attn_fwd")
+        assert not _twins("attn_fwd", "attn_decode")
+        url = f"sqlite:///{tmp_path / 'twin.db'}"
+        (r,) = tune_op([TINY], "fwd", TuneOptions(trials=2, interpret=True, seed=0),
+                       impls=["attn_fwd", "attn_fwd_twin"], db_url=url, progress=False,
+                       rounds=1, _device=DEV)
+        first, twin = r.results
+        assert (first.template, twin.template) == ("attn_fwd", "attn_fwd_twin")
+        assert first.trials > 0 and twin.trials == 0
+        assert twin.best_config == first.best_config is not None
+        with open_store(url) as store:
+            bests = {b.template.name: b for b in store.list_best()}
+            assert bests["attn_fwd_twin"].config == first.best_config
+            assert not store.list_trials(template_id=store.ensure_template(
+                "attn_fwd_twin", attn.source_hash).id)
+    finally:
+        unregister_template("attn_fwd_twin")
