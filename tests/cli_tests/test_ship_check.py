@@ -44,4 +44,6 @@ def test_the_check_compares_nearest_with_exact_for_each_tuned_shape(tmp_path, op
     assert row["nearest_source"] == "default" and row["exact"]
     ratio = row["nearest_over_anchor"] / row["exact_over_anchor"]
     assert math.isclose(row["nearest_over_exact"], ratio)
-    assert "1 shapes tuned exactly: nearest/exact time geomean" in proc.stdout
+    assert row["held_out"] and check["held_out"] == 1  # a shape no shipped table holds
+    assert "1 held-out shapes tuned exactly: nearest/exact time geomean" in proc.stdout
+    assert "0 shipped shape(s) as controls" in proc.stdout
