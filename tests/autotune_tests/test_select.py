@@ -365,8 +365,7 @@ def test_a_twin_of_a_searched_template_takes_its_best_without_a_search(tmp_path)
     from dataclasses import replace
 
     from flashtune.autotune.select import _twins
-    from flashtune.kernel_templates import get_template, register_template, \
-        unregister_template
+    from flashtune.kernel_templates import get_template, register_template, unregister_template
 
     attn = get_template("attn_fwd")
     register_template(replace(attn, name="attn_fwd_twin"))
