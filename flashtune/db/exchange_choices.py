@@ -16,13 +16,20 @@ with it), and written by :func:`choice_document_to_json` with sorted keys::
      "exported_at": "2025-01-31T12:00:00+00:00",
      "entries": [{"problem", "implementation", "config", "median_ms", "tflops",
                   "runner_up", "runner_up_ms", "extern", "extern_ms", "decided_at",
-                  ["software": {...}]}, ...]}
+                  ["software": {...}], ["candidates": [{"implementation", "config",
+                  "median_ms", ["source_hash"]}, ...]]}, ...]}
 
-``implementations`` names every implementation the entries name (winner, runner-up,
-extern) with its source hash, and nothing else. The document's ``software`` is that of
-its most recently decided entry; an entry decided under other software has its own block
-(as in a per-template file of schema version 2). Candidates (everything timed) stay in the
-database: a file carries the winner and its two margins.
+``implementations`` names every implementation the entries' winners, runners-up and
+externs name, with its source hash, and nothing else. The document's ``software`` is that
+of its most recently decided entry; an entry decided under other software has its own block
+(as in a per-template file of schema version 2). Since schema version 2 an entry may carry
+its ``candidates``: everything timed in the decision, each implementation's best config
+and time (null: it failed) with the source hash it was timed at. An import stores them, so
+the decision can be checked as a tuned one is (``tune --skip-tuned`` then skips a shape
+whose every serving implementation was timed at its current source: a table tuned on one
+machine resumes from its file on another) and ``flashtune show --op`` can say what each
+choice is worth. A document with no candidates is written as version 1, which older
+flashtune versions read too.
 
 **Checks** (:func:`parse_choice_object`; every failure one line, ``"<where> <what is
 wrong>; expected <what>"``): the op is a user op (``USER_OPS``); every implementation is in
@@ -66,7 +73,8 @@ __all__ = ["CHOICE_FORMAT", "CHOICE_SCHEMA_VERSION", "ChoiceDocument", "ChoiceDo
 log = logging.getLogger(__name__)
 
 CHOICE_FORMAT = "flashtune-choices"
-CHOICE_SCHEMA_VERSION = 1
+CHOICE_SCHEMA_VERSION = 2  # 2: entries may carry their candidates
+MAX_CANDIDATES = 64  # implementations timed in one decision (a dozen today)
 MAX_FILE_BYTES = 8 << 20  # as for per-template files
 MAX_ENTRIES = 100_000
 MAX_DEPTH = 16  # a valid document needs 4
@@ -75,6 +83,8 @@ TOP_KEYS = ("format", "schema_version", "device", "software", "op", "implementat
             "exported_at", "entries")
 ENTRY_KEYS = ("problem", "implementation", "config", "median_ms", "tflops", "runner_up",
               "runner_up_ms", "extern", "extern_ms", "decided_at")
+CANDIDATES = "candidates"  # an entry's optional list (schema version 2)
+CANDIDATE_KEYS = ("implementation", "config", "median_ms")
 _HEX16 = re.compile(r"[0-9a-f]{16}")
 _MS = (lambda v: 0 < v < 1e7, "a finite number of milliseconds > 0 and < 1e7")
 
@@ -120,6 +130,9 @@ class ChoiceDocumentEntry:
     extern_ms: float | None
     decided_at: datetime  # timezone-aware UTC
     software: dict[str, str] | None = None
+    # everything timed in the decision ({"implementation", "config", "median_ms"[,
+    # "source_hash"]} each; median_ms None where it failed); () where the file has none
+    candidates: tuple[dict[str, Any], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -155,7 +168,8 @@ def choice_document_to_json(doc: ChoiceDocument) -> str:
     Returns:
         JSON text: sorted keys, entries sorted by canonical problem key, indent 1, a
         trailing newline. An entry's own ``software`` is written only where it differs
-        from the document's.
+        from the document's, its ``candidates`` where it has some (and then the document
+        is schema version 2, else 1).
     Raises:
         ValueError for NaN, a naive timestamp or unknown ``software`` keys.
     """
@@ -170,10 +184,14 @@ def choice_document_to_json(doc: ChoiceDocument) -> str:
         own = software if e.software is None else checks.software_block(e.software)
         if own != software:
             entry[checks.ENTRY_SOFTWARE] = own
+        if e.candidates:
+            entry[CANDIDATES] = [dict(c) for c in e.candidates]
         entries.append(entry)
     data = {
         "format": CHOICE_FORMAT,
-        "schema_version": CHOICE_SCHEMA_VERSION,
+        # 1 where no entry has candidates, which older flashtune versions read too
+        "schema_version": CHOICE_SCHEMA_VERSION if any(e.candidates for e in doc.entries)
+        else 1,
         "device": {f.name: getattr(doc.device, f.name) for f in fields(DeviceInfo)},
         "software": software,
         "op": doc.op,
@@ -236,7 +254,7 @@ def parse_choice_object(obj: Any, specs: Mapping[str, TemplateSpec], *,
     entries, seen, named = [], set(), set[str]()
     for i, item in enumerate(items):
         where = f"entries[{i}]"
-        entry = _entry(item, where, names, specs, hashes, software)
+        entry = _entry(item, where, names, specs, hashes, software, op, strict)
         key = canonical_json(entry.problem)
         if key in seen:
             raise checks.Bad(f"{where}.problem repeats the problem of an earlier entry; "
@@ -267,6 +285,10 @@ def _header(obj: Any) -> None:
                          f"{CHOICE_SCHEMA_VERSION}: upgrade flashtune to import it")
     checks.integer(version, "schema_version", 1, CHOICE_SCHEMA_VERSION)
     checks.fields(obj, "", TOP_KEYS)
+    if version < 2 and isinstance(obj["entries"], list) and any(
+            isinstance(e, dict) and CANDIDATES in e for e in obj["entries"]):
+        raise checks.Bad(f"schema_version is {version} but an entry has {CANDIDATES}; "
+                         "expected schema_version 2 for entries with candidates")
 
 
 def _serving(specs: Mapping[str, TemplateSpec], op: str) -> str:
@@ -333,10 +355,44 @@ def _raw_config(value: Any, where: str) -> dict[str, int]:
     return dict(value)
 
 
+def _candidates(value: Any, where: str, specs: Mapping[str, TemplateSpec], op: str,
+                strict: bool) -> tuple[dict[str, Any], ...]:
+    """An entry's ``candidates``: a list of at most :data:`MAX_CANDIDATES` objects, each an
+    implementation serving ``op`` (unknown names pass when not ``strict``), its config's
+    shape (names to ints), its time (null: it failed) and optionally its source hash."""
+    if not isinstance(value, list):
+        raise checks.Bad(f"{where} is {checks.kind(value)}; expected a list of the "
+                         "implementations timed in the decision")
+    if len(value) > MAX_CANDIDATES:
+        raise checks.Bad(f"{where} holds {len(value)} candidates; expected at most "
+                         f"{MAX_CANDIDATES}")
+    out = []
+    for i, item in enumerate(value):
+        at = f"{where}[{i}]"
+        c = checks.fields(item, at, CANDIDATE_KEYS, ("source_hash",))
+        name = checks.string(c["implementation"], f"{at}.implementation")
+        spec = specs.get(name)
+        if spec is None and strict:
+            raise checks.Bad(f"{at}.implementation is {checks.show(name)}, an unknown "
+                             f"implementation; expected one of {_serving(specs, op)}")
+        if spec is not None and op not in spec.serves:
+            raise checks.Bad(f"{at}.implementation is {name!r}, which does not serve op "
+                             f"{op!r}; expected one of {_serving(specs, op)}")
+        got: dict[str, Any] = {
+            "implementation": name, "config": _raw_config(c["config"], f"{at}.config"),
+            "median_ms": None if c["median_ms"] is None else checks.number(
+                c["median_ms"], f"{at}.median_ms", *_MS)}
+        if "source_hash" in c:
+            got["source_hash"] = checks.string(c["source_hash"], f"{at}.source_hash",
+                                               _HEX16, "16 lowercase hex digits")
+        out.append(got)
+    return tuple(out)
+
+
 def _entry(value: Any, where: str, names: Mapping[str, str],
            specs: Mapping[str, TemplateSpec], hashes: Mapping[str, str],
-           software: dict[str, str]) -> ChoiceDocumentEntry:
-    e = checks.fields(value, where, ENTRY_KEYS, (checks.ENTRY_SOFTWARE,))
+           software: dict[str, str], op: str, strict: bool) -> ChoiceDocumentEntry:
+    e = checks.fields(value, where, ENTRY_KEYS, (checks.ENTRY_SOFTWARE, CANDIDATES))
     problem = checks.problem(e["problem"], f"{where}.problem")
     winner = _listed(e["implementation"], f"{where}.implementation", names)
     current = hashes.get(winner) is not None and names[winner] == hashes[winner]
@@ -361,7 +417,9 @@ def _entry(value: Any, where: str, names: Mapping[str, str],
             "null or a finite number from 0 to 1e5"),
         runner_up=runner_up, runner_up_ms=runner_up_ms, extern=extern, extern_ms=extern_ms,
         decided_at=checks.timestamp(e["decided_at"], f"{where}.decided_at"),
-        software=dict(own))
+        software=dict(own),
+        candidates=_candidates(e[CANDIDATES], f"{where}.{CANDIDATES}", specs, op, strict)
+        if CANDIDATES in e else ())
 
 
 # -- export -----------------------------------------------------------------------------------
@@ -436,12 +494,34 @@ def _export_group(url: str, op: str, records: list[ChoiceRecord],
             problem=dict(r.problem_key), implementation=r.implementation,
             config=dict(r.config), median_ms=r.median_ms, tflops=r.tflops,
             runner_up=runner_up, runner_up_ms=runner_up_ms, extern=extern,
-            extern_ms=extern_ms, decided_at=r.decided_at, software=r.software.as_dict()))
+            extern_ms=extern_ms, decided_at=r.decided_at, software=r.software.as_dict(),
+            candidates=_exported_candidates(r, serving)))
     raw = ChoiceDocument(device=DeviceInfo(*device.hardware_key()),
                          software=latest.software.as_dict(), op=op, implementations=names,
                          entries=tuple(entries), exported_at=datetime.now(timezone.utc))
     return parse_choice_document(choice_document_to_json(raw), specs=specs,
                                  origin=f"export of {raw.file_name()}")
+
+
+def _exported_candidates(r: ChoiceRecord,
+                         serving: Mapping[str, TemplateSpec]) -> tuple[dict[str, Any], ...]:
+    """``r``'s candidates as a file carries them: those of an implementation registered
+    here and serving the op (an import would refuse the others; a warning names them)."""
+    out, dropped = [], []
+    for c in r.candidates:
+        if c.get("implementation") not in serving:
+            dropped.append(str(c.get("implementation")))
+            continue
+        item = {k: c[k] for k in CANDIDATE_KEYS}
+        item["config"] = dict(item["config"])
+        if c.get("source_hash"):
+            item["source_hash"] = c["source_hash"]
+        out.append(item)
+    if dropped:
+        log.warning("%s choice of %s on %s: candidate(s) %s not registered implementations "
+                    "of op %s here; exported without them", r.op, r.bucket, r.device.name,
+                    ", ".join(dropped), r.op)
+    return tuple(out)
 
 
 def _exportable(r: ChoiceRecord, what: str, name: str | None, ms: float | None, op: str,
@@ -477,6 +557,7 @@ def imported_choices(doc: ChoiceDocument,
             implementation=e.implementation, source_hash=doc.implementations[e.implementation],
             config=dict(e.config), median_ms=e.median_ms, tflops=e.tflops,
             decided_at=e.decided_at, runner_up=e.runner_up, runner_up_ms=e.runner_up_ms,
-            extern=e.extern, extern_ms=e.extern_ms, software=software))
+            extern=e.extern, extern_ms=e.extern_ms,
+            candidates=tuple(dict(c) for c in e.candidates), software=software))
     return out, len(doc.entries) - len(out)
 

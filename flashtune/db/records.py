@@ -283,8 +283,8 @@ class ChoiceRecord:
 class ImportedChoice:
     """An op choice read from an exported file, to be written by
     ``TuningStore.import_choices``: its device by the hardware key fields (found or
-    created), the decision by value. Files carry no candidates: ``candidates`` is empty
-    unless the caller knows them."""
+    created), the decision by value; ``candidates`` those the file carries (schema version
+    2; empty for an older file)."""
 
     device_name: str
     compute_capability: str

@@ -154,6 +154,28 @@ def test_skip_tuned_goes_on_with_a_plan_and_tunes_a_stale_choice_again(tmp_path)
     assert re.search(r"2 shapes: 1 tuned \(.*\), 1 already tuned \(skipped\)", res.output)
 
 
+def test_a_table_tuned_elsewhere_resumes_from_its_exported_file(tmp_path):
+    """An op file carries each choice's candidates (schema version 2), so a database that
+    imports it can tell its choices are current: ``--skip-tuned`` goes on from the file
+    where the first machine's database is gone, and tunes only what the file lacks."""
+    first, plan = tmp_path / "first.db", _plan(tmp_path)
+    assert _run(["tune", "--op", "fwd", *TINY, *QUICK], first).exit_code == 0
+    out = tmp_path / "export"
+    res = _run(["export", "-o", str(out), "--op", "fwd"], first)
+    assert res.exit_code == 0, res.output
+    (exported,) = out.glob("*op=fwd.json")
+    assert '"candidates"' in exported.read_text()
+    second = tmp_path / "second.db"
+    res = _run(["import", str(exported)], second)
+    assert res.exit_code == 0 and "1 added" in res.output, res.output
+    (imported,) = _choices(second)
+    assert len(imported.candidates) == len(_choices(first)[0].candidates) >= 2
+    res = _run(["tune", "--op", "fwd", "--plan", plan, "--skip-tuned", *QUICK], second)
+    assert res.exit_code == 0, res.output
+    assert "Nq=48 Nk=48 D=32 bf16: already tuned on this device: not tuned again" in res.output
+    assert re.search(r"2 shapes: 1 tuned \(.*\), 1 already tuned \(skipped\)", res.output)
+
+
 def test_stop_after_starts_no_shape_past_its_time_once_one_is_tuned(tmp_path):
     db = tmp_path / "t.db"
     res = _run(["tune", "--op", "fwd", "--plan", _plan(tmp_path), "--skip-tuned",

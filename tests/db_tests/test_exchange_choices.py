@@ -120,6 +120,14 @@ def test_a_document_is_deterministic_json_that_parses_back() -> None:
     d = json.loads(text)
     assert list(d) == sorted(d) and text.endswith("}\n")
     assert (d["format"], d["schema_version"], d["op"]) == ("flashtune-choices", 1, "fwd")
+    with_candidates = replace(doc, entries=(replace(doc.entries[0], candidates=(
+        {"implementation": "attn_fwd", "config": dict(FWD_CFG), "median_ms": 1.0},)),
+        *doc.entries[1:]))
+    d2 = json.loads(choice_document_to_json(with_candidates))  # an entry with candidates
+    assert d2["schema_version"] == 2
+    back = parse_choice_document(choice_document_to_json(with_candidates), specs=SPECS)
+    assert [e.candidates for e in back.entries if e.candidates] == \
+        [with_candidates.entries[0].candidates]
     assert d["implementations"] == {"attn_fwd": FWD, EXTERN: EXTERN_HASH}
     assert set(d["entries"][0]) == {"problem", "implementation", "config", "median_ms",
                                     "tflops", "runner_up", "runner_up_ms", "extern",
@@ -166,6 +174,11 @@ def without(d: dict, key: str) -> dict:
 
 def with_entry(d: dict, **changes) -> dict:
     return {**d, "entries": [{**d["entries"][0], **changes}, *d["entries"][1:]]}
+
+
+def with_candidates(d: dict, candidates) -> dict:
+    """``d`` with its first entry's candidates, as schema version 2."""
+    return {**with_entry(d, candidates=candidates), "schema_version": 2}
 
 
 GOOD = data()
@@ -219,8 +232,25 @@ BAD = [
      "entries\\[0\\].problem has the unknown key 'page'"),
     ("duplicate-problem", {**GOOD, "entries": GOOD["entries"] * 2},
      "entries\\[1\\].problem repeats the problem of an earlier entry"),
-    ("newer-schema", {**GOOD, "schema_version": 2}, "schema_version is 2: written by a newer "
+    ("newer-schema", {**GOOD, "schema_version": 3}, "schema_version is 3: written by a newer "
                                                     "flashtune"),
+    ("candidates-in-version-1", {**with_entry(GOOD, candidates=[]), "schema_version": 1},
+     "schema_version is 1 but an entry has candidates; expected schema_version 2"),
+    ("candidates-not-a-list", with_candidates(GOOD, {"attn_fwd": 1.0}),
+     "entries\\[0\\].candidates is an object; expected a list"),
+    ("candidate-unknown", with_candidates(GOOD, [
+        {"implementation": "no_such_impl", "config": {}, "median_ms": 1.0}]),
+     "entries\\[0\\].candidates\\[0\\].implementation is 'no_such_impl', an unknown "
+     "implementation"),
+    ("candidate-bad-time", with_candidates(GOOD, [
+        {"implementation": "attn_fwd", "config": {}, "median_ms": -1}]),
+     "entries\\[0\\].candidates\\[0\\].median_ms is the integer -1; expected a finite number"),
+    ("candidate-bad-hash", with_candidates(GOOD, [
+        {"implementation": "attn_fwd", "config": {}, "median_ms": None, "source_hash": "x"}]),
+     "entries\\[0\\].candidates\\[0\\].source_hash is 'x'"),
+    ("candidate-extra-key", with_candidates(GOOD, [
+        {"implementation": "attn_fwd", "config": {}, "median_ms": 1.0, "rank": 1}]),
+     "entries\\[0\\].candidates\\[0\\] has the unknown key 'rank'"),
     ("implementations-not-object", {**GOOD, "implementations": ["attn_fwd"]},
      "implementations is a list; expected an object"),
 ]
@@ -304,7 +334,11 @@ def test_export_import_export_round_trip(tmp_path: Path, url: str) -> None:
                                                                     op="fwd")}
     assert imported[EXTERN].extern_margin == 1.0
     assert imported["attn_fwd"].margin == pytest.approx(1.3)
-    assert imported["attn_fwd"].candidates == ()  # files carry no candidates
+    # the candidates travel with the file (schema version 2)
+    assert imported["attn_fwd"].candidates == (
+        {"implementation": "attn_fwd", "config": FWD_CFG, "median_ms": 1.0},
+        {"implementation": EXTERN, "config": {}, "median_ms": 1.3})
+    assert imported[EXTERN].candidates == ()  # decided without any recorded
     assert imported["attn_fwd"].software == UNDER
 
 
