@@ -51,3 +51,24 @@ def test_the_ship_script_tunes_a_plan_then_skips_it_and_copies_one_database(tmp_
         assert db.execute("select count(*) from ft_choices").fetchone()[0] == 1
     second = _ship(tmp_path, "two")
     assert "already tuned (skipped)" in second, second
+
+
+def test_a_new_database_starts_from_the_exported_op_files_of_this_device(tmp_path):
+    """The database that carried a table between commands can be lost (it is git-ignored,
+    and a new checkout lacks it): a first command imports this device's op files from SEED,
+    whose candidates make them current, and tunes only what they lack."""
+    (tmp_path / "shipped-fwd.toml").write_text(PLAN.format(op="fwd"))
+    _ship(tmp_path, "one")
+    seed = tmp_path / "seed"
+    subprocess.run([sys.executable, "-m", "flashtune", "--db",
+                    f"sqlite:///{tmp_path / 'ship.db'}", "export", "-o", str(seed), "--op",
+                    "fwd"], cwd=ROOT, check=True, capture_output=True, timeout=300)
+    (exported,) = seed.glob("device_name=*,op=fwd.json")
+    (tmp_path / "ship.db").unlink()
+    again = _ship(tmp_path, "two", SEED=str(seed))
+    assert "== a new database: importing 1 op file(s) of " in again, again
+    assert "1 added" in again and "already tuned (skipped)" in again, again
+    assert "1 shape: 1 tuned" not in again
+    # the next command finds the database and imports nothing
+    third = _ship(tmp_path, "three", SEED=str(seed))
+    assert "importing" not in third and "already tuned (skipped)" in third, third
