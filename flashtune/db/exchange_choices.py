@@ -283,7 +283,7 @@ def _header(obj: Any) -> None:
                          f"one reads {CHOICE_FORMAT} schema_version "
                          f"{CHOICE_SCHEMA_VERSION}); expected at most "
                          f"{CHOICE_SCHEMA_VERSION}: upgrade flashtune to import it")
-    checks.integer(version, "schema_version", 1, CHOICE_SCHEMA_VERSION)
+    version = checks.integer(version, "schema_version", 1, CHOICE_SCHEMA_VERSION)
     checks.fields(obj, "", TOP_KEYS)
     if version < 2 and isinstance(obj["entries"], list) and any(
             isinstance(e, dict) and CANDIDATES in e for e in obj["entries"]):
