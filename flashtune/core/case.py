@@ -77,7 +77,7 @@ def shared_inputs() -> Iterator[None]:
     asks for the same draw (problem, device, names, generator state) the tensors of the
     first, and leave its generator where the draw would have: the side-by-side timing's
     runners, which all draw the same seeded inputs, then hold one copy of them, not one
-    each (a decode shape's 26 GB cache, six times over, did not fit an H200). The tensors
+    each (a decode shape's 26 GB cache, once per leader, did not fit an H200). The tensors
     are shared, so a case must not write into them (the training cases only set
     ``requires_grad``, the same for each). Nested uses share the outermost's draws."""
     global _SHARED
