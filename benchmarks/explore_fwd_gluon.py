@@ -228,8 +228,8 @@ def print_table(rows, gluon_names) -> None:
     def best_of(row, names):
         return max(((tf(row, n), n) for n in names if tf(row, n)), default=(None, None))
 
-    persistent = [n for n in gluon_names if n.endswith("_ps")]
-    gridded = [n for n in gluon_names if not n.endswith("_ps")]
+    persistent = [n for n in gluon_names if "ps" in n.split("_")]  # LPT's too ("_ps_lpt1")
+    gridded = [n for n in gluon_names if "ps" not in n.split("_")]
     print("| shape | best gluon | TFLOP/s | attn_fwd default | SDPA flash | cuDNN "
           "| vs FA2 | vs cuDNN | vs attn_fwd | persistent / grid-launched (best each) |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")

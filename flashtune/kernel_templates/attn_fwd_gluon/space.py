@@ -160,8 +160,9 @@ SPACE = SearchSpace(params=PARAMS, predicate=check, defaults=DEFAULTS)
 # standard grid, benchmarks/results/explore_fwd_gluon_persistent_h100.json) 3 stages of
 # 128-key tiles led, persistent without a mask (1.03-1.23x the grid launch at N 512-4k:
 # the next tile's loads overlap this one's epilogue), grid-launched with one (the static
-# round-robin of a persistent CTA leaves causal tiles unbalanced: 0.72-1.01x; LPT 1 evens
-# them out, not yet measured on a GPU: the tuner may pick it)
+# round-robin of a persistent CTA leaves causal tiles unbalanced: 0.72-1.01x). LPT 1 evens
+# them out but took 0.70-0.93x the grid launch at D128 causal N 512-16k
+# (explore_fwd_gluon_lpt_h100.json: its head-wide order costs L2 reuse); the tuner may pick it
 def _knobs(stages: int, persistent: int, block_n: int = 128, consumers: int = 2) -> Config:
     return {"ROWS": 64, "BLOCK_N": block_n, "NUM_STAGES": stages, "NUM_CONSUMERS": consumers,
             "PINGPONG": 0, "PERSISTENT": persistent, "LPT": 0}
