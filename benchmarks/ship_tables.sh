@@ -19,9 +19,11 @@
 # PLAN_DIR: plans named shipped-OP.toml there instead of the packaged ones; TUNE_ARGS: more
 # `tune` options (e.g. `--interpret` with tiny plans, which is how it is tested on a CPU);
 # VERBOSE=1: `flashtune -v`, every worker's log with times (where a command's time went).
-# A first command (no database at SHIP_DB yet) starts from this GPU's op files in SEED
-# (default flashtune/configs): files with candidates (schema version 2) import as current
-# choices, so a table whose database was lost goes on from its exported files.
+# A first command (no database at SHIP_DB yet) starts from this GPU's files in SEED
+# (default flashtune/configs): op files with candidates (schema version 2) import as current
+# choices, so a table whose database was lost goes on from its exported files, and the
+# templates' files come along so that an export from this database keeps their entries (an
+# imported best config is no finished search: the tuner still searches its shape).
 # Prints each op's closing table and, last, the plan's progress (`flashtune show --op`).
 set -u
 what=${1:?usage: ship_tables.sh tune|export OUTDIR}
@@ -43,10 +45,11 @@ case $what in
         device=$(python -c 'import torch
 from flashtune.core.device import cuda_device, interpreter_device
 print((cuda_device() if torch.cuda.is_available() else interpreter_device()).name)')
-        seeds=$(find "${SEED:-flashtune/configs}" -maxdepth 1 -name "device_name=$device,op=*.json" \
+        seeds=$(find "${SEED:-flashtune/configs}" -maxdepth 1 -name "device_name=$device,*.json" \
                 2>/dev/null | sort)
         if [ -n "$seeds" ]; then
-            echo "== a new database: importing $(echo "$seeds" | wc -l) op file(s) of $device"
+            echo "== a new database: importing $(echo "$seeds" | wc -l) file(s) of $device" \
+                 "($(echo "$seeds" | grep -c ',op=') op, $(echo "$seeds" | grep -c ',template=') template)"
             # shellcheck disable=SC2086
             ft import --policy skip $seeds | tail -n 1
         fi

@@ -4,6 +4,7 @@ second command skips what the first tuned, and the database it copies out is one
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sqlite3
@@ -53,21 +54,33 @@ def test_the_ship_script_tunes_a_plan_then_skips_it_and_copies_one_database(tmp_
     assert "already tuned (skipped)" in second, second
 
 
-def test_a_new_database_starts_from_the_exported_op_files_of_this_device(tmp_path):
+def _export(db: Path, to: Path, *more: str) -> list[Path]:
+    subprocess.run([sys.executable, "-m", "flashtune", "--db", f"sqlite:///{db}", "export",
+                    "-o", str(to), *more], cwd=ROOT, check=True, capture_output=True,
+                   timeout=300)
+    return sorted(to.glob("device_name=*.json"))
+
+
+def test_a_new_database_starts_from_the_exported_files_of_this_device(tmp_path):
     """The database that carried a table between commands can be lost (it is git-ignored,
-    and a new checkout lacks it): a first command imports this device's op files from SEED,
-    whose candidates make them current, and tunes only what they lack."""
+    and a new checkout lacks it): a first command imports this device's files from SEED,
+    op files whose candidates make them current and the templates' files, and tunes only
+    what they lack; an export from it then holds every entry it was seeded with."""
     (tmp_path / "shipped-fwd.toml").write_text(PLAN.format(op="fwd"))
     _ship(tmp_path, "one")
     seed = tmp_path / "seed"
-    subprocess.run([sys.executable, "-m", "flashtune", "--db",
-                    f"sqlite:///{tmp_path / 'ship.db'}", "export", "-o", str(seed), "--op",
-                    "fwd"], cwd=ROOT, check=True, capture_output=True, timeout=300)
-    (exported,) = seed.glob("device_name=*,op=fwd.json")
+    files = _export(tmp_path / "ship.db", seed)
+    templates = [f for f in files if ",template=" in f.name]
+    assert templates and len(files) == len(templates) + 1, files
     (tmp_path / "ship.db").unlink()
     again = _ship(tmp_path, "two", SEED=str(seed))
-    assert "== a new database: importing 1 op file(s) of " in again, again
-    assert "1 added" in again and "already tuned (skipped)" in again, again
+    assert (f"== a new database: importing {len(files)} file(s) of " in again
+            and f"(1 op, {len(templates)} template)" in again), again
+    assert "already tuned (skipped)" in again and "0 added" not in again, again
+    def entries(paths: list[Path]) -> dict[str, int]:
+        return {p.name: len(json.loads(p.read_text())["entries"]) for p in paths}
+
+    assert entries(_export(tmp_path / "ship.db", tmp_path / "out")) == entries(files)
     assert "1 shape: 1 tuned" not in again
     # the next command finds the database and imports nothing
     third = _ship(tmp_path, "three", SEED=str(seed))
