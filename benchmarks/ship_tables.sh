@@ -19,6 +19,7 @@
 # PLAN_DIR: plans named shipped-OP.toml there instead of the packaged ones; TUNE_ARGS: more
 # `tune` options (e.g. `--interpret` with tiny plans, which is how it is tested on a CPU);
 # VERBOSE=1: `flashtune -v`, every worker's log with times (where a command's time went).
+# Each op's whole output is also kept in OUTDIR/tune_OP.log (the terminal gets its tail).
 # A first command (no database at SHIP_DB yet) starts from this GPU's files in SEED
 # (default flashtune/configs): op files with candidates (schema version 2) import as current
 # choices, so a table whose database was lost goes on from its exported files, and the
@@ -67,7 +68,8 @@ print((cuda_device() if torch.cuda.is_available() else interpreter_device()).nam
         timeout -s TERM -k 30 $(( left + margin / 2 )) python -m flashtune \
             ${VERBOSE:+-v} --db "sqlite:///$db" tune --op "$op" --plan "$plan" --trials "$trials" \
             --timeout 60 --patience 6 --no-progress --skip-tuned --stop-after "$left" \
-            --gpus "$GPUS" ${TUNE_ARGS:-} 2>&1 | grep -v "no tuned .* config for"
+            --gpus "$GPUS" ${TUNE_ARGS:-} 2>&1 | tee -a "$out/tune_$op.log" \
+            | grep -v "no tuned .* config for"
     done
     # one consistent file (no -wal/-shm beside it) to carry to the next command
     python - "$db" "$out/ship.db" <<'EOF'

@@ -46,6 +46,7 @@ def test_the_ship_script_tunes_a_plan_then_skips_it_and_copies_one_database(tmp_
                      r"GPU 0: ready", first), first
     assert re.search(r"gpu[01] INFO flashtune.autotune.select: B=1 .*: \w+ chosen in [\d.]+ s",
                      first), first
+    assert "worker 0 on GPU 0: ready" in (tmp_path / "one" / "tune_fwd.log").read_text()
     copy = tmp_path / "one" / "ship.db"
     assert copy.is_file() and not (tmp_path / "one" / "ship.db-wal").exists()
     with sqlite3.connect(copy) as db:  # the copy holds the choice
