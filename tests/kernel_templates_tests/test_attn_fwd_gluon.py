@@ -42,7 +42,7 @@ def _problem(d: int = 128, causal: bool = False, dtype: str = "bf16", *, hq: int
 
 def _config(**knobs: int) -> dict[str, int]:
     return {"ROWS": 64, "BLOCK_N": 128, "NUM_STAGES": 2, "NUM_CONSUMERS": 2, "PINGPONG": 0,
-            "PERSISTENT": 0, "LPT": 0, **knobs}
+            "PERSISTENT": 0, "LPT": 0, "TMA_STORE": 0, **knobs}
 
 
 def _entry(compiled: space.Compiled, config: dict[str, int], **problem: object) -> dict:
@@ -112,6 +112,8 @@ def test_the_launcher_refuses_what_it_cannot_serve_by_name() -> None:
         SPEC.launcher(q, k, k, _config(LPT=1))
     with pytest.raises(ConfigError, match="LPT must be 0 or 1"):
         SPEC.launcher(q, k, k, _config(PERSISTENT=1, LPT=2))
+    with pytest.raises(ConfigError, match="TMA_STORE must be 0 or 1"):
+        SPEC.launcher(q, k, k, _config(TMA_STORE=2))
     with pytest.raises(ConfigError, match="missing \\['PERSISTENT'\\]"):
         SPEC.launcher(q, k, k, {n: v for n, v in _config().items() if n != "PERSISTENT"})
     with pytest.raises(ConfigError, match="unknown \\['BLOCK_M'\\]"):
@@ -166,6 +168,8 @@ def test_the_space_has_room_to_search_at_both_head_dims() -> None:
                                                              for c in valid)
             # the persistent kernel of the default tiles and of ping-pong is searchable
             assert _config(PERSISTENT=1) in valid and _config(PERSISTENT=1, PINGPONG=1) in valid
+            # and the TMA-store epilogue, grid-launched and persistent
+            assert _config(TMA_STORE=1) in valid and _config(PERSISTENT=1, TMA_STORE=1) in valid
             # FA3's 192-row tile: three consumers of 64 rows over 64-key tiles
             assert _config(NUM_CONSUMERS=3, BLOCK_N=64) in valid
             assert _config(NUM_CONSUMERS=3, BLOCK_N=64, PERSISTENT=1) in valid
@@ -185,9 +189,9 @@ def test_the_table_holds_every_point_of_the_space_and_the_current_source() -> No
     table = space.load_table()
     want = {space.entry_key(c["head_dim"], c["dtype"], c["causal"], c["config"])
             for c in cases()}
-    # 96 LPT-0 configs pass the structural rule (x 3 D x 2 dtypes x causal), and the 48
-    # persistent ones with LPT 1 (causal only)
-    assert len(want) == 96 * 12 + 48 * 6
+    # 192 LPT-0 configs pass the structural rule (x 3 D x 2 dtypes x causal), and the 96
+    # persistent ones with LPT 1 (causal only); half of each with TMA_STORE 1
+    assert len(want) == 192 * 12 + 96 * 6
     assert want == set(table), (sorted(want - set(table))[:3], sorted(set(table) - want)[:3])
 
 
@@ -228,8 +232,9 @@ def _recompile(entries: list[dict]) -> list[dict]:
 
 @pytest.mark.slow
 def test_recompiling_agrees_with_the_table() -> None:
-    """The default config at D64 causal fp16, a spilling config at D128 and the persistent
-    default tiles with LPT at D128 causal: the compiler's figures now are the table's."""
+    """The default config at D64 causal fp16, a spilling config at D128, the persistent
+    default tiles with LPT at D128 causal and with the TMA store at D256: the compiler's
+    figures now are the table's."""
     doc = json.loads(space.TABLE.read_text())
     entries = doc["entries"]
     default = next(e for e in entries if e["config"] == _config() and e["head_dim"] == 64
@@ -237,7 +242,10 @@ def test_recompiling_agrees_with_the_table() -> None:
     spilling = next(e for e in entries if e["spill_bytes"] and e["head_dim"] == 128)
     lpt = next(e for e in entries if e["config"] == _config(PERSISTENT=1, LPT=1)
                and e["head_dim"] == 128 and e["causal"] and e["dtype"] == "bf16")
-    picked = [default, spilling, lpt]
+    tma = next(e for e in entries if e["config"] == _config(PERSISTENT=1, TMA_STORE=1,
+                                                            BLOCK_N=64)
+               and e["head_dim"] == 256 and not e["causal"] and e["dtype"] == "bf16")
+    picked = [default, spilling, lpt, tma]
     for want, got in zip(picked, _recompile(picked), strict=True):
         assert (got["shared"], max(got["registers"]), sum(got["spill_store_bytes"])) == \
             (want["shared"], want["registers"], want["spill_bytes"]), (want, got)
@@ -384,6 +392,30 @@ def test_an_lpt_launch_passes_its_section_and_compiles_the_order() -> None:
     assert args0[-1] == 1 and kwargs0["LPT"] is False and grid0 == grid == (132, 1)
 
 
+def test_a_tma_store_launch_passes_a_descriptor_over_out_in_qs_view() -> None:
+    """``TMA_STORE`` 1: an O descriptor of Q's block over ``out``'s 2-D view (the one Q is
+    read through, ``(B * H * N, D)`` or ``(B * N, H * D)``); 0 (or left out, as in configs
+    stored before it) passes none, which compiles the kernel stored before it."""
+    from flashtune.kernel_templates.attn_fwd_gluon.launcher import kernel_args
+
+    for q in (torch.zeros(2, 4, 300, 128, dtype=torch.bfloat16),
+              torch.zeros(2, 300, 4, 128, dtype=torch.bfloat16).transpose(1, 2)):
+        k = torch.zeros(2, 2, 300, 128, dtype=torch.bfloat16)
+        out = torch.empty_like(q)
+
+        def plan(config, q=q, k=k, out=out):
+            return kernel_args(q, k, k, out, torch.zeros(2, 4, 300), config, causal=True,
+                               scale=0.125)
+
+        (q_desc, *_), kwargs, grid = plan(_config(TMA_STORE=1, PERSISTENT=1))
+        o_desc = kwargs["o_desc"]
+        assert kwargs["TMA_STORE"] is True and o_desc.base is out
+        assert (o_desc.shape, o_desc.strides, o_desc.block_shape, o_desc.layout) == \
+            (q_desc.shape, q_desc.strides, q_desc.block_shape, q_desc.layout)
+        for config in (_config(), {n: v for n, v in _config().items() if n != "TMA_STORE"}):
+            assert not {"o_desc", "TMA_STORE"} & set(plan(config)[1])
+
+
 # -- GPU (sm_90) -------------------------------------------------------------------------------------
 
 def _rand(*shape: int, dtype: torch.dtype) -> torch.Tensor:
@@ -460,21 +492,23 @@ def test_the_layouts_it_reads_without_a_copy() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("persistent", [0, 1])
+@pytest.mark.parametrize("persistent,tma_store", [(0, 0), (1, 0), (0, 1), (1, 1)],
+                         ids=["grid", "persistent", "grid-tma-store", "persistent-tma-store"])
 @pytest.mark.parametrize("case", [(2, 8, 2, 333, 517, 128, True), (3, 4, 4, 1000, 1000, 64, False),
                                   (1, 8, 1, 77, 77, 128, False)],
                          ids=lambda s: "b{}h{}:{}q{}k{}d{}{}".format(*s[:6], "c" if s[6] else ""))
-def test_inputs_in_bshd_storage_run_without_copies(case, persistent) -> None:
+def test_inputs_in_bshd_storage_run_without_copies(case, persistent, tma_store) -> None:
     """q, k, v as transformers hands them over (``x.view(B, N, H, D).transpose(1, 2)``), and
     q so with K/V contiguous: read where they are (no copy: the kernel's descriptors are over
-    the caller's tensors), O returned in q's layout, the reference matched."""
+    the caller's tensors), O returned in q's layout (``TMA_STORE``: whole tiles stored through
+    the ``(B * N, H * D)`` view, a head ``D`` columns along), the reference matched."""
     from flashtune.kernel_templates.attn_fwd_gluon import launcher
 
     b, hq, hkv, nq, nk, d, causal = case
     dtype = torch.bfloat16
     q = _rand(b, nq, hq, d, dtype=dtype).transpose(1, 2)
     k, v = (_rand(b, nk, hkv, d, dtype=dtype).transpose(1, 2) for _ in range(2))
-    config = {**_config(), "PERSISTENT": persistent}
+    config = {**_config(), "PERSISTENT": persistent, "TMA_STORE": tma_store}
     for kk, vv in ((k, v), (k.contiguous(), v.contiguous())):
         ready = launcher._tma_ready(q, kk, vv)
         assert all(a is b_ for a, b_ in zip(ready, (q, kk, vv)))  # nothing copied

@@ -94,7 +94,9 @@ def test_the_barrier_protocol_model_finds_no_deadlock(capsys) -> None:
 def test_the_protocol_model_catches_each_planted_bug(mutation: str) -> None:
     """The model can fail: a missing drain loop deadlocks, a producer that does not wait for
     ``q_empty`` overwrites a Q buffer being read, phases restarted per tile of a persistent
-    CTA and a ``kv_empty`` counting one consumer let a barrier run a phase ahead."""
+    CTA and a ``kv_empty`` counting one consumer let a barrier run a phase ahead, and a
+    ``TMA_STORE`` consumer that releases its Q buffer once its last ``S`` is done (as
+    without the TMA store) has the next tile's Q land on the O it is storing."""
     with pytest.raises(AssertionError):
         protocol.check_all(mutation, seeds=5)
 

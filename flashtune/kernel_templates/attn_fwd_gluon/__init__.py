@@ -27,6 +27,12 @@ This kernel is FA3's forward (Shah et al. 2024, Algorithm 1 and 2) written in Gl
   across the heads of an L2-sized section (FA3's longest-processing-time order; the
   head-major order gives a CTA striding by a multiple of the query blocks tiles of one
   length only).
+* ``TMA_STORE``: the epilogue writes a whole tile's O into the consumer's Q buffer (free once
+  its last ``S`` is issued and done) and stores it with one TMA copy, FA3's epilogue,
+  instead of each thread's scattered stores from registers; a tile that runs past the
+  sequence's end stores from registers (the 2-D view's next rows are another head's). A
+  persistent consumer then releases its Q buffer after the store is read out, not before
+  its last ``P V``.
 
 ``kernel.py`` holds the ``@gluon.jit`` code, ``launcher.py`` plans and launches it (and
 compiles it for sm_90 without a GPU), ``space.py`` is the search space, whose validity

@@ -6,8 +6,9 @@ only; the package doc describes the structure, :mod:`.launcher` launches it).
   ``k_ready`` / ``v_ready`` / ``kv_empty`` mbarriers (``_producer_tile``);
 * ``_consumer`` (a warpgroup each, one to three): ``S_j = Q K_j^T`` and
   ``O += P_{j-1} V_{j-1}`` as async wgmma, the softmax of ``S_j`` (``_softmax_block``) while
-  the second is in flight, the epilogue (``_consumer_tile``); ``_my_turn`` / ``_their_turn``
-  are the ping-pong barriers (``PINGPONG``).
+  the second is in flight, the epilogue (``_consumer_tile``; ``TMA_STORE``: O through the
+  consumer's Q buffer and one TMA store, ``o_desc``); ``_my_turn`` / ``_their_turn`` are the
+  ping-pong barriers (``PINGPONG``).
 
 A CTA serves one tile (query block ``m_block`` of ``bh``, batch x head) when the grid has a
 CTA per tile, or with ``PERSISTENT`` the tiles ``first, first + stride, ... < end`` (a CTA per
@@ -36,6 +37,7 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
     mbarrier,
     tma,
     warpgroup_mma,
@@ -232,14 +234,15 @@ def _their_turn(turn, cid, PINGPONG: gl.constexpr):
 
 @gluon.jit
 def _consumer_tile(cid, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty,
-                   turn, o_ptr, lse_ptr, bh, m_block, kv_base, tile_i, heads_q, group,
+                   turn, o_ptr, o_desc, lse_ptr, bh, m_block, kv_base, tile_i, heads_q, group,
                    seqlen_q, seqlen_k, qk_scale, window_left,
                    HEAD_D: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
                    NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
                    CAUSAL: gl.constexpr, WINDOW: gl.constexpr, PINGPONG: gl.constexpr,
-                   PERSISTENT: gl.constexpr, Q_BSHD: gl.constexpr):
+                   PERSISTENT: gl.constexpr, Q_BSHD: gl.constexpr, TMA_STORE: gl.constexpr):
     """Consumer ``cid``'s part of the tile (``bh``, ``m_block``), after ``kv_base`` key blocks and ``tile_i``
-    tiles of this CTA; returns the tile's key blocks."""
+    tiles of this CTA; returns the tile's key blocks. ``TMA_STORE``: a whole tile's O goes
+    out through Q's shared buffer by one TMA store (``o_desc``, q's 2-D view over O)."""
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -304,8 +307,8 @@ def _consumer_tile(cid, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready
         acc, p16 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p16))
         mbarrier.arrive(kv_empty.index(prev), count=1)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-    if PERSISTENT:  # every S of the tile is done: the producer may load the next tile's Q
-        mbarrier.arrive(q_empty.index(cid), count=1)
+    if PERSISTENT and not TMA_STORE:  # every S of the tile is done: the producer may load
+        mbarrier.arrive(q_empty.index(cid), count=1)  # the next tile's Q
     # the last block's P V
     g_last = kv_base + n_mine - 1 - lo
     last = g_last % NUM_STAGES
@@ -337,7 +340,24 @@ def _consumer_tile(cid, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready
     else:
         o_rows = (bh * seqlen_q + rows_o).to(gl.int64)
     offs = gl.expand_dims(o_rows * HEAD_D, 1) + gl.expand_dims(cols_o, 0)
-    gl.store(o_ptr + offs, out.to(dtype), mask=gl.expand_dims(rows_o < seqlen_q, 1))
+    if TMA_STORE:
+        if q_start + ROWS <= seqlen_q:  # a whole tile: no row of the view's next head
+            q.store(out.to(dtype))  # every S of the tile is done: Q's buffer is free
+            fence_async_shared()
+            if Q_BSHD:
+                o_row = (bh // heads_q) * seqlen_q + q_start
+                o_col = (bh % heads_q) * HEAD_D
+            else:
+                o_row = bh * seqlen_q + q_start
+                o_col = 0
+            tma.async_copy_shared_to_global(o_desc, [o_row, o_col], q)
+            tma.store_wait(0)  # the buffer is read: the next tile's Q may land in it
+        else:
+            gl.store(o_ptr + offs, out.to(dtype), mask=gl.expand_dims(rows_o < seqlen_q, 1))
+        if PERSISTENT:
+            mbarrier.arrive(q_empty.index(cid), count=1)
+    else:
+        gl.store(o_ptr + offs, out.to(dtype), mask=gl.expand_dims(rows_o < seqlen_q, 1))
     lse = gl.where(l_i == 0.0, -float("inf"), (m_i + gl.log2(l_i)) * 0.6931471805599453)
     rows_s = q_start + gl.arange(0, ROWS, layout=row_s)
     gl.store(lse_ptr + bh.to(gl.int64) * seqlen_q + rows_s, lse, mask=rows_s < seqlen_q)
@@ -347,28 +367,30 @@ def _consumer_tile(cid, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready
 
 @gluon.jit
 def _consumer(cid, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty, turn,
-              o_ptr, lse_ptr, first, end, stride, n_mblocks, heads_q, group, seqlen_q,
+              o_ptr, o_desc, lse_ptr, first, end, stride, n_mblocks, heads_q, group, seqlen_q,
               seqlen_k, qk_scale, window_left, section,
               HEAD_D: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
               WINDOW: gl.constexpr, PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr,
-              Q_BSHD: gl.constexpr, LPT: gl.constexpr):
+              Q_BSHD: gl.constexpr, LPT: gl.constexpr, TMA_STORE: gl.constexpr):
     if PERSISTENT:  # key blocks and tiles of the CTA so far: ring slots and phases run on
         kv_base = 0
         tile_i = 0
         for t in range(first, end, stride):
             bh, m_block = _coords(t, n_mblocks, end, section, CAUSAL, LPT)
             kv_base += _consumer_tile(cid, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
-                                      v_ready, kv_empty, turn, o_ptr, lse_ptr, bh, m_block,
-                                      kv_base, tile_i, heads_q, group, seqlen_q, seqlen_k,
-                                      qk_scale, window_left, HEAD_D, ROWS, BLOCK_N, NUM_STAGES,
-                                      NUM_CONSUMERS, CAUSAL, WINDOW, PINGPONG, True, Q_BSHD)
+                                      v_ready, kv_empty, turn, o_ptr, o_desc, lse_ptr, bh,
+                                      m_block, kv_base, tile_i, heads_q, group, seqlen_q,
+                                      seqlen_k, qk_scale, window_left, HEAD_D, ROWS, BLOCK_N,
+                                      NUM_STAGES, NUM_CONSUMERS, CAUSAL, WINDOW, PINGPONG, True,
+                                      Q_BSHD, TMA_STORE)
             tile_i += 1
     else:  # a grid launch: (first, end) are the CTA's (m_block, bh)
         _consumer_tile(cid, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty,
-                       turn, o_ptr, lse_ptr, end, first, 0, 0, heads_q, group, seqlen_q,
-                       seqlen_k, qk_scale, window_left, HEAD_D, ROWS, BLOCK_N, NUM_STAGES,
-                       NUM_CONSUMERS, CAUSAL, WINDOW, PINGPONG, False, Q_BSHD)
+                       turn, o_ptr, o_desc, lse_ptr, end, first, 0, 0, heads_q, group,
+                       seqlen_q, seqlen_k, qk_scale, window_left, HEAD_D, ROWS, BLOCK_N,
+                       NUM_STAGES, NUM_CONSUMERS, CAUSAL, WINDOW, PINGPONG, False, Q_BSHD,
+                       TMA_STORE)
 
 
 @gluon.jit
@@ -380,7 +402,8 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, seqlen_q, seql
                           PERSISTENT: gl.constexpr, Q_BSHD: gl.constexpr,
                           KV_BSHD: gl.constexpr,
                           PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                          WINDOW: gl.constexpr = False, LPT: gl.constexpr = False):
+                          WINDOW: gl.constexpr = False, LPT: gl.constexpr = False,
+                          o_desc=None, TMA_STORE: gl.constexpr = False):
     n_mblocks = gl.cdiv(seqlen_q, NUM_CONSUMERS * ROWS)
     if PERSISTENT:  # a CTA per SM (or fewer), each taking every stride-th tile
         first = gl.program_id(0)
@@ -420,10 +443,10 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, seqlen_q, seql
     if NUM_CONSUMERS == 1:
         gl.warp_specialize([
             (_consumer, (0, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty,
-                         turn, o_ptr, lse_ptr, first, end, stride, n_mblocks, heads_q, group,
-                         seqlen_q, seqlen_k, qk_scale, window_left, section, HEAD_D, ROWS,
-                         BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, WINDOW, PINGPONG,
-                         PERSISTENT, Q_BSHD, LPT)),
+                         turn, o_ptr, o_desc, lse_ptr, first, end, stride, n_mblocks, heads_q,
+                         group, seqlen_q, seqlen_k, qk_scale, window_left, section, HEAD_D,
+                         ROWS, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, WINDOW, PINGPONG,
+                         PERSISTENT, Q_BSHD, LPT, TMA_STORE)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty,
                          k_ready, v_ready, kv_empty, first, end, stride, n_mblocks, heads_q,
                          group, seqlen_q, seqlen_k, window_left, section, ROWS,
@@ -433,15 +456,15 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, seqlen_q, seql
     elif NUM_CONSUMERS == 2:
         gl.warp_specialize([
             (_consumer, (0, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty,
-                         turn, o_ptr, lse_ptr, first, end, stride, n_mblocks, heads_q, group,
-                         seqlen_q, seqlen_k, qk_scale, window_left, section, HEAD_D, ROWS,
-                         BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, WINDOW, PINGPONG,
-                         PERSISTENT, Q_BSHD, LPT)),
+                         turn, o_ptr, o_desc, lse_ptr, first, end, stride, n_mblocks, heads_q,
+                         group, seqlen_q, seqlen_k, qk_scale, window_left, section, HEAD_D,
+                         ROWS, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, WINDOW, PINGPONG,
+                         PERSISTENT, Q_BSHD, LPT, TMA_STORE)),
             (_consumer, (1, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty,
-                         turn, o_ptr, lse_ptr, first, end, stride, n_mblocks, heads_q, group,
-                         seqlen_q, seqlen_k, qk_scale, window_left, section, HEAD_D, ROWS,
-                         BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, WINDOW, PINGPONG,
-                         PERSISTENT, Q_BSHD, LPT)),
+                         turn, o_ptr, o_desc, lse_ptr, first, end, stride, n_mblocks, heads_q,
+                         group, seqlen_q, seqlen_k, qk_scale, window_left, section, HEAD_D,
+                         ROWS, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, WINDOW, PINGPONG,
+                         PERSISTENT, Q_BSHD, LPT, TMA_STORE)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty,
                          k_ready, v_ready, kv_empty, first, end, stride, n_mblocks, heads_q,
                          group, seqlen_q, seqlen_k, window_left, section, ROWS,
@@ -451,20 +474,20 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, seqlen_q, seql
     else:  # FA3's 192-row tile at head dim 64: three consumer warpgroups
         gl.warp_specialize([
             (_consumer, (0, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty,
-                         turn, o_ptr, lse_ptr, first, end, stride, n_mblocks, heads_q, group,
-                         seqlen_q, seqlen_k, qk_scale, window_left, section, HEAD_D, ROWS,
-                         BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, WINDOW, PINGPONG,
-                         PERSISTENT, Q_BSHD, LPT)),
+                         turn, o_ptr, o_desc, lse_ptr, first, end, stride, n_mblocks, heads_q,
+                         group, seqlen_q, seqlen_k, qk_scale, window_left, section, HEAD_D,
+                         ROWS, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, WINDOW, PINGPONG,
+                         PERSISTENT, Q_BSHD, LPT, TMA_STORE)),
             (_consumer, (1, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty,
-                         turn, o_ptr, lse_ptr, first, end, stride, n_mblocks, heads_q, group,
-                         seqlen_q, seqlen_k, qk_scale, window_left, section, HEAD_D, ROWS,
-                         BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, WINDOW, PINGPONG,
-                         PERSISTENT, Q_BSHD, LPT)),
+                         turn, o_ptr, o_desc, lse_ptr, first, end, stride, n_mblocks, heads_q,
+                         group, seqlen_q, seqlen_k, qk_scale, window_left, section, HEAD_D,
+                         ROWS, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, WINDOW, PINGPONG,
+                         PERSISTENT, Q_BSHD, LPT, TMA_STORE)),
             (_consumer, (2, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty,
-                         turn, o_ptr, lse_ptr, first, end, stride, n_mblocks, heads_q, group,
-                         seqlen_q, seqlen_k, qk_scale, window_left, section, HEAD_D, ROWS,
-                         BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, WINDOW, PINGPONG,
-                         PERSISTENT, Q_BSHD, LPT)),
+                         turn, o_ptr, o_desc, lse_ptr, first, end, stride, n_mblocks, heads_q,
+                         group, seqlen_q, seqlen_k, qk_scale, window_left, section, HEAD_D,
+                         ROWS, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, WINDOW, PINGPONG,
+                         PERSISTENT, Q_BSHD, LPT, TMA_STORE)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty,
                          k_ready, v_ready, kv_empty, first, end, stride, n_mblocks, heads_q,
                          group, seqlen_q, seqlen_k, window_left, section, ROWS,

@@ -8,10 +8,12 @@ Layout: Q, K, V are read through 2-D TMA descriptors (:func:`layout`): contiguou
 ``(B, H, N, D)`` as ``(B * H * N, D)``, and ``(B, N, H, D)`` storage seen as ``(B, H, N, D)``
 (what a transformers model hands over: ``x.view(B, N, H, D).transpose(1, 2)``) as
 ``(B * N, H * D)``, a head ``D`` columns from the last (the constexprs ``Q_BSHD`` and
-``KV_BSHD``), so neither is copied; O is written in q's layout (``empty_like``). A tile that runs past a sequence's end reads the next
-rows of the view (another head's or batch's): keys are masked (``>= Nk``), query rows are
-never stored. D is 64, 128 or 256 (the wgmma N of ``P V``), fp16 or bf16. The grid has a CTA per
-tile (query block x head), or with ``PERSISTENT`` a CTA per SM looping over the tiles, with
+``KV_BSHD``), so neither is copied; O is written in q's layout (``empty_like``). A tile
+that runs past a sequence's end reads the next rows of the view (another head's or
+batch's): keys are masked (``>= Nk``), query rows are never stored (``TMA_STORE``: such a
+tile stores its rows from registers, the others go through Q's shared buffer by one TMA
+copy over O's view). D is 64, 128 or 256 (the wgmma N of ``P V``), fp16 or bf16. The grid
+has a CTA per tile (query block x head), or with ``PERSISTENT`` a CTA per SM looping over the tiles, with
 ``LPT`` (causal) in sections of heads whose K and V fit in L2 (:func:`lpt_section`), each
 section's tiles longest first.
 Other layouts, and bases or row strides not 16-byte aligned (the tensor-copy engine's
@@ -40,9 +42,10 @@ HEAD_DIMS = (64, 128, 256)  # the wgmma N of P V; 256 fits 2 stages of 64-key ti
 # PERSISTENT (a CTA per SM looping over the tiles instead of a CTA per tile)
 DEFAULT_CONFIG: dict[str, int] = {"ROWS": 64, "BLOCK_N": 128, "NUM_STAGES": 2,
                                   "NUM_CONSUMERS": 2, "PINGPONG": 0, "PERSISTENT": 0}
-# knobs a config may leave out, and their value then (configs stored before LPT ran its 0):
-# LPT, a persistent causal launch's tiles longest first across the heads of a section
-OPTIONAL_CONFIG: dict[str, int] = {"LPT": 0}
+# knobs a config may leave out, and their value then (configs stored before them ran 0):
+# LPT, a persistent causal launch's tiles longest first across the heads of a section;
+# TMA_STORE, a whole tile's O stored from shared memory by one TMA copy (FA3's epilogue)
+OPTIONAL_CONFIG: dict[str, int] = {"LPT": 0, "TMA_STORE": 0}
 # bytes of L2 a section's K and V may take (FA3's tile scheduler budgets 40 of the 50 MB)
 L2_BUDGET = 40 << 20
 # the SMs a persistent launch plans for when it has shapes only (warmup): an H100 SXM's
@@ -162,6 +165,7 @@ def kernel_args(q: Any, k: Any, v: Any, out: Any, lse: Any, config: Mapping[str,
         if lpt else 1
     args = (q_desc, k_desc, v_desc, out, lse, seqlen_q, seqlen_k, heads_q, group,
             batch * heads_q, scale * LOG2E, max(window_left, 0), section)
+    tma_store = bool(config.get("TMA_STORE", OPTIONAL_CONFIG["TMA_STORE"]))
     kwargs = dict(
         HEAD_D=head_dim, ROWS=rows, BLOCK_N=bn, NUM_STAGES=config["NUM_STAGES"],
         NUM_CONSUMERS=config["NUM_CONSUMERS"], CAUSAL=bool(causal),
@@ -170,6 +174,9 @@ def kernel_args(q: Any, k: Any, v: Any, out: Any, lse: Any, config: Mapping[str,
         PRODUCER_REGS=meta["PRODUCER_REGS"], CONSUMER_REGS=meta["CONSUMER_REGS"],
         WINDOW=window_left >= 0, LPT=lpt, num_warps=meta["num_warps"],
         maxnreg=meta["maxnreg"])
+    if tma_store:  # O's view is Q's (out is in q's layout): Q's block, Q's shared buffer
+        kwargs.update(TMA_STORE=True, o_desc=TensorDescriptor(
+            out, *_desc_shape(out, q_how), [rows, head_dim], _layout([rows, head_dim], gdt)))
     if config["PERSISTENT"]:
         return args, kwargs, (ctas, 1)
     return args, kwargs, (m_blocks, batch * heads_q)
@@ -213,6 +220,8 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if config.get("LPT", 0) not in (0, 1) or (config.get("LPT", 0) and not config["PERSISTENT"]):
         raise ConfigError(f"LPT must be 0 or 1, and 1 orders a PERSISTENT launch's tiles; got "
                           f"{dict(config)}")
+    if config.get("TMA_STORE", 0) not in (0, 1):
+        raise ConfigError(f"TMA_STORE must be 0 or 1; got {dict(config)}")
     if q.device.type != "cuda" or k.device != q.device or v.device != q.device:
         raise DeviceError(f"the Gluon forward runs on one CUDA GPU (sm_90) and has no "
                           f"interpreter mode; got q, k, v on {q.device}, {k.device}, {v.device}")
@@ -257,8 +266,8 @@ def attn_fwd_gluon(
             ``heads_q`` a multiple of ``heads_kv`` (GQA/MQA, never expanded). Inputs that
             are not contiguous, or not 16-byte aligned, are copied (see the module doc).
         config: ``{"ROWS", "BLOCK_N", "NUM_STAGES", "NUM_CONSUMERS", "PINGPONG",
-            "PERSISTENT"}`` and optionally ``"LPT"`` (0 when left out), from the template's
-            space.
+            "PERSISTENT"}`` and optionally ``"LPT"`` and ``"TMA_STORE"`` (0 when left out),
+            from the template's space.
         causal: bottom-right aligned mask, as ``attn_fwd``: query ``i`` sees key ``j`` iff
             ``j <= i + seqlen_k - seqlen_q``.
         scale: softmax scale, default ``1 / sqrt(head_dim)``. A negative scale runs as
@@ -329,16 +338,20 @@ def compile_sm90(config: dict[str, int], head_dim: int = 128, causal: bool = Fal
     qd = f"tensordesc<{dtype}[{rows}, {head_dim}],{_layout([rows, head_dim], gdt)!r}>"
     kd = f"tensordesc<{dtype}[{bn}, {head_dim}],{_layout([bn, head_dim], gdt)!r}>"
     meta = launch_meta(cfg)
-    const = {"HEAD_D": head_dim, "ROWS": rows, "BLOCK_N": bn, "NUM_STAGES": cfg["NUM_STAGES"],
-             "NUM_CONSUMERS": cfg["NUM_CONSUMERS"], "CAUSAL": bool(causal),
-             "PINGPONG": bool(cfg["PINGPONG"]), "PERSISTENT": bool(cfg["PERSISTENT"]),
-             "Q_BSHD": layout == "bshd", "KV_BSHD": layout == "bshd",
-             "PRODUCER_REGS": meta["PRODUCER_REGS"], "CONSUMER_REGS": meta["CONSUMER_REGS"],
-             "WINDOW": bool(window), "LPT": bool(cfg.get("LPT", OPTIONAL_CONFIG["LPT"]))}
+    const: dict[str, Any] = {
+        "HEAD_D": head_dim, "ROWS": rows, "BLOCK_N": bn, "NUM_STAGES": cfg["NUM_STAGES"],
+        "NUM_CONSUMERS": cfg["NUM_CONSUMERS"], "CAUSAL": bool(causal),
+        "PINGPONG": bool(cfg["PINGPONG"]), "PERSISTENT": bool(cfg["PERSISTENT"]),
+        "Q_BSHD": layout == "bshd", "KV_BSHD": layout == "bshd",
+        "PRODUCER_REGS": meta["PRODUCER_REGS"], "CONSUMER_REGS": meta["CONSUMER_REGS"],
+        "WINDOW": bool(window), "LPT": bool(cfg.get("LPT", OPTIONAL_CONFIG["LPT"])),
+        "TMA_STORE": bool(cfg.get("TMA_STORE", OPTIONAL_CONFIG["TMA_STORE"]))}
+    if not const["TMA_STORE"]:  # no O descriptor: the launch passes None (a constexpr)
+        const["o_desc"] = None
     kern = gluon_attn_fwd_kernel
     names = kern.arg_names
     types = {"q_desc": qd, "k_desc": kd, "v_desc": kd, "o_ptr": f"*{dtype}",
-             "lse_ptr": "*fp32", "qk_scale": "fp32"}
+             "lse_ptr": "*fp32", "qk_scale": "fp32", "o_desc": qd}
     sig = {n: "constexpr" if n in const else types.get(n, "i32") for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in ("o_ptr", "lse_ptr")}
     src = GluonASTSource(fn=kern, signature=sig, attrs=attrs,

@@ -53,18 +53,21 @@ class Bar:
 Op = tuple[Any, ...]
 
 # deliberate bugs the model must catch (tests/kernel_templates_tests/test_gluon_fwd_compile.py)
-MUTATIONS = ("no_drain", "no_q_empty_wait", "phases_per_tile", "kv_empty_count_1")
+MUTATIONS = ("no_drain", "no_q_empty_wait", "phases_per_tile", "kv_empty_count_1",
+             "tma_store_early_q_release")
 
 
 def run(n_total: int | list[int], n_mine0: int | list[int], stages: int, consumers: int,
-        pingpong: int, seed: int, mutation: str | None = None) -> None:
+        pingpong: int, seed: int, mutation: str | None = None, tma_store: int = 0) -> None:
     """One random interleaving of a CTA's partitions over its tiles: for tile ``i`` the
     producer loads each consumer's Q (once that consumer has released the last tile's) and
     ``n_total[i]`` key blocks into ``stages`` buffers; consumer 0 uses ``n_mine0[i]`` of them
     (fewer when causal), the others all. Integers mean one tile (a CTA per tile); lists, a
     persistent CTA. ``AssertionError`` on a deadlock, a barrier a phase ahead of its waiter,
     or a Q buffer overwritten while its consumer still reads it; ``mutation`` (one of
-    :data:`MUTATIONS`) plants a bug."""
+    :data:`MUTATIONS`) plants a bug. ``tma_store``: a consumer writes O into its Q buffer
+    for the TMA store, so it releases the buffer after the tile's epilogue, not once its
+    last ``S`` is done."""
     totals = [n_total] if isinstance(n_total, int) else list(n_total)
     mines0 = [n_mine0] if isinstance(n_mine0, int) else list(n_mine0)
     S = stages
@@ -127,21 +130,26 @@ def run(n_total: int | list[int], n_mine0: int | list[int], stages: int, consume
                 yield wait(v_ready, kv + j - 1)
                 yield from their_turn()
                 yield ("arrive", kv_empty[(kv + j - 1) % S])
-            q_reading[cid] = False
-            yield ("arrive", q_empty[cid])
+            if not tma_store:
+                q_reading[cid] = False
+            if not tma_store or mutation == "tma_store_early_q_release":
+                yield ("arrive", q_empty[cid])
             last = kv + n_mine - 1
             yield from my_turn(steps + n_mine)
             yield wait(v_ready, last)
             yield from their_turn()
             yield ("arrive", kv_empty[last % S])
-            if mutation == "no_drain":
-                continue
-            for j in range(n_mine, n_tot):
-                yield from my_turn(steps + j + 1)
-                yield from their_turn()
-                yield wait(k_ready, kv + j)
-                yield wait(v_ready, kv + j)
-                yield ("arrive", kv_empty[(kv + j) % S])
+            if mutation != "no_drain":
+                for j in range(n_mine, n_tot):
+                    yield from my_turn(steps + j + 1)
+                    yield from their_turn()
+                    yield wait(k_ready, kv + j)
+                    yield wait(v_ready, kv + j)
+                    yield ("arrive", kv_empty[(kv + j) % S])
+            if tma_store:  # the epilogue: O through the Q buffer, then the buffer is free
+                q_reading[cid] = False
+                if mutation != "tma_store_early_q_release":
+                    yield ("arrive", q_empty[cid])
 
     parts = [producer()] + [consumer(c) for c in range(consumers)]
     ops = [next(p) for p in parts]
@@ -177,15 +185,17 @@ def _shapes(consumers: int) -> Iterator[tuple[Any, Any]]:
 
 def check_all(mutation: str | None = None, seeds: int = 30) -> int:
     """Every case of :func:`_shapes`, stages 2-4, one to three consumers (two with and
-    without ping-pong), ``seeds`` seeds each; returns the number of interleavings run
-    (``AssertionError`` on the first bad one)."""
+    without ping-pong), with and without ``TMA_STORE``, ``seeds`` seeds each; returns the
+    number of interleavings run (``AssertionError`` on the first bad one)."""
     runs = 0
     for stages in (2, 3, 4):
         for consumers, pingpong in ((1, 0), (2, 0), (2, 1), (3, 0)):
             for totals, mines in _shapes(consumers):
-                for seed in range(seeds):
-                    run(totals, mines, stages, consumers, pingpong, seed, mutation)
-                    runs += 1
+                for tma_store in (0, 1):
+                    for seed in range(seeds):
+                        run(totals, mines, stages, consumers, pingpong, seed, mutation,
+                            tma_store)
+                        runs += 1
     return runs
 
 

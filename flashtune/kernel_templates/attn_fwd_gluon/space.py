@@ -61,8 +61,12 @@ PARAMS: dict[str, tuple[int, ...]] = {
     # head-major order leaves a CTA striding by a multiple of the query blocks tiles of one
     # length: 0.72-1.01x the grid launch, explore_fwd_gluon_persistent_h100.json)
     "LPT": (0, 1),
+    # a whole tile's O written to Q's shared buffer, then stored by one TMA copy (FA3's
+    # epilogue; the registers' scattered 4-byte stores otherwise): not yet timed on a GPU
+    "TMA_STORE": (0, 1),
 }
-# knobs a config may leave out, the launcher's (configs stored before LPT existed ran its 0)
+# knobs a config may leave out, the launcher's (configs stored before LPT and TMA_STORE
+# existed ran their 0)
 DEFAULTS: dict[str, int] = OPTIONAL_CONFIG
 HEAD_DIMS = (64, 128, 256)  # the wgmma N of P V; the launcher refuses others
 DTYPES = ("fp16", "bf16")
@@ -165,7 +169,7 @@ SPACE = SearchSpace(params=PARAMS, predicate=check, defaults=DEFAULTS)
 # (explore_fwd_gluon_lpt_h100.json: its head-wide order costs L2 reuse); the tuner may pick it
 def _knobs(stages: int, persistent: int, block_n: int = 128, consumers: int = 2) -> Config:
     return {"ROWS": 64, "BLOCK_N": block_n, "NUM_STAGES": stages, "NUM_CONSUMERS": consumers,
-            "PINGPONG": 0, "PERSISTENT": persistent, "LPT": 0}
+            "PINGPONG": 0, "PERSISTENT": persistent, "LPT": 0, "TMA_STORE": 0}
 
 
 _FALLBACKS: tuple[Config, ...] = (_knobs(2, 0), _knobs(3, 0, 64), _knobs(2, 0, 64),
