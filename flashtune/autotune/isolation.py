@@ -49,7 +49,8 @@ from flashtune.db.records import TrialState
 
 log = logging.getLogger(__name__)
 
-__all__ = ["IsolatedFactory", "IsolatedRunner", "IsolationError", "factory_path", "isolated"]
+__all__ = ["IsolatedFactory", "IsolatedRunner", "IsolationError", "factory_path", "isolated",
+           "release_cached_memory"]
 
 WIRE_MAX = 1 << 20  # bytes of one message from the worker
 START_TIMEOUT_S = 600.0  # importing torch/triton and building the inputs
@@ -145,11 +146,12 @@ def _build(conn: Any, path: str, init_json: str) -> Any:
     return runner
 
 
-def _release() -> None:
-    """Free what a dropped runner held (its inputs, its reference, the blocks torch's CUDA
-    allocator cached for them): a parked worker must not keep GPU memory that the parent's
-    side-by-side timing or the next runner needs (a math-SDPA candidate at 32k tokens
-    left 138 GB cached on an H200)."""
+def release_cached_memory() -> None:
+    """Free what dropped runners held (their inputs, their references, the blocks torch's
+    CUDA allocator cached for them): a parked worker must not keep GPU memory that the
+    parent's side-by-side timing or the next runner needs (a math-SDPA candidate at 32k
+    tokens left 138 GB cached on an H200), nor the parent what the next shape's worker
+    needs (see ``select._side_by_side``)."""
     import gc
     import sys
 
@@ -174,13 +176,13 @@ def _serve(conn: Any, path: str, init_json: str) -> None:
         op, config = request.get("op"), request.get("config")
         if op == "init":
             runner = None  # freed before the next one is built
-            _release()
+            release_cached_memory()
             runner = _build(conn, path, request["init"])
             if runner is None:
                 return
         elif op == "release":
             runner = None
-            _release()
+            release_cached_memory()
             _send(conn, {"released": True})
         elif runner is None:  # parked: only init, release or stop
             return

@@ -51,11 +51,12 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from typing import Any
 
+from flashtune.autotune.isolation import release_cached_memory
 from flashtune.autotune.options import TuneOptions, TuneResult, tuning_device
 from flashtune.autotune.runners import TrialResult
 from flashtune.core.case import shared_inputs
@@ -619,10 +620,7 @@ def _side_by_side(candidates: Sequence[tuple[TemplateSpec, Mapping[str, int] | N
         for i, t in zip(ok, timed_ok, strict=True):
             timed[i] = t
     finally:
-        for runner, _ in runners:
-            close = getattr(runner, "close", None)
-            if callable(close):
-                close()
+        _drop(runners)
     flops = _work(problem, _op_of(candidates))
     leaders = [Leader(spec.name, spec.kind, config, ms,
                       tflops(flops, ms) if ms else None, message, spec.source_hash)
@@ -633,6 +631,24 @@ def _side_by_side(candidates: Sequence[tuple[TemplateSpec, Mapping[str, int] | N
                                   "no config passed its checks", spec.source_hash))
     leaders.sort(key=lambda x: (x.median_ms is None, x.median_ms or 0.0, x.implementation))
     return prefer_extern_on_ties(tuple(leaders))
+
+
+def _drop(runners: list[tuple[Any, dict[str, int]]]) -> None:
+    """Close the leaders' runners, drop them and give torch's cached blocks back: their
+    inputs, their checks' references and their steps' blocks would otherwise stay cached in
+    this process while the next shape's search starts its candidate worker (the H100
+    training plan: this process held 58 GiB after the GQA shapes at 8k-16k tokens, and the
+    worker of a 28:4 shape at 16k could not build its 7 GiB of inputs)."""
+    _close_each(runner for runner, _ in runners)  # (a loop here would keep the last alive)
+    runners.clear()
+    release_cached_memory()
+
+
+def _close_each(runners: Iterable[Any]) -> None:
+    for runner in runners:
+        close = getattr(runner, "close", None)
+        if callable(close):
+            close()
 
 
 def _contenders(checked: Sequence[TrialResult]) -> list[int]:
