@@ -136,6 +136,19 @@ def test_the_default_config_is_valid_for_every_problem_it_serves(d: int) -> None
                 assert SPEC.space.check(config, p, interpreter_device()) is None
 
 
+@pytest.mark.parametrize("d,causal,tma_store", [
+    (64, False, 0), (64, True, 1), (128, False, 1), (128, True, 1), (256, False, 0),
+    (256, True, 0)])
+def test_the_default_stores_by_tma_where_the_h100_measured_it_faster(d, causal,
+                                                                    tma_store) -> None:
+    """explore_fwd_gluon_tma_h100.json: TMA_STORE 1 won at D128 and at D64 causal, not at D64
+    without a mask; D256 was not timed."""
+    p = _problem(d, causal)
+    config = SPEC.default_config(p, H100)
+    assert config["TMA_STORE"] == tma_store
+    assert SPEC.space.check(config, p, H100) is None
+
+
 def test_the_predicate_rejects_spills_shared_memory_and_compile_errors_with_a_reason() -> None:
     table = space.load_table()
     p = _problem(128)

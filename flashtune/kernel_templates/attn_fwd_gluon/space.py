@@ -62,7 +62,8 @@ PARAMS: dict[str, tuple[int, ...]] = {
     # length: 0.72-1.01x the grid launch, explore_fwd_gluon_persistent_h100.json)
     "LPT": (0, 1),
     # a whole tile's O written to Q's shared buffer, then stored by one TMA copy (FA3's
-    # epilogue; the registers' scattered 4-byte stores otherwise): not yet timed on a GPU
+    # epilogue; the registers' scattered 4-byte stores otherwise): 1.00-1.12x at D128 on
+    # the H100, 0.95-1.08x at D64 (explore_fwd_gluon_tma_h100.json; _TMA_STORE_WINS)
     "TMA_STORE": (0, 1),
 }
 # knobs a config may leave out, the launcher's (configs stored before LPT and TMA_STORE
@@ -180,10 +181,23 @@ _DEFAULTS: dict[bool, tuple[Config, ...]] = {
 }
 
 
+# TMA_STORE 1 where it was measured to win on the H100 (explore_fwd_gluon_tma_h100.json,
+# standard grid, the same config with and without): at D128 1.00-1.12x grid-launched and
+# 1.02-1.07x persistent up to 8k tokens (0.98-0.99x persistent at 16k); at D64 causal
+# 1.01-1.08x grid-launched. At D64 without a mask (persistent) 0.95-1.02x: left at 0 there,
+# and at D256 (not timed)
+_TMA_STORE_WINS: frozenset[tuple[int, bool]] = frozenset({(64, True), (128, False),
+                                                          (128, True)})
+
+
 def default_config(problem: AttentionProblem, device: DeviceFingerprint) -> Config:
     """A safe config for ``problem``: the first of the defaults the predicate accepts (the
-    first one for a problem no config serves: the predicate names why)."""
+    first one for a problem no config serves: the predicate names why), with TMA_STORE 1
+    where it wins."""
     defaults = _DEFAULTS[bool(problem.causal)]
+    if (problem.head_dim, bool(problem.causal)) in _TMA_STORE_WINS:
+        defaults = tuple(c for config in defaults
+                         for c in ({**config, "TMA_STORE": 1}, config))
     for config in defaults:
         if check(config, problem, device) is None:
             return dict(config)
