@@ -554,7 +554,10 @@ def _stored_leaders(url: str, op: str, problem: AttentionProblem, device: Device
                     searched: set[str]) -> list[tuple[TemplateSpec, dict[str, int] | None]]:
     """The stored best config of every implementation of ``op`` that can serve ``problem``
     here and was not searched in this run (those with one; a training pair's from its
-    forward's and its backward's stored bests)."""
+    forward's and its backward's stored bests); an implementation without knobs (the SDPA
+    backends) with ``{}``, stored or not: a database seeded from exported files holds no
+    search of them, and a choice timed without them is no choice (the H100's forward
+    table, re-tuned with ``--impl attn_fwd_gluon``, lost cuDNN from 12 shapes)."""
     from flashtune.db import open_store
     from flashtune.kernel_templates import get_template
 
@@ -567,6 +570,8 @@ def _stored_leaders(url: str, op: str, problem: AttentionProblem, device: Device
 
         def best(name: str) -> dict[str, int] | None:
             template = get_template(name)
+            if not template.space.params:  # an extern without knobs: nothing to search
+                return {}
             tpl = store.ensure_template(name, template.source_hash)
             prob = store.ensure_problem(name, problem.key(), problem.bucket())
             found = store.get_best(dev.id, tpl.id, prob.id)

@@ -225,6 +225,18 @@ def test_impl_narrows_the_search_not_the_choice(tmp_path):
     assert {c["implementation"] for c in choice.candidates} == {"attn_fwd", "sdpa_math"}
 
 
+def test_impl_times_the_externs_beside_it_though_none_was_ever_searched(tmp_path):
+    """A database seeded from exported files holds no search of the SDPA backends: with
+    ``--impl`` they still take part, with no config (they have no knobs)."""
+    url = f"sqlite:///{tmp_path / 'n.db'}"
+    opts = TuneOptions(trials=1, interpret=True, seed=0)
+    (r,) = tune_op([TINY], "fwd", opts, impls=["attn_fwd"], db_url=url, progress=False,
+                   rounds=1, _device=DEV)
+    assert {res.template for res in r.results} == {"attn_fwd"}
+    assert {x.implementation for x in r.leaders} == {"attn_fwd", "sdpa_math"}
+    assert r.best_extern is not None and r.best_extern.implementation == "sdpa_math"
+
+
 class _Leading:
     """A GPU-timed leader that passes its check and times ``first`` for ``n_first`` calls,
     then ``then``."""
