@@ -223,7 +223,11 @@ def test_a_fresh_gpu_routes_by_the_shipped_op_choices(fresh_install, path):
             own += serving[entry.implementation].kind != "extern"
             assert got is not None and (got.template, got.source, got.config) == \
                 (entry.implementation, "exact", entry.config)
-    assert own > 0  # the table has own-kernel wins this machine can check
+    # own-kernel wins this machine checked; a table that cuDNN won throughout (the H100's
+    # decode) is stale under any other torch, and each shape was checked to take the default
+    externs = {n for n, s in serving.items() if s.kind == "extern"}
+    assert own > 0 or (stale == len(doc.entries) and
+                       {e.implementation for e in doc.entries} <= externs)
     if stale:  # then near a stale cuDNN win is the default too, not a far own-kernel win
         first = next(AttentionProblem.from_key(e.problem) for e in doc.entries
                      if not doc.is_current(e, hashes))
