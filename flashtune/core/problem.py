@@ -209,18 +209,22 @@ class AttentionProblem:
     def distance(self, other: AttentionProblem) -> float:
         """How far apart two problems are, for the nearest-tuned-shape lookup.
 
-        ``inf`` unless dtype, head_dim, causal and the GQA group size agree (a config for
-        one of those does not transfer); otherwise the sum of |log2| ratios of the sequence
-        lengths, the batch x heads (the grid's other axis), weighted so that sequence
-        length dominates.
+        ``inf`` unless dtype, head_dim and causal agree (a config for one of those does not
+        transfer); otherwise the sum of |log2| ratios of the sequence lengths, the batch x
+        heads (the grid's other axis), weighted so that sequence length dominates, plus
+        :data:`GROUP_DISTANCE` and the |log2| ratio of the GQA group sizes where those differ
+        (the same kernels, with K/V shared by another number of query heads: a shape whose
+        group no table holds, MQA 32:1 say, takes its nearest neighbour of another group
+        rather than the default).
         """
         if (self.dtype, self.head_dim, self.causal) != (other.dtype, other.head_dim, other.causal):
-            return math.inf
-        if self.heads_q // self.heads_kv != other.heads_q // other.heads_kv:
             return math.inf
 
         def lg(a: float, b: float) -> float:
             return abs(math.log2(a) - math.log2(b))
+
+        group, other_group = self.heads_q // self.heads_kv, other.heads_q // other.heads_kv
+        grouped = 0.0 if group == other_group else GROUP_DISTANCE + lg(group, other_group)
 
         # other score modifications: a config still runs them, and tiles tuned without a
         # window are a better start than the template's default, but any problem with the
@@ -237,7 +241,7 @@ class AttentionProblem:
         dropout = 0.0 if bool(self.dropout) == bool(other.dropout) else DROPOUT_DISTANCE
         return (lg(self.seqlen_q, other.seqlen_q) + lg(self.seqlen_k, other.seqlen_k)
                 + 0.5 * lg(self._rows() * self.heads_q, other._rows() * other.heads_q)
-                + mods + packed + dropout)
+                + mods + packed + dropout + grouped)
 
     def _rows(self) -> float:
         """How many sequences of ``seqlen_q`` the batch's queries amount to."""
@@ -327,6 +331,10 @@ PACKED_DISTANCE = 2.0
 # what dropout against none adds to the distance (as packed against dense: the same
 # kernels, with the mask's integer work beside the dots)
 DROPOUT_DISTANCE = 2.0
+# what a GQA group of another size adds to the distance, beside the |log2| ratio of the two
+# sizes (as packed against dense: the same kernels, each K/V head read for another number of
+# query heads; the backward's KV_SPLITS takes the group's gcd with it)
+GROUP_DISTANCE = 2.0
 # what differing score modifications add to the nearest-problem distance (as much as four
 # doublings of both sequence lengths)
 MODS_DISTANCE = 8.0

@@ -9,8 +9,9 @@ device:
    (:meth:`AttentionProblem.bucket`: sequence lengths and batch rounded up to powers of
    two), the nearest of them;
 3. ``nearest``: the nearest tuned problem on this device by :meth:`AttentionProblem.distance`
-   (finite only when dtype, head_dim, causal and the GQA group agree; otherwise the sum of
-   ``|log2|`` ratios of the sequence lengths plus half that of batch x heads);
+   (finite only when dtype, head_dim and causal agree; otherwise the sum of ``|log2|``
+   ratios of the sequence lengths plus half that of batch x heads, and a penalty where the
+   GQA groups differ, so another group serves only when none of the call's is near);
 4. ``device-alias`` (opt-in: ``FLASHTUNE_DEVICE_ALIAS=1`` or ``reload_configs(
    device_alias=True)``): the same three steps over configs tuned on another device of
    the same compute capability and shared-memory size;

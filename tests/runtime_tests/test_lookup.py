@@ -137,6 +137,31 @@ def test_nearest_prefers_the_closest_then_the_faster(env):
     assert choice(prob(100)).config == cfg(32, 16)
 
 
+def test_another_gqa_group_serves_only_when_none_of_the_calls_is_near(env):
+    """A group no table holds (4:1 here, where only 2:1 was tuned) takes the nearest entry of
+    another group, not the default; an entry of the call's own group wins over another
+    group's nearby; one six doublings away loses to another group's at the call's shape."""
+    two = prob(64, hq=4, hkv=2)  # group 2
+    populate(env["db"], [(HERE, two, cfg(32, 16), 1.0)])
+    four = prob(64, hq=4, hkv=1)  # group 4
+    lent = choice(four)
+    assert (lent.source, lent.config, lent.tuned_problem) == ("nearest", cfg(32, 16), two)
+    populate(env["db"], [(HERE, prob(128, hq=4, hkv=1), cfg(64, 16), 1.0),
+                         (HERE, prob(4096, hq=4, hkv=1), cfg(16, 32), 1.0)])
+    flashtune.reload_configs()
+    assert choice(four).config == cfg(64, 16)  # its own group, one doubling away (2 < 3)
+    assert choice(prob(128, hq=4, hkv=2)).config == cfg(32, 16)  # its own group (2 < 3)
+    assert choice(prob(4096, hq=4, hkv=2)).config == cfg(16, 32)  # 12 against 3
+
+
+def test_gqa_group_distance_is_a_penalty_not_a_wall():
+    from flashtune.core.problem import GROUP_DISTANCE
+    gqa, mqa = prob(512, hq=8, hkv=2), prob(512, hq=8, hkv=1)
+    assert gqa.distance(mqa) == mqa.distance(gqa) == GROUP_DISTANCE + 1.0  # 4 against 8
+    assert gqa.distance(prob(512, hq=16, hkv=4)) == 0.5  # the same group, twice the heads
+    assert gqa.distance(prob(512, hq=8, hkv=2, d=64)) == float("inf")
+
+
 def test_a_config_that_cannot_run_the_problem_is_skipped(env):
     # REVERSE_M is pruned for non-causal problems: the causal entry cannot serve them
     populate(env["db"], [(HERE, prob(64, causal=True), {**cfg(), "REVERSE_M": 1}, 1.0)])
@@ -484,10 +509,13 @@ def test_untuned_decodes_on_hopper_default_to_cudnn_where_it_serves(env, monkeyp
     monkeypatch.setitem(routing._ROUTERS["decode"].specs, "sdpa_cudnn",
                         replace(spec, limits=replace(spec.limits, available=None)))
     keys = kvcache.DECODE_MIN_KEYS + 7
-    untuned, mine = prob(1, keys), prob(2, keys, hq=4)
+    # another head dim: no tuned entry is at a finite distance from it
+    untuned, mine = prob(1, keys, d=64), prob(2, keys, hq=4)
     dec = dict(get_template("attn_decode").default_config(mine, h100))
     populate(env["db"], [(h100, mine, dec, 1.0)], template="attn_decode")
     flashtune.reload_configs()
+    lent = routing._route(prob(1, keys), h100, tune=False)  # MHA: the user's 2:1 is nearest
+    assert (lent.template, lent.source, lent.tuned_problem) == ("attn_decode", "nearest", mine)
     got = routing._route(untuned, h100, tune=False)
     assert (got.template, got.source, got.config) == ("sdpa_cudnn", "default", {})
     assert got.origin == "default decode on 9.0"
