@@ -14,7 +14,9 @@
 #    nearest over exact (within 5% is the target, counted over the held-out shapes: one that
 #    the shipped tables hold already is listed as a control) -> OUTDIR/ship_check_NAME.json.
 #
-# OP: fwd (default) or train (`bench --train`: the training step the train op chose);
+# OP: fwd (default), train (`bench --train`: the training step the train op chose) or
+# decode (a plan of one-query steps, `seqlen = 1` with `kv_seqlen`: `flashtune.attention`
+# routes them by the decode op's choices);
 # BASELINES (default sdpa_flash,sdpa_cudnn) and ANCHOR (default sdpa_cudnn, the baseline
 # each run's ratio is taken to); TUNE_ARGS and BENCH_ARGS: more options (`--interpret`
 # with a tiny plan and ANCHOR=sdpa_flash is how it is tested on a CPU); TRIALS, ROUNDS.
@@ -28,7 +30,8 @@ anchor=${ANCHOR:-sdpa_cudnn}
 case $op in
   fwd) train=() ;;
   train) train=(--train) ;;
-  *) echo "ship_check: OP is fwd or train, got $op" >&2; exit 2 ;;
+  decode) train=() ;;  # one-query steps: bench's forward of them routes by the decode op
+  *) echo "ship_check: OP is fwd, train or decode, got $op" >&2; exit 2 ;;
 esac
 work=$(mktemp -d)
 mkdir -p "$out"

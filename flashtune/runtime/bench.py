@@ -56,9 +56,11 @@ def _sdpa(backend_name: str, q: Any, k: Any, v: Any, causal: bool) -> Callable[[
     backend = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
                "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION}[backend_name]
     gqa = q.shape[1] != k.shape[1]
-    if causal and q.shape[2] != k.shape[2]:
+    if causal and q.shape[2] not in (k.shape[2], 1):
         raise ValueError("SDPA's is_causal is top-left aligned; flashtune's is bottom-right "
                          "(Nq != Nk): not comparable")
+    # one query row (a decoding step) sees every key bottom-right aligned: SDPA unmasked
+    causal = causal and q.shape[2] == k.shape[2]
 
     def run() -> Any:
         with sdpa_kernel(backend):

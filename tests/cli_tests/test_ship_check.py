@@ -18,11 +18,26 @@ import pytest
 
 from tests.cli_tests.test_ship_tables import PLAN, ROOT
 
+# a decoding step: one query row over a cache, routed by the decode op's choices
+DECODE_PLAN = """op = "decode"
+[[shape]]
+batch = 1
+heads = 2
+seqlen = 1
+kv_seqlen = 32
+head_dim = 16
+causal = true
+dtype = "fp16"
+"""
+LABELS = {"fwd": "B=1 Hq=2 Hkv=2 Nq=32 Nk=32 D=16 fp16 causal",
+          "train": "B=1 Hq=2 Hkv=2 Nq=32 Nk=32 D=16 fp16 causal",
+          "decode": "B=1 Hq=2 Hkv=2 Nq=1 Nk=32 D=16 fp16 causal"}
 
-@pytest.mark.parametrize("op", ["fwd", "train"])
+
+@pytest.mark.parametrize("op", ["fwd", "train", "decode"])
 def test_the_check_compares_nearest_with_exact_for_each_tuned_shape(tmp_path, op):
     plan = tmp_path / "plan.toml"
-    plan.write_text(PLAN.format(op=op))
+    plan.write_text(DECODE_PLAN if op == "decode" else PLAN.format(op=op))
     env = {k: v for k, v in os.environ.items()
            if k not in ("TRITON_INTERPRET", "FLASHTUNE_DB", "FLASHTUNE_CONFIG_DIR")}
     env.update(OP=op, ANCHOR="sdpa_flash", BASELINES="sdpa_flash", TRIALS="1", ROUNDS="1",
@@ -40,7 +55,9 @@ def test_the_check_compares_nearest_with_exact_for_each_tuned_shape(tmp_path, op
     check = json.loads((tmp_path / "out" / "ship_check_tiny.json").read_text())
     assert (check["op"], check["anchor"]) == (op, "sdpa_flash")
     (row,) = check["rows"]
-    assert row["label"] == "B=1 Hq=2 Hkv=2 Nq=32 Nk=32 D=16 fp16 causal"
+    assert row["label"] == LABELS[op]
+    # SDPA was timed beside it: a causal step of one query runs SDPA unmasked (bottom-right)
+    assert "median_ms" in near["rows"][0]["sdpa_flash"], near["rows"][0]
     assert row["nearest_source"] == "default" and row["exact"]
     ratio = row["nearest_over_anchor"] / row["exact_over_anchor"]
     assert math.isclose(row["nearest_over_exact"], ratio)
