@@ -206,24 +206,28 @@ class AttentionProblem:
                 f"{f'-packed{_pow2_ceil(self.tokens_q)}' if self.packed else ''}"
                 f"{f'-drop{self.dropout:g}' if self.dropout else ''}")
 
-    def distance(self, other: AttentionProblem) -> float:
+    def distance(self, other: AttentionProblem, *, across_groups: bool = False) -> float:
         """How far apart two problems are, for the nearest-tuned-shape lookup.
 
-        ``inf`` unless dtype, head_dim and causal agree (a config for one of those does not
-        transfer); otherwise the sum of |log2| ratios of the sequence lengths, the batch x
-        heads (the grid's other axis), weighted so that sequence length dominates, plus
-        :data:`GROUP_DISTANCE` and the |log2| ratio of the GQA group sizes where those differ
-        (the same kernels, with K/V shared by another number of query heads: a shape whose
-        group no table holds, MQA 32:1 say, takes its nearest neighbour of another group
-        rather than the default).
+        ``inf`` unless dtype, head_dim, causal and the GQA group size agree (a config for
+        one of those does not transfer); otherwise the sum of |log2| ratios of the sequence
+        lengths, the batch x heads (the grid's other axis), weighted so that sequence
+        length dominates. ``across_groups``: GQA groups of another size are at
+        :data:`GROUP_DISTANCE` plus the |log2| ratio of the sizes instead of ``inf`` (a
+        forward's config or choice: the same kernels, K/V shared by another number of query
+        heads, so a shape whose group no table holds, MQA 32:1 say, takes its nearest
+        neighbour of another group rather than the default; a backward's is tied to its
+        group, see the lookup).
         """
         if (self.dtype, self.head_dim, self.causal) != (other.dtype, other.head_dim, other.causal):
+            return math.inf
+        group, other_group = self.heads_q // self.heads_kv, other.heads_q // other.heads_kv
+        if group != other_group and not across_groups:
             return math.inf
 
         def lg(a: float, b: float) -> float:
             return abs(math.log2(a) - math.log2(b))
 
-        group, other_group = self.heads_q // self.heads_kv, other.heads_q // other.heads_kv
         grouped = 0.0 if group == other_group else GROUP_DISTANCE + lg(group, other_group)
 
         # other score modifications: a config still runs them, and tiles tuned without a
@@ -331,9 +335,9 @@ PACKED_DISTANCE = 2.0
 # what dropout against none adds to the distance (as packed against dense: the same
 # kernels, with the mask's integer work beside the dots)
 DROPOUT_DISTANCE = 2.0
-# what a GQA group of another size adds to the distance, beside the |log2| ratio of the two
-# sizes (as packed against dense: the same kernels, each K/V head read for another number of
-# query heads; the backward's KV_SPLITS takes the group's gcd with it)
+# what a GQA group of another size adds to a forward's distance, beside the |log2| ratio of
+# the two sizes (as packed against dense: the same kernels, each K/V head read for another
+# number of query heads)
 GROUP_DISTANCE = 2.0
 # what differing score modifications add to the nearest-problem distance (as much as four
 # doublings of both sequence lengths)

@@ -145,7 +145,9 @@ class OpRouter:
                 return _choice(e, "exact", problem, self.op)
         for source, entries, same_bucket in (("bucket", own, True), ("nearest", own, False),
                                              ("device-alias", alias, False)):
-            pick = pick_nearest(entries, problem, same_bucket, usable)
+            # a training step's choice holds its backward's config: never across groups
+            pick = pick_nearest(entries, problem, same_bucket, usable,
+                                across_groups=self.op != "train")
             if pick is not None:
                 return _choice(pick, source, problem, self.op)
         return None

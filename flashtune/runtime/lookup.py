@@ -9,9 +9,12 @@ device:
    (:meth:`AttentionProblem.bucket`: sequence lengths and batch rounded up to powers of
    two), the nearest of them;
 3. ``nearest``: the nearest tuned problem on this device by :meth:`AttentionProblem.distance`
-   (finite only when dtype, head_dim and causal agree; otherwise the sum of ``|log2|``
-   ratios of the sequence lengths plus half that of batch x heads, and a penalty where the
-   GQA groups differ, so another group serves only when none of the call's is near);
+   (finite only when dtype, head_dim, causal and the GQA group agree; otherwise the sum of
+   ``|log2|`` ratios of the sequence lengths plus half that of batch x heads). A forward
+   template's (``spec.op`` not ``bwd``) lends across GQA groups after a penalty
+   (:data:`~flashtune.core.problem.GROUP_DISTANCE`), so another group serves only when none
+   of the call's is near; a backward's never (its dK/dV programs split the group, and on a
+   GQA shape issue 24 measured a backward config 4x slower than the one tuned for it);
 4. ``device-alias`` (opt-in: ``FLASHTUNE_DEVICE_ALIAS=1`` or ``reload_configs(
    device_alias=True)``): the same three steps over configs tuned on another device of
    the same compute capability and shared-memory size;
@@ -199,7 +202,8 @@ class Dispatcher:
     def _pick(self, entries: list[TunedEntry], problem: AttentionProblem, device: Any,
               same_bucket: bool) -> TunedEntry | None:
         return pick_nearest(entries, problem, same_bucket,
-                            lambda e: self._usable(e, problem, device))
+                            lambda e: self._usable(e, problem, device),
+                            across_groups=self.spec.op != "bwd")
 
     def _walk(self, problem: AttentionProblem, device: Any) -> ConfigChoice:
         table = self._table(device)
@@ -240,7 +244,7 @@ def split_by_device(entries: Sequence[_E], key: DeviceKey,
 
 
 def pick_nearest(entries: Sequence[_E], problem: AttentionProblem, same_bucket: bool,
-                 usable: Callable[[_E], bool]) -> _E | None:
+                 usable: Callable[[_E], bool], *, across_groups: bool = False) -> _E | None:
     """The entry nearest ``problem`` (:meth:`AttentionProblem.distance`; with
     ``same_bucket`` only those of its bucket) that ``usable`` accepts; ties go to the faster
     measured one, then to the earlier source.
@@ -250,6 +254,8 @@ def pick_nearest(entries: Sequence[_E], problem: AttentionProblem, same_bucket: 
         problem: the call's problem.
         same_bucket: only entries of ``problem``'s bucket.
         usable: whether an entry can serve this call.
+        across_groups: entries of other GQA group sizes too, farther
+            (:meth:`AttentionProblem.distance`).
     Returns:
         The entry, or None when none is at a finite distance and usable.
     """
@@ -259,7 +265,7 @@ def pick_nearest(entries: Sequence[_E], problem: AttentionProblem, same_bucket: 
     for i, e in enumerate(entries):
         if same_bucket and e.problem.bucket() != bucket:
             continue
-        dist = problem.distance(e.problem)
+        dist = problem.distance(e.problem, across_groups=across_groups)
         if not math.isfinite(dist) or not usable(e):
             continue
         rank = (dist, e.median_ms / max(e.problem.flops(), 1.0), i)

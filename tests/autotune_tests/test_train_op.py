@@ -214,6 +214,27 @@ def test_a_stored_pair_runs_with_its_own_forward_and_backward_configs(tmp_path, 
     flashtune.reload_configs()
 
 
+def test_a_training_choice_is_never_lent_across_gqa_groups(tmp_path, monkeypatch):
+    """A pair's choice carries its backward's config, whose dK/dV programs split the GQA
+    group: another group takes the default pair, not the nearest pair of this group; the
+    forward op's choices are lent across groups (``test_lookup``)."""
+    from dataclasses import replace
+
+    from flashtune.runtime import routing
+
+    url = f"sqlite:///{tmp_path / 't.db'}"
+    monkeypatch.setenv("FLASHTUNE_DB", url)
+    spec = train_step(get_template("attn_fwd"))
+    _store_pair_choice(url, GQA, spec.space.validate(spec.default_config(GQA, DEV)))
+    flashtune.reload_configs()
+    router = routing._ROUTERS["train"]
+    assert router.choose(GQA, DEV).source == "exact"
+    assert router.choose(replace(GQA, seqlen_q=150), DEV).source == "nearest"  # its group
+    assert router.choose(replace(GQA, heads_kv=1), DEV) is None  # 4:1 against 2:1
+    assert router.choose(replace(GQA, heads_kv=4), DEV) is None  # MHA
+    flashtune.reload_configs()
+
+
 @interpreter_only
 def test_an_extern_train_choice_is_not_served_a_call_that_asks_for_the_lse(tmp_path,
                                                                            monkeypatch):

@@ -154,12 +154,28 @@ def test_another_gqa_group_serves_only_when_none_of_the_calls_is_near(env):
     assert choice(prob(4096, hq=4, hkv=2)).config == cfg(16, 32)  # 12 against 3
 
 
-def test_gqa_group_distance_is_a_penalty_not_a_wall():
+def test_a_backward_config_is_never_lent_across_gqa_groups(env):
+    """attn_bwd's dK/dV programs split the GQA group: a config of another group is not lent
+    (the template default runs), one of the call's group is."""
+    bwd = get_template("attn_bwd")
+    two = prob(64, hq=4, hkv=2)
+    populate(env["db"], [(HERE, two, dict(bwd.default_config(two, HERE)), 1.0)],
+             template="attn_bwd")
+    flashtune.reload_configs()
+    dispatcher = lookup_mod.Dispatcher(bwd)
+    assert dispatcher.choose(two, HERE).source == "exact"
+    assert dispatcher.choose(prob(200, hq=4, hkv=2), HERE).source == "nearest"
+    assert dispatcher.choose(prob(64, hq=4, hkv=1), HERE).source == "default"
+    assert dispatcher.choose(prob(64, hq=2, hkv=2), HERE).source == "default"
+
+
+def test_gqa_group_distance_is_a_penalty_across_groups_and_a_wall_otherwise():
     from flashtune.core.problem import GROUP_DISTANCE
     gqa, mqa = prob(512, hq=8, hkv=2), prob(512, hq=8, hkv=1)
-    assert gqa.distance(mqa) == mqa.distance(gqa) == GROUP_DISTANCE + 1.0  # 4 against 8
+    assert gqa.distance(mqa) == mqa.distance(gqa) == float("inf")
+    assert gqa.distance(mqa, across_groups=True) == GROUP_DISTANCE + 1.0  # 4 against 8
     assert gqa.distance(prob(512, hq=16, hkv=4)) == 0.5  # the same group, twice the heads
-    assert gqa.distance(prob(512, hq=8, hkv=2, d=64)) == float("inf")
+    assert gqa.distance(prob(512, hq=8, hkv=2, d=64), across_groups=True) == float("inf")
 
 
 def test_a_config_that_cannot_run_the_problem_is_skipped(env):
