@@ -308,17 +308,29 @@ def _forward_fns(p: AttentionProblem, spec: Any,
     batch 0, the first K/V head's query heads)."""
     import torch
 
-    from flashtune.core.case import relative_error
+    from flashtune.core.case import mods_options, relative_error
     from flashtune.kernel_templates.attn_fwd.reference import attn_fwd_reference
 
     q, k, v = _inputs(p, torch_device, ("q", "k", "v"))
-    sq, skv = (slice(0, 1), slice(0, p.heads_q // p.heads_kv)), (slice(0, 1), slice(0, 1))
-    ref, _ = attn_fwd_reference(q[sq], k[skv], v[skv], causal=p.causal, dtype=torch.float32)
+    group = p.heads_q // p.heads_kv
+    sq, skv = (slice(0, 1), slice(0, group)), (slice(0, 1), slice(0, 1))
+    # the problem's window, softcap and ALiBi slopes (seeded), for every launch and the
+    # reference alike; empty for a plain problem
+    mods = mods_options(p, torch_device, torch.Generator(device=torch_device).manual_seed(1))
+    ref_mods = dict(mods)
+    if "alibi_slopes" in ref_mods:
+        ref_mods["alibi_slopes"] = ref_mods["alibi_slopes"][:group]
+    ref, _ = attn_fwd_reference(q[sq], k[skv], v[skv], causal=p.causal, dtype=torch.float32,
+                                **ref_mods)
 
     def launch(impl: Any, config: Mapping[str, int]) -> Callable[[], Any]:
-        return lambda: impl.launcher(q, k, v, config, causal=p.causal)
+        return lambda: impl.launcher(q, k, v, config, causal=p.causal, **mods)
     fns = {name: launch(*c) for name, c in configs.items()}
     for name in baselines:
+        if p.has_mods:  # bench_mods.py times FlexAttention and masked SDPA with them
+            row[name] = {"error": f"{name} is timed on plain problems only here, not with "
+                                  f"{' and '.join(p.mods())}"}
+            continue
         try:
             fns[name] = _baseline(name, q, k, v, p.causal)
         except Exception as exc:  # noqa: BLE001 - an unsupported baseline is data
@@ -411,6 +423,20 @@ def _train_fns(p: AttentionProblem, spec: Any,
     return fns, error
 
 
+def _not_benched(p: AttentionProblem, op: str) -> str | None:
+    """Why ``bench`` does not time ``p`` in mode ``op`` (None: it does): the forward takes
+    a window, softcap and ALiBi; dropout, packed batches and score modifications in the
+    backward or the training step have benchmarks of their own."""
+    if p.dropout:
+        return "bench does not time dropout (benchmarks/bench_dropout.py does)"
+    if p.packed:
+        return "bench does not time packed batches (benchmarks/bench_mods.py --cases packed does)"
+    if p.has_mods and op != "fwd":
+        return (f"bench times {' and '.join(p.mods())} in the forward only "
+                f"(benchmarks/bench_mods.py times the training step with them)")
+    return None
+
+
 def _bench_problem(p: AttentionProblem, spec: Any, choice: Any, device: Any, torch_device: str,
                    baselines: Sequence[str], rounds: int,
                    served: _Served | None = None) -> dict[str, Any]:
@@ -438,6 +464,10 @@ def _bench_problem(p: AttentionProblem, spec: Any, choice: Any, device: Any, tor
                "flashtune_default": (spec, default)}
     if spec.op in ("fwd", "train") and served is not None:
         configs.update(served.own_implementations(p, device, train=spec.op == "train"))
+    reason = _not_benched(p, spec.op)
+    if reason is not None:  # a row that says why, never a plain problem's timing for it
+        row.update({name: {"error": reason} for name in (*configs, *baselines)})
+        return row
     fns, error = make(p, spec, configs, baselines, device, torch_device, row)
     checked: dict[str, float] = {}
     for name, fn in fns.items():

@@ -29,15 +29,25 @@ head_dim = 16
 causal = true
 dtype = "fp16"
 """
-LABELS = {"fwd": "B=1 Hq=2 Hkv=2 Nq=32 Nk=32 D=16 fp16 causal",
-          "train": "B=1 Hq=2 Hkv=2 Nq=32 Nk=32 D=16 fp16 causal",
-          "decode": "B=1 Hq=2 Hkv=2 Nq=1 Nk=32 D=16 fp16 causal"}
+# a softcap, which no SDPA backend serves: anchored to flashtune's template default
+SOFTCAP_PLAN = PLAN.format(op="fwd") + "softcap = 30.0\n"
+CASES = {  # name: (op, plan, label, anchor of the row)
+    "fwd": ("fwd", PLAN.format(op="fwd"), "B=1 Hq=2 Hkv=2 Nq=32 Nk=32 D=16 fp16 causal",
+            "sdpa_flash"),
+    "train": ("train", PLAN.format(op="train"), "B=1 Hq=2 Hkv=2 Nq=32 Nk=32 D=16 fp16 causal",
+              "sdpa_flash"),
+    "decode": ("decode", DECODE_PLAN, "B=1 Hq=2 Hkv=2 Nq=1 Nk=32 D=16 fp16 causal",
+               "sdpa_flash"),
+    "softcap": ("fwd", SOFTCAP_PLAN, "B=1 Hq=2 Hkv=2 Nq=32 Nk=32 D=16 fp16 causal softcap=30",
+                "flashtune_default"),
+}
 
 
-@pytest.mark.parametrize("op", ["fwd", "train", "decode"])
-def test_the_check_compares_nearest_with_exact_for_each_tuned_shape(tmp_path, op):
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_check_compares_nearest_with_exact_for_each_tuned_shape(tmp_path, case):
+    op, text, label, row_anchor = CASES[case]
     plan = tmp_path / "plan.toml"
-    plan.write_text(DECODE_PLAN if op == "decode" else PLAN.format(op=op))
+    plan.write_text(text)
     env = {k: v for k, v in os.environ.items()
            if k not in ("TRITON_INTERPRET", "FLASHTUNE_DB", "FLASHTUNE_CONFIG_DIR")}
     env.update(OP=op, ANCHOR="sdpa_flash", BASELINES="sdpa_flash", TRIALS="1", ROUNDS="1",
@@ -55,9 +65,10 @@ def test_the_check_compares_nearest_with_exact_for_each_tuned_shape(tmp_path, op
     check = json.loads((tmp_path / "out" / "ship_check_tiny.json").read_text())
     assert (check["op"], check["anchor"]) == (op, "sdpa_flash")
     (row,) = check["rows"]
-    assert row["label"] == LABELS[op]
-    # SDPA was timed beside it: a causal step of one query runs SDPA unmasked (bottom-right)
-    assert "median_ms" in near["rows"][0]["sdpa_flash"], near["rows"][0]
+    assert (row["label"], row["anchor"]) == (label, row_anchor)
+    # SDPA was timed beside it where it serves the shape (a causal step of one query runs
+    # SDPA unmasked: bottom-right)
+    assert ("median_ms" in near["rows"][0]["sdpa_flash"]) == (row_anchor == "sdpa_flash")
     assert row["nearest_source"] == "default" and row["exact"]
     ratio = row["nearest_over_anchor"] / row["exact_over_anchor"]
     assert math.isclose(row["nearest_over_exact"], ratio)
