@@ -245,14 +245,14 @@ class _Served:
             return replace(fwd, config=join_pair(fwd.config, bwd.config), tflops=None,
                            median_ms=None)
         if spec.op == "fwd":
-            from flashtune.runtime.routing import _USERS_OWN, _route_ops
+            from flashtune.runtime.routing import _route_ops, _users_own
 
             for op in _route_ops(p):
                 chosen = self.routers[op].choose(p, device)
                 if chosen is not None:
                     return chosen
             # not tuned by the user: the runtime's default by capability (routing._route)
-            if not self.dispatcher.peek(p, device).origin.startswith(_USERS_OWN):
+            if not _users_own(self.dispatcher.peek(p, device), p):
                 chosen = _capability_default("fwd", p, device, False)
                 if chosen is not None:
                     return chosen

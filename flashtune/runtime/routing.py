@@ -159,6 +159,17 @@ _USERS_OWN = ("db ", "dir ")
 _BAD_TRIALS: set[str] = set()  # bad $FLASHTUNE_AUTOTUNE_TRIALS values already warned about
 
 
+def _users_own(choice: ConfigChoice, problem: AttentionProblem) -> bool:
+    """Whether ``choice`` is the user's own tuning (their database or config folder) for
+    ``problem``'s GQA group, and so served before the capability default. A config lent
+    from another group (a forward's nearest may be: :meth:`AttentionProblem.distance`) is
+    not: it says how to run that template, not that the template beats the default here."""
+    tuned = choice.tuned_problem
+    return choice.origin.startswith(_USERS_OWN) and (
+        tuned is None
+        or tuned.heads_q // tuned.heads_kv == problem.heads_q // problem.heads_kv)
+
+
 @cache
 def _device(device_type: str, index: int | None) -> DeviceFingerprint:
     return current_device(torch.device(device_type, index) if index is not None
@@ -276,12 +287,12 @@ def _route(problem: AttentionProblem, device: DeviceFingerprint, *, tune: bool =
     # default" is not true of a call the capability default serves
     choice = kvcache.decode_route(problem, device, _DISPATCH, warn=False)
     if choice is not None:
-        if not choice.origin.startswith(_USERS_OWN):
+        if not _users_own(choice, problem):
             default = _capability_default("decode", problem, device, return_lse)
             if default is not None:
                 return default
         return kvcache.DISPATCH.choose(problem, device)  # memoised: the same, warned
-    if not _DISPATCH.peek(problem, device).origin.startswith(_USERS_OWN):
+    if not _users_own(_DISPATCH.peek(problem, device), problem):
         # not tuned here with FLASHTUNE_AUTOTUNE=1 either: attn_fwd alone would not beat
         # this default (`tune --op fwd` searches across implementations)
         default = _capability_default("fwd", problem, device, return_lse)

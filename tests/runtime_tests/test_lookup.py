@@ -498,6 +498,13 @@ def test_untuned_forwards_on_hopper_default_to_cudnn_where_it_serves(env, monkey
                           tune=False).template == "attn_fwd"
     own = routing._route(mine, h100, tune=False)
     assert (own.template, own.source, own.config) == ("attn_fwd", "exact", cfg(16, 32))
+    near = routing._route(prob(96, causal=True), h100, tune=False)  # the user's, its group
+    assert (near.template, near.source, near.config) == ("attn_fwd", "nearest", cfg(16, 32))
+    # the user's config is lent to another GQA group when attn_fwd runs, but it is no
+    # measurement that attn_fwd beats cuDNN there: cuDNN runs
+    other_group = prob(48, causal=True, hq=4, hkv=1)
+    assert routing._DISPATCH.peek(other_group, h100).config == cfg(16, 32)
+    assert routing._route(other_group, h100, tune=False).template == "sdpa_cudnn"
     unaligned = prob(40, 60, causal=True)  # bottom-right causal: SDPA's mask is top-left
     assert routing._route(unaligned, h100, tune=False).template == "attn_fwd"
     # FLASHTUNE_AUTOTUNE=1 tunes attn_fwd only where attn_fwd is the default
@@ -525,13 +532,12 @@ def test_untuned_decodes_on_hopper_default_to_cudnn_where_it_serves(env, monkeyp
     monkeypatch.setitem(routing._ROUTERS["decode"].specs, "sdpa_cudnn",
                         replace(spec, limits=replace(spec.limits, available=None)))
     keys = kvcache.DECODE_MIN_KEYS + 7
-    # another head dim: no tuned entry is at a finite distance from it
-    untuned, mine = prob(1, keys, d=64), prob(2, keys, hq=4)
+    # the user's 2:1 config is attn_decode's nearest for the MHA call (another GQA group),
+    # no measurement that attn_decode beats cuDNN there: cuDNN runs
+    untuned, mine = prob(1, keys), prob(2, keys, hq=4)
     dec = dict(get_template("attn_decode").default_config(mine, h100))
     populate(env["db"], [(h100, mine, dec, 1.0)], template="attn_decode")
     flashtune.reload_configs()
-    lent = routing._route(prob(1, keys), h100, tune=False)  # MHA: the user's 2:1 is nearest
-    assert (lent.template, lent.source, lent.tuned_problem) == ("attn_decode", "nearest", mine)
     got = routing._route(untuned, h100, tune=False)
     assert (got.template, got.source, got.config) == ("sdpa_cudnn", "default", {})
     assert got.origin == "default decode on 9.0"
