@@ -69,18 +69,40 @@ def _sdpa(backend_name: str, q: Any, k: Any, v: Any, causal: bool) -> Callable[[
     return run
 
 
-def _flex(q: Any, k: Any, v: Any, causal: bool) -> Callable[[], Any]:
+def _flex(q: Any, k: Any, v: Any, causal: bool,
+          mods: Mapping[str, Any] | None = None) -> Callable[[], Any]:
+    """FlexAttention with flashtune's conventions: the causal mask and a window bottom-right
+    aligned (a block mask: Flex skips the blocks no query sees), a softcap and ALiBi as a
+    score_mod on the scaled scores (softcap first, then the bias), as the fp32 reference."""
     import torch
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+    mods = mods or {}
     nq, nk = q.shape[2], k.shape[2]
-    block_mask = None
+    offset = nk - nq  # bottom-right, as flashtune: query i sits at key position i + offset
+    left, right = mods.get("window", (-1, -1))
     if causal:
-        offset = nk - nq  # bottom-right, as flashtune
-
+        right = 0
+    block_mask = None
+    if left >= 0 or right >= 0:
         def mask(b: Any, h: Any, qi: Any, ki: Any) -> Any:
-            return ki <= qi + offset
+            pos = qi + offset
+            seen = ki >= 0
+            if left >= 0:
+                seen = seen & (pos - ki <= left)
+            if right >= 0:
+                seen = seen & (ki - pos <= right)
+            return seen
         block_mask = create_block_mask(mask, None, None, nq, nk, device=str(q.device))
+    softcap, slopes = mods.get("softcap"), mods.get("alibi_slopes")
+    score_mod = None
+    if softcap or slopes is not None:
+        def score_mod(s: Any, b: Any, h: Any, qi: Any, ki: Any) -> Any:
+            if softcap:
+                s = softcap * torch.tanh(s / softcap)
+            if slopes is not None:
+                s = s - slopes[h] * (qi + offset - ki).abs()
+            return s
     if q.is_cuda:
         # one compiled graph per shape; without a reset dynamo stops recompiling after its
         # recompile limit (8 shapes) and the rest of the grid would run flex eagerly
@@ -89,7 +111,7 @@ def _flex(q: Any, k: Any, v: Any, causal: bool) -> Callable[[], Any]:
     else:
         fn = flex_attention
     gqa = q.shape[1] != k.shape[1]
-    return lambda: fn(q, k, v, block_mask=block_mask, enable_gqa=gqa)
+    return lambda: fn(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=gqa)
 
 
 def matmul_ceiling_tflops(rounds: int = 5) -> float | None:
@@ -295,8 +317,17 @@ def _inputs(p: AttentionProblem, torch_device: str, names: Sequence[str]) -> lis
     return out
 
 
-def _baseline(name: str, q: Any, k: Any, v: Any, causal: bool) -> Callable[[], Any]:
-    return _flex(q, k, v, causal) if name == "flex" else _sdpa(name, q, k, v, causal)
+def _baseline(name: str, q: Any, k: Any, v: Any, causal: bool,
+              mods: Mapping[str, Any] | None = None) -> Callable[[], Any]:
+    """A baseline's forward; ``mods`` (a window, softcap, ALiBi: launcher keywords) only
+    FlexAttention takes (SDPA's backends have no softcap, and a window or ALiBi only as a
+    materialised mask, which ``benchmarks/bench_mods.py`` times)."""
+    if name == "flex":
+        return _flex(q, k, v, causal, mods)
+    if mods:
+        raise ValueError(f"{name} serves no {' or '.join(sorted(mods))} (Flex does; "
+                         f"benchmarks/bench_mods.py times SDPA given the mask)")
+    return _sdpa(name, q, k, v, causal)
 
 
 def _forward_fns(p: AttentionProblem, spec: Any,
@@ -327,12 +358,8 @@ def _forward_fns(p: AttentionProblem, spec: Any,
         return lambda: impl.launcher(q, k, v, config, causal=p.causal, **mods)
     fns = {name: launch(*c) for name, c in configs.items()}
     for name in baselines:
-        if p.has_mods:  # bench_mods.py times FlexAttention and masked SDPA with them
-            row[name] = {"error": f"{name} is timed on plain problems only here, not with "
-                                  f"{' and '.join(p.mods())}"}
-            continue
         try:
-            fns[name] = _baseline(name, q, k, v, p.causal)
+            fns[name] = _baseline(name, q, k, v, p.causal, mods)
         except Exception as exc:  # noqa: BLE001 - an unsupported baseline is data
             row[name] = {"error": _first_line(exc)}
     return fns, lambda out: relative_error(out[sq], ref)

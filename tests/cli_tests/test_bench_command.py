@@ -131,20 +131,21 @@ def test_a_causal_step_of_one_query_is_compared_with_sdpa_unmasked():
 def test_a_forwards_score_modifications_are_run_and_checked():
     """A window, a softcap and ALiBi reach every launch and the fp32 reference (a softcap of
     1 changes the output far beyond the check's tolerance, so a launch without it would
-    fail the check); SDPA is not timed with them; dropout, packed batches and the training
-    step with modifications get a row that names the benchmark that times them."""
+    fail the check), FlexAttention's too (its block mask and score_mod, checked the same
+    way); SDPA is not timed with them; dropout, packed batches and the training step with
+    modifications get a row that names the benchmark that times them."""
     from flashtune.runtime.bench import bench_attention
 
     window = AttentionProblem(1, 4, 2, 40, 56, 32, True, "fp16", 7)
     softcap = AttentionProblem(1, 2, 2, 40, 40, 32, False, "fp16", softcap=1.0)
     alibi = AttentionProblem(1, 4, 2, 1, 48, 32, True, "fp16", alibi=True)  # a decoding step
     dropout = AttentionProblem(1, 2, 2, 40, 40, 32, False, "fp16", dropout=0.1)
-    run = bench_attention([window, softcap, alibi, dropout], baselines=["sdpa_flash"],
+    run = bench_attention([window, softcap, alibi, dropout], baselines=["sdpa_flash", "flex"],
                           db_url="sqlite://")
     for row in run["rows"][:3]:
-        for name in ("flashtune", "flashtune_default"):
+        for name in ("flashtune", "flashtune_default", "flex"):
             assert row[name]["tflops"] > 0 and row[name]["rel_err_vs_fp32"] < 1e-2, row
-        assert "plain problems only" in row["sdpa_flash"]["error"]
+        assert "serves no" in row["sdpa_flash"]["error"]
     assert "bench_dropout.py" in run["rows"][3]["flashtune"]["error"]
     [trained] = bench_attention([softcap], baselines=[], db_url="sqlite://",
                                 train=True)["rows"]
