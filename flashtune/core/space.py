@@ -17,6 +17,9 @@ from flashtune.core.errors import ConfigError
 Config = dict[str, int]
 # predicate(config, problem, device) -> None when valid, else the reason it is not
 Predicate = Callable[[Mapping[str, int], Any, Any], "str | None"]
+# lend(config, tuned_for, problem, device) -> the config tuned for the problem ``tuned_for``,
+# fitted to run ``problem`` (see SearchSpace.lent)
+Lend = Callable[[Mapping[str, int], Any, Any, Any], Config]
 
 
 def config_text(config: Mapping[str, int]) -> str:
@@ -58,12 +61,15 @@ class SearchSpace:
     """Discrete parameters (name -> allowed values, in order) and a validity predicate.
 
     ``defaults`` names the parameters a config may leave out (optional knobs) and the value
-    they then take; :meth:`validate` fills them in.
+    they then take; :meth:`validate` fills them in. ``lend``, where a parameter's best value
+    follows the shape (a split-KV kernel's split count follows the batch), fits a config
+    tuned for one shape to another (:meth:`lent`).
     """
 
     params: Mapping[str, tuple[int, ...]]
     predicate: Predicate
     defaults: Mapping[str, int] = field(default_factory=dict)
+    lend: Lend | None = None
 
     @property
     def size(self) -> int:
@@ -104,6 +110,25 @@ class SearchSpace:
     def check(self, config: Mapping[str, int], problem: Any, device: Any) -> str | None:
         """The predicate's verdict: ``None`` if the config can run, else why not."""
         return self.predicate(config, problem, device)
+
+    def lent(self, config: Mapping[str, int], tuned_for: Any, problem: Any,
+             device: Any) -> Config:
+        """``config``, tuned for the problem ``tuned_for``, as it should run ``problem``: the
+        space's ``lend`` applied where it has one and its result passes :meth:`check`, else
+        ``config`` unchanged (the router serves a nearest entry through this).
+
+        Arguments:
+            config: a config of this space, valid for ``problem``.
+            tuned_for: the problem it was tuned for.
+            problem: the problem it is lent to.
+            device: the device it runs on.
+        Returns:
+            A new dict.
+        """
+        if self.lend is None or tuned_for == problem:
+            return dict(config)
+        fitted = self.lend(config, tuned_for, problem, device)
+        return fitted if self.check(fitted, problem, device) is None else dict(config)
 
     def __iter__(self) -> Iterator[Config]:
         names = list(self.params)

@@ -149,13 +149,25 @@ class OpRouter:
             pick = pick_nearest(entries, problem, same_bucket, usable,
                                 across_groups=self.op != "train")
             if pick is not None:
-                return _choice(pick, source, problem, self.op)
+                return _choice(pick, source, problem, self.op,
+                               self._lent(pick, problem, device))
         return None
+
+    def _lent(self, entry: ChoiceEntry, problem: AttentionProblem,
+              device: Any) -> dict[str, int]:
+        """``entry``'s config fitted to ``problem`` by its implementation's space
+        (:meth:`~flashtune.core.space.SearchSpace.lent`); a stale entry's as it is."""
+        spec = self.specs.get(entry.implementation)
+        if spec is None or entry.stale:
+            return dict(entry.config)
+        return spec.space.lent(spec.space.validate(entry.config), entry.problem, problem,
+                               device)
 
 
 def _choice(entry: ChoiceEntry, source: str, problem: AttentionProblem,
-            op: str) -> ConfigChoice | None:
-    """``entry`` as the answer for ``problem`` (found by ``source``); None for a stale one."""
+            op: str, config: dict[str, int] | None = None) -> ConfigChoice | None:
+    """``entry`` as the answer for ``problem`` (found by ``source``; ``config``: its config as
+    lent to ``problem``, else its own); None for a stale one."""
     if entry.stale:
         log.info("%s: op %s takes the default: its %s match, %s for %s (%s), is stale",
                  problem.describe(), op, source, entry.implementation,
@@ -164,8 +176,9 @@ def _choice(entry: ChoiceEntry, source: str, problem: AttentionProblem,
     if source != "exact":
         log.info("%s: op %s served by %s as chosen for %s (%s, %s)", problem.describe(), op,
                  entry.implementation, entry.problem.describe(), source, entry.origin)
-    return ConfigChoice(dict(entry.config), source, entry.tflops, entry.median_ms,
-                        entry.problem, entry.origin, entry.implementation)
+    return ConfigChoice(dict(entry.config if config is None else config), source,
+                        entry.tflops, entry.median_ms, entry.problem, entry.origin,
+                        entry.implementation)
 
 
 def _unshadowed(entries: list[ChoiceEntry]) -> list[ChoiceEntry]:

@@ -33,7 +33,7 @@ import logging
 import math
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -217,7 +217,8 @@ class Dispatcher:
             if entry is not None:
                 log.info("%s: using the config tuned for %s (%s, %s)", problem.describe(),
                          entry.problem.describe(), source, entry.origin)
-                return _choice(entry, source, self.spec.name)
+                lent = self.spec.space.lent(entry.config, entry.problem, problem, device)
+                return _choice(entry, source, self.spec.name, lent)
         return ConfigChoice(dict(self.spec.default_config(problem, device)), "default",
                             origin="template default", template=self.spec.name)
 
@@ -283,6 +284,9 @@ def _warn_once(seen: set[Any], lock: Any, key: Any, msg: str, *args: Any) -> Non
     log.warning(msg, *args)
 
 
-def _choice(entry: TunedEntry, source: str, template: str) -> ConfigChoice:
-    return ConfigChoice(dict(entry.config), source, entry.tflops, entry.median_ms,
-                        entry.problem, entry.origin, template)
+def _choice(entry: TunedEntry, source: str, template: str,
+            config: Mapping[str, int] | None = None) -> ConfigChoice:
+    """``entry`` as a choice; ``config``: the entry's config as lent to another problem
+    (:meth:`~flashtune.core.space.SearchSpace.lent`), else the entry's own."""
+    return ConfigChoice(dict(entry.config if config is None else config), source, entry.tflops,
+                        entry.median_ms, entry.problem, entry.origin, template)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from pathlib import Path
 
@@ -9,12 +10,16 @@ from flashtune.core.case import forward_case
 from flashtune.core.spec import SCORE_MODS, Limits
 from flashtune.kernel_templates.attn_decode.kernel import attn_decode_split_kernel
 from flashtune.kernel_templates.attn_decode.launcher import attn_decode, attn_decode_kvcache
+from flashtune.kernel_templates.attn_decode.lending import lend
 from flashtune.kernel_templates.attn_decode.reference import attn_decode_reference
-from flashtune.kernel_templates.attn_decode.space import SPACE, default_config
+from flashtune.kernel_templates.attn_decode.space import SPACE as _BARE_SPACE
+from flashtune.kernel_templates.attn_decode.space import default_config
 from flashtune.kernel_templates.attn_decode.warmup import warmup_launches
 from flashtune.kernel_templates.registry import TemplateSpec, register_template, source_hash
 
 _HERE = Path(__file__).parent
+# the space with its lending rule (lending.py: a nearest entry's split count follows the batch)
+SPACE = dataclasses.replace(_BARE_SPACE, lend=lend)
 
 SPEC = register_template(TemplateSpec(
     name="attn_decode",
