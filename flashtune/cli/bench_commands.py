@@ -99,6 +99,11 @@ def render_bench(result: Mapping[str, Any]) -> str:
         lines.append(f"stored winners measured against their recorded TFLOP/s: geomean "
                      f"{s['drift_geomean']:.2f}x (min {s['drift_min']:.2f}x, max "
                      f"{s['drift_max']:.2f}x); below 0.95x: re-tune (flashtune tune ...)")
+    if s.get("round_spread"):
+        lines.append("round medians more than 5% apart (a ratio there is that uncertain): "
+                     + "; ".join(f"{_SHORT.get(n, n.removeprefix('impl_'))} on "
+                                 f"{v['shapes']} shape(s), at most {v['max']:.0%} ({v['at']})"
+                                 for n, v in s["round_spread"].items()))
     errors = sorted({f"{n}: {r[n]['error']}" for r in rows for n in impls
                      if "error" in r.get(n, {})})
     for e in errors[:8]:

@@ -46,6 +46,11 @@ __all__ = ["BASELINES", "BENCH_OPS", "IMPLS", "bench_attention", "matmul_ceiling
 BASELINES = ("sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "flex")
 IMPLS = ("flashtune", "flashtune_default", *BASELINES)
 BENCH_OPS = ("fwd", "bwd")  # the ops bench knows inputs, references and baselines for
+# round medians of one contender further apart than this (slowest / fastest - 1) make its
+# ratios on that shape uncertain by as much: summarize counts them (on an H100 the same
+# cuDNN kernel's rounds spread 17% on a shape where SDPA flash's spread 1%:
+# benchmarks/results/route_grid_h100.json, B2 N8192 D64)
+SPREAD_NOTE = 0.05
 CEILING_N = 8192
 
 
@@ -526,6 +531,13 @@ def _bench_problem(p: AttentionProblem, spec: Any, choice: Any, device: Any, tor
                     if measured and row["recorded_tflops"] else None)
     return row
 
+def round_spread(entry: Mapping[str, Any]) -> float | None:
+    """How far apart a contender's round medians are, ``slowest / fastest - 1`` (None with
+    fewer than two rounds)."""
+    ts = entry.get("round_medians_ms") or []
+    return max(ts) / min(ts) - 1 if len(ts) >= 2 and min(ts) > 0 else None
+
+
 def tflops_of(row: Mapping[str, Any], name: str) -> float | None:
     """TFLOP/s of implementation ``name`` in ``row`` (None: errored or absent)."""
     value = row.get(name, {}).get("tflops")
@@ -563,6 +575,15 @@ def summarize(rows: Sequence[Mapping[str, Any]], ceiling: float | None) -> dict[
         fractions = [t / ceiling for t in (tflops_of(r, "flashtune") for r in rows) if t]
         out["flashtune_of_ceiling_geomean"] = _geomean(fractions)
     out["all_checked"] = all("tflops" in r.get("flashtune", {}) for r in rows)
+    spread: dict[str, list[tuple[float, str]]] = {}
+    for r in rows:
+        for name in sorted(r):
+            value = round_spread(r[name]) if isinstance(r[name], Mapping) else None
+            if value is not None and value > SPREAD_NOTE:
+                spread.setdefault(name, []).append((value, str(r.get("label", ""))))
+    if spread:
+        out["round_spread"] = {name: {"shapes": len(v), "max": max(v)[0], "at": max(v)[1]}
+                               for name, v in sorted(spread.items())}
     drifts = [r["drift"] for r in rows if r.get("drift")]
     if drifts:  # measured / recorded TFLOP/s of the stored winners served for their problem
         out["drift_geomean"] = _geomean(drifts)

@@ -382,3 +382,33 @@ def test_the_routed_column_is_what_the_runtime_runs_untuned_on_an_h100(tmp_path,
     odd = AttentionProblem(2, 8, 8, 256, 256, 59, True, "bf16")
     assert served.choice(odd, fwd, H100).template == "attn_fwd"
     assert served.choice(odd, train_step(fwd), H100).template == "attn_fwd"
+
+
+def test_contenders_whose_rounds_spread_are_counted_and_named():
+    """A contender whose round medians are more than 5% apart on a shape makes its ratios
+    there uncertain by as much: the summary counts such shapes per contender and the table
+    names the worst (the same cuDNN kernel spread 17% between rounds on an H100)."""
+    from flashtune.cli.bench_commands import render_bench
+    from flashtune.runtime.bench import round_spread, summarize
+
+    def timed(*ms):
+        return {"median_ms": sorted(ms)[len(ms) // 2], "tflops": 1.0 / ms[0],
+                "round_medians_ms": list(ms)}
+
+    rows = [{"label": "A", "source": "exact", "flops": 1.0, "flashtune": timed(1.0, 1.01, 1.0),
+             "sdpa_cudnn": timed(2.82, 2.58, 2.42), "impl_attn_fwd_gluon": timed(1.0, 1.2)},
+            {"label": "B", "source": "exact", "flops": 1.0, "flashtune": timed(1.0, 1.0, 1.0),
+             "sdpa_cudnn": timed(1.0, 1.06, 1.0), "flex": timed(1.0)}]
+    assert round_spread(rows[0]["sdpa_cudnn"]) == pytest.approx(2.82 / 2.42 - 1)
+    assert round_spread(rows[1]["flex"]) is None  # one round: no spread to speak of
+    summary = summarize(rows, None)
+    assert summary["round_spread"] == {
+        "impl_attn_fwd_gluon": {"shapes": 1, "max": pytest.approx(0.2), "at": "A"},
+        "sdpa_cudnn": {"shapes": 2, "max": pytest.approx(2.82 / 2.42 - 1), "at": "A"}}
+    table = render_bench({"rows": rows, "summary": summary})
+    assert ("round medians more than 5% apart (a ratio there is that uncertain): "
+            "attn_fwd_gluon on 1 shape(s), at most 20% (A); sdpa cudnn on 2 shape(s), at most "
+            "17% (A)") in table
+    steady = [dict(rows[1], sdpa_cudnn=timed(1.0, 1.04, 1.0))]
+    assert "round_spread" not in summarize(steady, None)
+    assert "apart" not in render_bench({"rows": steady, "summary": summarize(steady, None)})
