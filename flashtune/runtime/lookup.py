@@ -75,10 +75,14 @@ class ConfigChoice:
     """The config a call runs with and why.
 
     Attributes:
-        config: the kernel config (every key of the template's space).
+        config: the kernel config (every key of the template's space); from an entry of
+            another problem, that entry's config as its space lends it to this one
+            (:meth:`~flashtune.core.space.SearchSpace.lent`: attn_decode's split count).
         source: one of :data:`SOURCES`.
-        tflops: measured TFLOP/s of ``config`` on ``tuned_problem`` (None if unknown).
-        median_ms: measured time of ``config`` on ``tuned_problem`` (None if unknown).
+        tflops: measured TFLOP/s of the entry's own config on ``tuned_problem`` (None if
+            unknown).
+        median_ms: measured time of the entry's own config on ``tuned_problem`` (None if
+            unknown).
         tuned_problem: the problem the config was tuned for (None for default/explicit).
         origin: where the config came from (``db <url>``, ``dir <path>``,
             ``package <path>``, ``template default``, ``argument``).
