@@ -62,7 +62,7 @@ _SHORT = {"flashtune": "flashtune", "flashtune_default": "default", "sdpa_flash"
 def render_bench(result: Mapping[str, Any]) -> str:
     """The closing table: TFLOP/s per implementation and shape, flashtune's ratios to SDPA
     flash and cuDNN, its fraction of the matmul ceiling; then the geomeans."""
-    from flashtune.runtime.bench import IMPLS, tflops_of
+    from flashtune.runtime.bench import IMPLS, SPREAD_NOTE, tflops_of
 
     rows = result["rows"]
     own = sorted({n for r in rows for n in r if n.startswith("impl_")})
@@ -100,7 +100,8 @@ def render_bench(result: Mapping[str, Any]) -> str:
                      f"{s['drift_geomean']:.2f}x (min {s['drift_min']:.2f}x, max "
                      f"{s['drift_max']:.2f}x); below 0.95x: re-tune (flashtune tune ...)")
     if s.get("round_spread"):
-        lines.append("round medians more than 5% apart (a ratio there is that uncertain): "
+        lines.append(f"round medians more than {SPREAD_NOTE:.0%} apart (a ratio there is "
+                     "that uncertain): "
                      + "; ".join(f"{_SHORT.get(n, n.removeprefix('impl_'))} on "
                                  f"{v['shapes']} shape(s), at most {v['max']:.0%} ({v['at']})"
                                  for n, v in s["round_spread"].items()))

@@ -531,6 +531,7 @@ def _bench_problem(p: AttentionProblem, spec: Any, choice: Any, device: Any, tor
                     if measured and row["recorded_tflops"] else None)
     return row
 
+
 def round_spread(entry: Mapping[str, Any]) -> float | None:
     """How far apart a contender's round medians are, ``slowest / fastest - 1`` (None with
     fewer than two rounds)."""

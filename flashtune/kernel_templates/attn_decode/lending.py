@@ -30,7 +30,9 @@ from flashtune.kernel_templates.attn_decode.space import (
 
 
 def programs(problem: AttentionProblem) -> int:
-    """Programs of the unsplit grid: one per batch row, KV head and block of query rows."""
+    """Programs of the unsplit grid: one per batch row, KV head and block of query rows (the
+    count :func:`~flashtune.kernel_templates.attn_decode.space.default_splits` makes inline:
+    space.py is in the template's source hash, so it does not call this)."""
     group = problem.heads_q // problem.heads_kv
     row_blocks = -(-rows(group, problem.seqlen_q) // block_m(group, problem.seqlen_q))
     return problem.batch * problem.heads_kv * row_blocks
