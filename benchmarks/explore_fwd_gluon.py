@@ -40,7 +40,11 @@ from flashtune.autotune.timing import bench, tflops
 from flashtune.core.device import cuda_device
 from flashtune.kernel_templates import get_template
 from flashtune.kernel_templates.attn_fwd.reference import attn_fwd_reference
-from flashtune.kernel_templates.attn_fwd_gluon.launcher import DEFAULT_CONFIG, gluon_attn_fwd
+from flashtune.kernel_templates.attn_fwd_gluon.launcher import (
+    DEFAULT_CONFIG,
+    OPTIONAL_CONFIG,
+    gluon_attn_fwd,
+)
 
 # (PERSISTENT=1 gives each its persistent twin, "_ps")
 CONFIGS = ("ROWS=64,BLOCK_N=128,NUM_STAGES=2,NUM_CONSUMERS=2;"
@@ -72,9 +76,11 @@ NAMED = ("ROWS", "NUM_CONSUMERS", "BLOCK_N", "NUM_STAGES", "PINGPONG", "PERSISTE
 
 
 def name_of(cfg: dict[str, int]) -> str:
-    """``gluon_64x2_128_s3`` (+ ``_pp`` ping-pong, ``_ps`` persistent, ``_lpt1``...)."""
+    """``gluon_64x2_128_s3`` (+ ``_pp`` ping-pong, ``_ps`` persistent, ``_lpt1``, any other
+    knob away from its default: ``_q_buffers2``...)."""
+    unset = {**OPTIONAL_CONFIG, **DEFAULT_CONFIG}
     rest = "".join(f"_{k.lower()}{v}" for k, v in sorted(cfg.items())
-                   if k not in NAMED and v != DEFAULT_CONFIG.get(k, 0))
+                   if k not in NAMED and v != unset.get(k, 0))
     return ("gluon_{ROWS}x{NUM_CONSUMERS}_{BLOCK_N}_s{NUM_STAGES}".format(**cfg)
             + ("_pp" if cfg.get("PINGPONG") else "") + ("_ps" if cfg.get("PERSISTENT") else "")
             + rest)

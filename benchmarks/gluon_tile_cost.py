@@ -22,7 +22,9 @@ scheduler); if its slope is worse, in the main loop.
 Contenders: the Gluon forward with the config the shipped tables give the N512 shape of each
 head dim (``Dispatcher`` of ``attn_fwd_gluon``: exact, nearest or default, named in the
 JSON), that config with ``PERSISTENT`` flipped, where it is the default the config tuned for
-the causal shape (D256: Gemma-2's), and any ``--configs``; ``attn_fwd`` with its
+the causal shape (D256: Gemma-2's), each persistent one's overlapped twin (two Q buffers, K
+and V released apart, the TMA store: :func:`overlapped_twin`), the template default, and
+any ``--configs``; ``attn_fwd`` with its
 own table's config; SDPA flash and cuDNN. Every contender is checked against the float32
 reference (batch 0, heads 0-3) at every shape before it is timed; one that fails or raises is
 reported with its error and not timed. Timing: ``flashtune.autotune.timing.bench`` (CUDA
@@ -88,6 +90,18 @@ def problem(d: int, nq: int, nk: int) -> AttentionProblem:
     return AttentionProblem(max(1, TOKENS // nq), heads, heads, nq, nk, d, False, "bf16")
 
 
+def overlapped_twin(gluon, config: dict[str, int], anchor: AttentionProblem, dev
+                    ) -> dict[str, int] | None:
+    """``config`` (persistent) with its epilogue overlapped: ``Q_BUFFERS`` 2, ``SPLIT_KV``
+    1 and ``TMA_STORE`` 1, its stages lowered until the space accepts it (the second Q
+    buffer takes a K/V stage's shared memory at D128); None when no stage count fits."""
+    for stages in range(config["NUM_STAGES"], 1, -1):
+        twin = {**config, "Q_BUFFERS": 2, "SPLIT_KV": 1, "TMA_STORE": 1, "NUM_STAGES": stages}
+        if gluon.space.check(gluon.space.validate(twin), anchor, dev) is None:
+            return twin
+    return None
+
+
 def contenders(d: int, nq: int, extra: list[dict[str, int]], dev) -> tuple[dict, dict]:
     """``name -> (template, config)`` of the flashtune contenders at head dim ``d``, and how
     each table config was found."""
@@ -106,6 +120,9 @@ def contenders(d: int, nq: int, extra: list[dict[str, int]], dev) -> tuple[dict,
                 configs.append(causal.config)
                 found.setdefault(name_of(causal.config),
                                  f"the causal shape's {causal.source} ({causal.origin})")
+        configs += [twin for cfg in configs if cfg.get("PERSISTENT")
+                    for twin in [overlapped_twin(gluon, cfg, anchor, dev)] if twin]
+        configs.append(gluon.default_config(anchor, dev))
         for cfg in [*configs, *extra]:
             out.setdefault(name_of(cfg), (gluon, dict(cfg)))
     choice = Dispatcher(fwd).choose(anchor, dev)
@@ -199,6 +216,7 @@ def main() -> None:
     dev = cuda_device()
     t0 = time.time()
     doc = {"benchmark": "gluon_tile_cost", "device": dev.name, "torch": torch.__version__,
+           "source_hash": get_template("attn_fwd_gluon").source_hash,
            "rounds": args.rounds, "rows": []}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

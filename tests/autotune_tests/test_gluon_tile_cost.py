@@ -55,3 +55,23 @@ def test_the_problems_keep_the_grids_tokens_and_hidden_size(script):
     p = script.problem(128, 512, 4096)
     assert (p.batch * p.seqlen_q, p.heads_q * p.head_dim, p.seqlen_k, p.causal) == \
         (16384, 2048, 4096, False)
+
+
+def test_the_overlapped_twin_gives_up_a_stage_where_the_second_q_buffer_needs_it(script):
+    """D128 (the H100 table's config for N512: 3 stages, ping-pong, persistent): two Q
+    buffers do not fit beside 3 stages of 128-key tiles, so the twin runs 2; at D64 3 fit."""
+    from flashtune.core.device import DeviceFingerprint
+    from flashtune.kernel_templates import get_template
+
+    gluon = get_template("attn_fwd_gluon")
+    h100 = DeviceFingerprint("NVIDIA_H100_80GB_HBM3", "9.0", 132, 232448, 85 * 2**30)
+    base = {"ROWS": 64, "BLOCK_N": 128, "NUM_STAGES": 3, "NUM_CONSUMERS": 2, "PINGPONG": 1,
+            "PERSISTENT": 1, "LPT": 0, "TMA_STORE": 1, "Q_BUFFERS": 1, "SPLIT_KV": 0}
+    twin = script.overlapped_twin(gluon, base, script.problem(128, 512, 512), h100)
+    assert twin == {**base, "NUM_STAGES": 2, "Q_BUFFERS": 2, "SPLIT_KV": 1}
+    twin64 = script.overlapped_twin(gluon, {**base, "PINGPONG": 0},
+                                    script.problem(64, 512, 512), h100)
+    assert twin64 is not None and twin64["NUM_STAGES"] == 3
+    # D256: two Q buffers of 64 x 256 fit beside no stage count of 64-key tiles
+    assert script.overlapped_twin(gluon, {**base, "BLOCK_N": 64, "NUM_STAGES": 2},
+                                  script.problem(256, 512, 512), h100) is None

@@ -42,7 +42,7 @@ def _problem(d: int = 128, causal: bool = False, dtype: str = "bf16", *, hq: int
 
 def _config(**knobs: int) -> dict[str, int]:
     return {"ROWS": 64, "BLOCK_N": 128, "NUM_STAGES": 2, "NUM_CONSUMERS": 2, "PINGPONG": 0,
-            "PERSISTENT": 0, "LPT": 0, "TMA_STORE": 0, **knobs}
+            "PERSISTENT": 0, "LPT": 0, "TMA_STORE": 0, "Q_BUFFERS": 1, "SPLIT_KV": 0, **knobs}
 
 
 def _entry(compiled: space.Compiled, config: dict[str, int], **problem: object) -> dict:
@@ -114,6 +114,12 @@ def test_the_launcher_refuses_what_it_cannot_serve_by_name() -> None:
         SPEC.launcher(q, k, k, _config(PERSISTENT=1, LPT=2))
     with pytest.raises(ConfigError, match="TMA_STORE must be 0 or 1"):
         SPEC.launcher(q, k, k, _config(TMA_STORE=2))
+    with pytest.raises(ConfigError, match="Q_BUFFERS must be 1 or 2"):
+        SPEC.launcher(q, k, k, _config(PERSISTENT=1, Q_BUFFERS=3))
+    with pytest.raises(ConfigError, match="2 alternates a PERSISTENT CTA's tiles"):
+        SPEC.launcher(q, k, k, _config(Q_BUFFERS=2))
+    with pytest.raises(ConfigError, match="SPLIT_KV must be 0 or 1"):
+        SPEC.launcher(q, k, k, _config(SPLIT_KV=2))
     with pytest.raises(ConfigError, match="missing \\['PERSISTENT'\\]"):
         SPEC.launcher(q, k, k, {n: v for n, v in _config().items() if n != "PERSISTENT"})
     with pytest.raises(ConfigError, match="unknown \\['BLOCK_M'\\]"):
@@ -137,12 +143,13 @@ def test_the_default_config_is_valid_for_every_problem_it_serves(d: int) -> None
 
 
 @pytest.mark.parametrize("d,causal,tma_store", [
-    (64, False, 0), (64, True, 1), (128, False, 1), (128, True, 1), (256, False, 0),
+    (64, False, 1), (64, True, 1), (128, False, 1), (128, True, 1), (256, False, 0),
     (256, True, 0)])
 def test_the_default_stores_by_tma_where_the_h100_measured_it_faster(d, causal,
                                                                     tma_store) -> None:
     """explore_fwd_gluon_tma_h100.json: TMA_STORE 1 won at D128 and at D64 causal, not at D64
-    without a mask; D256 was not timed."""
+    without a mask with one Q buffer; with two (the overlapped default there,
+    gluon_tile_cost_splitkv_h100.json) it did; D256 was not timed."""
     p = _problem(d, causal)
     config = SPEC.default_config(p, H100)
     assert config["TMA_STORE"] == tma_store
@@ -202,9 +209,11 @@ def test_the_table_holds_every_point_of_the_space_and_the_current_source() -> No
     table = space.load_table()
     want = {space.entry_key(c["head_dim"], c["dtype"], c["causal"], c["config"])
             for c in cases()}
-    # 192 LPT-0 configs pass the structural rule (x 3 D x 2 dtypes x causal), and the 96
-    # persistent ones with LPT 1 (causal only); half of each with TMA_STORE 1
-    assert len(want) == 192 * 12 + 96 * 6
+    # without the knobs Q_BUFFERS and SPLIT_KV: 192 LPT-0 configs (x 3 D x 2 dtypes x
+    # causal) and 96 persistent ones with LPT 1 (causal only), half of each with TMA_STORE 1;
+    # the new knobs on the ROWS 64 half: SPLIT_KV 1 (96 and 48 more) and two Q buffers
+    # (persistent: 48 and 48, each at both SPLIT_KV)
+    assert len(want) == (192 + 96 + 2 * 48) * 12 + (96 + 48 + 2 * 48) * 6 == 6048
     assert want == set(table), (sorted(want - set(table))[:3], sorted(set(table) - want)[:3])
 
 
@@ -246,8 +255,8 @@ def _recompile(entries: list[dict]) -> list[dict]:
 @pytest.mark.slow
 def test_recompiling_agrees_with_the_table() -> None:
     """The default config at D64 causal fp16, a spilling config at D128, the persistent
-    default tiles with LPT at D128 causal and with the TMA store at D256: the compiler's
-    figures now are the table's."""
+    default tiles with LPT at D128 causal, with the TMA store at D256 and with two Q
+    buffers at D128: the compiler's figures now are the table's."""
     doc = json.loads(space.TABLE.read_text())
     entries = doc["entries"]
     default = next(e for e in entries if e["config"] == _config() and e["head_dim"] == 64
@@ -258,7 +267,10 @@ def test_recompiling_agrees_with_the_table() -> None:
     tma = next(e for e in entries if e["config"] == _config(PERSISTENT=1, TMA_STORE=1,
                                                             BLOCK_N=64)
                and e["head_dim"] == 256 and not e["causal"] and e["dtype"] == "bf16")
-    picked = [default, spilling, lpt, tma]
+    two_q = next(e for e in entries if e["config"] == _config(PERSISTENT=1, PINGPONG=1,
+                                                              TMA_STORE=1, Q_BUFFERS=2)
+                 and e["head_dim"] == 128 and not e["causal"] and e["dtype"] == "bf16")
+    picked = [default, spilling, lpt, tma, two_q]
     for want, got in zip(picked, _recompile(picked), strict=True):
         assert (got["shared"], max(got["registers"]), sum(got["spill_store_bytes"])) == \
             (want["shared"], want["registers"], want["spill_bytes"]), (want, got)
@@ -427,6 +439,74 @@ def test_a_tma_store_launch_passes_a_descriptor_over_out_in_qs_view() -> None:
             (q_desc.shape, q_desc.strides, q_desc.block_shape, q_desc.layout)
         for config in (_config(), {n: v for n, v in _config().items() if n != "TMA_STORE"}):
             assert not {"o_desc", "TMA_STORE"} & set(plan(config)[1])
+
+
+def test_two_q_buffers_are_searched_for_persistent_launches_where_they_fit() -> None:
+    """``Q_BUFFERS`` 2 (a persistent CTA's tiles alternate between two sets of Q buffers):
+    searched with ``PERSISTENT`` 1 and ``ROWS`` 64 only, its shared memory the table's, one
+    more Q tile per consumer (16 KiB at D128 with 64 rows), so the D128 table config's 3
+    stages of 128-key tiles no longer fit and 2 do; ``SPLIT_KV`` 1 adds a barrier per
+    stage and no more; a config stored before the knobs runs one buffer, K and V released
+    together."""
+    d128 = _problem(128, False)
+    two = _config(PERSISTENT=1, PINGPONG=1, TMA_STORE=1, Q_BUFFERS=2)
+    assert SPEC.space.check(two, d128, H100) is None
+    assert two in SPEC.space.valid_configs(d128, H100)
+    assert "PERSISTENT 1" in SPEC.space.check(_config(Q_BUFFERS=2), d128, H100)
+    for knob in ({"Q_BUFFERS": 2}, {"SPLIT_KV": 1}):
+        assert "ROWS 64" in SPEC.space.check(_config(PERSISTENT=1, ROWS=128, BLOCK_N=64, **knob),
+                                             _problem(64), H100)
+    assert "shared memory" in SPEC.space.check({**two, "NUM_STAGES": 3}, d128, H100)
+    assert SPEC.space.check({**two, "NUM_STAGES": 3, "Q_BUFFERS": 1}, d128, H100) is None
+    table = space.load_table()
+    for d, dtype in ((64, "fp16"), (128, "bf16"), (256, "bf16")):
+        for config in (_config(PERSISTENT=1), _config(PERSISTENT=1, TMA_STORE=1, BLOCK_N=64)):
+            one = table[space.entry_key(d, dtype, True, config)]
+            both = table[space.entry_key(d, dtype, True, {**config, "Q_BUFFERS": 2})]
+            q_tiles = config["NUM_CONSUMERS"] * config["ROWS"] * d * 2
+            assert one.shared + q_tiles <= both.shared <= one.shared + q_tiles + 64, (d, config)
+            split = table[space.entry_key(d, dtype, True, {**config, "SPLIT_KV": 1})]
+            assert one.shared <= split.shared <= one.shared + 64, (d, config)
+    old = {k: v for k, v in _config(PERSISTENT=1).items() if k not in ("Q_BUFFERS", "SPLIT_KV")}
+    assert SPEC.space.validate(old) == _config(PERSISTENT=1)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_without_a_mask_the_default_overlaps_the_epilogue_with_the_next_tile(d: int) -> None:
+    """gluon_tile_cost_splitkv_h100.json (H100, Nq 512, Nk 128-4096): the persistent kernel
+    with two Q buffers, K and V released apart and the TMA store ran 0.93-1.04x cuDNN at
+    D64 and 0.94-1.06x at D128, ahead of the earlier default and of the tuned table
+    config; it is the default without a mask (2 stages at D128, where 3 do not fit beside
+    the second Q buffer). Causal problems keep the grid launch, D256 its old default."""
+    config = SPEC.default_config(_problem(d), H100)
+    assert (config["PERSISTENT"], config["Q_BUFFERS"], config["SPLIT_KV"],
+            config["TMA_STORE"]) == (1, 2, 1, 1)
+    assert config["NUM_STAGES"] == (3 if d == 64 else 2)
+    assert SPEC.space.check(config, _problem(d, dtype="fp16"), H100) is None
+    assert SPEC.default_config(_problem(d, True), H100)["PERSISTENT"] == 0
+    assert SPEC.default_config(_problem(256), H100)["Q_BUFFERS"] == 1
+
+
+def test_a_launch_passes_q_buffers_and_split_kv_only_when_set() -> None:
+    """``Q_BUFFERS`` 2 and ``SPLIT_KV`` 1 reach the kernel as constexprs; 1 and 0, or left
+    out as in configs stored before them, pass nothing, which compiles (and caches) the
+    kernel stored before them."""
+    from flashtune.kernel_templates.attn_fwd_gluon.launcher import kernel_args
+
+    q = torch.zeros(2, 4, 300, 128, dtype=torch.bfloat16)
+    k = torch.zeros(2, 2, 300, 128, dtype=torch.bfloat16)
+
+    def plan(config):
+        return kernel_args(q, k, k, torch.empty_like(q), torch.zeros(2, 4, 300), config,
+                           causal=False, scale=0.125)
+
+    _, kwargs, grid = plan(_config(PERSISTENT=1, Q_BUFFERS=2, SPLIT_KV=1))
+    assert kwargs["Q_BUFFERS"] == 2 and kwargs["SPLIT_KV"] is True
+    assert grid == plan(_config(PERSISTENT=1))[2]
+    for config in (_config(PERSISTENT=1),
+                   {n: v for n, v in _config(PERSISTENT=1).items()
+                    if n not in ("Q_BUFFERS", "SPLIT_KV")}):
+        assert not {"Q_BUFFERS", "SPLIT_KV"} & set(plan(config)[1])
 
 
 # -- GPU (sm_90) -------------------------------------------------------------------------------------

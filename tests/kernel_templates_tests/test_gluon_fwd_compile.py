@@ -96,7 +96,10 @@ def test_the_protocol_model_catches_each_planted_bug(mutation: str) -> None:
     ``q_empty`` overwrites a Q buffer being read, phases restarted per tile of a persistent
     CTA and a ``kv_empty`` counting one consumer let a barrier run a phase ahead, and a
     ``TMA_STORE`` consumer that releases its Q buffer once its last ``S`` is done (as
-    without the TMA store) has the next tile's Q land on the O it is storing."""
+    without the TMA store) has the next tile's Q land on the O it is storing; with two sets
+    of Q buffers, a parity taken from the tile count (not the set's own count) lets a wait
+    pass on a phase that is not its own, and with ``SPLIT_KV`` a V buffer released with its
+    K (before its ``P V`` is done) lets a barrier run a phase ahead."""
     with pytest.raises(AssertionError):
         protocol.check_all(mutation, seeds=5)
 
@@ -116,8 +119,13 @@ def test_the_explore_script_names_every_knob_so_no_two_configs_share_a_row():
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
     base = "ROWS=64,BLOCK_N=128,NUM_STAGES=3,NUM_CONSUMERS=2"
-    configs = script.parse_configs(f"{base};{base},PERSISTENT=1;{base},PERSISTENT=1,LPT=1")
+    configs = script.parse_configs(f"{base};{base},PERSISTENT=1;{base},PERSISTENT=1,LPT=1;"
+                                   f"{base},PERSISTENT=1,Q_BUFFERS=2")
     assert [script.name_of(c) for c in configs] == [
-        "gluon_64x2_128_s3", "gluon_64x2_128_s3_ps", "gluon_64x2_128_s3_ps_lpt1"]
+        "gluon_64x2_128_s3", "gluon_64x2_128_s3_ps", "gluon_64x2_128_s3_ps_lpt1",
+        "gluon_64x2_128_s3_ps_q_buffers2"]
+    # a knob at its optional default (one Q buffer, no TMA store) names nothing
+    assert script.name_of({**configs[1], "Q_BUFFERS": 1, "TMA_STORE": 0}) == \
+        "gluon_64x2_128_s3_ps"
     with pytest.raises(SystemExit, match="named twice"):
         script.parse_configs(f"{base};{base},LPT=0")

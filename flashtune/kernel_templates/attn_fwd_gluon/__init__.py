@@ -33,6 +33,12 @@ This kernel is FA3's forward (Shah et al. 2024, Algorithm 1 and 2) written in Gl
   sequence's end stores from registers (the 2-D view's next rows are another head's). A
   persistent consumer then releases its Q buffer after the store is read out, not before
   its last ``P V``.
+* ``Q_BUFFERS`` 2 (persistent): two sets of Q buffers, the tiles of a CTA alternating
+  between them, so the next tile's Q lands while this tile's epilogue still holds (or,
+  with ``TMA_STORE``, stores O through) its buffer; FA3 keeps O in a buffer of its own.
+* ``SPLIT_KV``: a K buffer is released once its ``S`` is done and a V buffer once its
+  ``P V`` is (FA3's separate K and V pipelines), so the producer loads the next K a step
+  earlier and 2 stages feed the main loop as 3 did, leaving room for the second Q set.
 
 ``kernel.py`` holds the ``@gluon.jit`` code, ``launcher.py`` plans and launches it (and
 compiles it for sm_90 without a GPU), ``space.py`` is the search space, whose validity

@@ -3,7 +3,9 @@ only; the package doc describes the structure, :mod:`.launcher` launches it).
 
 * ``_producer`` (1 warp): per tile, each consumer's Q tile (once its buffer is free:
   ``q_empty``), then K and V tiles into a ring of ``NUM_STAGES`` buffers behind the
-  ``k_ready`` / ``v_ready`` / ``kv_empty`` mbarriers (``_producer_tile``);
+  ``k_ready`` / ``v_ready`` / ``kv_empty`` mbarriers (``_producer_tile``; ``SPLIT_KV``:
+  ``kv_empty`` frees a K buffer once its ``S`` is done, ``v_empty`` a V buffer once its
+  ``P V`` is);
 * ``_consumer`` (a warpgroup each, one to three): ``S_j = Q K_j^T`` and
   ``O += P_{j-1} V_{j-1}`` as async wgmma, the softmax of ``S_j`` (``_softmax_block``) while
   the second is in flight, the epilogue (``_consumer_tile``; ``TMA_STORE``: O through the
@@ -15,11 +17,12 @@ CTA per tile, or with ``PERSISTENT`` the tiles ``first, first + stride, ... < en
 SM looping over the tiles, FA3's persistent kernel: the producer loads the next tile's Q and
 first K/V blocks while the consumers finish the last ``P V`` and the epilogue of this one;
 ``_coords`` maps a tile index to its ``(bh, m_block)``, ``_tile`` a tile to its rows and key
-blocks). ``LPT`` (persistent, causal) orders the tiles longest first across the heads of a
-section (FA3's longest-processing-time order; see ``_coords``). Barrier phases run on over
+blocks; ``Q_BUFFERS`` 2: the tiles alternate between two sets of Q buffers, ``_q_slot``).
+``LPT`` (persistent, causal) orders the tiles longest first across the heads of a section
+(FA3's longest-processing-time order; see ``_coords``). Barrier phases run on over
 the tiles: ring slot and phase come from a count of key blocks over the CTA's tiles
 (``kv_base + j - lo``), the ping-pong turn from a count of steps, ``q_bar`` / ``q_empty``
-from the tile count.
+from the tile count (per set of Q buffers).
 
 ``WINDOW`` (with ``CAUSAL``): a sliding window of ``window_left`` keys before each query
 (FlashAttention-2's ``window_size = (window_left, 0)``). A tile's key blocks start at the
@@ -118,13 +121,27 @@ def _tile_coords(bh, m_block, heads_q, group, seqlen_q, seqlen_k, HEAD_D: gl.con
 
 
 @gluon.jit
+def _q_slot(tile_i, NUM_CONSUMERS: gl.constexpr, Q_BUFFERS: gl.constexpr):
+    """Tile ``tile_i``'s Q buffers (the first of its ``NUM_CONSUMERS``) and the parity of
+    their barriers' phase: with ``Q_BUFFERS`` 2 a persistent CTA's tiles alternate between
+    two sets, so the next tile's Q loads while this one's epilogue still holds its set."""
+    if Q_BUFFERS == 1:
+        first = 0
+        parity = tile_i & 1
+    else:
+        first = (tile_i % Q_BUFFERS) * NUM_CONSUMERS
+        parity = (tile_i // Q_BUFFERS) & 1
+    return first, parity
+
+
+@gluon.jit
 def _producer_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
-                   v_ready, kv_empty, bh, m_block, kv_base, tile_i, heads_q, group, seqlen_q,
+                   v_ready, kv_empty, v_empty, bh, m_block, kv_base, tile_i, heads_q, group, seqlen_q,
                    seqlen_k, window_left, ROWS: gl.constexpr,
                    BLOCK_N: gl.constexpr,
                    NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
                    WINDOW: gl.constexpr, PERSISTENT: gl.constexpr, Q_BSHD: gl.constexpr,
-                   KV_BSHD: gl.constexpr):
+                   KV_BSHD: gl.constexpr, Q_BUFFERS: gl.constexpr, SPLIT_KV: gl.constexpr):
     """The loads of the tile (``bh``, ``m_block``), after ``kv_base`` key blocks and ``tile_i`` tiles of this CTA;
     returns how many key blocks the tile has."""
     lo, n_total = _tile(bh, m_block, heads_q, group, seqlen_q, seqlen_k, window_left, ROWS,
@@ -133,12 +150,13 @@ def _producer_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empt
     q_row, q_col, kv_row, kv_col = _tile_coords(bh, m_block, heads_q, group, seqlen_q,
                                                 seqlen_k, HEAD_D, ROWS, NUM_CONSUMERS, Q_BSHD,
                                                 KV_BSHD)
+    qs, q_parity = _q_slot(tile_i, NUM_CONSUMERS, Q_BUFFERS)
     for c in gl.static_range(NUM_CONSUMERS):
-        if PERSISTENT:  # consumer c is done with the last tile's Q (a fresh barrier passes)
-            mbarrier.wait(q_empty.index(c), (tile_i & 1) ^ 1)
-        mbarrier.expect(q_bar.index(c), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [q_row + c * ROWS, q_col], q_bar.index(c),
-                                        q_smem.index(c))
+        if PERSISTENT:  # consumer c is done with the buffer's last tile (a fresh barrier passes)
+            mbarrier.wait(q_empty.index(qs + c), q_parity ^ 1)
+        mbarrier.expect(q_bar.index(qs + c), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [q_row + c * ROWS, q_col], q_bar.index(qs + c),
+                                        q_smem.index(qs + c))
     for j in range(lo, n_total):
         g = kv_base + j - lo
         st = g % NUM_STAGES
@@ -148,6 +166,8 @@ def _producer_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empt
         mbarrier.expect(k_ready.index(st), k_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [kv_row + j * BLOCK_N, kv_col],
                                         k_ready.index(st), k_smem.index(st))
+        if SPLIT_KV:  # kv_empty freed K's buffer (its S is done); V's frees with its P V
+            mbarrier.wait(v_empty.index(st), ph ^ 1)
         mbarrier.expect(v_ready.index(st), v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(v_desc, [kv_row + j * BLOCK_N, kv_col],
                                         v_ready.index(st), v_smem.index(st))
@@ -156,28 +176,30 @@ def _producer_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empt
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
-              v_ready, kv_empty, first, end, stride, n_mblocks, heads_q, group, seqlen_q,
+              v_ready, kv_empty, v_empty, first, end, stride, n_mblocks, heads_q, group, seqlen_q,
               seqlen_k, window_left, section, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
               WINDOW: gl.constexpr, PERSISTENT: gl.constexpr, Q_BSHD: gl.constexpr,
-              KV_BSHD: gl.constexpr, LPT: gl.constexpr):
+              KV_BSHD: gl.constexpr, LPT: gl.constexpr, Q_BUFFERS: gl.constexpr,
+              SPLIT_KV: gl.constexpr):
     if PERSISTENT:
         kv_base = 0
         tile_i = 0
         for t in range(first, end, stride):
             bh, m_block = _coords(t, n_mblocks, end, section, CAUSAL, LPT)
             kv_base += _producer_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar,
-                                      q_empty, k_ready, v_ready, kv_empty, bh, m_block,
+                                      q_empty, k_ready, v_ready, kv_empty, v_empty, bh, m_block,
                                       kv_base, tile_i, heads_q, group, seqlen_q, seqlen_k,
                                       window_left, ROWS, BLOCK_N,
                                       NUM_STAGES, NUM_CONSUMERS, CAUSAL, WINDOW, True, Q_BSHD,
-                                      KV_BSHD)
+                                      KV_BSHD, Q_BUFFERS, SPLIT_KV)
             tile_i += 1
     else:  # a grid launch: (first, end) are the CTA's (m_block, bh)
         _producer_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
-                       v_ready, kv_empty, end, first, 0, 0, heads_q, group, seqlen_q,
+                       v_ready, kv_empty, v_empty, end, first, 0, 0, heads_q, group, seqlen_q,
                        seqlen_k, window_left, ROWS, BLOCK_N,
-                       NUM_STAGES, NUM_CONSUMERS, CAUSAL, WINDOW, False, Q_BSHD, KV_BSHD)
+                       NUM_STAGES, NUM_CONSUMERS, CAUSAL, WINDOW, False, Q_BSHD, KV_BSHD,
+                       Q_BUFFERS, SPLIT_KV)
 
 
 @gluon.jit
@@ -234,12 +256,13 @@ def _their_turn(turn, cid, PINGPONG: gl.constexpr):
 
 @gluon.jit
 def _consumer_tile(cid, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty,
-                   turn, o_ptr, o_desc, lse_ptr, bh, m_block, kv_base, tile_i, heads_q, group,
+                   v_empty, turn, o_ptr, o_desc, lse_ptr, bh, m_block, kv_base, tile_i, heads_q, group,
                    seqlen_q, seqlen_k, qk_scale, window_left,
                    HEAD_D: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
                    NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
                    CAUSAL: gl.constexpr, WINDOW: gl.constexpr, PINGPONG: gl.constexpr,
-                   PERSISTENT: gl.constexpr, Q_BSHD: gl.constexpr, TMA_STORE: gl.constexpr):
+                   PERSISTENT: gl.constexpr, Q_BSHD: gl.constexpr, TMA_STORE: gl.constexpr,
+                   Q_BUFFERS: gl.constexpr, SPLIT_KV: gl.constexpr):
     """Consumer ``cid``'s part of the tile (``bh``, ``m_block``), after ``kv_base`` key blocks and ``tile_i``
     tiles of this CTA; returns the tile's key blocks. ``TMA_STORE``: a whole tile's O goes
     out through Q's shared buffer by one TMA store (``o_desc``, q's 2-D view over O)."""
@@ -270,8 +293,9 @@ def _consumer_tile(cid, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)  # per tile: no live range
     # across the epilogue (hoisted, its registers spilled in the persistent loop)
 
-    mbarrier.wait(q_bar.index(cid), tile_i & 1)
-    q = q_smem.index(cid)
+    qs, q_parity = _q_slot(tile_i, NUM_CONSUMERS, Q_BUFFERS)
+    mbarrier.wait(q_bar.index(qs + cid), q_parity)
+    q = q_smem.index(qs + cid)
 
     # block 0: S_0, its softmax
     st0 = kv_base % NUM_STAGES
@@ -281,6 +305,8 @@ def _consumer_tile(cid, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready
                        is_async=True)
     _their_turn(turn, cid, PINGPONG)
     qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
+    if SPLIT_KV:  # S_0 is done: K_0's buffer is free
+        mbarrier.arrive(kv_empty.index(st0), count=1)
     p, alpha, m_i, l_i = _softmax_block(qk, lo, m_i, l_i, q_start, seqlen_q, seqlen_k,
                                         qk_scale, window_left, s_layout, ROWS, BLOCK_N, CAUSAL,
                                         WINDOW)
@@ -300,15 +326,20 @@ def _consumer_tile(cid, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready
         acc = warpgroup_mma(p16, v_smem.index(prev), acc, is_async=True)
         _their_turn(turn, cid, PINGPONG)
         qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk, ))
+        if SPLIT_KV:  # S_j is done: K_j's buffer is free (V_{j-1}'s once its P V is)
+            mbarrier.arrive(kv_empty.index(st), count=1)
         # the softmax of S_j runs while P_{j-1} V_{j-1} is on the tensor cores
         p, alpha, m_i, l_i = _softmax_block(qk, j, m_i, l_i, q_start, seqlen_q, seqlen_k,
                                             qk_scale, window_left, s_layout, ROWS, BLOCK_N,
                                             CAUSAL, WINDOW)
         acc, p16 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p16))
-        mbarrier.arrive(kv_empty.index(prev), count=1)
+        if SPLIT_KV:
+            mbarrier.arrive(v_empty.index(prev), count=1)
+        else:
+            mbarrier.arrive(kv_empty.index(prev), count=1)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
     if PERSISTENT and not TMA_STORE:  # every S of the tile is done: the producer may load
-        mbarrier.arrive(q_empty.index(cid), count=1)  # the next tile's Q
+        mbarrier.arrive(q_empty.index(qs + cid), count=1)  # the next tile's Q
     # the last block's P V
     g_last = kv_base + n_mine - 1 - lo
     last = g_last % NUM_STAGES
@@ -318,7 +349,10 @@ def _consumer_tile(cid, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready
     acc = warpgroup_mma(p16, v_smem.index(last), acc, is_async=True)
     _their_turn(turn, cid, PINGPONG)
     acc, p16 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p16))
-    mbarrier.arrive(kv_empty.index(last), count=1)
+    if SPLIT_KV:
+        mbarrier.arrive(v_empty.index(last), count=1)
+    else:
+        mbarrier.arrive(kv_empty.index(last), count=1)
     # blocks the producer loads for the other consumers: keep the barrier phases in step
     for j in range(n_mine, n_total):
         g = kv_base + j - lo
@@ -329,6 +363,8 @@ def _consumer_tile(cid, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready
         mbarrier.wait(k_ready.index(st), ph)
         mbarrier.wait(v_ready.index(st), ph)
         mbarrier.arrive(kv_empty.index(st), count=1)
+        if SPLIT_KV:
+            mbarrier.arrive(v_empty.index(st), count=1)
 
     # epilogue: O / l, lse = (m + log2 l) ln 2; rows that saw no key: O = 0, lse = -inf
     l_o = gl.convert_layout(l_i, row_o)
@@ -351,11 +387,11 @@ def _consumer_tile(cid, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready
                 o_row = bh * seqlen_q + q_start
                 o_col = 0
             tma.async_copy_shared_to_global(o_desc, [o_row, o_col], q)
-            tma.store_wait(0)  # the buffer is read: the next tile's Q may land in it
+            tma.store_wait(0)  # the buffer is read: a later tile's Q may land in it
         else:
             gl.store(o_ptr + offs, out.to(dtype), mask=gl.expand_dims(rows_o < seqlen_q, 1))
         if PERSISTENT:
-            mbarrier.arrive(q_empty.index(cid), count=1)
+            mbarrier.arrive(q_empty.index(qs + cid), count=1)
     else:
         gl.store(o_ptr + offs, out.to(dtype), mask=gl.expand_dims(rows_o < seqlen_q, 1))
     lse = gl.where(l_i == 0.0, -float("inf"), (m_i + gl.log2(l_i)) * 0.6931471805599453)
@@ -366,31 +402,33 @@ def _consumer_tile(cid, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready
 
 
 @gluon.jit
-def _consumer(cid, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty, turn,
+def _consumer(cid, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty, v_empty,
+              turn,
               o_ptr, o_desc, lse_ptr, first, end, stride, n_mblocks, heads_q, group, seqlen_q,
               seqlen_k, qk_scale, window_left, section,
               HEAD_D: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
               WINDOW: gl.constexpr, PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr,
-              Q_BSHD: gl.constexpr, LPT: gl.constexpr, TMA_STORE: gl.constexpr):
+              Q_BSHD: gl.constexpr, LPT: gl.constexpr, TMA_STORE: gl.constexpr,
+              Q_BUFFERS: gl.constexpr, SPLIT_KV: gl.constexpr):
     if PERSISTENT:  # key blocks and tiles of the CTA so far: ring slots and phases run on
         kv_base = 0
         tile_i = 0
         for t in range(first, end, stride):
             bh, m_block = _coords(t, n_mblocks, end, section, CAUSAL, LPT)
             kv_base += _consumer_tile(cid, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
-                                      v_ready, kv_empty, turn, o_ptr, o_desc, lse_ptr, bh,
+                                      v_ready, kv_empty, v_empty, turn, o_ptr, o_desc, lse_ptr, bh,
                                       m_block, kv_base, tile_i, heads_q, group, seqlen_q,
                                       seqlen_k, qk_scale, window_left, HEAD_D, ROWS, BLOCK_N,
                                       NUM_STAGES, NUM_CONSUMERS, CAUSAL, WINDOW, PINGPONG, True,
-                                      Q_BSHD, TMA_STORE)
+                                      Q_BSHD, TMA_STORE, Q_BUFFERS, SPLIT_KV)
             tile_i += 1
     else:  # a grid launch: (first, end) are the CTA's (m_block, bh)
         _consumer_tile(cid, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty,
-                       turn, o_ptr, o_desc, lse_ptr, end, first, 0, 0, heads_q, group,
+                       v_empty, turn, o_ptr, o_desc, lse_ptr, end, first, 0, 0, heads_q, group,
                        seqlen_q, seqlen_k, qk_scale, window_left, HEAD_D, ROWS, BLOCK_N,
                        NUM_STAGES, NUM_CONSUMERS, CAUSAL, WINDOW, PINGPONG, False, Q_BSHD,
-                       TMA_STORE)
+                       TMA_STORE, Q_BUFFERS, SPLIT_KV)
 
 
 @gluon.jit
@@ -403,7 +441,8 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, seqlen_q, seql
                           KV_BSHD: gl.constexpr,
                           PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                           WINDOW: gl.constexpr = False, LPT: gl.constexpr = False,
-                          o_desc=None, TMA_STORE: gl.constexpr = False):
+                          o_desc=None, TMA_STORE: gl.constexpr = False,
+                          Q_BUFFERS: gl.constexpr = 1, SPLIT_KV: gl.constexpr = False):
     n_mblocks = gl.cdiv(seqlen_q, NUM_CONSUMERS * ROWS)
     if PERSISTENT:  # a CTA per SM (or fewer), each taking every stride-th tile
         first = gl.program_id(0)
@@ -417,25 +456,36 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, seqlen_q, seql
         stride = 1
 
     dtype: gl.constexpr = q_desc.dtype
-    q_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, ROWS, HEAD_D], q_desc.layout)
+    gl.static_assert(Q_BUFFERS == 1 or Q_BUFFERS == 2)
+    if not PERSISTENT:  # one tile per CTA: nothing to alternate
+        gl.static_assert(Q_BUFFERS == 1)
+    q_smem = gl.allocate_shared_memory(dtype, [Q_BUFFERS * NUM_CONSUMERS, ROWS, HEAD_D],
+                                       q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_D], v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1],
+    q_bar = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS * NUM_CONSUMERS, 1],
+                                      mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS * NUM_CONSUMERS, 1],
                                         mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = kv_empty  # SPLIT_KV: a V buffer's own barrier; kv_empty then guards K's only
+    if SPLIT_KV:
+        v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1],
+                                            mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(turn.index(0), count=1)
     mbarrier.init(turn.index(1), count=1)
-    for c in gl.static_range(NUM_CONSUMERS):
+    for c in gl.static_range(Q_BUFFERS * NUM_CONSUMERS):
         mbarrier.init(q_bar.index(c), count=1)
         mbarrier.init(q_empty.index(c), count=1)
     for s in gl.static_range(NUM_STAGES):
         mbarrier.init(k_ready.index(s), count=1)
         mbarrier.init(v_ready.index(s), count=1)
         mbarrier.init(kv_empty.index(s), count=NUM_CONSUMERS)
+        if SPLIT_KV:
+            mbarrier.init(v_empty.index(s), count=NUM_CONSUMERS)
 
     gl.static_assert(NUM_CONSUMERS >= 1 and NUM_CONSUMERS <= 3)
     gl.static_assert(not PINGPONG or NUM_CONSUMERS == 2)
@@ -443,54 +493,54 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, seqlen_q, seql
     if NUM_CONSUMERS == 1:
         gl.warp_specialize([
             (_consumer, (0, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty,
-                         turn, o_ptr, o_desc, lse_ptr, first, end, stride, n_mblocks, heads_q,
+                         v_empty, turn, o_ptr, o_desc, lse_ptr, first, end, stride, n_mblocks, heads_q,
                          group, seqlen_q, seqlen_k, qk_scale, window_left, section, HEAD_D,
                          ROWS, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, WINDOW, PINGPONG,
-                         PERSISTENT, Q_BSHD, LPT, TMA_STORE)),
+                         PERSISTENT, Q_BSHD, LPT, TMA_STORE, Q_BUFFERS, SPLIT_KV)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty,
-                         k_ready, v_ready, kv_empty, first, end, stride, n_mblocks, heads_q,
+                         k_ready, v_ready, kv_empty, v_empty, first, end, stride, n_mblocks, heads_q,
                          group, seqlen_q, seqlen_k, window_left, section, ROWS,
                          BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, WINDOW, PERSISTENT, Q_BSHD,
-                         KV_BSHD, LPT)),
+                         KV_BSHD, LPT, Q_BUFFERS, SPLIT_KV)),
         ], [1], [PRODUCER_REGS])
     elif NUM_CONSUMERS == 2:
         gl.warp_specialize([
             (_consumer, (0, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty,
-                         turn, o_ptr, o_desc, lse_ptr, first, end, stride, n_mblocks, heads_q,
+                         v_empty, turn, o_ptr, o_desc, lse_ptr, first, end, stride, n_mblocks, heads_q,
                          group, seqlen_q, seqlen_k, qk_scale, window_left, section, HEAD_D,
                          ROWS, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, WINDOW, PINGPONG,
-                         PERSISTENT, Q_BSHD, LPT, TMA_STORE)),
+                         PERSISTENT, Q_BSHD, LPT, TMA_STORE, Q_BUFFERS, SPLIT_KV)),
             (_consumer, (1, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty,
-                         turn, o_ptr, o_desc, lse_ptr, first, end, stride, n_mblocks, heads_q,
+                         v_empty, turn, o_ptr, o_desc, lse_ptr, first, end, stride, n_mblocks, heads_q,
                          group, seqlen_q, seqlen_k, qk_scale, window_left, section, HEAD_D,
                          ROWS, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, WINDOW, PINGPONG,
-                         PERSISTENT, Q_BSHD, LPT, TMA_STORE)),
+                         PERSISTENT, Q_BSHD, LPT, TMA_STORE, Q_BUFFERS, SPLIT_KV)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty,
-                         k_ready, v_ready, kv_empty, first, end, stride, n_mblocks, heads_q,
+                         k_ready, v_ready, kv_empty, v_empty, first, end, stride, n_mblocks, heads_q,
                          group, seqlen_q, seqlen_k, window_left, section, ROWS,
                          BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, WINDOW, PERSISTENT, Q_BSHD,
-                         KV_BSHD, LPT)),
+                         KV_BSHD, LPT, Q_BUFFERS, SPLIT_KV)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:  # FA3's 192-row tile at head dim 64: three consumer warpgroups
         gl.warp_specialize([
             (_consumer, (0, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty,
-                         turn, o_ptr, o_desc, lse_ptr, first, end, stride, n_mblocks, heads_q,
+                         v_empty, turn, o_ptr, o_desc, lse_ptr, first, end, stride, n_mblocks, heads_q,
                          group, seqlen_q, seqlen_k, qk_scale, window_left, section, HEAD_D,
                          ROWS, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, WINDOW, PINGPONG,
-                         PERSISTENT, Q_BSHD, LPT, TMA_STORE)),
+                         PERSISTENT, Q_BSHD, LPT, TMA_STORE, Q_BUFFERS, SPLIT_KV)),
             (_consumer, (1, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty,
-                         turn, o_ptr, o_desc, lse_ptr, first, end, stride, n_mblocks, heads_q,
+                         v_empty, turn, o_ptr, o_desc, lse_ptr, first, end, stride, n_mblocks, heads_q,
                          group, seqlen_q, seqlen_k, qk_scale, window_left, section, HEAD_D,
                          ROWS, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, WINDOW, PINGPONG,
-                         PERSISTENT, Q_BSHD, LPT, TMA_STORE)),
+                         PERSISTENT, Q_BSHD, LPT, TMA_STORE, Q_BUFFERS, SPLIT_KV)),
             (_consumer, (2, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty,
-                         turn, o_ptr, o_desc, lse_ptr, first, end, stride, n_mblocks, heads_q,
+                         v_empty, turn, o_ptr, o_desc, lse_ptr, first, end, stride, n_mblocks, heads_q,
                          group, seqlen_q, seqlen_k, qk_scale, window_left, section, HEAD_D,
                          ROWS, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, WINDOW, PINGPONG,
-                         PERSISTENT, Q_BSHD, LPT, TMA_STORE)),
+                         PERSISTENT, Q_BSHD, LPT, TMA_STORE, Q_BUFFERS, SPLIT_KV)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty,
-                         k_ready, v_ready, kv_empty, first, end, stride, n_mblocks, heads_q,
+                         k_ready, v_ready, kv_empty, v_empty, first, end, stride, n_mblocks, heads_q,
                          group, seqlen_q, seqlen_k, window_left, section, ROWS,
                          BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, WINDOW, PERSISTENT, Q_BSHD,
-                         KV_BSHD, LPT)),
+                         KV_BSHD, LPT, Q_BUFFERS, SPLIT_KV)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])

@@ -42,10 +42,14 @@ HEAD_DIMS = (64, 128, 256)  # the wgmma N of P V; 256 fits 2 stages of 64-key ti
 # PERSISTENT (a CTA per SM looping over the tiles instead of a CTA per tile)
 DEFAULT_CONFIG: dict[str, int] = {"ROWS": 64, "BLOCK_N": 128, "NUM_STAGES": 2,
                                   "NUM_CONSUMERS": 2, "PINGPONG": 0, "PERSISTENT": 0}
-# knobs a config may leave out, and their value then (configs stored before them ran 0):
+# knobs a config may leave out, and their value then (what configs stored before them ran):
 # LPT, a persistent causal launch's tiles longest first across the heads of a section;
-# TMA_STORE, a whole tile's O stored from shared memory by one TMA copy (FA3's epilogue)
-OPTIONAL_CONFIG: dict[str, int] = {"LPT": 0, "TMA_STORE": 0}
+# TMA_STORE, a whole tile's O stored from shared memory by one TMA copy (FA3's epilogue);
+# Q_BUFFERS, Q buffers per consumer (2: a persistent CTA loads the next tile's Q while this
+# tile's epilogue still holds its buffer, which TMA_STORE writes O through)
+# SPLIT_KV, a K buffer released once its S is done and a V buffer once its P V is (FA3's
+# separate K and V pipelines), where both wait for the P V
+OPTIONAL_CONFIG: dict[str, int] = {"LPT": 0, "TMA_STORE": 0, "Q_BUFFERS": 1, "SPLIT_KV": 0}
 # bytes of L2 a section's K and V may take (FA3's tile scheduler budgets 40 of the 50 MB)
 L2_BUDGET = 40 << 20
 # the SMs a persistent launch plans for when it has shapes only (warmup): an H100 SXM's
@@ -166,6 +170,7 @@ def kernel_args(q: Any, k: Any, v: Any, out: Any, lse: Any, config: Mapping[str,
     args = (q_desc, k_desc, v_desc, out, lse, seqlen_q, seqlen_k, heads_q, group,
             batch * heads_q, scale * LOG2E, max(window_left, 0), section)
     tma_store = bool(config.get("TMA_STORE", OPTIONAL_CONFIG["TMA_STORE"]))
+    q_buffers = int(config.get("Q_BUFFERS", OPTIONAL_CONFIG["Q_BUFFERS"]))
     kwargs = dict(
         HEAD_D=head_dim, ROWS=rows, BLOCK_N=bn, NUM_STAGES=config["NUM_STAGES"],
         NUM_CONSUMERS=config["NUM_CONSUMERS"], CAUSAL=bool(causal),
@@ -174,6 +179,10 @@ def kernel_args(q: Any, k: Any, v: Any, out: Any, lse: Any, config: Mapping[str,
         PRODUCER_REGS=meta["PRODUCER_REGS"], CONSUMER_REGS=meta["CONSUMER_REGS"],
         WINDOW=window_left >= 0, LPT=lpt, num_warps=meta["num_warps"],
         maxnreg=meta["maxnreg"])
+    if q_buffers != 1:  # (1 is the kernel's default: a launch of 1 keys the cache as before)
+        kwargs["Q_BUFFERS"] = q_buffers
+    if config.get("SPLIT_KV", OPTIONAL_CONFIG["SPLIT_KV"]):
+        kwargs["SPLIT_KV"] = True
     if tma_store:  # O's view is Q's (out is in q's layout): Q's block, Q's shared buffer
         kwargs.update(TMA_STORE=True, o_desc=TensorDescriptor(
             out, *_desc_shape(out, q_how), [rows, head_dim], _layout([rows, head_dim], gdt)))
@@ -222,6 +231,12 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           f"{dict(config)}")
     if config.get("TMA_STORE", 0) not in (0, 1):
         raise ConfigError(f"TMA_STORE must be 0 or 1; got {dict(config)}")
+    if config.get("Q_BUFFERS", 1) not in (1, 2) or (config.get("Q_BUFFERS", 1) == 2
+                                                     and not config["PERSISTENT"]):
+        raise ConfigError(f"Q_BUFFERS must be 1 or 2, and 2 alternates a PERSISTENT CTA's "
+                          f"tiles between two Q buffers per consumer; got {dict(config)}")
+    if config.get("SPLIT_KV", 0) not in (0, 1):
+        raise ConfigError(f"SPLIT_KV must be 0 or 1; got {dict(config)}")
     if q.device.type != "cuda" or k.device != q.device or v.device != q.device:
         raise DeviceError(f"the Gluon forward runs on one CUDA GPU (sm_90) and has no "
                           f"interpreter mode; got q, k, v on {q.device}, {k.device}, {v.device}")
@@ -266,8 +281,8 @@ def attn_fwd_gluon(
             ``heads_q`` a multiple of ``heads_kv`` (GQA/MQA, never expanded). Inputs that
             are not contiguous, or not 16-byte aligned, are copied (see the module doc).
         config: ``{"ROWS", "BLOCK_N", "NUM_STAGES", "NUM_CONSUMERS", "PINGPONG",
-            "PERSISTENT"}`` and optionally ``"LPT"`` and ``"TMA_STORE"`` (0 when left out),
-            from the template's space.
+            "PERSISTENT"}`` and optionally ``"LPT"`` and ``"TMA_STORE"`` (0 when left out)
+            and ``"Q_BUFFERS"`` (1 when left out), from the template's space.
         causal: bottom-right aligned mask, as ``attn_fwd``: query ``i`` sees key ``j`` iff
             ``j <= i + seqlen_k - seqlen_q``.
         scale: softmax scale, default ``1 / sqrt(head_dim)``. A negative scale runs as
@@ -345,7 +360,9 @@ def compile_sm90(config: dict[str, int], head_dim: int = 128, causal: bool = Fal
         "Q_BSHD": layout == "bshd", "KV_BSHD": layout == "bshd",
         "PRODUCER_REGS": meta["PRODUCER_REGS"], "CONSUMER_REGS": meta["CONSUMER_REGS"],
         "WINDOW": bool(window), "LPT": bool(cfg.get("LPT", OPTIONAL_CONFIG["LPT"])),
-        "TMA_STORE": bool(cfg.get("TMA_STORE", OPTIONAL_CONFIG["TMA_STORE"]))}
+        "TMA_STORE": bool(cfg.get("TMA_STORE", OPTIONAL_CONFIG["TMA_STORE"])),
+        "Q_BUFFERS": int(cfg.get("Q_BUFFERS", OPTIONAL_CONFIG["Q_BUFFERS"])),
+        "SPLIT_KV": bool(cfg.get("SPLIT_KV", OPTIONAL_CONFIG["SPLIT_KV"]))}
     if not const["TMA_STORE"]:  # no O descriptor: the launch passes None (a constexpr)
         const["o_desc"] = None
     kern = gluon_attn_fwd_kernel

@@ -5,7 +5,9 @@ per K/V tile, ``NUM_STAGES`` K/V buffers, ``NUM_CONSUMERS`` consumer warpgroups 
 ``PINGPONG`` (the two consumers take turns to issue their wgmmas), ``PERSISTENT`` (a CTA
 per SM looping over the tiles instead of a CTA per tile) and ``LPT`` (a persistent causal
 launch's tiles longest first across the heads of an L2-sized section; optional, 0 when a
-stored config predates it). Tiles are powers of two
+stored config predates it), ``TMA_STORE`` (O out through Q's shared buffer by one TMA copy),
+``Q_BUFFERS`` (a persistent CTA's tiles alternate between two sets of Q buffers; optional,
+1) and ``SPLIT_KV`` (K and V buffers released apart; optional, 0). Tiles are powers of two
 (Gluon tensors and TMA boxes are), so FA3's 176-key tile is out; ``NUM_STAGES`` starts at 2
 (one buffer would deadlock: block ``j`` is loaded only once block ``j - 1``'s buffer is
 released, which waits for block ``j``).
@@ -65,9 +67,19 @@ PARAMS: dict[str, tuple[int, ...]] = {
     # epilogue; the registers' scattered 4-byte stores otherwise): 1.00-1.12x at D128 on
     # the H100, 0.95-1.08x at D64 (explore_fwd_gluon_tma_h100.json; _TMA_STORE_WINS)
     "TMA_STORE": (0, 1),
+    # Q buffers per consumer (persistent): 2 lets the next tile's Q load while this tile's
+    # epilogue holds its buffer (with TMA_STORE, O goes out through it), where one buffer
+    # serialises epilogue, store, Q load and the next tile's first S; a tile's fixed cost
+    # was 2.2 key blocks' worth at D128 N512 against cuDNN's 0.8 (gluon_tile_cost_h100.json)
+    "Q_BUFFERS": (1, 2),
+    # a K buffer released once its S is done, a V buffer once its P V is (FA3's separate K
+    # and V pipelines), where both wait for the P V: the next K load starts a step earlier,
+    # so 2 stages run the main loop as fast as 3 (D128: 203 against 269 us per 1k keys,
+    # gluon_tile_cost_splitkv_h100.json) and leave room for the second Q buffer
+    "SPLIT_KV": (0, 1),
 }
-# knobs a config may leave out, the launcher's (configs stored before LPT and TMA_STORE
-# existed ran their 0)
+# knobs a config may leave out, the launcher's (configs stored before LPT, TMA_STORE,
+# Q_BUFFERS and SPLIT_KV existed ran 0, 0, 1 and 0)
 DEFAULTS: dict[str, int] = OPTIONAL_CONFIG
 HEAD_DIMS = (64, 128, 256)  # the wgmma N of P V; the launcher refuses others
 DTYPES = ("fp16", "bf16")
@@ -97,6 +109,12 @@ def structural_reason(config: Mapping[str, int]) -> str | None:
     if config.get("LPT", 0) and not config["PERSISTENT"]:
         return "LPT orders a persistent launch's tiles (PERSISTENT 1; a grid launch runs " \
                "its causal CTAs longest first already)"
+    if config.get("Q_BUFFERS", 1) != 1 and not config["PERSISTENT"]:
+        return "Q_BUFFERS 2 alternates a persistent CTA's tiles between two Q buffers " \
+               "(PERSISTENT 1; a grid launch's CTA has one tile)"
+    if (config.get("Q_BUFFERS", 1) != 1 or config.get("SPLIT_KV", 0)) and config["ROWS"] != 64:
+        return "Q_BUFFERS 2 and SPLIT_KV 1 are searched with ROWS 64 (ROWS 128: 1274 of " \
+               "its 1440 sm_90 compiles spill or overflow shared memory, none was ever chosen)"
     return None
 
 
@@ -170,7 +188,8 @@ SPACE = SearchSpace(params=PARAMS, predicate=check, defaults=DEFAULTS)
 # (explore_fwd_gluon_lpt_h100.json: its head-wide order costs L2 reuse); the tuner may pick it
 def _knobs(stages: int, persistent: int, block_n: int = 128, consumers: int = 2) -> Config:
     return {"ROWS": 64, "BLOCK_N": block_n, "NUM_STAGES": stages, "NUM_CONSUMERS": consumers,
-            "PINGPONG": 0, "PERSISTENT": persistent, "LPT": 0, "TMA_STORE": 0}
+            "PINGPONG": 0, "PERSISTENT": persistent, "LPT": 0, "TMA_STORE": 0, "Q_BUFFERS": 1,
+            "SPLIT_KV": 0}
 
 
 _FALLBACKS: tuple[Config, ...] = (_knobs(2, 0), _knobs(3, 0, 64), _knobs(2, 0, 64),
@@ -188,16 +207,27 @@ _DEFAULTS: dict[bool, tuple[Config, ...]] = {
 # and at D256 (not timed)
 _TMA_STORE_WINS: frozenset[tuple[int, bool]] = frozenset({(64, True), (128, False),
                                                           (128, True)})
+# without a mask, first of all: the persistent kernel whose epilogue overlaps the next
+# tile's Q load (Q_BUFFERS 2) and stores by TMA, 2 stages at D128 with SPLIT_KV (a second
+# Q buffer does not fit beside 3). On the H100 at Nq 512, Nk 128-4096
+# (gluon_tile_cost_splitkv_h100.json) 0.93-1.04x cuDNN at D64 (the earlier default
+# 0.76-0.99x) and 0.94-1.06x at D128 (the tuned table config 0.75-1.04x)
+_OVERLAPPED: dict[int, Config] = {
+    64: {**_knobs(3, 1), "TMA_STORE": 1, "Q_BUFFERS": 2, "SPLIT_KV": 1},
+    128: {**_knobs(2, 1), "PINGPONG": 1, "TMA_STORE": 1, "Q_BUFFERS": 2, "SPLIT_KV": 1},
+}
 
 
 def default_config(problem: AttentionProblem, device: DeviceFingerprint) -> Config:
     """A safe config for ``problem``: the first of the defaults the predicate accepts (the
     first one for a problem no config serves: the predicate names why), with TMA_STORE 1
-    where it wins."""
+    where it wins, the overlapped persistent kernel first where it was measured."""
     defaults = _DEFAULTS[bool(problem.causal)]
     if (problem.head_dim, bool(problem.causal)) in _TMA_STORE_WINS:
         defaults = tuple(c for config in defaults
                          for c in ({**config, "TMA_STORE": 1}, config))
+    if not problem.causal and problem.head_dim in _OVERLAPPED:
+        defaults = (_OVERLAPPED[problem.head_dim], *defaults)
     for config in defaults:
         if check(config, problem, device) is None:
             return dict(config)
