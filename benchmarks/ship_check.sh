@@ -20,7 +20,10 @@
 # routes them by the decode op's choices);
 # BASELINES (default sdpa_flash,sdpa_cudnn) and ANCHOR (default sdpa_cudnn, the baseline
 # each run's ratio is taken to); TUNE_ARGS and BENCH_ARGS: more options (`--interpret`
-# with a tiny plan and ANCHOR=sdpa_flash is how it is tested on a CPU); TRIALS, ROUNDS.
+# with a tiny plan and ANCHOR=sdpa_flash is how it is tested on a CPU); TRIALS, ROUNDS;
+# CHECK_DB: the exact tuning's SQLite file (default: one in a temporary folder, gone with the
+# command). A path in the project's git-ignored `.ship/` stays on a warm device machine, so
+# the same command run again goes on with the shapes STOP_AFTER left untuned.
 set -u
 out=${1:?usage: ship_check.sh OUTDIR PLAN NAME [STOP_AFTER]}
 plan=${2:?usage: ship_check.sh OUTDIR PLAN NAME [STOP_AFTER]}
@@ -35,7 +38,8 @@ case $op in
   *) echo "ship_check: OP is fwd, train or decode, got $op" >&2; exit 2 ;;
 esac
 work=$(mktemp -d)
-mkdir -p "$out"
+db=$(realpath -m "${CHECK_DB:-$work/exact.db}")
+mkdir -p "$out" "$(dirname "$db")"
 bench() {  # OUTFILE [flashtune options]
     local file=$1; shift
     # shellcheck disable=SC2086
@@ -48,12 +52,12 @@ XDG_CACHE_HOME=$work/cache FLASHTUNE_DB='' FLASHTUNE_CONFIG_DIR='' \
     bench "$out/ship_nearest_$name.json"
 echo "== 2. tune --op $op for the plan's shapes (stop after $stop s)"
 # shellcheck disable=SC2086
-timeout -s TERM -k 30 $(( stop + 120 )) python -m flashtune --db "sqlite:///$work/exact.db" \
+timeout -s TERM -k 30 $(( stop + 120 )) python -m flashtune --db "sqlite:///$db" \
     tune --op "$op" --plan "$plan" --trials "${TRIALS:-6}" --timeout 40 --patience 6 \
     --no-progress --skip-tuned --stop-after "$stop" ${TUNE_ARGS:-} 2>&1 \
     | grep -v "skipped:" | tail -n 14
 echo "== 3. tuned exactly"
-bench "$out/ship_exact_$name.json" --db "sqlite:///$work/exact.db"
+bench "$out/ship_exact_$name.json" --db "sqlite:///$db"
 echo "== 4. nearest against exact"
 python - "$out/ship_nearest_$name.json" "$out/ship_exact_$name.json" \
     "$out/ship_check_$name.json" "$op" "$anchor" <<'PY'

@@ -53,6 +53,8 @@ def test_the_check_compares_nearest_with_exact_for_each_tuned_shape(tmp_path, ca
     env.update(OP=op, ANCHOR="sdpa_flash", BASELINES="sdpa_flash", TRIALS="1", ROUNDS="1",
                TUNE_ARGS="--interpret", HOME=str(tmp_path), XDG_CACHE_HOME=str(tmp_path),
                PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    if case == "fwd":
+        env["CHECK_DB"] = str(tmp_path / "keep" / "check.db")
     proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "ship_check.sh"),
                            str(tmp_path / "out"), str(plan), "tiny", "120"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=900, check=False)
@@ -75,3 +77,6 @@ def test_the_check_compares_nearest_with_exact_for_each_tuned_shape(tmp_path, ca
     assert row["held_out"] and check["held_out"] == 1  # a shape no shipped table holds
     assert "1 held-out shapes tuned exactly: nearest/exact time geomean" in proc.stdout
     assert "0 shipped shape(s) as controls" in proc.stdout
+    # CHECK_DB (the forward case): the exact tuning's database is kept where it says, so a
+    # second command on a warm device machine goes on from it
+    assert (tmp_path / "keep" / "check.db").is_file() == (case == "fwd")
