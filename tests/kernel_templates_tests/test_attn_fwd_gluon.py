@@ -102,24 +102,20 @@ def test_the_launcher_refuses_what_it_cannot_serve_by_name() -> None:
         SPEC.launcher(f32, f32, f32, _config())
     with pytest.raises(InputError, match="multiple of heads_kv"):
         SPEC.launcher(t(1, 3, 16, 128), k, k, _config())
-    with pytest.raises(ConfigError, match="PINGPONG needs 2"):
-        SPEC.launcher(q, k, k, _config(NUM_CONSUMERS=1, PINGPONG=1))
-    with pytest.raises(ConfigError, match="NUM_CONSUMERS must be 1, 2 or 3"):
-        SPEC.launcher(q, k, k, _config(NUM_CONSUMERS=4))
-    with pytest.raises(ConfigError, match="PERSISTENT must be 0 or 1"):
-        SPEC.launcher(q, k, k, _config(PERSISTENT=2))
-    with pytest.raises(ConfigError, match="LPT must be 0 or 1, and 1 orders a PERSISTENT"):
-        SPEC.launcher(q, k, k, _config(LPT=1))
-    with pytest.raises(ConfigError, match="LPT must be 0 or 1"):
-        SPEC.launcher(q, k, k, _config(PERSISTENT=1, LPT=2))
-    with pytest.raises(ConfigError, match="TMA_STORE must be 0 or 1"):
-        SPEC.launcher(q, k, k, _config(TMA_STORE=2))
-    with pytest.raises(ConfigError, match="Q_BUFFERS must be 1 or 2"):
-        SPEC.launcher(q, k, k, _config(PERSISTENT=1, Q_BUFFERS=3))
-    with pytest.raises(ConfigError, match="2 alternates a PERSISTENT CTA's tiles"):
-        SPEC.launcher(q, k, k, _config(Q_BUFFERS=2))
-    with pytest.raises(ConfigError, match="SPLIT_KV must be 0 or 1"):
-        SPEC.launcher(q, k, k, _config(SPLIT_KV=2))
+    bad_knobs = [  # (config, what the error says)
+        (_config(NUM_CONSUMERS=1, PINGPONG=1), "PINGPONG needs 2"),
+        (_config(NUM_CONSUMERS=4), "NUM_CONSUMERS must be 1, 2 or 3"),
+        (_config(PERSISTENT=2), "PERSISTENT must be 0 or 1"),
+        (_config(LPT=1), "LPT must be 0 or 1, and 1 orders a PERSISTENT"),
+        (_config(PERSISTENT=1, LPT=2), "LPT must be 0 or 1"),
+        (_config(TMA_STORE=2), "TMA_STORE must be 0 or 1"),
+        (_config(PERSISTENT=1, Q_BUFFERS=3), "Q_BUFFERS must be 1 or 2"),
+        (_config(Q_BUFFERS=2), "2 alternates a PERSISTENT CTA's tiles"),
+        (_config(SPLIT_KV=2), "SPLIT_KV must be 0 or 1"),
+    ]
+    for config, says in bad_knobs:
+        with pytest.raises(ConfigError, match=says):
+            SPEC.launcher(q, k, k, config)
     with pytest.raises(ConfigError, match="missing \\['PERSISTENT'\\]"):
         SPEC.launcher(q, k, k, {n: v for n, v in _config().items() if n != "PERSISTENT"})
     with pytest.raises(ConfigError, match="unknown \\['BLOCK_M'\\]"):
