@@ -3,7 +3,7 @@ against its cost per key, one run, SDPA flash and cuDNN beside.
 
     python benchmarks/gluon_tile_cost.py [--head-dims 64,128,256] [--nq 512]
         [--nks 128,256,512,1024,2048,4096] [--configs 'K=V,...;...'] [--rounds 3]
-        [--out benchmarks/results/gluon_tile_cost_h100.json]
+        [--causal] [--out benchmarks/results/gluon_tile_cost_h100.json]
 
 At a fixed query length ``--nq`` (non-causal, bf16, 16384 query tokens: B = 16384 / Nq, heads
 x head_dim = 2048, the standard grid's geometry), the number of output tiles is fixed and a
@@ -14,7 +14,14 @@ line over ``--nks`` splits each contender's time into
   epilogue (O normalised and stored, LSE), the tail of the last wave;
 * ``per_key``: the main loop's cost per key (its throughput, TFLOP/s at the slope).
 
-The standard grid's N512 shape (Nk = Nq = 512) sits on this line. If the Gluon forward's
+The standard grid's N512 shape (Nk = Nq = 512) sits on this line.
+
+``--causal``: square causal shapes instead, ``Nq = Nk = N`` for each N of ``--nks`` at the
+same 16384 tokens (B = 16384 / N). The tiles are as many at every N, and a causal tile of
+query block ``m`` walks ``m + 1`` key blocks, so the time is again a line in N: the
+intercept is the tiles' fixed cost, the slope the main loop's (its TFLOP/s from the causal
+FLOP count); ``--nq`` names the N whose ratio to cuDNN the table prints. Square, so SDPA's
+top-left causal mask is flashtune's bottom-right one. If the Gluon forward's
 slope matches cuDNN's and its intercept does not, what is left to win is in prologue and
 epilogue (overlap the epilogue with the next tile's first blocks, FA3's persistent
 scheduler); if its slope is worse, in the main loop.
@@ -85,9 +92,22 @@ def split_cost(nks: list[int], ms: list[float], flops_per_key: float) -> dict[st
             "fixed_keys": intercept / slope if slope > 0 else float("inf")}
 
 
-def problem(d: int, nq: int, nk: int) -> AttentionProblem:
+def problem(d: int, nq: int, nk: int, causal: bool = False) -> AttentionProblem:
     heads = HIDDEN // d
-    return AttentionProblem(max(1, TOKENS // nq), heads, heads, nq, nk, d, False, "bf16")
+    return AttentionProblem(max(1, TOKENS // nq), heads, heads, nq, nk, d, causal, "bf16")
+
+
+def point(d: int, nq: int, x: int, causal: bool) -> AttentionProblem:
+    """The sweep's shape at ``x``: ``Nk = x`` at the fixed ``nq``, or with ``causal`` the
+    square causal shape ``Nq = Nk = x`` at the same tokens."""
+    return problem(d, x, x, True) if causal else problem(d, nq, x)
+
+
+def flops_per_x(d: int, nq: int, xs: list[int], causal: bool) -> float:
+    """FLOPs the sweep adds per unit of ``x`` (linear in ``x`` both ways: ``4 B H Nq D`` per
+    key at a fixed Nq; ``2 T H D`` per unit of N for square causal shapes of T tokens)."""
+    lo, hi = min(xs), max(xs)
+    return (point(d, nq, hi, causal).flops() - point(d, nq, lo, causal).flops()) / (hi - lo)
 
 
 def overlapped_twin(gluon, config: dict[str, int], anchor: AttentionProblem, dev
@@ -102,11 +122,12 @@ def overlapped_twin(gluon, config: dict[str, int], anchor: AttentionProblem, dev
     return None
 
 
-def contenders(d: int, nq: int, extra: list[dict[str, int]], dev) -> tuple[dict, dict]:
+def contenders(d: int, nq: int, extra: list[dict[str, int]], dev, causal: bool = False
+               ) -> tuple[dict, dict]:
     """``name -> (template, config)`` of the flashtune contenders at head dim ``d``, and how
     each table config was found."""
     gluon, fwd = get_template("attn_fwd_gluon"), get_template("attn_fwd")
-    anchor = problem(d, nq, nq)
+    anchor = problem(d, nq, nq, causal)
     out, found = {}, {}
     if gluon.refuse(anchor, dev) is None:
         dispatch = Dispatcher(gluon)
@@ -114,12 +135,12 @@ def contenders(d: int, nq: int, extra: list[dict[str, int]], dev) -> tuple[dict,
         flipped = dict(choice.config, PERSISTENT=1 - choice.config.get("PERSISTENT", 0))
         configs = [choice.config, flipped]
         found[name_of(choice.config)] = f"{choice.source} ({choice.origin})"
-        if choice.source == "default":  # no table entry near: the causal shape's, if tuned
-            causal = dispatch.choose(replace(anchor, causal=True), dev)
-            if causal.source != "default":
-                configs.append(causal.config)
-                found.setdefault(name_of(causal.config),
-                                 f"the causal shape's {causal.source} ({causal.origin})")
+        if choice.source == "default" and not causal:  # the causal shape's entry, if tuned
+            other = dispatch.choose(replace(anchor, causal=True), dev)
+            if other.source != "default":
+                configs.append(other.config)
+                found.setdefault(name_of(other.config),
+                                 f"the causal shape's {other.source} ({other.origin})")
         configs += [twin for cfg in configs if cfg.get("PERSISTENT")
                     for twin in [overlapped_twin(gluon, cfg, anchor, dev)] if twin]
         configs.append(gluon.default_config(anchor, dev))
@@ -131,33 +152,34 @@ def contenders(d: int, nq: int, extra: list[dict[str, int]], dev) -> tuple[dict,
     return out, found
 
 
-def run_head_dim(d: int, nq: int, nks: list[int], extra, rounds: int, dev) -> dict:
-    kernels, found = contenders(d, nq, extra, dev)
+def run_head_dim(d: int, nq: int, nks: list[int], extra, rounds: int, dev,
+                 causal: bool = False) -> dict:
+    kernels, found = contenders(d, nq, extra, dev, causal)
     # every kernel compiled in a process pool first (the key lengths are multiples of 16:
     # one specialization), cache hits below
     by_spec: dict = {}
     for spec, cfg in kernels.values():
         by_spec.setdefault(spec.name, (spec, []))[1].append(cfg)
     for spec, cfgs in by_spec.values():
-        precompile(spec, problem(d, nq, nq), cfgs, workers=max(2, len(cfgs)))
+        precompile(spec, problem(d, nq, nq, causal), cfgs, workers=max(2, len(cfgs)))
     times: dict[str, list[float | None]] = {n: [] for n in [*kernels, *SDPA_BACKENDS]}
     errors: dict[str, str] = {}
     for nk in nks:
-        p = problem(d, nq, nk)
+        p = point(d, nq, nk, causal)
         torch.manual_seed(0)
-        q = torch.randn(p.batch, p.heads_q, nq, d, device="cuda", dtype=torch.bfloat16)
+        q = torch.randn(p.batch, p.heads_q, p.seqlen_q, d, device="cuda", dtype=torch.bfloat16)
         k, v = (torch.randn(p.batch, p.heads_kv, nk, d, device="cuda", dtype=torch.bfloat16)
                 for _ in range(2))
         sl = (slice(0, 1), slice(0, 4))
-        ref, _ = attn_fwd_reference(q[sl], k[sl], v[sl], causal=False, dtype=torch.float32)
-        fns = {n: (lambda s=s, c=c: s.launcher(q, k, v, c, causal=False))
+        ref, _ = attn_fwd_reference(q[sl], k[sl], v[sl], causal=causal, dtype=torch.float32)
+        fns = {n: (lambda s=s, c=c: s.launcher(q, k, v, c, causal=causal))
                for n, (s, c) in kernels.items()}
         for n, (s, c) in kernels.items():
             reason = s.space.check(s.space.validate(c), p, dev)
             if reason is not None:  # e.g. a flipped knob the space refuses here
                 errors[f"{n} Nk={nk}"] = f"refused by the space: {reason}"
                 del fns[n]
-        fns.update({n: sdpa_fn(b, q, k, v, False) for n, b in SDPA_BACKENDS.items()})
+        fns.update({n: sdpa_fn(b, q, k, v, causal) for n, b in SDPA_BACKENDS.items()})
         for name, fn in list(fns.items()):
             try:
                 check(name, fn()[sl], ref, torch.bfloat16)
@@ -173,12 +195,13 @@ def run_head_dim(d: int, nq: int, nks: list[int], extra, rounds: int, dev) -> di
             times[name].append(ms[len(ms) // 2] if ms else None)
         print(f"D{d} Nk {nk}: " + ", ".join(f"{n} {t[-1]:.4f}" for n, t in times.items()
                                              if t[-1] is not None), flush=True)
-    flops_per_key = 4.0 * problem(d, nq, 1).batch * (HIDDEN // d) * nq * d
+    per_x = flops_per_x(d, nq, nks, causal)
     fits = {n: split_cost([nk for nk, t in zip(nks, ts) if t is not None],
-                          [t for t in ts if t is not None], flops_per_key)
+                          [t for t in ts if t is not None], per_x)
             for n, ts in times.items() if sum(t is not None for t in ts) >= 2}
-    return {"head_dim": d, "seqlen_q": nq, "batch": problem(d, nq, 1).batch,
-            "heads": HIDDEN // d, "seqlen_k": nks,
+    return {"head_dim": d, "seqlen_q": nq, "causal": causal,
+            "batch": [point(d, nq, x, causal).batch for x in nks], "heads": HIDDEN // d,
+            "seqlen_k": nks,
             "configs": {n: c for n, (_, c) in kernels.items()}, "found": found,
             "median_ms": times, "fit": fits, "errors": errors}
 
@@ -204,12 +227,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--head-dims", default="64,128,256")
     ap.add_argument("--nq", type=int, default=512)
-    ap.add_argument("--nks", default="128,256,512,1024,2048,4096")
+    ap.add_argument("--nks", default=None,
+                    help="key lengths (default 128-4096), or with --causal the N of the "
+                         "square shapes (default 512-8192)")
     ap.add_argument("--configs", default="", help="more Gluon configs, 'K=V,...;K=V,...'")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--causal", action="store_true",
+                    help="square causal shapes, N = each of --nks, at the same tokens")
     ap.add_argument("--out", default="benchmarks/results/gluon_tile_cost.json")
     args = ap.parse_args()
-    nks = sorted({int(x) for x in args.nks.split(",")})
+    default_nks = "512,1024,2048,4096,8192" if args.causal else "128,256,512,1024,2048,4096"
+    nks = sorted({int(x) for x in (args.nks or default_nks).split(",")})
     if len(nks) < 2:
         raise SystemExit("--nks: two key lengths or more (a line needs two points)")
     extra = parse_configs(args.configs) if args.configs else []
@@ -221,7 +249,7 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     for d in (int(x) for x in args.head_dims.split(",")):
-        doc["rows"].append(run_head_dim(d, args.nq, nks, extra, args.rounds, dev))
+        doc["rows"].append(run_head_dim(d, args.nq, nks, extra, args.rounds, dev, args.causal))
         doc["wall_s"] = time.time() - t0
         out.write_text(json.dumps(doc, indent=1))
     print(table(doc))

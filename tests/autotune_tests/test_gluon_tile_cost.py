@@ -75,3 +75,15 @@ def test_the_overlapped_twin_gives_up_a_stage_where_the_second_q_buffer_needs_it
     # D256: two Q buffers of 64 x 256 fit beside no stage count of 64-key tiles
     assert script.overlapped_twin(gluon, {**base, "BLOCK_N": 64, "NUM_STAGES": 2},
                                   script.problem(256, 512, 512), h100) is None
+
+
+def test_a_causal_sweep_keeps_the_tokens_and_its_flops_grow_linearly_in_n(script):
+    """``--causal``: square causal shapes at 16384 tokens, so the tiles are as many at every
+    N and the time is a line in N; the FLOPs per unit of N are ``2 T H D`` (the causal
+    count, the diagonal included), and the key sweep's ``4 B H Nq D`` per key."""
+    for n in (512, 2048, 8192):
+        p = script.point(128, 512, n, True)
+        assert (p.seqlen_q, p.seqlen_k, p.causal, p.batch * n) == (n, n, True, 16384)
+    assert script.point(128, 512, 2048, False) == script.problem(128, 512, 2048)
+    assert script.flops_per_x(128, 512, [512, 8192], True) == pytest.approx(2 * 16384 * 16 * 128)
+    assert script.flops_per_x(64, 512, [128, 4096], False) == pytest.approx(4 * 32 * 32 * 512 * 64)
