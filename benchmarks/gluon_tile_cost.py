@@ -82,10 +82,10 @@ def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
 
 
 def split_cost(nks: list[int], ms: list[float], flops_per_key: float) -> dict[str, float]:
-    """A contender's times over the key lengths as ``fixed_us`` (the intercept),
-    ``per_1k_keys_us`` (the slope), ``slope_tflops`` (the main loop's throughput: the FLOPs
-    of one more key over the slope) and ``fixed_keys`` (the intercept in keys' worth of main
-    loop)."""
+    """A contender's times over the sweep (key lengths, or N with ``--causal``) as
+    ``fixed_us`` (the intercept), ``per_1k_keys_us`` (the slope), ``slope_tflops`` (the main
+    loop's throughput: ``flops_per_key``, the FLOPs of one more key or unit of N, over the
+    slope) and ``fixed_keys`` (the intercept in keys' worth of main loop)."""
     intercept, slope = fit_line([float(n) for n in nks], ms)
     return {"fixed_us": intercept * 1e3, "per_1k_keys_us": slope * 1e6,
             "slope_tflops": flops_per_key / (slope * 1e-3) / 1e12 if slope > 0 else 0.0,
@@ -133,6 +133,8 @@ def contenders(d: int, nq: int, extra: list[dict[str, int]], dev, causal: bool =
         dispatch = Dispatcher(gluon)
         choice = dispatch.choose(anchor, dev)
         flipped = dict(choice.config, PERSISTENT=1 - choice.config.get("PERSISTENT", 0))
+        if not flipped["PERSISTENT"]:  # a grid launch: one tile a CTA, no order, one Q set
+            flipped.update(LPT=0, Q_BUFFERS=1)
         configs = [choice.config, flipped]
         found[name_of(choice.config)] = f"{choice.source} ({choice.origin})"
         if choice.source == "default" and not causal:  # the causal shape's entry, if tuned
