@@ -42,7 +42,8 @@ def _problem(d: int = 128, causal: bool = False, dtype: str = "bf16", *, hq: int
 
 def _config(**knobs: int) -> dict[str, int]:
     return {"ROWS": 64, "BLOCK_N": 128, "NUM_STAGES": 2, "NUM_CONSUMERS": 2, "PINGPONG": 0,
-            "PERSISTENT": 0, "LPT": 0, "TMA_STORE": 0, "Q_BUFFERS": 1, "SPLIT_KV": 0, **knobs}
+            "PERSISTENT": 0, "LPT": 0, "TMA_STORE": 0, "Q_BUFFERS": 1, "SPLIT_KV": 0,
+            "CTAS_PER_SM": 1, **knobs}
 
 
 def _entry(compiled: space.Compiled, config: dict[str, int], **problem: object) -> dict:
@@ -112,6 +113,8 @@ def test_the_launcher_refuses_what_it_cannot_serve_by_name() -> None:
         (_config(PERSISTENT=1, Q_BUFFERS=3), "Q_BUFFERS must be 1 or 2"),
         (_config(Q_BUFFERS=2), "2 alternates a PERSISTENT CTA's tiles"),
         (_config(SPLIT_KV=2), "SPLIT_KV must be 0 or 1"),
+        (_config(NUM_CONSUMERS=1, CTAS_PER_SM=3), "CTAS_PER_SM must be 1 or 2"),
+        (_config(CTAS_PER_SM=2), "2 halves the registers of a one-consumer CTA"),
     ]
     for config, says in bad_knobs:
         with pytest.raises(ConfigError, match=says):
@@ -208,8 +211,11 @@ def test_the_table_holds_every_point_of_the_space_and_the_current_source() -> No
     # without the knobs Q_BUFFERS and SPLIT_KV: 192 LPT-0 configs (x 3 D x 2 dtypes x
     # causal) and 96 persistent ones with LPT 1 (causal only), half of each with TMA_STORE 1;
     # the new knobs on the ROWS 64 half: SPLIT_KV 1 (96 and 48 more) and two Q buffers
-    # (persistent: 48 and 48, each at both SPLIT_KV)
-    assert len(want) == (192 + 96 + 2 * 48) * 12 + (96 + 48 + 2 * 48) * 6 == 6048
+    # (persistent: 48 and 48, each at both SPLIT_KV); CTAS_PER_SM 2 on the one-consumer
+    # ROWS 64 configs at D64 and D128 (x 2 dtypes): 24 grid-launched and 48 persistent, and
+    # 48 more with LPT 1 causal
+    assert len(want) == (192 + 96 + 2 * 48) * 12 + (96 + 48 + 2 * 48) * 6 \
+        + (24 + 48 + 24 + 48 + 48) * 4 == 6816
     assert want == set(table), (sorted(want - set(table))[:3], sorted(set(table) - want)[:3])
 
 
@@ -463,8 +469,60 @@ def test_two_q_buffers_are_searched_for_persistent_launches_where_they_fit() -> 
             assert one.shared + q_tiles <= both.shared <= one.shared + q_tiles + 64, (d, config)
             split = table[space.entry_key(d, dtype, True, {**config, "SPLIT_KV": 1})]
             assert one.shared <= split.shared <= one.shared + 64, (d, config)
-    old = {k: v for k, v in _config(PERSISTENT=1).items() if k not in ("Q_BUFFERS", "SPLIT_KV")}
+    old = {k: v for k, v in _config(PERSISTENT=1).items()
+           if k not in ("Q_BUFFERS", "SPLIT_KV", "CTAS_PER_SM")}
     assert SPEC.space.validate(old) == _config(PERSISTENT=1)
+
+
+def test_two_ctas_an_sm_take_half_the_register_file_and_of_the_shared_memory() -> None:
+    """``CTAS_PER_SM`` 2 (occupancy_probe_h100.json: twice one consumer's speed, ahead of two
+    consumers at causal short N): a one-consumer CTA of 64 rows (8 warps: the producer's
+    warpgroup is padded) launches at 128 registers a thread, half the 64K file, and
+    ``setmaxnreg`` raises its consumer to 232; the predicate gives it half of an SM's 228
+    KiB less the 1 KiB a CTA reserves and refuses it with two consumers, 128 rows, or at
+    D256; a persistent launch plans two CTAs an SM. Left out, as in configs stored before
+    it, it is 1: the launch of before."""
+    from flashtune.kernel_templates.attn_fwd_gluon.launcher import (
+        PLANNING_SMS,
+        kernel_args,
+        launch_meta,
+    )
+
+    one = _config(NUM_CONSUMERS=1, BLOCK_N=64, TMA_STORE=1, SPLIT_KV=1)
+    two = {**one, "CTAS_PER_SM": 2}
+    meta = launch_meta(two)
+    assert (meta["maxnreg"], meta["PRODUCER_REGS"], meta["CONSUMER_REGS"]) == (128, 24, 232)
+    assert 2 * 8 * 32 * meta["maxnreg"] == 65536
+    assert launch_meta({k: v for k, v in one.items() if k != "CTAS_PER_SM"}) == \
+        launch_meta(one) != meta
+    d128 = _problem(128, True)
+    assert SPEC.space.check(two, d128, H100) is None
+    assert two in SPEC.space.valid_configs(d128, H100)
+    assert space.cta_smem_limit(two, H100) == (232448 + 1024) // 2 - 1024 == 115712
+    assert space.cta_smem_limit(one, H100) == 232448
+    table = space.load_table()
+    three = {**two, "NUM_STAGES": 3}  # Q and 3 stages of 64-key K and V tiles at D128: 112 KiB
+    assert space.load_table()[space.entry_key(128, "bf16", True, three)].shared <= 115712
+    assert SPEC.space.check(three, d128, H100) is None
+    wide = {**two, "BLOCK_N": 128}  # Q and 2 stages of 128-key K and V tiles: 144 KiB
+    shared = table[space.entry_key(128, "bf16", True, wide)].shared
+    assert 115712 < shared <= 232448
+    assert "shared memory" in SPEC.space.check(wide, d128, H100)
+    assert SPEC.space.check({**wide, "CTAS_PER_SM": 1}, d128, H100) is None
+    for config, says in (({**two, "NUM_CONSUMERS": 2}, "NUM_CONSUMERS 1"),
+                         ({**two, "ROWS": 128}, "ROWS 64")):
+        assert says in SPEC.space.check(config, d128, H100)
+    assert "head_dim 256" in SPEC.space.check(two, _problem(256, True), H100)
+    q = torch.zeros(8, 16, 1024, 128, dtype=torch.bfloat16)
+
+    def plan(config):
+        return kernel_args(q, q, q, torch.empty_like(q), torch.zeros(8, 16, 1024), config,
+                           causal=True, scale=0.125)
+
+    args, kwargs, grid = plan({**two, "PERSISTENT": 1})
+    assert grid == (2 * PLANNING_SMS, 1) and kwargs["maxnreg"] == 128
+    assert plan({**one, "PERSISTENT": 1})[2] == (PLANNING_SMS, 1)
+    assert plan(two)[2] == plan(one)[2] == (16, 8 * 16)  # a grid launch: a CTA per tile
 
 
 @pytest.mark.parametrize("d", [64, 128])
@@ -481,6 +539,25 @@ def test_without_a_mask_the_default_overlaps_the_epilogue_with_the_next_tile(d: 
     assert SPEC.space.check(config, _problem(d, dtype="fp16"), H100) is None
     assert SPEC.default_config(_problem(d, True), H100)["PERSISTENT"] == 0
     assert SPEC.default_config(_problem(256), H100)["Q_BUFFERS"] == 1
+
+
+@pytest.mark.parametrize("d,longest", [(64, 2048), (128, 1024)])
+def test_short_causal_problems_default_to_two_one_consumer_ctas_an_sm(d: int,
+                                                                      longest: int) -> None:
+    """occupancy_probe_h100.json (H100, 16k tokens): one-consumer CTAs two an SM ran causal
+    D64 N512-2k at 0.78-0.91x cuDNN (the two-consumer default 0.66-0.84x) and D128 N512-1k
+    at 0.87-0.91x (0.79-0.87x), but lost to the two-consumer tile at D128 N2k; the default
+    follows up to those key lengths, causal only, and never at D256."""
+    for nk in (77, longest):
+        p = _problem(d, True, nq=nk, nk=nk)
+        config = SPEC.default_config(p, H100)
+        assert (config["NUM_CONSUMERS"], config["CTAS_PER_SM"], config["PERSISTENT"]) \
+            == (1, 2, 0), (nk, config)
+        assert SPEC.space.check(config, p, H100) is None
+        assert config["SPLIT_KV"] == (d == 128)
+    for p in (_problem(d, True, nq=longest, nk=2 * longest), _problem(d, nq=512, nk=512),
+              _problem(256, True, nq=512, nk=512)):
+        assert SPEC.default_config(p, H100)["CTAS_PER_SM"] == 1, p
 
 
 def test_a_launch_passes_q_buffers_and_split_kv_only_when_set() -> None:
@@ -637,6 +714,27 @@ def test_every_valid_config_of_the_space_compiles_and_runs(d: int) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+def test_two_ctas_an_sm_match_the_reference(d: int) -> None:
+    """Every valid ``CTAS_PER_SM`` 2 config (half the register file: a consumer short of
+    registers would spill or fail to compile, the table says it does not) on an odd GQA
+    shape, causal with Nq < Nk and not: output and LSE against float32 (the whole-space
+    test covers them too; this one runs them alone, in seconds)."""
+    from flashtune.core.device import cuda_device
+
+    b, hq, hkv, nq, nk = 1, 4, 2, 333, 517
+    q, k, v = _rand(b, hq, nq, d, dtype=torch.bfloat16), \
+        _rand(b, hkv, nk, d, dtype=torch.bfloat16), _rand(b, hkv, nk, d, dtype=torch.bfloat16)
+    for causal in (False, True):
+        p = AttentionProblem.from_tensors(q, k, causal=causal)
+        configs = [c for c in SPEC.space.valid_configs(p, cuda_device())
+                   if c["CTAS_PER_SM"] == 2]
+        assert len(configs) >= 8, configs
+        _precompile(p, configs)
+        _assert_each_matches_the_reference(q, k, v, configs, causal)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("case", [
     (3, 12, 4, 1000, 1000, 128, False),  # 288 tiles of 128 rows: 2-3 a CTA, ragged end
     (2, 16, 4, 1900, 2100, 64, True),  # GQA 4:1, causal Nq < Nk: tiles of every length
@@ -659,7 +757,8 @@ def test_persistent_ctas_serve_many_tiles_each(case) -> None:
     ref, ref_lse = attn_fwd_reference(q, k, v, causal=causal, dtype=torch.float32)
     for config in configs:
         tiles = -(-nq // (config["ROWS"] * config["NUM_CONSUMERS"])) * b * hq
-        assert tiles > persistent_ctas(q, tiles), (config, tiles)  # several tiles a CTA
+        # several tiles a CTA
+        assert tiles > persistent_ctas(q, tiles, config["CTAS_PER_SM"]), (config, tiles)
         out, lse = SPEC.launcher(q, k, v, config, causal=causal, return_lse=True)
         rel = ((out.float() - ref).norm() / ref.norm()).item()
         assert rel < 2e-2, (config, rel)
@@ -676,7 +775,7 @@ def test_lpt_sections_smaller_than_the_batch_cover_every_tile(monkeypatch, budge
     from flashtune.kernel_templates.attn_fwd_gluon import launcher
 
     monkeypatch.setattr(launcher, "L2_BUDGET", budget)
-    monkeypatch.setattr(launcher, "persistent_ctas", lambda t, tiles: min(tiles, 8))
+    monkeypatch.setattr(launcher, "persistent_ctas", lambda t, tiles, per_sm=1: min(tiles, 8))
     assert launcher.lpt_section(36, 3, 1000, 128, 8, 8) == (6 if budget == 1 else 15)
     q = _rand(3, 12, 1000, 128, dtype=torch.bfloat16)
     k, v = (_rand(3, 4, 1000, 128, dtype=torch.bfloat16) for _ in range(2))

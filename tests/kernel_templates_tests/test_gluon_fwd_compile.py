@@ -69,7 +69,8 @@ def test_the_swept_configs_compile() -> None:
              {"ROWS": 128, "BLOCK_N": 64}, {"PINGPONG": 1, "causal": True},
              {"PINGPONG": 1, "head_dim": 64}, {"PERSISTENT": 1, "causal": True},
              {"PERSISTENT": 1, "PINGPONG": 1, "head_dim": 64},
-             {"NUM_CONSUMERS": 3, "BLOCK_N": 64, "head_dim": 64, "PERSISTENT": 1}]
+             {"NUM_CONSUMERS": 3, "BLOCK_N": 64, "head_dim": 64, "PERSISTENT": 1},
+             {"NUM_CONSUMERS": 1, "BLOCK_N": 64, "CTAS_PER_SM": 2, "causal": True}]
     # warps: 4 per consumer + the producer's warpgroup (padded to 4 with three consumers)
     warps = {1: 8, 2: 12, 3: 16}
     for case, got in zip(cases, _compile([dict(c) for c in cases]), strict=True):
@@ -78,6 +79,10 @@ def test_the_swept_configs_compile() -> None:
         if case.get("NUM_CONSUMERS") == 3:  # 24 / 160 registers, no spill at 64-key tiles
             assert ["inc", "160"] in got["setmaxnreg"], got
             assert got["spill_store_bytes"] == [0], got
+        if case.get("CTAS_PER_SM") == 2:  # launched at 128 a thread, the consumer at 232
+            assert got["registers"] == [128] and ["inc", "232"] in got["setmaxnreg"], got
+            assert got["spill_store_bytes"] == [0], got
+            assert got["shared"] <= (228 * 1024) // 2 - 1024, got  # two an SM
         assert got["shared"] <= 227 * 1024, got
 
 

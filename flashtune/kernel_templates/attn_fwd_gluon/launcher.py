@@ -48,8 +48,11 @@ DEFAULT_CONFIG: dict[str, int] = {"ROWS": 64, "BLOCK_N": 128, "NUM_STAGES": 2,
 # Q_BUFFERS, Q buffers per consumer (2: a persistent CTA loads the next tile's Q while this
 # tile's epilogue still holds its buffer, which TMA_STORE writes O through)
 # SPLIT_KV, a K buffer released once its S is done and a V buffer once its P V is (FA3's
-# separate K and V pipelines), where both wait for the P V
-OPTIONAL_CONFIG: dict[str, int] = {"LPT": 0, "TMA_STORE": 0, "Q_BUFFERS": 1, "SPLIT_KV": 0}
+# separate K and V pipelines), where both wait for the P V;
+# CTAS_PER_SM, CTAs an SM runs side by side: 2 compiles a one-consumer CTA to half the
+# register file, so one CTA's prologue and epilogue overlap the other's main loop
+OPTIONAL_CONFIG: dict[str, int] = {"LPT": 0, "TMA_STORE": 0, "Q_BUFFERS": 1, "SPLIT_KV": 0,
+                                   "CTAS_PER_SM": 1}
 # bytes of L2 a section's K and V may take (FA3's tile scheduler budgets 40 of the 50 MB)
 L2_BUDGET = 40 << 20
 # the SMs a persistent launch plans for when it has shapes only (warmup): an H100 SXM's
@@ -62,11 +65,13 @@ def _layout(block: list[int], dtype: Any) -> Any:
 
 def launch_meta(config: Mapping[str, int]) -> dict[str, int]:
     """Warps and register split: the consumers take 4 warps each, the producer 1 warp (a
-    warpgroup's registers); ``maxnreg`` so the whole CTA fits the 64K-register file: 24 /
-    240 with two consumers (FA3's split), 24 / 160 with three."""
+    warpgroup's registers); ``maxnreg`` so ``CTAS_PER_SM`` CTAs fit the 64K-register file:
+    24 / 240 with two consumers (FA3's split), 24 / 160 with three; one consumer at two
+    CTAs an SM launches at 128 a thread and takes 24 / 232 by ``setmaxnreg``."""
     consumers = config["NUM_CONSUMERS"]
     groups = consumers + 1  # warpgroups: consumers + the producer's
-    maxnreg = (65536 // (groups * 128)) // 8 * 8
+    per_sm = config.get("CTAS_PER_SM", OPTIONAL_CONFIG["CTAS_PER_SM"])
+    maxnreg = (65536 // (groups * 128 * per_sm)) // 8 * 8
     producer = 24
     consumer = min(240, ((maxnreg * groups - producer) // consumers) // 8 * 8)
     return {"num_warps": 4, "maxnreg": maxnreg, "PRODUCER_REGS": producer,
@@ -78,17 +83,17 @@ def _sm_count(index: int) -> int:
     return int(torch.cuda.get_device_properties(index).multi_processor_count)
 
 
-def persistent_ctas(t: Any, tiles: int) -> int:
-    """CTAs of a persistent launch of ``tiles`` tiles for tensor ``t``'s GPU: one per SM
-    (a CTA takes the whole register file), fewer when there are fewer tiles;
-    :data:`PLANNING_SMS` for a shape-only stand-in."""
+def persistent_ctas(t: Any, tiles: int, per_sm: int = 1) -> int:
+    """CTAs of a persistent launch of ``tiles`` tiles for tensor ``t``'s GPU: ``per_sm``
+    per SM (``CTAS_PER_SM``: what the register file and shared memory hold), fewer when
+    there are fewer tiles; :data:`PLANNING_SMS` SMs for a shape-only stand-in."""
     device = getattr(t, "device", None)
     if device is not None and getattr(device, "type", None) == "cuda":
         sms = _sm_count(device.index if device.index is not None
                         else torch.cuda.current_device())
     else:
         sms = PLANNING_SMS
-    return max(1, min(tiles, sms))
+    return max(1, min(tiles, sms * per_sm))
 
 
 def lpt_section(batch_heads: int, group: int, seqlen_k: int, head_dim: int, m_blocks: int,
@@ -162,7 +167,9 @@ def kernel_args(q: Any, k: Any, v: Any, out: Any, lse: Any, config: Mapping[str,
                               _layout([bn, head_dim], gdt))
     meta = launch_meta(config)
     m_blocks = -(-seqlen_q // (config["NUM_CONSUMERS"] * rows))
-    ctas = persistent_ctas(q, m_blocks * batch * heads_q) if config["PERSISTENT"] else 0
+    ctas = persistent_ctas(q, m_blocks * batch * heads_q,
+                           config.get("CTAS_PER_SM", OPTIONAL_CONFIG["CTAS_PER_SM"])) \
+        if config["PERSISTENT"] else 0
     lpt = bool(config.get("LPT", OPTIONAL_CONFIG["LPT"]))
     group = heads_q // heads_kv
     section = lpt_section(batch * heads_q, group, seqlen_k, head_dim, m_blocks, ctas) \
@@ -237,6 +244,10 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           f"tiles between two Q buffers per consumer; got {dict(config)}")
     if config.get("SPLIT_KV", 0) not in (0, 1):
         raise ConfigError(f"SPLIT_KV must be 0 or 1; got {dict(config)}")
+    if config.get("CTAS_PER_SM", 1) not in (1, 2) or (config.get("CTAS_PER_SM", 1) == 2
+                                                       and config["NUM_CONSUMERS"] != 1):
+        raise ConfigError(f"CTAS_PER_SM must be 1 or 2, and 2 halves the registers of a "
+                          f"one-consumer CTA (NUM_CONSUMERS 1); got {dict(config)}")
     if q.device.type != "cuda" or k.device != q.device or v.device != q.device:
         raise DeviceError(f"the Gluon forward runs on one CUDA GPU (sm_90) and has no "
                           f"interpreter mode; got q, k, v on {q.device}, {k.device}, {v.device}")
@@ -281,8 +292,9 @@ def attn_fwd_gluon(
             ``heads_q`` a multiple of ``heads_kv`` (GQA/MQA, never expanded). Inputs that
             are not contiguous, or not 16-byte aligned, are copied (see the module doc).
         config: ``{"ROWS", "BLOCK_N", "NUM_STAGES", "NUM_CONSUMERS", "PINGPONG",
-            "PERSISTENT"}`` and optionally ``"LPT"`` and ``"TMA_STORE"`` (0 when left out)
-            and ``"Q_BUFFERS"`` (1 when left out), from the template's space.
+            "PERSISTENT"}`` and optionally ``"LPT"``, ``"TMA_STORE"`` and ``"SPLIT_KV"``
+            (0 when left out), ``"Q_BUFFERS"`` and ``"CTAS_PER_SM"`` (1 when left out),
+            from the template's space.
         causal: bottom-right aligned mask, as ``attn_fwd``: query ``i`` sees key ``j`` iff
             ``j <= i + seqlen_k - seqlen_q``.
         scale: softmax scale, default ``1 / sqrt(head_dim)``. A negative scale runs as

@@ -7,7 +7,9 @@ per SM looping over the tiles instead of a CTA per tile) and ``LPT`` (a persiste
 launch's tiles longest first across the heads of an L2-sized section; optional, 0 when a
 stored config predates it), ``TMA_STORE`` (O out through Q's shared buffer by one TMA copy),
 ``Q_BUFFERS`` (a persistent CTA's tiles alternate between two sets of Q buffers; optional,
-1) and ``SPLIT_KV`` (K and V buffers released apart; optional, 0). Tiles are powers of two
+1), ``SPLIT_KV`` (K and V buffers released apart; optional, 0) and ``CTAS_PER_SM`` (2: a
+one-consumer CTA compiled to half the register file, two an SM; optional, 1). Tiles are
+powers of two
 (Gluon tensors and TMA boxes are), so FA3's 176-key tile is out; ``NUM_STAGES`` starts at 2
 (one buffer would deadlock: block ``j`` is loaded only once block ``j - 1``'s buffer is
 released, which waits for block ``j``).
@@ -43,7 +45,7 @@ from flashtune.kernel_templates.attn_fwd_gluon.launcher import OPTIONAL_CONFIG
 from flashtune.kernel_templates.sm90_table import SMEM_LIMIT, SPILL_LIMIT, Compiled
 
 __all__ = ["DEFAULTS", "HEAD_DIMS", "PARAMS", "SMEM_LIMIT", "SPILL_LIMIT", "SPACE", "TABLE",
-           "Compiled", "check", "default_config", "entry_key", "load_table",
+           "Compiled", "check", "cta_smem_limit", "default_config", "entry_key", "load_table",
            "structural_reason"]
 
 PARAMS: dict[str, tuple[int, ...]] = {
@@ -77,9 +79,16 @@ PARAMS: dict[str, tuple[int, ...]] = {
     # so 2 stages run the main loop as fast as 3 (D128: 203 against 269 us per 1k keys,
     # gluon_tile_cost_splitkv_h100.json) and leave room for the second Q buffer
     "SPLIT_KV": (0, 1),
+    # CTAs an SM runs side by side: 2 launches a one-consumer CTA at 128 registers a thread
+    # (setmaxnreg still gives its consumer 232), so an SM holds two where their shared
+    # memory fits twice, and one's prologue and epilogue overlap the other's main loop. On
+    # the H100 at 16k tokens (occupancy_probe_h100.json) it doubled one consumer's speed
+    # and beat the two-consumer tile at causal short N: D128 N512 0.87x cuDNN (two
+    # consumers 0.79x), N1024 0.91x (0.87x); D64 N512 0.78x (0.75x), N2048 0.91x (0.84x)
+    "CTAS_PER_SM": (1, 2),
 }
 # knobs a config may leave out, the launcher's (configs stored before LPT, TMA_STORE,
-# Q_BUFFERS and SPLIT_KV existed ran 0, 0, 1 and 0)
+# Q_BUFFERS, SPLIT_KV and CTAS_PER_SM existed ran 0, 0, 1, 0 and 1)
 DEFAULTS: dict[str, int] = OPTIONAL_CONFIG
 HEAD_DIMS = (64, 128, 256)  # the wgmma N of P V; the launcher refuses others
 DTYPES = ("fp16", "bf16")
@@ -115,7 +124,19 @@ def structural_reason(config: Mapping[str, int]) -> str | None:
     if (config.get("Q_BUFFERS", 1) != 1 or config.get("SPLIT_KV", 0)) and config["ROWS"] != 64:
         return "Q_BUFFERS 2 and SPLIT_KV 1 are searched with ROWS 64 (ROWS 128: 1274 of " \
                "its 1440 sm_90 compiles spill or overflow shared memory, none was ever chosen)"
+    if config.get("CTAS_PER_SM", 1) != 1 and (config["NUM_CONSUMERS"] != 1
+                                              or config["ROWS"] != 64):
+        return "CTAS_PER_SM 2 halves the register file of a one-consumer CTA of 64 rows " \
+               "(NUM_CONSUMERS 1, ROWS 64; two consumers need all of it)"
     return None
+
+
+def cta_smem_limit(config: Mapping[str, int], device: DeviceFingerprint) -> int:
+    """The shared memory one CTA of ``config`` may use on ``device``: the block limit, or
+    with ``CTAS_PER_SM`` 2 half of what an SM holds, less the 1 KiB each CTA reserves."""
+    limit = sm90_table.smem_limit(device)
+    per_sm = config.get("CTAS_PER_SM", 1)
+    return limit if per_sm == 1 else (limit + 1024) // per_sm - 1024
 
 
 def _entry(raw: Any, where: str) -> tuple[str, Compiled]:
@@ -161,7 +182,8 @@ def check(config: Mapping[str, int], problem: AttentionProblem,
 
     Structural rules first, then the sm_90 compile table: a config that failed to compile,
     spills, or needs more shared memory than the block may use (227 KiB, or the device's
-    opt-in limit when lower) is refused with the table's figures.
+    opt-in limit when lower; half an SM's, less 1 KiB, with ``CTAS_PER_SM`` 2) is refused
+    with the table's figures.
     """
     reason = structural_reason(config)
     if reason is not None:
@@ -170,11 +192,14 @@ def check(config: Mapping[str, int], problem: AttentionProblem,
         return f"head_dim {problem.head_dim}: the Gluon forward serves {list(HEAD_DIMS)}"
     if config.get("LPT", 0) and not problem.causal:
         return "LPT orders causal tiles (without a mask every tile is as long: LPT 0's order)"
+    if config.get("CTAS_PER_SM", 1) != 1 and problem.head_dim == HEAD_DIMS[-1]:
+        return f"CTAS_PER_SM 2 at head_dim {problem.head_dim}: Q and two K/V stages " \
+               f"overflow half an SM's shared memory (not compiled)"
     compiled = load_table().get(entry_key(problem.head_dim, problem.dtype, problem.causal,
                                           config))
     if compiled is None:
         return f"not in the sm_90 compile table ({TABLE.name}); regenerate it: {REGENERATE}"
-    return compiled.reason(sm90_table.smem_limit(device))
+    return compiled.reason(cta_smem_limit(config, device))
 
 
 SPACE = SearchSpace(params=PARAMS, predicate=check, defaults=DEFAULTS)
@@ -189,7 +214,7 @@ SPACE = SearchSpace(params=PARAMS, predicate=check, defaults=DEFAULTS)
 def _knobs(stages: int, persistent: int, block_n: int = 128, consumers: int = 2) -> Config:
     return {"ROWS": 64, "BLOCK_N": block_n, "NUM_STAGES": stages, "NUM_CONSUMERS": consumers,
             "PINGPONG": 0, "PERSISTENT": persistent, "LPT": 0, "TMA_STORE": 0, "Q_BUFFERS": 1,
-            "SPLIT_KV": 0}
+            "SPLIT_KV": 0, "CTAS_PER_SM": 1}
 
 
 _FALLBACKS: tuple[Config, ...] = (_knobs(2, 0), _knobs(3, 0, 64), _knobs(2, 0, 64),
@@ -218,16 +243,32 @@ _OVERLAPPED: dict[int, Config] = {
 }
 
 
+# causal with few keys, first of all: one-consumer CTAs two an SM, so one CTA's prologue
+# and epilogue (a larger share of a short causal tile) overlap the other's main loop; up to
+# the longest key length where it was measured to win. On the H100 at 16k tokens
+# (occupancy_probe_h100.json, cuDNN = 1): D64 N512/1k/2k 0.78/0.85/0.91 (the two-consumer
+# default 0.66/0.74/0.84); D128 N512/1k 0.87/0.91 (0.79/0.87), at N2k 0.93 against the
+# two-consumer tile's 0.96, so not there
+_TWO_AN_SM: dict[int, tuple[int, Config]] = {
+    64: (2048, {**_knobs(3, 0, 128, 1), "TMA_STORE": 1, "CTAS_PER_SM": 2}),
+    128: (1024, {**_knobs(2, 0, 64, 1), "TMA_STORE": 1, "SPLIT_KV": 1, "CTAS_PER_SM": 2}),
+}
+
+
 def default_config(problem: AttentionProblem, device: DeviceFingerprint) -> Config:
     """A safe config for ``problem``: the first of the defaults the predicate accepts (the
     first one for a problem no config serves: the predicate names why), with TMA_STORE 1
-    where it wins, the overlapped persistent kernel first where it was measured."""
+    where it wins, the overlapped persistent kernel first without a mask and two CTAs an SM
+    first for short causal problems, where each was measured."""
     defaults = _DEFAULTS[bool(problem.causal)]
     if (problem.head_dim, bool(problem.causal)) in _TMA_STORE_WINS:
         defaults = tuple(c for config in defaults
                          for c in ({**config, "TMA_STORE": 1}, config))
     if not problem.causal and problem.head_dim in _OVERLAPPED:
         defaults = (_OVERLAPPED[problem.head_dim], *defaults)
+    short = _TWO_AN_SM.get(problem.head_dim)
+    if problem.causal and short is not None and problem.seqlen_k <= short[0]:
+        defaults = (short[1], *defaults)
     for config in defaults:
         if check(config, problem, device) is None:
             return dict(config)
