@@ -4,8 +4,8 @@ resume of a study a dead job left behind.
 One Optuna study per (device, template, problem), named
 ``"{device}/{template}@{source_hash}/{canonical problem key}"`` (:func:`study_name`), is
 recorded in the store next to flashtune's own trials. :func:`open_study` opens it (or
-resumes it) for one run; :func:`_warm_start` queues the template default and the best
-configs of the nearest tuned problems.
+resumes it) for one run; :func:`_warm_start` queues the template default, its rivals and
+the best configs of the nearest tuned problems.
 
 A job killed mid-trial (``kill -9``, the OOM killer, a lost node) leaves its run and trial
 RUNNING. On resume, a RUNNING run of this host whose owner process (``RunRecord.pid``) is
@@ -235,13 +235,16 @@ def _recorded_configs(store: TuningStore, ids: tuple[int, int, int]) -> set[str]
 
 def _warm_start(study: Any, store: TuningStore, space: SearchSpace, problem: AttentionProblem,
                 device: DeviceFingerprint, template: str, default: Mapping[str, int],
-                ids: tuple[int, int, int]) -> None:
-    """Queue the template default, the stored best of ``problem`` and the best configs of
-    the nearest tuned problems on this hardware, each unless it has a trial in the study
-    (trials failed as stale aside)."""
+                ids: tuple[int, int, int],
+                seeds: Sequence[Mapping[str, int]] = ()) -> None:
+    """Queue the template default, the stored best of ``problem``, the template's ``seeds``
+    (its default's rivals: :attr:`~flashtune.core.spec.TemplateSpec.seed_configs`) and the
+    best configs of the nearest tuned problems on this hardware, in that order, each unless
+    it has a trial in the study (trials failed as stale aside)."""
     from flashtune.autotune.strategies import enqueue
 
     candidates = [dict(default)]
+    rivals = [dict(seed) for seed in seeds]
     near = []
     for best in store.list_best(device_name=device.name, template_name=template):
         if best.device.hardware_key() != device.hardware_key():
@@ -257,7 +260,7 @@ def _warm_start(study: Any, store: TuningStore, space: SearchSpace, problem: Att
         if dist != float("inf"):
             near.append((dist, best.problem.id, dict(best.config)))
     near.sort(key=lambda x: (x[0], x[1]))
-    candidates += [c for _, _, c in near[:WARM_START_NEIGHBOURS]]
+    candidates += rivals + [c for _, _, c in near[:WARM_START_NEIGHBOURS]]
     seen = set()
     for cfg in candidates:
         key = canonical_json(cfg)

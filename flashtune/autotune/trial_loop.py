@@ -177,7 +177,9 @@ def _tune_one(problem: AttentionProblem, options: TuneOptions, store: TuningStor
     ids, study, run_id = opened.ids, opened.optuna, opened.run_id
     # the default in the study's own terms (a replayed recording may cover fewer knobs)
     default = {n: v for n, v in spec.default_config(problem, device).items() if n in space.params}
-    _warm_start(study, store, space, problem, device, spec.name, default, ids)
+    seeds = [{n: v for n, v in seed.items() if n in space.params}
+             for seed in (spec.seed_configs(problem, device) if spec.seed_configs else [])]
+    _warm_start(study, store, space, problem, device, spec.name, default, ids, seeds)
 
     runner = runner_factory(spec, problem, device, options)
     states: dict[str, int] = {}

@@ -19,8 +19,8 @@ from flashtune.core.problem import AttentionProblem
 from flashtune.core.space import Config, SearchSpace
 
 __all__ = ["BWD_PREFIX", "KINDS", "OPS", "USER_OPS", "DefaultConfig", "Launch", "Limits",
-           "MakeCase", "TemplateSpec", "WarmupLaunches", "join_pair", "op_implementations",
-           "split_pair"]
+           "MakeCase", "SeedConfigs", "TemplateSpec", "WarmupLaunches", "join_pair",
+           "op_implementations", "split_pair"]
 
 # what an implementation computes: the forward (optionally saving the LSE), the backward
 # (dQ, dK, dV from the forward's output and LSE), decoding against a KV cache, or a training
@@ -201,6 +201,8 @@ def join_pair(fwd: Mapping[str, int], bwd: Mapping[str, int]) -> dict[str, int]:
 # ``(kernel, args, kwargs, grid)``: ``kernel.warmup(*args, grid=grid, **kwargs)`` compiles it
 Launch = tuple[Any, tuple[Any, ...], dict[str, Any], tuple[int, ...]]
 DefaultConfig = Callable[[AttentionProblem, DeviceFingerprint], Config]
+# the rival structures a search tries right after the default (TemplateSpec.seed_configs)
+SeedConfigs = Callable[[AttentionProblem, DeviceFingerprint], list[Config]]
 
 
 class MakeCase(Protocol):
@@ -254,6 +256,11 @@ class TemplateSpec:
         limits: what it can serve (:class:`Limits`).
         backward: the backward template (``"attn_bwd"``) that a training step pairs with this
             forward (its LSE is that backward's input); None: none, or torch's autograd.
+        seed_configs: ``seed_configs(problem, device) -> [Config]``: configs a search
+            tries right after the default, before its sampler's own: the default's rivals,
+            structures measured to win where the default did not (on another GPU, or a
+            neighbouring shape), so a search of a few trials still compares them; None:
+            none.
     """
 
     name: str
@@ -272,6 +279,7 @@ class TemplateSpec:
     serves: tuple[str, ...] = ()
     limits: Limits = Limits()
     backward: str | None = None
+    seed_configs: SeedConfigs | None = None
 
     def __post_init__(self) -> None:
         if self.op not in OPS:

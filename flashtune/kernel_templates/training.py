@@ -307,7 +307,7 @@ def _train_spec(fwd: TemplateSpec, bwd: TemplateSpec | None) -> TemplateSpec:
     step = TrainStep(fwd, bwd)
     if bwd is None:  # an extern: torch's autograd; its LSE carries no gradient
         return replace(fwd, op="train", launcher=step, make_case=train_case,
-                       warmup_launches=None, serves=("train",),
+                       warmup_launches=None, serves=("train",), seed_configs=None,
                        limits=replace(fwd.limits, lse=False))
 
     def default_config(problem: AttentionProblem, device: DeviceFingerprint) -> Config:
@@ -317,7 +317,7 @@ def _train_spec(fwd: TemplateSpec, bwd: TemplateSpec | None) -> TemplateSpec:
     return replace(fwd, op="train", source_hash=_pair_hash(fwd, bwd), launcher=step,
                    space=pair_space(fwd.space, bwd.space), default_config=default_config,
                    make_case=train_case, warmup_launches=None, serves=("train",),
-                   limits=fwd.limits.both(bwd.limits))
+                   seed_configs=None, limits=fwd.limits.both(bwd.limits))
 
 
 def train_spec(spec: TemplateSpec, backward: TemplateSpec | None) -> TemplateSpec:

@@ -59,6 +59,29 @@ def test_pipeline_records_and_resumes(tmp_path, problem):
         assert len({t.run_id for t in trials}) == 2
 
 
+def test_the_templates_seeds_are_tried_right_after_the_default(tmp_path, problem,
+                                                               monkeypatch):
+    """A template's ``seed_configs`` (its default's rivals) are queued after the default,
+    in their order, before the sampler's own picks: a search of a few trials compares
+    them. Keys the space does not search are dropped, as the default's are."""
+    import flashtune.kernel_templates as registry
+
+    spec = get_template("attn_fwd")
+    default = spec.default_config(problem, interpreter_device())
+    valid = [c for c in spec.space.valid_configs(problem, interpreter_device())
+             if c != default]
+    rivals = [valid[-1], valid[len(valid) // 2]]
+    seeded = dataclasses.replace(
+        spec, seed_configs=lambda p, d: [{**rivals[0], "NOT_A_KNOB": 1}, rivals[1]])
+    monkeypatch.setattr(registry, "get_template",
+                        lambda name: seeded if name == "attn_fwd" else get_template(name))
+    url = f"sqlite:///{tmp_path / 'ft.db'}"
+    [res] = tune([problem], dataclasses.replace(OPTS, trials=3), db_url=url, progress=False)
+    with open_store(url) as store:
+        configs = [t.config for t in store.list_trials()]
+    assert configs == [res.default_config, *rivals]
+
+
 def test_static_prune_and_failures_are_recorded(tmp_path, problem):
     spec = get_template("attn_fwd")
     # tiny space: half of it "needs too much shared memory" on this device

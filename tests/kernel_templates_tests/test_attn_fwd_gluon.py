@@ -560,6 +560,35 @@ def test_short_causal_problems_default_to_two_one_consumer_ctas_an_sm(d: int,
         assert SPEC.default_config(p, H100)["CTAS_PER_SM"] == 1, p
 
 
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_a_search_tries_the_defaults_rivals_right_after_it(d: int) -> None:
+    """occupancy_probe_h100.json and _h200.json: at causal D64 N512-2k one consumer two an
+    SM led on the H100 and the persistent two-consumer LPT kernel on the H200, so the seeds
+    of a short causal problem hold the other structures; past the short range they hold the
+    one-consumer tile; without a mask the grid tile beside the overlapped default. Each is
+    valid, none is the default, at most two; D256 has none that fit."""
+    for causal in (False, True):
+        for n in (77, 512, 2048, 8192):
+            p = _problem(d, causal, nq=n, nk=n)
+            default = SPEC.default_config(p, H100)
+            seeds = SPEC.seed_configs(p, H100)
+            assert len(seeds) <= 2 and default not in seeds
+            assert len({json.dumps(c, sort_keys=True) for c in seeds}) == len(seeds)
+            for config in seeds:
+                assert SPEC.space.validate(config) == config
+                assert SPEC.space.check(config, p, H100) is None, (p, config)
+            structures = {(c["NUM_CONSUMERS"], c["CTAS_PER_SM"], c["PERSISTENT"], c["LPT"])
+                          for c in seeds}
+            if d == 256:
+                assert seeds == []
+            elif causal and default["CTAS_PER_SM"] == 2:  # the short causal range
+                assert (2, 1, 1, 1) in structures and (2, 1, 0, 0) in structures
+            elif causal:
+                assert (1, 2, 0, 0) in structures and (2, 1, 1, 1) in structures
+            else:
+                assert structures == {(2, 1, 0, 0)}
+
+
 def test_a_launch_passes_q_buffers_and_split_kv_only_when_set() -> None:
     """``Q_BUFFERS`` 2 and ``SPLIT_KV`` 1 reach the kernel as constexprs; 1 and 0, or left
     out as in configs stored before them, pass nothing, which compiles (and caches) the

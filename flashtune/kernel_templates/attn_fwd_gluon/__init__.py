@@ -62,7 +62,7 @@ from flashtune.core.spec import Limits
 from flashtune.kernel_templates.attn_fwd.reference import attn_fwd_reference
 from flashtune.kernel_templates.attn_fwd_gluon.kernel import gluon_attn_fwd_kernel
 from flashtune.kernel_templates.attn_fwd_gluon.launcher import HEAD_DIMS, attn_fwd_gluon
-from flashtune.kernel_templates.attn_fwd_gluon.space import SPACE, default_config
+from flashtune.kernel_templates.attn_fwd_gluon.space import SPACE, default_config, seed_configs
 from flashtune.kernel_templates.attn_fwd_gluon.warmup import warmup_launches
 from flashtune.kernel_templates.registry import TemplateSpec, register_template, source_hash
 
@@ -76,6 +76,7 @@ SPEC = register_template(TemplateSpec(
     reference=attn_fwd_reference,
     space=SPACE,
     default_config=default_config,
+    seed_configs=seed_configs,
     make_case=functools.partial(forward_case, attn_fwd_reference),
     warmup_launches=warmup_launches,
     kernel=gluon_attn_fwd_kernel,
@@ -87,4 +88,5 @@ SPEC = register_template(TemplateSpec(
                   score_mods=("causal_window",)),
 ))
 
-__all__ = ["SPACE", "SPEC", "attn_fwd_gluon", "default_config", "gluon_attn_fwd_kernel"]
+__all__ = ["SPACE", "SPEC", "attn_fwd_gluon", "default_config", "gluon_attn_fwd_kernel",
+           "seed_configs"]

@@ -46,7 +46,7 @@ from flashtune.kernel_templates.sm90_table import SMEM_LIMIT, SPILL_LIMIT, Compi
 
 __all__ = ["DEFAULTS", "HEAD_DIMS", "PARAMS", "SMEM_LIMIT", "SPILL_LIMIT", "SPACE", "TABLE",
            "Compiled", "check", "cta_smem_limit", "default_config", "entry_key", "load_table",
-           "structural_reason"]
+           "seed_configs", "structural_reason"]
 
 PARAMS: dict[str, tuple[int, ...]] = {
     # ROWS 128 fits at D64 with 64-key tiles (no spill), spills with larger tiles
@@ -273,3 +273,37 @@ def default_config(problem: AttentionProblem, device: DeviceFingerprint) -> Conf
         if check(config, problem, device) is None:
             return dict(config)
     return dict(defaults[0])
+
+
+# the default's rivals, tried right after it by a search (TemplateSpec.seed_configs): the
+# structures that led where the default did not. With a mask, the persistent two-consumer
+# kernel ordering its tiles longest first, with two Q buffers and K/V apart, led the short
+# causal D64 shapes on the H200 (occupancy_probe_h200.json: N512-2k 0.82/0.92/0.94x cuDNN,
+# one consumer two an SM 0.77/0.85/0.92x) where the H100 ran it behind (0.75/0.85/0.84x
+# against 0.78/0.85/0.91x); one consumer two an SM past the default's key lengths (D128
+# N2k: 0.93-0.94x against the two-consumer tile's 0.96-0.98x on both GPUs: close); the
+# two-consumer grid tile with 3 stages and the TMA store, the default's own past them.
+# Without a mask: the overlapped persistent kernel and the grid tile (D128 N4k on the
+# H200: 1.05x cuDNN against 1.03x)
+_CAUSAL_RIVALS: tuple[Config, ...] = (
+    {**_knobs(2, 1), "LPT": 1, "TMA_STORE": 1, "Q_BUFFERS": 2, "SPLIT_KV": 1},
+    {**_knobs(3, 0), "TMA_STORE": 1},
+)
+_RIVALS_PER_SEARCH = 2
+
+
+def seed_configs(problem: AttentionProblem, device: DeviceFingerprint) -> list[Config]:
+    """The default's rivals for ``problem`` (at most two, each valid on ``device`` and
+    other than the default): what a search of a few trials should compare with it."""
+    default = default_config(problem, device)
+    if problem.causal:
+        short = _TWO_AN_SM.get(problem.head_dim)
+        rivals: tuple[Config, ...] = ((short[1],) if short else ()) + _CAUSAL_RIVALS
+    else:
+        rivals = tuple(c for c in (_OVERLAPPED.get(problem.head_dim),
+                                   {**_knobs(3, 0), "TMA_STORE": 1}) if c is not None)
+    out: list[Config] = []
+    for config in rivals:
+        if config != default and config not in out and check(config, problem, device) is None:
+            out.append(dict(config))
+    return out[:_RIVALS_PER_SEARCH]
