@@ -247,7 +247,7 @@ _OVERLAPPED: dict[int, Config] = {
 # and epilogue (a larger share of a short causal tile) overlap the other's main loop; up to
 # the longest key length where it was measured to win. On the H100 at 16k tokens
 # (occupancy_probe_h100.json, cuDNN = 1): D64 N512/1k/2k 0.78/0.85/0.91 (the two-consumer
-# default 0.66/0.74/0.84); D128 N512/1k 0.87/0.91 (0.79/0.87), at N2k 0.93 against the
+# default 0.66/0.76/0.84); D128 N512/1k 0.87/0.91 (0.79/0.87), at N2k 0.93 against the
 # two-consumer tile's 0.96, so not there
 _TWO_AN_SM: dict[int, tuple[int, Config]] = {
     64: (2048, {**_knobs(3, 0, 128, 1), "TMA_STORE": 1, "CTAS_PER_SM": 2}),
