@@ -261,6 +261,11 @@ class TemplateSpec:
             structures measured to win where the default did not (on another GPU, or a
             neighbouring shape), so a search of a few trials still compares them; None:
             none.
+        plan: ``plan(q, k, v, config, causal=, scale=, return_lse=)`` -> a launch plan for
+            one CUDA call signature of an inference call, called as ``plan(q, k, v,
+            stream)``, with a ``device_index``: what the runtime replays instead of the
+            launcher's per-call checks and binding (it raises ValueError for a call it does
+            not plan; the launcher runs that one); None: the launcher every call.
     """
 
     name: str
@@ -280,6 +285,7 @@ class TemplateSpec:
     limits: Limits = Limits()
     backward: str | None = None
     seed_configs: SeedConfigs | None = None
+    plan: Callable[..., Any] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.op not in OPS:

@@ -89,14 +89,16 @@ class DirectLaunch:
             **kwargs)``; ``kwargs`` holds constexprs and launch options (``num_warps``...).
         n_varying: how many leading positional arguments change per call (tensors, host
             descriptors); the rest are fixed.
+        late: names of arguments past the leading ones that change per call too (a
+            keyword tensor or descriptor); pass them to :meth:`with_late`.
     The kernel is compiled now if Triton's cache does not have it (in the current CUDA
     device's context: build under ``torch.cuda.device(...)`` of the tensors' device).
     """
 
-    __slots__ = ("grid", "tail", "_run", "_function", "_packed")
+    __slots__ = ("grid", "tail", "_late", "_run", "_function", "_packed")
 
     def __init__(self, jit_fn: Any, args: Sequence[Any], kwargs: Mapping[str, Any],
-                 grid: Sequence[int], n_varying: int) -> None:
+                 grid: Sequence[int], n_varying: int, late: Sequence[str] = ()) -> None:
         compiled = jit_fn.warmup(*args, grid=tuple(grid), **kwargs)
         if hasattr(compiled, "result"):  # asynchronous compile mode
             compiled = compiled.result()
@@ -113,6 +115,10 @@ class DirectLaunch:
                     raise TypeError(f"missing kernel argument {param.name!r}")
         full = [bound[n] for n in names]
         self.tail = tuple(full[n_varying:])
+        self._late = tuple(names.index(n) - n_varying for n in late)
+        if any(i < 0 for i in self._late):
+            raise ValueError(f"late arguments {list(late)} must come after the "
+                             f"{n_varying} leading ones")
         g = tuple(grid) + (1, 1)
         self.grid = (int(g[0]), int(g[1]), int(g[2]))
         self._run = compiled.run
@@ -123,3 +129,13 @@ class DirectLaunch:
         g0, g1, g2 = self.grid
         self._run(g0, g1, g2, stream, self._function, self._packed, None, None, None,
                   *varying, *self.tail)
+
+    def with_late(self, stream: int, varying: Sequence[Any], late: Sequence[Any]) -> None:
+        """A launch whose ``late`` arguments (as named at build time, in that order) change
+        per call too."""
+        tail = list(self.tail)
+        for i, value in zip(self._late, late):
+            tail[i] = value
+        g0, g1, g2 = self.grid
+        self._run(g0, g1, g2, stream, self._function, self._packed, None, None, None,
+                  *varying, *tail)

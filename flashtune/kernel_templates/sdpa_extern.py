@@ -81,8 +81,8 @@ from flashtune.core.space import Config, SearchSpace
 from flashtune.core.spec import Limits, TemplateSpec
 from flashtune.kernel_templates.attn_fwd.reference import attn_fwd_reference
 
-__all__ = ["BACKENDS", "EMPTY_SPACE", "bound_inference", "extern_hash", "extern_spec",
-           "sdpa_cudnn", "sdpa_efficient", "sdpa_flash", "sdpa_math"]
+__all__ = ["BACKENDS", "EMPTY_SPACE", "any_layout", "bound_inference", "extern_hash",
+           "extern_spec", "sdpa_cudnn", "sdpa_efficient", "sdpa_flash", "sdpa_math"]
 
 BACKENDS = ("cudnn", "flash", "efficient", "math")
 # no knobs: one config, {}
@@ -275,7 +275,9 @@ def bound_inference(name: str, q: torch.Tensor, k: torch.Tensor, *, causal: bool
         causal, scale, return_lse: the call's options.
     Returns:
         ``fn(q, k, v)``, or None where there is nothing to save (math, another name, an
-        LSE that needs reshaping, a flash call whose head dim the launcher pads).
+        LSE that needs reshaping, a flash call whose head dim the launcher pads). Where
+        ``fn`` is torch's SDPA, :func:`any_layout` says so: it serves every layout of the
+        same shapes, since torch checks the tensors and picks its backend per call.
     Raises:
         What the launcher raises for these shapes (GQA where refused, unaligned causal).
     """
@@ -287,9 +289,9 @@ def bound_inference(name: str, q: torch.Tensor, k: torch.Tensor, *, causal: bool
         return None
     grouped = q.shape[1] != k.shape[1]
     if not return_lse and _torch_picks(q, k, is_causal, scale, grouped) == _PICKS[name]:
-        sdpa = torch.nn.functional.scaled_dot_product_attention
-        return lambda q, k, v: sdpa(q, k, v, is_causal=is_causal, scale=scale,
-                                    enable_gqa=grouped)
+        # a partial, not a lambda: called from C, no Python frame of its own
+        return functools.partial(torch.nn.functional.scaled_dot_product_attention,
+                                 is_causal=is_causal, scale=scale, enable_gqa=grouped)
     if name == "sdpa_cudnn":
         cudnn = _CUDNN_FN
         return lambda q, k, v: cudnn(q, k, v, None, False, 0.0, is_causal, False,
@@ -303,6 +305,16 @@ def bound_inference(name: str, q: torch.Tensor, k: torch.Tensor, *, causal: bool
         return lambda q, k, v: flash(q, k, v, 0.0, is_causal, False, scale=scale)[0]
     efficient = _EFFICIENT_FN
     return lambda q, k, v: efficient(q, k, v, None, False, 0.0, is_causal, scale=scale)[0]
+
+
+def any_layout(fn: Any) -> bool:
+    """Whether ``fn``, a call :func:`bound_inference` returned, is torch's own
+    ``F.scaled_dot_product_attention`` with the options bound: it then serves any strides,
+    alignment and contiguity of tensors of the shapes it was bound for (torch checks the
+    inputs and picks its backend on every call, as for any caller), so the runtime may key
+    it by shapes, dtype and device alone (:func:`flashtune.runtime.routing._attention`)."""
+    return (isinstance(fn, functools.partial)
+            and fn.func is torch.nn.functional.scaled_dot_product_attention)
 
 
 # -- what the running process offers ------------------------------------------------------------

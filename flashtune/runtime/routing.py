@@ -8,7 +8,11 @@ read keyed by the tensors' metadata (shapes, strides, dtypes, devices, 16-byte a
 compiled kernel with its fixed arguments -- then the output allocation and the launch (an
 SDPA backend's plan is its op with the options bound, :class:`_BoundPlan`). The
 key holds everything the input checks and Triton's specialisation depend on, so a hit needs
-neither again. No database query, file read or recompile per call; configs come from
+neither again. A signature routed to the backend torch's own SDPA would pick is served
+before that key is built: a shorter one (shapes, dtype, device, options) finds
+``F.scaled_dot_product_attention`` with the options bound, which checks the tensors itself,
+so such a call costs flashtune one short key and one dict read over SDPA's own cost. No
+database query, file read or recompile per call; configs come from
 :class:`flashtune.runtime.lookup.Dispatcher`, loaded once per process and device. Without
 plans (the interpreter, a Triton without the internals :mod:`~flashtune.kernel_templates.direct`
 uses, a launch hook installed) calls check their inputs and go through the launcher, with
@@ -59,7 +63,7 @@ from flashtune.kernel_templates.attn_decode.plan import AttnDecodeDensePlan
 from flashtune.kernel_templates.attn_fwd.plan import AttnFwdPlan
 from flashtune.kernel_templates.direct import current_device as _current_device
 from flashtune.kernel_templates.direct import current_stream as _current_stream
-from flashtune.kernel_templates.sdpa_extern import bound_inference
+from flashtune.kernel_templates.sdpa_extern import any_layout, bound_inference
 from flashtune.runtime import kvcache
 from flashtune.runtime.checks import check_attention_inputs, check_grid
 from flashtune.runtime.choices import OpRouter
@@ -130,6 +134,10 @@ _FAST: dict[tuple[Any, ...], tuple[TemplateSpec, Config]] = {}
 _TRAIN_FAST: dict[tuple[Any, ...], TrainRoute] = {}
 # the plan key (see _plan_key) -> the launch plan of a CUDA call signature
 _PLANS: dict[tuple[Any, ...], AttnFwdPlan | AttnDecodeDensePlan | _LaunchPlan | _BoundPlan] = {}
+# the shape key (_shape_key, the plan key's head) -> torch's SDPA with the options bound,
+# for signatures routed to the backend torch itself would pick (sdpa_extern.any_layout):
+# such a call needs neither the rest of the plan key nor a plan
+_BY_SHAPE: dict[tuple[Any, ...], Callable[..., Any]] = {}
 _DIRECT = direct.supported()
 _Tensor = torch.Tensor
 _AUTOTUNED: set[AttentionProblem] = set()
@@ -413,13 +421,20 @@ def _train_route(q: torch.Tensor, k: torch.Tensor, causal: bool, return_lse: boo
     return route
 
 
-def _plan_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-              scale: Any, return_lse: bool) -> tuple[Any, ...]:
-    """Everything the input checks, the config choice and Triton's specialisation read."""
-    return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(),
-            q.dtype, k.dtype, v.dtype, q.get_device(), k.get_device(), v.get_device(),
-            causal, scale, return_lse,
-            (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15 == 0)
+def _shape_key(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: Any,
+               return_lse: bool) -> tuple[Any, ...]:
+    """What the route of a call reads (its problem, device and options): the key of
+    ``_BY_SHAPE``, and the head of :func:`_plan_key`."""
+    return (q.shape, k.shape, q.dtype, q.get_device(), causal, scale, return_lse)
+
+
+def _plan_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              head: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Everything the input checks, the config choice and Triton's specialisation read:
+    ``head`` (:func:`_shape_key`) and the rest of the three tensors' metadata."""
+    return head + (v.shape, q.stride(), k.stride(), v.stride(), k.dtype, v.dtype,
+                   k.get_device(), v.get_device(),
+                   (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15 == 0)
 
 
 def _new_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: TemplateSpec,
@@ -431,8 +446,19 @@ def _new_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: TemplateS
         fn = bound_inference(spec.name, q, k, causal=causal, scale=scale,
                              return_lse=return_lse)
         if fn is not None:
+            if any_layout(fn):  # torch's SDPA: later calls of these shapes skip the plan key
+                _BY_SHAPE[_shape_key(q, k, causal, scale, return_lse)] = fn
             bound = _PLANS[key] = _BoundPlan(fn, q.get_device())
             return bound
+    if spec.plan is not None:  # the implementation's own plan, where it plans the call
+        try:
+            own = spec.plan(q, k, v, cfg, causal=causal, scale=scale, return_lse=return_lse)
+        except Exception as exc:  # noqa: BLE001 - a call it does not plan: the launcher's
+            log.debug("flashtune: no %s plan for this call (%s: %s)", spec.name,
+                      type(exc).__name__, exc)
+        else:
+            _PLANS[key] = own
+            return own
     if spec is not _FWD and spec is not _DEC:
         # the launcher (an attn_fwd plan also runs a head dim padded, see AttnFwdPlan)
         launch = _PLANS[key] = _LaunchPlan(spec, cfg, causal, scale, return_lse,
@@ -459,7 +485,11 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     key = None
     if config is None and impl is None and _DIRECT and type(q) is _Tensor \
             and type(k) is _Tensor and type(v) is _Tensor and q.is_cuda:
-        key = _plan_key(q, k, v, causal, scale, return_lse)
+        head = _shape_key(q, k, causal, scale, return_lse)
+        sdpa = _BY_SHAPE.get(head)
+        if sdpa is not None:  # torch's SDPA: it checks the tensors itself
+            return sdpa(q, k, v)
+        key = _plan_key(q, k, v, head)
         plan = _PLANS.get(key)
         if plan is not None:
             if plan.__class__ is _BoundPlan:  # torch's op: no Triton launch, hook or stream
@@ -509,4 +539,5 @@ def _reload(*, device_alias: bool | None = None, db_url: str | None = None) -> N
     _FAST.clear()
     _TRAIN_FAST.clear()
     _PLANS.clear()
+    _BY_SHAPE.clear()
     kvcache.reset()

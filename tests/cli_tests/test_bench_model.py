@@ -87,7 +87,7 @@ def test_bench_dispatch_interpret_checks_and_times_every_contender(tmp_path):
     out = tmp_path / "dispatch.json"
     res = _bench(tmp_path, "--dispatch", "--interpret", "--batch", "1", "--heads", "2",
                  "--kv-heads", "1", "--seqlen", "16", "--head-dim", "16", "--causal",
-                 "--calls", "2", "--rounds", "1", "--out", str(out))
+                 "--calls", "2", "--rounds", "2", "--out", str(out))
     assert res.exit_code == 0, res.output
     result = json.loads(out.read_text())
     (row,) = result["rows"]
@@ -95,6 +95,8 @@ def test_bench_dispatch_interpret_checks_and_times_every_contender(tmp_path):
     assert set(row["us_per_call"]) == {"attention", "routed", "triton", "sdpa"}
     assert row["attention_over_sdpa"] == pytest.approx(
         row["us_per_call"]["attention"] / row["us_per_call"]["sdpa"])
+    assert row["attention_over_sdpa_best"] == pytest.approx(  # the fastest rounds'
+        min(row["samples_us"]["attention"]) / min(row["samples_us"]["sdpa"]))
     assert row["route"].startswith("attn_fwd (") and "dispatch us" in res.output
 
 

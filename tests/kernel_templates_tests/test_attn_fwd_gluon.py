@@ -900,3 +900,82 @@ def test_flashtune_attention_routes_a_tuned_window_to_it() -> None:
     assert ((out.float() - ref).norm() / ref.norm()).item() < 2e-2
     problem = AttentionProblem.from_tensors(q, k, causal=True, window=(255, 0))
     assert scored._serves(SPEC, problem, cuda_device(), True)
+
+
+# -- the runtime's launch plan ------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("knobs", [
+    {},
+    {"PERSISTENT": 1, "LPT": 1, "TMA_STORE": 1, "Q_BUFFERS": 2, "SPLIT_KV": 1},
+    {"NUM_CONSUMERS": 1, "BLOCK_N": 64, "TMA_STORE": 1, "CTAS_PER_SM": 2},
+    {"NUM_STAGES": 3, "TMA_STORE": 1},
+], ids=["default", "persistent-lpt-qbuf2-splitkv-tma-store", "two-ctas", "grid-tma-store"])
+@pytest.mark.parametrize("storage", ["bhsd", "bshd"])
+def test_a_plan_replays_the_launcher_bit_for_bit(knobs, storage) -> None:
+    """:class:`AttnFwdGluonPlan` (what the runtime replays after a signature's first call)
+    returns what the launcher returns for new tensors of the same signature, bit for bit,
+    with and without the LSE, O in q's layout; and it refuses what the launcher would copy."""
+    from flashtune.kernel_templates.attn_fwd_gluon.plan import AttnFwdGluonPlan
+    from flashtune.kernel_templates.direct import current_stream
+
+    b, hq, hkv, nq, nk, d = 2, 8, 2, 333, 517, 128
+    config = {**_config(), **knobs}
+
+    def make(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        torch.manual_seed(seed)
+        if storage == "bshd":
+            return (_rand(b, nq, hq, d, dtype=torch.bfloat16).transpose(1, 2),
+                    *(_rand(b, nk, hkv, d, dtype=torch.bfloat16).transpose(1, 2)
+                      for _ in range(2)))
+        return (_rand(b, hq, nq, d, dtype=torch.bfloat16),
+                *(_rand(b, hkv, nk, d, dtype=torch.bfloat16) for _ in range(2)))
+
+    for causal in (False, True):
+        for return_lse in (False, True):
+            q, k, v = make(0)
+            plan = AttnFwdGluonPlan(q, k, v, config, causal=causal, scale=None,
+                                    return_lse=return_lse)
+            for seed in (1, 2):
+                q, k, v = make(seed)
+                got = plan(q, k, v, current_stream(q.get_device()))
+                want = SPEC.launcher(q, k, v, config, causal=causal, return_lse=return_lse)
+                for g, w in zip(got if return_lse else (got,), want if return_lse else (want,)):
+                    assert torch.equal(g, w), (knobs, storage, causal, return_lse)
+                out = got[0] if return_lse else got
+                assert out.stride() == q.stride()
+            assert_close_to_reference(out, q, k, v, causal=causal)
+    q, k, v = make(3)
+    shifted = _rand(b * hq * nq * d + 1, dtype=torch.bfloat16)[1:].view(b, hq, nq, d)
+    for args, kw in (((shifted, k, v), {}), ((q, k, v), {"scale": -0.1})):
+        with pytest.raises(ValueError, match="no plan"):
+            AttnFwdGluonPlan(*args, config, causal=True, return_lse=False,
+                             **{"scale": None, **kw})
+
+
+@pytest.mark.gpu
+def test_flashtune_attention_replays_a_gluon_plan(monkeypatch) -> None:
+    """A call the router sends to the Gluon forward builds its plan on the first call and
+    replays it after (the runtime's hot path), matching the reference."""
+    import flashtune
+    from flashtune.kernel_templates.attn_fwd_gluon.plan import AttnFwdGluonPlan
+    from flashtune.runtime import routing
+
+    q = _rand(2, 8, 300, 128, dtype=torch.bfloat16)
+    k, v = (_rand(2, 2, 300, 128, dtype=torch.bfloat16) for _ in range(2))
+    p = AttentionProblem.from_tensors(q, k, causal=True)
+    from flashtune.core.device import cuda_device
+
+    choice = routing.ConfigChoice(SPEC.default_config(p, cuda_device()), "exact",
+                                  template="attn_fwd_gluon")
+    monkeypatch.setattr(routing, "_route", lambda *a, **kw: choice)
+    flashtune.reload_configs()
+    try:
+        with torch.no_grad():
+            outs = [flashtune.attention(q, k, v, causal=True) for _ in range(3)]
+        plans = [pl for pl in routing._PLANS.values() if isinstance(pl, AttnFwdGluonPlan)]
+        assert len(plans) == 1
+        assert torch.equal(outs[0], outs[2])
+        assert_close_to_reference(outs[2], q, k, v, causal=True)
+    finally:
+        flashtune.reload_configs()

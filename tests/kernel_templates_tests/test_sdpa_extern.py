@@ -291,10 +291,11 @@ def test_bound_inference_calls_torch_s_sdpa_only_where_torch_picks_that_backend(
         if want is None:  # the op itself (not run on this CPU)
             assert "cudnn" in fn.__code__.co_freevars and "sdpa" not in fn.__code__.co_freevars
             continue
-        assert "sdpa" in fn.__code__.co_freevars
+        assert sdpa_extern.any_layout(fn)  # torch's SDPA itself, the options bound
         assert fn(q, k, k) == "sdpa"
         assert calls.pop() == {"is_causal": True, "scale": 0.5, "enable_gqa": True}
     monkeypatch.setattr(sdpa_extern, "_torch_picks", lambda *a: 1)
     fn = sdpa_extern.bound_inference("sdpa_flash", q, k, causal=False, scale=None,
                                      return_lse=True)
     assert fn.__code__.co_freevars[0] == "flash"  # the LSE comes from the op
+    assert not sdpa_extern.any_layout(fn)

@@ -124,3 +124,33 @@ def test_the_bound_call_returns_what_the_launcher_does(name, shape, return_lse):
         got = fn(q, k, v)
     for g_, w in zip((got,) if not return_lse else got, (want,) if not return_lse else want):
         assert torch.equal(g_, w)
+
+
+def test_a_call_routed_to_torch_s_own_pick_is_keyed_by_shape_and_serves_any_layout():
+    """After the first call of a shape routed to the backend torch's SDPA itself picks, the
+    runtime keeps torch's SDPA with the options bound under a key of shapes, dtype, device
+    and options alone (``routing._BY_SHAPE``): later calls of another layout run through it
+    and match the reference, and bad inputs still get torch's error."""
+    import flashtune
+    from flashtune.kernel_templates.sdpa_extern import any_layout
+    from flashtune.runtime import routing
+
+    q, k, v = make_qkv(2, 8, 300, 300, 128, torch.bfloat16, hkv=2)
+    choice = flashtune.lookup_config(q, k, v, causal=True)
+    if get_template(choice.template).kind != "extern":
+        pytest.skip(f"this GPU routes the shape to {choice.template}")
+    flashtune.reload_configs()
+    with torch.no_grad():
+        flashtune.attention(q, k, v, causal=True)
+        bound = list(routing._BY_SHAPE.values())
+        if not bound:
+            pytest.skip("torch's SDPA would pick another backend than the routed one")
+        assert len(bound) == 1 and any_layout(bound[0])
+        for layout in ("bnhd", "bhnd"):
+            q2, k2, v2 = make_qkv(2, 8, 300, 300, 128, torch.bfloat16, seed=1, layout=layout,
+                                  hkv=2)
+            out = flashtune.attention(q2, k2, v2, causal=True)
+            assert_close_to_reference(out, q2, k2, v2, causal=True)
+        assert len(routing._BY_SHAPE) == 1
+        with pytest.raises(RuntimeError):
+            flashtune.attention(q, k.half(), v, causal=True)

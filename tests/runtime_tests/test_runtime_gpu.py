@@ -25,10 +25,14 @@ def _qkv(b=2, hq=8, hkv=2, n=333, d=128, dtype=torch.bfloat16):
 def attn_fwd_route(monkeypatch, request):
     """These tests are about attn_fwd's and attn_decode's launch plans: untuned calls route
     to them, not to the sm_90 defaults (cuDNN's forward, ``routing.FWD_DEFAULT`` and
-    ``routing.DECODE_DEFAULT``), except in the tests of those defaults."""
+    ``routing.DECODE_DEFAULT``) nor to the op choices the shipped tables lend the shape
+    (an H200's forward table sends many to the Gluon forward or cuDNN), except in the tests
+    of those defaults."""
     if "cudnn_default" not in request.node.name:
         monkeypatch.setattr(routing, "FWD_DEFAULT", ((), routing.FWD_DEFAULT[1]))
         monkeypatch.setattr(routing, "DECODE_DEFAULT", ((), routing.DECODE_DEFAULT[1]))
+        for router in routing._ROUTERS.values():
+            monkeypatch.setattr(router, "choose", lambda *a, **kw: None)
     flashtune.reload_configs()
     yield
     flashtune.reload_configs()
@@ -41,6 +45,8 @@ def test_an_untuned_call_on_hopper_runs_the_cudnn_default_and_captures(tmp_path,
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the cuDNN forward default is sm_90's")
     monkeypatch.setenv("FLASHTUNE_DB", f"sqlite:///{tmp_path / 'none.db'}")
+    for router in routing._ROUTERS.values():  # nor a shipped table's op choice
+        monkeypatch.setattr(router, "choose", lambda *a, **kw: None)
     flashtune.reload_configs()
     q, k, v = _qkv(hkv=8)
     choice = flashtune.lookup_config(q, k, v, causal=True)

@@ -44,7 +44,8 @@ This kernel is FA3's forward (Shah et al. 2024, Algorithm 1 and 2) written in Gl
 compiles it for sm_90 without a GPU), ``space.py`` is the search space, whose validity
 predicate reads ``sm90_compile.json`` (registers, spills, shared memory of every point,
 compiled on the CPU by ``prefilter.py``), ``warmup.py`` the compile-only launch,
-``protocol.py`` model-checks the barrier protocol. Gluon has no interpreter mode, so the
+``protocol.py`` model-checks the barrier protocol, ``plan.py`` replays a call signature
+without the launcher's per-call work (the runtime's hot path). Gluon has no interpreter mode, so the
 spec declares ``needs_gpu`` and sm_90 only (``Limits``); its numerics are checked on the GPU
 (``tests/kernel_templates_tests/test_attn_fwd_gluon.py``, marked ``gpu``, and
 ``benchmarks/explore_fwd_gluon.py``), and the tuner checks every trial against the float32
@@ -62,6 +63,7 @@ from flashtune.core.spec import Limits
 from flashtune.kernel_templates.attn_fwd.reference import attn_fwd_reference
 from flashtune.kernel_templates.attn_fwd_gluon.kernel import gluon_attn_fwd_kernel
 from flashtune.kernel_templates.attn_fwd_gluon.launcher import HEAD_DIMS, attn_fwd_gluon
+from flashtune.kernel_templates.attn_fwd_gluon.plan import AttnFwdGluonPlan
 from flashtune.kernel_templates.attn_fwd_gluon.space import SPACE, default_config, seed_configs
 from flashtune.kernel_templates.attn_fwd_gluon.warmup import warmup_launches
 from flashtune.kernel_templates.registry import TemplateSpec, register_template, source_hash
@@ -83,6 +85,7 @@ SPEC = register_template(TemplateSpec(
     kind="gluon",
     serves=("fwd", "train"),
     backward="attn_bwd",
+    plan=AttnFwdGluonPlan,
     limits=Limits(head_dims=HEAD_DIMS, dtypes=("fp16", "bf16"), gqa=True,
                   causal_unaligned=True, lse=True, needs_gpu=True, capabilities=((9, 0),),
                   score_mods=("causal_window",)),
