@@ -78,6 +78,13 @@ class AttentionProblem:
         if self.causal and self.window_right != -1:
             raise ValueError(f"window_right must be -1 for a causal problem (causal is the "
                              f"right bound 0), got {self.window_right}")
+        if self.seqlen_q == 1 and not self.causal:
+            # one query row, bottom-right aligned, sees every key with the causal mask or
+            # without it, and no key past the last with any right bound: one problem, keyed
+            # causal as decode steps are tuned (a model's decode step calls without the
+            # mask: transformers passes is_causal only for several query rows)
+            object.__setattr__(self, "causal", True)
+            object.__setattr__(self, "window_right", -1)
         cap = self.softcap
         if isinstance(cap, bool) or not isinstance(cap, (int, float)) \
                 or not math.isfinite(cap) or cap < 0:

@@ -79,6 +79,27 @@ def test_tuned_timings_of_both_templates_decide(env):
     assert_close_to_reference(out, q, k, v, causal=True)
 
 
+def test_a_one_row_call_without_the_mask_is_the_causal_decode_step(env):
+    """One query row sees every key with the causal mask or without it (bottom-right), so a
+    model's decode step, which calls without it (transformers passes ``is_causal`` for
+    several rows only), is the problem the decode tables tuned causal: the same key, the
+    same exact entry, the same output."""
+    q, k, v = qkv(1, MIN_KEYS - 16)
+    assert problem(q, k, False) == problem(q, k, True)
+    assert problem(q, k, False).key() == problem(q, k, True).key()
+    assert AttentionProblem(2, 4, 2, 1, 64, 32, False, "fp16", 8, 3) == \
+        AttentionProblem(2, 4, 2, 1, 64, 32, True, "fp16", 8)  # any right bound: none
+    assert AttentionProblem(2, 4, 2, 2, 64, 32, False, "fp16").causal is False
+    populate(env["db"], [(HERE, problem(q, k, True), dict(DEC), 1.0)],
+             template="attn_decode")
+    flashtune.reload_configs()
+    choice = flashtune.lookup_config(q, k, v, causal=False)
+    assert (choice.template, choice.source, choice.config) == ("attn_decode", "exact", DEC)
+    out = flashtune.attention(q, k, v, causal=False)
+    assert torch.equal(out, flashtune.attention(q, k, v, causal=True))
+    assert_close_to_reference(out, q, k, v, causal=False)
+
+
 def test_route_is_resolved_once_per_shape(env, monkeypatch):
     q, k, v = qkv(1, MIN_KEYS + 3)
     calls = []
