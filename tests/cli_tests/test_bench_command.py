@@ -323,8 +323,8 @@ def test_the_interpreter_refuses_a_preset_as_it_refuses_the_grid(tmp_path, no_be
 
 
 def test_the_training_step_bench_times_every_own_pair_the_gpu_can_run(tmp_path):
-    """``bench --train``'s ``impl_<name>`` columns are the op's own pairs, the Gluon forward
-    with the Gluon backward included, each with its own backward's config (for an H100:
+    """``bench --train``'s ``impl_<name>`` columns are the op's own pairs, the Gluon backward
+    after either forward included, each with its own backward's config (for an H100:
     no GPU needed to list them)."""
     from flashtune.kernel_templates import get_template
     from flashtune.kernel_templates.sm90 import H100
@@ -334,8 +334,9 @@ def test_the_training_step_bench_times_every_own_pair_the_gpu_can_run(tmp_path):
     served = _Served(Dispatcher(get_template("attn_fwd")), f"sqlite:///{tmp_path / 'none.db'}")
     pairs = served.own_implementations(AttentionProblem(4, 16, 16, 1024, 1024, 128, True,
                                                         "bf16"), H100, train=True)
-    assert set(pairs) == {"impl_attn_fwd", "impl_attn_fwd_gluon",
+    assert set(pairs) == {"impl_attn_fwd", "impl_attn_fwd_bwd_gluon", "impl_attn_fwd_gluon",
                           "impl_attn_fwd_gluon_bwd_gluon"}
+    assert pairs["impl_attn_fwd_bwd_gluon"][0].launcher.bwd.name == "attn_bwd_gluon"
     spec, config = pairs["impl_attn_fwd_gluon_bwd_gluon"]
     assert spec.launcher.bwd.name == "attn_bwd_gluon"
     assert set(get_template("attn_bwd_gluon").space.params) == {

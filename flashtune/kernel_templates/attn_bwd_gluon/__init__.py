@@ -1,8 +1,9 @@
 """attn_bwd_gluon: a Hopper flash-attention backward in Gluon with FlashAttention-3's
 structure (``hopper/mainloop_bwd_sm90_tma_gmma_ws.hpp``), an implementation of the op
 ``bwd`` beside ``attn_bwd`` (sm_90, head dims 64 and 128, fp16 and bf16, GQA/MQA,
-bottom-right causal, Nq != Nk, ragged lengths; no dropout, score modifications or packed
-batches: its ``Limits`` refuse them).
+bottom-right causal, Nq != Nk, ragged lengths, packed batches (FlashAttention-2's varlen
+layout, the kernels' ``VARLEN``); no dropout or score modifications: its ``Limits`` refuse
+them).
 
 * a **preprocess** launch: ``delta = rowsum(dO * O) - dLSE`` and ``lse * log2 e`` per query
   row into padded float32 rows, and the fp32 dQ accumulator zeroed (FA3's
@@ -37,12 +38,21 @@ Registered: this backward (op ``bwd``, serving no user op by itself, as ``attn_b
 its training pair ``attn_fwd_gluon_bwd_gluon``: attn_fwd_gluon's forward (same kernel, same
 source hash, ``serves=("train",)`` only) whose ``backward`` is this template, so ``flashtune
 tune --op train`` searches the pair beside the others and the router runs it only where a
-tuning run stored it as the measured winner (nothing routes to it by default).
+tuning run stored it as the measured winner (nothing routes to it by default). And a
+second pair, ``attn_fwd_bwd_gluon``: attn_fwd's forward (same kernel and hash,
+``serves=("train",)``) with this backward, which serves what attn_fwd_gluon's forward cannot
+and this backward can: packed batches (attn_fwd's varlen forward, then this kernel's
+``VARLEN``). :func:`flashtune.attention_varlen` with gradients runs it on sm_90 by default
+(``runtime.scored.PACKED_TRAIN_DEFAULT``): on an H200, a 7-document 16k-token GQA 32:8 D128
+causal batch's backward ran 1.50x attn_bwd's (393 against 262 TFLOP/s, and 1.46x
+FlexAttention's; ``benchmarks/results/packed_bwd_h200.json``). ``Limits.packed`` also lets
+the tuner time this backward on packed ``bwd`` problems (attn_bwd's ``make_case`` passes the
+``cu_seqlens``).
 
 Gluon has no interpreter mode: ``needs_gpu``, sm_90 only. ``space.py``'s predicate reads
 ``sm90_compile.json`` (:mod:`.prefilter`); numerics are checked on the GPU
-(``tests/kernel_templates_tests/test_attn_bwd_gluon.py``, marked ``gpu``) and by the tuner
-against fp32 before timing, as for every implementation.
+(``tests/kernel_templates_tests/test_attn_bwd_gluon.py`` and ``..._varlen.py``, marked
+``gpu``) and by the tuner against fp32 before timing, as for every implementation.
 """
 
 from __future__ import annotations
@@ -57,6 +67,7 @@ from flashtune.kernel_templates.attn_bwd_gluon.kernel import gluon_attn_bwd_kern
 from flashtune.kernel_templates.attn_bwd_gluon.launcher import HEAD_DIMS, attn_bwd_gluon
 from flashtune.kernel_templates.attn_bwd_gluon.space import SPACE, default_config
 from flashtune.kernel_templates.attn_bwd_gluon.warmup import warmup_launches
+from flashtune.kernel_templates.attn_fwd import SPEC as FWD_TL
 from flashtune.kernel_templates.attn_fwd_gluon import SPEC as FWD_GLUON
 from flashtune.kernel_templates.registry import TemplateSpec, register_template, source_hash
 
@@ -78,12 +89,17 @@ SPEC = register_template(TemplateSpec(
     kind="gluon",
     limits=Limits(head_dims=HEAD_DIMS, dtypes=("fp16", "bf16"), gqa=True,
                   causal_unaligned=True, lse=True, needs_gpu=True, capabilities=((9, 0),),
-                  deterministic=False),
+                  packed=True, deterministic=False),
 ))
 
 # the pair's forward: attn_fwd_gluon as it is (its kernel, space, hash), for train only
 PAIR_SPEC = register_template(replace(FWD_GLUON, name=PAIR_NAME, serves=("train",),
                                       backward=SPEC.name))
+# attn_fwd's forward (its kernel, space, hash) with this backward, for train only: the
+# pair of packed batches (attn_fwd_gluon has no varlen)
+TL_PAIR_NAME = "attn_fwd_bwd_gluon"
+TL_PAIR_SPEC = register_template(replace(FWD_TL, name=TL_PAIR_NAME, serves=("train",),
+                                         backward=SPEC.name))
 
-__all__ = ["PAIR_NAME", "PAIR_SPEC", "SPACE", "SPEC", "attn_bwd_gluon", "default_config",
-           "gluon_attn_bwd_kernel"]
+__all__ = ["PAIR_NAME", "PAIR_SPEC", "SPACE", "SPEC", "TL_PAIR_NAME", "TL_PAIR_SPEC",
+           "attn_bwd_gluon", "default_config", "gluon_attn_bwd_kernel"]

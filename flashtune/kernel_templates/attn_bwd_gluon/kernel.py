@@ -22,6 +22,18 @@ structure, :mod:`.launcher` plans and launches them).
 
 ``_steps`` is the one place both partitions read the CTA's walk from (which query blocks,
 how many steps); keep the two in step.
+
+``VARLEN`` (FlashAttention-2's ``flash_attn_varlen_func`` layout; off: the dense code, as it
+was): Q, K, V, dO, O and the gradients are packed ``(total, H, D)``, ``b`` indexes the
+sequences of ``cu_seqlens`` (``cu_q_ptr``, ``cu_k_ptr``) and every program reads its
+sequence's start and lengths there (``_seq``); the grids and ``seqlen_q``/``seqlen_k``
+cover the longest sequence. The TMA views are ``(total, H * D)``: a tile that runs past its
+sequence reads the next one's rows (or zeros past ``total``), which contribute nothing:
+the scratch rows stay padded per sequence (``(B * Hq, Nq_pad)``, ``Nq_pad`` the longest
+query rounded up to ``BLOCK_M``), so a query row past its sequence has LSE ``+inf`` (P and
+dS are 0) and its zero dQ partial lands in its own sequence's padding rows; a key past it
+is masked by the sequence's length. A key block past its sequence's end walks no step and
+its CTA loads and stores nothing.
 """
 
 from __future__ import annotations
@@ -42,9 +54,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 def gluon_attn_bwd_preprocess(o_ptr, do_ptr, lse_ptr, dlse_ptr, lse2_ptr, delta_ptr,
                               dq_acc_ptr, stride_ob, stride_oh, stride_on, stride_dob,
                               stride_doh, stride_don, stride_lb, stride_lh, stride_ln,
-                              heads_q, seqlen_q, seqlen_q_pad,
+                              heads_q, seqlen_q, seqlen_q_pad, cu_q_ptr,
                               HEAD_D: gl.constexpr, BLOCK: gl.constexpr,
-                              HAS_DLSE: gl.constexpr):
+                              HAS_DLSE: gl.constexpr, VARLEN: gl.constexpr):
+    """``seqlen_q``: the query length, the LSE's row length; with ``VARLEN`` ``total_q``
+    (the LSE is ``(Hq, total_q)``, the batch strides 0: rows from the sequence's start).
+    ``cu_q_ptr``: VARLEN's ``cu_seqlens_q`` (None without it), after the dense parameters
+    so that those keep their places (and the dense code its bits), as in the other two."""
     layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [gl.num_warps(), 1], [1, 0])
     row_l: gl.constexpr = gl.SliceLayout(1, layout)
     col_l: gl.constexpr = gl.SliceLayout(0, layout)
@@ -53,8 +69,13 @@ def gluon_attn_bwd_preprocess(o_ptr, do_ptr, lse_ptr, dlse_ptr, lse2_ptr, delta_
     h = bh % heads_q
     rows = gl.program_id(0) * BLOCK + gl.arange(0, BLOCK, layout=row_l)
     cols = gl.arange(0, HEAD_D, layout=col_l)
-    valid = rows < seqlen_q
-    r64 = rows.to(gl.int64)
+    if VARLEN:
+        q_start, len_q = _seq(cu_q_ptr, b)
+        valid = rows < len_q
+        r64 = (q_start + rows).to(gl.int64)
+    else:
+        valid = rows < seqlen_q
+        r64 = rows.to(gl.int64)
     o_offs = b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh \
         + gl.expand_dims(r64 * stride_on, 1) + gl.expand_dims(cols, 0)
     do_offs = b.to(gl.int64) * stride_dob + h.to(gl.int64) * stride_doh \
@@ -63,8 +84,12 @@ def gluon_attn_bwd_preprocess(o_ptr, do_ptr, lse_ptr, dlse_ptr, lse2_ptr, delta_
     o = gl.load(o_ptr + o_offs, mask=m2, other=0.0).to(gl.float32)
     do = gl.load(do_ptr + do_offs, mask=m2, other=0.0).to(gl.float32)
     delta = gl.sum(o * do, axis=1)
-    lse = gl.load(lse_ptr + bh.to(gl.int64) * seqlen_q + rows, mask=valid,
-                  other=float("inf"))
+    if VARLEN:
+        lse = gl.load(lse_ptr + h.to(gl.int64) * seqlen_q + r64, mask=valid,
+                      other=float("inf"))
+    else:
+        lse = gl.load(lse_ptr + bh.to(gl.int64) * seqlen_q + rows, mask=valid,
+                      other=float("inf"))
     if HAS_DLSE:  # d lse_i / d s_ij = p_ij: dS = P (dP - (delta - dlse))
         dlse = gl.load(dlse_ptr + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
                        + r64 * stride_ln, mask=valid, other=0.0)
@@ -82,33 +107,53 @@ def gluon_attn_bwd_preprocess(o_ptr, do_ptr, lse_ptr, dlse_ptr, lse2_ptr, delta_
 
 @gluon.jit
 def gluon_attn_bwd_convert_dq(dq_acc_ptr, dq_ptr, stride_b, stride_h, stride_n, heads_q,
-                              seqlen_q, seqlen_q_pad, scale, HEAD_D: gl.constexpr,
-                              BLOCK: gl.constexpr):
+                              seqlen_q, seqlen_q_pad, scale, cu_q_ptr, HEAD_D: gl.constexpr,
+                              BLOCK: gl.constexpr, VARLEN: gl.constexpr):
     layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [gl.num_warps(), 1], [1, 0])
     bh = gl.program_id(1)
     b = bh // heads_q
     h = bh % heads_q
     rows = gl.program_id(0) * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, layout))
     cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, layout))
-    m2 = gl.expand_dims(rows < seqlen_q, 1)
+    if VARLEN:
+        q_start, len_q = _seq(cu_q_ptr, b)
+        m2 = gl.expand_dims(rows < len_q, 1)
+    else:
+        m2 = gl.expand_dims(rows < seqlen_q, 1)
     acc_rows = bh.to(gl.int64) * seqlen_q_pad + rows
     acc = gl.load(dq_acc_ptr + gl.expand_dims(acc_rows * HEAD_D, 1) + gl.expand_dims(cols, 0),
                   mask=m2, other=0.0)
-    offs = b.to(gl.int64) * stride_b + h.to(gl.int64) * stride_h \
-        + gl.expand_dims(rows.to(gl.int64) * stride_n, 1) + gl.expand_dims(cols, 0)
+    if VARLEN:  # the packed rows from the sequence's start
+        offs = h.to(gl.int64) * stride_h \
+            + gl.expand_dims((q_start + rows).to(gl.int64) * stride_n, 1) \
+            + gl.expand_dims(cols, 0)
+    else:
+        offs = b.to(gl.int64) * stride_b + h.to(gl.int64) * stride_h \
+            + gl.expand_dims(rows.to(gl.int64) * stride_n, 1) + gl.expand_dims(cols, 0)
     gl.store(dq_ptr + offs, (acc * scale).to(dq_ptr.dtype.element_ty), mask=m2)
 
 
 @gluon.jit
+def _seq(cu_ptr, b):
+    """``(start, length)`` of packed sequence ``b`` (VARLEN)."""
+    start = gl.load(cu_ptr + b)
+    return start, gl.load(cu_ptr + b + 1) - start
+
+
+@gluon.jit
 def _steps(n_block, seqlen_q, seqlen_k, group, BLOCK_M: gl.constexpr,
-           BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+           BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr):
     """The CTA's walk: its first query block ``m_lo`` and per query head ``n_m`` blocks
     (``m_lo .. m_lo + n_m - 1``; causal: from the first block whose last row sees the key
-    block's first key, bottom-right aligned); ``group * n_m`` steps in all."""
+    block's first key, bottom-right aligned); ``group * n_m`` steps in all. ``VARLEN``: the
+    sequence's lengths, and no step for a key block past its end (the grid covers the
+    longest sequence; dense, every key block holds a key)."""
     m_lo = 0
     if CAUSAL:  # query i sees key j iff j <= i + seqlen_k - seqlen_q
         m_lo = gl.maximum(n_block * BLOCK_N - (seqlen_k - seqlen_q), 0) // BLOCK_M
     n_m = gl.maximum(gl.cdiv(seqlen_q, BLOCK_M) - m_lo, 0)
+    if VARLEN:
+        n_m = gl.where(n_block * BLOCK_N < seqlen_k, n_m, 0)
     return m_lo, n_m, group * n_m
 
 
@@ -145,17 +190,22 @@ def _q_coords(b, h, m, heads_q, seqlen_q, HEAD_D: gl.constexpr, BLOCK_M: gl.cons
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, lse_smem,
-              delta_smem, kv_bar, q_ready, do_ready, qdo_empty, lse2_ptr, delta_ptr, seqlen_q,
-              seqlen_k, seqlen_q_pad, heads_q, heads_kv, section_log2,
+              delta_smem, kv_bar, q_ready, do_ready, qdo_empty, lse2_ptr, delta_ptr, cu_q_ptr,
+              cu_k_ptr, seqlen_q, seqlen_k, seqlen_q_pad, heads_q, heads_kv, section_log2,
               HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, Q_BSHD: gl.constexpr,
-              KV_BSHD: gl.constexpr, LPT: gl.constexpr):
+              KV_BSHD: gl.constexpr, LPT: gl.constexpr, VARLEN: gl.constexpr):
     n_block, bhk = _tile(seqlen_k, section_log2, BLOCK_N, LPT)
     b = bhk // heads_kv
     hk = bhk % heads_kv
     group = heads_q // heads_kv
     # K and V of the CTA's keys, once
-    if KV_BSHD:
+    if VARLEN:  # the (total, H * D) views from the sequences' starts
+        q_start, seqlen_q = _seq(cu_q_ptr, b)
+        k_start, seqlen_k = _seq(cu_k_ptr, b)
+        kv_row = k_start + n_block * BLOCK_N
+        kv_col = hk * HEAD_D
+    elif KV_BSHD:
         kv_row = b * seqlen_k + n_block * BLOCK_N
         kv_col = hk * HEAD_D
     else:
@@ -163,10 +213,20 @@ def _producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, 
         kv_col = 0
     rows_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
     rows = gl.arange(0, BLOCK_M, layout=rows_layout)
-    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [kv_row, kv_col], kv_bar, k_smem)
-    tma.async_copy_global_to_shared(v_desc, [kv_row, kv_col], kv_bar, v_smem)
-    m_lo, n_m, total = _steps(n_block, seqlen_q, seqlen_k, group, BLOCK_M, BLOCK_N, CAUSAL)
+    if VARLEN:  # no step, no K and V (the consumers wait for them on the same condition)
+        m_lo, n_m, total = _steps(n_block, seqlen_q, seqlen_k, group, BLOCK_M, BLOCK_N,
+                                  CAUSAL, VARLEN)
+        live = total > 0
+        mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes,
+                        pred=live)
+        tma.async_copy_global_to_shared(k_desc, [kv_row, kv_col], kv_bar, k_smem, pred=live)
+        tma.async_copy_global_to_shared(v_desc, [kv_row, kv_col], kv_bar, v_smem, pred=live)
+    else:
+        mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [kv_row, kv_col], kv_bar, k_smem)
+        tma.async_copy_global_to_shared(v_desc, [kv_row, kv_col], kv_bar, v_smem)
+        m_lo, n_m, total = _steps(n_block, seqlen_q, seqlen_k, group, BLOCK_M, BLOCK_N,
+                                  CAUSAL, VARLEN)
     for t in range(total):
         h = hk * group + t // n_m
         m = m_lo + t % n_m
@@ -180,7 +240,11 @@ def _producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, 
         async_copy.async_copy_global_to_shared(delta_smem.index(st),
                                                delta_ptr + q_row0 + rows)
         async_copy.mbarrier_arrive(q_ready.index(st))
-        row, col = _q_coords(b, h, m, heads_q, seqlen_q, HEAD_D, BLOCK_M, Q_BSHD)
+        if VARLEN:
+            row = q_start + m * BLOCK_M
+            col = h * HEAD_D
+        else:
+            row, col = _q_coords(b, h, m, heads_q, seqlen_q, HEAD_D, BLOCK_M, Q_BSHD)
         mbarrier.expect(q_ready.index(st), q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [row, col], q_ready.index(st),
                                         q_smem.index(st))
@@ -190,10 +254,10 @@ def _producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, 
 
 
 @gluon.jit
-def _dq_writer(dq_smem, dq_full, dq_empty, dq_acc_ptr, seqlen_q, seqlen_k, seqlen_q_pad,
-               heads_q, heads_kv, section_log2, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
-               BLOCK_N: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
-               LPT: gl.constexpr):
+def _dq_writer(dq_smem, dq_full, dq_empty, dq_acc_ptr, cu_q_ptr, cu_k_ptr, seqlen_q, seqlen_k,
+               seqlen_q_pad, heads_q, heads_kv, section_log2, HEAD_D: gl.constexpr,
+               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
+               CAUSAL: gl.constexpr, LPT: gl.constexpr, VARLEN: gl.constexpr):
     """Two warps: each step's ``dS K`` (the consumers' column slices in ``dq_smem``) added
     to the fp32 accumulator's rows with vector atomics, off the consumers' path (FA3's dQ
     writer warp, which issues TMA bulk reduce-adds; Gluon 3.6 has none on Hopper)."""
@@ -208,7 +272,11 @@ def _dq_writer(dq_smem, dq_full, dq_empty, dq_acc_ptr, seqlen_q, seqlen_k, seqle
     b = bhk // heads_kv
     hk = bhk % heads_kv
     group = heads_q // heads_kv
-    m_lo, n_m, total = _steps(n_block, seqlen_q, seqlen_k, group, BLOCK_M, BLOCK_N, CAUSAL)
+    if VARLEN:  # the padded scratch rows as dense; the walk by the sequence's lengths
+        _, seqlen_q = _seq(cu_q_ptr, b)
+        _, seqlen_k = _seq(cu_k_ptr, b)
+    m_lo, n_m, total = _steps(n_block, seqlen_q, seqlen_k, group, BLOCK_M, BLOCK_N, CAUSAL,
+                              VARLEN)
     for t in range(total):
         h = hk * group + t // n_m
         m = m_lo + t % n_m
@@ -226,10 +294,11 @@ def _dq_writer(dq_smem, dq_full, dq_empty, dq_acc_ptr, seqlen_q, seqlen_k, seqle
 @gluon.jit
 def _consumer(cid, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, delta_smem,
               kv_bar, q_ready, do_ready, qdo_empty, ds_ready, dq_full, dq_empty, dk_ptr,
-              dv_ptr, stride_dkb, stride_dkh, stride_dkn, seqlen_q, seqlen_k, seqlen_q_pad,
-              heads_q, heads_kv, qk_scale, sm_scale, section_log2, HEAD_D: gl.constexpr,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-              NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, LPT: gl.constexpr):
+              dv_ptr, cu_q_ptr, cu_k_ptr, stride_dkb, stride_dkh, stride_dkn, seqlen_q,
+              seqlen_k, seqlen_q_pad, heads_q, heads_kv, qk_scale, sm_scale, section_log2,
+              HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
+              LPT: gl.constexpr, VARLEN: gl.constexpr):
     """Consumer ``cid``: keys ``[k0, k0 + ROWS_N)`` of the CTA's block, every step's
     ``S^T``, ``dP^T``, ``dS^T`` (its rows of the CTA's ``dS^T`` in shared memory), ``dV``
     and ``dK`` of its keys, and columns ``[cid * DQ_COLS, ...)`` of ``dS K`` over all the
@@ -253,9 +322,13 @@ def _consumer(cid, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, 
     b = bhk // heads_kv
     hk = bhk % heads_kv
     group = heads_q // heads_kv
+    if VARLEN:  # keys and queries counted from the sequence's starts, up to its lengths
+        _, seqlen_q = _seq(cu_q_ptr, b)
+        _, seqlen_k = _seq(cu_k_ptr, b)
     k0 = n_block * BLOCK_N + cid * ROWS_N
     keys = k0 + gl.arange(0, ROWS_N, layout=key_l)
-    m_lo, n_m, total = _steps(n_block, seqlen_q, seqlen_k, group, BLOCK_M, BLOCK_N, CAUSAL)
+    m_lo, n_m, total = _steps(n_block, seqlen_q, seqlen_k, group, BLOCK_M, BLOCK_N, CAUSAL,
+                              VARLEN)
 
     dk = gl.zeros([ROWS_N, HEAD_D], gl.float32, acc_layout)
     dv = gl.zeros([ROWS_N, HEAD_D], gl.float32, acc_layout)
@@ -263,7 +336,10 @@ def _consumer(cid, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, 
     v_c = v_smem.slice(cid * ROWS_N, ROWS_N, dim=0)
     k_cols = k_smem.slice(cid * DQ_COLS, DQ_COLS, dim=1)
     dq_c = dq_smem.index(cid)
-    mbarrier.wait(kv_bar, 0)
+    if VARLEN:  # the producer loads K and V only for a walk of some steps
+        mbarrier.wait(kv_bar, 0, pred=total > 0)
+    else:
+        mbarrier.wait(kv_bar, 0)
     for t in range(total):
         m = m_lo + t % n_m
         st = t % NUM_STAGES
@@ -328,7 +404,11 @@ def _consumer(cid, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, 
     cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, acc_layout))
     rows = k0 + gl.arange(0, ROWS_N, layout=gl.SliceLayout(1, acc_layout))
     offs = gl.expand_dims(rows * stride_dkn, 1) + gl.expand_dims(cols, 0)
-    base = b.to(gl.int64) * stride_dkb + hk.to(gl.int64) * stride_dkh
+    if VARLEN:  # the packed rows from the sequence's start (read here: no register held
+        # through the walk)
+        base = gl.load(cu_k_ptr + b).to(gl.int64) * stride_dkn + hk.to(gl.int64) * stride_dkh
+    else:
+        base = b.to(gl.int64) * stride_dkb + hk.to(gl.int64) * stride_dkh
     ok = gl.expand_dims(rows < seqlen_k, 1)
     gl.store(dk_ptr + base + offs, (dk * sm_scale).to(dtype), mask=ok)
     gl.store(dv_ptr + base + offs, dv.to(dtype), mask=ok)
@@ -338,12 +418,15 @@ def _consumer(cid, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, 
 def gluon_attn_bwd_kernel(q_desc, k_desc, v_desc, do_desc, lse2_ptr, delta_ptr, dq_acc_ptr,
                           dk_ptr, dv_ptr, stride_dkb, stride_dkh, stride_dkn, seqlen_q,
                           seqlen_k, seqlen_q_pad, heads_q, heads_kv, qk_scale, sm_scale,
-                          section_log2,
+                          section_log2, cu_q_ptr, cu_k_ptr,
                           HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                           NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
                           CAUSAL: gl.constexpr, Q_BSHD: gl.constexpr, KV_BSHD: gl.constexpr,
                           PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                          LPT: gl.constexpr):
+                          LPT: gl.constexpr, VARLEN: gl.constexpr):
+    """``seqlen_q``, ``seqlen_k``: the lengths (``VARLEN``: the longest sequence's, the
+    grid's); ``cu_q_ptr``, ``cu_k_ptr``: VARLEN's ``cu_seqlens`` (None without it), after
+    the dense parameters."""
     gl.static_assert(NUM_CONSUMERS == 1 or NUM_CONSUMERS == 2)
     gl.static_assert(BLOCK_N // NUM_CONSUMERS >= 64)  # a wgmma's M per warpgroup
     gl.static_assert(NUM_STAGES >= 2)
@@ -386,39 +469,39 @@ def gluon_attn_bwd_kernel(q_desc, k_desc, v_desc, do_desc, lse2_ptr, delta_ptr, 
         gl.warp_specialize([
             (_consumer, (0, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem,
                          delta_smem, kv_bar, q_ready, do_ready, qdo_empty, ds_ready, dq_full,
-                         dq_empty, dk_ptr, dv_ptr, stride_dkb, stride_dkh, stride_dkn, seqlen_q,
-                         seqlen_k, seqlen_q_pad, heads_q, heads_kv, qk_scale, sm_scale,
-                         section_log2, HEAD_D, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL,
-                         LPT)),
+                         dq_empty, dk_ptr, dv_ptr, cu_q_ptr, cu_k_ptr, stride_dkb, stride_dkh,
+                         stride_dkn, seqlen_q, seqlen_k, seqlen_q_pad, heads_q, heads_kv,
+                         qk_scale, sm_scale, section_log2, HEAD_D, BLOCK_M, BLOCK_N, NUM_STAGES,
+                         NUM_CONSUMERS, CAUSAL, LPT, VARLEN)),
             (_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem,
                          lse_smem, delta_smem, kv_bar, q_ready, do_ready, qdo_empty, lse2_ptr,
-                         delta_ptr, seqlen_q, seqlen_k, seqlen_q_pad, heads_q, heads_kv,
-                         section_log2, HEAD_D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, Q_BSHD, KV_BSHD,
-                         LPT)),
-            (_dq_writer, (dq_smem, dq_full, dq_empty, dq_acc_ptr, seqlen_q, seqlen_k,
-                          seqlen_q_pad, heads_q, heads_kv, section_log2, HEAD_D, BLOCK_M,
-                          BLOCK_N, NUM_CONSUMERS, CAUSAL, LPT)),
+                         delta_ptr, cu_q_ptr, cu_k_ptr, seqlen_q, seqlen_k, seqlen_q_pad,
+                         heads_q, heads_kv, section_log2, HEAD_D, BLOCK_M, BLOCK_N, NUM_STAGES,
+                         CAUSAL, Q_BSHD, KV_BSHD, LPT, VARLEN)),
+            (_dq_writer, (dq_smem, dq_full, dq_empty, dq_acc_ptr, cu_q_ptr, cu_k_ptr, seqlen_q,
+                          seqlen_k, seqlen_q_pad, heads_q, heads_kv, section_log2, HEAD_D,
+                          BLOCK_M, BLOCK_N, NUM_CONSUMERS, CAUSAL, LPT, VARLEN)),
         ], [1, 2], [PRODUCER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (0, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem,
                          delta_smem, kv_bar, q_ready, do_ready, qdo_empty, ds_ready, dq_full,
-                         dq_empty, dk_ptr, dv_ptr, stride_dkb, stride_dkh, stride_dkn, seqlen_q,
-                         seqlen_k, seqlen_q_pad, heads_q, heads_kv, qk_scale, sm_scale,
-                         section_log2, HEAD_D, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL,
-                         LPT)),
+                         dq_empty, dk_ptr, dv_ptr, cu_q_ptr, cu_k_ptr, stride_dkb, stride_dkh,
+                         stride_dkn, seqlen_q, seqlen_k, seqlen_q_pad, heads_q, heads_kv,
+                         qk_scale, sm_scale, section_log2, HEAD_D, BLOCK_M, BLOCK_N, NUM_STAGES,
+                         NUM_CONSUMERS, CAUSAL, LPT, VARLEN)),
             (_consumer, (1, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem,
                          delta_smem, kv_bar, q_ready, do_ready, qdo_empty, ds_ready, dq_full,
-                         dq_empty, dk_ptr, dv_ptr, stride_dkb, stride_dkh, stride_dkn, seqlen_q,
-                         seqlen_k, seqlen_q_pad, heads_q, heads_kv, qk_scale, sm_scale,
-                         section_log2, HEAD_D, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL,
-                         LPT)),
+                         dq_empty, dk_ptr, dv_ptr, cu_q_ptr, cu_k_ptr, stride_dkb, stride_dkh,
+                         stride_dkn, seqlen_q, seqlen_k, seqlen_q_pad, heads_q, heads_kv,
+                         qk_scale, sm_scale, section_log2, HEAD_D, BLOCK_M, BLOCK_N, NUM_STAGES,
+                         NUM_CONSUMERS, CAUSAL, LPT, VARLEN)),
             (_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem,
                          lse_smem, delta_smem, kv_bar, q_ready, do_ready, qdo_empty, lse2_ptr,
-                         delta_ptr, seqlen_q, seqlen_k, seqlen_q_pad, heads_q, heads_kv,
-                         section_log2, HEAD_D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, Q_BSHD, KV_BSHD,
-                         LPT)),
-            (_dq_writer, (dq_smem, dq_full, dq_empty, dq_acc_ptr, seqlen_q, seqlen_k,
-                          seqlen_q_pad, heads_q, heads_kv, section_log2, HEAD_D, BLOCK_M,
-                          BLOCK_N, NUM_CONSUMERS, CAUSAL, LPT)),
+                         delta_ptr, cu_q_ptr, cu_k_ptr, seqlen_q, seqlen_k, seqlen_q_pad,
+                         heads_q, heads_kv, section_log2, HEAD_D, BLOCK_M, BLOCK_N, NUM_STAGES,
+                         CAUSAL, Q_BSHD, KV_BSHD, LPT, VARLEN)),
+            (_dq_writer, (dq_smem, dq_full, dq_empty, dq_acc_ptr, cu_q_ptr, cu_k_ptr, seqlen_q,
+                          seqlen_k, seqlen_q_pad, heads_q, heads_kv, section_log2, HEAD_D,
+                          BLOCK_M, BLOCK_N, NUM_CONSUMERS, CAUSAL, LPT, VARLEN)),
         ], [4, 1, 2], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])

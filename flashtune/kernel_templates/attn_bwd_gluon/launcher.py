@@ -24,6 +24,14 @@ of q, k, v (``empty_like``).
 The atomics make dQ's last bits depend on the order the CTAs add (not deterministic; dK, dV
 are: one CTA sums each element in a fixed order). Callers that need bitwise reproducible
 gradients run ``attn_bwd`` (``Limits.deterministic`` is False here).
+
+Packed sequences (``cu_seqlens_q``/``cu_seqlens_k``, ``flash_attn_varlen_func``'s layout,
+the kernels' ``VARLEN``): ``(total, H, D)`` tensors read through ``(total, H * D)`` TMA views
+(any token stride TMA takes, heads ``D`` apart: :func:`packed_layout`), ``B`` the number of
+sequences, ``Nq``/``Nk`` the longest ones (the grids), the scratch padded per sequence as
+above (``(B * Hq, Nq_pad)`` rows), the LSE the forward's varlen ``(Hq, total_q)``; dQ, dK, dV
+come back contiguous ``(total, H, D)``. Dense calls pass None for the ``cu_seqlens``
+pointers and ``VARLEN`` False: their kernels are the code they were.
 """
 
 from __future__ import annotations
@@ -132,13 +140,45 @@ def _strides3(t: Any) -> tuple[int, int, int]:
     return int(t.stride(0)), int(t.stride(1)), int(t.stride(2))
 
 
+def packed_layout(t: Any) -> bool:
+    """Whether the kernel reads a packed ``(total, H, D)`` tensor (or a shape-only stand-in)
+    in place through a ``(total, H * D)`` TMA view: heads ``D`` apart, last dim contiguous,
+    a token stride (a slice of a packed qkv too) and a base TMA can address (16-byte
+    multiples); else it is copied."""
+    total, heads, dim = t.shape
+    s_n, s_h, s_d = (int(x) for x in t.stride())
+    return (t.data_ptr() % 16 == 0 and s_d == 1 and (heads == 1 or s_h == dim)
+            and (s_n * t.element_size()) % 16 == 0 and (total == 1 or s_n >= heads * dim))
+
+
+def _packed_desc_shape(t: Any) -> tuple[list[int], list[int]]:
+    total, heads, dim = t.shape
+    return [total, heads * dim], [int(t.stride(0)) if total > 1 else heads * dim, 1]
+
+
+def _bhn(t: Any) -> tuple[int, int, int]:
+    """A packed ``(total, H, D)`` tensor's ``(batch, head, token)`` strides as the kernels
+    take them: no batch stride (rows counted from the sequence's start)."""
+    return 0, int(t.stride(1)), int(t.stride(0))
+
+
 def plan(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, dq: Any, dk: Any, dv: Any,
          scratch: Mapping[str, Any], config: Mapping[str, int], *, causal: bool,
-         scale: float, dlse: Any = None) -> dict[str, Launch]:
+         scale: float, dlse: Any = None, cu_seqlens_q: Any = None, cu_seqlens_k: Any = None,
+         max_seqlen_q: int | None = None, max_seqlen_k: int | None = None
+         ) -> dict[str, Launch]:
     """``{"preprocess", "main", "convert"} -> (kernel, args, kwargs, grid)`` for tensors
     (or shape-only stand-ins) with q and dout in one :func:`layout`, k and v in one, dk and
     dv in k's; ``scratch`` the buffers of :func:`scratch_shapes`; ``lse`` contiguous
-    float32 ``(B, Hq, Nq)``; ``dlse`` optional, any strides."""
+    float32 ``(B, Hq, Nq)``; ``dlse`` optional, any strides. With ``cu_seqlens_q`` the
+    packed plan (:func:`plan_packed`)."""
+    if cu_seqlens_q is not None:
+        assert cu_seqlens_k is not None and max_seqlen_q is not None \
+            and max_seqlen_k is not None, "a packed plan needs both cu_seqlens and max_seqlen"
+        return plan_packed(q, k, v, out, lse, dout, dq, dk, dv, scratch, config,
+                           causal=causal, scale=scale, dlse=dlse, cu_seqlens_q=cu_seqlens_q,
+                           cu_seqlens_k=cu_seqlens_k, max_seqlen_q=int(max_seqlen_q),
+                           max_seqlen_k=int(max_seqlen_k))
     batch, heads_q, seqlen_q, head_dim = q.shape
     heads_kv, seqlen_k = k.shape[1], k.shape[2]
     bm, bn, nc = config["BLOCK_M"], config["BLOCK_N"], config["NUM_CONSUMERS"]
@@ -162,7 +202,8 @@ def plan(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, dq: Any, dk: Any
         gluon_attn_bwd_preprocess,
         (out, dout, lse, lse if dlse is None else dlse, lse2, delta, dq_acc,
          *_strides3(out), *_strides3(dout), *dl_strides, heads_q, seqlen_q, pad),
-        dict(HEAD_D=head_dim, BLOCK=PRE_BLOCK, HAS_DLSE=dlse is not None, num_warps=4),
+        dict(cu_q_ptr=None, HEAD_D=head_dim, BLOCK=PRE_BLOCK, HAS_DLSE=dlse is not None,
+             VARLEN=False, num_warps=4),
         (-(-pad // PRE_BLOCK), batch * heads_q))
     meta = launch_meta(config)
     lpt = bool(config.get("LPT", OPTIONAL_CONFIG["LPT"]))
@@ -174,17 +215,76 @@ def plan(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, dq: Any, dk: Any
         (q_desc, k_desc, v_desc, do_desc, lse2, delta, dq_acc, dk, dv, *_strides3(dk),
          seqlen_q, seqlen_k, pad, heads_q, heads_kv, float(scale) * LOG2E, float(scale),
          section_log2),
-        dict(HEAD_D=head_dim, BLOCK_M=bm, BLOCK_N=bn, NUM_STAGES=config["NUM_STAGES"],
-             NUM_CONSUMERS=nc, CAUSAL=bool(causal), Q_BSHD=q_how == "bshd",
-             KV_BSHD=kv_how == "bshd", PRODUCER_REGS=meta["PRODUCER_REGS"],
-             CONSUMER_REGS=meta["CONSUMER_REGS"], LPT=lpt, num_warps=meta["num_warps"],
-             maxnreg=meta["maxnreg"]),
+        dict(cu_q_ptr=None, cu_k_ptr=None, HEAD_D=head_dim, BLOCK_M=bm, BLOCK_N=bn,
+             NUM_STAGES=config["NUM_STAGES"], NUM_CONSUMERS=nc, CAUSAL=bool(causal),
+             Q_BSHD=q_how == "bshd", KV_BSHD=kv_how == "bshd",
+             PRODUCER_REGS=meta["PRODUCER_REGS"], CONSUMER_REGS=meta["CONSUMER_REGS"], LPT=lpt,
+             VARLEN=False, num_warps=meta["num_warps"], maxnreg=meta["maxnreg"]),
         (n_blocks * bh_kv, 1) if lpt else (n_blocks, bh_kv))
     conv: Launch = (
         gluon_attn_bwd_convert_dq,
         (dq_acc, dq, *_strides3(dq), heads_q, seqlen_q, pad, float(scale)),
-        dict(HEAD_D=head_dim, BLOCK=PRE_BLOCK, num_warps=4),
+        dict(cu_q_ptr=None, HEAD_D=head_dim, BLOCK=PRE_BLOCK, VARLEN=False, num_warps=4),
         (-(-seqlen_q // PRE_BLOCK), batch * heads_q))
+    return {"preprocess": pre, "main": main, "convert": conv}
+
+
+def plan_packed(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, dq: Any, dk: Any,
+                dv: Any, scratch: Mapping[str, Any], config: Mapping[str, int], *,
+                causal: bool, scale: float, cu_seqlens_q: Any, cu_seqlens_k: Any,
+                max_seqlen_q: int, max_seqlen_k: int, dlse: Any = None) -> dict[str, Launch]:
+    """:func:`plan` for packed sequences (the kernels' ``VARLEN``): q, dout, out, dq
+    ``(total_q, Hq, D)``, k, v, dk, dv ``(total_k, Hkv, D)`` with q, dout, k, v in
+    :func:`packed_layout` and dk, dv of one set of strides; ``cu_seqlens_q/k`` ``(B + 1,)``
+    int32; ``max_seqlen_q/k`` the longest sequences (the grids, the scratch's padding:
+    ``scratch`` is :func:`scratch_shapes` of ``(B, Hq, max_seqlen_q, D)``); ``lse``
+    contiguous float32 ``(Hq, total_q)``; ``dlse`` optional, ``(Hq, total_q)``, any
+    strides."""
+    total_q, heads_q, head_dim = q.shape
+    heads_kv = k.shape[1]
+    batch = cu_seqlens_q.shape[0] - 1
+    bm, bn, nc = config["BLOCK_M"], config["BLOCK_N"], config["NUM_CONSUMERS"]
+    gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    assert all(packed_layout(t) for t in (q, dout, k, v)), "see packed_layout"
+    assert tuple(dk.stride()) == tuple(dv.stride()), "dk and dv share the kernel's strides"
+    q_block, kv_block = [bm, head_dim], [bn, head_dim]
+    q_desc, do_desc = (TensorDescriptor(t, *_packed_desc_shape(t), q_block,
+                                        _smem_layout(q_block, gdt)) for t in (q, dout))
+    k_desc, v_desc = (TensorDescriptor(t, *_packed_desc_shape(t), kv_block,
+                                       _smem_layout(kv_block, gdt)) for t in (k, v))
+    pad = padded_seqlen(max_seqlen_q, config)
+    lse2, delta, dq_acc = scratch["lse2"], scratch["delta"], scratch["dq_acc"]
+    dl_strides = (0, int(dlse.stride(0)), int(dlse.stride(1))) if dlse is not None \
+        else (0, 0, 0)
+    # the LSE's row length is total_q (its (Hq, total_q) layout), passed as seqlen_q
+    pre: Launch = (
+        gluon_attn_bwd_preprocess,
+        (out, dout, lse, lse if dlse is None else dlse, lse2, delta, dq_acc,
+         *_bhn(out), *_bhn(dout), *dl_strides, heads_q, total_q, pad),
+        dict(cu_q_ptr=cu_seqlens_q, HEAD_D=head_dim, BLOCK=PRE_BLOCK,
+             HAS_DLSE=dlse is not None, VARLEN=True, num_warps=4),
+        (-(-pad // PRE_BLOCK), batch * heads_q))
+    meta = launch_meta(config)
+    lpt = bool(config.get("LPT", OPTIONAL_CONFIG["LPT"]))
+    n_blocks, bh_kv = -(-max_seqlen_k // bn), batch * heads_kv
+    section = lpt_section(bh_kv, heads_q // heads_kv, max_seqlen_q, head_dim) if lpt else 1
+    main: Launch = (
+        gluon_attn_bwd_kernel,
+        (q_desc, k_desc, v_desc, do_desc, lse2, delta, dq_acc, dk, dv, *_bhn(dk),
+         max_seqlen_q, max_seqlen_k, pad, heads_q, heads_kv, float(scale) * LOG2E,
+         float(scale), section.bit_length() - 1),
+        dict(cu_q_ptr=cu_seqlens_q, cu_k_ptr=cu_seqlens_k, HEAD_D=head_dim, BLOCK_M=bm,
+             BLOCK_N=bn, NUM_STAGES=config["NUM_STAGES"], NUM_CONSUMERS=nc,
+             CAUSAL=bool(causal), Q_BSHD=True, KV_BSHD=True,
+             PRODUCER_REGS=meta["PRODUCER_REGS"], CONSUMER_REGS=meta["CONSUMER_REGS"], LPT=lpt,
+             VARLEN=True, num_warps=meta["num_warps"], maxnreg=meta["maxnreg"]),
+        (n_blocks * bh_kv, 1) if lpt else (n_blocks, bh_kv))
+    conv: Launch = (
+        gluon_attn_bwd_convert_dq,
+        (dq_acc, dq, *_bhn(dq), heads_q, max_seqlen_q, pad, float(scale)),
+        dict(cu_q_ptr=cu_seqlens_q, HEAD_D=head_dim, BLOCK=PRE_BLOCK, VARLEN=True,
+             num_warps=4),
+        (-(-max_seqlen_q // PRE_BLOCK), batch * heads_q))
     return {"preprocess": pre, "main": main, "convert": conv}
 
 
@@ -232,12 +332,93 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
     if rows >= 2**31:
         raise InputError(f"batch x heads x seqlen must stay below 2**31 rows (TMA "
                          f"coordinates are 32-bit), got {rows}")
-    if q.device.type != "cuda" or any(t.device != q.device for t in (k, v, out, dout)):
+    _check_device(q, k, v, out, dout)
+
+
+def _check_device(q: torch.Tensor, *others: torch.Tensor) -> None:
+    if q.device.type != "cuda" or any(t.device != q.device for t in others):
         raise DeviceError(f"the Gluon backward runs on one CUDA GPU (sm_90) and has no "
                           f"interpreter mode; got q on {q.device}")
     if torch.cuda.get_device_capability(q.device) != (9, 0):
         raise DeviceError(f"the Gluon backward runs on sm_90 (Hopper) only; {q.device} is "
                           f"sm_{''.join(map(str, torch.cuda.get_device_capability(q.device)))}")
+
+
+def _check_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                  lse: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None,
+                  cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: Any,
+                  max_seqlen_k: Any) -> None:
+    """:func:`_check` for packed sequences: the tensors' shapes and dtypes, the
+    ``cu_seqlens``' metadata (their values are trusted, as attn_bwd trusts them: the
+    runtime checks them once per call, ``runtime.scored``), the lengths; the device last."""
+    if any(t.dim() != 3 for t in (q, k, v, out, dout)):
+        raise InputError("packed q, k, v, out, dout must be 3-D (total_tokens, heads, "
+                         "head_dim)")
+    if k.shape != v.shape or q.shape[2] != k.shape[2] or out.shape != q.shape \
+            or dout.shape != q.shape:
+        raise InputError(f"packed k and v must be (total_k, heads_kv, head_dim) with q's "
+                         f"head_dim, out and dout shaped like q; got q {tuple(q.shape)}, k "
+                         f"{tuple(k.shape)}, v {tuple(v.shape)}, out {tuple(out.shape)}, dout "
+                         f"{tuple(dout.shape)}")
+    if q.dtype not in (torch.float16, torch.bfloat16) \
+            or any(t.dtype != q.dtype for t in (k, v, out, dout)):
+        raise InputTypeError(f"the Gluon backward takes fp16 or bf16 q, k, v, out, dout of "
+                             f"one dtype; got {q.dtype}, {k.dtype}, {v.dtype}, {out.dtype}, "
+                             f"{dout.dtype}")
+    if q.shape[2] not in HEAD_DIMS:
+        raise InputError(f"head_dim must be one of {list(HEAD_DIMS)} for the Gluon backward, "
+                         f"got {q.shape[2]} (attn_bwd serves the others)")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        raise InputError(f"heads_q ({q.shape[1]}) must be a multiple of heads_kv "
+                         f"({k.shape[1]})")
+    if cu_seqlens_k is None:
+        raise InputError("cu_seqlens_k is required with cu_seqlens_q (packed sequences)")
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(cu, torch.Tensor):
+            raise InputTypeError(f"{name} must be a torch.Tensor of int32, got "
+                                 f"{type(cu).__name__}")
+        if cu.dtype != torch.int32:
+            raise InputTypeError(f"{name} must be int32 (as flash_attn_varlen_func's), got "
+                                 f"{cu.dtype}")
+        if cu.dim() != 1 or cu.numel() < 2:
+            raise InputError(f"{name} must be 1-D with batch + 1 >= 2 entries, got shape "
+                             f"{tuple(cu.shape)}")
+        if cu.device != q.device:
+            raise InputError(f"{name} is on {cu.device}, q on {q.device}; they must share a "
+                             f"device")
+    if cu_seqlens_k.numel() != cu_seqlens_q.numel():
+        raise InputError(f"cu_seqlens_k has {cu_seqlens_k.numel()} entries and cu_seqlens_q "
+                         f"{cu_seqlens_q.numel()}: both must be batch + 1")
+    for name, m, total in (("max_seqlen_q", max_seqlen_q, q.shape[0]),
+                           ("max_seqlen_k", max_seqlen_k, k.shape[0])):
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 0):
+            raise InputError(f"{name} must be a non-negative int (the longest sequence) or "
+                             f"None, got {m!r}")
+        if m is not None and m > total:
+            raise InputError(f"{name} ({m}) exceeds the {total} packed tokens")
+    want = (q.shape[1], q.shape[0])
+    if tuple(lse.shape) != want or (dlse is not None and tuple(dlse.shape) != want):
+        raise InputError(f"packed lse (and dlse) must be (heads_q, total_q) = {want} "
+                         f"(attn_fwd's varlen LSE); got lse {tuple(lse.shape)}"
+                         + ("" if dlse is None else f", dlse {tuple(dlse.shape)}"))
+    elems = max(q.shape[0] * q.shape[1], k.shape[0] * k.shape[1]) * q.shape[2]
+    if elems >= 2**31:  # dK/dV's row offsets and the TMA coordinates are 32-bit
+        raise InputError(f"packed tokens x heads x head_dim must stay below 2**31, got "
+                         f"{elems}")
+    _check_device(q, k, v, out, dout)
+
+
+def _max_len(cu: torch.Tensor) -> int:
+    return int((cu[1:] - cu[:-1]).max().item())
+
+
+def _ready_packed(t: torch.Tensor) -> torch.Tensor:
+    """``t`` where the TMA engine reads it as it is (:func:`packed_layout`), else a
+    contiguous 16-byte aligned copy."""
+    if packed_layout(t):
+        return t
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
 def _ready(t: torch.Tensor) -> torch.Tensor:
@@ -260,34 +441,54 @@ def attn_bwd_gluon(
     causal: bool = False,
     scale: float | None = None,
     dlse: torch.Tensor | None = None,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of flash attention with the Gluon warp-specialized kernel (a Hopper GPU).
 
     Arguments:
         q: ``(batch, heads_q, seqlen_q, head_dim)``, fp16 or bf16, ``head_dim`` 64 or 128,
-            on a CUDA device of compute capability 9.0.
-        k, v: ``(batch, heads_kv, seqlen_k, head_dim)``, q's dtype and device; ``heads_q``
-            a multiple of ``heads_kv`` (GQA/MQA: a CTA walks the group's query heads).
+            on a CUDA device of compute capability 9.0 (packed ``(total_q, heads_q,
+            head_dim)`` with ``cu_seqlens_q``).
+        k, v: ``(batch, heads_kv, seqlen_k, head_dim)`` (packed ``(total_k, heads_kv,
+            head_dim)``), q's dtype and device; ``heads_q`` a multiple of ``heads_kv``
+            (GQA/MQA: a CTA walks the group's query heads).
         out: the forward's output, shaped like ``q`` (last dim contiguous).
-        lse: the forward's float32 log-sum-exp ``(batch, heads_q, seqlen_q)``, natural log,
-            ``-inf`` for rows that see no key (``attn_fwd``/``attn_fwd_gluon`` with
-            ``return_lse=True``).
+        lse: the forward's float32 log-sum-exp ``(batch, heads_q, seqlen_q)`` (packed:
+            ``(heads_q, total_q)``), natural log, ``-inf`` for rows that see no key
+            (``attn_fwd``/``attn_fwd_gluon`` with ``return_lse=True``).
         dout: the gradient of ``out``, shaped like ``q``.
         config: ``{"BLOCK_M", "BLOCK_N", "NUM_STAGES", "NUM_CONSUMERS"}`` from the
             template's space.
         causal: bottom-right aligned mask: query ``i`` sees key ``j`` iff
-            ``j <= i + seqlen_k - seqlen_q``.
+            ``j <= i + seqlen_k - seqlen_q`` (packed: each sequence's own lengths).
         scale: softmax scale, default ``1 / sqrt(head_dim)``.
-        dlse: optional gradient of ``lse`` (any strides): ``dS = P (dP - (delta - dlse))``.
+        dlse: optional gradient of ``lse``, shaped like it (any strides): ``dS = P (dP -
+            (delta - dlse))``.
+        cu_seqlens_q, cu_seqlens_k: int32 ``(batch + 1,)`` on ``q``'s device, cumulative
+            sequence lengths of packed ``q`` and ``k``/``v`` (``flash_attn_varlen_func``'s,
+            as :func:`attn_bwd` takes them): sequence ``b`` is tokens ``[cu[b], cu[b +
+            1])``; their values are not checked here.
+        max_seqlen_q, max_seqlen_k: the longest sequences (the grids and the scratch's
+            padding); read from the ``cu_seqlens`` (a device sync) when None.
     Returns:
-        ``(dq, dk, dv)`` in the input dtype, in the layouts of ``q``, ``k``, ``v``. dK and
-        dV are summed over each GQA group in a fixed order; dQ by fp32 atomics (its last
-        bits may differ between runs).
+        ``(dq, dk, dv)`` in the input dtype, in the layouts of ``q``, ``k``, ``v`` (packed:
+        contiguous ``(total, heads, head_dim)``). dK and dV are summed over each GQA group
+        in a fixed order; dQ by fp32 atomics (its last bits may differ between runs).
     Raises:
         InputError, InputTypeError, DeviceError for inputs it cannot serve; ConfigError for
         a config outside its knobs.
     """
     check_config(config)
+    if cu_seqlens_q is not None or cu_seqlens_k is not None:
+        if cu_seqlens_q is None:
+            raise InputError("cu_seqlens_q is required with cu_seqlens_k (packed sequences)")
+        return _attn_bwd_packed(q, k, v, out, lse, dout, config, causal=causal, scale=scale,
+                                dlse=dlse, cu_seqlens_q=cu_seqlens_q,
+                                cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                                max_seqlen_k=max_seqlen_k)
     _check(q, k, v, out, dout)
     head_dim = q.shape[3]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
@@ -314,12 +515,51 @@ def attn_bwd_gluon(
     return dq, dk, dv
 
 
+def _attn_bwd_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                     lse: torch.Tensor, dout: torch.Tensor, config: Mapping[str, int], *,
+                     causal: bool, scale: float | None, dlse: torch.Tensor | None,
+                     cu_seqlens_q: torch.Tensor, cu_seqlens_k: Any, max_seqlen_q: int | None,
+                     max_seqlen_k: int | None) -> tuple[torch.Tensor, torch.Tensor,
+                                                        torch.Tensor]:
+    """:func:`attn_bwd_gluon` for packed sequences (its arguments, checked here)."""
+    _check_packed(q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                  max_seqlen_k)
+    heads_q, head_dim = q.shape[1], q.shape[2]
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    q, k, v, dout = (_ready_packed(t) for t in (q, k, v, dout))
+    if out.stride(-1) != 1:
+        out = out.contiguous()
+    dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+    dk = torch.empty(k.shape, device=k.device, dtype=k.dtype)
+    dv = torch.empty(v.shape, device=v.device, dtype=v.dtype)
+    batch = cu_seqlens_q.numel() - 1
+    if max_seqlen_q is None:
+        max_seqlen_q = _max_len(cu_seqlens_q)
+    if max_seqlen_k is None:
+        max_seqlen_k = _max_len(cu_seqlens_k)
+    if q.shape[0] == 0 or k.shape[0] == 0 or max_seqlen_q == 0 or max_seqlen_k == 0:
+        dq.zero_(), dk.zero_(), dv.zero_()  # no query sees a key
+        return dq, dk, dv
+    scratch = {name: torch.empty(shape, device=q.device, dtype=torch.float32)
+               for name, shape in scratch_shapes((batch, heads_q, max_seqlen_q, head_dim),
+                                                 config).items()}
+    lse = lse.contiguous()
+    if dlse is not None and dlse.dtype != torch.float32:
+        dlse = dlse.to(torch.float32)
+    for kernel, args, kwargs, grid in plan_packed(
+            q, k, v, out, lse, dout, dq, dk, dv, scratch, config, causal=causal, scale=scale,
+            dlse=dlse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+            max_seqlen_q=int(max_seqlen_q), max_seqlen_k=int(max_seqlen_k)).values():
+        kernel[grid](*args, **kwargs)
+    return dq, dk, dv
+
+
 def compile_sm90(config: Mapping[str, int], head_dim: int = 128, causal: bool = False,
-                 dtype: str = "bf16", layout: str = "bhsd") -> Any:
+                 dtype: str = "bf16", layout: str = "bhsd", varlen: bool = False) -> Any:
     """Compile the main kernel of ``config`` for sm_90 on the CPU (no GPU needed), planned as
-    :func:`attn_bwd_gluon` launches it for inputs in ``layout`` (q, k, v alike); returns the
-    compiled kernel (``.asm["ptx"]``, ``.metadata.shared``). Needs a process without
-    ``TRITON_INTERPRET``."""
+    :func:`attn_bwd_gluon` launches it for inputs in ``layout`` (q, k, v alike; ``varlen``:
+    packed sequences, ``layout`` ignored); returns the compiled kernel (``.asm["ptx"]``,
+    ``.metadata.shared``). Needs a process without ``TRITON_INTERPRET``."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -330,19 +570,24 @@ def compile_sm90(config: Mapping[str, int], head_dim: int = 128, causal: bool = 
     qd = f"tensordesc<{dtype}[{bm}, {head_dim}],{_smem_layout([bm, head_dim], gdt)!r}>"
     kd = f"tensordesc<{dtype}[{bn}, {head_dim}],{_smem_layout([bn, head_dim], gdt)!r}>"
     meta = launch_meta(config)
-    const = {"HEAD_D": head_dim, "BLOCK_M": bm, "BLOCK_N": bn,
-             "NUM_STAGES": config["NUM_STAGES"], "NUM_CONSUMERS": nc, "CAUSAL": bool(causal),
-             "Q_BSHD": layout == "bshd", "KV_BSHD": layout == "bshd",
-             "PRODUCER_REGS": meta["PRODUCER_REGS"], "CONSUMER_REGS": meta["CONSUMER_REGS"],
-             "LPT": bool(config.get("LPT", OPTIONAL_CONFIG["LPT"]))}
+    const: dict[str, Any] = {
+        "HEAD_D": head_dim, "BLOCK_M": bm, "BLOCK_N": bn, "NUM_STAGES": config["NUM_STAGES"],
+        "NUM_CONSUMERS": nc, "CAUSAL": bool(causal), "Q_BSHD": varlen or layout == "bshd",
+        "KV_BSHD": varlen or layout == "bshd", "PRODUCER_REGS": meta["PRODUCER_REGS"],
+        "CONSUMER_REGS": meta["CONSUMER_REGS"],
+        "LPT": bool(config.get("LPT", OPTIONAL_CONFIG["LPT"])), "VARLEN": varlen}
+    if not varlen:  # None: no parameter (the dense kernel's)
+        const.update(cu_q_ptr=None, cu_k_ptr=None)
     kern = gluon_attn_bwd_kernel
     names = kern.arg_names
     types = {"q_desc": qd, "k_desc": kd, "v_desc": kd, "do_desc": qd, "lse2_ptr": "*fp32",
              "delta_ptr": "*fp32", "dq_acc_ptr": "*fp32", "dk_ptr": f"*{dtype}",
-             "dv_ptr": f"*{dtype}", "qk_scale": "fp32", "sm_scale": "fp32"}
+             "dv_ptr": f"*{dtype}", "qk_scale": "fp32", "sm_scale": "fp32",
+             "cu_q_ptr": "*i32", "cu_k_ptr": "*i32"}
     sig = {n: "constexpr" if n in const else types.get(n, "i32") for n in names}
-    attrs = {(names.index(n),): [["tt.divisibility", 16]]
-             for n in ("lse2_ptr", "delta_ptr", "dq_acc_ptr", "dk_ptr", "dv_ptr")}
+    aligned = ("lse2_ptr", "delta_ptr", "dq_acc_ptr", "dk_ptr", "dv_ptr") \
+        + (("cu_q_ptr", "cu_k_ptr") if varlen else ())
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     src = GluonASTSource(fn=kern, signature=sig, attrs=attrs,
                          constexprs={(names.index(k),): v for k, v in const.items()})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
