@@ -299,7 +299,8 @@ def main() -> None:
 
     # what ran: the routes flashtune memoised for these calls (implementation and configs)
     routes = [{"key": [str(x) for x in key], "template": spec.name, "config": fcfg,
-               "bwd_config": bcfg} for key, (spec, fcfg, bcfg) in scored._ROUTES.items()]
+               "bwd_template": None if bwd is None else bwd.name, "bwd_config": bcfg}
+              for key, (spec, fcfg, bwd, bcfg) in scored._ROUTES.items()]
     out = {"device": dev.name, "torch": torch.__version__,
            "triton": __import__("triton").__version__, "host": platform.node(),
            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": rows, "routes": routes}

@@ -35,8 +35,9 @@ Where flashtune differs, and why:
   order), so all three are bitwise reproducible. With ``False`` (FlashAttention-2's default)
   a plain call takes flashtune's routed training step, which on an H100 without a tuned
   choice is torch's cuDNN attention, whose backward PyTorch documents as non-deterministic.
-  The varlen functions and calls with ``window_size``/``softcap``/``alibi_slopes`` always run
-  flashtune's pair.
+  The varlen functions take the same rule: ``True`` runs attn_fwd with attn_bwd, ``False``
+  the routed pair (on sm_90 the Gluon backward's varlen kernel, whose dQ adds by atomics).
+  Calls with ``window_size``/``softcap``/``alibi_slopes`` always run attn_fwd with attn_bwd.
 * ``dropout_p`` is forwarded to :func:`flashtune.attention` / :func:`flashtune.attention_varlen`
   (:func:`_dropout` is the one place that decides): FlashAttention-2's semantics (applied
   whenever it is > 0; the LSE is of every score), but flashtune's own mask: a Philox
@@ -293,9 +294,10 @@ def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: Any
             cu_seqlens_k: Any, max_seqlen_q: Any, max_seqlen_k: Any, dropout_p: Any,
             softmax_scale: Any, causal: bool, window_size: Any, softcap: Any,
             alibi_slopes: torch.Tensor | None, return_lse: bool,
-            block_table: torch.Tensor | None = None,
+            block_table: torch.Tensor | None = None, deterministic: bool = False,
             ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(out, lse or None)`` of packed ``(total, heads, head_dim)`` tensors."""
+    """``(out, lse or None)`` of packed ``(total, heads, head_dim)`` tensors;
+    ``deterministic`` gradients from attn_fwd with attn_bwd (no atomics)."""
     causal = bool(causal)
     scale, window, cap = _scale(softmax_scale), _window(window_size, causal), _softcap(softcap)
     max_q = _positive_int("max_seqlen_q", max_seqlen_q)
@@ -307,9 +309,10 @@ def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: Any
     _check_kv(q, k, v, "(total_k, nheads_k, headdim)")
     drop = _dropout(attention_varlen, dropout_p)
     q, k, v = (_contiguous_last(t) for t in (q, k, v))
+    own = {"impl": "attn_fwd"} if deterministic and _wants_grad(q, k, v) else {}
     result = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k,
                               causal=causal, scale=scale, window=window, softcap=cap,
-                              alibi_slopes=alibi_slopes, return_lse=return_lse, **drop)
+                              alibi_slopes=alibi_slopes, return_lse=return_lse, **drop, **own)
     if return_lse:
         out, lse = result
         return out, lse
@@ -568,8 +571,8 @@ def flash_attn_varlen_qkvpacked_func(
         cu_seqlens: int32 ``(batch_size + 1,)``, the cumulative sequence lengths.
         max_seqlen: the longest sequence's length.
         dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-            return_attn_probs: as :func:`flash_attn_func`, per sequence (the packed
-            functions always run flashtune's own backward: deterministic either way).
+            return_attn_probs: as :func:`flash_attn_func`, per sequence (``deterministic``:
+            attn_fwd with attn_bwd, no atomics; see the module doc).
     Returns:
         ``out`` ``(total, nheads, headdim)``, or ``(out, softmax_lse, None)`` with
         ``softmax_lse`` float32 ``(nheads, total)``.
@@ -583,7 +586,7 @@ def flash_attn_varlen_qkvpacked_func(
     q, k, v = _contiguous_last(qkv).unbind(1)
     out, lse = _varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p,
                        softmax_scale, causal, window_size, softcap, alibi_slopes,
-                       bool(return_attn_probs))
+                       bool(return_attn_probs), deterministic=bool(deterministic))
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -627,7 +630,7 @@ def flash_attn_varlen_kvpacked_func(
     k, v = _contiguous_last(kv).unbind(1)
     out, lse = _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                        dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                       bool(return_attn_probs))
+                       bool(return_attn_probs), deterministic=bool(deterministic))
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -665,8 +668,8 @@ def flash_attn_varlen_func(
         max_seqlen_q, max_seqlen_k: the longest sequences' lengths.
         dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
             return_attn_probs: as :func:`flash_attn_func`, per sequence.
-        deterministic: accepted; the packed functions always run flashtune's own backward,
-            deterministic either way.
+        deterministic: gradients bitwise reproducible (attn_fwd with attn_bwd; see the
+            module doc).
         block_table: int32 ``(batch_size, max_num_blocks_per_seq)`` for a paged cache:
             forward only (the output has no gradient), run by
             :func:`flashtune.attention_with_kvcache` on the queries padded to ``(batch_size,
@@ -684,7 +687,7 @@ def flash_attn_varlen_func(
         _check("v", v, 3, "(total_k, nheads_k, headdim)")
     out, lse = _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                        dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                       bool(return_attn_probs), block_table)
+                       bool(return_attn_probs), block_table, bool(deterministic))
     return (out, lse, None) if return_attn_probs else out
 
 

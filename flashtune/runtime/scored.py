@@ -30,7 +30,8 @@ choice where it serves the call (the Gluon forward serves a causal window), shor
 the split-KV ``attn_decode`` where :func:`~flashtune.runtime.kvcache.decode_route` takes
 them (it serves all three), else attn_fwd; with gradients attn_fwd and attn_bwd. The route
 is memoised per call signature, as the plain path's is; nothing is read per call. Packed
-batches run attn_fwd only.
+batches run attn_fwd's forward; their gradients, on sm_90, the Gluon backward's varlen
+kernel (:data:`PACKED_TRAIN_DEFAULT`, the pair ``attn_fwd_bwd_gluon``), else attn_bwd.
 
 A packed batch is keyed as the problem ``(batch, heads, max_seqlen_q, max_seqlen_k)``. Its
 ``cu_seqlens`` are checked on the host (one small copy from the device: int32, starting
@@ -72,8 +73,17 @@ __all__ = ["attention_compiled", "attention_scored", "attention_varlen", "check_
            "check_score_mods", "has_mods", "lookup_scored", "lookup_varlen", "varlen",
            "varlen_compiled"]
 
-# call signature -> (forward spec, forward config, backward config or None)
-_ROUTES: dict[tuple[Any, ...], tuple[TemplateSpec, Config, Config | None]] = {}
+# call signature -> (forward spec, forward config, backward spec and config or None)
+_ROUTES: dict[tuple[Any, ...], Route] = {}
+# the training step of a packed batch nothing of the user's is tuned for exactly, by compute
+# capability: on sm_90 attn_fwd's varlen forward with the Gluon backward's VARLEN kernel,
+# where the pair serves the call (head dims 64 and 128, no score modification or dropout,
+# not under torch.use_deterministic_algorithms: its dQ adds by atomics); on an H200 a
+# 7-document 16k-token GQA 32:8 D128 causal batch's backward ran 1.50x attn_bwd's and 1.46x
+# FlexAttention's, the step 1.33x attn_bwd's and 1.38x Flex's
+# (benchmarks/results/packed_bwd_h200.json); elsewhere attn_fwd with attn_bwd
+PACKED_TRAIN_DEFAULT: tuple[tuple[tuple[int, int], ...], str] = (((9, 0),),
+                                                                 "attn_fwd_bwd_gluon")
 
 
 def has_mods(causal: bool, window: Any, softcap: Any, alibi_slopes: Any,
@@ -122,14 +132,21 @@ def _dropout_options(q: torch.Tensor, dropout_p: float) -> dict[str, Any]:
     return {"dropout_p": dropout_p, "seed": draw_seed(q.device)}
 
 
+Route = tuple[TemplateSpec, Config, TemplateSpec | None, Config | None]
+
+
 def _choose(problem: AttentionProblem, q: torch.Tensor, causal: bool, return_lse: bool,
             grad: bool, config: Mapping[str, Any] | None,
-            impl: str | None) -> tuple[TemplateSpec, Config, Config | None]:
-    """The forward (and for gradients attn_bwd's config) for ``problem``: the routed
-    choice (the op's stored one, or attn_decode's for short queries) where it is one of
-    flashtune's kernels that serves the call (attn_fwd serves every one; the Gluon forward a
-    causal sliding window; attn_decode short queries; a packed batch only attn_fwd), else
-    attn_fwd's own chain; ``impl``/``config`` forced where given."""
+            impl: str | None) -> Route:
+    """The forward and its config for ``problem``, and for gradients the backward and its
+    config: the routed choice (the op's stored one, or attn_decode's for short queries)
+    where it is one of flashtune's kernels that serves the call (attn_fwd serves every one;
+    the Gluon forward a causal sliding window; attn_decode short queries; a packed batch
+    only attn_fwd), else attn_fwd's own chain; with gradients the train op's stored pair
+    where both its kernels serve the call, else for a packed batch
+    :data:`PACKED_TRAIN_DEFAULT` (unless a pair was tuned for this very problem), else
+    attn_fwd with attn_bwd; ``impl``/``config`` forced where given (attn_fwd with
+    attn_bwd)."""
     device = _device_of(q)
     if impl is not None and impl != _FWD.name:
         spec = get_template(impl)
@@ -140,7 +157,7 @@ def _choose(problem: AttentionProblem, q: torch.Tensor, causal: bool, return_lse
         if reason is not None:
             raise InputError(f"impl {impl!r} cannot serve {problem.describe()} on "
                              f"{device.name}: {reason}")
-        return spec, Config(get_dispatcher(spec).choose(problem, device).config), None
+        return spec, Config(get_dispatcher(spec).choose(problem, device).config), None, None
     reason = _FWD.refuse(problem, device, return_lse=return_lse)
     if reason is not None:
         raise InputError(f"flashtune cannot serve {problem.describe()} on {device.name}: "
@@ -150,23 +167,62 @@ def _choose(problem: AttentionProblem, q: torch.Tensor, causal: bool, return_lse
         fwd_part, bwd_part = split_pair(config)
         fcfg = _explicit_config(fwd_part, problem, device)
         if not grad:
-            return _FWD, fcfg, None
+            return _FWD, fcfg, None, None
         bcfg = (_explicit_config(bwd_part, problem, device, _BWD) if bwd_part
                 else _DISPATCH_BWD.choose(problem, device).config)
-        return _FWD, fcfg, bcfg
+        return _FWD, fcfg, _BWD, bcfg
+    if grad and impl is not None:  # attn_fwd forced: with gradients, its own pair
+        return (_FWD, _DISPATCH.choose(problem, device).config, _BWD,
+                _DISPATCH_BWD.choose(problem, device).config)
     if grad:
         choice = _train_choice(problem, device, return_lse=return_lse, paired=True)
         spec = get_template(choice.template)
-        if _serves(spec, problem, device, return_lse) and spec.backward == _BWD.name:
-            f, b = split_pair(choice.config)
-            return spec, f, b
-        return (_FWD, _DISPATCH.choose(problem, device).config,
+        if spec is _FWD and choice.source != "exact":
+            packed = _packed_default(problem, device, return_lse)
+            if packed is not None:
+                return packed
+        if spec.backward is not None and _serves(spec, problem, device, return_lse):
+            bwd = get_template(spec.backward)
+            if _pair_serves(bwd, problem, device, return_lse):
+                f, b = split_pair(choice.config)
+                return spec, f, bwd, b
+        return (_FWD, _DISPATCH.choose(problem, device).config, _BWD,
                 _DISPATCH_BWD.choose(problem, device).config)
     routed = _route(problem, device, return_lse=return_lse)
     spec = get_template(routed.template)
     if _serves(spec, problem, device, return_lse):
-        return spec, routed.config, None
-    return _FWD, _DISPATCH.choose(problem, device).config, None
+        return spec, routed.config, None, None
+    return _FWD, _DISPATCH.choose(problem, device).config, None, None
+
+
+def _pair_serves(bwd: TemplateSpec, problem: AttentionProblem, device: Any,
+                 return_lse: bool) -> bool:
+    """Whether the backward ``bwd`` runs this call's gradients: it serves the problem, and
+    sums them in a fixed order where torch asks for deterministic algorithms."""
+    if torch.are_deterministic_algorithms_enabled() and not bwd.limits.deterministic:
+        return False
+    return bwd.refuse(problem, device, return_lse=return_lse) is None
+
+
+def _packed_default(problem: AttentionProblem, device: Any,
+                    return_lse: bool) -> Route | None:
+    """:data:`PACKED_TRAIN_DEFAULT`'s pair for a packed ``problem`` on ``device`` where it
+    serves the call, with each kernel's own config (tuned, else its default); else None."""
+    capabilities, name = PACKED_TRAIN_DEFAULT
+    if not problem.packed or device.capability not in capabilities:
+        return None
+    pair = get_template(name)
+    bwd = get_template(pair.backward or "")
+    if not _serves(pair, problem, device, return_lse) \
+            or not _pair_serves(bwd, problem, device, return_lse):
+        return None
+    # the pair's forward is attn_fwd's kernel: attn_fwd's configs. The backward's config
+    # tuned for a packed batch, else its default (longest first: the documents' key blocks
+    # walk unequal work), not one lent from a dense shape
+    chosen = get_dispatcher(bwd).choose(problem, device)
+    packed_tuned = chosen.tuned_problem is not None and chosen.tuned_problem.packed
+    bcfg = chosen.config if packed_tuned else bwd.default_config(problem, device)
+    return pair, Config(_DISPATCH.choose(problem, device).config), bwd, Config(bcfg)
 
 
 def _serves(spec: TemplateSpec, problem: AttentionProblem, device: Any,
@@ -210,7 +266,16 @@ def _lookup(problem: AttentionProblem, q: torch.Tensor, k: torch.Tensor, v: torc
         choice = _train_choice(problem, device, return_lse=return_lse, paired=True,
                                tune=False)
         spec = get_template(choice.template)
-        if _serves(spec, problem, device, return_lse) and spec.backward == _BWD.name:
+        if spec is _FWD and choice.source != "exact":
+            packed = _packed_default(problem, device, return_lse)
+            if packed is not None:
+                pair, fcfg, _, bcfg = packed
+                return ConfigChoice(join_pair(fcfg, bcfg or {}), "default",
+                                    origin=f"default packed training step on "
+                                           f"{device.compute_capability}",
+                                    template=pair.name)
+        if spec.backward is not None and _serves(spec, problem, device, return_lse) \
+                and _pair_serves(get_template(spec.backward), problem, device, return_lse):
             return choice
         fwd, bwd = _DISPATCH.choose(problem, device), _DISPATCH_BWD.choose(problem, device)
         return replace(fwd, config=join_pair(fwd.config, bwd.config))
@@ -228,22 +293,48 @@ def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     and launch."""
     grad = _wants_grad(q, k, v)
     if config is None and impl is None:
-        route = _ROUTES.get(key + (grad,))
+        # (deterministic algorithms may rule a backward out: part of a route's key)
+        full = key + (grad, grad and torch.are_deterministic_algorithms_enabled())
+        route = _ROUTES.get(full)
         if route is None:
-            route = _ROUTES[key + (grad,)] = _choose(problem(), q, causal, return_lse, grad,
-                                                     None, None)
+            route = _ROUTES[full] = _choose(problem(), q, causal, return_lse, grad, None,
+                                            None)
     else:
         route = _choose(problem(), q, causal, return_lse, grad, config, impl)
-    spec, fcfg, bcfg = route
+    spec, fcfg, bwd, bcfg = route
     if spec is not _FWD:  # the Gluon forward (a causal window), attn_decode (short queries)
         options = {n: o for n, o in options.items() if o is not None}
     if grad:
-        assert bcfg is not None
-        out, lse = pair_fn(q, k, v, causal, scale, spec.launcher, fcfg, _BWD.launcher, bcfg,
-                           options)
+        assert bwd is not None and bcfg is not None
+        out, lse = pair_fn(q, k, v, causal, scale, spec.launcher, fcfg, _bwd_launcher(bwd),
+                           bcfg, options)
         return (out, lse) if return_lse else out
     return spec.launcher(q, k, v, fcfg, causal=causal, scale=scale, return_lse=return_lse,
                          **options)
+
+
+def _bwd_launcher(bwd: TemplateSpec) -> Callable[..., Any]:
+    """``bwd``'s launcher taking the options a route passes both kernels: attn_bwd's own;
+    a backward without score modifications (the Gluon one, routed only to calls without
+    them) gets them at their off values, which it drops."""
+    if bwd is _BWD:
+        return _BWD.launcher
+    found = _BWD_LAUNCHERS.get(bwd.name)
+    if found is None:
+        launcher = bwd.launcher
+
+        def plain(*args: Any, causal: bool = False, window: Any = (-1, -1),
+                  softcap: Any = None, alibi_slopes: Any = None, **options: Any) -> Any:
+            left, right = window  # (causal's right bound is 0: no window either)
+            if left != -1 or right not in ((-1, 0) if causal else (-1,)) or softcap \
+                    or alibi_slopes is not None:
+                raise InputError(f"{bwd.name} applies no score modification")
+            return launcher(*args, causal=causal, **options)
+        found = _BWD_LAUNCHERS[bwd.name] = plain
+    return found
+
+
+_BWD_LAUNCHERS: dict[str, Callable[..., Any]] = {}
 
 
 def attention_scored(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
@@ -329,10 +420,13 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             ``alibi_slopes`` ``(heads_q,)`` or ``(batch, heads_q)``.
         return_lse: also return the float32 LSE ``(heads_q, total_q)``.
         config, impl: as :func:`flashtune.attention` (only ``"attn_fwd"`` serves packed
-            batches).
+            batches; forced, or with a ``config``, it runs with attn_bwd).
     Returns:
         ``out`` ``(total_q, heads_q, head_dim)`` (contiguous), or ``(out, lse)``; with
-        gradients (q, k or v requiring grad) through attn_bwd.
+        gradients (q, k or v requiring grad) through the Gluon backward's varlen kernel on
+        sm_90 where it serves the call (:data:`PACKED_TRAIN_DEFAULT`; no score
+        modification, dropout or deterministic algorithms; a pair tuned for this very
+        problem is run as tuned), else attn_bwd.
     Raises:
         InputError / InputTypeError naming the argument, before any launch.
     """
@@ -444,11 +538,12 @@ def reset() -> None:
 def _pair_route(q: torch.Tensor, k: torch.Tensor, causal: bool, window_left: int,
                 window_right: int, softcap: float, alibi: bool, config_str: str | None,
                 impl: str | None, dropout_p: float = 0.0
-                ) -> tuple[TemplateSpec, Config, Config]:
-    """The pair (forward, attn_bwd config) a compiled call runs: always one that saves the
-    LSE for attn_bwd, as the plain custom op's route does; memoised."""
+                ) -> tuple[TemplateSpec, Config, TemplateSpec, Config]:
+    """The pair (forward, backward, their configs) a compiled call runs: always one that
+    saves the LSE for its backward, as the plain custom op's route does; memoised."""
     key = ("compiled", q.shape, k.shape, q.dtype, q.get_device(), causal, window_left,
-           window_right, softcap, alibi, config_str, impl, dropout_p)
+           window_right, softcap, alibi, config_str, impl, dropout_p,
+           torch.are_deterministic_algorithms_enabled())
     route = _ROUTES.get(key)
     if route is None:
         problem = AttentionProblem.from_tensors(q, k, causal=causal,
@@ -458,9 +553,9 @@ def _pair_route(q: torch.Tensor, k: torch.Tensor, causal: bool, window_left: int
         check_grid(q, k)
         config = config_from_text(config_str) if config_str is not None else None
         route = _ROUTES[key] = _choose(problem, q, causal, True, True, config, impl)
-    spec, fcfg, bcfg = route
-    assert bcfg is not None
-    return spec, fcfg, bcfg
+    spec, fcfg, bwd, bcfg = route
+    assert bwd is not None and bcfg is not None
+    return spec, fcfg, bwd, bcfg
 
 
 def _grads_like(q: torch.Tensor, k: torch.Tensor,
@@ -489,8 +584,8 @@ def _scored_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
                    alibi_slopes: torch.Tensor | None, config_str: str | None,
                    impl: str | None, dropout_p: float = 0.0,
                    seed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    spec, fcfg, _ = _pair_route(q, k, causal, window_left, window_right, softcap,
-                                alibi_slopes is not None, config_str, impl, dropout_p)
+    spec, fcfg, _, _ = _pair_route(q, k, causal, window_left, window_right, softcap,
+                                   alibi_slopes is not None, config_str, impl, dropout_p)
     out, lse = spec.launcher(q, k, v, fcfg, causal=causal, scale=scale, return_lse=True,
                              **_compiled_options(spec, window_left, window_right, softcap,
                                                  alibi_slopes, dropout_p, seed))
@@ -516,11 +611,11 @@ def _scored_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
                    config_str: str | None, impl: str | None, dropout_p: float = 0.0,
                    seed: torch.Tensor | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    spec, _, bcfg = _pair_route(q, k, causal, window_left, window_right, softcap,
-                                alibi_slopes is not None, config_str, impl, dropout_p)
+    _, _, bwd, bcfg = _pair_route(q, k, causal, window_left, window_right, softcap,
+                                  alibi_slopes is not None, config_str, impl, dropout_p)
     options = _compiled_options(_FWD, window_left, window_right, softcap, alibi_slopes,
                                 dropout_p, seed)
-    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = _BWD.launcher(
+    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = _bwd_launcher(bwd)(
         q, k, v, out, lse, dout, bcfg, causal=causal, scale=scale, dlse=dlse, **options)
     return grads
 
@@ -582,12 +677,13 @@ def _varlen_route(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Tensor,
                   max_seqlen_q: int, max_seqlen_k: int, causal: bool, window_left: int,
                   window_right: int, softcap: float, alibi: bool, config_str: str | None,
                   impl: str | None, dropout_p: float = 0.0
-                  ) -> tuple[TemplateSpec, Config, Config]:
-    """The pair (attn_fwd saving the LSE, attn_bwd) the compiled varlen ops run; memoised
-    as the eager route is."""
+                  ) -> tuple[TemplateSpec, Config, TemplateSpec, Config]:
+    """The pair (attn_fwd saving the LSE, its backward, their configs) the compiled varlen
+    ops run; memoised as the eager route is."""
     key = ("compiled-varlen", cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_k,
            q.shape, k.shape, q.dtype, q.get_device(), causal, window_left, window_right,
-           softcap, alibi, config_str, impl, dropout_p)
+           softcap, alibi, config_str, impl, dropout_p,
+           torch.are_deterministic_algorithms_enabled())
     route = _ROUTES.get(key)
     if route is None:
         problem = _packed_problem(q, k, cu_seqlens_q.numel() - 1, max_seqlen_q,
@@ -595,9 +691,9 @@ def _varlen_route(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Tensor,
                                   alibi, dropout_p)
         config = config_from_text(config_str) if config_str is not None else None
         route = _ROUTES[key] = _choose(problem, q, causal, True, True, config, impl)
-    spec, fcfg, bcfg = route
-    assert bcfg is not None
-    return spec, fcfg, bcfg
+    spec, fcfg, bwd, bcfg = route
+    assert bwd is not None and bcfg is not None
+    return spec, fcfg, bwd, bcfg
 
 
 def _varlen_options(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
@@ -620,9 +716,9 @@ def _varlen_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    config_str: str | None, impl: str | None, dropout_p: float = 0.0,
                    seed: torch.Tensor | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    spec, fcfg, _ = _varlen_route(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal,
-                                  window_left, window_right, softcap,
-                                  alibi_slopes is not None, config_str, impl, dropout_p)
+    spec, fcfg, _, _ = _varlen_route(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k,
+                                     causal, window_left, window_right, softcap,
+                                     alibi_slopes is not None, config_str, impl, dropout_p)
     out, lse = spec.launcher(q, k, v, fcfg, causal=causal, scale=scale, return_lse=True,
                              **_varlen_options(cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                max_seqlen_k, window_left, window_right,
@@ -652,10 +748,10 @@ def _varlen_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
                    config_str: str | None, impl: str | None, dropout_p: float = 0.0,
                    seed: torch.Tensor | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    _, _, bcfg = _varlen_route(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal,
-                               window_left, window_right, softcap, alibi_slopes is not None,
-                               config_str, impl, dropout_p)
-    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = _BWD.launcher(
+    _, _, bwd, bcfg = _varlen_route(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal,
+                                    window_left, window_right, softcap,
+                                    alibi_slopes is not None, config_str, impl, dropout_p)
+    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = _bwd_launcher(bwd)(
         q, k, v, out, lse, dout, bcfg, causal=causal, scale=scale, dlse=dlse,
         **_varlen_options(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                           window_left, window_right, softcap, alibi_slopes, dropout_p,

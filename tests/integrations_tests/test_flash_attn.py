@@ -192,6 +192,25 @@ def test_deterministic_runs_flashtunes_own_pair(env, monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(grads[0], plain))  # the same kernels on CPU
 
 
+def test_deterministic_packed_calls_force_attn_fwd_with_attn_bwd(monkeypatch):
+    """The varlen functions pass ``deterministic=True`` on as ``impl="attn_fwd"`` when a
+    gradient is wanted (attn_fwd with attn_bwd, no atomics; on sm_90 the routed pair runs
+    the Gluon backward, whose dQ adds by atomics), and nothing forced otherwise."""
+    seen = []
+    monkeypatch.setattr(fa_impl, "attention_varlen",
+                        lambda *a, **kw: seen.append(kw.get("impl")) or a[0])
+    q, cu = _packed([5, 9], 2, seed=30)
+    k = rand(14, 2, D, seed=31)
+    qg = q.clone().requires_grad_(True)
+    for query, det in ((qg, True), (qg, False), (q, True)):
+        fa.flash_attn_varlen_func(query, k, k, cu, cu, 9, 9, causal=True, deterministic=det)
+    fa.flash_attn_varlen_kvpacked_func(qg, torch.stack((k, k), 1), cu, cu, 9, 9,
+                                       deterministic=True)
+    fa.flash_attn_varlen_qkvpacked_func(torch.stack((qg, qg, qg), 1), cu, 9,
+                                        deterministic=True)
+    assert seen == ["attn_fwd", None, None, "attn_fwd", "attn_fwd"]
+
+
 def _packed(lens, heads, seed):
     total = sum(lens)
     cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32).to(DEVICE)

@@ -325,3 +325,85 @@ def test_varlen_max_seqlen_too_short_for_the_tokens_is_caught_without_reading_le
     q, k, v, cq, ck = packed([19, 1, 33], [19, 7, 40])
     with pytest.raises(InputError, match="max_seqlen_q = 10, but 53 tokens in 3 sequences"):
         scored.varlen(q, k, v, cq, ck, 10, 40, read_lengths=False)
+
+
+def _packed_route(monkeypatch, device, *, window=(-1, -1), impl=None, dropout=0.0):
+    """``scored._choose`` of a packed GQA batch with gradients, as ``device`` would route it
+    (only the device is faked: nothing launches)."""
+    monkeypatch.setattr(scored, "_device_of", lambda q: device)
+    q = torch.empty(2, 8, 128, dtype=torch.bfloat16)
+    problem = AttentionProblem(3, 8, 2, 700, 700, 128, True, "bf16", window_left=window[0],
+                               tokens_q=1500, tokens_k=1500, dropout=dropout)
+    spec, fcfg, bwd, bcfg = scored._choose(problem, q, True, False, True, None, impl)
+    return spec.name, bwd.name, fcfg, bcfg
+
+
+def test_a_packed_training_step_takes_the_gluon_backward_on_hopper(monkeypatch):
+    """A packed batch's gradients on sm_90 run attn_fwd's varlen forward with the Gluon
+    backward's varlen kernel (PACKED_TRAIN_DEFAULT), each kernel with its own config; not
+    where the Gluon backward cannot serve the call (another GPU, a window, dropout,
+    deterministic algorithms) or attn_fwd is forced: attn_fwd with attn_bwd there."""
+    from flashtune.kernel_templates import get_template
+    from flashtune.kernel_templates.sm90 import H100
+
+    gluon_bwd = set(get_template("attn_bwd_gluon").space.params)
+    tl_bwd = set(get_template("attn_bwd").space.params)
+    flashtune.reload_configs()
+    name, bwd, fcfg, bcfg = _packed_route(monkeypatch, H100)
+    assert (name, bwd) == ("attn_fwd_bwd_gluon", "attn_bwd_gluon")
+    assert set(fcfg) <= set(get_template("attn_fwd").space.params) and set(bcfg) <= gluon_bwd
+    assert bcfg["LPT"] == 1  # its default (longest first), not a config lent by a dense shape
+    a100 = H100.__class__(**{**H100.__dict__, "name": "NVIDIA A100", "compute_capability": "8.0"})
+    for route in (lambda: _packed_route(monkeypatch, a100),
+                  lambda: _packed_route(monkeypatch, H100, window=(255, -1)),
+                  lambda: _packed_route(monkeypatch, H100, dropout=0.1),
+                  lambda: _packed_route(monkeypatch, H100, impl="attn_fwd")):
+        flashtune.reload_configs()
+        name, bwd, _, bcfg = route()
+        assert (name, bwd) == ("attn_fwd", "attn_bwd") and set(bcfg) <= tl_bwd
+    flashtune.reload_configs()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert _packed_route(monkeypatch, H100)[:2] == ("attn_fwd", "attn_bwd")
+    finally:
+        torch.use_deterministic_algorithms(False)
+    flashtune.reload_configs()
+
+
+def test_lookup_names_the_packed_pair_a_training_step_runs(monkeypatch):
+    """``lookup_varlen`` (what ``flashtune show``-like reports read) names the pair a packed
+    call with gradients runs on sm_90: attn_fwd_bwd_gluon, its default source."""
+    from flashtune.kernel_templates.sm90 import H100
+
+    monkeypatch.setattr(scored, "_device_of", lambda q: H100)
+    flashtune.reload_configs()
+    q = torch.empty(1500, 8, 128, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.empty(1500, 2, 128, dtype=torch.bfloat16, requires_grad=True)
+    problem = AttentionProblem(3, 8, 2, 700, 700, 128, True, "bf16", tokens_q=1500,
+                               tokens_k=1500)
+    choice = scored._lookup(problem, q, k, k, False)
+    assert choice.template == "attn_fwd_bwd_gluon" and choice.source == "default"
+    assert any(key.startswith("bwd.") for key in choice.config)
+    flashtune.reload_configs()
+
+
+def test_a_backward_without_score_mods_gets_the_routes_off_values_dropped():
+    """The Gluon backward takes no ``window``/``softcap``/``alibi_slopes``: the launcher
+    the routes call drops their off values (a causal call's window is ``(-1, 0)``) and
+    refuses real ones (the route never sends them)."""
+    from flashtune.kernel_templates import get_template
+
+    seen = []
+    spec = get_template("attn_bwd_gluon")
+    fake = type(spec)(**{**spec.__dict__, "name": "fake_bwd",
+                         "launcher": lambda *a, **kw: seen.append((a, kw))})
+    run = scored._bwd_launcher(fake)
+    assert scored._bwd_launcher(get_template("attn_bwd")) is get_template("attn_bwd").launcher
+    run(1, 2, causal=True, window=(-1, 0), softcap=None, alibi_slopes=None, cu_seqlens_q=3)
+    run(1, 2, causal=False, window=(-1, -1))
+    assert seen == [((1, 2), {"causal": True, "cu_seqlens_q": 3}), ((1, 2), {"causal": False})]
+    for bad in (dict(causal=False, window=(-1, 0)), dict(causal=True, window=(8, 0)),
+                dict(causal=True, softcap=30.0), dict(causal=True, alibi_slopes=torch.ones(2))):
+        with pytest.raises(InputError, match="no score modification"):
+            run(1, 2, **bad)
+    assert len(seen) == 2
