@@ -49,6 +49,7 @@ from typing import Any
 import torch
 
 from flashtune.core.errors import InputError, InputTypeError
+from flashtune.core.packing import check_cu_seqlens
 from flashtune.core.problem import AttentionProblem, dtype_name
 from flashtune.core.space import Config, config_from_text, config_text
 from flashtune.core.spec import TemplateSpec, join_pair, split_pair
@@ -366,19 +367,10 @@ def _check_cu_seqlens(name: str, cu: Any, total: int, device: torch.device,
     """``cu`` checked as the cumulative lengths of ``total`` tokens (the values only with
     ``read`` and when no CUDA graph is being captured); returns them, or None when not
     read."""
-    if not isinstance(cu, torch.Tensor):
-        raise InputTypeError(f"{name} must be a torch.Tensor of int32, got {type(cu).__name__}")
-    if cu.dtype != torch.int32:
-        raise InputTypeError(f"{name} must be int32 (as flash_attn_varlen_func's), got "
-                             f"{cu.dtype}")
-    if cu.dim() != 1 or cu.numel() < 2:
-        raise InputError(f"{name} must be 1-D with batch + 1 >= 2 entries, got shape "
-                         f"{tuple(cu.shape)}")
+    check_cu_seqlens(name, cu, device)
     if batch is not None and cu.numel() != batch + 1:
         raise InputError(f"{name} has {cu.numel()} entries and cu_seqlens_q "
                          f"{batch + 1}: both must be batch + 1")
-    if cu.device != device:
-        raise InputError(f"{name} is on {cu.device}, q on {device}; they must share a device")
     if not read or (cu.is_cuda and torch.cuda.is_current_stream_capturing()):
         return None
     values = [int(x) for x in cu.tolist()]

@@ -45,6 +45,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flashtune.core.errors import ConfigError, DeviceError, InputError, InputTypeError
+from flashtune.core.packing import check_cu_seqlens
 from flashtune.kernel_templates.attn_bwd_gluon.kernel import (
     gluon_attn_bwd_convert_dq,
     gluon_attn_bwd_kernel,
@@ -316,23 +317,30 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                          f"batch and head_dim, out and dout shaped like q; got q "
                          f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, out "
                          f"{tuple(out.shape)}, dout {tuple(dout.shape)}")
-    if q.dtype not in (torch.float16, torch.bfloat16) \
-            or any(t.dtype != q.dtype for t in (k, v, out, dout)):
-        raise InputTypeError(f"the Gluon backward takes fp16 or bf16 q, k, v, out, dout of "
-                             f"one dtype; got {q.dtype}, {k.dtype}, {v.dtype}, {out.dtype}, "
-                             f"{dout.dtype}")
-    if q.shape[3] not in HEAD_DIMS:
-        raise InputError(f"head_dim must be one of {list(HEAD_DIMS)} for the Gluon backward, "
-                         f"got {q.shape[3]} (attn_bwd serves the others)")
-    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
-        raise InputError(f"heads_q ({q.shape[1]}) must be a multiple of heads_kv "
-                         f"({k.shape[1]})")
+    _check_dtypes_and_heads(q, k, v, out, dout, q.shape[3])
     rows = max(q.shape[0] * q.shape[1] * (q.shape[2] + 128), k.shape[0] * k.shape[1]
                * k.shape[2])
     if rows >= 2**31:
         raise InputError(f"batch x heads x seqlen must stay below 2**31 rows (TMA "
                          f"coordinates are 32-bit), got {rows}")
     _check_device(q, k, v, out, dout)
+
+
+def _check_dtypes_and_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            out: torch.Tensor, dout: torch.Tensor, head_dim: int) -> None:
+    """The rules of both layouts (heads on dim 1 of either): one fp16/bf16 dtype, a head
+    dim the kernel's wgmma takes, whole GQA groups."""
+    if q.dtype not in (torch.float16, torch.bfloat16) \
+            or any(t.dtype != q.dtype for t in (k, v, out, dout)):
+        raise InputTypeError(f"the Gluon backward takes fp16 or bf16 q, k, v, out, dout of "
+                             f"one dtype; got {q.dtype}, {k.dtype}, {v.dtype}, {out.dtype}, "
+                             f"{dout.dtype}")
+    if head_dim not in HEAD_DIMS:
+        raise InputError(f"head_dim must be one of {list(HEAD_DIMS)} for the Gluon backward, "
+                         f"got {head_dim} (attn_bwd serves the others)")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        raise InputError(f"heads_q ({q.shape[1]}) must be a multiple of heads_kv "
+                         f"({k.shape[1]})")
 
 
 def _check_device(q: torch.Tensor, *others: torch.Tensor) -> None:
@@ -360,32 +368,11 @@ def _check_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
                          f"head_dim, out and dout shaped like q; got q {tuple(q.shape)}, k "
                          f"{tuple(k.shape)}, v {tuple(v.shape)}, out {tuple(out.shape)}, dout "
                          f"{tuple(dout.shape)}")
-    if q.dtype not in (torch.float16, torch.bfloat16) \
-            or any(t.dtype != q.dtype for t in (k, v, out, dout)):
-        raise InputTypeError(f"the Gluon backward takes fp16 or bf16 q, k, v, out, dout of "
-                             f"one dtype; got {q.dtype}, {k.dtype}, {v.dtype}, {out.dtype}, "
-                             f"{dout.dtype}")
-    if q.shape[2] not in HEAD_DIMS:
-        raise InputError(f"head_dim must be one of {list(HEAD_DIMS)} for the Gluon backward, "
-                         f"got {q.shape[2]} (attn_bwd serves the others)")
-    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
-        raise InputError(f"heads_q ({q.shape[1]}) must be a multiple of heads_kv "
-                         f"({k.shape[1]})")
+    _check_dtypes_and_heads(q, k, v, out, dout, q.shape[2])
     if cu_seqlens_k is None:
         raise InputError("cu_seqlens_k is required with cu_seqlens_q (packed sequences)")
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-        if not isinstance(cu, torch.Tensor):
-            raise InputTypeError(f"{name} must be a torch.Tensor of int32, got "
-                                 f"{type(cu).__name__}")
-        if cu.dtype != torch.int32:
-            raise InputTypeError(f"{name} must be int32 (as flash_attn_varlen_func's), got "
-                                 f"{cu.dtype}")
-        if cu.dim() != 1 or cu.numel() < 2:
-            raise InputError(f"{name} must be 1-D with batch + 1 >= 2 entries, got shape "
-                             f"{tuple(cu.shape)}")
-        if cu.device != q.device:
-            raise InputError(f"{name} is on {cu.device}, q on {q.device}; they must share a "
-                             f"device")
+        check_cu_seqlens(name, cu, q.device)
     if cu_seqlens_k.numel() != cu_seqlens_q.numel():
         raise InputError(f"cu_seqlens_k has {cu_seqlens_k.numel()} entries and cu_seqlens_q "
                          f"{cu_seqlens_q.numel()}: both must be batch + 1")
