@@ -182,7 +182,7 @@ def plan(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, dq: Any, dk: Any
                            max_seqlen_k=int(max_seqlen_k))
     batch, heads_q, seqlen_q, head_dim = q.shape
     heads_kv, seqlen_k = k.shape[1], k.shape[2]
-    bm, bn, nc = config["BLOCK_M"], config["BLOCK_N"], config["NUM_CONSUMERS"]
+    bm, bn = config["BLOCK_M"], config["BLOCK_N"]
     gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     q_how, kv_how = layout(q), layout(k)
     assert q_how and kv_how and layout(dout) == q_how and layout(v) == kv_how, "see layout"
@@ -206,7 +206,6 @@ def plan(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, dq: Any, dk: Any
         dict(cu_q_ptr=None, HEAD_D=head_dim, BLOCK=PRE_BLOCK, HAS_DLSE=dlse is not None,
              VARLEN=False, num_warps=4),
         (-(-pad // PRE_BLOCK), batch * heads_q))
-    meta = launch_meta(config)
     lpt = bool(config.get("LPT", OPTIONAL_CONFIG["LPT"]))
     n_blocks, bh_kv = -(-seqlen_k // bn), batch * heads_kv
     section = lpt_section(bh_kv, heads_q // heads_kv, seqlen_q, head_dim) if lpt else 1
@@ -216,11 +215,7 @@ def plan(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, dq: Any, dk: Any
         (q_desc, k_desc, v_desc, do_desc, lse2, delta, dq_acc, dk, dv, *_strides3(dk),
          seqlen_q, seqlen_k, pad, heads_q, heads_kv, float(scale) * LOG2E, float(scale),
          section_log2),
-        dict(cu_q_ptr=None, cu_k_ptr=None, HEAD_D=head_dim, BLOCK_M=bm, BLOCK_N=bn,
-             NUM_STAGES=config["NUM_STAGES"], NUM_CONSUMERS=nc, CAUSAL=bool(causal),
-             Q_BSHD=q_how == "bshd", KV_BSHD=kv_how == "bshd",
-             PRODUCER_REGS=meta["PRODUCER_REGS"], CONSUMER_REGS=meta["CONSUMER_REGS"], LPT=lpt,
-             VARLEN=False, num_warps=meta["num_warps"], maxnreg=meta["maxnreg"]),
+        _main_options(config, head_dim, causal, q_how == "bshd", kv_how == "bshd"),
         (n_blocks * bh_kv, 1) if lpt else (n_blocks, bh_kv))
     conv: Launch = (
         gluon_attn_bwd_convert_dq,
@@ -228,6 +223,22 @@ def plan(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, dq: Any, dk: Any
         dict(cu_q_ptr=None, HEAD_D=head_dim, BLOCK=PRE_BLOCK, VARLEN=False, num_warps=4),
         (-(-seqlen_q // PRE_BLOCK), batch * heads_q))
     return {"preprocess": pre, "main": main, "convert": conv}
+
+
+def _main_options(config: Mapping[str, int], head_dim: int, causal: bool, q_bshd: bool,
+                  kv_bshd: bool, cu_seqlens_q: Any = None,
+                  cu_seqlens_k: Any = None) -> dict[str, Any]:
+    """The main kernel's keyword arguments: the constexprs, the launch options, and the
+    ``cu_seqlens`` (None, dense: ``VARLEN`` off)."""
+    meta = launch_meta(config)
+    return dict(cu_q_ptr=cu_seqlens_q, cu_k_ptr=cu_seqlens_k, HEAD_D=head_dim,
+                BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"],
+                NUM_STAGES=config["NUM_STAGES"], NUM_CONSUMERS=config["NUM_CONSUMERS"],
+                CAUSAL=bool(causal), Q_BSHD=q_bshd, KV_BSHD=kv_bshd,
+                PRODUCER_REGS=meta["PRODUCER_REGS"], CONSUMER_REGS=meta["CONSUMER_REGS"],
+                LPT=bool(config.get("LPT", OPTIONAL_CONFIG["LPT"])),
+                VARLEN=cu_seqlens_q is not None, num_warps=meta["num_warps"],
+                maxnreg=meta["maxnreg"])
 
 
 def plan_packed(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, dq: Any, dk: Any,
@@ -244,7 +255,7 @@ def plan_packed(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, dq: Any, 
     total_q, heads_q, head_dim = q.shape
     heads_kv = k.shape[1]
     batch = cu_seqlens_q.shape[0] - 1
-    bm, bn, nc = config["BLOCK_M"], config["BLOCK_N"], config["NUM_CONSUMERS"]
+    bm, bn = config["BLOCK_M"], config["BLOCK_N"]
     gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     assert all(packed_layout(t) for t in (q, dout, k, v)), "see packed_layout"
     assert tuple(dk.stride()) == tuple(dv.stride()), "dk and dv share the kernel's strides"
@@ -265,7 +276,6 @@ def plan_packed(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, dq: Any, 
         dict(cu_q_ptr=cu_seqlens_q, HEAD_D=head_dim, BLOCK=PRE_BLOCK,
              HAS_DLSE=dlse is not None, VARLEN=True, num_warps=4),
         (-(-pad // PRE_BLOCK), batch * heads_q))
-    meta = launch_meta(config)
     lpt = bool(config.get("LPT", OPTIONAL_CONFIG["LPT"]))
     n_blocks, bh_kv = -(-max_seqlen_k // bn), batch * heads_kv
     section = lpt_section(bh_kv, heads_q // heads_kv, max_seqlen_q, head_dim) if lpt else 1
@@ -274,11 +284,7 @@ def plan_packed(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, dq: Any, 
         (q_desc, k_desc, v_desc, do_desc, lse2, delta, dq_acc, dk, dv, *_bhn(dk),
          max_seqlen_q, max_seqlen_k, pad, heads_q, heads_kv, float(scale) * LOG2E,
          float(scale), section.bit_length() - 1),
-        dict(cu_q_ptr=cu_seqlens_q, cu_k_ptr=cu_seqlens_k, HEAD_D=head_dim, BLOCK_M=bm,
-             BLOCK_N=bn, NUM_STAGES=config["NUM_STAGES"], NUM_CONSUMERS=nc,
-             CAUSAL=bool(causal), Q_BSHD=True, KV_BSHD=True,
-             PRODUCER_REGS=meta["PRODUCER_REGS"], CONSUMER_REGS=meta["CONSUMER_REGS"], LPT=lpt,
-             VARLEN=True, num_warps=meta["num_warps"], maxnreg=meta["maxnreg"]),
+        _main_options(config, head_dim, causal, True, True, cu_seqlens_q, cu_seqlens_k),
         (n_blocks * bh_kv, 1) if lpt else (n_blocks, bh_kv))
     conv: Launch = (
         gluon_attn_bwd_convert_dq,
