@@ -49,7 +49,7 @@ import os
 import threading
 from collections.abc import Callable, Mapping
 from functools import cache
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -101,6 +101,15 @@ class _LaunchPlan:
         return self._launcher(q, k, v, self._cfg, **self._options)
 
 
+class _OwnPlan(Protocol):
+    """An implementation's own launch plan (``TemplateSpec.plan``: the Gluon forward's)."""
+
+    device_index: int
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 stream: Any) -> Any: ...
+
+
 class _BoundPlan:
     """A CUDA call signature routed to an SDPA backend: its op with the options bound and
     the checks done (:func:`~flashtune.kernel_templates.sdpa_extern.bound_inference`);
@@ -133,7 +142,8 @@ _FAST: dict[tuple[Any, ...], tuple[TemplateSpec, Config]] = {}
 # the same key and ``paired`` -> the training route of a call with gradients (_train_route)
 _TRAIN_FAST: dict[tuple[Any, ...], TrainRoute] = {}
 # the plan key (see _plan_key) -> the launch plan of a CUDA call signature
-_PLANS: dict[tuple[Any, ...], AttnFwdPlan | AttnDecodeDensePlan | _LaunchPlan | _BoundPlan] = {}
+_PLANS: dict[tuple[Any, ...],
+             AttnFwdPlan | AttnDecodeDensePlan | _LaunchPlan | _BoundPlan | _OwnPlan] = {}
 # the shape key (_shape_key, the plan key's head) -> torch's SDPA with the options bound,
 # for signatures routed to the backend torch itself would pick (sdpa_extern.any_layout):
 # such a call needs neither the rest of the plan key nor a plan
@@ -440,7 +450,7 @@ def _plan_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def _new_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: TemplateSpec,
               cfg: Config, causal: bool, scale: float | None, return_lse: bool,
               key: tuple[Any, ...]
-              ) -> AttnFwdPlan | AttnDecodeDensePlan | _LaunchPlan | _BoundPlan | None:
+              ) -> AttnFwdPlan | AttnDecodeDensePlan | _LaunchPlan | _BoundPlan | _OwnPlan | None:
     global _DIRECT
     if spec.kind == "extern":
         fn = bound_inference(spec.name, q, k, causal=causal, scale=scale,
@@ -452,7 +462,8 @@ def _new_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: TemplateS
             return bound
     if spec.plan is not None:  # the implementation's own plan, where it plans the call
         try:
-            own = spec.plan(q, k, v, cfg, causal=causal, scale=scale, return_lse=return_lse)
+            own: _OwnPlan = spec.plan(q, k, v, cfg, causal=causal, scale=scale,
+                                      return_lse=return_lse)
         except Exception as exc:  # noqa: BLE001 - a call it does not plan: the launcher's
             log.debug("flashtune: no %s plan for this call (%s: %s)", spec.name,
                       type(exc).__name__, exc)
