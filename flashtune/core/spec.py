@@ -264,8 +264,8 @@ class TemplateSpec:
         plan: ``plan(q, k, v, config, causal=, scale=, return_lse=)`` -> a launch plan for
             one CUDA call signature of an inference call, called as ``plan(q, k, v,
             stream)``, with a ``device_index``: what the runtime replays instead of the
-            launcher's per-call checks and binding (it raises ValueError for a call it does
-            not plan; the launcher runs that one); None: the launcher every call.
+            launcher's per-call checks and binding (it raises for a call it does not plan;
+            the launcher runs that one); None: the launcher every call.
     """
 
     name: str

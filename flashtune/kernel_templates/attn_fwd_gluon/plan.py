@@ -16,7 +16,8 @@ reads) and hands them to the compiled kernel.
 
 It plans only what the launcher runs without a copy or a rewrite: q, k, v in a TMA-readable
 layout (K and V in the same one), a non-negative scale, no window, at least one query and
-one key. Anything else raises ValueError and the runtime keeps calling the launcher.
+one key. Anything else raises (ValueError, or the launcher's own error for inputs it
+refuses) and the runtime keeps calling the launcher.
 
 Not part of the template's source hash: it changes how the kernel is launched, not which
 code is generated.
@@ -52,8 +53,9 @@ class AttnFwdGluonPlan:
     current (``device_index``), and call the plan only while that device is current.
 
     Raises:
-        ValueError (InputError, ConfigError, DeviceError included) for a call it does not
-        plan: what the launcher would copy or refuse (see the module doc).
+        What the launcher raises for inputs it refuses (InputError, InputTypeError,
+        ConfigError, DeviceError), and ValueError ("no plan") for a call the launcher
+        would copy or rewrite first (see the module doc).
     """
 
     __slots__ = ("device_index", "_launch", "_lse_shape", "_device", "_return_lse",
