@@ -190,7 +190,8 @@ def test_tune_template_option(jobs: Calls) -> None:
 def test_tune_help_lists_the_templates() -> None:
     result = run("tune", "--help")
     assert f"[{'|'.join(known_names())}]" in result.output
-    assert "[attn_bwd|attn_bwd_gluon|attn_decode|attn_fwd|attn_fwd_gluon|" in result.output
+    assert "[attn_bwd|attn_bwd_gluon|attn_decode|attn_fwd|attn_fwd_bwd_gluon|attn_fwd_gluon|" \
+        in result.output
     assert "|sdpa_cudnn|sdpa_efficient|sdpa_flash|sdpa_math]" in result.output
 
 
@@ -492,7 +493,8 @@ def test_show_unknown_template_lists_the_known_ones(populated: str) -> None:
     assert result.exit_code == 2
     line = error_line(result)
     assert "'--template'" in line and "'bogus'" in line
-    assert "attn_bwd, attn_bwd_gluon, attn_decode, attn_fwd, attn_fwd_gluon" in line
+    assert ("attn_bwd, attn_bwd_gluon, attn_decode, attn_fwd, attn_fwd_bwd_gluon, "
+            "attn_fwd_gluon") in line
 
 
 def test_show_json_round_trip(populated: str) -> None:
