@@ -176,17 +176,9 @@ def _choose(problem: AttentionProblem, q: torch.Tensor, causal: bool, return_lse
         return (_FWD, _DISPATCH.choose(problem, device).config, _BWD,
                 _DISPATCH_BWD.choose(problem, device).config)
     if grad:
-        choice = _train_choice(problem, device, return_lse=return_lse, paired=True)
-        spec = get_template(choice.template)
-        if spec is _FWD and choice.source != "exact":
-            packed = _packed_default(problem, device, return_lse)
-            if packed is not None:
-                return packed
-        if spec.backward is not None and _serves(spec, problem, device, return_lse):
-            bwd = get_template(spec.backward)
-            if _pair_serves(bwd, problem, device, return_lse):
-                f, b = split_pair(choice.config)
-                return spec, f, bwd, b
+        paired = _paired_route(problem, device, return_lse)
+        if paired is not None:
+            return paired[1]
         return (_FWD, _DISPATCH.choose(problem, device).config, _BWD,
                 _DISPATCH_BWD.choose(problem, device).config)
     routed = _route(problem, device, return_lse=return_lse)
@@ -194,6 +186,30 @@ def _choose(problem: AttentionProblem, q: torch.Tensor, causal: bool, return_lse
     if _serves(spec, problem, device, return_lse):
         return spec, routed.config, None, None
     return _FWD, _DISPATCH.choose(problem, device).config, None, None
+
+
+def _paired_route(problem: AttentionProblem, device: Any, return_lse: bool,
+                  tune: bool = True) -> tuple[ConfigChoice, Route] | None:
+    """The pair a call with gradients runs, as a choice (what :func:`_lookup` reports) and
+    a route (what :func:`_choose` runs): the train op's stored pair where both its kernels
+    serve the call, a packed batch's :data:`PACKED_TRAIN_DEFAULT` unless attn_fwd's pair was
+    tuned for this very problem; None: attn_fwd with attn_bwd's own configs."""
+    choice = _train_choice(problem, device, return_lse=return_lse, paired=True, tune=tune)
+    spec = get_template(choice.template)
+    if spec is _FWD and choice.source != "exact":
+        packed = _packed_default(problem, device, return_lse)
+        if packed is not None:
+            pair, fcfg, _, bcfg = packed
+            return ConfigChoice(join_pair(fcfg, bcfg or {}), "default",
+                                origin=f"default packed training step on "
+                                       f"{device.compute_capability}",
+                                template=pair.name), packed
+    if spec.backward is not None and _serves(spec, problem, device, return_lse):
+        bwd = get_template(spec.backward)
+        if _pair_serves(bwd, problem, device, return_lse):
+            fcfg, bcfg = split_pair(choice.config)
+            return choice, (spec, fcfg, bwd, bcfg)
+    return None
 
 
 def _pair_serves(bwd: TemplateSpec, problem: AttentionProblem, device: Any,
@@ -264,20 +280,9 @@ def _lookup(problem: AttentionProblem, q: torch.Tensor, k: torch.Tensor, v: torc
     source (nothing tuned on a miss)."""
     device = _device_of(q)
     if _wants_grad(q, k, v):
-        choice = _train_choice(problem, device, return_lse=return_lse, paired=True,
-                               tune=False)
-        spec = get_template(choice.template)
-        if spec is _FWD and choice.source != "exact":
-            packed = _packed_default(problem, device, return_lse)
-            if packed is not None:
-                pair, fcfg, _, bcfg = packed
-                return ConfigChoice(join_pair(fcfg, bcfg or {}), "default",
-                                    origin=f"default packed training step on "
-                                           f"{device.compute_capability}",
-                                    template=pair.name)
-        if spec.backward is not None and _serves(spec, problem, device, return_lse) \
-                and _pair_serves(get_template(spec.backward), problem, device, return_lse):
-            return choice
+        paired = _paired_route(problem, device, return_lse, tune=False)
+        if paired is not None:
+            return paired[0]
         fwd, bwd = _DISPATCH.choose(problem, device), _DISPATCH_BWD.choose(problem, device)
         return replace(fwd, config=join_pair(fwd.config, bwd.config))
     routed = _route(problem, device, tune=False, return_lse=return_lse)
