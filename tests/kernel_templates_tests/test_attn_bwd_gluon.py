@@ -150,7 +150,7 @@ def test_the_table_holds_every_point_of_the_space_and_the_current_source() -> No
     table = space.parse_table(doc)
     want = {space.entry_key(c["head_dim"], c["causal"], c["config"]) for c in cases()}
     assert set(table) == want
-    assert len(want) == 2 * 2 * 12 * 2  # head dims x causal x valid configs x LPT
+    assert len(want) == 2 * 2 * 12 * 2 * 2  # head dims x causal x configs x LPT x PERSISTENT
 
 
 @pytest.mark.parametrize("d", [64, 128])
@@ -160,21 +160,45 @@ def test_the_default_config_is_valid_for_every_problem_it_serves(d: int, causal:
     config = SPEC.default_config(p, H100)
     assert space.check(config, p, H100) is None
     assert SPEC.space.validate(config) == config
-    assert config["LPT"] == 0  # MHA: no query heads share a K/V
+    # D64 MHA at N 1000: persistent, longest first under a causal mask; D128: the grid
+    # launch, and for MHA (no query heads share a K/V) the 2-D order
+    assert config["PERSISTENT"] == (d == 64) and config["LPT"] == (d == 64 and causal)
 
 
 @pytest.mark.parametrize("hq,hkv,d,causal,lpt", [
     (28, 4, 128, True, 1), (64, 8, 128, True, 1), (32, 32, 128, True, 0),
-    (28, 4, 128, False, 0), (28, 4, 64, True, 0)])
+    (28, 4, 128, False, 0)])
 def test_the_default_walks_longest_first_for_causal_gqa_at_d128(hq, hkv, d, causal, lpt):
     """Measured on the H100 (benchmarks/results/bwd_lpt_h100.json): 1.03-1.11x on causal
-    GQA at D128, within 2% on MHA; D64 unmeasured keeps 0. The rest of the config is the
-    head dim's default either way."""
+    GQA at D128, within 2% on MHA. The rest of the config is the head dim's default either
+    way (the grid launch at D128)."""
     p = AttentionProblem(2, hq, hkv, 1000, 1000, d, causal, "bf16")
     config = SPEC.default_config(p, H100)
     assert config["LPT"] == lpt and space.check(config, p, H100) is None
+    assert config["PERSISTENT"] == 0
     mha = SPEC.default_config(AttentionProblem(2, hkv, hkv, 1000, 1000, d, causal, "bf16"), H100)
     assert {**config, "LPT": 0} == mha
+
+
+@pytest.mark.parametrize("hq,hkv,n,causal,persistent", [
+    (32, 32, 1000, False, 1), (32, 32, 1000, True, 1), (32, 32, 4096, True, 1),
+    (32, 32, 8192, False, 0), (28, 4, 1000, True, 0), (32, 4, 1000, False, 0)])
+def test_the_default_at_d64_is_persistent_for_short_mha_walks(hq, hkv, n, causal, persistent):
+    """Measured on an H200 (benchmarks/results/train_breakdown_d64*_h200.json): the
+    persistent launch 1.00-1.07x the grid launch on D64 MHA training steps at N 512-4k (causal
+    with LPT 1), 0.95-1.01x from 8k, 0.85-0.90x on GQA 4:1; a packed batch keeps the grid
+    launch (PERSISTENT serves dense batches only)."""
+    p = AttentionProblem(2, hq, hkv, n, n, 64, causal, "bf16")
+    config = SPEC.default_config(p, H100)
+    assert config["PERSISTENT"] == persistent and space.check(config, p, H100) is None
+    if persistent:
+        assert config["LPT"] == int(causal)
+    packed = AttentionProblem.from_lengths([300, 700], None, heads_q=hq, heads_kv=hkv,
+                                           head_dim=64, causal=causal, dtype="bf16")
+    grid = SPEC.default_config(packed, H100)
+    assert grid["PERSISTENT"] == 0 and space.check(grid, packed, H100) is None
+    refused = space.check({**grid, "PERSISTENT": 1}, packed, H100)
+    assert refused is not None and "PERSISTENT serves dense batches only" in refused
 
 
 # -- the launch plan, from shapes --------------------------------------------------------------
@@ -238,7 +262,33 @@ def test_the_longest_first_order_is_one_grid_dimension_in_sections_that_fit_l2()
     assert _plan(2, 32, 8, 4096, 4096, 128, DEFAULT_CONFIG)["main"][3] == (32, 16)
     with pytest.raises(ConfigError, match="LPT must be 0 or 1"):
         check_config(_config(LPT=2))
-    assert space.SPACE.validate(DEFAULT_CONFIG) == {**DEFAULT_CONFIG, "LPT": 0}
+    assert space.SPACE.validate(DEFAULT_CONFIG) == {**DEFAULT_CONFIG, "LPT": 0, "PERSISTENT": 0}
+
+
+def test_the_persistent_plan_runs_the_grid_tiles_on_one_cta_an_sm() -> None:
+    """PERSISTENT 1: a 1-D grid of one CTA an SM (132 for a shape-only stand-in), fewer where
+    there are fewer tiles, and the tile count the CTAs stride over; without it the grid
+    kernel as it was (no tile count, no PERSISTENT); packed batches refuse it."""
+    from flashtune.kernel_templates.attn_bwd_gluon.launcher import plan_packed
+    from flashtune.kernel_templates.attn_fwd_gluon.launcher import PLANNING_SMS
+
+    for lpt in (0, 1):
+        kernel, args, kwargs, grid = _plan(2, 32, 8, 4096, 4096, 128,
+                                           _config(PERSISTENT=1, LPT=lpt))["main"]
+        assert kwargs["PERSISTENT"] and kwargs["n_tiles"] == 32 * 2 * 8
+        assert grid == (PLANNING_SMS, 1) and bool(kwargs["LPT"]) == bool(lpt)
+    small = _plan(1, 1, 1, 1000, 1000, 128, _config(PERSISTENT=1))["main"]
+    assert small[2]["n_tiles"] == 8 and small[3] == (8, 1)
+    grid_kwargs = _plan(1, 1, 1, 1000, 1000, 128, DEFAULT_CONFIG)["main"][2]
+    assert "PERSISTENT" not in grid_kwargs and "n_tiles" not in grid_kwargs
+    with pytest.raises(ConfigError, match="PERSISTENT must be 0 or 1"):
+        check_config(_config(PERSISTENT=2))
+    dt = torch.bfloat16
+    q, k = Shaped(dt, (300, 4, 64)), Shaped(dt, (300, 2, 64))
+    with pytest.raises(ConfigError, match="PERSISTENT serves dense batches only"):
+        plan_packed(q, k, k, q, Shaped(torch.float32, (4, 300)), q, q, k, k, {},
+                    _config(PERSISTENT=1), causal=True, scale=0.125, cu_seqlens_q=None,
+                    cu_seqlens_k=None, max_seqlen_q=200, max_seqlen_k=200)
 
 
 def test_bshd_storage_is_read_through_its_own_descriptor_shape() -> None:
@@ -359,6 +409,31 @@ def test_gradients_match_the_reference_for_every_valid_config(case, dtype) -> No
 
     refs = grad_references(q, k, v, do, causal=causal)
     for config in configs:
+        got = SPEC.launcher(q, k, v, out, lse, do, config, causal=causal)
+        assert_grads_close(got, q, k, v, do, causal=causal, refs=refs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES[:8],
+                         ids=lambda s: "b{}h{}:{}q{}k{}d{}{}".format(*s[:6], "c" if s[6] else ""))
+def test_the_persistent_launch_matches_the_reference(case) -> None:
+    """PERSISTENT 1: one CTA an SM (fewer where there are fewer tiles) walking the grid's
+    tiles, each CTA several of them (B x H large) or one (B x H = 1), in both orders and
+    with one or two consumers; ring slots and barrier phases run on across a CTA's tiles,
+    so a wrong phase deadlocks or reads another tile's K, V, Q or dO."""
+    b, hq, hkv, nq, nk, d, causal = case
+    torch.manual_seed(3)
+    dt = torch.bfloat16
+    q, k, v = _rand(b, hq, nq, d, dtype=dt), _rand(b, hkv, nk, d, dtype=dt), \
+        _rand(b, hkv, nk, d, dtype=dt)
+    do = _rand(b, hq, nq, d, dtype=dt)
+    out, lse = _forward(q, k, v, causal)
+    from tests.helpers import grad_references
+
+    refs = grad_references(q, k, v, do, causal=causal)
+    for knobs in ({}, {"LPT": 1}, {"BLOCK_N": 64, "NUM_CONSUMERS": 1},
+                  {"NUM_STAGES": 3, "BLOCK_N": 64, "NUM_CONSUMERS": 1, "LPT": 1}):
+        config = _config(PERSISTENT=1, **knobs)
         got = SPEC.launcher(q, k, v, out, lse, do, config, causal=causal)
         assert_grads_close(got, q, k, v, do, causal=causal, refs=refs)
 

@@ -23,6 +23,14 @@ structure, :mod:`.launcher` plans and launches them).
 ``_steps`` is the one place both partitions read the CTA's walk from (which query blocks,
 how many steps); keep the two in step.
 
+``PERSISTENT`` (dense batches): at most one CTA an SM, CTA ``i`` of ``P`` walking the grid
+launch's tiles ``i, i + P, ...`` (``_tile_at`` numbers them as the grid's CTAs); each
+partition runs its ``_*_tile`` body per tile with the CTA's steps so far (``step0``), so
+ring slots and barrier phases run on across tiles, and a ``kv_empty`` barrier (the
+consumers done with a tile's K and V) lets the producer load the next tile's K and V while
+the consumers store dK and dV. Off, each partition runs its body once for the CTA's grid
+tile: the code it was (the same sm_90a instructions).
+
 ``VARLEN`` (FlashAttention-2's ``flash_attn_varlen_func`` layout; off: the dense code, as it
 was): Q, K, V, dO, O and the gradients are packed ``(total, H, D)``, ``b`` indexes the
 sequences of ``cu_seqlens`` (``cu_q_ptr``, ``cu_k_ptr``) and every program reads its
@@ -179,6 +187,21 @@ def _tile(seqlen_k, section_log2, BLOCK_N: gl.constexpr, LPT: gl.constexpr):
 
 
 @gluon.jit
+def _tile_at(tid, seqlen_k, section_log2, BLOCK_N: gl.constexpr, LPT: gl.constexpr):
+    """``_tile`` for a persistent CTA's tile ``tid`` (``PERSISTENT``: CTA ``i`` of ``P``
+    takes tiles ``i, i + P, ...``): the grid launch's order, numbered as its CTAs would
+    be (``LPT`` 0: a head's key blocks side by side; ``LPT`` 1: the sections)."""
+    n_kb = gl.cdiv(seqlen_k, BLOCK_N)
+    if LPT:
+        per = n_kb << section_log2
+        sec = tid // per
+        r = tid - sec * per
+        return r >> section_log2, (sec << section_log2) + (r & ((1 << section_log2) - 1))
+    bhk = tid // n_kb
+    return tid - bhk * n_kb, bhk
+
+
+@gluon.jit
 def _q_coords(b, h, m, heads_q, seqlen_q, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
               Q_BSHD: gl.constexpr):
     """``[row, column]`` of query block ``m`` of head ``h`` of batch ``b`` in Q's (and
@@ -190,12 +213,45 @@ def _q_coords(b, h, m, heads_q, seqlen_q, HEAD_D: gl.constexpr, BLOCK_M: gl.cons
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, lse_smem,
-              delta_smem, kv_bar, q_ready, do_ready, qdo_empty, lse2_ptr, delta_ptr, cu_q_ptr,
-              cu_k_ptr, seqlen_q, seqlen_k, seqlen_q_pad, heads_q, heads_kv, section_log2,
+              delta_smem, kv_bar, kv_empty, q_ready, do_ready, qdo_empty, lse2_ptr, delta_ptr,
+              cu_q_ptr, cu_k_ptr, seqlen_q, seqlen_k, seqlen_q_pad, heads_q, heads_kv,
+              section_log2, first, end, stride,
               HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, Q_BSHD: gl.constexpr,
-              KV_BSHD: gl.constexpr, LPT: gl.constexpr, VARLEN: gl.constexpr):
-    n_block, bhk = _tile(seqlen_k, section_log2, BLOCK_N, LPT)
+              KV_BSHD: gl.constexpr, LPT: gl.constexpr, VARLEN: gl.constexpr,
+              PERSISTENT: gl.constexpr):
+    if PERSISTENT:  # steps and tiles of the CTA so far: ring slots and phases run on
+        step0 = 0
+        tile_i = 0
+        for tid in range(first, end, stride):
+            n_block, bhk = _tile_at(tid, seqlen_k, section_log2, BLOCK_N, LPT)
+            step0 += _producer_tile(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem,
+                                   v_smem, lse_smem, delta_smem, kv_bar, kv_empty, q_ready,
+                                   do_ready, qdo_empty, lse2_ptr, delta_ptr, cu_q_ptr, cu_k_ptr,
+                                   seqlen_q, seqlen_k, seqlen_q_pad, heads_q, heads_kv,
+                                   n_block, bhk, step0, tile_i, HEAD_D, BLOCK_M, BLOCK_N,
+                                   NUM_STAGES, CAUSAL, Q_BSHD, KV_BSHD, VARLEN, True)
+            tile_i += 1
+    else:
+        n_block, bhk = _tile(seqlen_k, section_log2, BLOCK_N, LPT)
+        _producer_tile(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem,
+                       lse_smem, delta_smem, kv_bar, kv_empty, q_ready, do_ready, qdo_empty,
+                       lse2_ptr, delta_ptr, cu_q_ptr, cu_k_ptr, seqlen_q, seqlen_k,
+                       seqlen_q_pad, heads_q, heads_kv, n_block, bhk, 0, 0, HEAD_D, BLOCK_M,
+                       BLOCK_N, NUM_STAGES, CAUSAL, Q_BSHD, KV_BSHD, VARLEN, False)
+
+
+@gluon.jit
+def _producer_tile(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, lse_smem,
+                   delta_smem, kv_bar, kv_empty, q_ready, do_ready, qdo_empty, lse2_ptr,
+                   delta_ptr, cu_q_ptr, cu_k_ptr, seqlen_q, seqlen_k, seqlen_q_pad, heads_q,
+                   heads_kv, n_block, bhk, step0, tile_i,
+                   HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, Q_BSHD: gl.constexpr,
+                   KV_BSHD: gl.constexpr, VARLEN: gl.constexpr, PERSISTENT: gl.constexpr):
+    """One tile's loads: K and V once, then Q, dO and the rows' LSE and delta of every
+    step through the ring (ring step ``step0 + t``: the CTA's earlier tiles took ``step0``);
+    returns the tile's steps."""
     b = bhk // heads_kv
     hk = bhk % heads_kv
     group = heads_q // heads_kv
@@ -222,6 +278,9 @@ def _producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, 
         tma.async_copy_global_to_shared(k_desc, [kv_row, kv_col], kv_bar, k_smem, pred=live)
         tma.async_copy_global_to_shared(v_desc, [kv_row, kv_col], kv_bar, v_smem, pred=live)
     else:
+        if PERSISTENT:  # the consumers are done with the last tile's K and V (a fresh
+            # mbarrier counts as phase 1 complete: the first tile passes)
+            mbarrier.wait(kv_empty, (tile_i & 1) ^ 1)
         mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [kv_row, kv_col], kv_bar, k_smem)
         tma.async_copy_global_to_shared(v_desc, [kv_row, kv_col], kv_bar, v_smem)
@@ -230,9 +289,9 @@ def _producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, 
     for t in range(total):
         h = hk * group + t // n_m
         m = m_lo + t % n_m
-        st = t % NUM_STAGES
+        st = (step0 + t) % NUM_STAGES
         # a fresh mbarrier counts as phase 1 complete: the first NUM_STAGES waits pass
-        mbarrier.wait(qdo_empty.index(st), ((t // NUM_STAGES) & 1) ^ 1)
+        mbarrier.wait(qdo_empty.index(st), (((step0 + t) // NUM_STAGES) & 1) ^ 1)
         # the rows' LSE and delta (padded rows: no mask) by cp.async, on q_ready: the
         # arrive counts itself in, so the phase also waits for them (FA3 loads them with Q)
         q_row0 = (b * heads_q + h).to(gl.int64) * seqlen_q_pad + m * BLOCK_M
@@ -251,16 +310,39 @@ def _producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, 
         mbarrier.expect(do_ready.index(st), do_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(do_desc, [row, col], do_ready.index(st),
                                         do_smem.index(st))
+    return total
 
 
 @gluon.jit
 def _dq_writer(dq_smem, dq_full, dq_empty, dq_acc_ptr, cu_q_ptr, cu_k_ptr, seqlen_q, seqlen_k,
-               seqlen_q_pad, heads_q, heads_kv, section_log2, HEAD_D: gl.constexpr,
-               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
-               CAUSAL: gl.constexpr, LPT: gl.constexpr, VARLEN: gl.constexpr):
+               seqlen_q_pad, heads_q, heads_kv, section_log2, first, end, stride,
+               HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, LPT: gl.constexpr,
+               VARLEN: gl.constexpr, PERSISTENT: gl.constexpr):
     """Two warps: each step's ``dS K`` (the consumers' column slices in ``dq_smem``) added
     to the fp32 accumulator's rows with vector atomics, off the consumers' path (FA3's dQ
     writer warp, which issues TMA bulk reduce-adds; Gluon 3.6 has none on Hopper)."""
+    if PERSISTENT:
+        step0 = 0
+        for tid in range(first, end, stride):
+            n_block, bhk = _tile_at(tid, seqlen_k, section_log2, BLOCK_N, LPT)
+            step0 += _dq_writer_tile(dq_smem, dq_full, dq_empty, dq_acc_ptr, cu_q_ptr, cu_k_ptr,
+                                    seqlen_q, seqlen_k, seqlen_q_pad, heads_q, heads_kv,
+                                    n_block, bhk, step0, HEAD_D, BLOCK_M, BLOCK_N,
+                                    NUM_CONSUMERS, CAUSAL, VARLEN)
+    else:
+        n_block, bhk = _tile(seqlen_k, section_log2, BLOCK_N, LPT)
+        _dq_writer_tile(dq_smem, dq_full, dq_empty, dq_acc_ptr, cu_q_ptr, cu_k_ptr, seqlen_q,
+                        seqlen_k, seqlen_q_pad, heads_q, heads_kv, n_block, bhk, 0, HEAD_D,
+                        BLOCK_M, BLOCK_N, NUM_CONSUMERS, CAUSAL, VARLEN)
+
+
+@gluon.jit
+def _dq_writer_tile(dq_smem, dq_full, dq_empty, dq_acc_ptr, cu_q_ptr, cu_k_ptr, seqlen_q,
+                    seqlen_k, seqlen_q_pad, heads_q, heads_kv, n_block, bhk, step0,
+                    HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                    NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr):
+    """One tile's dQ partials (the CTA's step ``step0 + t``); returns the tile's steps."""
     DQ_COLS: gl.constexpr = HEAD_D // NUM_CONSUMERS
     LANES_C: gl.constexpr = DQ_COLS // 4
     CHUNK: gl.constexpr = 8  # rows a load: dq_smem's swizzle period
@@ -268,7 +350,6 @@ def _dq_writer(dq_smem, dq_full, dq_empty, dq_acc_ptr, cu_q_ptr, cu_k_ptr, seqle
                                             [gl.num_warps(), 1], [1, 0])
     offs = gl.expand_dims(gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout)) * HEAD_D, 1) \
         + gl.expand_dims(gl.arange(0, DQ_COLS, layout=gl.SliceLayout(0, layout)), 0)
-    n_block, bhk = _tile(seqlen_k, section_log2, BLOCK_N, LPT)
     b = bhk // heads_kv
     hk = bhk % heads_kv
     group = heads_q // heads_kv
@@ -280,30 +361,66 @@ def _dq_writer(dq_smem, dq_full, dq_empty, dq_acc_ptr, cu_q_ptr, cu_k_ptr, seqle
     for t in range(total):
         h = hk * group + t // n_m
         m = m_lo + t % n_m
-        base = dq_acc_ptr + ((b * heads_q + h).to(gl.int64) * seqlen_q_pad + m * BLOCK_M) \
-            * HEAD_D
-        mbarrier.wait(dq_full, t & 1)
+        base_ptr = dq_acc_ptr + ((b * heads_q + h).to(gl.int64) * seqlen_q_pad
+                                 + m * BLOCK_M) * HEAD_D
+        mbarrier.wait(dq_full, (step0 + t) & 1)
         for c in gl.static_range(NUM_CONSUMERS):
             for r in gl.static_range(BLOCK_M // CHUNK):
                 part = dq_smem.index(c).slice(r * CHUNK, CHUNK, dim=0).load(layout)
-                gl.atomic_add(base + (r * CHUNK * HEAD_D + c * DQ_COLS) + offs, part,
+                gl.atomic_add(base_ptr + (r * CHUNK * HEAD_D + c * DQ_COLS) + offs, part,
                               sem="relaxed")
         mbarrier.arrive(dq_empty, count=1)
+    return total
 
 
 @gluon.jit
 def _consumer(cid, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, delta_smem,
-              kv_bar, q_ready, do_ready, qdo_empty, ds_ready, dq_full, dq_empty, dk_ptr,
-              dv_ptr, cu_q_ptr, cu_k_ptr, stride_dkb, stride_dkh, stride_dkn, seqlen_q,
+              kv_bar, kv_empty, q_ready, do_ready, qdo_empty, ds_ready, dq_full, dq_empty,
+              dk_ptr, dv_ptr, cu_q_ptr, cu_k_ptr, stride_dkb, stride_dkh, stride_dkn, seqlen_q,
               seqlen_k, seqlen_q_pad, heads_q, heads_kv, qk_scale, sm_scale, section_log2,
+              first, end, stride,
               HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
-              LPT: gl.constexpr, VARLEN: gl.constexpr):
-    """Consumer ``cid``: keys ``[k0, k0 + ROWS_N)`` of the CTA's block, every step's
-    ``S^T``, ``dP^T``, ``dS^T`` (its rows of the CTA's ``dS^T`` in shared memory), ``dV``
-    and ``dK`` of its keys, and columns ``[cid * DQ_COLS, ...)`` of ``dS K`` over all the
-    CTA's keys (FA3's split: one dQ partial a CTA, not one a warpgroup); dK, dV stored at
-    the end."""
+              LPT: gl.constexpr, VARLEN: gl.constexpr, PERSISTENT: gl.constexpr):
+    if PERSISTENT:  # steps and tiles of the CTA so far: ring slots and phases run on
+        step0 = 0
+        tile_i = 0
+        for tid in range(first, end, stride):
+            n_block, bhk = _tile_at(tid, seqlen_k, section_log2, BLOCK_N, LPT)
+            step0 += _consumer_tile(cid, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
+                                   lse_smem, delta_smem, kv_bar, kv_empty, q_ready, do_ready,
+                                   qdo_empty, ds_ready, dq_full, dq_empty, dk_ptr, dv_ptr,
+                                   cu_q_ptr, cu_k_ptr, stride_dkb, stride_dkh, stride_dkn,
+                                   seqlen_q, seqlen_k, seqlen_q_pad, heads_q, heads_kv,
+                                   qk_scale, sm_scale, n_block, bhk, step0, tile_i, HEAD_D,
+                                   BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, VARLEN,
+                                   True)
+            tile_i += 1
+    else:
+        n_block, bhk = _tile(seqlen_k, section_log2, BLOCK_N, LPT)
+        _consumer_tile(cid, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem,
+                       delta_smem, kv_bar, kv_empty, q_ready, do_ready, qdo_empty, ds_ready,
+                       dq_full, dq_empty, dk_ptr, dv_ptr, cu_q_ptr, cu_k_ptr, stride_dkb,
+                       stride_dkh, stride_dkn, seqlen_q, seqlen_k, seqlen_q_pad, heads_q,
+                       heads_kv, qk_scale, sm_scale, n_block, bhk, 0, 0, HEAD_D, BLOCK_M,
+                       BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, VARLEN, False)
+
+
+@gluon.jit
+def _consumer_tile(cid, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem,
+                   delta_smem, kv_bar, kv_empty, q_ready, do_ready, qdo_empty, ds_ready,
+                   dq_full, dq_empty, dk_ptr, dv_ptr, cu_q_ptr, cu_k_ptr, stride_dkb,
+                   stride_dkh, stride_dkn, seqlen_q, seqlen_k, seqlen_q_pad, heads_q, heads_kv,
+                   qk_scale, sm_scale, n_block, bhk, step0, tile_i,
+                   HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
+                   VARLEN: gl.constexpr, PERSISTENT: gl.constexpr):
+    """Consumer ``cid`` on one tile: keys ``[k0, k0 + ROWS_N)`` of the CTA's block, every
+    step's ``S^T``, ``dP^T``, ``dS^T`` (its rows of the CTA's ``dS^T`` in shared memory),
+    ``dV`` and ``dK`` of its keys, and columns ``[cid * DQ_COLS, ...)`` of ``dS K`` over all
+    the CTA's keys (FA3's split: one dQ partial a CTA, not one a warpgroup); dK, dV stored
+    at the end. The CTA's step ``step0 + t`` picks the ring slot and the phases; returns the
+    tile's steps."""
     ROWS_N: gl.constexpr = BLOCK_N // NUM_CONSUMERS
     DQ_COLS: gl.constexpr = HEAD_D // NUM_CONSUMERS
     dtype: gl.constexpr = q_smem.dtype
@@ -318,7 +435,6 @@ def _consumer(cid, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, 
     key_l: gl.constexpr = gl.SliceLayout(1, s_layout)
     qry_l: gl.constexpr = gl.SliceLayout(0, s_layout)
 
-    n_block, bhk = _tile(seqlen_k, section_log2, BLOCK_N, LPT)
     b = bhk // heads_kv
     hk = bhk % heads_kv
     group = heads_q // heads_kv
@@ -339,11 +455,11 @@ def _consumer(cid, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, 
     if VARLEN:  # the producer loads K and V only for a walk of some steps
         mbarrier.wait(kv_bar, 0, pred=total > 0)
     else:
-        mbarrier.wait(kv_bar, 0)
+        mbarrier.wait(kv_bar, tile_i & 1)
     for t in range(total):
         m = m_lo + t % n_m
-        st = t % NUM_STAGES
-        ph = (t // NUM_STAGES) & 1
+        st = (step0 + t) % NUM_STAGES
+        ph = ((step0 + t) // NUM_STAGES) & 1
         qrows = gl.arange(0, BLOCK_M, layout=qry_l)
         mbarrier.wait(q_ready.index(st), ph)
         # the query rows' LSE (log2 domain, +inf past the end) and delta, with Q
@@ -380,14 +496,14 @@ def _consumer(cid, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, 
         # dS^T: this consumer's rows of the step's buffer (two buffers: a consumer writes
         # buffer t % 2 again only after both passed step t + 1's ds_ready, so after the
         # other's dS K of step t has completed)
-        ds_b = ds_smem.index(t % 2)
+        ds_b = ds_smem.index((step0 + t) % 2)
         ds_own = ds_b.slice(cid * ROWS_N, ROWS_N, dim=0)
         ds_own.store(ds16)
         fence_async_shared()
-        mbarrier.arrive(ds_ready.index(t % 2), count=1)
+        mbarrier.arrive(ds_ready.index((step0 + t) % 2), count=1)
         # dQ_part[:, cols] = dS K[:, cols] over all the CTA's keys, once every consumer's
         # dS^T rows are in
-        mbarrier.wait(ds_ready.index(t % 2), (t // 2) & 1)
+        mbarrier.wait(ds_ready.index((step0 + t) % 2), ((step0 + t) // 2) & 1)
         dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout)
         dq = warpgroup_mma(ds_b.permute((1, 0)), k_cols, dq_zero, use_acc=False,
                            is_async=True)
@@ -395,9 +511,11 @@ def _consumer(cid, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, 
         mbarrier.arrive(qdo_empty.index(st), count=1)  # Q and dO read
         dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
         # to the dQ writer: its buffer free once it read the previous step's
-        mbarrier.wait(dq_empty, (t & 1) ^ 1)
+        mbarrier.wait(dq_empty, ((step0 + t) & 1) ^ 1)
         dq_c.store(dq)
         mbarrier.arrive(dq_full, count=1)
+    if PERSISTENT:  # every MMA reading K and V is done: the producer may load the next tile's
+        mbarrier.arrive(kv_empty, count=1)
 
     # epilogue: dK = scale * dS^T Q, dV = P^T dO, keys past the end not stored; 32-bit
     # offsets from the head's base (64-bit ones beside dK and dV spill)
@@ -412,6 +530,7 @@ def _consumer(cid, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, 
     ok = gl.expand_dims(rows < seqlen_k, 1)
     gl.store(dk_ptr + base + offs, (dk * sm_scale).to(dtype), mask=ok)
     gl.store(dv_ptr + base + offs, dv.to(dtype), mask=ok)
+    return total
 
 
 @gluon.jit
@@ -423,11 +542,25 @@ def gluon_attn_bwd_kernel(q_desc, k_desc, v_desc, do_desc, lse2_ptr, delta_ptr, 
                           NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
                           CAUSAL: gl.constexpr, Q_BSHD: gl.constexpr, KV_BSHD: gl.constexpr,
                           PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                          LPT: gl.constexpr, VARLEN: gl.constexpr):
+                          LPT: gl.constexpr, VARLEN: gl.constexpr, n_tiles=None,
+                          PERSISTENT: gl.constexpr = False):
     """``seqlen_q``, ``seqlen_k``: the lengths (``VARLEN``: the longest sequence's, the
     grid's); ``cu_q_ptr``, ``cu_k_ptr``: VARLEN's ``cu_seqlens`` (None without it), after
-    the dense parameters."""
+    the dense parameters. ``PERSISTENT`` (dense only): a 1-D grid of at most one CTA an SM,
+    CTA ``i`` of ``P`` taking tiles ``i, i + P, ... < n_tiles`` in the grid launch's order,
+    so that a tile's K and V load under the last tile's dK and dV stores and its first Q
+    and dO stream in while the last steps run (None without it: the grid launch's kernel,
+    as it was)."""
     gl.static_assert(NUM_CONSUMERS == 1 or NUM_CONSUMERS == 2)
+    gl.static_assert(not (PERSISTENT and VARLEN))
+    if PERSISTENT:
+        first = gl.program_id(0)
+        end = n_tiles
+        stride = gl.num_programs(0)
+    else:  # unused: every partition reads its one tile from the grid (_tile)
+        first = 0
+        end = 1
+        stride = 1
     gl.static_assert(BLOCK_N // NUM_CONSUMERS >= 64)  # a wgmma's M per warpgroup
     gl.static_assert(NUM_STAGES >= 2)
     DQ_COLS: gl.constexpr = HEAD_D // NUM_CONSUMERS
@@ -447,6 +580,11 @@ def gluon_attn_bwd_kernel(q_desc, k_desc, v_desc, do_desc, lse2_ptr, delta_ptr, 
     lse_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], rows_layout)
     delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], rows_layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    if PERSISTENT:  # the consumers are done with a tile's K and V
+        kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_empty, count=NUM_CONSUMERS)
+    else:  # never waited on
+        kv_empty = kv_bar
     q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     do_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     qdo_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1],
@@ -468,40 +606,47 @@ def gluon_attn_bwd_kernel(q_desc, k_desc, v_desc, do_desc, lse2_ptr, delta_ptr, 
     if NUM_CONSUMERS == 1:
         gl.warp_specialize([
             (_consumer, (0, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem,
-                         delta_smem, kv_bar, q_ready, do_ready, qdo_empty, ds_ready, dq_full,
-                         dq_empty, dk_ptr, dv_ptr, cu_q_ptr, cu_k_ptr, stride_dkb, stride_dkh,
-                         stride_dkn, seqlen_q, seqlen_k, seqlen_q_pad, heads_q, heads_kv,
-                         qk_scale, sm_scale, section_log2, HEAD_D, BLOCK_M, BLOCK_N, NUM_STAGES,
-                         NUM_CONSUMERS, CAUSAL, LPT, VARLEN)),
+                         delta_smem, kv_bar, kv_empty, q_ready, do_ready, qdo_empty, ds_ready,
+                         dq_full, dq_empty, dk_ptr, dv_ptr, cu_q_ptr, cu_k_ptr, stride_dkb,
+                         stride_dkh, stride_dkn, seqlen_q, seqlen_k, seqlen_q_pad, heads_q,
+                         heads_kv, qk_scale, sm_scale, section_log2, first, end, stride, HEAD_D,
+                         BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, LPT, VARLEN,
+                         PERSISTENT)),
             (_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem,
-                         lse_smem, delta_smem, kv_bar, q_ready, do_ready, qdo_empty, lse2_ptr,
-                         delta_ptr, cu_q_ptr, cu_k_ptr, seqlen_q, seqlen_k, seqlen_q_pad,
-                         heads_q, heads_kv, section_log2, HEAD_D, BLOCK_M, BLOCK_N, NUM_STAGES,
-                         CAUSAL, Q_BSHD, KV_BSHD, LPT, VARLEN)),
+                         lse_smem, delta_smem, kv_bar, kv_empty, q_ready, do_ready, qdo_empty,
+                         lse2_ptr, delta_ptr, cu_q_ptr, cu_k_ptr, seqlen_q, seqlen_k,
+                         seqlen_q_pad, heads_q, heads_kv, section_log2, first, end, stride,
+                         HEAD_D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, Q_BSHD, KV_BSHD, LPT,
+                         VARLEN, PERSISTENT)),
             (_dq_writer, (dq_smem, dq_full, dq_empty, dq_acc_ptr, cu_q_ptr, cu_k_ptr, seqlen_q,
-                          seqlen_k, seqlen_q_pad, heads_q, heads_kv, section_log2, HEAD_D,
-                          BLOCK_M, BLOCK_N, NUM_CONSUMERS, CAUSAL, LPT, VARLEN)),
+                          seqlen_k, seqlen_q_pad, heads_q, heads_kv, section_log2, first, end,
+                          stride, HEAD_D, BLOCK_M, BLOCK_N, NUM_CONSUMERS, CAUSAL, LPT, VARLEN,
+                          PERSISTENT)),
         ], [1, 2], [PRODUCER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (0, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem,
-                         delta_smem, kv_bar, q_ready, do_ready, qdo_empty, ds_ready, dq_full,
-                         dq_empty, dk_ptr, dv_ptr, cu_q_ptr, cu_k_ptr, stride_dkb, stride_dkh,
-                         stride_dkn, seqlen_q, seqlen_k, seqlen_q_pad, heads_q, heads_kv,
-                         qk_scale, sm_scale, section_log2, HEAD_D, BLOCK_M, BLOCK_N, NUM_STAGES,
-                         NUM_CONSUMERS, CAUSAL, LPT, VARLEN)),
+                         delta_smem, kv_bar, kv_empty, q_ready, do_ready, qdo_empty, ds_ready,
+                         dq_full, dq_empty, dk_ptr, dv_ptr, cu_q_ptr, cu_k_ptr, stride_dkb,
+                         stride_dkh, stride_dkn, seqlen_q, seqlen_k, seqlen_q_pad, heads_q,
+                         heads_kv, qk_scale, sm_scale, section_log2, first, end, stride, HEAD_D,
+                         BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, LPT, VARLEN,
+                         PERSISTENT)),
             (_consumer, (1, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem,
-                         delta_smem, kv_bar, q_ready, do_ready, qdo_empty, ds_ready, dq_full,
-                         dq_empty, dk_ptr, dv_ptr, cu_q_ptr, cu_k_ptr, stride_dkb, stride_dkh,
-                         stride_dkn, seqlen_q, seqlen_k, seqlen_q_pad, heads_q, heads_kv,
-                         qk_scale, sm_scale, section_log2, HEAD_D, BLOCK_M, BLOCK_N, NUM_STAGES,
-                         NUM_CONSUMERS, CAUSAL, LPT, VARLEN)),
+                         delta_smem, kv_bar, kv_empty, q_ready, do_ready, qdo_empty, ds_ready,
+                         dq_full, dq_empty, dk_ptr, dv_ptr, cu_q_ptr, cu_k_ptr, stride_dkb,
+                         stride_dkh, stride_dkn, seqlen_q, seqlen_k, seqlen_q_pad, heads_q,
+                         heads_kv, qk_scale, sm_scale, section_log2, first, end, stride, HEAD_D,
+                         BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, LPT, VARLEN,
+                         PERSISTENT)),
             (_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem,
-                         lse_smem, delta_smem, kv_bar, q_ready, do_ready, qdo_empty, lse2_ptr,
-                         delta_ptr, cu_q_ptr, cu_k_ptr, seqlen_q, seqlen_k, seqlen_q_pad,
-                         heads_q, heads_kv, section_log2, HEAD_D, BLOCK_M, BLOCK_N, NUM_STAGES,
-                         CAUSAL, Q_BSHD, KV_BSHD, LPT, VARLEN)),
+                         lse_smem, delta_smem, kv_bar, kv_empty, q_ready, do_ready, qdo_empty,
+                         lse2_ptr, delta_ptr, cu_q_ptr, cu_k_ptr, seqlen_q, seqlen_k,
+                         seqlen_q_pad, heads_q, heads_kv, section_log2, first, end, stride,
+                         HEAD_D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, Q_BSHD, KV_BSHD, LPT,
+                         VARLEN, PERSISTENT)),
             (_dq_writer, (dq_smem, dq_full, dq_empty, dq_acc_ptr, cu_q_ptr, cu_k_ptr, seqlen_q,
-                          seqlen_k, seqlen_q_pad, heads_q, heads_kv, section_log2, HEAD_D,
-                          BLOCK_M, BLOCK_N, NUM_CONSUMERS, CAUSAL, LPT, VARLEN)),
+                          seqlen_k, seqlen_q_pad, heads_q, heads_kv, section_log2, first, end,
+                          stride, HEAD_D, BLOCK_M, BLOCK_N, NUM_CONSUMERS, CAUSAL, LPT, VARLEN,
+                          PERSISTENT)),
         ], [4, 1, 2], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])

@@ -7,8 +7,9 @@ Launches, in order on the current stream:
 
 1. ``preprocess`` (grid ``(cdiv(Nq_pad, 64), B * Hq)``): ``delta`` and ``lse * log2 e`` into
    float32 ``(B * Hq, Nq_pad)`` scratch rows, the dQ accumulator zeroed;
-2. ``main`` (grid ``(cdiv(Nk, BLOCK_N), B * Hkv)``): dK and dV written, dS K added to the
-   accumulator with fp32 atomics;
+2. ``main`` (grid ``(cdiv(Nk, BLOCK_N), B * Hkv)``, or with ``PERSISTENT`` one CTA an SM
+   walking those tiles): dK and dV written, dS K added to the accumulator with fp32
+   atomics;
 3. ``convert`` (grid ``(cdiv(Nq, 64), B * Hq)``): ``dQ = scale * accumulator``.
 
 ``Nq_pad`` is ``Nq`` rounded up to ``BLOCK_M``: a query tile never reads another head's LSE
@@ -51,6 +52,7 @@ from flashtune.kernel_templates.attn_bwd_gluon.kernel import (
     gluon_attn_bwd_kernel,
     gluon_attn_bwd_preprocess,
 )
+from flashtune.kernel_templates.attn_fwd_gluon.launcher import persistent_ctas
 
 LOG2E = 1.4426950408889634
 HEAD_DIMS = (64, 128)  # the wgmma N of dK, dV and dQ; their accumulators fit 240 registers
@@ -60,8 +62,9 @@ PRE_BLOCK = 64  # rows per program of the preprocess and the dQ conversion
 DEFAULT_CONFIG: dict[str, int] = {"BLOCK_M": 64, "BLOCK_N": 128, "NUM_STAGES": 2,
                                   "NUM_CONSUMERS": 2}
 # knobs a config may leave out, and their value then: LPT 1 walks the CTAs longest first in
-# sections of heads (kernel._tile), 0 a head's key blocks side by side
-OPTIONAL_CONFIG: dict[str, int] = {"LPT": 0}
+# sections of heads (kernel._tile), 0 a head's key blocks side by side; PERSISTENT 1 runs
+# the same tiles in the same order on at most one CTA an SM (dense batches only)
+OPTIONAL_CONFIG: dict[str, int] = {"LPT": 0, "PERSISTENT": 0}
 # bytes of L2 a section's Q and dO may take (FA3's tile scheduler budgets 40 of the 50 MB)
 L2_BUDGET = 40 << 20
 
@@ -210,13 +213,17 @@ def plan(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, dq: Any, dk: Any
     n_blocks, bh_kv = -(-seqlen_k // bn), batch * heads_kv
     section = lpt_section(bh_kv, heads_q // heads_kv, seqlen_q, head_dim) if lpt else 1
     section_log2 = section.bit_length() - 1
+    options = _main_options(config, head_dim, causal, q_how == "bshd", kv_how == "bshd")
+    grid = (n_blocks * bh_kv, 1) if lpt else (n_blocks, bh_kv)
+    if config.get("PERSISTENT", OPTIONAL_CONFIG["PERSISTENT"]):
+        options.update(n_tiles=n_blocks * bh_kv, PERSISTENT=True)
+        grid = (persistent_ctas(q, n_blocks * bh_kv), 1)
     main: Launch = (
         gluon_attn_bwd_kernel,
         (q_desc, k_desc, v_desc, do_desc, lse2, delta, dq_acc, dk, dv, *_strides3(dk),
          seqlen_q, seqlen_k, pad, heads_q, heads_kv, float(scale) * LOG2E, float(scale),
          section_log2),
-        _main_options(config, head_dim, causal, q_how == "bshd", kv_how == "bshd"),
-        (n_blocks * bh_kv, 1) if lpt else (n_blocks, bh_kv))
+        options, grid)
     conv: Launch = (
         gluon_attn_bwd_convert_dq,
         (dq_acc, dq, *_strides3(dq), heads_q, seqlen_q, pad, float(scale)),
@@ -252,6 +259,9 @@ def plan_packed(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, dq: Any, 
     ``scratch`` is :func:`scratch_shapes` of ``(B, Hq, max_seqlen_q, D)``); ``lse``
     contiguous float32 ``(Hq, total_q)``; ``dlse`` optional, ``(Hq, total_q)``, any
     strides."""
+    if config.get("PERSISTENT", OPTIONAL_CONFIG["PERSISTENT"]):
+        raise ConfigError("PERSISTENT serves dense batches only: a packed batch's key blocks "
+                          "past a document's end walk nothing, the grid launch skips them")
     total_q, heads_q, head_dim = q.shape
     heads_kv = k.shape[1]
     batch = cu_seqlens_q.shape[0] - 1
@@ -302,8 +312,9 @@ def check_config(config: Mapping[str, int]) -> None:
     if missing or unknown:
         raise ConfigError(f"config needs exactly the keys {sorted(DEFAULT_CONFIG)} (optional: "
                           f"{sorted(OPTIONAL_CONFIG)}); missing {missing}, unknown {unknown}")
-    if config.get("LPT", 0) not in (0, 1):
-        raise ConfigError(f"LPT must be 0 or 1, got {config['LPT']!r}")
+    for knob in OPTIONAL_CONFIG:
+        if config.get(knob, 0) not in (0, 1):
+            raise ConfigError(f"{knob} must be 0 or 1, got {config[knob]!r}")
     bm, bn, nc, st = (config[n] for n in ("BLOCK_M", "BLOCK_N", "NUM_CONSUMERS", "NUM_STAGES"))
     if bm not in (64, 128) or bn not in (64, 128) or nc not in (1, 2) or st < 2 \
             or bn // nc < 64:
@@ -568,9 +579,12 @@ def compile_sm90(config: Mapping[str, int], head_dim: int = 128, causal: bool = 
         "NUM_CONSUMERS": nc, "CAUSAL": bool(causal), "Q_BSHD": varlen or layout == "bshd",
         "KV_BSHD": varlen or layout == "bshd", "PRODUCER_REGS": meta["PRODUCER_REGS"],
         "CONSUMER_REGS": meta["CONSUMER_REGS"],
-        "LPT": bool(config.get("LPT", OPTIONAL_CONFIG["LPT"])), "VARLEN": varlen}
+        "LPT": bool(config.get("LPT", OPTIONAL_CONFIG["LPT"])), "VARLEN": varlen,
+        "PERSISTENT": bool(config.get("PERSISTENT", OPTIONAL_CONFIG["PERSISTENT"]))}
     if not varlen:  # None: no parameter (the dense kernel's)
         const.update(cu_q_ptr=None, cu_k_ptr=None)
+    if not const["PERSISTENT"]:  # the grid launch's kernel: no tile count
+        const.update(n_tiles=None)
     kern = gluon_attn_bwd_kernel
     names = kern.arg_names
     types = {"q_desc": qd, "k_desc": kd, "v_desc": kd, "do_desc": qd, "lse2_ptr": "*fp32",

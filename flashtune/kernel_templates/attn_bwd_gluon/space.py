@@ -6,8 +6,11 @@ deadlock the ring), ``NUM_CONSUMERS`` consumer warpgroups (1, 2), ``LPT`` the or
 CTAs run in (0: a head's key blocks side by side; 1: longest walk first, in sections of heads
 whose Q and dO fit L2: under a causal mask the first key blocks walk every later query
 block, and in the 2-D order one of them can start last and run alone; optional, 0 when left
-out). Structurally refused: ``BLOCK_N // NUM_CONSUMERS < 64`` (a warpgroup's wgmma covers
-64 rows).
+out), ``PERSISTENT`` (1: the same tiles in the same order on at most one CTA an SM, so a
+tile's K/V and first Q/dO loads run under the last tile's steps and dK/dV stores: at short
+sequences a CTA walks few steps and a grid launch pays its ramp and epilogue each time;
+dense batches only; optional, 0). Structurally refused: ``BLOCK_N // NUM_CONSUMERS < 64``
+(a warpgroup's wgmma covers 64 rows).
 
 Whether a config fits is what ptxas makes of it, read from ``sm90_compile.json`` beside this
 file (shared memory, registers, spill-store bytes or the compile error of every structurally
@@ -37,6 +40,7 @@ from flashtune.kernel_templates.sm90_table import SMEM_LIMIT, SPILL_LIMIT, Compi
 
 __all__ = ["DEFAULTS", "HEAD_DIMS", "PARAMS", "REGENERATE", "SMEM_LIMIT", "SPACE", "SPILL_LIMIT", "TABLE",
            "Compiled", "check", "default_config", "entry_key", "load_table", "lpt_by_default",
+           "persistent_by_default",
            "parse_table", "structural_reason"]
 
 PARAMS: dict[str, tuple[int, ...]] = {
@@ -45,6 +49,7 @@ PARAMS: dict[str, tuple[int, ...]] = {
     "NUM_STAGES": (2, 3),
     "NUM_CONSUMERS": (1, 2),
     "LPT": (0, 1),
+    "PERSISTENT": (0, 1),
 }
 # knobs a config may leave out, the launcher's (configs stored before LPT existed ran its 0)
 DEFAULTS: dict[str, int] = OPTIONAL_CONFIG
@@ -114,6 +119,8 @@ def check(config: Mapping[str, int], problem: AttentionProblem,
         return reason
     if problem.head_dim not in HEAD_DIMS:
         return f"head_dim {problem.head_dim}: the Gluon backward serves {list(HEAD_DIMS)}"
+    if config.get("PERSISTENT") and problem.packed:
+        return "PERSISTENT serves dense batches only (a packed batch runs the grid launch)"
     compiled = load_table().get(entry_key(problem.head_dim, problem.causal, config))
     if compiled is None:
         return f"not in the sm_90 compile table ({TABLE.name}); regenerate it: {REGENERATE}"
@@ -125,7 +132,7 @@ SPACE = SearchSpace(params=PARAMS, predicate=check, defaults=DEFAULTS)
 
 def _knobs(bm: int, bn: int, stages: int, consumers: int) -> Config:
     return {"BLOCK_M": bm, "BLOCK_N": bn, "NUM_STAGES": stages, "NUM_CONSUMERS": consumers,
-            "LPT": 0}
+            "LPT": 0, "PERSISTENT": 0}
 
 
 # per head dim, best guess first (FA3's sm90 backward: 64 x 128 tiles at D128 with two MMA
@@ -145,13 +152,39 @@ def lpt_by_default(problem: AttentionProblem) -> bool:
     return problem.causal and problem.heads_q > problem.heads_kv and problem.head_dim == 128
 
 
+# the longest query length whose walks the default runs persistent (see persistent_by_default)
+PERSISTENT_MAX_SEQLEN = 4096
+
+
+def persistent_by_default(problem: AttentionProblem) -> bool:
+    """Whether the default runs ``PERSISTENT`` (with ``LPT`` 1 under a causal mask, where a
+    static stride over the grid's order would hand some CTAs only long walks): dense MHA
+    batches at D64 with at most :data:`PERSISTENT_MAX_SEQLEN` queries, where a CTA walks
+    few steps and a grid launch pays its ramp and epilogue per tile. On an H200, training
+    steps of the standard grid's D64 shapes (``benchmarks/results/train_breakdown_d64_h200.json``,
+    against the grid launch): N 512-4k 1.00-1.06x without a mask, 1.03-1.07x causal (the
+    main kernel 1.10x at N 512); at N 8k-16k 0.95-1.01x (a walk long enough to hide its
+    tile's start). GQA 4:1 (``..._d64_gqa_h200.json``, causal N 1k / 4k): 0.90x / 0.85x,
+    not by default. At D128 the persistent loop spills in the consumers' main loop (the
+    tile loop keeps shared-memory descriptors live: 152-312 B against 112) and its main
+    kernel ran 0.62-0.99x the grid launch's (``train_breakdown_persistent_h200.json``):
+    the grid launch there. The tuner times the knob wherever it compiles within budget."""
+    return (problem.head_dim == 64 and not problem.packed
+            and problem.heads_q == problem.heads_kv
+            and problem.seqlen_q <= PERSISTENT_MAX_SEQLEN)
+
+
 def default_config(problem: AttentionProblem, device: DeviceFingerprint) -> Config:
     """A safe config for ``problem``: the first of its head dim's defaults the predicate
-    accepts (the first one when none is: the predicate names why), longest-first where
-    :func:`lpt_by_default` says so and it compiles within budget."""
+    accepts (the first one when none is: the predicate names why), persistent where
+    :func:`persistent_by_default` says so, else longest-first where :func:`lpt_by_default`
+    says so, each where it compiles within budget."""
     defaults = _DEFAULTS.get(problem.head_dim, _DEFAULTS[128])
     for config in defaults:
         if check(config, problem, device) is None:
+            persistent = {**config, "PERSISTENT": 1, "LPT": int(problem.causal)}
+            if persistent_by_default(problem) and check(persistent, problem, device) is None:
+                return persistent
             lpt = {**config, "LPT": 1}
             if lpt_by_default(problem) and check(lpt, problem, device) is None:
                 return lpt
