@@ -150,7 +150,8 @@ def test_the_table_holds_every_point_of_the_space_and_the_current_source() -> No
     table = space.parse_table(doc)
     want = {space.entry_key(c["head_dim"], c["causal"], c["config"]) for c in cases()}
     assert set(table) == want
-    assert len(want) == 2 * 2 * 12 * 2 * 2  # head dims x causal x configs x LPT x PERSISTENT
+    # head dims x causal x configs x LPT x PERSISTENT x DQ_TMA
+    assert len(want) == 2 * 2 * 12 * 2 * 2 * 2
 
 
 @pytest.mark.parametrize("d", [64, 128])
@@ -161,8 +162,10 @@ def test_the_default_config_is_valid_for_every_problem_it_serves(d: int, causal:
     assert space.check(config, p, H100) is None
     assert SPEC.space.validate(config) == config
     # D64 MHA at N 1000: persistent, longest first under a causal mask; D128: the grid
-    # launch, and for MHA (no query heads share a K/V) the 2-D order
+    # launch, and for MHA (no query heads share a K/V) the 2-D order; dQ by TMA at D128
+    # without a mask
     assert config["PERSISTENT"] == (d == 64) and config["LPT"] == (d == 64 and causal)
+    assert config["DQ_TMA"] == (d == 128 and not causal)
 
 
 @pytest.mark.parametrize("hq,hkv,d,causal,lpt", [
@@ -262,7 +265,8 @@ def test_the_longest_first_order_is_one_grid_dimension_in_sections_that_fit_l2()
     assert _plan(2, 32, 8, 4096, 4096, 128, DEFAULT_CONFIG)["main"][3] == (32, 16)
     with pytest.raises(ConfigError, match="LPT must be 0 or 1"):
         check_config(_config(LPT=2))
-    assert space.SPACE.validate(DEFAULT_CONFIG) == {**DEFAULT_CONFIG, "LPT": 0, "PERSISTENT": 0}
+    assert space.SPACE.validate(DEFAULT_CONFIG) == {**DEFAULT_CONFIG, "LPT": 0, "PERSISTENT": 0,
+                                                    "DQ_TMA": 0}
 
 
 def test_the_persistent_plan_runs_the_grid_tiles_on_one_cta_an_sm() -> None:
@@ -283,6 +287,11 @@ def test_the_persistent_plan_runs_the_grid_tiles_on_one_cta_an_sm() -> None:
     assert "PERSISTENT" not in grid_kwargs and "n_tiles" not in grid_kwargs
     with pytest.raises(ConfigError, match="PERSISTENT must be 0 or 1"):
         check_config(_config(PERSISTENT=2))
+    # DQ_TMA: the accumulator's rows through a descriptor of one consumer's slice
+    tma = _plan(2, 8, 2, 197, 300, 128, _config(DQ_TMA=1))["main"][2]
+    assert tma["DQ_TMA"] and tma["dq_desc"].block_shape == [64, 64]
+    assert tma["dq_desc"].shape == [2 * 8 * 256, 128]  # Nq padded to BLOCK_M (256)
+    assert "dq_desc" not in grid_kwargs and "DQ_TMA" not in grid_kwargs
     dt = torch.bfloat16
     q, k = Shaped(dt, (300, 4, 64)), Shaped(dt, (300, 2, 64))
     with pytest.raises(ConfigError, match="PERSISTENT serves dense batches only"):
@@ -434,6 +443,29 @@ def test_the_persistent_launch_matches_the_reference(case) -> None:
     for knobs in ({}, {"LPT": 1}, {"BLOCK_N": 64, "NUM_CONSUMERS": 1},
                   {"NUM_STAGES": 3, "BLOCK_N": 64, "NUM_CONSUMERS": 1, "LPT": 1}):
         config = _config(PERSISTENT=1, **knobs)
+        got = SPEC.launcher(q, k, v, out, lse, do, config, causal=causal)
+        assert_grads_close(got, q, k, v, do, causal=causal, refs=refs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES,
+                         ids=lambda s: "b{}h{}:{}q{}k{}d{}{}".format(*s[:6], "c" if s[6] else ""))
+def test_dq_by_tma_reduce_adds_matches_the_reference(case) -> None:
+    """DQ_TMA 1: each step's dQ partial added by TMA bulk reduce-adds from shared memory
+    (one a consumer's slice, two messages each), the buffer handed back only once they have
+    read it; with two and one consumers, and under the persistent launch."""
+    b, hq, hkv, nq, nk, d, causal = case
+    torch.manual_seed(4)
+    dt = torch.float16
+    q, k, v = _rand(b, hq, nq, d, dtype=dt), _rand(b, hkv, nk, d, dtype=dt), \
+        _rand(b, hkv, nk, d, dtype=dt)
+    do = _rand(b, hq, nq, d, dtype=dt)
+    out, lse = _forward(q, k, v, causal)
+    from tests.helpers import grad_references
+
+    refs = grad_references(q, k, v, do, causal=causal)
+    for knobs in ({}, {"BLOCK_N": 64, "NUM_CONSUMERS": 1}, {"PERSISTENT": 1, "LPT": 1}):
+        config = _config(DQ_TMA=1, **knobs)
         got = SPEC.launcher(q, k, v, out, lse, do, config, causal=causal)
         assert_grads_close(got, q, k, v, do, causal=causal, refs=refs)
 

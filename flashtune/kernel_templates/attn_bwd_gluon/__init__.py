@@ -25,8 +25,8 @@ them).
   registers (fp32) over the whole walk, and ``HEAD_D / NUM_CONSUMERS`` columns of ``dS K``
   over all the CTA's keys (FA3's split of the dQ product: one partial a CTA and step);
   a **dQ writer** (2 warps, the producer's warpgroup) adds each partial to the accumulator
-  with fp32 vector atomics off the consumers' path (FA3's writer issues TMA bulk
-  reduce-adds, which Gluon 3.6 cannot issue on Hopper);
+  with fp32 vector atomics off the consumers' path (or, ``DQ_TMA``, with TMA bulk
+  reduce-adds as FA3's writer does);
 * a **convert** launch: ``dQ = scale * accumulator`` in the input dtype.
 
 With ``PERSISTENT`` (dense batches) the main launch is at most one CTA an SM walking the same
@@ -35,7 +35,9 @@ while the last tile's dK and dV are stored, where a grid launch starts every CTA
 short sequences, where a CTA walks few steps, that pays: on an H200 D64 MHA training steps
 ran 1.00-1.07x the grid launch at N 512-4k (causal with ``LPT`` 1), so the default uses it
 there (``space.persistent_by_default``); at D128 the tile loop spills in the consumers and
-ran slower (the tuner may still time it).
+ran slower (the tuner may still time it). With ``DQ_TMA`` the dQ writer adds each partial
+by TMA bulk reduce-adds (FA3's writer) instead of vector atomics: 1.03x the main kernel at
+D128 without a mask, the default there (``space.dq_tma_by_default``).
 
 dQ's atomics make its last bits depend on the CTAs' order: ``Limits.deterministic`` is
 False, and a caller asking for reproducible gradients (FlashAttention-2's

@@ -46,8 +46,10 @@ its CTA loads and stores nothing.
 
 from __future__ import annotations
 
+from triton._C.libtriton import ir as _ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
@@ -139,6 +141,17 @@ def gluon_attn_bwd_convert_dq(dq_acc_ptr, dq_ptr, stride_b, stride_h, stride_n, 
         offs = b.to(gl.int64) * stride_b + h.to(gl.int64) * stride_h \
             + gl.expand_dims(rows.to(gl.int64) * stride_n, 1) + gl.expand_dims(cols, 0)
     gl.store(dq_ptr + offs, (acc * scale).to(dq_ptr.dtype.element_ty), mask=m2)
+
+
+@builtin
+def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """``global[coord] += src`` (a shared-memory tile) by one TMA bulk reduce-add
+    (``cp.reduce.async.bulk.tensor``, FA3's dQ writer), as ``tma.async_copy_shared_to_global``
+    stores: Gluon 3.6's builder has the op, its Hopper module no wrapper. Wait with
+    ``tma.store_wait`` before the tile is written again."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle,
+                                              coord, src.handle)
 
 
 @gluon.jit
@@ -314,35 +327,38 @@ def _producer_tile(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_s
 
 
 @gluon.jit
-def _dq_writer(dq_smem, dq_full, dq_empty, dq_acc_ptr, cu_q_ptr, cu_k_ptr, seqlen_q, seqlen_k,
-               seqlen_q_pad, heads_q, heads_kv, section_log2, first, end, stride,
+def _dq_writer(dq_smem, dq_full, dq_empty, dq_acc_ptr, dq_desc, cu_q_ptr, cu_k_ptr, seqlen_q,
+               seqlen_k, seqlen_q_pad, heads_q, heads_kv, section_log2, first, end, stride,
                HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, LPT: gl.constexpr,
-               VARLEN: gl.constexpr, PERSISTENT: gl.constexpr):
+               VARLEN: gl.constexpr, PERSISTENT: gl.constexpr, DQ_TMA: gl.constexpr):
     """Two warps: each step's ``dS K`` (the consumers' column slices in ``dq_smem``) added
-    to the fp32 accumulator's rows with vector atomics, off the consumers' path (FA3's dQ
-    writer warp, which issues TMA bulk reduce-adds; Gluon 3.6 has none on Hopper)."""
+    to the fp32 accumulator's rows off the consumers' path: vector atomics, or with
+    ``DQ_TMA`` TMA bulk reduce-adds (FA3's dQ writer warp)."""
     if PERSISTENT:
         step0 = 0
         for tid in range(first, end, stride):
             n_block, bhk = _tile_at(tid, seqlen_k, section_log2, BLOCK_N, LPT)
-            step0 += _dq_writer_tile(dq_smem, dq_full, dq_empty, dq_acc_ptr, cu_q_ptr, cu_k_ptr,
-                                    seqlen_q, seqlen_k, seqlen_q_pad, heads_q, heads_kv,
-                                    n_block, bhk, step0, HEAD_D, BLOCK_M, BLOCK_N,
-                                    NUM_CONSUMERS, CAUSAL, VARLEN)
+            step0 += _dq_writer_tile(dq_smem, dq_full, dq_empty, dq_acc_ptr, dq_desc, cu_q_ptr,
+                                    cu_k_ptr, seqlen_q, seqlen_k, seqlen_q_pad, heads_q,
+                                    heads_kv, n_block, bhk, step0, HEAD_D, BLOCK_M, BLOCK_N,
+                                    NUM_CONSUMERS, CAUSAL, VARLEN, DQ_TMA)
     else:
         n_block, bhk = _tile(seqlen_k, section_log2, BLOCK_N, LPT)
-        _dq_writer_tile(dq_smem, dq_full, dq_empty, dq_acc_ptr, cu_q_ptr, cu_k_ptr, seqlen_q,
-                        seqlen_k, seqlen_q_pad, heads_q, heads_kv, n_block, bhk, 0, HEAD_D,
-                        BLOCK_M, BLOCK_N, NUM_CONSUMERS, CAUSAL, VARLEN)
+        _dq_writer_tile(dq_smem, dq_full, dq_empty, dq_acc_ptr, dq_desc, cu_q_ptr, cu_k_ptr,
+                        seqlen_q, seqlen_k, seqlen_q_pad, heads_q, heads_kv, n_block, bhk, 0,
+                        HEAD_D, BLOCK_M, BLOCK_N, NUM_CONSUMERS, CAUSAL, VARLEN, DQ_TMA)
 
 
 @gluon.jit
-def _dq_writer_tile(dq_smem, dq_full, dq_empty, dq_acc_ptr, cu_q_ptr, cu_k_ptr, seqlen_q,
-                    seqlen_k, seqlen_q_pad, heads_q, heads_kv, n_block, bhk, step0,
+def _dq_writer_tile(dq_smem, dq_full, dq_empty, dq_acc_ptr, dq_desc, cu_q_ptr, cu_k_ptr,
+                    seqlen_q, seqlen_k, seqlen_q_pad, heads_q, heads_kv, n_block, bhk, step0,
                     HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                    NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr):
-    """One tile's dQ partials (the CTA's step ``step0 + t``); returns the tile's steps."""
+                    NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr,
+                    DQ_TMA: gl.constexpr):
+    """One tile's dQ partials (the CTA's step ``step0 + t``); returns the tile's steps.
+    ``DQ_TMA``: each consumer's slice by one TMA bulk reduce-add (``dq_desc``, the
+    accumulator's rows), waited for before the buffer is handed back; else vector atomics."""
     DQ_COLS: gl.constexpr = HEAD_D // NUM_CONSUMERS
     LANES_C: gl.constexpr = DQ_COLS // 4
     CHUNK: gl.constexpr = 8  # rows a load: dq_smem's swizzle period
@@ -361,14 +377,21 @@ def _dq_writer_tile(dq_smem, dq_full, dq_empty, dq_acc_ptr, cu_q_ptr, cu_k_ptr, 
     for t in range(total):
         h = hk * group + t // n_m
         m = m_lo + t % n_m
-        base_ptr = dq_acc_ptr + ((b * heads_q + h).to(gl.int64) * seqlen_q_pad
-                                 + m * BLOCK_M) * HEAD_D
-        mbarrier.wait(dq_full, (step0 + t) & 1)
-        for c in gl.static_range(NUM_CONSUMERS):
-            for r in gl.static_range(BLOCK_M // CHUNK):
-                part = dq_smem.index(c).slice(r * CHUNK, CHUNK, dim=0).load(layout)
-                gl.atomic_add(base_ptr + (r * CHUNK * HEAD_D + c * DQ_COLS) + offs, part,
-                              sem="relaxed")
+        if DQ_TMA:  # (the launcher keeps B * Hq * Nq_pad rows below 2**31)
+            row = (b * heads_q + h) * seqlen_q_pad + m * BLOCK_M
+            mbarrier.wait(dq_full, (step0 + t) & 1)
+            for c in gl.static_range(NUM_CONSUMERS):
+                _tma_reduce_add(dq_desc, [row, c * DQ_COLS], dq_smem.index(c))
+            tma.store_wait(0)  # the reduce-adds have read the buffer
+        else:
+            base_ptr = dq_acc_ptr + ((b * heads_q + h).to(gl.int64) * seqlen_q_pad
+                                     + m * BLOCK_M) * HEAD_D
+            mbarrier.wait(dq_full, (step0 + t) & 1)
+            for c in gl.static_range(NUM_CONSUMERS):
+                for r in gl.static_range(BLOCK_M // CHUNK):
+                    part = dq_smem.index(c).slice(r * CHUNK, CHUNK, dim=0).load(layout)
+                    gl.atomic_add(base_ptr + (r * CHUNK * HEAD_D + c * DQ_COLS) + offs, part,
+                                  sem="relaxed")
         mbarrier.arrive(dq_empty, count=1)
     return total
 
@@ -381,7 +404,8 @@ def _consumer(cid, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, 
               first, end, stride,
               HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
-              LPT: gl.constexpr, VARLEN: gl.constexpr, PERSISTENT: gl.constexpr):
+              LPT: gl.constexpr, VARLEN: gl.constexpr, PERSISTENT: gl.constexpr,
+              DQ_TMA: gl.constexpr):
     if PERSISTENT:  # steps and tiles of the CTA so far: ring slots and phases run on
         step0 = 0
         tile_i = 0
@@ -394,7 +418,7 @@ def _consumer(cid, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, 
                                    seqlen_q, seqlen_k, seqlen_q_pad, heads_q, heads_kv,
                                    qk_scale, sm_scale, n_block, bhk, step0, tile_i, HEAD_D,
                                    BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, VARLEN,
-                                   True)
+                                   True, DQ_TMA)
             tile_i += 1
     else:
         n_block, bhk = _tile(seqlen_k, section_log2, BLOCK_N, LPT)
@@ -403,7 +427,7 @@ def _consumer(cid, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, 
                        dq_full, dq_empty, dk_ptr, dv_ptr, cu_q_ptr, cu_k_ptr, stride_dkb,
                        stride_dkh, stride_dkn, seqlen_q, seqlen_k, seqlen_q_pad, heads_q,
                        heads_kv, qk_scale, sm_scale, n_block, bhk, 0, 0, HEAD_D, BLOCK_M,
-                       BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, VARLEN, False)
+                       BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, VARLEN, False, DQ_TMA)
 
 
 @gluon.jit
@@ -414,7 +438,7 @@ def _consumer_tile(cid, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_s
                    qk_scale, sm_scale, n_block, bhk, step0, tile_i,
                    HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                    NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
-                   VARLEN: gl.constexpr, PERSISTENT: gl.constexpr):
+                   VARLEN: gl.constexpr, PERSISTENT: gl.constexpr, DQ_TMA: gl.constexpr):
     """Consumer ``cid`` on one tile: keys ``[k0, k0 + ROWS_N)`` of the CTA's block, every
     step's ``S^T``, ``dP^T``, ``dS^T`` (its rows of the CTA's ``dS^T`` in shared memory),
     ``dV`` and ``dK`` of its keys, and columns ``[cid * DQ_COLS, ...)`` of ``dS K`` over all
@@ -513,6 +537,8 @@ def _consumer_tile(cid, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_s
         # to the dQ writer: its buffer free once it read the previous step's
         mbarrier.wait(dq_empty, ((step0 + t) & 1) ^ 1)
         dq_c.store(dq)
+        if DQ_TMA:  # the writer's reduce-adds read it through the async proxy
+            fence_async_shared()
         mbarrier.arrive(dq_full, count=1)
     if PERSISTENT:  # every MMA reading K and V is done: the producer may load the next tile's
         mbarrier.arrive(kv_empty, count=1)
@@ -543,14 +569,17 @@ def gluon_attn_bwd_kernel(q_desc, k_desc, v_desc, do_desc, lse2_ptr, delta_ptr, 
                           CAUSAL: gl.constexpr, Q_BSHD: gl.constexpr, KV_BSHD: gl.constexpr,
                           PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                           LPT: gl.constexpr, VARLEN: gl.constexpr, n_tiles=None,
-                          PERSISTENT: gl.constexpr = False):
+                          PERSISTENT: gl.constexpr = False, dq_desc=None,
+                          DQ_TMA: gl.constexpr = False):
     """``seqlen_q``, ``seqlen_k``: the lengths (``VARLEN``: the longest sequence's, the
     grid's); ``cu_q_ptr``, ``cu_k_ptr``: VARLEN's ``cu_seqlens`` (None without it), after
     the dense parameters. ``PERSISTENT`` (dense only): a 1-D grid of at most one CTA an SM,
     CTA ``i`` of ``P`` taking tiles ``i, i + P, ... < n_tiles`` in the grid launch's order,
     so that a tile's K and V load under the last tile's dK and dV stores and its first Q
     and dO stream in while the last steps run (None without it: the grid launch's kernel,
-    as it was)."""
+    as it was). ``DQ_TMA``: the dQ writer adds each step's partial with TMA bulk
+    reduce-adds through ``dq_desc`` (the accumulator's ``(B * Hq * Nq_pad, D)`` rows, a
+    block of ``BLOCK_M x D / NUM_CONSUMERS``), else with vector atomics (None)."""
     gl.static_assert(NUM_CONSUMERS == 1 or NUM_CONSUMERS == 2)
     gl.static_assert(not (PERSISTENT and VARLEN))
     if PERSISTENT:
@@ -573,9 +602,13 @@ def gluon_attn_bwd_kernel(q_desc, k_desc, v_desc, do_desc, lse2_ptr, delta_ptr, 
     ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
     # 16-byte vectors XOR-swizzled over 8 rows: the accumulator layout's stores (8 rows of a
     # warp at once) and the writer's row loads both without bank conflicts
-    dq_layout: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 8, [1, 0])
-    dq_smem = gl.allocate_shared_memory(gl.float32, [NUM_CONSUMERS, BLOCK_M, DQ_COLS],
-                                        dq_layout)
+    if DQ_TMA:  # TMA's swizzle (the descriptor's): the writer's reduce-adds read it
+        dq_smem = gl.allocate_shared_memory(gl.float32, [NUM_CONSUMERS, BLOCK_M, DQ_COLS],
+                                            dq_desc.layout)
+    else:
+        dq_layout: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 8, [1, 0])
+        dq_smem = gl.allocate_shared_memory(gl.float32, [NUM_CONSUMERS, BLOCK_M, DQ_COLS],
+                                            dq_layout)
     rows_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     lse_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], rows_layout)
     delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], rows_layout)
@@ -611,17 +644,17 @@ def gluon_attn_bwd_kernel(q_desc, k_desc, v_desc, do_desc, lse2_ptr, delta_ptr, 
                          stride_dkh, stride_dkn, seqlen_q, seqlen_k, seqlen_q_pad, heads_q,
                          heads_kv, qk_scale, sm_scale, section_log2, first, end, stride, HEAD_D,
                          BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, LPT, VARLEN,
-                         PERSISTENT)),
+                         PERSISTENT, DQ_TMA)),
             (_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem,
                          lse_smem, delta_smem, kv_bar, kv_empty, q_ready, do_ready, qdo_empty,
                          lse2_ptr, delta_ptr, cu_q_ptr, cu_k_ptr, seqlen_q, seqlen_k,
                          seqlen_q_pad, heads_q, heads_kv, section_log2, first, end, stride,
                          HEAD_D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, Q_BSHD, KV_BSHD, LPT,
                          VARLEN, PERSISTENT)),
-            (_dq_writer, (dq_smem, dq_full, dq_empty, dq_acc_ptr, cu_q_ptr, cu_k_ptr, seqlen_q,
-                          seqlen_k, seqlen_q_pad, heads_q, heads_kv, section_log2, first, end,
-                          stride, HEAD_D, BLOCK_M, BLOCK_N, NUM_CONSUMERS, CAUSAL, LPT, VARLEN,
-                          PERSISTENT)),
+            (_dq_writer, (dq_smem, dq_full, dq_empty, dq_acc_ptr, dq_desc, cu_q_ptr, cu_k_ptr,
+                          seqlen_q, seqlen_k, seqlen_q_pad, heads_q, heads_kv, section_log2,
+                          first, end, stride, HEAD_D, BLOCK_M, BLOCK_N, NUM_CONSUMERS, CAUSAL,
+                          LPT, VARLEN, PERSISTENT, DQ_TMA)),
         ], [1, 2], [PRODUCER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
@@ -631,22 +664,22 @@ def gluon_attn_bwd_kernel(q_desc, k_desc, v_desc, do_desc, lse2_ptr, delta_ptr, 
                          stride_dkh, stride_dkn, seqlen_q, seqlen_k, seqlen_q_pad, heads_q,
                          heads_kv, qk_scale, sm_scale, section_log2, first, end, stride, HEAD_D,
                          BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, LPT, VARLEN,
-                         PERSISTENT)),
+                         PERSISTENT, DQ_TMA)),
             (_consumer, (1, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem,
                          delta_smem, kv_bar, kv_empty, q_ready, do_ready, qdo_empty, ds_ready,
                          dq_full, dq_empty, dk_ptr, dv_ptr, cu_q_ptr, cu_k_ptr, stride_dkb,
                          stride_dkh, stride_dkn, seqlen_q, seqlen_k, seqlen_q_pad, heads_q,
                          heads_kv, qk_scale, sm_scale, section_log2, first, end, stride, HEAD_D,
                          BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, LPT, VARLEN,
-                         PERSISTENT)),
+                         PERSISTENT, DQ_TMA)),
             (_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem,
                          lse_smem, delta_smem, kv_bar, kv_empty, q_ready, do_ready, qdo_empty,
                          lse2_ptr, delta_ptr, cu_q_ptr, cu_k_ptr, seqlen_q, seqlen_k,
                          seqlen_q_pad, heads_q, heads_kv, section_log2, first, end, stride,
                          HEAD_D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, Q_BSHD, KV_BSHD, LPT,
                          VARLEN, PERSISTENT)),
-            (_dq_writer, (dq_smem, dq_full, dq_empty, dq_acc_ptr, cu_q_ptr, cu_k_ptr, seqlen_q,
-                          seqlen_k, seqlen_q_pad, heads_q, heads_kv, section_log2, first, end,
-                          stride, HEAD_D, BLOCK_M, BLOCK_N, NUM_CONSUMERS, CAUSAL, LPT, VARLEN,
-                          PERSISTENT)),
+            (_dq_writer, (dq_smem, dq_full, dq_empty, dq_acc_ptr, dq_desc, cu_q_ptr, cu_k_ptr,
+                          seqlen_q, seqlen_k, seqlen_q_pad, heads_q, heads_kv, section_log2,
+                          first, end, stride, HEAD_D, BLOCK_M, BLOCK_N, NUM_CONSUMERS, CAUSAL,
+                          LPT, VARLEN, PERSISTENT, DQ_TMA)),
         ], [4, 1, 2], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])

@@ -63,8 +63,9 @@ DEFAULT_CONFIG: dict[str, int] = {"BLOCK_M": 64, "BLOCK_N": 128, "NUM_STAGES": 2
                                   "NUM_CONSUMERS": 2}
 # knobs a config may leave out, and their value then: LPT 1 walks the CTAs longest first in
 # sections of heads (kernel._tile), 0 a head's key blocks side by side; PERSISTENT 1 runs
-# the same tiles in the same order on at most one CTA an SM (dense batches only)
-OPTIONAL_CONFIG: dict[str, int] = {"LPT": 0, "PERSISTENT": 0}
+# the same tiles in the same order on at most one CTA an SM (dense batches only); DQ_TMA 1
+# adds dQ's partials with TMA bulk reduce-adds (FA3's writer), 0 with vector atomics
+OPTIONAL_CONFIG: dict[str, int] = {"LPT": 0, "PERSISTENT": 0, "DQ_TMA": 0}
 # bytes of L2 a section's Q and dO may take (FA3's tile scheduler budgets 40 of the 50 MB)
 L2_BUDGET = 40 << 20
 
@@ -213,7 +214,8 @@ def plan(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, dq: Any, dk: Any
     n_blocks, bh_kv = -(-seqlen_k // bn), batch * heads_kv
     section = lpt_section(bh_kv, heads_q // heads_kv, seqlen_q, head_dim) if lpt else 1
     section_log2 = section.bit_length() - 1
-    options = _main_options(config, head_dim, causal, q_how == "bshd", kv_how == "bshd")
+    options = _main_options(config, head_dim, causal, q_how == "bshd", kv_how == "bshd",
+                            dq_acc=dq_acc)
     grid = (n_blocks * bh_kv, 1) if lpt else (n_blocks, bh_kv)
     if config.get("PERSISTENT", OPTIONAL_CONFIG["PERSISTENT"]):
         options.update(n_tiles=n_blocks * bh_kv, PERSISTENT=True)
@@ -233,12 +235,16 @@ def plan(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, dq: Any, dk: Any
 
 
 def _main_options(config: Mapping[str, int], head_dim: int, causal: bool, q_bshd: bool,
-                  kv_bshd: bool, cu_seqlens_q: Any = None,
-                  cu_seqlens_k: Any = None) -> dict[str, Any]:
-    """The main kernel's keyword arguments: the constexprs, the launch options, and the
-    ``cu_seqlens`` (None, dense: ``VARLEN`` off)."""
+                  kv_bshd: bool, cu_seqlens_q: Any = None, cu_seqlens_k: Any = None,
+                  dq_acc: Any = None) -> dict[str, Any]:
+    """The main kernel's keyword arguments: the constexprs, the launch options, the
+    ``cu_seqlens`` (None, dense: ``VARLEN`` off), and with ``DQ_TMA`` the accumulator's
+    descriptor (:func:`dq_desc`)."""
     meta = launch_meta(config)
-    return dict(cu_q_ptr=cu_seqlens_q, cu_k_ptr=cu_seqlens_k, HEAD_D=head_dim,
+    extra: dict[str, Any] = {}
+    if config.get("DQ_TMA", OPTIONAL_CONFIG["DQ_TMA"]):
+        extra = dict(dq_desc=dq_desc(dq_acc, config, head_dim), DQ_TMA=True)
+    return extra | dict(cu_q_ptr=cu_seqlens_q, cu_k_ptr=cu_seqlens_k, HEAD_D=head_dim,
                 BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"],
                 NUM_STAGES=config["NUM_STAGES"], NUM_CONSUMERS=config["NUM_CONSUMERS"],
                 CAUSAL=bool(causal), Q_BSHD=q_bshd, KV_BSHD=kv_bshd,
@@ -246,6 +252,15 @@ def _main_options(config: Mapping[str, int], head_dim: int, causal: bool, q_bshd
                 LPT=bool(config.get("LPT", OPTIONAL_CONFIG["LPT"])),
                 VARLEN=cu_seqlens_q is not None, num_warps=meta["num_warps"],
                 maxnreg=meta["maxnreg"])
+
+
+def dq_desc(dq_acc: Any, config: Mapping[str, int], head_dim: int) -> Any:
+    """The fp32 accumulator ``(rows, D)`` as ``DQ_TMA``'s reduce-adds see it: a block of one
+    consumer's slice, ``BLOCK_M x D / NUM_CONSUMERS``, in TMA's 128-byte swizzle (Triton
+    splits a 256-byte row into two messages)."""
+    block = [config["BLOCK_M"], head_dim // config["NUM_CONSUMERS"]]
+    return TensorDescriptor(dq_acc, list(dq_acc.shape), [head_dim, 1], block,
+                            _smem_layout(block, gl.float32))
 
 
 def plan_packed(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, dq: Any, dk: Any,
@@ -294,7 +309,8 @@ def plan_packed(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, dq: Any, 
         (q_desc, k_desc, v_desc, do_desc, lse2, delta, dq_acc, dk, dv, *_bhn(dk),
          max_seqlen_q, max_seqlen_k, pad, heads_q, heads_kv, float(scale) * LOG2E,
          float(scale), section.bit_length() - 1),
-        _main_options(config, head_dim, causal, True, True, cu_seqlens_q, cu_seqlens_k),
+        _main_options(config, head_dim, causal, True, True, cu_seqlens_q, cu_seqlens_k,
+                      dq_acc=dq_acc),
         (n_blocks * bh_kv, 1) if lpt else (n_blocks, bh_kv))
     conv: Launch = (
         gluon_attn_bwd_convert_dq,
@@ -585,12 +601,17 @@ def compile_sm90(config: Mapping[str, int], head_dim: int = 128, causal: bool = 
         const.update(cu_q_ptr=None, cu_k_ptr=None)
     if not const["PERSISTENT"]:  # the grid launch's kernel: no tile count
         const.update(n_tiles=None)
+    const["DQ_TMA"] = bool(config.get("DQ_TMA", OPTIONAL_CONFIG["DQ_TMA"]))
+    if not const["DQ_TMA"]:  # the writer's atomics: no descriptor
+        const.update(dq_desc=None)
+    dq_block = [bm, head_dim // nc]
+    dqd = f"tensordesc<fp32[{dq_block[0]}, {dq_block[1]}],{_smem_layout(dq_block, gl.float32)!r}>"
     kern = gluon_attn_bwd_kernel
     names = kern.arg_names
     types = {"q_desc": qd, "k_desc": kd, "v_desc": kd, "do_desc": qd, "lse2_ptr": "*fp32",
              "delta_ptr": "*fp32", "dq_acc_ptr": "*fp32", "dk_ptr": f"*{dtype}",
              "dv_ptr": f"*{dtype}", "qk_scale": "fp32", "sm_scale": "fp32",
-             "cu_q_ptr": "*i32", "cu_k_ptr": "*i32"}
+             "cu_q_ptr": "*i32", "cu_k_ptr": "*i32", "dq_desc": dqd}
     sig = {n: "constexpr" if n in const else types.get(n, "i32") for n in names}
     aligned = ("lse2_ptr", "delta_ptr", "dq_acc_ptr", "dk_ptr", "dv_ptr") \
         + (("cu_q_ptr", "cu_k_ptr") if varlen else ())

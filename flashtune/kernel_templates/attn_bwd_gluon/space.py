@@ -9,8 +9,10 @@ block, and in the 2-D order one of them can start last and run alone; optional, 
 out), ``PERSISTENT`` (1: the same tiles in the same order on at most one CTA an SM, so a
 tile's K/V and first Q/dO loads run under the last tile's steps and dK/dV stores: at short
 sequences a CTA walks few steps and a grid launch pays its ramp and epilogue each time;
-dense batches only; optional, 0). Structurally refused: ``BLOCK_N // NUM_CONSUMERS < 64``
-(a warpgroup's wgmma covers 64 rows).
+dense batches only; optional, 0), ``DQ_TMA`` (1: the dQ writer adds each step's partial with
+TMA bulk reduce-adds, FA3's writer, where 0 issues vector atomics; optional, 0).
+Structurally refused: ``BLOCK_N // NUM_CONSUMERS < 64`` (a warpgroup's wgmma covers 64
+rows).
 
 Whether a config fits is what ptxas makes of it, read from ``sm90_compile.json`` beside this
 file (shared memory, registers, spill-store bytes or the compile error of every structurally
@@ -39,8 +41,8 @@ from flashtune.kernel_templates.attn_bwd_gluon.launcher import OPTIONAL_CONFIG
 from flashtune.kernel_templates.sm90_table import SMEM_LIMIT, SPILL_LIMIT, Compiled
 
 __all__ = ["DEFAULTS", "HEAD_DIMS", "PARAMS", "REGENERATE", "SMEM_LIMIT", "SPACE", "SPILL_LIMIT", "TABLE",
-           "Compiled", "check", "default_config", "entry_key", "load_table", "lpt_by_default",
-           "persistent_by_default",
+           "Compiled", "check", "default_config", "dq_tma_by_default", "entry_key", "load_table",
+           "lpt_by_default", "persistent_by_default",
            "parse_table", "structural_reason"]
 
 PARAMS: dict[str, tuple[int, ...]] = {
@@ -50,6 +52,7 @@ PARAMS: dict[str, tuple[int, ...]] = {
     "NUM_CONSUMERS": (1, 2),
     "LPT": (0, 1),
     "PERSISTENT": (0, 1),
+    "DQ_TMA": (0, 1),
 }
 # knobs a config may leave out, the launcher's (configs stored before LPT existed ran its 0)
 DEFAULTS: dict[str, int] = OPTIONAL_CONFIG
@@ -132,7 +135,7 @@ SPACE = SearchSpace(params=PARAMS, predicate=check, defaults=DEFAULTS)
 
 def _knobs(bm: int, bn: int, stages: int, consumers: int) -> Config:
     return {"BLOCK_M": bm, "BLOCK_N": bn, "NUM_STAGES": stages, "NUM_CONSUMERS": consumers,
-            "LPT": 0, "PERSISTENT": 0}
+            "LPT": 0, "PERSISTENT": 0, "DQ_TMA": 0}
 
 
 # per head dim, best guess first (FA3's sm90 backward: 64 x 128 tiles at D128 with two MMA
@@ -174,13 +177,27 @@ def persistent_by_default(problem: AttentionProblem) -> bool:
             and problem.seqlen_q <= PERSISTENT_MAX_SEQLEN)
 
 
+def dq_tma_by_default(problem: AttentionProblem) -> bool:
+    """Whether the default adds dQ by TMA reduce-adds (``DQ_TMA`` 1): D128 without a mask.
+    On an H200 (``benchmarks/results/train_breakdown_dq_tma_h200.json``, the grid launch
+    of the D128 default) the main kernel ran 1.026x / 1.031x / 1.036x the atomics' at N 512
+    / 1k / 4k, and causal 1.010x / 0.985x / 0.990x; at D64 (the persistent default) 0.91-0.96x:
+    a step there is shorter than the writer's wait for its reduce-adds to read the one
+    buffer."""
+    return problem.head_dim == 128 and not problem.causal
+
+
 def default_config(problem: AttentionProblem, device: DeviceFingerprint) -> Config:
     """A safe config for ``problem``: the first of its head dim's defaults the predicate
     accepts (the first one when none is: the predicate names why), persistent where
     :func:`persistent_by_default` says so, else longest-first where :func:`lpt_by_default`
-    says so, each where it compiles within budget."""
+    says so, dQ by TMA where :func:`dq_tma_by_default` says so, each where it compiles
+    within budget."""
     defaults = _DEFAULTS.get(problem.head_dim, _DEFAULTS[128])
-    for config in defaults:
+    for base in defaults:
+        config = base
+        if dq_tma_by_default(problem) and check({**base, "DQ_TMA": 1}, problem, device) is None:
+            config = {**base, "DQ_TMA": 1}
         if check(config, problem, device) is None:
             persistent = {**config, "PERSISTENT": 1, "LPT": int(problem.causal)}
             if persistent_by_default(problem) and check(persistent, problem, device) is None:
