@@ -184,13 +184,15 @@ def test_the_default_walks_longest_first_for_causal_gqa_at_d128(hq, hkv, d, caus
 
 
 @pytest.mark.parametrize("hq,hkv,n,causal,persistent", [
-    (32, 32, 1000, False, 1), (32, 32, 1000, True, 1), (32, 32, 4096, True, 1),
-    (32, 32, 8192, False, 0), (28, 4, 1000, True, 0), (32, 4, 1000, False, 0)])
+    (32, 32, 1000, False, 1), (32, 32, 2048, False, 1), (32, 32, 4096, False, 0),
+    (32, 32, 1000, True, 1), (32, 32, 4096, True, 1), (32, 32, 8192, True, 0),
+    (28, 4, 1000, True, 0), (32, 4, 1000, False, 0)])
 def test_the_default_at_d64_is_persistent_for_short_mha_walks(hq, hkv, n, causal, persistent):
-    """Measured on an H200 (benchmarks/results/train_breakdown_d64*_h200.json): the
-    persistent launch 1.00-1.07x the grid launch on D64 MHA training steps at N 512-4k (causal
-    with LPT 1), 0.95-1.01x from 8k, 0.85-0.90x on GQA 4:1; a packed batch keeps the grid
-    launch (PERSISTENT serves dense batches only)."""
+    """Measured on an H200 (benchmarks/results/train_breakdown_d64*_h200.json,
+    defaults_d64_*_h200.json): the persistent main kernel 1.00-1.11x the grid launch on D64
+    MHA at N 512-2k, 0.97-1.00x at 4k; causal (LPT 1) 1.03-1.12x up to 4k; 0.95-1.01x from
+    8k; the step 0.85-0.90x on GQA 4:1; a packed batch keeps the grid launch (PERSISTENT
+    serves dense batches only)."""
     p = AttentionProblem(2, hq, hkv, n, n, 64, causal, "bf16")
     config = SPEC.default_config(p, H100)
     assert config["PERSISTENT"] == persistent and space.check(config, p, H100) is None

@@ -155,33 +155,38 @@ def lpt_by_default(problem: AttentionProblem) -> bool:
     return problem.causal and problem.heads_q > problem.heads_kv and problem.head_dim == 128
 
 
-# the longest query length whose walks the default runs persistent (see persistent_by_default)
-PERSISTENT_MAX_SEQLEN = 4096
+# the longest query lengths whose walks the default runs persistent, without and with a
+# causal mask (see persistent_by_default)
+PERSISTENT_MAX_SEQLEN = {False: 2048, True: 4096}
 
 
 def persistent_by_default(problem: AttentionProblem) -> bool:
     """Whether the default runs ``PERSISTENT`` (with ``LPT`` 1 under a causal mask, where a
     static stride over the grid's order would hand some CTAs only long walks): dense MHA
     batches at D64 with at most :data:`PERSISTENT_MAX_SEQLEN` queries, where a CTA walks
-    few steps and a grid launch pays its ramp and epilogue per tile. On an H200, training
-    steps of the standard grid's D64 shapes (``benchmarks/results/train_breakdown_d64_h200.json``,
-    against the grid launch): N 512-4k 1.00-1.06x without a mask, 1.03-1.07x causal (the
-    main kernel 1.10x at N 512); at N 8k-16k 0.95-1.01x (a walk long enough to hide its
-    tile's start). GQA 4:1 (``..._d64_gqa_h200.json``, causal N 1k / 4k): 0.90x / 0.85x,
-    not by default. At D128 the persistent loop spills in the consumers' main loop (the
-    tile loop keeps shared-memory descriptors live: 152-312 B against 112) and its main
-    kernel ran 0.62-0.99x the grid launch's (``train_breakdown_persistent_h200.json``):
-    the grid launch there. The tuner times the knob wherever it compiles within budget."""
+    few steps and a grid launch pays its ramp and epilogue per tile. On an H200, two runs of
+    the standard grid's D64 shapes against the grid launch's main kernel
+    (``benchmarks/results/train_breakdown_d64_h200.json``, ``defaults_d64_*_h200.json``):
+    without a mask 1.10-1.11x at N 512, 1.04-1.05x at 1k, 1.00-1.02x at 2k, 0.97-1.00x at
+    4k; causal 1.10-1.12x, 1.07x, 1.05-1.06x, 1.03x; from 8k 0.95-1.01x (a walk long
+    enough to hide its tile's start). GQA 4:1 (``train_breakdown_d64_gqa_h200.json``,
+    causal N 1k / 4k): the step 0.90x / 0.85x, not by default. At D128 the persistent loop
+    spills in the consumers' main loop (the tile loop keeps shared-memory descriptors live:
+    152-312 B against 112) and its main kernel ran 0.62-0.99x the grid launch's
+    (``train_breakdown_persistent_h200.json``): the grid launch there. The tuner times the
+    knob wherever it compiles within budget."""
     return (problem.head_dim == 64 and not problem.packed
             and problem.heads_q == problem.heads_kv
-            and problem.seqlen_q <= PERSISTENT_MAX_SEQLEN)
+            and problem.seqlen_q <= PERSISTENT_MAX_SEQLEN[problem.causal])
 
 
 def dq_tma_by_default(problem: AttentionProblem) -> bool:
     """Whether the default adds dQ by TMA reduce-adds (``DQ_TMA`` 1): D128 without a mask.
     On an H200 (``benchmarks/results/train_breakdown_dq_tma_h200.json``, the grid launch
     of the D128 default) the main kernel ran 1.026x / 1.031x / 1.036x the atomics' at N 512
-    / 1k / 4k, and causal 1.010x / 0.985x / 0.990x; at D64 (the persistent default) 0.91-0.96x:
+    / 1k / 4k (again, ``defaults_d128_full_h200.json``: 1.03x / 1.03x / 1.04x / 1.02x at N
+    512-4k, 0.99x at 8k, 1.05x at 16k), and causal 1.010x / 0.985x / 0.990x; at D64 (the
+    persistent default) 0.91-0.96x:
     a step there is shorter than the writer's wait for its reduce-adds to read the one
     buffer."""
     return problem.head_dim == 128 and not problem.causal
