@@ -432,19 +432,25 @@ def test_the_persistent_launch_matches_the_reference(case) -> None:
     tiles, each CTA several of them (B x H large) or one (B x H = 1), in both orders and
     with one or two consumers; ring slots and barrier phases run on across a CTA's tiles,
     so a wrong phase deadlocks or reads another tile's K, V, Q or dO."""
+    _check_configs(case, torch.bfloat16, 3, [
+        _config(PERSISTENT=1, **knobs)
+        for knobs in ({}, {"LPT": 1}, {"BLOCK_N": 64, "NUM_CONSUMERS": 1},
+                      {"NUM_STAGES": 3, "BLOCK_N": 64, "NUM_CONSUMERS": 1, "LPT": 1})])
+
+
+def _check_configs(case: tuple, dtype: torch.dtype, seed: int,
+                   configs: list[dict[str, int]]) -> None:
+    """Each config's gradients for ``case``'s random inputs against the float64 reference."""
     b, hq, hkv, nq, nk, d, causal = case
-    torch.manual_seed(3)
-    dt = torch.bfloat16
-    q, k, v = _rand(b, hq, nq, d, dtype=dt), _rand(b, hkv, nk, d, dtype=dt), \
-        _rand(b, hkv, nk, d, dtype=dt)
-    do = _rand(b, hq, nq, d, dtype=dt)
+    torch.manual_seed(seed)
+    q, k, v = _rand(b, hq, nq, d, dtype=dtype), _rand(b, hkv, nk, d, dtype=dtype), \
+        _rand(b, hkv, nk, d, dtype=dtype)
+    do = _rand(b, hq, nq, d, dtype=dtype)
     out, lse = _forward(q, k, v, causal)
     from tests.helpers import grad_references
 
     refs = grad_references(q, k, v, do, causal=causal)
-    for knobs in ({}, {"LPT": 1}, {"BLOCK_N": 64, "NUM_CONSUMERS": 1},
-                  {"NUM_STAGES": 3, "BLOCK_N": 64, "NUM_CONSUMERS": 1, "LPT": 1}):
-        config = _config(PERSISTENT=1, **knobs)
+    for config in configs:
         got = SPEC.launcher(q, k, v, out, lse, do, config, causal=causal)
         assert_grads_close(got, q, k, v, do, causal=causal, refs=refs)
 
@@ -456,20 +462,9 @@ def test_dq_by_tma_reduce_adds_matches_the_reference(case) -> None:
     """DQ_TMA 1: each step's dQ partial added by TMA bulk reduce-adds from shared memory
     (one a consumer's slice, two messages each), the buffer handed back only once they have
     read it; with two and one consumers, and under the persistent launch."""
-    b, hq, hkv, nq, nk, d, causal = case
-    torch.manual_seed(4)
-    dt = torch.float16
-    q, k, v = _rand(b, hq, nq, d, dtype=dt), _rand(b, hkv, nk, d, dtype=dt), \
-        _rand(b, hkv, nk, d, dtype=dt)
-    do = _rand(b, hq, nq, d, dtype=dt)
-    out, lse = _forward(q, k, v, causal)
-    from tests.helpers import grad_references
-
-    refs = grad_references(q, k, v, do, causal=causal)
-    for knobs in ({}, {"BLOCK_N": 64, "NUM_CONSUMERS": 1}, {"PERSISTENT": 1, "LPT": 1}):
-        config = _config(DQ_TMA=1, **knobs)
-        got = SPEC.launcher(q, k, v, out, lse, do, config, causal=causal)
-        assert_grads_close(got, q, k, v, do, causal=causal, refs=refs)
+    _check_configs(case, torch.float16, 4, [
+        _config(DQ_TMA=1, **knobs)
+        for knobs in ({}, {"BLOCK_N": 64, "NUM_CONSUMERS": 1}, {"PERSISTENT": 1, "LPT": 1})])
 
 
 @pytest.mark.gpu
