@@ -8,6 +8,7 @@ that decide whether a config can run there. Tuned results are keyed by the hardw
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from dataclasses import asdict, dataclass, field
@@ -57,6 +58,15 @@ class DeviceFingerprint:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@functools.cache
+def sm_count(index: int) -> int:
+    """Streaming multiprocessors of CUDA device ``index`` (asked once): what a persistent
+    launch sizes its grid by."""
+    import torch
+
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
 
 
 def interpreter_device() -> DeviceFingerprint:

@@ -275,14 +275,17 @@ def test_the_persistent_plan_runs_the_grid_tiles_on_one_cta_an_sm() -> None:
     """PERSISTENT 1: a 1-D grid of one CTA an SM (132 for a shape-only stand-in), fewer where
     there are fewer tiles, and the tile count the CTAs stride over; without it the grid
     kernel as it was (no tile count, no PERSISTENT); packed batches refuse it."""
-    from flashtune.kernel_templates.attn_bwd_gluon.launcher import plan_packed
-    from flashtune.kernel_templates.attn_fwd_gluon.launcher import PLANNING_SMS
+    from flashtune.kernel_templates.attn_bwd_gluon.launcher import PLANNING_SMS, plan_packed
+    from flashtune.kernel_templates.registry import hash_files
 
     for lpt in (0, 1):
         kernel, args, kwargs, grid = _plan(2, 32, 8, 4096, 4096, 128,
                                            _config(PERSISTENT=1, LPT=lpt))["main"]
         assert kwargs["PERSISTENT"] and kwargs["n_tiles"] == 32 * 2 * 8
         assert grid == (PLANNING_SMS, 1) and bool(kwargs["LPT"]) == bool(lpt)
+    # the grid's helper is this launcher's own: no other template's files in its hash
+    assert {p.parent.name for p in hash_files(FOLDER / "kernel.py", FOLDER / "launcher.py")} \
+        == {"attn_bwd_gluon"}
     small = _plan(1, 1, 1, 1000, 1000, 128, _config(PERSISTENT=1))["main"]
     assert small[2]["n_tiles"] == 8 and small[3] == (8, 1)
     grid_kwargs = _plan(1, 1, 1, 1000, 1000, 128, DEFAULT_CONFIG)["main"][2]
@@ -300,6 +303,25 @@ def test_the_persistent_plan_runs_the_grid_tiles_on_one_cta_an_sm() -> None:
         plan_packed(q, k, k, q, Shaped(torch.float32, (4, 300)), q, q, k, k, {},
                     _config(PERSISTENT=1), causal=True, scale=0.125, cu_seqlens_q=None,
                     cu_seqlens_k=None, max_seqlen_q=200, max_seqlen_k=200)
+
+
+def test_the_persistent_grid_is_one_cta_an_sm_of_the_tensors_gpu(monkeypatch) -> None:
+    """On a GPU the grid takes that GPU's SM count (an H100 PCIe's 114 here, asked by
+    index: the tensor's device, or the current one for a bare ``cuda`` device)."""
+    from types import SimpleNamespace
+
+    from flashtune.kernel_templates.attn_bwd_gluon import launcher
+
+    asked: list[int] = []
+    monkeypatch.setattr(launcher, "sm_count", lambda index: asked.append(index) or 114)
+    monkeypatch.setattr(launcher.torch.cuda, "current_device", lambda: 3)
+    on_gpu = SimpleNamespace(device=torch.device("cuda", 1))
+    assert launcher.persistent_ctas(on_gpu, 1000) == 114
+    assert launcher.persistent_ctas(on_gpu, 7) == 7
+    assert launcher.persistent_ctas(SimpleNamespace(device=torch.device("cuda")), 500) == 114
+    assert asked == [1, 1, 3]
+    assert launcher.persistent_ctas(Shaped(torch.bfloat16, (1, 1, 8, 64)), 500) \
+        == launcher.PLANNING_SMS
 
 
 def test_bshd_storage_is_read_through_its_own_descriptor_shape() -> None:

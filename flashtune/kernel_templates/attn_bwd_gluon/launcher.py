@@ -45,6 +45,7 @@ import torch
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from flashtune.core.device import sm_count
 from flashtune.core.errors import ConfigError, DeviceError, InputError, InputTypeError
 from flashtune.core.packing import check_cu_seqlens
 from flashtune.kernel_templates.attn_bwd_gluon.kernel import (
@@ -52,7 +53,6 @@ from flashtune.kernel_templates.attn_bwd_gluon.kernel import (
     gluon_attn_bwd_kernel,
     gluon_attn_bwd_preprocess,
 )
-from flashtune.kernel_templates.attn_fwd_gluon.launcher import persistent_ctas
 
 LOG2E = 1.4426950408889634
 HEAD_DIMS = (64, 128)  # the wgmma N of dK, dV and dQ; their accumulators fit 240 registers
@@ -68,6 +68,8 @@ DEFAULT_CONFIG: dict[str, int] = {"BLOCK_M": 64, "BLOCK_N": 128, "NUM_STAGES": 2
 OPTIONAL_CONFIG: dict[str, int] = {"LPT": 0, "PERSISTENT": 0, "DQ_TMA": 0}
 # bytes of L2 a section's Q and dO may take (FA3's tile scheduler budgets 40 of the 50 MB)
 L2_BUDGET = 40 << 20
+# the SMs a persistent launch plans for when it has shapes only (warmup): an H100 SXM's
+PLANNING_SMS = 132
 
 # (kernel, positional args, keyword args, grid) of one launch
 Launch = tuple[Any, tuple[Any, ...], dict[str, Any], tuple[int, int]]
@@ -94,6 +96,18 @@ def lpt_section(batch_heads_kv: int, group: int, seqlen_q: int, head_dim: int,
     per_head = 2 * group * seqlen_q * head_dim * itemsize
     fit = max(1, L2_BUDGET // max(1, per_head))
     return min(1 << (fit.bit_length() - 1), batch_heads_kv & -batch_heads_kv)
+
+
+def persistent_ctas(t: Any, tiles: int) -> int:
+    """``PERSISTENT``'s CTAs for ``tiles`` tiles on tensor ``t``'s GPU: one an SM (the
+    register file and shared memory hold one), fewer when there are fewer tiles;
+    :data:`PLANNING_SMS` SMs for a shape-only stand-in. (Not attn_fwd_gluon's helper: its
+    files would enter this kernel's source hash.)"""
+    device = getattr(t, "device", None)
+    if device is None or getattr(device, "type", None) != "cuda":
+        return max(1, min(tiles, PLANNING_SMS))
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return max(1, min(tiles, sm_count(index)))
 
 
 def padded_seqlen(seqlen_q: int, config: Mapping[str, int]) -> int:
