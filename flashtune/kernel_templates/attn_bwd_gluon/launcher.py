@@ -259,13 +259,14 @@ def _main_options(config: Mapping[str, int], head_dim: int, causal: bool, q_bshd
     if config.get("DQ_TMA", OPTIONAL_CONFIG["DQ_TMA"]):
         extra = dict(dq_desc=dq_desc(dq_acc, config, head_dim), DQ_TMA=True)
     return extra | dict(cu_q_ptr=cu_seqlens_q, cu_k_ptr=cu_seqlens_k, HEAD_D=head_dim,
-                BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"],
-                NUM_STAGES=config["NUM_STAGES"], NUM_CONSUMERS=config["NUM_CONSUMERS"],
-                CAUSAL=bool(causal), Q_BSHD=q_bshd, KV_BSHD=kv_bshd,
-                PRODUCER_REGS=meta["PRODUCER_REGS"], CONSUMER_REGS=meta["CONSUMER_REGS"],
-                LPT=bool(config.get("LPT", OPTIONAL_CONFIG["LPT"])),
-                VARLEN=cu_seqlens_q is not None, num_warps=meta["num_warps"],
-                maxnreg=meta["maxnreg"])
+                        BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"],
+                        NUM_STAGES=config["NUM_STAGES"], NUM_CONSUMERS=config["NUM_CONSUMERS"],
+                        CAUSAL=bool(causal), Q_BSHD=q_bshd, KV_BSHD=kv_bshd,
+                        PRODUCER_REGS=meta["PRODUCER_REGS"],
+                        CONSUMER_REGS=meta["CONSUMER_REGS"],
+                        LPT=bool(config.get("LPT", OPTIONAL_CONFIG["LPT"])),
+                        VARLEN=cu_seqlens_q is not None, num_warps=meta["num_warps"],
+                        maxnreg=meta["maxnreg"])
 
 
 def dq_desc(dq_acc: Any, config: Mapping[str, int], head_dim: int) -> Any:
