@@ -147,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--bwd-configs", default="", help="JSON list of backward config updates")
     ap.add_argument("--out", default="")
+    ap.add_argument("--jobs", type=int, default=8,
+                    help="processes compiling the Gluon kernels first (1: on first launch)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
@@ -161,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     gluon_ok = torch.cuda.get_device_capability() == (9, 0)
     variants = json.loads(args.bwd_configs) if args.bwd_configs else []
     causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
+    if gluon_ok and args.jobs > 1:
+        _precompile(args, variants, causals, device)
     rows = []
     for d in map(int, args.head_dims.split(",")):
         for n in map(int, args.seqlens.split(",")):
@@ -210,6 +214,45 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).write_text(json.dumps(doc, indent=1))
         print(f"wrote {args.out}")
     return 0
+
+
+def _precompile(args: argparse.Namespace, variants: list[dict[str, int]],
+                causals: tuple[bool, ...], device: Any) -> None:
+    """Compile every Gluon kernel the run will launch in a process pool first (a shared
+    ``TRITON_CACHE_DIR``), once per head dim, mask and config (the kernels specialize on
+    those, not on the lengths, all multiples of 16 here), so the run's launches find them
+    compiled."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from flashtune.autotune.precompile import precompile
+    from flashtune.core.problem import AttentionProblem
+    from flashtune.kernel_templates import get_template
+    from flashtune.runtime.lookup import Dispatcher
+
+    fwd, bwd = get_template("attn_fwd_gluon"), get_template("attn_bwd_gluon")
+    batches: dict[tuple[str, int, bool, str], tuple[Any, Any, dict[str, int]]] = {}
+    for d in map(int, args.head_dims.split(",")):
+        for n in map(int, args.seqlens.split(",")):
+            for causal in causals:
+                h = HIDDEN // d
+                problem = AttentionProblem(TOKENS // n, h, h // args.group, n, n, d, causal,
+                                           "bf16")
+                base = dict(Dispatcher(bwd).choose(problem, device).config)
+                todo = [(fwd, dict(Dispatcher(fwd).choose(problem, device).config)),
+                        (bwd, base), *((bwd, {**base, **upd}) for upd in variants)]
+                for spec, config in todo:
+                    key = (spec.name, d, causal, json.dumps(config, sort_keys=True))
+                    batches.setdefault(key, (spec, problem, config))
+    def one(batch: tuple[Any, Any, dict[str, int]]) -> tuple[Any, dict[str, str | None]]:
+        return batch, precompile(batch[0], batch[1], [batch[2]], workers=args.jobs)
+
+    first, *rest = batches.values()
+    with ThreadPoolExecutor(max(1, args.jobs)) as threads:  # the first starts the pool
+        done = [one(first), *threads.map(one, rest)]
+        for (spec, _, config), errors in done:
+            for error in filter(None, errors.values()):
+                print(f"precompile {spec.name} {config}: {error}")
+    print(f"precompiled {len(batches)} kernels' launches", flush=True)
 
 
 def _print_row(row: dict[str, Any]) -> None:

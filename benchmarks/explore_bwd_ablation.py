@@ -1,0 +1,320 @@
+"""Where the Gluon backward's main kernel spends its time: the kernel timed with parts of its
+work switched off, at two sequence lengths, so each variant splits into a time per step and
+a fixed time per CTA (issue 24: at D128 the grid launch pays about 9 us a CTA besides its
+steps, cuDNN 4.6 us).
+
+    python benchmarks/explore_bwd_ablation.py [--head-dims 128] [--seqlens 512,4096]
+        [--causal no|yes|both] [--configs '[{}, {"PERSISTENT": 1}]'] [--rounds 5]
+        [--out benchmarks/results/bwd_ablation_h200.json]
+
+A variant is ``attn_bwd_gluon/kernel.py``'s text with some of :data:`PATCHES` applied,
+written to a throwaway module (the library's kernel is not changed); each patch must match
+its text exactly once, so a kernel edit that moves it fails loudly. The patches keep every
+instruction stream but skip a part's effect or its wait:
+
+* ``no_epilogue``: dK and dV stored under a mask false at run time (the stores' traffic);
+* ``no_atomics``: the dQ writer's atomics under such a mask (the writer still reads each
+  partial from shared memory and hands the buffer back);
+* ``no_dq_mma``: no ``dS K`` wgmma (a zero partial goes to the writer);
+* ``no_ds_wait``: a consumer does not wait for the other's ``dS^T`` rows before its
+  ``dS K`` (the two consumers' lockstep).
+
+Shapes are the standard grid's (16384 tokens, 2048 / D heads, bf16), so every length
+launches the same number of CTAs; a variant's time at two lengths gives its time per step
+(one ``BLOCK_M`` query block) and per CTA (launch, loads, ramp, drain, epilogue) by a line
+through the two. The base variant's dQ, dK and dV are checked against the library
+launcher's first (they must be the same kernel); the patched ones are wrong by design. The
+variants are compiled in a process pool, then timed interleaved, ``--rounds`` rounds of
+CUDA-event timing, the median kept. SDPA cuDNN's and flash's backward kernels are profiled
+on the same inputs as anchors. Without a CUDA GPU it prints "needs a CUDA GPU" and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import platform
+import statistics
+import sys
+import tempfile
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+KERNEL = ROOT / "flashtune" / "kernel_templates" / "attn_bwd_gluon" / "kernel.py"
+TOKENS, HIDDEN = 16384, 2048
+DT = torch.bfloat16
+OFF = "1073741824"  # a mask's bound no length reaches, unknown to the compiler
+
+PATCHES: dict[str, list[tuple[str, str]]] = {
+    "no_epilogue": [("    ok = gl.expand_dims(rows < seqlen_k, 1)\n    gl.store(dk_ptr",
+                     f"    ok = gl.expand_dims(rows < seqlen_k - {OFF}, 1)\n    gl.store(dk_ptr")],
+    "no_atomics": [("offs, part,\n                                  sem=\"relaxed\")",
+                    f"offs, part,\n                                  mask=offs < seqlen_q - {OFF}, "
+                    "sem=\"relaxed\")")],
+    "no_dq_mma": [("        dq = warpgroup_mma(ds_b.permute((1, 0)), k_cols, dq_zero, "
+                   "use_acc=False,\n                           is_async=True)\n",
+                   "        dq = dq_zero\n")],
+    "no_ds_wait": [("        mbarrier.wait(ds_ready.index((step0 + t) % 2), "
+                    "((step0 + t) // 2) & 1)\n", "")],
+}
+VARIANTS: dict[str, tuple[str, ...]] = {
+    "base": (),
+    "no_epilogue": ("no_epilogue",),
+    "no_atomics": ("no_atomics",),
+    "no_dq": ("no_dq_mma", "no_atomics"),
+    "no_ds_wait": ("no_ds_wait",),
+    "no_epilogue_atomics": ("no_epilogue", "no_atomics"),
+}
+
+
+def variant_source(patches: tuple[str, ...]) -> str:
+    """kernel.py's text with ``patches`` applied (each must match exactly once)."""
+    text = KERNEL.read_text()
+    for name in patches:
+        for old, new in PATCHES[name]:
+            if text.count(old) != 1:
+                raise SystemExit(f"patch {name} matches {text.count(old)} times: update it")
+            text = text.replace(old, new)
+    return text
+
+
+def write_modules(where: Path) -> None:
+    for name, patches in VARIANTS.items():
+        (where / f"bwd_ablation_{name}.py").write_text(variant_source(patches))
+
+
+def _kernel(where: str, name: str) -> Any:
+    import importlib
+
+    if where not in sys.path:
+        sys.path.insert(0, where)
+    return importlib.import_module(f"bwd_ablation_{name}").gluon_attn_bwd_kernel
+
+
+def _plan(q: Any, k: Any, out: Any, lse: Any, dq: Any, dk: Any, scratch: dict[str, Any],
+          config: dict[str, int], causal: bool) -> dict[str, Any]:
+    from flashtune.kernel_templates.attn_bwd_gluon.launcher import plan
+
+    return plan(q, k, k, out, lse, out, dq, dk, dk, scratch, config, causal=causal,
+                scale=1.0 / math.sqrt(q.shape[3]))
+
+
+def _compile(where: str, name: str, shape: tuple[int, int, int, int], causal: bool,
+             config: dict[str, int]) -> str | None:
+    """Worker: compile variant ``name``'s main kernel for ``shape`` (shape-only stand-ins)."""
+    try:
+        from flashtune.kernel_templates.attn_bwd_gluon.launcher import scratch_shapes
+        from flashtune.kernel_templates.shaped import Shaped
+
+        q = Shaped(DT, shape)
+        scratch = {n: Shaped(torch.float32, s) for n, s in scratch_shapes(shape, config).items()}
+        _, args, kwargs, grid = _plan(q, q, q, Shaped(torch.float32, shape[:3]), q, q, scratch,
+                                      config, causal)["main"]
+        _kernel(where, name).warmup(*args, grid=grid, **kwargs)
+        return None
+    except Exception as exc:  # noqa: BLE001 - reported, the variant skipped
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+
+
+def _anchors(q: Any, k: Any, v: Any, do: Any, causal: bool) -> dict[str, float]:
+    """Device ms of SDPA cuDNN's and flash's backward kernels (the largest of each step
+    whose name says backward)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.profiler import ProfilerActivity, profile
+
+    found: dict[str, float] = {}
+    for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION),
+                          ("flash", SDPBackend.FLASH_ATTENTION)):
+        leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+
+        def step() -> None:
+            with sdpa_kernel(backend):
+                o = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=causal)
+            torch.autograd.grad(o, leaves, do)
+
+        for _ in range(2):
+            step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(10):
+                step()
+            torch.cuda.synchronize()
+        times = {ev.key: ev.self_device_time_total / 1e3 / 10 for ev in prof.key_averages()
+                 if ev.self_device_time_total > 0}
+        bwd = {n: t for n, t in times.items() if "bprop" in n or "bwd" in n}
+        found[name] = max(bwd.values()) if bwd else float("nan")
+    return found
+
+
+def _time(launch: tuple[Any, Any, Any, Any], reps: int) -> float:
+    kernel, args, kwargs, grid = launch
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        kernel[grid](*args, **kwargs)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--head-dims", default="128")
+    ap.add_argument("--seqlens", default="512,4096")
+    ap.add_argument("--causal", choices=("no", "yes", "both"), default="no")
+    ap.add_argument("--configs", default='[{}]',
+                    help="JSON list of updates to the template default (LPT 0, DQ_TMA 0, "
+                         "PERSISTENT 0 first)")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--jobs", type=int, default=16)
+    ap.add_argument("--out", default="")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU")
+        return 0
+    from flashtune.core.device import cuda_device
+    from flashtune.core.problem import AttentionProblem
+    from flashtune.kernel_templates import get_template
+    from flashtune.kernel_templates.attn_bwd_gluon.launcher import scratch_shapes
+    from flashtune.runtime.lookup import Dispatcher
+
+    device = cuda_device()
+    fwd, bwd = get_template("attn_fwd_gluon"), get_template("attn_bwd_gluon")
+    updates = json.loads(args.configs)
+    causals = {"no": (False,), "yes": (True,), "both": (False, True)}[args.causal]
+    from flashtune.autotune.precompile import share_cache_dir
+
+    share_cache_dir()  # set before the pool starts: its workers compile into it
+    where = tempfile.mkdtemp(prefix="bwd_ablation_")
+    write_modules(Path(where))
+    cases = []
+    for d in map(int, args.head_dims.split(",")):
+        for causal in causals:
+            for n in map(int, args.seqlens.split(",")):
+                problem = AttentionProblem(TOKENS // n, HIDDEN // d, HIDDEN // d, n, n, d, causal,
+                                           "bf16")
+                base = {**dict(Dispatcher(bwd).choose(problem, device).config),
+                        "LPT": 0, "DQ_TMA": 0, "PERSISTENT": 0}
+                for upd in updates:
+                    cases.append((problem, {**base, **upd}))
+    # once per variant, head dim, mask and config: the kernel does not specialize on the
+    # lengths here (all multiples of 16); the pool and this process share TRITON_CACHE_DIR
+    unique = {(name, p.head_dim, p.causal, json.dumps(cfg, sort_keys=True)):
+              (where, name, (p.batch, p.heads_q, p.seqlen_q, p.head_dim), p.causal, cfg)
+              for p, cfg in cases for name in VARIANTS}
+    jobs = list(unique.values())
+    with ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn")) as pool:
+        errors = list(pool.map(_compile, *zip(*jobs)))
+    broken = {(j[1], j[2][3], j[3], json.dumps(j[4], sort_keys=True))
+              for j, e in zip(jobs, errors) if e}
+    for j, e in zip(jobs, errors):
+        if e:
+            print(f"compile {j[1]} {j[2]} causal={j[3]} {j[4]}: {e}")
+    rows = []
+    for problem, config in cases:
+        p = problem
+        g = torch.Generator(device="cuda").manual_seed(p.seqlen_q * p.head_dim + p.causal)
+        q, k, v, do = (torch.randn(p.batch, p.heads_q, p.seqlen_q, p.head_dim, device="cuda",
+                                   dtype=DT, generator=g) for _ in range(4))
+        fcfg = dict(Dispatcher(fwd).choose(p, device).config)
+        out, lse = fwd.launcher(q, k, v, fcfg, causal=p.causal, return_lse=True)
+        ref = bwd.launcher(q, k, v, out, lse, do, config, causal=p.causal)
+        dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
+        scratch = {n: torch.empty(s, device="cuda", dtype=torch.float32)
+                   for n, s in scratch_shapes(tuple(q.shape), config).items()}
+        from flashtune.kernel_templates.attn_bwd_gluon.launcher import plan
+
+        launches = plan(q, k, v, out, lse, do, dq, dk, dv, scratch, config, causal=p.causal,
+                        scale=1.0 / math.sqrt(p.head_dim))
+        key = json.dumps(config, sort_keys=True)
+        mains = {name: (_kernel(where, name), *launches["main"][1:]) for name in VARIANTS
+                 if (name, p.head_dim, p.causal, key) not in broken}
+        # the base variant is the library kernel: same gradients as its launcher
+        for name in ("preprocess", "main", "convert"):
+            kernel, a, kw, grid = launches[name] if name != "main" else mains["base"]
+            kernel[grid](*a, **kw)
+        same = all(torch.equal(x, y) or (x - y).abs().max().item() < 1e-2
+                   for x, y in zip((dk, dv), ref[1:]))
+        dq_err = ((dq.float() - ref[0].float()).norm() / ref[0].float().norm()).item()
+        times: dict[str, list[float]] = {name: [] for name in mains}
+        for launch in mains.values():
+            _time(launch, 3)
+        for _ in range(args.rounds):
+            for name, launch in mains.items():
+                times[name].append(_time(launch, args.reps))
+        anchors = _anchors(q, k, v, do, p.causal)
+        grid = launches["main"][3]
+        row = {"shape": f"B{p.batch} H{p.heads_q} N{p.seqlen_q} D{p.head_dim}"
+                        f"{' causal' if p.causal else ''}",
+               "batch": p.batch, "heads": p.heads_q, "seqlen": p.seqlen_q,
+               "head_dim": p.head_dim, "causal": p.causal, "config": config,
+               "ctas": grid[0] * grid[1], "base_matches_launcher": same,
+               "base_dq_rel_err": dq_err, "anchors_ms": anchors,
+               "variants_ms": {n: statistics.median(t) for n, t in times.items()},
+               "rounds_ms": times}
+        rows.append(row)
+        print(f"== {row['shape']} {config} ctas {row['ctas']} base==launcher {same} "
+              f"(dq {dq_err:.1e}); cuDNN bwd {anchors['cudnn']:.3f} ms, flash "
+              f"{anchors['flash']:.3f} ms", flush=True)
+        for n, ms in row["variants_ms"].items():
+            print(f"   {n:22s} {ms:.4f} ms  {ms / row['variants_ms']['base']:.3f}x base  "
+                  f"{anchors['cudnn'] / ms:.3f}x cuDNN")
+        del q, k, v, do, out, lse, ref, dq, dk, dv, scratch
+        torch.cuda.empty_cache()
+    _print_split(rows)
+    if args.out:
+        doc = {"benchmark": "bwd_ablation", "device": torch.cuda.get_device_name(),
+               "torch": torch.__version__, "python": platform.python_version(),
+               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+               "rounds": args.rounds, "reps": args.reps, "patches": PATCHES,
+               "variants": VARIANTS, "rows": rows}
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(doc, indent=1))
+        print(f"wrote {args.out}")
+    return 0
+
+
+def _print_split(rows: list[dict[str, Any]]) -> None:
+    """Per step and per CTA (us) of each variant, from the shortest and longest length of
+    each head dim, mask and config (the same CTA count: the standard grid's)."""
+    from collections import defaultdict
+
+    groups: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in rows:
+        groups[json.dumps([r["head_dim"], r["causal"], r["config"]], sort_keys=True)].append(r)
+    print("\nper step / per CTA besides its steps (us), a line through the two lengths")
+    for rs in groups.values():
+        rs = sorted(rs, key=lambda r: r["seqlen"])
+        lo, hi = rs[0], rs[-1]
+        if lo is hi or lo["ctas"] != hi["ctas"] or lo["causal"]:
+            continue
+        waves = lo["ctas"] / 132
+        bm = lo["config"]["BLOCK_M"]
+        s_lo, s_hi = lo["seqlen"] // bm, hi["seqlen"] // bm
+        print(f"-- D{lo['head_dim']} {lo['config']} ({waves:.1f} waves of 132)")
+        for name in lo["variants_ms"]:
+            if name not in hi["variants_ms"]:
+                continue
+            t_lo = lo["variants_ms"][name] * 1e3 / waves
+            t_hi = hi["variants_ms"][name] * 1e3 / waves
+            step = (t_hi - t_lo) / (s_hi - s_lo)
+            print(f"   {name:22s} {step:6.3f} us a step, {t_lo - s_lo * step:6.2f} us a CTA")
+        for name in ("cudnn",):
+            t_lo = lo["anchors_ms"][name] * 1e3 / waves
+            t_hi = hi["anchors_ms"][name] * 1e3 / waves
+            step = (t_hi - t_lo) / (s_hi - s_lo)
+            print(f"   {'(cuDNN, same waves)':22s} {step:6.3f} us a step, "
+                  f"{t_lo - s_lo * step:6.2f} us a CTA")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
