@@ -150,8 +150,8 @@ def test_the_table_holds_every_point_of_the_space_and_the_current_source() -> No
     table = space.parse_table(doc)
     want = {space.entry_key(c["head_dim"], c["causal"], c["config"]) for c in cases()}
     assert set(table) == want
-    # head dims x causal x configs x LPT x PERSISTENT x DQ_TMA
-    assert len(want) == 2 * 2 * 12 * 2 * 2 * 2
+    # head dims x causal x configs x LPT x PERSISTENT x DQ_TMA x TMA_STORE
+    assert len(want) == 2 * 2 * 12 * 2 * 2 * 2 * 2
 
 
 @pytest.mark.parametrize("d", [64, 128])
@@ -163,9 +163,10 @@ def test_the_default_config_is_valid_for_every_problem_it_serves(d: int, causal:
     assert SPEC.space.validate(config) == config
     # D64 MHA at N 1000: persistent, longest first under a causal mask; D128: the grid
     # launch, and for MHA (no query heads share a K/V) the 2-D order; dQ by TMA at D128
-    # without a mask
+    # without a mask; dK and dV by TMA stores
     assert config["PERSISTENT"] == (d == 64) and config["LPT"] == (d == 64 and causal)
     assert config["DQ_TMA"] == (d == 128 and not causal)
+    assert config["TMA_STORE"] == 1
 
 
 @pytest.mark.parametrize("hq,hkv,d,causal,lpt", [
@@ -174,13 +175,16 @@ def test_the_default_config_is_valid_for_every_problem_it_serves(d: int, causal:
 def test_the_default_walks_longest_first_for_causal_gqa_at_d128(hq, hkv, d, causal, lpt):
     """Measured on the H100 (benchmarks/results/bwd_lpt_h100.json): 1.03-1.11x on causal
     GQA at D128, within 2% on MHA. The rest of the config is the head dim's default either
-    way (the grid launch at D128)."""
+    way (the grid launch at D128), but for the TMA stores of dK and dV: with longest-first
+    at D128 causal they spill over budget (the sm_90 table), and longest-first stays."""
     p = AttentionProblem(2, hq, hkv, 1000, 1000, d, causal, "bf16")
     config = SPEC.default_config(p, H100)
     assert config["LPT"] == lpt and space.check(config, p, H100) is None
-    assert config["PERSISTENT"] == 0
+    assert config["PERSISTENT"] == 0 and config["TMA_STORE"] == 1 - lpt
+    if lpt:
+        assert space.check({**config, "TMA_STORE": 1}, p, H100) is not None
     mha = SPEC.default_config(AttentionProblem(2, hkv, hkv, 1000, 1000, d, causal, "bf16"), H100)
-    assert {**config, "LPT": 0} == mha
+    assert {**config, "LPT": 0, "TMA_STORE": 1} == mha
 
 
 @pytest.mark.parametrize("hq,hkv,n,causal,persistent", [
@@ -268,7 +272,7 @@ def test_the_longest_first_order_is_one_grid_dimension_in_sections_that_fit_l2()
     with pytest.raises(ConfigError, match="LPT must be 0 or 1"):
         check_config(_config(LPT=2))
     assert space.SPACE.validate(DEFAULT_CONFIG) == {**DEFAULT_CONFIG, "LPT": 0, "PERSISTENT": 0,
-                                                    "DQ_TMA": 0}
+                                                    "DQ_TMA": 0, "TMA_STORE": 0}
 
 
 def test_the_persistent_plan_runs_the_grid_tiles_on_one_cta_an_sm() -> None:
@@ -303,6 +307,43 @@ def test_the_persistent_plan_runs_the_grid_tiles_on_one_cta_an_sm() -> None:
         plan_packed(q, k, k, q, Shaped(torch.float32, (4, 300)), q, q, k, k, {},
                     _config(PERSISTENT=1), causal=True, scale=0.125, cu_seqlens_q=None,
                     cu_seqlens_k=None, max_seqlen_q=200, max_seqlen_k=200)
+
+
+def test_the_tma_store_plan_describes_dk_and_dv_as_k_is_seen() -> None:
+    """TMA_STORE 1: dK's and dV's descriptors over K's 2-D view (contiguous: (B * Hkv * Nk,
+    D); (B, N, H, D) storage: (B * Nk, Hkv * D); packed: (total, Hkv * D)), a consumer's
+    rows a block; without it, no descriptors and the kernel as it was."""
+    from flashtune.kernel_templates.attn_bwd_gluon.launcher import plan_packed
+
+    for consumers, block in ((2, 128), (1, 64)):
+        config = _config(TMA_STORE=1, NUM_CONSUMERS=consumers, BLOCK_N=block)
+        kwargs = _plan(2, 8, 2, 197, 300, 128, config)["main"][2]
+        assert kwargs["TMA_STORE"]
+        for name in ("dk_desc", "dv_desc"):
+            assert kwargs[name].block_shape == [64, 128]
+            assert kwargs[name].shape == [2 * 2 * 300, 128]
+    plain = _plan(2, 8, 2, 197, 300, 128, DEFAULT_CONFIG)["main"][2]
+    assert not {"TMA_STORE", "dk_desc", "dv_desc"} & set(plain)
+    x = torch.empty(2, 197, 4, 64, dtype=torch.bfloat16).transpose(1, 2)
+    k = torch.empty(2, 300, 2, 64, dtype=torch.bfloat16).transpose(1, 2)
+    scratch = {n: torch.empty(s) for n, s in scratch_shapes(tuple(x.shape), DEFAULT_CONFIG).items()}
+    dk = torch.empty_like(k)
+    kwargs = plan(x, k, k, x, torch.empty(2, 4, 197), x, x, dk, dk, scratch,
+                  _config(TMA_STORE=1), causal=False, scale=0.125)["main"][2]
+    assert kwargs["KV_BSHD"] and kwargs["dk_desc"].shape == [2 * 300, 2 * 64]
+    total_q, total_k = 500, 700
+    q = torch.empty(total_q, 4, 64, dtype=torch.bfloat16)
+    kp = torch.empty(total_k, 2, 64, dtype=torch.bfloat16)
+    cu_q = torch.tensor([0, 200, 500], dtype=torch.int32)
+    cu_k = torch.tensor([0, 300, 700], dtype=torch.int32)
+    scratch = {n: torch.empty(s) for n, s in scratch_shapes((2, 4, 300, 64),
+                                                            DEFAULT_CONFIG).items()}
+    kwargs = plan_packed(q, kp, kp, q, torch.empty(4, total_q), q, q, kp, kp, scratch,
+                         _config(TMA_STORE=1), causal=True, scale=0.125, cu_seqlens_q=cu_q,
+                         cu_seqlens_k=cu_k, max_seqlen_q=300, max_seqlen_k=400)["main"][2]
+    assert kwargs["VARLEN"] and kwargs["dv_desc"].shape == [total_k, 2 * 64]
+    with pytest.raises(ConfigError, match="TMA_STORE must be 0 or 1"):
+        check_config(_config(TMA_STORE=2))
 
 
 def test_the_persistent_grid_is_one_cta_an_sm_of_the_tensors_gpu(monkeypatch) -> None:
@@ -361,8 +402,8 @@ def _compile(cases: list[dict]) -> list[dict]:
 
 
 def test_each_structural_variant_compiles_for_sm90_within_its_budget() -> None:
-    """One consumer (D128, causal), two consumers (D64, (B, N, H, D) storage; D128 causal):
-    no spill beyond the allowance, shared memory within 227 KiB, the register split, a wgmma
+    """One consumer (D128, causal), two consumers (D64, (B, N, H, D) storage; D128 causal;
+    longest first; dK and dV by TMA): no spill beyond the allowance, shared memory within 227 KiB, the register split, a wgmma
     left in flight, dQ by vector fp32 atomics; the contiguous ones as the table says."""
     cases = [
         dict(BLOCK_M=64, BLOCK_N=64, NUM_STAGES=2, NUM_CONSUMERS=1, head_dim=128, causal=True),
@@ -370,6 +411,8 @@ def test_each_structural_variant_compiles_for_sm90_within_its_budget() -> None:
              layout="bshd"),
         dict(BLOCK_M=64, BLOCK_N=128, NUM_STAGES=2, NUM_CONSUMERS=2, head_dim=128, causal=True),
         dict(BLOCK_M=64, BLOCK_N=128, NUM_STAGES=2, NUM_CONSUMERS=2, LPT=1, head_dim=128,
+             causal=True),
+        dict(BLOCK_M=64, BLOCK_N=128, NUM_STAGES=2, NUM_CONSUMERS=2, TMA_STORE=1, head_dim=128,
              causal=True),
     ]
     got = _compile([dict(c) for c in cases])
@@ -384,6 +427,8 @@ def test_each_structural_variant_compiles_for_sm90_within_its_budget() -> None:
             assert ["inc", "240"] in g["setmaxnreg"], g
         assert 1 in g["wgmma_wait_depths"], g  # dP^T in flight while P^T is computed
         assert "atom.global.gpu.relaxed.add.v4.f32" in g["atomics"], g
+        # TMA_STORE: dK and dV by a TMA store each in each consumer's code
+        assert g["tma_stores"] == (2 * case["NUM_CONSUMERS"] if case.get("TMA_STORE") else 0), g
         if g["layout"] == "bhsd":
             entry = table[space.entry_key(case["head_dim"], case["causal"], g["config"])]
             assert (entry.shared, entry.spill_bytes) == (g["shared"],
@@ -487,6 +532,39 @@ def test_dq_by_tma_reduce_adds_matches_the_reference(case) -> None:
     _check_configs(case, torch.float16, 4, [
         _config(DQ_TMA=1, **knobs)
         for knobs in ({}, {"BLOCK_N": 64, "NUM_CONSUMERS": 1}, {"PERSISTENT": 1, "LPT": 1})])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES,
+                         ids=lambda s: "b{}h{}:{}q{}k{}d{}{}".format(*s[:6], "c" if s[6] else ""))
+def test_dk_and_dv_stored_by_tma_match_the_reference(case) -> None:
+    """TMA_STORE 1: a whole block's dK and dV through the consumer's K and V rows in shared
+    memory by TMA stores (dK only once every consumer's dS K has read those rows), a block
+    past the keys' end from registers (the ragged and short cases); two and one consumers,
+    dQ by TMA too, and under the persistent launch, where the next tile's K and V load only
+    once the stores have read the rows."""
+    _check_configs(case, torch.bfloat16, 5, [
+        _config(TMA_STORE=1, **knobs)
+        for knobs in ({}, {"BLOCK_N": 64, "NUM_CONSUMERS": 1}, {"DQ_TMA": 1},
+                      {"PERSISTENT": 1, "LPT": 1}, {"PERSISTENT": 1, "NUM_STAGES": 3,
+                                                    "BLOCK_N": 64, "NUM_CONSUMERS": 1})])
+
+
+@pytest.mark.gpu
+def test_dk_and_dv_stored_by_tma_in_bshd_storage() -> None:
+    """TMA_STORE 1 with (B, N, H, D) storage: dK and dV through K's (B * N, H * D) view, at
+    the KV head's columns; GQA 4:1, a ragged length."""
+    torch.manual_seed(6)
+    b, hq, hkv, n, d = 2, 8, 2, 333, 128
+    q, do = (torch.randn(b, n, hq, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+             for _ in range(2))
+    k, v = (torch.randn(b, n, hkv, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+            for _ in range(2))
+    out, lse = _forward(q, k, v, False)
+    for knobs in ({}, {"PERSISTENT": 1}):
+        got = SPEC.launcher(q, k, v, out, lse, do, _config(TMA_STORE=1, **knobs))
+        assert_grads_close(got, q, k, v, do, causal=False)
+        assert got[1].stride() == k.stride() and got[2].stride() == v.stride()
 
 
 @pytest.mark.gpu

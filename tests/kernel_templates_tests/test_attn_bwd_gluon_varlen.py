@@ -380,8 +380,8 @@ def test_packed_gradients_match_the_reference_sequence_by_sequence(case, dtype) 
 def test_packed_gradients_for_each_structural_variant(d, causal) -> None:
     """Every config the predicate accepts for the packed problem in the 2-D order (one
     consumer over 64 keys, two over 128, two and three stages) and the default's twin in
-    the longest-first order (sections of (sequence, KV head) pairs) and its dQ by TMA
-    reduce-adds, bf16, GQA 4:2."""
+    the longest-first order (sections of (sequence, KV head) pairs), its dQ by TMA
+    reduce-adds and its dK and dV by TMA stores, bf16, GQA 4:2."""
     from flashtune.core.device import cuda_device
 
     lens = SEQS
@@ -389,9 +389,11 @@ def test_packed_gradients_for_each_structural_variant(d, causal) -> None:
     p, out, lse = _forward(q, k, v, cu_q, cu_k, lens, lens, causal)
     refs = _references(q, k, v, do, lens, lens, causal)
     configs = [dict(c) for c in space.SPACE
-               if c["LPT"] == 0 and space.check(c, p, cuda_device()) is None]
+               if c["LPT"] == 0 and c["TMA_STORE"] == 0
+               and space.check(c, p, cuda_device()) is None]
     assert len(configs) >= 3
     configs += [_config(LPT=1), _config(DQ_TMA=1)]  # dQ by TMA reduce-adds into padded rows
+    configs += [_config(TMA_STORE=1)]  # whole blocks of dK, dV by TMA from a sequence's start
     for config in configs:
         got = _run(config, q, k, v, out, lse, do, cu_q, cu_k, lens, lens, causal)
         assert_grads_close(got, q, k, v, do, causal=causal, refs=refs)

@@ -42,7 +42,9 @@ def main(argv: list[str]) -> int:
                           "layout": layout, "shared": c.metadata.shared,
                           "warps": c.metadata.num_warps, **ptxas_stats(c.asm["ptx"]),
                           "atomics": sorted(set(re.findall(r"(?:atom|red)\.global\.[\w.]+",
-                                                           c.asm["ptx"])))}))
+                                                           c.asm["ptx"]))),
+                          "tma_stores": len(re.findall(
+                              r"cp\.async\.bulk\.tensor\.\dd\.global\.shared", c.asm["ptx"]))}))
     return 0
 
 

@@ -405,7 +405,8 @@ def _consumer(cid, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, 
               HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
               LPT: gl.constexpr, VARLEN: gl.constexpr, PERSISTENT: gl.constexpr,
-              DQ_TMA: gl.constexpr):
+              DQ_TMA: gl.constexpr, dk_desc, dv_desc, KV_BSHD: gl.constexpr,
+              TMA_STORE: gl.constexpr):
     if PERSISTENT:  # steps and tiles of the CTA so far: ring slots and phases run on
         step0 = 0
         tile_i = 0
@@ -418,7 +419,7 @@ def _consumer(cid, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, 
                                    seqlen_q, seqlen_k, seqlen_q_pad, heads_q, heads_kv,
                                    qk_scale, sm_scale, n_block, bhk, step0, tile_i, HEAD_D,
                                    BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, VARLEN,
-                                   True, DQ_TMA)
+                                   True, DQ_TMA, dk_desc, dv_desc, KV_BSHD, TMA_STORE)
             tile_i += 1
     else:
         n_block, bhk = _tile(seqlen_k, section_log2, BLOCK_N, LPT)
@@ -427,7 +428,8 @@ def _consumer(cid, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, 
                        dq_full, dq_empty, dk_ptr, dv_ptr, cu_q_ptr, cu_k_ptr, stride_dkb,
                        stride_dkh, stride_dkn, seqlen_q, seqlen_k, seqlen_q_pad, heads_q,
                        heads_kv, qk_scale, sm_scale, n_block, bhk, 0, 0, HEAD_D, BLOCK_M,
-                       BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, VARLEN, False, DQ_TMA)
+                       BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, VARLEN, False, DQ_TMA,
+                       dk_desc, dv_desc, KV_BSHD, TMA_STORE)
 
 
 @gluon.jit
@@ -438,13 +440,16 @@ def _consumer_tile(cid, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_s
                    qk_scale, sm_scale, n_block, bhk, step0, tile_i,
                    HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                    NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
-                   VARLEN: gl.constexpr, PERSISTENT: gl.constexpr, DQ_TMA: gl.constexpr):
+                   VARLEN: gl.constexpr, PERSISTENT: gl.constexpr, DQ_TMA: gl.constexpr,
+                   dk_desc, dv_desc, KV_BSHD: gl.constexpr, TMA_STORE: gl.constexpr):
     """Consumer ``cid`` on one tile: keys ``[k0, k0 + ROWS_N)`` of the CTA's block, every
     step's ``S^T``, ``dP^T``, ``dS^T`` (its rows of the CTA's ``dS^T`` in shared memory),
     ``dV`` and ``dK`` of its keys, and columns ``[cid * DQ_COLS, ...)`` of ``dS K`` over all
     the CTA's keys (FA3's split: one dQ partial a CTA, not one a warpgroup); dK, dV stored
-    at the end. The CTA's step ``step0 + t`` picks the ring slot and the phases; returns the
-    tile's steps."""
+    at the end (``TMA_STORE``: a whole block of keys through this consumer's K and V rows in
+    shared memory by two TMA stores, ``dk_desc``/``dv_desc`` over K's view; a block past
+    the keys' end as without it). The CTA's step ``step0 + t`` picks the ring slot and the
+    phases; returns the tile's steps."""
     ROWS_N: gl.constexpr = BLOCK_N // NUM_CONSUMERS
     DQ_COLS: gl.constexpr = HEAD_D // NUM_CONSUMERS
     dtype: gl.constexpr = q_smem.dtype
@@ -540,11 +545,61 @@ def _consumer_tile(cid, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_s
         if DQ_TMA:  # the writer's reduce-adds read it through the async proxy
             fence_async_shared()
         mbarrier.arrive(dq_full, count=1)
-    if PERSISTENT:  # every MMA reading K and V is done: the producer may load the next tile's
-        mbarrier.arrive(kv_empty, count=1)
+    if TMA_STORE:
+        if k0 + ROWS_N <= seqlen_k:  # a whole block: no row of the view's next head (or
+            # sequence) in it
+            _store_through_smem(dk, dv, k_c, v_c, dq_full, dk_desc, dv_desc, b, hk, bhk, k0,
+                                seqlen_k, cu_k_ptr, sm_scale, (step0 + total - 1) & 1, HEAD_D,
+                                KV_BSHD, VARLEN)
+        else:
+            _store_rows(dk, dv, dk_ptr, dv_ptr, cu_k_ptr, b, hk, k0, seqlen_k, stride_dkb,
+                        stride_dkh, stride_dkn, sm_scale, ROWS_N, HEAD_D, VARLEN)
+        if PERSISTENT:  # K and V read by every MMA and by the stores: the next tile's may load
+            mbarrier.arrive(kv_empty, count=1)
+    else:
+        if PERSISTENT:  # every MMA reading K and V is done: the producer may load the next
+            # tile's
+            mbarrier.arrive(kv_empty, count=1)
+        _store_rows(dk, dv, dk_ptr, dv_ptr, cu_k_ptr, b, hk, k0, seqlen_k, stride_dkb,
+                    stride_dkh, stride_dkn, sm_scale, ROWS_N, HEAD_D, VARLEN)
+    return total
 
-    # epilogue: dK = scale * dS^T Q, dV = P^T dO, keys past the end not stored; 32-bit
-    # offsets from the head's base (64-bit ones beside dK and dV spill)
+
+@gluon.jit
+def _store_through_smem(dk, dv, k_c, v_c, dq_full, dk_desc, dv_desc, b, hk, bhk, k0, seqlen_k,
+                        cu_k_ptr, sm_scale, last_phase, HEAD_D: gl.constexpr,
+                        KV_BSHD: gl.constexpr, VARLEN: gl.constexpr):
+    """``TMA_STORE``'s epilogue (FA3's ``epilogue_bwd``): dV into the consumer's V rows (only
+    its own ``dP`` wgmmas read them, all done), dK into its K rows once every consumer's
+    ``dS K`` of the tile's last step is done (those read every K row: the ``dq_full`` phase
+    ``last_phase``), then one TMA store each, waited for before the rows are reused."""
+    dtype: gl.constexpr = k_c.dtype
+    v_c.store(dv.to(dtype))
+    mbarrier.wait(dq_full, last_phase)
+    k_c.store((dk * sm_scale).to(dtype))
+    fence_async_shared()
+    if VARLEN:  # the (total, H * D) views from the sequence's start
+        row = gl.load(cu_k_ptr + b) + k0
+        col = hk * HEAD_D
+    elif KV_BSHD:
+        row = b * seqlen_k + k0
+        col = hk * HEAD_D
+    else:
+        row = bhk * seqlen_k + k0
+        col = 0
+    tma.async_copy_shared_to_global(dk_desc, [row, col], k_c)
+    tma.async_copy_shared_to_global(dv_desc, [row, col], v_c)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _store_rows(dk, dv, dk_ptr, dv_ptr, cu_k_ptr, b, hk, k0, seqlen_k, stride_dkb, stride_dkh,
+                stride_dkn, sm_scale, ROWS_N: gl.constexpr, HEAD_D: gl.constexpr,
+                VARLEN: gl.constexpr):
+    """The epilogue from registers: dK = scale * dS^T Q, dV = P^T dO, keys past the end not
+    stored; 32-bit offsets from the head's base (64-bit ones beside dK and dV spill)."""
+    dtype: gl.constexpr = dk_ptr.dtype.element_ty
+    acc_layout: gl.constexpr = dk.type.layout
     cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, acc_layout))
     rows = k0 + gl.arange(0, ROWS_N, layout=gl.SliceLayout(1, acc_layout))
     offs = gl.expand_dims(rows * stride_dkn, 1) + gl.expand_dims(cols, 0)
@@ -556,7 +611,6 @@ def _consumer_tile(cid, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_s
     ok = gl.expand_dims(rows < seqlen_k, 1)
     gl.store(dk_ptr + base + offs, (dk * sm_scale).to(dtype), mask=ok)
     gl.store(dv_ptr + base + offs, dv.to(dtype), mask=ok)
-    return total
 
 
 @gluon.jit
@@ -570,7 +624,8 @@ def gluon_attn_bwd_kernel(q_desc, k_desc, v_desc, do_desc, lse2_ptr, delta_ptr, 
                           PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                           LPT: gl.constexpr, VARLEN: gl.constexpr, n_tiles=None,
                           PERSISTENT: gl.constexpr = False, dq_desc=None,
-                          DQ_TMA: gl.constexpr = False):
+                          DQ_TMA: gl.constexpr = False, dk_desc=None, dv_desc=None,
+                          TMA_STORE: gl.constexpr = False):
     """``seqlen_q``, ``seqlen_k``: the lengths (``VARLEN``: the longest sequence's, the
     grid's); ``cu_q_ptr``, ``cu_k_ptr``: VARLEN's ``cu_seqlens`` (None without it), after
     the dense parameters. ``PERSISTENT`` (dense only): a 1-D grid of at most one CTA an SM,
@@ -579,7 +634,10 @@ def gluon_attn_bwd_kernel(q_desc, k_desc, v_desc, do_desc, lse2_ptr, delta_ptr, 
     and dO stream in while the last steps run (None without it: the grid launch's kernel,
     as it was). ``DQ_TMA``: the dQ writer adds each step's partial with TMA bulk
     reduce-adds through ``dq_desc`` (the accumulator's ``(B * Hq * Nq_pad, D)`` rows, a
-    block of ``BLOCK_M x D / NUM_CONSUMERS``), else with vector atomics (None)."""
+    block of ``BLOCK_M x D / NUM_CONSUMERS``), else with vector atomics (None).
+    ``TMA_STORE``: each consumer stores a whole block of dK and dV through its K and V rows
+    in shared memory by TMA (``dk_desc``, ``dv_desc``: dK's and dV's views as K's, a block
+    of ``BLOCK_N / NUM_CONSUMERS`` rows), else from registers (None)."""
     gl.static_assert(NUM_CONSUMERS == 1 or NUM_CONSUMERS == 2)
     gl.static_assert(not (PERSISTENT and VARLEN))
     if PERSISTENT:
@@ -644,7 +702,7 @@ def gluon_attn_bwd_kernel(q_desc, k_desc, v_desc, do_desc, lse2_ptr, delta_ptr, 
                          stride_dkh, stride_dkn, seqlen_q, seqlen_k, seqlen_q_pad, heads_q,
                          heads_kv, qk_scale, sm_scale, section_log2, first, end, stride, HEAD_D,
                          BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, LPT, VARLEN,
-                         PERSISTENT, DQ_TMA)),
+                         PERSISTENT, DQ_TMA, dk_desc, dv_desc, KV_BSHD, TMA_STORE)),
             (_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem,
                          lse_smem, delta_smem, kv_bar, kv_empty, q_ready, do_ready, qdo_empty,
                          lse2_ptr, delta_ptr, cu_q_ptr, cu_k_ptr, seqlen_q, seqlen_k,
@@ -664,14 +722,14 @@ def gluon_attn_bwd_kernel(q_desc, k_desc, v_desc, do_desc, lse2_ptr, delta_ptr, 
                          stride_dkh, stride_dkn, seqlen_q, seqlen_k, seqlen_q_pad, heads_q,
                          heads_kv, qk_scale, sm_scale, section_log2, first, end, stride, HEAD_D,
                          BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, LPT, VARLEN,
-                         PERSISTENT, DQ_TMA)),
+                         PERSISTENT, DQ_TMA, dk_desc, dv_desc, KV_BSHD, TMA_STORE)),
             (_consumer, (1, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem,
                          delta_smem, kv_bar, kv_empty, q_ready, do_ready, qdo_empty, ds_ready,
                          dq_full, dq_empty, dk_ptr, dv_ptr, cu_q_ptr, cu_k_ptr, stride_dkb,
                          stride_dkh, stride_dkn, seqlen_q, seqlen_k, seqlen_q_pad, heads_q,
                          heads_kv, qk_scale, sm_scale, section_log2, first, end, stride, HEAD_D,
                          BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, LPT, VARLEN,
-                         PERSISTENT, DQ_TMA)),
+                         PERSISTENT, DQ_TMA, dk_desc, dv_desc, KV_BSHD, TMA_STORE)),
             (_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem,
                          lse_smem, delta_smem, kv_bar, kv_empty, q_ready, do_ready, qdo_empty,
                          lse2_ptr, delta_ptr, cu_q_ptr, cu_k_ptr, seqlen_q, seqlen_k,

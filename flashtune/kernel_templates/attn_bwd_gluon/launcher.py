@@ -64,8 +64,10 @@ DEFAULT_CONFIG: dict[str, int] = {"BLOCK_M": 64, "BLOCK_N": 128, "NUM_STAGES": 2
 # knobs a config may leave out, and their value then: LPT 1 walks the CTAs longest first in
 # sections of heads (kernel._tile), 0 a head's key blocks side by side; PERSISTENT 1 runs
 # the same tiles in the same order on at most one CTA an SM (dense batches only); DQ_TMA 1
-# adds dQ's partials with TMA bulk reduce-adds (FA3's writer), 0 with vector atomics
-OPTIONAL_CONFIG: dict[str, int] = {"LPT": 0, "PERSISTENT": 0, "DQ_TMA": 0}
+# adds dQ's partials with TMA bulk reduce-adds (FA3's writer), 0 with vector atomics;
+# TMA_STORE 1 stores a whole block of dK and dV through the consumer's K and V rows in shared
+# memory by TMA (FA3's epilogue), 0 from registers
+OPTIONAL_CONFIG: dict[str, int] = {"LPT": 0, "PERSISTENT": 0, "DQ_TMA": 0, "TMA_STORE": 0}
 # bytes of L2 a section's Q and dO may take (FA3's tile scheduler budgets 40 of the 50 MB)
 L2_BUDGET = 40 << 20
 # the SMs a persistent launch plans for when it has shapes only (warmup): an H100 SXM's
@@ -155,6 +157,10 @@ def _smem_layout(block: list[int], dtype: Any) -> Any:
     return gl.NVMMASharedLayout.get_default_for(block, dtype)
 
 
+def _gl_dtype(dtype: Any) -> Any:
+    return gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+
+
 def _strides3(t: Any) -> tuple[int, int, int]:
     return int(t.stride(0)), int(t.stride(1)), int(t.stride(2))
 
@@ -201,7 +207,7 @@ def plan(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, dq: Any, dk: Any
     batch, heads_q, seqlen_q, head_dim = q.shape
     heads_kv, seqlen_k = k.shape[1], k.shape[2]
     bm, bn = config["BLOCK_M"], config["BLOCK_N"]
-    gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    gdt = _gl_dtype(q.dtype)
     q_how, kv_how = layout(q), layout(k)
     assert q_how and kv_how and layout(dout) == q_how and layout(v) == kv_how, "see layout"
     q_shape, q_strides = _desc_shape(q, q_how)
@@ -228,8 +234,10 @@ def plan(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, dq: Any, dk: Any
     n_blocks, bh_kv = -(-seqlen_k // bn), batch * heads_kv
     section = lpt_section(bh_kv, heads_q // heads_kv, seqlen_q, head_dim) if lpt else 1
     section_log2 = section.bit_length() - 1
+    if config.get("TMA_STORE", OPTIONAL_CONFIG["TMA_STORE"]):
+        assert layout(dk) == layout(dv) == kv_how, "TMA_STORE: dk and dv in k's layout"
     options = _main_options(config, head_dim, causal, q_how == "bshd", kv_how == "bshd",
-                            dq_acc=dq_acc)
+                            dq_acc=dq_acc, dkv=(dk, dv), dkv_view=lambda t: _desc_shape(t, kv_how))
     grid = (n_blocks * bh_kv, 1) if lpt else (n_blocks, bh_kv)
     if config.get("PERSISTENT", OPTIONAL_CONFIG["PERSISTENT"]):
         options.update(n_tiles=n_blocks * bh_kv, PERSISTENT=True)
@@ -250,14 +258,22 @@ def plan(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, dq: Any, dk: Any
 
 def _main_options(config: Mapping[str, int], head_dim: int, causal: bool, q_bshd: bool,
                   kv_bshd: bool, cu_seqlens_q: Any = None, cu_seqlens_k: Any = None,
-                  dq_acc: Any = None) -> dict[str, Any]:
+                  dq_acc: Any = None, dkv: tuple[Any, Any] = (None, None),
+                  dkv_view: Any = None) -> dict[str, Any]:
     """The main kernel's keyword arguments: the constexprs, the launch options, the
-    ``cu_seqlens`` (None, dense: ``VARLEN`` off), and with ``DQ_TMA`` the accumulator's
-    descriptor (:func:`dq_desc`)."""
+    ``cu_seqlens`` (None, dense: ``VARLEN`` off), with ``DQ_TMA`` the accumulator's
+    descriptor (:func:`dq_desc`), with ``TMA_STORE`` dK's and dV's (``dkv``, seen as
+    ``dkv_view`` gives: K's 2-D view, a consumer's rows a block)."""
     meta = launch_meta(config)
     extra: dict[str, Any] = {}
     if config.get("DQ_TMA", OPTIONAL_CONFIG["DQ_TMA"]):
         extra = dict(dq_desc=dq_desc(dq_acc, config, head_dim), DQ_TMA=True)
+    if config.get("TMA_STORE", OPTIONAL_CONFIG["TMA_STORE"]):
+        block = [config["BLOCK_N"] // config["NUM_CONSUMERS"], head_dim]
+        dk_desc, dv_desc = (TensorDescriptor(t, *dkv_view(t), block,
+                                             _smem_layout(block, _gl_dtype(t.dtype)))
+                            for t in dkv)
+        extra |= dict(dk_desc=dk_desc, dv_desc=dv_desc, TMA_STORE=True)
     return extra | dict(cu_q_ptr=cu_seqlens_q, cu_k_ptr=cu_seqlens_k, HEAD_D=head_dim,
                         BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"],
                         NUM_STAGES=config["NUM_STAGES"], NUM_CONSUMERS=config["NUM_CONSUMERS"],
@@ -296,9 +312,11 @@ def plan_packed(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, dq: Any, 
     heads_kv = k.shape[1]
     batch = cu_seqlens_q.shape[0] - 1
     bm, bn = config["BLOCK_M"], config["BLOCK_N"]
-    gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    gdt = _gl_dtype(q.dtype)
     assert all(packed_layout(t) for t in (q, dout, k, v)), "see packed_layout"
     assert tuple(dk.stride()) == tuple(dv.stride()), "dk and dv share the kernel's strides"
+    if config.get("TMA_STORE", OPTIONAL_CONFIG["TMA_STORE"]):
+        assert packed_layout(dk) and packed_layout(dv), "TMA_STORE: see packed_layout"
     q_block, kv_block = [bm, head_dim], [bn, head_dim]
     q_desc, do_desc = (TensorDescriptor(t, *_packed_desc_shape(t), q_block,
                                         _smem_layout(q_block, gdt)) for t in (q, dout))
@@ -325,7 +343,7 @@ def plan_packed(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, dq: Any, 
          max_seqlen_q, max_seqlen_k, pad, heads_q, heads_kv, float(scale) * LOG2E,
          float(scale), section.bit_length() - 1),
         _main_options(config, head_dim, causal, True, True, cu_seqlens_q, cu_seqlens_k,
-                      dq_acc=dq_acc),
+                      dq_acc=dq_acc, dkv=(dk, dv), dkv_view=_packed_desc_shape),
         (n_blocks * bh_kv, 1) if lpt else (n_blocks, bh_kv))
     conv: Launch = (
         gluon_attn_bwd_convert_dq,
@@ -600,7 +618,7 @@ def compile_sm90(config: Mapping[str, int], head_dim: int = 128, causal: bool = 
     from triton.experimental.gluon._runtime import GluonASTSource
 
     check_config(config)
-    gdt = gl.bfloat16 if dtype == "bf16" else gl.float16
+    gdt = _gl_dtype(torch.bfloat16 if dtype == "bf16" else torch.float16)
     bm, bn, nc = config["BLOCK_M"], config["BLOCK_N"], config["NUM_CONSUMERS"]
     qd = f"tensordesc<{dtype}[{bm}, {head_dim}],{_smem_layout([bm, head_dim], gdt)!r}>"
     kd = f"tensordesc<{dtype}[{bn}, {head_dim}],{_smem_layout([bn, head_dim], gdt)!r}>"
@@ -619,14 +637,20 @@ def compile_sm90(config: Mapping[str, int], head_dim: int = 128, causal: bool = 
     const["DQ_TMA"] = bool(config.get("DQ_TMA", OPTIONAL_CONFIG["DQ_TMA"]))
     if not const["DQ_TMA"]:  # the writer's atomics: no descriptor
         const.update(dq_desc=None)
+    const["TMA_STORE"] = bool(config.get("TMA_STORE", OPTIONAL_CONFIG["TMA_STORE"]))
+    if not const["TMA_STORE"]:  # the stores from registers: no descriptors
+        const.update(dk_desc=None, dv_desc=None)
     dq_block = [bm, head_dim // nc]
     dqd = f"tensordesc<fp32[{dq_block[0]}, {dq_block[1]}],{_smem_layout(dq_block, gl.float32)!r}>"
+    dkv_block = [bn // nc, head_dim]
+    dkvd = f"tensordesc<{dtype}[{dkv_block[0]}, {head_dim}],{_smem_layout(dkv_block, gdt)!r}>"
     kern = gluon_attn_bwd_kernel
     names = kern.arg_names
     types = {"q_desc": qd, "k_desc": kd, "v_desc": kd, "do_desc": qd, "lse2_ptr": "*fp32",
              "delta_ptr": "*fp32", "dq_acc_ptr": "*fp32", "dk_ptr": f"*{dtype}",
              "dv_ptr": f"*{dtype}", "qk_scale": "fp32", "sm_scale": "fp32",
-             "cu_q_ptr": "*i32", "cu_k_ptr": "*i32", "dq_desc": dqd}
+             "cu_q_ptr": "*i32", "cu_k_ptr": "*i32", "dq_desc": dqd, "dk_desc": dkvd,
+             "dv_desc": dkvd}
     sig = {n: "constexpr" if n in const else types.get(n, "i32") for n in names}
     aligned = ("lse2_ptr", "delta_ptr", "dq_acc_ptr", "dk_ptr", "dv_ptr") \
         + (("cu_q_ptr", "cu_k_ptr") if varlen else ())

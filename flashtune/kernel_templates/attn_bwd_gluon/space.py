@@ -10,7 +10,10 @@ out), ``PERSISTENT`` (1: the same tiles in the same order on at most one CTA an 
 tile's K/V and first Q/dO loads run under the last tile's steps and dK/dV stores: at short
 sequences a CTA walks few steps and a grid launch pays its ramp and epilogue each time;
 dense batches only; optional, 0), ``DQ_TMA`` (1: the dQ writer adds each step's partial with
-TMA bulk reduce-adds, FA3's writer, where 0 issues vector atomics; optional, 0).
+TMA bulk reduce-adds, FA3's writer, where 0 issues vector atomics; optional, 0),
+``TMA_STORE`` (1: a consumer stores a whole block of dK and dV through its K and V rows in
+shared memory by two TMA copies, FA3's epilogue, where 0 stores them from registers;
+optional, 0).
 Structurally refused: ``BLOCK_N // NUM_CONSUMERS < 64`` (a warpgroup's wgmma covers 64
 rows).
 
@@ -42,7 +45,7 @@ from flashtune.kernel_templates.sm90_table import SMEM_LIMIT, SPILL_LIMIT, Compi
 
 __all__ = ["DEFAULTS", "HEAD_DIMS", "PARAMS", "REGENERATE", "SMEM_LIMIT", "SPACE", "SPILL_LIMIT", "TABLE",
            "Compiled", "check", "default_config", "dq_tma_by_default", "entry_key", "load_table",
-           "lpt_by_default", "persistent_by_default",
+           "lpt_by_default", "persistent_by_default", "tma_store_by_default",
            "parse_table", "structural_reason"]
 
 PARAMS: dict[str, tuple[int, ...]] = {
@@ -53,6 +56,7 @@ PARAMS: dict[str, tuple[int, ...]] = {
     "LPT": (0, 1),
     "PERSISTENT": (0, 1),
     "DQ_TMA": (0, 1),
+    "TMA_STORE": (0, 1),
 }
 # knobs a config may leave out, the launcher's (configs stored before LPT existed ran its 0)
 DEFAULTS: dict[str, int] = OPTIONAL_CONFIG
@@ -135,7 +139,7 @@ SPACE = SearchSpace(params=PARAMS, predicate=check, defaults=DEFAULTS)
 
 def _knobs(bm: int, bn: int, stages: int, consumers: int) -> Config:
     return {"BLOCK_M": bm, "BLOCK_N": bn, "NUM_STAGES": stages, "NUM_CONSUMERS": consumers,
-            "LPT": 0, "PERSISTENT": 0, "DQ_TMA": 0}
+            "LPT": 0, "PERSISTENT": 0, "DQ_TMA": 0, "TMA_STORE": 0}
 
 
 # per head dim, best guess first (FA3's sm90 backward: 64 x 128 tiles at D128 with two MMA
@@ -192,12 +196,30 @@ def dq_tma_by_default(problem: AttentionProblem) -> bool:
     return problem.head_dim == 128 and not problem.causal
 
 
+def tma_store_by_default(problem: AttentionProblem) -> bool:
+    """Whether the default stores dK and dV through shared memory by TMA (``TMA_STORE`` 1):
+    dense batches. A grid launch's CTA spent most of its fixed time storing dK and dV from
+    registers (``benchmarks/results/bwd_ablation_full_h200.json``: at D128 8.1 us a CTA
+    besides its steps, 2.2 us with those stores masked off). With the knob, on an H200
+    (``train_breakdown_tma_store_{d128,d64,gqa}_h200.json``, against the default without
+    it): the D128 main kernel 1.15x / 1.09x / 1.00x at N 512 / 1k / 4k, causal 1.18x /
+    1.11x / 1.03x, the step 0.91x -> 0.99x cuDNN's at N512 (causal 0.85x -> 0.93x); D64
+    (the persistent default) and GQA 4:1 1.00-1.02x. Not the default for packed batches:
+    0.95x there (``packed_bwd_tma_store_h200.json``, most blocks short or cut by a
+    document's end). Under a persistent launch at D128 the main kernel ran 0.77-0.92x the
+    grid launch's (the next tile's K and V wait for the stores), and D128 is not persistent
+    by default."""
+    return not problem.packed
+
+
 def default_config(problem: AttentionProblem, device: DeviceFingerprint) -> Config:
     """A safe config for ``problem``: the first of its head dim's defaults the predicate
-    accepts (the first one when none is: the predicate names why), persistent where
-    :func:`persistent_by_default` says so, else longest-first where :func:`lpt_by_default`
-    says so, dQ by TMA where :func:`dq_tma_by_default` says so, each where it compiles
-    within budget."""
+    accepts (the first one when none is: the predicate names why), with dQ by TMA where
+    :func:`dq_tma_by_default` says so, persistent where :func:`persistent_by_default` says
+    so, else longest-first where :func:`lpt_by_default` says so, then dK and dV by TMA where
+    :func:`tma_store_by_default` says so, each where it compiles within budget (the order
+    is the measured gains': at D128 causal GQA, longest-first with the TMA stores spills
+    over budget, and longest-first stays)."""
     defaults = _DEFAULTS.get(problem.head_dim, _DEFAULTS[128])
     for base in defaults:
         config = base
@@ -205,10 +227,13 @@ def default_config(problem: AttentionProblem, device: DeviceFingerprint) -> Conf
             config = {**base, "DQ_TMA": 1}
         if check(config, problem, device) is None:
             persistent = {**config, "PERSISTENT": 1, "LPT": int(problem.causal)}
-            if persistent_by_default(problem) and check(persistent, problem, device) is None:
-                return persistent
             lpt = {**config, "LPT": 1}
-            if lpt_by_default(problem) and check(lpt, problem, device) is None:
-                return lpt
+            if persistent_by_default(problem) and check(persistent, problem, device) is None:
+                config = persistent
+            elif lpt_by_default(problem) and check(lpt, problem, device) is None:
+                config = lpt
+            stored = {**config, "TMA_STORE": 1}
+            if tma_store_by_default(problem) and check(stored, problem, device) is None:
+                return stored
             return dict(config)
     return dict(defaults[0])
