@@ -75,28 +75,37 @@ VARIANTS: dict[str, tuple[str, ...]] = {
 }
 
 
-def variant_source(patches: tuple[str, ...]) -> str:
-    """kernel.py's text with ``patches`` applied (each must match exactly once)."""
-    text = KERNEL.read_text()
-    for name in patches:
-        for old, new in PATCHES[name]:
-            if text.count(old) != 1:
-                raise SystemExit(f"patch {name} matches {text.count(old)} times: update it")
+def variant_source(kernel: Path, patches: dict[str, list[tuple[str, str]]],
+                   names: tuple[str, ...]) -> str:
+    """``kernel``'s text with the patches ``names`` applied: each ``(old, new)`` must match
+    exactly once (every match with a third element, the count it must have)."""
+    text = kernel.read_text()
+    for name in names:
+        for old, new, *count in patches[name]:
+            want = count[0] if count else 1
+            if text.count(old) != want:
+                raise SystemExit(f"patch {name} matches {text.count(old)} times, not {want}: "
+                                 "update it")
             text = text.replace(old, new)
     return text
 
 
-def write_modules(where: Path) -> None:
-    for name, patches in VARIANTS.items():
-        (where / f"bwd_ablation_{name}.py").write_text(variant_source(patches))
+def write_modules(where: Path, prefix: str = "bwd_ablation", kernel: Path = KERNEL,
+                  patches: dict[str, list[tuple[str, str]]] | None = None,
+                  variants: dict[str, tuple[str, ...]] | None = None) -> None:
+    """Each variant's kernel text as module ``{prefix}_{variant}`` in ``where``."""
+    patches = PATCHES if patches is None else patches
+    for name, names in (VARIANTS if variants is None else variants).items():
+        (where / f"{prefix}_{name}.py").write_text(variant_source(kernel, patches, names))
 
 
-def _kernel(where: str, name: str) -> Any:
+def _kernel(where: str, name: str, prefix: str = "bwd_ablation",
+            attr: str = "gluon_attn_bwd_kernel") -> Any:
     import importlib
 
     if where not in sys.path:
         sys.path.insert(0, where)
-    return importlib.import_module(f"bwd_ablation_{name}").gluon_attn_bwd_kernel
+    return getattr(importlib.import_module(f"{prefix}_{name}"), attr)
 
 
 def _plan(q: Any, k: Any, out: Any, lse: Any, dq: Any, dk: Any, scratch: dict[str, Any],
@@ -154,7 +163,7 @@ def _anchors(q: Any, k: Any, v: Any, do: Any, causal: bool) -> dict[str, float]:
     return found
 
 
-def _time(launch: tuple[Any, Any, Any, Any], reps: int) -> float:
+def time_launch(launch: tuple[Any, Any, Any, Any], reps: int) -> float:
     kernel, args, kwargs, grid = launch
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -247,10 +256,10 @@ def main(argv: list[str] | None = None) -> int:
         dq_err = ((dq.float() - ref[0].float()).norm() / ref[0].float().norm()).item()
         times: dict[str, list[float]] = {name: [] for name in mains}
         for launch in mains.values():
-            _time(launch, 3)
+            time_launch(launch, 3)
         for _ in range(args.rounds):
             for name, launch in mains.items():
-                times[name].append(_time(launch, args.reps))
+                times[name].append(time_launch(launch, args.reps))
         anchors = _anchors(q, k, v, do, p.causal)
         grid = launches["main"][3]
         row = {"shape": f"B{p.batch} H{p.heads_q} N{p.seqlen_q} D{p.head_dim}"

@@ -5,12 +5,13 @@ one run (issue 24: the own pair trails cuDNN by 8-22% at N 512-1k and by 1-5% fr
 
     python benchmarks/train_breakdown.py [--seqlens 512,1024,4096] [--head-dims 64,128]
         [--causal both|yes|no] [--group 1] [--steps 20] [--bwd-configs '[{"PERSISTENT": 1}]']
-        [--out benchmarks/results/train_breakdown_h200.json]
+        [--bwd-source lookup|default] [--out benchmarks/results/train_breakdown_h200.json]
 
 Shapes: the standard grid's (batch x seqlen = 16384 tokens, heads = 2048 / D, bf16);
 ``--group G``: GQA, ``heads / G`` KV heads (SDPA with ``enable_gqa``).
 The Gluon kernels run with the configs the runtime's lookup gives (the shipped tables', a
-tuned entry, or the template default; the source is printed); ``--bwd-configs`` adds a
+tuned entry, or the template default; the source is printed; ``--bwd-source default``: the
+backward's template default, as an untuned shape gets it); ``--bwd-configs`` adds a
 contender per entry: the backward's config updated with it.
 
 Every contender is checked first: its output and dQ, dK, dV against fp32 autograd on the
@@ -147,6 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--bwd-configs", default="", help="JSON list of backward config updates")
     ap.add_argument("--out", default="")
+    ap.add_argument("--bwd-source", choices=("lookup", "default"), default="lookup",
+                    help="the backward's config: the runtime's lookup chain (shipped tables, "
+                         "tuned entries) or the template default (untuned)")
     ap.add_argument("--jobs", type=int, default=8,
                     help="processes compiling the Gluon kernels first (1: on first launch)")
     args = ap.parse_args(argv)
@@ -175,10 +179,10 @@ def main(argv: list[str] | None = None) -> int:
                     "flash": (_sdpa_step(sh, SDPBackend.FLASH_ATTENTION), {})}
                 if gluon_ok:
                     fc = Dispatcher(get_template("attn_fwd_gluon")).choose(sh.problem, device)
-                    bc = Dispatcher(get_template("attn_bwd_gluon")).choose(sh.problem, device)
-                    fcfg, bcfg = dict(fc.config), dict(bc.config)
+                    bcfg, bsource = _bwd_config(sh.problem, device, args.bwd_source)
+                    fcfg = dict(fc.config)
                     meta = {"fwd_config": fcfg, "fwd_source": fc.source,
-                            "bwd_config": bcfg, "bwd_source": bc.source}
+                            "bwd_config": bcfg, "bwd_source": bsource}
                     steps["gluon"] = (_gluon_step(sh, fcfg, bcfg), meta)
                     for i, upd in enumerate(variants):
                         cfg = {**bcfg, **upd}
@@ -216,6 +220,19 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _bwd_config(problem: Any, device: Any, source: str) -> tuple[dict[str, int], str]:
+    """The Gluon backward's config for ``problem`` and where it came from: the runtime's
+    lookup chain, or (``default``) the template default, as an untuned shape gets it."""
+    from flashtune.kernel_templates import get_template
+    from flashtune.runtime.lookup import Dispatcher
+
+    spec = get_template("attn_bwd_gluon")
+    if source == "default":
+        return dict(spec.default_config(problem, device)), "template default (--bwd-source)"
+    choice = Dispatcher(spec).choose(problem, device)
+    return dict(choice.config), choice.source
+
+
 def _precompile(args: argparse.Namespace, variants: list[dict[str, int]],
                 causals: tuple[bool, ...], device: Any) -> None:
     """Compile every Gluon kernel the run will launch in a process pool first (a shared
@@ -237,7 +254,7 @@ def _precompile(args: argparse.Namespace, variants: list[dict[str, int]],
                 h = HIDDEN // d
                 problem = AttentionProblem(TOKENS // n, h, h // args.group, n, n, d, causal,
                                            "bf16")
-                base = dict(Dispatcher(bwd).choose(problem, device).config)
+                base, _ = _bwd_config(problem, device, args.bwd_source)
                 todo = [(fwd, dict(Dispatcher(fwd).choose(problem, device).config)),
                         (bwd, base), *((bwd, {**base, **upd}) for upd in variants)]
                 for spec, config in todo:
