@@ -174,18 +174,63 @@ def time_launch(launch: tuple[Any, Any, Any, Any], reps: int) -> float:
     return start.elapsed_time(end) / reps
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--head-dims", default="128")
-    ap.add_argument("--seqlens", default="512,4096")
-    ap.add_argument("--causal", choices=("no", "yes", "both"), default="no")
-    ap.add_argument("--configs", default='[{}]',
-                    help="JSON list of updates to the template default (LPT 0, DQ_TMA 0, "
-                         "PERSISTENT 0 first)")
+def add_run_args(ap: argparse.ArgumentParser, head_dims: str, seqlens: str,
+                 causal: str) -> None:
+    """The options both ablation scripts take (the shapes' defaults given): head dims,
+    lengths, masks, rounds, launches a round, compile processes, the JSON's path."""
+    ap.add_argument("--head-dims", default=head_dims)
+    ap.add_argument("--seqlens", default=seqlens)
+    ap.add_argument("--causal", choices=("no", "yes", "both"), default=causal)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--jobs", type=int, default=16)
     ap.add_argument("--out", default="")
+
+
+def compile_all(compile_one: Any, jobs: list[tuple[Any, ...]], workers: int) -> list[bool]:
+    """``compile_one(*job)`` for every job in a spawned process pool (a module-level
+    function; it returns an error or None); each error printed; which jobs failed."""
+    with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
+        errors = list(pool.map(compile_one, *zip(*jobs)))
+    for job, error in zip(jobs, errors):
+        if error:
+            print(f"compile {job[1:]}: {error}")
+    return [bool(e) for e in errors]
+
+
+def time_variants(mains: dict[str, Any], rounds: int, reps: int) -> dict[str, list[float]]:
+    """Each launch's ms per call, ``rounds`` rounds of ``reps`` calls, interleaved (one
+    warm-up of each first)."""
+    times: dict[str, list[float]] = {name: [] for name in mains}
+    for launch in mains.values():
+        time_launch(launch, 3)
+    for _ in range(rounds):
+        for name, launch in mains.items():
+            times[name].append(time_launch(launch, reps))
+    return times
+
+
+def write_doc(out: str, benchmark: str, args: argparse.Namespace, patches: Any,
+              variants: Any, rows: list[dict[str, Any]]) -> None:
+    """The run's JSON at ``out`` (nothing when empty)."""
+    if not out:
+        return
+    doc = {"benchmark": benchmark, "device": torch.cuda.get_device_name(),
+           "torch": torch.__version__, "python": platform.python_version(),
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+           "rounds": args.rounds, "reps": args.reps, "patches": patches,
+           "variants": variants, "rows": rows}
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(doc, indent=1))
+    print(f"wrote {out}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--configs", default='[{}]',
+                    help="JSON list of updates to the template default (LPT 0, DQ_TMA 0, "
+                         "PERSISTENT 0 first)")
+    add_run_args(ap, "128", "512,4096", "no")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
@@ -221,13 +266,9 @@ def main(argv: list[str] | None = None) -> int:
               (where, name, (p.batch, p.heads_q, p.seqlen_q, p.head_dim), p.causal, cfg)
               for p, cfg in cases for name in VARIANTS}
     jobs = list(unique.values())
-    with ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn")) as pool:
-        errors = list(pool.map(_compile, *zip(*jobs)))
+    failed = compile_all(_compile, jobs, args.jobs)
     broken = {(j[1], j[2][3], j[3], json.dumps(j[4], sort_keys=True))
-              for j, e in zip(jobs, errors) if e}
-    for j, e in zip(jobs, errors):
-        if e:
-            print(f"compile {j[1]} {j[2]} causal={j[3]} {j[4]}: {e}")
+              for j, bad in zip(jobs, failed) if bad}
     rows = []
     for problem, config in cases:
         p = problem
@@ -254,12 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         same = all(torch.equal(x, y) or (x - y).abs().max().item() < 1e-2
                    for x, y in zip((dk, dv), ref[1:]))
         dq_err = ((dq.float() - ref[0].float()).norm() / ref[0].float().norm()).item()
-        times: dict[str, list[float]] = {name: [] for name in mains}
-        for launch in mains.values():
-            time_launch(launch, 3)
-        for _ in range(args.rounds):
-            for name, launch in mains.items():
-                times[name].append(time_launch(launch, args.reps))
+        times = time_variants(mains, args.rounds, args.reps)
         anchors = _anchors(q, k, v, do, p.causal)
         grid = launches["main"][3]
         row = {"shape": f"B{p.batch} H{p.heads_q} N{p.seqlen_q} D{p.head_dim}"
@@ -280,15 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         del q, k, v, do, out, lse, ref, dq, dk, dv, scratch
         torch.cuda.empty_cache()
     _print_split(rows)
-    if args.out:
-        doc = {"benchmark": "bwd_ablation", "device": torch.cuda.get_device_name(),
-               "torch": torch.__version__, "python": platform.python_version(),
-               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-               "rounds": args.rounds, "reps": args.reps, "patches": PATCHES,
-               "variants": VARIANTS, "rows": rows}
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(doc, indent=1))
-        print(f"wrote {args.out}")
+    write_doc(args.out, "bwd_ablation", args, PATCHES, VARIANTS, rows)
     return 0
 
 

@@ -27,22 +27,25 @@ Without a CUDA GPU it prints "needs a CUDA GPU" and exits 0.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import math
-import platform
 import statistics
 import sys
 import tempfile
-from concurrent.futures import ProcessPoolExecutor
-from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from explore_bwd_ablation import OFF, _kernel, time_launch, write_modules  # noqa: E402
+from explore_bwd_ablation import (  # noqa: E402
+    OFF,
+    _kernel,
+    add_run_args,
+    compile_all,
+    time_variants,
+    write_doc,
+    write_modules,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -119,13 +122,7 @@ def _anchors(q: Any, k: Any, v: Any, causal: bool) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--head-dims", default="64,128")
-    ap.add_argument("--seqlens", default="512,1024,4096")
-    ap.add_argument("--causal", choices=("no", "yes", "both"), default="yes")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--jobs", type=int, default=16)
-    ap.add_argument("--out", default="")
+    add_run_args(ap, "64,128", "512,1024,4096", "yes")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
@@ -151,11 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                 cases.append((p, dict(Dispatcher(fwd).choose(p, device).config)))
     jobs = [(where, name, (p.batch, p.heads_q, p.seqlen_q, p.head_dim), p.causal, cfg)
             for p, cfg in cases for name in VARIANTS]
-    with ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn")) as pool:
-        errors = list(pool.map(_compile, *zip(*jobs)))
-    for j, e in zip(jobs, errors):
-        if e:
-            print(f"compile {j[1]} {j[2]} causal={j[3]} {j[4]}: {e}")
+    compile_all(_compile, jobs, args.jobs)
     rows = []
     for p, config in cases:
         g = torch.Generator(device="cuda").manual_seed(p.seqlen_q * p.head_dim + p.causal)
@@ -172,12 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         base = mains["base"]
         base[0][base[3]](*base[1], **base[2])
         same = ((out.float() - ref.float()).abs().max().item() < 1e-2)
-        times: dict[str, list[float]] = {name: [] for name in mains}
-        for launch in mains.values():
-            time_launch(launch, 3)
-        for _ in range(args.rounds):
-            for name, launch in mains.items():
-                times[name].append(time_launch(launch, args.reps))
+        times = time_variants(mains, args.rounds, args.reps)
         anchors = _anchors(q, k, v, p.causal)
         row = {"shape": f"B{p.batch} H{p.heads_q} N{p.seqlen_q} D{p.head_dim}"
                         f"{' causal' if p.causal else ''}",
@@ -195,15 +183,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{anchors['cudnn'] / ms:.3f}x cuDNN")
         del q, k, v, out, lse, ref
         torch.cuda.empty_cache()
-    if args.out:
-        doc = {"benchmark": "fwd_ablation", "device": torch.cuda.get_device_name(),
-               "torch": torch.__version__, "python": platform.python_version(),
-               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-               "rounds": args.rounds, "reps": args.reps, "patches": PATCHES,
-               "variants": VARIANTS, "rows": rows}
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(doc, indent=1))
-        print(f"wrote {args.out}")
+    write_doc(args.out, "fwd_ablation", args, PATCHES, VARIANTS, rows)
     return 0
 
 
