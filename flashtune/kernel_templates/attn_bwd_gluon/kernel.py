@@ -31,6 +31,12 @@ consumers done with a tile's K and V) lets the producer load the next tile's K a
 the consumers store dK and dV. Off, each partition runs its body once for the CTA's grid
 tile: the code it was (the same sm_90a instructions).
 
+``TMA_STORE`` (FA3's ``epilogue_bwd``): a consumer writes its dV into its own rows of V's
+shared buffer and, once every consumer's last ``dS K`` has read K (the tile's last
+``dq_full`` phase), its dK into its rows of K's, then stores both by TMA (``dk_desc``,
+``dv_desc``); a block past the keys' end is stored from registers as without it. The
+register stores it replaces were three quarters of a D128 grid CTA's fixed cost.
+
 ``VARLEN`` (FlashAttention-2's ``flash_attn_varlen_func`` layout; off: the dense code, as it
 was): Q, K, V, dO, O and the gradients are packed ``(total, H, D)``, ``b`` indexes the
 sequences of ``cu_seqlens`` (``cu_q_ptr``, ``cu_k_ptr``) and every program reads its
