@@ -160,8 +160,6 @@ def main(argv: list[str] | None = None) -> int:
     from torch.nn.attention import SDPBackend
 
     from flashtune.core.device import cuda_device
-    from flashtune.kernel_templates import get_template
-    from flashtune.runtime.lookup import Dispatcher
 
     device = cuda_device()
     gluon_ok = torch.cuda.get_device_capability() == (9, 0)
@@ -178,11 +176,8 @@ def main(argv: list[str] | None = None) -> int:
                     "cudnn": (_sdpa_step(sh, SDPBackend.CUDNN_ATTENTION), {}),
                     "flash": (_sdpa_step(sh, SDPBackend.FLASH_ATTENTION), {})}
                 if gluon_ok:
-                    fc = Dispatcher(get_template("attn_fwd_gluon")).choose(sh.problem, device)
-                    bcfg, bsource = _bwd_config(sh.problem, device, args.bwd_source)
-                    fcfg = dict(fc.config)
-                    meta = {"fwd_config": fcfg, "fwd_source": fc.source,
-                            "bwd_config": bcfg, "bwd_source": bsource}
+                    meta = _gluon_configs(sh.problem, device, args.bwd_source)
+                    fcfg, bcfg = meta["fwd_config"], meta["bwd_config"]
                     steps["gluon"] = (_gluon_step(sh, fcfg, bcfg), meta)
                     for i, upd in enumerate(variants):
                         cfg = {**bcfg, **upd}
@@ -220,17 +215,23 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _bwd_config(problem: Any, device: Any, source: str) -> tuple[dict[str, int], str]:
-    """The Gluon backward's config for ``problem`` and where it came from: the runtime's
-    lookup chain, or (``default``) the template default, as an untuned shape gets it."""
+def _gluon_configs(problem: Any, device: Any, bwd_source: str) -> dict[str, Any]:
+    """The Gluon pair's configs for ``problem`` and where each came from: the forward's and
+    the backward's from the runtime's lookup chain, or (``bwd_source`` ``default``) the
+    backward's template default, as an untuned shape gets it."""
     from flashtune.kernel_templates import get_template
     from flashtune.runtime.lookup import Dispatcher
 
-    spec = get_template("attn_bwd_gluon")
-    if source == "default":
-        return dict(spec.default_config(problem, device)), "template default (--bwd-source)"
-    choice = Dispatcher(spec).choose(problem, device)
-    return dict(choice.config), choice.source
+    fwd = Dispatcher(get_template("attn_fwd_gluon")).choose(problem, device)
+    bwd = get_template("attn_bwd_gluon")
+    if bwd_source == "default":
+        bcfg, bsource = dict(bwd.default_config(problem, device)), \
+            "template default (--bwd-source)"
+    else:
+        choice = Dispatcher(bwd).choose(problem, device)
+        bcfg, bsource = dict(choice.config), choice.source
+    return {"fwd_config": dict(fwd.config), "fwd_source": fwd.source,
+            "bwd_config": bcfg, "bwd_source": bsource}
 
 
 def _precompile(args: argparse.Namespace, variants: list[dict[str, int]],
@@ -244,7 +245,6 @@ def _precompile(args: argparse.Namespace, variants: list[dict[str, int]],
     from flashtune.autotune.precompile import precompile
     from flashtune.core.problem import AttentionProblem
     from flashtune.kernel_templates import get_template
-    from flashtune.runtime.lookup import Dispatcher
 
     fwd, bwd = get_template("attn_fwd_gluon"), get_template("attn_bwd_gluon")
     batches: dict[tuple[str, int, bool, str], tuple[Any, Any, dict[str, int]]] = {}
@@ -254,9 +254,10 @@ def _precompile(args: argparse.Namespace, variants: list[dict[str, int]],
                 h = HIDDEN // d
                 problem = AttentionProblem(TOKENS // n, h, h // args.group, n, n, d, causal,
                                            "bf16")
-                base, _ = _bwd_config(problem, device, args.bwd_source)
-                todo = [(fwd, dict(Dispatcher(fwd).choose(problem, device).config)),
-                        (bwd, base), *((bwd, {**base, **upd}) for upd in variants)]
+                chosen = _gluon_configs(problem, device, args.bwd_source)
+                base = chosen["bwd_config"]
+                todo = [(fwd, chosen["fwd_config"]), (bwd, base),
+                        *((bwd, {**base, **upd}) for upd in variants)]
                 for spec, config in todo:
                     key = (spec.name, d, causal, json.dumps(config, sort_keys=True))
                     batches.setdefault(key, (spec, problem, config))
