@@ -254,20 +254,23 @@ def test_the_plan_sizes_the_grids_and_the_padded_scratch_from_the_shapes() -> No
 
 def test_the_longest_first_order_is_one_grid_dimension_in_sections_that_fit_l2() -> None:
     """LPT 1: ``key blocks x batch x kv heads`` CTAs on one grid axis, in sections of the
-    most KV heads whose Q and dO fit the L2 budget, a power of two dividing the batch's KV
-    heads (the kernel takes its log2); a config without the knob runs LPT 0."""
+    most KV heads whose Q, dO and fp32 dQ accumulator fit the L2 budget (FA3's backward
+    scheduler's count), a power of two dividing the batch's KV heads (the kernel takes its
+    log2); a config without the knob runs LPT 0."""
     from flashtune.kernel_templates.attn_bwd_gluon.launcher import L2_BUDGET, lpt_section
 
-    per_head = 2 * 4 * 4096 * 128 * 2  # Q and dO of a 4-head group, N 4096, D128, bf16
+    # Q and dO (bf16) and the dQ accumulator (fp32) of a 4-head group, N 2048, D128
+    per_head = 4 * 2048 * 128 * (2 + 2 + 4)
     assert L2_BUDGET // per_head == 5
-    assert lpt_section(64, 4, 4096, 128) == 4  # 5 fit: the power of two below
+    assert lpt_section(64, 4, 2048, 128) == 4  # 5 fit: the power of two below
+    assert lpt_section(64, 4, 4096, 128) == 2  # 2.5 fit (Q and dO alone: 5)
     assert lpt_section(12, 1, 512, 64) == 4  # all fit: the most that divides 12
     assert lpt_section(7, 1, 512, 64) == 1  # an odd count: one head a section
     assert lpt_section(64, 8, 131072, 128) == 1  # not even one head fits
     launches = _plan(2, 32, 8, 4096, 4096, 128, _config(LPT=1))
     kernel, args, kwargs, grid = launches["main"]
     assert kwargs["LPT"] and grid == (32 * 2 * 8, 1)
-    assert args[-1] == 2  # sections of 4 of the 16 KV heads
+    assert args[-1] == 1  # sections of 2 of the 16 KV heads
     assert _plan(2, 32, 8, 4096, 4096, 128, DEFAULT_CONFIG)["main"][3] == (32, 16)
     with pytest.raises(ConfigError, match="LPT must be 0 or 1"):
         check_config(_config(LPT=2))
@@ -568,7 +571,7 @@ def test_dk_and_dv_stored_by_tma_in_bshd_storage() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("budget", [1, 400_000], ids=["one-head-sections", "two-head-sections"])
+@pytest.mark.parametrize("budget", [1, 800_000], ids=["one-head-sections", "two-head-sections"])
 def test_the_longest_first_order_covers_every_tile_once(monkeypatch, budget) -> None:
     """LPT 1 with sections smaller than the batch's heads (an L2 budget made small): one
     head a section, and sections of 2 of the 6 KV heads, one of them across the two

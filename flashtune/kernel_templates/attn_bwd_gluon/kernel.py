@@ -231,6 +231,20 @@ def _q_coords(b, h, m, heads_q, seqlen_q, HEAD_D: gl.constexpr, BLOCK_M: gl.cons
 
 
 @gluon.jit
+def _kv_coords(b, hk, bhk, key, seqlen_k, k_start, HEAD_D: gl.constexpr,
+               KV_BSHD: gl.constexpr, VARLEN: gl.constexpr):
+    """``[row, column]`` of key ``key`` of KV head ``hk`` of batch ``b`` (``bhk`` = ``b *
+    heads_kv + hk``) in K's 2-D TMA view (V's, dK's and dV's alike): ``(B * H * N, D)``,
+    ``(B * N, H * D)`` with ``KV_BSHD``, or with ``VARLEN`` ``(total, H * D)`` from the
+    sequence's first row ``k_start``."""
+    if VARLEN:
+        return k_start + key, hk * HEAD_D
+    if KV_BSHD:
+        return b * seqlen_k + key, hk * HEAD_D
+    return bhk * seqlen_k + key, 0
+
+
+@gluon.jit
 def _producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, lse_smem,
               delta_smem, kv_bar, kv_empty, q_ready, do_ready, qdo_empty, lse2_ptr, delta_ptr,
               cu_q_ptr, cu_k_ptr, seqlen_q, seqlen_k, seqlen_q_pad, heads_q, heads_kv,
@@ -275,17 +289,12 @@ def _producer_tile(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_s
     hk = bhk % heads_kv
     group = heads_q // heads_kv
     # K and V of the CTA's keys, once
+    k_start = 0
     if VARLEN:  # the (total, H * D) views from the sequences' starts
         q_start, seqlen_q = _seq(cu_q_ptr, b)
         k_start, seqlen_k = _seq(cu_k_ptr, b)
-        kv_row = k_start + n_block * BLOCK_N
-        kv_col = hk * HEAD_D
-    elif KV_BSHD:
-        kv_row = b * seqlen_k + n_block * BLOCK_N
-        kv_col = hk * HEAD_D
-    else:
-        kv_row = bhk * seqlen_k + n_block * BLOCK_N
-        kv_col = 0
+    kv_row, kv_col = _kv_coords(b, hk, bhk, n_block * BLOCK_N, seqlen_k, k_start, HEAD_D,
+                                KV_BSHD, VARLEN)
     rows_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
     rows = gl.arange(0, BLOCK_M, layout=rows_layout)
     if VARLEN:  # no step, no K and V (the consumers wait for them on the same condition)
@@ -584,15 +593,10 @@ def _store_through_smem(dk, dv, k_c, v_c, dq_full, dk_desc, dv_desc, b, hk, bhk,
     mbarrier.wait(dq_full, last_phase)
     k_c.store((dk * sm_scale).to(dtype))
     fence_async_shared()
-    if VARLEN:  # the (total, H * D) views from the sequence's start
-        row = gl.load(cu_k_ptr + b) + k0
-        col = hk * HEAD_D
-    elif KV_BSHD:
-        row = b * seqlen_k + k0
-        col = hk * HEAD_D
-    else:
-        row = bhk * seqlen_k + k0
-        col = 0
+    k_start = 0
+    if VARLEN:  # the sequence's first row, read here (no register held through the walk)
+        k_start = gl.load(cu_k_ptr + b)
+    row, col = _kv_coords(b, hk, bhk, k0, seqlen_k, k_start, HEAD_D, KV_BSHD, VARLEN)
     tma.async_copy_shared_to_global(dk_desc, [row, col], k_c)
     tma.async_copy_shared_to_global(dv_desc, [row, col], v_c)
     tma.store_wait(0)

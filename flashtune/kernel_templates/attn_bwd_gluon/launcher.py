@@ -68,7 +68,8 @@ DEFAULT_CONFIG: dict[str, int] = {"BLOCK_M": 64, "BLOCK_N": 128, "NUM_STAGES": 2
 # TMA_STORE 1 stores a whole block of dK and dV through the consumer's K and V rows in shared
 # memory by TMA (FA3's epilogue), 0 from registers
 OPTIONAL_CONFIG: dict[str, int] = {"LPT": 0, "PERSISTENT": 0, "DQ_TMA": 0, "TMA_STORE": 0}
-# bytes of L2 a section's Q and dO may take (FA3's tile scheduler budgets 40 of the 50 MB)
+# bytes of L2 a section's Q, dO and fp32 dQ accumulator may take (FA3's backward tile
+# scheduler, SingleTileBwdLPTScheduler, budgets 40 of the 50 MB for the three)
 L2_BUDGET = 40 << 20
 # the SMs a persistent launch plans for when it has shapes only (warmup): an H100 SXM's
 PLANNING_SMS = 132
@@ -91,11 +92,13 @@ def launch_meta(config: Mapping[str, int]) -> dict[str, int]:
 
 def lpt_section(batch_heads_kv: int, group: int, seqlen_q: int, head_dim: int,
                 itemsize: int = 2) -> int:
-    """KV heads a section of the ``LPT`` order holds: the most whose Q and dO (``group``
-    query heads each) fit :data:`L2_BUDGET`, a power of two that divides ``batch_heads_kv``
-    (so every section is whole and the kernel maps a CTA to its tile with shifts); 1 when
-    not even one head fits."""
-    per_head = 2 * group * seqlen_q * head_dim * itemsize
+    """KV heads a section of the ``LPT`` order holds: the most whose Q and dO and the fp32
+    dQ accumulator's rows the atomics add to (``group`` query heads each) fit
+    :data:`L2_BUDGET`, a power of two that divides ``batch_heads_kv`` (so every section is
+    whole and the kernel maps a CTA to its tile with shifts); 1 when not even one head
+    fits. (Sections sized for Q and dO alone, twice as many heads at 2-byte inputs, left
+    the accumulator out of L2's count, as FA3's scheduler does not.)"""
+    per_head = group * seqlen_q * head_dim * (2 * itemsize + 4)
     fit = max(1, L2_BUDGET // max(1, per_head))
     return min(1 << (fit.bit_length() - 1), batch_heads_kv & -batch_heads_kv)
 
@@ -618,7 +621,7 @@ def compile_sm90(config: Mapping[str, int], head_dim: int = 128, causal: bool = 
     from triton.experimental.gluon._runtime import GluonASTSource
 
     check_config(config)
-    gdt = _gl_dtype(torch.bfloat16 if dtype == "bf16" else torch.float16)
+    gdt = gl.bfloat16 if dtype == "bf16" else gl.float16
     bm, bn, nc = config["BLOCK_M"], config["BLOCK_N"], config["NUM_CONSUMERS"]
     qd = f"tensordesc<{dtype}[{bm}, {head_dim}],{_smem_layout([bm, head_dim], gdt)!r}>"
     kd = f"tensordesc<{dtype}[{bn}, {head_dim}],{_smem_layout([bn, head_dim], gdt)!r}>"
