@@ -5,14 +5,17 @@ one run (issue 24: the own pair trails cuDNN by 8-22% at N 512-1k and by 1-5% fr
 
     python benchmarks/train_breakdown.py [--seqlens 512,1024,4096] [--head-dims 64,128]
         [--causal both|yes|no] [--group 1] [--steps 20] [--bwd-configs '[{"PERSISTENT": 1}]']
-        [--bwd-source lookup|default] [--out benchmarks/results/train_breakdown_h200.json]
+        [--bwd-source lookup|default] [--lpt-budget-mib 40]
+        [--out benchmarks/results/train_breakdown_h200.json]
 
 Shapes: the standard grid's (batch x seqlen = 16384 tokens, heads = 2048 / D, bf16);
 ``--group G``: GQA, ``heads / G`` KV heads (SDPA with ``enable_gqa``).
 The Gluon kernels run with the configs the runtime's lookup gives (the shipped tables', a
 tuned entry, or the template default; the source is printed; ``--bwd-source default``: the
 backward's template default, as an untuned shape gets it); ``--bwd-configs`` adds a
-contender per entry: the backward's config updated with it.
+contender per entry: the backward's config updated with it. ``--lpt-budget-mib``: the L2
+bytes an ``LPT`` section of the backward may fill, for the whole run (80 sizes the sections
+as before they counted the dQ accumulator).
 
 Every contender is checked first: its output and dQ, dK, dV against fp32 autograd on the
 first batch row and head (relative Frobenius error under 2e-2, the tuner's tolerance); a
@@ -153,7 +156,13 @@ def main(argv: list[str] | None = None) -> int:
                          "tuned entries) or the template default (untuned)")
     ap.add_argument("--jobs", type=int, default=8,
                     help="processes compiling the Gluon kernels first (1: on first launch)")
+    ap.add_argument("--lpt-budget-mib", type=int, default=0,
+                    help="the backward's LPT section budget in MiB (0: the launcher's)")
     args = ap.parse_args(argv)
+    if args.lpt_budget_mib:  # read by the launcher at each launch's planning
+        from flashtune.kernel_templates.attn_bwd_gluon import launcher
+
+        launcher.L2_BUDGET = args.lpt_budget_mib << 20
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
         return 0
@@ -208,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
         doc = {"benchmark": "train_breakdown", "device": torch.cuda.get_device_name(),
                "torch": torch.__version__, "python": platform.python_version(),
                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-               "steps": args.steps, "bwd_configs": variants, "rows": rows}
+               "steps": args.steps, "bwd_configs": variants,
+               "lpt_budget_mib": args.lpt_budget_mib or None, "rows": rows}
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(doc, indent=1))
         print(f"wrote {args.out}")
