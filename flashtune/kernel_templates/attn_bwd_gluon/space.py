@@ -152,11 +152,14 @@ _DEFAULTS: dict[int, tuple[Config, ...]] = {
 
 
 def lpt_by_default(problem: AttentionProblem) -> bool:
-    """Whether the default walks the longest key blocks first (``LPT`` 1): causal GQA at
-    D128, where a section's query heads share their K/V in L2. On the H100 it ran 1.03-1.11x
-    ``LPT`` 0 on four causal GQA shapes (28:4, 32:8, 64:8; N 2k-16k) and 0.98-1.01x on MHA
-    (benchmarks/results/bwd_lpt_h100.json); D64 was not measured."""
-    return problem.causal and problem.heads_q > problem.heads_kv and problem.head_dim == 128
+    """Whether the default walks the longest key blocks first (``LPT`` 1): causal GQA, where
+    a CTA walks every query head of its group and the walks' lengths differ most. On the
+    H100 it ran 1.03-1.11x ``LPT`` 0 at D128 on four causal GQA shapes (28:4, 32:8, 64:8; N
+    2k-16k) and 0.98-1.01x on MHA (benchmarks/results/bwd_lpt_h100.json). On an H200, with
+    sections that count the dQ accumulator (``lpt_sections_{new,gqa}_h200.json``, the
+    main kernel against ``LPT`` 0): GQA 4:1 D128 N 1k / 4k 1.07x / 1.04x; GQA 4:1 D64
+    (with the TMA stores, which spill nothing there) 1.10x / 1.13x; MHA D128 0.95-1.00x."""
+    return problem.causal and problem.heads_q > problem.heads_kv
 
 
 # the longest query lengths whose walks the default runs persistent, without and with a
