@@ -191,6 +191,26 @@ def test_the_default_walks_longest_first_for_causal_gqa(hq, hkv, d, causal, lpt)
         assert {**config, "LPT": 0, "TMA_STORE": 1} == mha
 
 
+@pytest.mark.parametrize("hq,hkv,d,n,causal,expand", [
+    (16, 2, 128, 2048, True, 1), (16, 4, 128, 4096, True, 1), (16, 4, 128, 2048, True, 0),
+    (32, 4, 64, 8192, True, 1), (32, 4, 64, 2048, True, 0), (32, 8, 64, 8192, True, 0),
+    (16, 2, 128, 8192, False, 0), (16, 16, 128, 8192, True, 0), (16, 1, 128, 1024, True, 1)])
+def test_the_default_runs_gqa_per_query_head_where_the_group_outgrows_l2(hq, hkv, d, n, causal,
+                                                                       expand):
+    """EXPAND_GQA 1 by default for causal GQA whose groups in flight outgrow L2 (group x D
+    at least 512) with walks that pay for the group sums (group x D x N at least 2M):
+    measured on an H200 at 8:1 D128 from 2k, 4:1 D128 from 4k, 8:1 D64 at 8k (0.99x cuDNN's
+    step, was 0.88x); not 4:1 D64, not without a mask (unmeasured), not MHA. The rest of the
+    config is the GQA default's."""
+    p = AttentionProblem(2, hq, hkv, n, n, d, causal, "bf16")
+    config = SPEC.default_config(p, H100)
+    assert config["EXPAND_GQA"] == expand and space.check(config, p, H100) is None
+    assert space.expand_gqa_by_default(p) == bool(expand)
+    if expand:
+        assert {**config, "EXPAND_GQA": 0} == SPEC.default_config(
+            AttentionProblem(2, hq, hkv, 1000, 1000, d, causal, "bf16"), H100)
+
+
 @pytest.mark.parametrize("hq,hkv,n,causal,persistent", [
     (32, 32, 1000, False, 1), (32, 32, 2048, False, 1), (32, 32, 4096, False, 0),
     (32, 32, 1000, True, 1), (32, 32, 4096, True, 1), (32, 32, 8192, True, 0),
@@ -256,6 +276,45 @@ def test_the_plan_sizes_the_grids_and_the_padded_scratch_from_the_shapes() -> No
     assert _plan(1, 4, 1, 77, 133, 128, DEFAULT_CONFIG, dlse=True)["preprocess"][2]["HAS_DLSE"]
 
 
+def test_expand_gqa_plans_a_cta_per_query_head_reading_its_groups_kv() -> None:
+    """EXPAND_GQA 1 on GQA 4:1: the main launch as MHA over the query heads (a CTA per key
+    block and query head, ``heads_kv`` = ``heads_q``, sections counting one query head),
+    ``KV_GROUP`` 4 for the producer's K/V head, dK and dV one a query head (the caller sums
+    each group); EXPAND_GQA 0 passes no KV_GROUP (the kernel as it was)."""
+    b, hq, hkv, n, d = 2, 32, 8, 4096, 128
+    dt = torch.bfloat16
+    q, k, dkv = (Shaped(dt, (b, h, n, d)) for h in (hq, hkv, hq))
+    config = _config(EXPAND_GQA=1, LPT=1)
+    scratch = {name: Shaped(torch.float32, shape)
+               for name, shape in scratch_shapes(q.shape, config).items()}
+    launches = plan(q, k, k, Shaped(dt, q.shape), Shaped(torch.float32, q.shape[:3]),
+                    Shaped(dt, q.shape), Shaped(dt, q.shape), dkv, dkv, scratch, config,
+                    causal=True, scale=0.125)
+    _, args, kwargs, grid = launches["main"]
+    assert kwargs["KV_GROUP"] == 4 and grid == (32 * b * hq, 1)
+    assert args[args.index(hq) + 1] == hq  # heads_q, then heads_kv: the query heads
+    assert args[-1] == 3  # sections of 8 query heads (4 MB each of the 40)
+    plain = _plan(b, hq, hkv, n, n, d, _config(LPT=1))["main"]
+    assert "KV_GROUP" not in plain[2] and plain[3] == (32 * b * hkv, 1)
+    with pytest.raises(AssertionError, match="per query head"):
+        plan(q, k, k, Shaped(dt, q.shape), Shaped(torch.float32, q.shape[:3]),
+             Shaped(dt, q.shape), Shaped(dt, q.shape), Shaped(dt, k.shape),
+             Shaped(dt, k.shape), scratch, config, causal=True, scale=0.125)
+
+
+def test_expand_gqa_serves_dense_gqa_problems_only() -> None:
+    """The knob is refused where it would change nothing (MHA) or where the kernel walks
+    packed groups (a packed batch), and accepted on dense GQA with its twin's table entry."""
+    config = _config(EXPAND_GQA=1)
+    mha, gqa = (AttentionProblem(2, 32, hkv, 1000, 1000, 128, True, "bf16") for hkv in (32, 8))
+    packed = AttentionProblem.from_lengths([300, 700], None, heads_q=32, heads_kv=8,
+                                           head_dim=128, causal=True, dtype="bf16")
+    assert "EXPAND_GQA" in space.check(config, mha, H100)
+    assert "EXPAND_GQA" in space.check(config, packed, H100)
+    assert space.check(config, gqa, H100) is None
+    assert space.entry_key(128, True, config) == space.entry_key(128, True, _config())
+
+
 def test_the_longest_first_order_is_one_grid_dimension_in_sections_that_fit_l2() -> None:
     """LPT 1: ``key blocks x batch x kv heads`` CTAs on one grid axis, in sections of the
     most KV heads whose Q, dO and fp32 dQ accumulator fit the L2 budget (FA3's backward
@@ -279,7 +338,8 @@ def test_the_longest_first_order_is_one_grid_dimension_in_sections_that_fit_l2()
     with pytest.raises(ConfigError, match="LPT must be 0 or 1"):
         check_config(_config(LPT=2))
     assert space.SPACE.validate(DEFAULT_CONFIG) == {**DEFAULT_CONFIG, "LPT": 0, "PERSISTENT": 0,
-                                                    "DQ_TMA": 0, "TMA_STORE": 0}
+                                                    "DQ_TMA": 0, "TMA_STORE": 0,
+                                                    "EXPAND_GQA": 0}
 
 
 def test_the_persistent_plan_runs_the_grid_tiles_on_one_cta_an_sm() -> None:
@@ -572,6 +632,31 @@ def test_dk_and_dv_stored_by_tma_in_bshd_storage() -> None:
         got = SPEC.launcher(q, k, v, out, lse, do, _config(TMA_STORE=1, **knobs))
         assert_grads_close(got, q, k, v, do, causal=False)
         assert got[1].stride() == k.stride() and got[2].stride() == v.stride()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [c for c in GPU_CASES if c[1] > c[2]],
+                         ids=lambda s: "b{}h{}:{}q{}k{}d{}{}".format(*s[:6], "c" if s[6] else ""))
+def test_expand_gqa_matches_the_reference(case) -> None:
+    """EXPAND_GQA 1 (a CTA per query head, dK and dV summed over the group after) on the GQA
+    and MQA cases: with the grid and longest-first orders, the TMA stores and dQ by TMA, and
+    under the persistent launch; and in (B, N, H, D) storage, where the per-query-head dK
+    and dV take K's layout."""
+    _check_configs(case, torch.bfloat16, 7, [
+        _config(EXPAND_GQA=1, **knobs)
+        for knobs in ({}, {"LPT": 1, "TMA_STORE": 1}, {"DQ_TMA": 1, "TMA_STORE": 1},
+                      {"PERSISTENT": 1, "LPT": 1, "TMA_STORE": 1})])
+    b, hq, hkv, nq, nk, d, causal = case
+    torch.manual_seed(8)
+    q, do = (torch.randn(b, nq, hq, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+             for _ in range(2))
+    k, v = (torch.randn(b, nk, hkv, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+            for _ in range(2))
+    out, lse = _forward(q, k, v, causal)
+    got = SPEC.launcher(q, k, v, out, lse, do, _config(EXPAND_GQA=1, TMA_STORE=1),
+                        causal=causal)
+    assert_grads_close(got, q, k, v, do, causal=causal)
+    assert got[1].stride() == k.stride() and got[2].stride() == v.stride()
 
 
 @pytest.mark.gpu

@@ -39,6 +39,13 @@ ran slower (the tuner may still time it). With ``DQ_TMA`` the dQ writer adds eac
 by TMA bulk reduce-adds (FA3's writer) instead of vector atomics: 1.03x the main kernel at
 D128 without a mask, the default there (``space.dq_tma_by_default``).
 
+With ``EXPAND_GQA`` a GQA problem runs as MHA, a CTA per key block and query head (the
+kernel's ``KV_GROUP`` reads the group's K and V), dK and dV written per query head and
+summed over the group after (FlashAttention-2's GQA backward). Under a causal mask the
+grouped walk's CTAs drift apart across the group's heads and keep more Q, dO and dQ rows in
+flight than L2 holds: on an H200 8:1 D128 ran 0.74x cuDNN's step grouped and 0.89-0.93x per
+query head, the default where the group outgrows L2 (``space.expand_gqa_by_default``).
+
 dQ's atomics make its last bits depend on the CTAs' order: ``Limits.deterministic`` is
 False, and a caller asking for reproducible gradients (FlashAttention-2's
 ``deterministic=True``) runs ``attn_fwd`` with ``attn_bwd``. dK and dV are exact sums in a

@@ -252,7 +252,7 @@ def _producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, 
               HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, Q_BSHD: gl.constexpr,
               KV_BSHD: gl.constexpr, LPT: gl.constexpr, VARLEN: gl.constexpr,
-              PERSISTENT: gl.constexpr):
+              PERSISTENT: gl.constexpr, KV_GROUP: gl.constexpr):
     if PERSISTENT:  # steps and tiles of the CTA so far: ring slots and phases run on
         step0 = 0
         tile_i = 0
@@ -263,7 +263,8 @@ def _producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, 
                                    do_ready, qdo_empty, lse2_ptr, delta_ptr, cu_q_ptr, cu_k_ptr,
                                    seqlen_q, seqlen_k, seqlen_q_pad, heads_q, heads_kv,
                                    n_block, bhk, step0, tile_i, HEAD_D, BLOCK_M, BLOCK_N,
-                                   NUM_STAGES, CAUSAL, Q_BSHD, KV_BSHD, VARLEN, True)
+                                   NUM_STAGES, CAUSAL, Q_BSHD, KV_BSHD, VARLEN, True,
+                                   KV_GROUP)
             tile_i += 1
     else:
         n_block, bhk = _tile(seqlen_k, section_log2, BLOCK_N, LPT)
@@ -271,7 +272,7 @@ def _producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, 
                        lse_smem, delta_smem, kv_bar, kv_empty, q_ready, do_ready, qdo_empty,
                        lse2_ptr, delta_ptr, cu_q_ptr, cu_k_ptr, seqlen_q, seqlen_k,
                        seqlen_q_pad, heads_q, heads_kv, n_block, bhk, 0, 0, HEAD_D, BLOCK_M,
-                       BLOCK_N, NUM_STAGES, CAUSAL, Q_BSHD, KV_BSHD, VARLEN, False)
+                       BLOCK_N, NUM_STAGES, CAUSAL, Q_BSHD, KV_BSHD, VARLEN, False, KV_GROUP)
 
 
 @gluon.jit
@@ -281,10 +282,13 @@ def _producer_tile(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_s
                    heads_kv, n_block, bhk, step0, tile_i,
                    HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                    NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, Q_BSHD: gl.constexpr,
-                   KV_BSHD: gl.constexpr, VARLEN: gl.constexpr, PERSISTENT: gl.constexpr):
+                   KV_BSHD: gl.constexpr, VARLEN: gl.constexpr, PERSISTENT: gl.constexpr,
+                   KV_GROUP: gl.constexpr):
     """One tile's loads: K and V once, then Q, dO and the rows' LSE and delta of every
     step through the ring (ring step ``step0 + t``: the CTA's earlier tiles took ``step0``);
-    returns the tile's steps."""
+    returns the tile's steps. ``KV_GROUP`` > 1: the launch runs a GQA problem per query
+    head (``heads_kv`` counts the query heads, ``hk`` is one), whose K and V are its
+    group's, head ``hk // KV_GROUP`` of K's own ``heads_kv // KV_GROUP``."""
     b = bhk // heads_kv
     hk = bhk % heads_kv
     group = heads_q // heads_kv
@@ -293,8 +297,14 @@ def _producer_tile(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_s
     if VARLEN:  # the (total, H * D) views from the sequences' starts
         q_start, seqlen_q = _seq(cu_q_ptr, b)
         k_start, seqlen_k = _seq(cu_k_ptr, b)
-    kv_row, kv_col = _kv_coords(b, hk, bhk, n_block * BLOCK_N, seqlen_k, k_start, HEAD_D,
-                                KV_BSHD, VARLEN)
+    if KV_GROUP > 1:
+        kv_row, kv_col = _kv_coords(b, hk // KV_GROUP,
+                                    b * (heads_kv // KV_GROUP) + hk // KV_GROUP,
+                                    n_block * BLOCK_N, seqlen_k, k_start, HEAD_D, KV_BSHD,
+                                    VARLEN)
+    else:
+        kv_row, kv_col = _kv_coords(b, hk, bhk, n_block * BLOCK_N, seqlen_k, k_start, HEAD_D,
+                                    KV_BSHD, VARLEN)
     rows_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
     rows = gl.arange(0, BLOCK_M, layout=rows_layout)
     if VARLEN:  # no step, no K and V (the consumers wait for them on the same condition)
@@ -635,7 +645,7 @@ def gluon_attn_bwd_kernel(q_desc, k_desc, v_desc, do_desc, lse2_ptr, delta_ptr, 
                           LPT: gl.constexpr, VARLEN: gl.constexpr, n_tiles=None,
                           PERSISTENT: gl.constexpr = False, dq_desc=None,
                           DQ_TMA: gl.constexpr = False, dk_desc=None, dv_desc=None,
-                          TMA_STORE: gl.constexpr = False):
+                          TMA_STORE: gl.constexpr = False, KV_GROUP: gl.constexpr = 1):
     """``seqlen_q``, ``seqlen_k``: the lengths (``VARLEN``: the longest sequence's, the
     grid's); ``cu_q_ptr``, ``cu_k_ptr``: VARLEN's ``cu_seqlens`` (None without it), after
     the dense parameters. ``PERSISTENT`` (dense only): a 1-D grid of at most one CTA an SM,
@@ -647,7 +657,11 @@ def gluon_attn_bwd_kernel(q_desc, k_desc, v_desc, do_desc, lse2_ptr, delta_ptr, 
     block of ``BLOCK_M x D / NUM_CONSUMERS``), else with vector atomics (None).
     ``TMA_STORE``: each consumer stores a whole block of dK and dV through its K and V rows
     in shared memory by TMA (``dk_desc``, ``dv_desc``: dK's and dV's views as K's, a block
-    of ``BLOCK_N / NUM_CONSUMERS`` rows), else from registers (None)."""
+    of ``BLOCK_N / NUM_CONSUMERS`` rows), else from registers (None). ``KV_GROUP`` > 1
+    (``EXPAND_GQA``): a GQA problem run as MHA, a CTA per query head: ``heads_kv`` is
+    ``heads_q``, K and V are read at head ``h // KV_GROUP`` and dK, dV written per query
+    head (the launcher sums each group's); 1: the kernel as it was."""
+    gl.static_assert(KV_GROUP == 1 or not VARLEN)
     gl.static_assert(NUM_CONSUMERS == 1 or NUM_CONSUMERS == 2)
     gl.static_assert(not (PERSISTENT and VARLEN))
     if PERSISTENT:
@@ -718,7 +732,7 @@ def gluon_attn_bwd_kernel(q_desc, k_desc, v_desc, do_desc, lse2_ptr, delta_ptr, 
                          lse2_ptr, delta_ptr, cu_q_ptr, cu_k_ptr, seqlen_q, seqlen_k,
                          seqlen_q_pad, heads_q, heads_kv, section_log2, first, end, stride,
                          HEAD_D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, Q_BSHD, KV_BSHD, LPT,
-                         VARLEN, PERSISTENT)),
+                         VARLEN, PERSISTENT, KV_GROUP)),
             (_dq_writer, (dq_smem, dq_full, dq_empty, dq_acc_ptr, dq_desc, cu_q_ptr, cu_k_ptr,
                           seqlen_q, seqlen_k, seqlen_q_pad, heads_q, heads_kv, section_log2,
                           first, end, stride, HEAD_D, BLOCK_M, BLOCK_N, NUM_CONSUMERS, CAUSAL,
@@ -745,7 +759,7 @@ def gluon_attn_bwd_kernel(q_desc, k_desc, v_desc, do_desc, lse2_ptr, delta_ptr, 
                          lse2_ptr, delta_ptr, cu_q_ptr, cu_k_ptr, seqlen_q, seqlen_k,
                          seqlen_q_pad, heads_q, heads_kv, section_log2, first, end, stride,
                          HEAD_D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, Q_BSHD, KV_BSHD, LPT,
-                         VARLEN, PERSISTENT)),
+                         VARLEN, PERSISTENT, KV_GROUP)),
             (_dq_writer, (dq_smem, dq_full, dq_empty, dq_acc_ptr, dq_desc, cu_q_ptr, cu_k_ptr,
                           seqlen_q, seqlen_k, seqlen_q_pad, heads_q, heads_kv, section_log2,
                           first, end, stride, HEAD_D, BLOCK_M, BLOCK_N, NUM_CONSUMERS, CAUSAL,

@@ -66,8 +66,12 @@ DEFAULT_CONFIG: dict[str, int] = {"BLOCK_M": 64, "BLOCK_N": 128, "NUM_STAGES": 2
 # the same tiles in the same order on at most one CTA an SM (dense batches only); DQ_TMA 1
 # adds dQ's partials with TMA bulk reduce-adds (FA3's writer), 0 with vector atomics;
 # TMA_STORE 1 stores a whole block of dK and dV through the consumer's K and V rows in shared
-# memory by TMA (FA3's epilogue), 0 from registers
-OPTIONAL_CONFIG: dict[str, int] = {"LPT": 0, "PERSISTENT": 0, "DQ_TMA": 0, "TMA_STORE": 0}
+# memory by TMA (FA3's epilogue), 0 from registers; EXPAND_GQA 1 (the launcher's alone: the
+# same compiled kernel) runs a GQA problem as MHA over K and V repeated for each query head,
+# then sums dK and dV over the group (FlashAttention-2's GQA backward), 0 walks a group's
+# query heads in one CTA
+OPTIONAL_CONFIG: dict[str, int] = {"LPT": 0, "PERSISTENT": 0, "DQ_TMA": 0, "TMA_STORE": 0,
+                                   "EXPAND_GQA": 0}
 # bytes of L2 a section's Q, dO and fp32 dQ accumulator may take (FA3's backward tile
 # scheduler, SingleTileBwdLPTScheduler, budgets 40 of the 50 MB for the three)
 L2_BUDGET = 40 << 20
@@ -198,8 +202,10 @@ def plan(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, dq: Any, dk: Any
     """``{"preprocess", "main", "convert"} -> (kernel, args, kwargs, grid)`` for tensors
     (or shape-only stand-ins) with q and dout in one :func:`layout`, k and v in one, dk and
     dv in k's; ``scratch`` the buffers of :func:`scratch_shapes`; ``lse`` contiguous
-    float32 ``(B, Hq, Nq)``; ``dlse`` optional, any strides. With ``cu_seqlens_q`` the
-    packed plan (:func:`plan_packed`)."""
+    float32 ``(B, Hq, Nq)``; ``dlse`` optional, any strides. With ``EXPAND_GQA`` on a GQA
+    problem, dk and dv are a query head's each (``(B, Hq, Nk, D)``, :func:`expanded`), the
+    group's sums left to the caller. With ``cu_seqlens_q`` the packed plan
+    (:func:`plan_packed`)."""
     if cu_seqlens_q is not None:
         assert cu_seqlens_k is not None and max_seqlen_q is not None \
             and max_seqlen_k is not None, "a packed plan needs both cu_seqlens and max_seqlen"
@@ -234,6 +240,10 @@ def plan(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, dq: Any, dk: Any
              VARLEN=False, num_warps=4),
         (-(-pad // PRE_BLOCK), batch * heads_q))
     lpt = bool(config.get("LPT", OPTIONAL_CONFIG["LPT"]))
+    kv_group = 1
+    if expanded(heads_q, heads_kv, config):  # a CTA per query head, as MHA
+        assert dk.shape[1] == dv.shape[1] == heads_q, "EXPAND_GQA: dk and dv per query head"
+        kv_group, heads_kv = heads_q // heads_kv, heads_q
     n_blocks, bh_kv = -(-seqlen_k // bn), batch * heads_kv
     section = lpt_section(bh_kv, heads_q // heads_kv, seqlen_q, head_dim) if lpt else 1
     section_log2 = section.bit_length() - 1
@@ -241,6 +251,8 @@ def plan(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, dq: Any, dk: Any
         assert layout(dk) == layout(dv) == kv_how, "TMA_STORE: dk and dv in k's layout"
     options = _main_options(config, head_dim, causal, q_how == "bshd", kv_how == "bshd",
                             dq_acc=dq_acc, dkv=(dk, dv), dkv_view=lambda t: _desc_shape(t, kv_how))
+    if kv_group > 1:  # (1: no constant passed, the kernel as it was)
+        options.update(KV_GROUP=kv_group)
     grid = (n_blocks * bh_kv, 1) if lpt else (n_blocks, bh_kv)
     if config.get("PERSISTENT", OPTIONAL_CONFIG["PERSISTENT"]):
         options.update(n_tiles=n_blocks * bh_kv, PERSISTENT=True)
@@ -257,6 +269,13 @@ def plan(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, dq: Any, dk: Any
         dict(cu_q_ptr=None, HEAD_D=head_dim, BLOCK=PRE_BLOCK, VARLEN=False, num_warps=4),
         (-(-seqlen_q // PRE_BLOCK), batch * heads_q))
     return {"preprocess": pre, "main": main, "convert": conv}
+
+
+def expanded(heads_q: int, heads_kv: int, config: Mapping[str, int]) -> bool:
+    """Whether ``config`` runs a problem of ``heads_q`` query heads over ``heads_kv`` as MHA
+    (``EXPAND_GQA`` on a GQA problem): a CTA per query head, reading its group's K and V
+    (the kernel's ``KV_GROUP``), dK and dV per query head, summed over the group after."""
+    return heads_q > heads_kv and bool(config.get("EXPAND_GQA", OPTIONAL_CONFIG["EXPAND_GQA"]))
 
 
 def _main_options(config: Mapping[str, int], head_dim: int, causal: bool, q_bshd: bool,
@@ -532,7 +551,9 @@ def attn_bwd_gluon(
     Returns:
         ``(dq, dk, dv)`` in the input dtype, in the layouts of ``q``, ``k``, ``v`` (packed:
         contiguous ``(total, heads, head_dim)``). dK and dV are summed over each GQA group
-        in a fixed order; dQ by fp32 atomics (its last bits may differ between runs).
+        in a fixed order (``EXPAND_GQA``: each query head's rounded to the input dtype, then
+        summed in fp32, as FlashAttention-2's GQA backward does); dQ by fp32 atomics (its
+        last bits may differ between runs).
     Raises:
         InputError, InputTypeError, DeviceError for inputs it cannot serve; ConfigError for
         a config outside its knobs.
@@ -564,11 +585,28 @@ def attn_bwd_gluon(
     lse = lse.contiguous()
     if dlse is not None and dlse.dtype != torch.float32:
         dlse = dlse.to(torch.float32)
-    for kernel, args, kwargs, grid in plan(q, k, v, out, lse, dout, dq, dk, dv, scratch,
-                                           config, causal=causal, scale=scale,
+    heads_kv, group = k.shape[1], q.shape[1] // k.shape[1]
+    dk_run, dv_run = dk, dv
+    if expanded(q.shape[1], heads_kv, config):  # each query head's dK and dV, in k's layout
+        dk_run, dv_run = (_per_query_head(t, q.shape[1]) for t in (k, v))
+    for kernel, args, kwargs, grid in plan(q, k, v, out, lse, dout, dq, dk_run, dv_run,
+                                           scratch, config, causal=causal, scale=scale,
                                            dlse=dlse).values():
         kernel[grid](*args, **kwargs)
+    if dk_run is not dk:  # each group's sum (fp32 accumulation, one rounding)
+        torch.sum(dk_run.unflatten(1, (heads_kv, group)), dim=2, out=dk)
+        torch.sum(dv_run.unflatten(1, (heads_kv, group)), dim=2, out=dv)
     return dq, dk, dv
+
+
+def _per_query_head(t: torch.Tensor, heads_q: int) -> torch.Tensor:
+    """An empty ``(B, heads_q, N, D)`` buffer in ``t``'s :func:`layout` (``EXPAND_GQA``'s
+    dK or dV of each query head)."""
+    batch, _, seqlen, dim = t.shape
+    if layout(t) == "bshd":
+        return torch.empty(batch, seqlen, heads_q, dim, device=t.device,
+                           dtype=t.dtype).transpose(1, 2)
+    return torch.empty(batch, heads_q, seqlen, dim, device=t.device, dtype=t.dtype)
 
 
 def _attn_bwd_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -611,10 +649,12 @@ def _attn_bwd_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
 
 
 def compile_sm90(config: Mapping[str, int], head_dim: int = 128, causal: bool = False,
-                 dtype: str = "bf16", layout: str = "bhsd", varlen: bool = False) -> Any:
+                 dtype: str = "bf16", layout: str = "bhsd", varlen: bool = False,
+                 kv_group: int = 1) -> Any:
     """Compile the main kernel of ``config`` for sm_90 on the CPU (no GPU needed), planned as
     :func:`attn_bwd_gluon` launches it for inputs in ``layout`` (q, k, v alike; ``varlen``:
-    packed sequences, ``layout`` ignored); returns the compiled kernel (``.asm["ptx"]``,
+    packed sequences, ``layout`` ignored; ``kv_group``: ``EXPAND_GQA``'s query heads a
+    KV head, 1 otherwise); returns the compiled kernel (``.asm["ptx"]``,
     ``.metadata.shared``). Needs a process without ``TRITON_INTERPRET``."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -632,7 +672,8 @@ def compile_sm90(config: Mapping[str, int], head_dim: int = 128, causal: bool = 
         "KV_BSHD": varlen or layout == "bshd", "PRODUCER_REGS": meta["PRODUCER_REGS"],
         "CONSUMER_REGS": meta["CONSUMER_REGS"],
         "LPT": bool(config.get("LPT", OPTIONAL_CONFIG["LPT"])), "VARLEN": varlen,
-        "PERSISTENT": bool(config.get("PERSISTENT", OPTIONAL_CONFIG["PERSISTENT"]))}
+        "PERSISTENT": bool(config.get("PERSISTENT", OPTIONAL_CONFIG["PERSISTENT"])),
+        "KV_GROUP": kv_group}
     if not varlen:  # None: no parameter (the dense kernel's)
         const.update(cu_q_ptr=None, cu_k_ptr=None)
     if not const["PERSISTENT"]:  # the grid launch's kernel: no tile count

@@ -13,6 +13,10 @@ dense batches only; optional, 0), ``DQ_TMA`` (1: the dQ writer adds each step's 
 TMA bulk reduce-adds, FA3's writer, where 0 issues vector atomics; optional, 0),
 ``TMA_STORE`` (1: a consumer stores a whole block of dK and dV through its K and V rows in
 shared memory by two TMA copies, FA3's epilogue, where 0 stores them from registers;
+optional, 0), ``EXPAND_GQA`` (1: a GQA problem runs as MHA, a CTA per query head reading its
+group's K and V, dK and dV per query head summed over the group after, FlashAttention-2's
+GQA backward, where 0 walks a group's query heads in one CTA: the CTAs in flight then read
+the group's times as many Q, dO and dQ rows, more than L2 holds; dense GQA problems only;
 optional, 0).
 Structurally refused: ``BLOCK_N // NUM_CONSUMERS < 64`` (a warpgroup's wgmma covers 64
 rows).
@@ -25,7 +29,11 @@ valid point per head dim and causal flag, compiled for sm_90a on the CPU by
     python -m flashtune.kernel_templates.attn_bwd_gluon --prefilter
 
 The table is compiled in bf16; fp16 compiles to the same registers and shared memory (the
-same tile shapes, wgmma of another input type), so its verdicts serve both. A config spilling
+same tile shapes, wgmma of another input type), so its verdicts serve both. ``EXPAND_GQA``
+is not a key of it: its kernel differs by the producer's K/V head (``hk // KV_GROUP``), and
+compiled to the same shared memory, registers and spills as its twin (D128 causal with the
+TMA stores at groups 1, 7 and 8; D64 causal longest-first at 4), so a config's entry
+serves it either way. A config spilling
 more than :data:`SPILL_LIMIT` bytes or needing more than 227 KiB of shared memory is refused.
 """
 
@@ -43,12 +51,14 @@ from flashtune.kernel_templates import sm90_table
 from flashtune.kernel_templates.attn_bwd_gluon.launcher import OPTIONAL_CONFIG
 from flashtune.kernel_templates.sm90_table import SMEM_LIMIT, SPILL_LIMIT, Compiled
 
-__all__ = ["DEFAULTS", "HEAD_DIMS", "PARAMS", "REGENERATE", "SMEM_LIMIT", "SPACE", "SPILL_LIMIT", "TABLE",
+__all__ = ["COMPILED", "DEFAULTS", "HEAD_DIMS", "PARAMS", "REGENERATE", "SMEM_LIMIT", "SPACE", "SPILL_LIMIT", "TABLE",
            "Compiled", "check", "default_config", "dq_tma_by_default", "entry_key", "load_table",
-           "lpt_by_default", "persistent_by_default", "tma_store_by_default",
+           "expand_gqa_by_default", "lpt_by_default", "persistent_by_default",
+           "tma_store_by_default",
            "parse_table", "structural_reason"]
 
-PARAMS: dict[str, tuple[int, ...]] = {
+# the knobs the sm_90 table is keyed by (each a compile of its own)
+COMPILED: dict[str, tuple[int, ...]] = {
     "BLOCK_M": (64, 128),
     "BLOCK_N": (64, 128),
     "NUM_STAGES": (2, 3),
@@ -58,6 +68,7 @@ PARAMS: dict[str, tuple[int, ...]] = {
     "DQ_TMA": (0, 1),
     "TMA_STORE": (0, 1),
 }
+PARAMS: dict[str, tuple[int, ...]] = {**COMPILED, "EXPAND_GQA": (0, 1)}
 # knobs a config may leave out, the launcher's (configs stored before LPT existed ran its 0)
 DEFAULTS: dict[str, int] = OPTIONAL_CONFIG
 HEAD_DIMS = (64, 128)
@@ -73,7 +84,7 @@ def entry_key(head_dim: int, causal: bool, config: Mapping[str, int]) -> str:
     """The table's key: ``d128-causal-BLOCK_M=64,BLOCK_N=128,NUM_STAGES=2,NUM_CONSUMERS=2,
     LPT=0``."""
     knobs = ",".join(f"{name}={int(config.get(name, DEFAULTS.get(name, 0)))}"
-                     for name in PARAMS)
+                     for name in COMPILED)
     return f"d{head_dim}-{'causal' if causal else 'full'}-{knobs}"
 
 
@@ -89,7 +100,7 @@ def _entry(raw: Any, where: str) -> tuple[str, Compiled]:
     fields = {"head_dim", "causal", "config", "shared", "registers", "spill_bytes", "error"}
     if not isinstance(raw, dict) or set(raw) != fields:
         raise ValueError(f"{where}: an entry is an object with the keys {sorted(fields)}")
-    config = sm90_table.entry_config(raw, PARAMS, where)
+    config = sm90_table.entry_config(raw, COMPILED, where)
     if type(raw["head_dim"]) is not int or type(raw["causal"]) is not bool:
         raise ValueError(f"{where}: head_dim int and causal bool, got {raw['head_dim']!r}, "
                          f"{raw['causal']!r}")
@@ -128,6 +139,9 @@ def check(config: Mapping[str, int], problem: AttentionProblem,
         return f"head_dim {problem.head_dim}: the Gluon backward serves {list(HEAD_DIMS)}"
     if config.get("PERSISTENT") and problem.packed:
         return "PERSISTENT serves dense batches only (a packed batch runs the grid launch)"
+    if config.get("EXPAND_GQA") and (problem.packed or problem.heads_q == problem.heads_kv):
+        return "EXPAND_GQA runs a dense GQA problem per query head (MHA has one a KV head; a " \
+               "packed batch walks its groups)"
     compiled = load_table().get(entry_key(problem.head_dim, problem.causal, config))
     if compiled is None:
         return f"not in the sm_90 compile table ({TABLE.name}); regenerate it: {REGENERATE}"
@@ -139,7 +153,7 @@ SPACE = SearchSpace(params=PARAMS, predicate=check, defaults=DEFAULTS)
 
 def _knobs(bm: int, bn: int, stages: int, consumers: int) -> Config:
     return {"BLOCK_M": bm, "BLOCK_N": bn, "NUM_STAGES": stages, "NUM_CONSUMERS": consumers,
-            "LPT": 0, "PERSISTENT": 0, "DQ_TMA": 0, "TMA_STORE": 0}
+            "LPT": 0, "PERSISTENT": 0, "DQ_TMA": 0, "TMA_STORE": 0, "EXPAND_GQA": 0}
 
 
 # per head dim, best guess first (FA3's sm90 backward: 64 x 128 tiles at D128 with two MMA
@@ -215,12 +229,44 @@ def tma_store_by_default(problem: AttentionProblem) -> bool:
     return not problem.packed
 
 
+# EXPAND_GQA's rule (see expand_gqa_by_default): the query heads' bytes a CTA walks
+# (group x head dim, fp16/bf16 Q and dO with the fp32 dQ accumulator) and the walk's length
+EXPAND_MIN_GROUP_DIM = 512
+EXPAND_MIN_WORK = 1 << 21  # group x head dim x seqlen_q
+
+
+def expand_gqa_by_default(problem: AttentionProblem) -> bool:
+    """Whether the default runs a GQA problem per query head (``EXPAND_GQA`` 1): dense
+    causal GQA whose grid, walking each group in one CTA, keeps more query rows in flight
+    than L2 holds, with walks long enough to pay for the group sums after. A grid launch
+    holds about 132 x 128 keys' worth of KV heads in flight, each reading ``group`` query
+    heads' Q, dO and dQ accumulator (8 bytes an element): about ``group x D x 135 KB``,
+    69 MB at 4:1 D128 or 8:1 D64, against 50 MB of L2. On an H200 (the main kernel against
+    cuDNN's backward, ``benchmarks/results/expand_g{4,8}_d{64,128}_h200.json``): 8:1 D128
+    N 2k / 8k 0.65x / 0.68x -> 0.90x / 0.97x (the step 0.74x / 0.76x -> 0.89x / 0.98x);
+    4:1 D128 N 1k / 2k / 4k / 8k the step 0.93 / 0.89 / 0.88 / 0.89x -> 0.82 / 0.87 /
+    0.92 / 0.96x; 8:1 D64 N 2k / 8k 0.95 / 0.88x -> 0.97 / 0.99x; 4:1 D64 (35 MB, fits)
+    1.10 / 1.01 / 1.03x -> 0.94 / 0.95 / 0.98x at N 1k / 4k / 8k. The sums cost 60-80 us
+    a step at 16k tokens: paid back from ``group x D x seqlen_q`` of 2M (4:1 D128 at 4k,
+    8:1 D128 at 2k). With this rule (``expand_default_*_h200.json``): MQA 16:1 D128 N 1k /
+    4k the main kernel 0.58x / 0.50x -> 0.83x / 0.94x. Without a mask the grouped walk kept
+    up (8:1 D128 N 2k / 8k the step 1.03x / 1.01x cuDNN's, per query head 0.97x / 0.98x,
+    ``expand_full_g8_h200.json``): a key block's CTAs then walk the group's heads in step,
+    where under a causal mask each walks a head for as many blocks as it sees and they drift
+    apart, so the default leaves it off there."""
+    group = problem.heads_q // problem.heads_kv
+    work = group * problem.head_dim
+    return (problem.causal and not problem.packed and group > 1
+            and work >= EXPAND_MIN_GROUP_DIM and work * problem.seqlen_q >= EXPAND_MIN_WORK)
+
+
 def default_config(problem: AttentionProblem, device: DeviceFingerprint) -> Config:
     """A safe config for ``problem``: the first of its head dim's defaults the predicate
     accepts (the first one when none is: the predicate names why), with dQ by TMA where
     :func:`dq_tma_by_default` says so, persistent where :func:`persistent_by_default` says
     so, else longest-first where :func:`lpt_by_default` says so, then dK and dV by TMA where
-    :func:`tma_store_by_default` says so, each where it compiles within budget (the order
+    :func:`tma_store_by_default` says so, and per query head where
+    :func:`expand_gqa_by_default` says so, each where it compiles within budget (the order
     is the measured gains': at D128 causal GQA, longest-first with the TMA stores spills
     over budget, and longest-first stays)."""
     defaults = _DEFAULTS.get(problem.head_dim, _DEFAULTS[128])
@@ -237,6 +283,9 @@ def default_config(problem: AttentionProblem, device: DeviceFingerprint) -> Conf
                 config = lpt
             stored = {**config, "TMA_STORE": 1}
             if tma_store_by_default(problem) and check(stored, problem, device) is None:
-                return stored
+                config = stored
+            expand = {**config, "EXPAND_GQA": 1}
+            if expand_gqa_by_default(problem) and check(expand, problem, device) is None:
+                config = expand
             return dict(config)
     return dict(defaults[0])
