@@ -66,10 +66,10 @@ DEFAULT_CONFIG: dict[str, int] = {"BLOCK_M": 64, "BLOCK_N": 128, "NUM_STAGES": 2
 # the same tiles in the same order on at most one CTA an SM (dense batches only); DQ_TMA 1
 # adds dQ's partials with TMA bulk reduce-adds (FA3's writer), 0 with vector atomics;
 # TMA_STORE 1 stores a whole block of dK and dV through the consumer's K and V rows in shared
-# memory by TMA (FA3's epilogue), 0 from registers; EXPAND_GQA 1 (the launcher's alone: the
-# same compiled kernel) runs a GQA problem as MHA over K and V repeated for each query head,
-# then sums dK and dV over the group (FlashAttention-2's GQA backward), 0 walks a group's
-# query heads in one CTA
+# memory by TMA (FA3's epilogue), 0 from registers; EXPAND_GQA 1 runs a GQA problem as MHA, a
+# CTA per query head reading its group's K and V (the kernel's KV_GROUP), then sums dK and
+# dV over the group (FlashAttention-2's GQA backward), 0 walks a group's query heads in one
+# CTA
 OPTIONAL_CONFIG: dict[str, int] = {"LPT": 0, "PERSISTENT": 0, "DQ_TMA": 0, "TMA_STORE": 0,
                                    "EXPAND_GQA": 0}
 # bytes of L2 a section's Q, dO and fp32 dQ accumulator may take (FA3's backward tile
@@ -100,8 +100,8 @@ def lpt_section(batch_heads_kv: int, group: int, seqlen_q: int, head_dim: int,
     dQ accumulator's rows the atomics add to (``group`` query heads each) fit
     :data:`L2_BUDGET`, a power of two that divides ``batch_heads_kv`` (so every section is
     whole and the kernel maps a CTA to its tile with shifts); 1 when not even one head
-    fits. (Sections sized for Q and dO alone, twice as many heads at 2-byte inputs, left
-    the accumulator out of L2's count, as FA3's scheduler does not.)"""
+    fits. (Until 2026-11-29 the sections counted Q and dO alone, twice as many heads at
+    2-byte inputs; FA3's backward scheduler counts the accumulator too.)"""
     per_head = group * seqlen_q * head_dim * (2 * itemsize + 4)
     fit = max(1, L2_BUDGET // max(1, per_head))
     return min(1 << (fit.bit_length() - 1), batch_heads_kv & -batch_heads_kv)
