@@ -11,9 +11,10 @@ them).
 * the **main** launch, one CTA per (key block of ``BLOCK_N`` keys, batch x KV head), in
   the order the ``LPT`` knob picks (0: a head's key blocks side by side, sharing its Q and
   dO in L2; 1: FA3's longest-processing-time order, the key blocks outer and first, in
-  sections of as many heads as L2 holds the Q and dO of: under a causal mask a GQA group's
-  first key blocks walk every query block of every query head of the group, and in the
-  other order one of them can start last and run alone), warp specialized: a **producer**
+  sections of as many heads as L2 holds the Q, dO and dQ accumulator of: under a causal
+  mask a GQA group's first key blocks walk every query block of every query head of the
+  group, and in the other order one of them can start last and run alone), warp
+  specialized: a **producer**
   warp TMA-loads K and V once and streams Q and dO tiles (with the rows' LSE and delta,
   by cp.async on the same mbarrier) through a ring of ``NUM_STAGES`` buffers (``q_ready``
   / ``do_ready`` / ``qdo_empty`` mbarriers) for every query block at or below the diagonal

@@ -189,8 +189,8 @@ def _tile(seqlen_k, section_log2, BLOCK_N: gl.constexpr, LPT: gl.constexpr):
     """The CTA's key block and ``batch * heads_kv + kv_head`` (every partition reads its tile
     here). ``LPT`` 0: the 2-D grid ``(key block, batch x KV head)``, a head's key blocks
     side by side (they share its Q and dO in L2). ``LPT`` 1: a 1-D grid in sections of
-    ``2 ** section_log2`` heads (as many as L2 holds the Q and dO of, dividing the batch's
-    heads; the launcher's :func:`lpt_section`), key block outer, heads inner: under a causal
+    ``2 ** section_log2`` heads (as many as L2 holds the Q, dO and dQ rows of, dividing the
+    batch's heads; the launcher's :func:`lpt_section`), key block outer, heads inner: under a causal
     mask the longest walks (the first key blocks, seen by every later query) start first
     and the shortest fill the tail (FA3's longest-processing-time order). Shifts and masks
     but one division: the partitions run on 24 registers."""

@@ -4,9 +4,9 @@ The knobs are the launcher's: ``BLOCK_M`` query rows per step (64, 128), ``BLOCK
 per CTA (64, 128; the consumers split them), ``NUM_STAGES`` Q/dO buffers (2, 3: one would
 deadlock the ring), ``NUM_CONSUMERS`` consumer warpgroups (1, 2), ``LPT`` the order the
 CTAs run in (0: a head's key blocks side by side; 1: longest walk first, in sections of heads
-whose Q and dO fit L2: under a causal mask the first key blocks walk every later query
-block, and in the 2-D order one of them can start last and run alone; optional, 0 when left
-out), ``PERSISTENT`` (1: the same tiles in the same order on at most one CTA an SM, so a
+whose Q, dO and dQ accumulator fit L2: under a causal mask the first key blocks walk every
+later query block, and in the 2-D order one of them can start last and run alone; optional,
+0 when left out), ``PERSISTENT`` (1: the same tiles in the same order on at most one CTA an SM, so a
 tile's K/V and first Q/dO loads run under the last tile's steps and dK/dV stores: at short
 sequences a CTA walks few steps and a grid launch pays its ramp and epilogue each time;
 dense batches only; optional, 0), ``DQ_TMA`` (1: the dQ writer adds each step's partial with
