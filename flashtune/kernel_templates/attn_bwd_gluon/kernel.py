@@ -297,14 +297,13 @@ def _producer_tile(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_s
     if VARLEN:  # the (total, H * D) views from the sequences' starts
         q_start, seqlen_q = _seq(cu_q_ptr, b)
         k_start, seqlen_k = _seq(cu_k_ptr, b)
+    kv_hk = hk  # K's and V's head (KV_GROUP > 1: the query head's group's)
+    kv_bhk = bhk
     if KV_GROUP > 1:
-        kv_row, kv_col = _kv_coords(b, hk // KV_GROUP,
-                                    b * (heads_kv // KV_GROUP) + hk // KV_GROUP,
-                                    n_block * BLOCK_N, seqlen_k, k_start, HEAD_D, KV_BSHD,
-                                    VARLEN)
-    else:
-        kv_row, kv_col = _kv_coords(b, hk, bhk, n_block * BLOCK_N, seqlen_k, k_start, HEAD_D,
-                                    KV_BSHD, VARLEN)
+        kv_hk = hk // KV_GROUP
+        kv_bhk = b * (heads_kv // KV_GROUP) + kv_hk
+    kv_row, kv_col = _kv_coords(b, kv_hk, kv_bhk, n_block * BLOCK_N, seqlen_k, k_start, HEAD_D,
+                                KV_BSHD, VARLEN)
     rows_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
     rows = gl.arange(0, BLOCK_M, layout=rows_layout)
     if VARLEN:  # no step, no K and V (the consumers wait for them on the same condition)
