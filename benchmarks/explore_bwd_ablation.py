@@ -10,14 +10,27 @@ steps, cuDNN 4.6 us).
 A variant is ``attn_bwd_gluon/kernel.py``'s text with some of :data:`PATCHES` applied,
 written to a throwaway module (the library's kernel is not changed); each patch must match
 its text exactly once, so a kernel edit that moves it fails loudly. The patches keep every
-instruction stream but skip a part's effect or its wait:
+instruction stream but skip a part's effect or its wait (the last two change the step's
+branch on its mask):
 
 * ``no_epilogue``: dK and dV stored under a mask false at run time (the stores' traffic);
 * ``no_atomics``: the dQ writer's atomics under such a mask (the writer still reads each
   partial from shared memory and hands the buffer back);
 * ``no_dq_mma``: no ``dS K`` wgmma (a zero partial goes to the writer);
 * ``no_ds_wait``: a consumer does not wait for the other's ``dS^T`` rows before its
-  ``dS K`` (the two consumers' lockstep).
+  ``dS K`` (the two consumers' lockstep);
+* ``mask_always``: the mask applied at every step, with no branch on whether the step
+  needs it (the same gradients);
+* ``mask_never``: no mask and no branch (wrong on the masked steps: the branch's and the
+  mask's cost together).
+
+(The mask's two patch the kernels that branch on it: D128, and D64 without a causal mask;
+causal D64 walks run the diagonal in a loop of its own.) ``--variants`` names the ones to
+time; ``timeline`` (named only) records each CTA's start and end (``%globaltimer``), SM
+and steps, a grid launch's: its busy share, idle tail and gaps between CTAs
+(:func:`timeline_stats`). ``--kernel NAME=PATH`` times another kernel file with the same
+parameters beside them, its gradients checked against the launcher's first (a candidate
+change, or ``--before PATH`` another revision's).
 
 Shapes are the standard grid's (16384 tokens, 2048 / D heads, bf16), so every length
 launches the same number of CTAs; a variant's time at two lengths gives its time per step
@@ -53,17 +66,52 @@ TOKENS, HIDDEN = 16384, 2048
 DT = torch.bfloat16
 OFF = "1073741824"  # a mask's bound no length reaches, unknown to the compiler
 
+# ``timeline``'s helpers: a consumer warpgroup's clock (``%globaltimer``, ns) and SM, and
+# consumer 0's record of its CTA (a grid launch's tile): start, end, SM, steps, into the
+# int64 rows of the buffer passed as ``cu_q_ptr`` (unused by the dense kernel otherwise)
+TIMELINE_HELPERS = '''@gluon.jit
+def _timeline_now():
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    z = gl.zeros([128], gl.int32, layout)
+    return gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [z], dtype=gl.int64,
+                                     is_pure=False, pack=1)
+
+
+@gluon.jit
+def _timeline_store(buf_ptr, t0, total, cid):
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    i = gl.arange(0, 128, layout=layout)
+    t1 = _timeline_now()
+    sm = gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [i], dtype=gl.int32,
+                                   is_pure=False, pack=1)
+    row = (gl.program_id(1) * gl.num_programs(0) + gl.program_id(0)).to(gl.int64) * 4
+    vals = gl.where(i == 0, t0, gl.where(i == 1, t1, gl.where(i == 2, sm.to(gl.int64),
+                                                                 total.to(gl.int64))))
+    gl.store(buf_ptr + row + i, vals, mask=(i < 4) & (cid == 0))
+
+
+'''
+
 PATCHES: dict[str, list[tuple[str, str]]] = {
     "no_epilogue": [("    ok = gl.expand_dims(rows < seqlen_k, 1)\n    gl.store(dk_ptr",
                      f"    ok = gl.expand_dims(rows < seqlen_k - {OFF}, 1)\n    gl.store(dk_ptr")],
     "no_atomics": [("offs, part,\n                                  sem=\"relaxed\")",
                     f"offs, part,\n                                  mask=offs < seqlen_q - {OFF}, "
                     "sem=\"relaxed\")")],
-    "no_dq_mma": [("        dq = warpgroup_mma(ds_b.permute((1, 0)), k_cols, dq_zero, "
-                   "use_acc=False,\n                           is_async=True)\n",
-                   "        dq = dq_zero\n")],
-    "no_ds_wait": [("        mbarrier.wait(ds_ready.index((step0 + t) % 2), "
+    "no_dq_mma": [("    dq = warpgroup_mma(ds_b.permute((1, 0)), k_cols, dq_zero, "
+                   "use_acc=False,\n                       is_async=True)\n",
+                   "    dq = dq_zero\n")],
+    "no_ds_wait": [("    mbarrier.wait(ds_ready.index((step0 + t) % 2), "
                     "((step0 + t) // 2) & 1)\n", "")],
+    "timeline": [
+        ("@gluon.jit\ndef _seq(cu_ptr, b):", TIMELINE_HELPERS + "@gluon.jit\ndef _seq(cu_ptr, b):"),
+        ("    k0 = n_block * BLOCK_N + cid * ROWS_N\n",
+         "    k0 = n_block * BLOCK_N + cid * ROWS_N\n    tl_t0 = _timeline_now()\n"),
+        ("    return total\n\n\n@gluon.jit\ndef _masked_steps(",
+         "    _timeline_store(cu_q_ptr, tl_t0, total, cid)\n"
+         "    return total\n\n\n@gluon.jit\ndef _masked_steps(")],
+    "mask_always": [("        if need_mask:\n", "        if True:\n")],
+    "mask_never": [("        if need_mask:\n", "        if False:\n")],
 }
 VARIANTS: dict[str, tuple[str, ...]] = {
     "base": (),
@@ -71,8 +119,12 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "no_atomics": ("no_atomics",),
     "no_dq": ("no_dq_mma", "no_atomics"),
     "no_ds_wait": ("no_ds_wait",),
+    "mask_always": ("mask_always",),
+    "mask_never": ("mask_never",),
     "no_epilogue_atomics": ("no_epilogue", "no_atomics"),
+    "timeline": ("timeline",),
 }
+OPTIONAL_VARIANTS = ("timeline",)  # not timed unless named in --variants
 
 
 def variant_source(kernel: Path, patches: dict[str, list[tuple[str, str]]],
@@ -92,11 +144,16 @@ def variant_source(kernel: Path, patches: dict[str, list[tuple[str, str]]],
 
 def write_modules(where: Path, prefix: str = "bwd_ablation", kernel: Path = KERNEL,
                   patches: dict[str, list[tuple[str, str]]] | None = None,
-                  variants: dict[str, tuple[str, ...]] | None = None) -> None:
-    """Each variant's kernel text as module ``{prefix}_{variant}`` in ``where``."""
+                  variants: dict[str, tuple[str, ...]] | None = None,
+                  kernels: dict[str, Path] | None = None) -> None:
+    """Each variant's kernel text as module ``{prefix}_{variant}`` in ``where``, and each
+    of ``kernels`` (other kernel files with the same parameters: another revision's, a
+    candidate change) as it is, as module ``{prefix}_{name}``."""
     patches = PATCHES if patches is None else patches
     for name, names in (VARIANTS if variants is None else variants).items():
         (where / f"{prefix}_{name}.py").write_text(variant_source(kernel, patches, names))
+    for name, path in (kernels or {}).items():
+        (where / f"{prefix}_{name}.py").write_text(path.read_text())
 
 
 def _kernel(where: str, name: str, prefix: str = "bwd_ablation",
@@ -127,6 +184,8 @@ def _compile(where: str, name: str, shape: tuple[int, int, int, int], causal: bo
         scratch = {n: Shaped(torch.float32, s) for n, s in scratch_shapes(shape, config).items()}
         _, args, kwargs, grid = _plan(q, q, q, Shaped(torch.float32, shape[:3]), q, q, scratch,
                                       config, causal)["main"]
+        if name == "timeline":
+            kwargs = {**kwargs, "cu_q_ptr": Shaped(torch.int64, (4,))}
         _kernel(where, name).warmup(*args, grid=grid, **kwargs)
         return None
     except Exception as exc:  # noqa: BLE001 - reported, the variant skipped
@@ -161,6 +220,43 @@ def _anchors(q: Any, k: Any, v: Any, do: Any, causal: bool) -> dict[str, float]:
         bwd = {n: t for n, t in times.items() if "bprop" in n or "bwd" in n}
         found[name] = max(bwd.values()) if bwd else float("nan")
     return found
+
+
+def timeline_stats(records: list[list[int]]) -> dict[str, Any]:
+    """What a launch's CTA records say (``[start ns, end ns, SM, steps]`` each, the
+    ``timeline`` variant's): its span, the SMs' busy share of it, the mean idle time of an SM
+    before its first CTA and after its last (the tail), the mean gap between two CTAs of an
+    SM, and a line through the CTAs' durations over their steps (fixed and per step, us;
+    None where every CTA walks as many steps)."""
+    if not records or any(r[1] < r[0] for r in records):
+        raise ValueError("timeline: a CTA's record is missing or ends before it starts")
+    t0, t1 = min(r[0] for r in records), max(r[1] for r in records)
+    per_sm: dict[int, list[list[int]]] = {}
+    for r in records:
+        per_sm.setdefault(r[2], []).append(r)
+    busy = sum(r[1] - r[0] for r in records)
+    gaps, n_gaps = 0, 0
+    for rs in per_sm.values():
+        rs.sort()
+        gaps += sum(max(b[0] - a[1], 0) for a, b in zip(rs, rs[1:]))
+        n_gaps += len(rs) - 1
+    steps = [r[3] for r in records]
+    durations = [(r[1] - r[0]) / 1e3 for r in records]
+    fixed = per_step = None
+    mean_s = sum(steps) / len(steps)
+    var = sum((x - mean_s) ** 2 for x in steps)
+    if var > 0:
+        mean_d = sum(durations) / len(durations)
+        per_step = sum((x - mean_s) * (y - mean_d) for x, y in zip(steps, durations)) / var
+        fixed = mean_d - per_step * mean_s
+    n_sm = len(per_sm)
+    return {"ctas": len(records), "sms": n_sm, "span_us": (t1 - t0) / 1e3,
+            "busy_share": busy / (n_sm * (t1 - t0)),
+            "head_us": sum(min(r[0] for r in rs) - t0 for rs in per_sm.values()) / n_sm / 1e3,
+            "tail_us": sum(t1 - max(r[1] for r in rs) for rs in per_sm.values()) / n_sm / 1e3,
+            "gap_us": gaps / max(n_gaps, 1) / 1e3,
+            "cta_us_mean": sum(durations) / len(durations),
+            "fixed_us": fixed, "per_step_us": per_step}
 
 
 def time_launch(launch: tuple[Any, Any, Any, Any], reps: int) -> float:
@@ -230,8 +326,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--configs", default='[{}]',
                     help="JSON list of updates to the template default (LPT 0, DQ_TMA 0, "
                          "PERSISTENT 0 first)")
+    ap.add_argument("--variants",
+                    default=",".join(n for n in VARIANTS if n not in OPTIONAL_VARIANTS),
+                    help="the variants to time, comma-separated (base first)")
+    ap.add_argument("--kernel", action="append", default=[], metavar="NAME=PATH",
+                    help="another kernel.py (same parameters: another revision's, a candidate "
+                         "change), checked against the library launcher's gradients and timed "
+                         "as variant NAME beside the others (repeatable)")
+    ap.add_argument("--before", default="",
+                    help="another revision's kernel.py: --kernel before=PATH")
     add_run_args(ap, "128", "512,4096", "no")
     args = ap.parse_args(argv)
+    variants = {n: VARIANTS[n] for n in args.variants.split(",")}
+    if "base" not in variants:
+        raise SystemExit("--variants: base is the library kernel, checked and timed first")
+    kernels = dict(spec.split("=", 1) for spec in args.kernel)
+    if args.before:
+        kernels["before"] = args.before
+    if set(kernels) & set(VARIANTS) or not all(kernels.values()):
+        raise SystemExit("--kernel NAME=PATH: a name no variant has, and a path")
+    names = [*variants, *kernels]
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
         return 0
@@ -249,7 +363,8 @@ def main(argv: list[str] | None = None) -> int:
 
     share_cache_dir()  # set before the pool starts: its workers compile into it
     where = tempfile.mkdtemp(prefix="bwd_ablation_")
-    write_modules(Path(where))
+    write_modules(Path(where), variants=variants,
+                  kernels={n: Path(path) for n, path in kernels.items()})
     cases = []
     for d in map(int, args.head_dims.split(",")):
         for causal in causals:
@@ -264,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     # lengths here (all multiples of 16); the pool and this process share TRITON_CACHE_DIR
     unique = {(name, p.head_dim, p.causal, json.dumps(cfg, sort_keys=True)):
               (where, name, (p.batch, p.heads_q, p.seqlen_q, p.head_dim), p.causal, cfg)
-              for p, cfg in cases for name in VARIANTS}
+              for p, cfg in cases for name in names}
     jobs = list(unique.values())
     failed = compile_all(_compile, jobs, args.jobs)
     broken = {(j[1], j[2][3], j[3], json.dumps(j[4], sort_keys=True))
@@ -286,8 +401,15 @@ def main(argv: list[str] | None = None) -> int:
         launches = plan(q, k, v, out, lse, do, dq, dk, dv, scratch, config, causal=p.causal,
                         scale=1.0 / math.sqrt(p.head_dim))
         key = json.dumps(config, sort_keys=True)
-        mains = {name: (_kernel(where, name), *launches["main"][1:]) for name in VARIANTS
+        mains = {name: (_kernel(where, name), *launches["main"][1:]) for name in names
                  if (name, p.head_dim, p.causal, key) not in broken}
+        main_grid = launches["main"][3]
+        record = None
+        if "timeline" in mains:  # its CTAs' records go to a buffer passed as cu_q_ptr
+            record = torch.zeros(main_grid[0] * main_grid[1] * 4, device="cuda",
+                                 dtype=torch.int64)
+            kernel, a, kw, g = mains["timeline"]
+            mains["timeline"] = (kernel, a, {**kw, "cu_q_ptr": record}, g)
         # the base variant is the library kernel: same gradients as its launcher
         for name in ("preprocess", "main", "convert"):
             kernel, a, kw, grid = launches[name] if name != "main" else mains["base"]
@@ -295,28 +417,56 @@ def main(argv: list[str] | None = None) -> int:
         same = all(torch.equal(x, y) or (x - y).abs().max().item() < 1e-2
                    for x, y in zip((dk, dv), ref[1:]))
         dq_err = ((dq.float() - ref[0].float()).norm() / ref[0].float().norm()).item()
+        # each other kernel file: its gradients against the launcher's (a candidate change
+        # must compute the same; the patched variants are wrong by design)
+        kernels_match = {}
+        for name in kernels:
+            if name not in mains:
+                continue
+            kernel, a, kw, g = mains[name]
+            dq.zero_(), dk.zero_(), dv.zero_()
+            for part in ("preprocess", "main", "convert"):
+                run, pa, pkw, pg = launches[part] if part != "main" else (kernel, a, kw, g)
+                run[pg](*pa, **pkw)
+            kernels_match[name] = {
+                "dk_dv_max_abs": max((x.float() - y.float()).abs().max().item()
+                                     for x, y in zip((dk, dv), ref[1:])),
+                "dq_rel_err": ((dq.float() - ref[0].float()).norm()
+                               / ref[0].float().norm()).item()}
         times = time_variants(mains, args.rounds, args.reps)
+        timeline = None
+        if record is not None:  # one launch more, alone: its CTAs' records
+            time_launch(mains["timeline"], 1)
+            timeline = timeline_stats(record.view(-1, 4).tolist())
         anchors = _anchors(q, k, v, do, p.causal)
-        grid = launches["main"][3]
         row = {"shape": f"B{p.batch} H{p.heads_q} N{p.seqlen_q} D{p.head_dim}"
                         f"{' causal' if p.causal else ''}",
                "batch": p.batch, "heads": p.heads_q, "seqlen": p.seqlen_q,
                "head_dim": p.head_dim, "causal": p.causal, "config": config,
-               "ctas": grid[0] * grid[1], "base_matches_launcher": same,
+               "ctas": main_grid[0] * main_grid[1], "base_matches_launcher": same,
+               "kernels_match": kernels_match,
                "base_dq_rel_err": dq_err, "anchors_ms": anchors,
                "variants_ms": {n: statistics.median(t) for n, t in times.items()},
-               "rounds_ms": times}
+               "rounds_ms": times, "timeline": timeline}
         rows.append(row)
         print(f"== {row['shape']} {config} ctas {row['ctas']} base==launcher {same} "
               f"(dq {dq_err:.1e}); cuDNN bwd {anchors['cudnn']:.3f} ms, flash "
               f"{anchors['flash']:.3f} ms", flush=True)
+        for name, err in kernels_match.items():
+            print(f"   {name}: dK, dV max |diff| {err['dk_dv_max_abs']:.2e}, dQ rel "
+                  f"{err['dq_rel_err']:.2e} against the launcher")
         for n, ms in row["variants_ms"].items():
             print(f"   {n:22s} {ms:.4f} ms  {ms / row['variants_ms']['base']:.3f}x base  "
                   f"{anchors['cudnn'] / ms:.3f}x cuDNN")
+        if timeline is not None:
+            print("   timeline " + ", ".join(
+                f"{n} {v:.3f}" if isinstance(v, float) else f"{n} {v}"
+                for n, v in timeline.items()))
         del q, k, v, do, out, lse, ref, dq, dk, dv, scratch
         torch.cuda.empty_cache()
     _print_split(rows)
-    write_doc(args.out, "bwd_ablation", args, PATCHES, VARIANTS, rows)
+    write_doc(args.out, "bwd_ablation", args, PATCHES,
+              {**variants, **kernels}, rows)
     return 0
 
 

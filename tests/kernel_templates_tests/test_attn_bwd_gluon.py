@@ -213,14 +213,15 @@ def test_the_default_runs_gqa_per_query_head_where_the_group_outgrows_l2(hq, hkv
 
 @pytest.mark.parametrize("hq,hkv,n,causal,persistent", [
     (32, 32, 1000, False, 1), (32, 32, 2048, False, 1), (32, 32, 4096, False, 0),
-    (32, 32, 1000, True, 1), (32, 32, 4096, True, 1), (32, 32, 8192, True, 0),
+    (32, 32, 1000, True, 1), (32, 32, 2048, True, 1), (32, 32, 4096, True, 0),
     (28, 4, 1000, True, 0), (32, 4, 1000, False, 0)])
 def test_the_default_at_d64_is_persistent_for_short_mha_walks(hq, hkv, n, causal, persistent):
     """Measured on an H200 (benchmarks/results/train_breakdown_d64*_h200.json,
     defaults_d64_*_h200.json): the persistent main kernel 1.00-1.11x the grid launch on D64
-    MHA at N 512-2k, 0.97-1.00x at 4k; causal (LPT 1) 1.03-1.12x up to 4k; 0.95-1.01x from
-    8k; the step 0.85-0.90x on GQA 4:1; a packed batch keeps the grid launch (PERSISTENT
-    serves dense batches only)."""
+    MHA at N 512-2k, 0.97-1.00x at 4k; causal (LPT 1) 1.03-1.12x up to 4k, and since the
+    causal walks run the diagonal last 0.97x at 4k (bwd_diag_last_d64{,p}_h200.json);
+    0.95-1.01x from 8k; the step 0.85-0.90x on GQA 4:1; a packed batch keeps the grid
+    launch (PERSISTENT serves dense batches only)."""
     p = AttentionProblem(2, hq, hkv, n, n, 64, causal, "bf16")
     config = SPEC.default_config(p, H100)
     assert config["PERSISTENT"] == persistent and space.check(config, p, H100) is None
@@ -587,6 +588,34 @@ def _check_configs(case: tuple, dtype: torch.dtype, seed: int,
     for config in configs:
         got = SPEC.launcher(q, k, v, out, lse, do, config, causal=causal)
         assert_grads_close(got, q, k, v, do, causal=causal, refs=refs)
+
+
+DIAGONAL_LAST_CASES = [  # D64 causal: the walks run each query head's diagonal last
+    (2, 4, 4, 1000, 1000, 64, True),  # ragged: the last key block runs past the end
+    (1, 8, 2, 77, 133, 64, True),  # GQA 4:1, Nq < Nk: a CTA walks four heads, each's
+    # diagonal after its unmasked blocks
+    (1, 4, 1, 384, 130, 64, True),  # MQA, Nq > Nk: rows that see no key
+    (2, 6, 3, 333, 517, 64, True),  # GQA 2:1, ragged, Nq < Nk
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", DIAGONAL_LAST_CASES,
+                         ids=lambda s: "b{}h{}:{}q{}k{}d{}c".format(*s[:6]))
+def test_d64_causal_walks_mask_the_diagonal_last_in_every_tile_shape(case) -> None:
+    """At D64 a causal walk runs each query head's blocks from the last down, the mask's
+    diagonal in a loop of its own after the unmasked steps (``kernel.DIAGONAL_LAST_MAX_D``),
+    and the producer and the dQ writer walk alike: every tile shape the predicate accepts
+    (query rows a step, keys a CTA, one or two consumers, two or three stages; the other
+    knobs are the tests above) against the float64 reference, where a wrong count of masked
+    steps lets a query see a later key or a ring slot pair with another step's Q."""
+    b, hq, hkv, nq, nk, d, causal = case
+    p = AttentionProblem(b, hq, hkv, nq, nk, d, causal, "bf16")
+    configs = [c for c in _valid_configs(p)
+               if all(c[k] == 0 for k in set(c) - {"BLOCK_M", "BLOCK_N", "NUM_STAGES",
+                                                   "NUM_CONSUMERS"})]
+    assert {(c["BLOCK_M"], c["NUM_CONSUMERS"]) for c in configs} >= {(64, 2), (64, 1)}
+    _check_configs(case, torch.bfloat16, 9, configs)
 
 
 @pytest.mark.gpu

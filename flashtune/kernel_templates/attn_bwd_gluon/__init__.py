@@ -35,8 +35,17 @@ tiles in the same order, each CTA several: the next tile's K, V and first Q and 
 while the last tile's dK and dV are stored, where a grid launch starts every CTA cold. At
 short sequences, where a CTA walks few steps, that pays: on an H200 D64 MHA training steps
 ran 1.00-1.07x the grid launch at N 512-4k (causal with ``LPT`` 1), so the default uses it
-there (``space.persistent_by_default``); at D128 the tile loop spills in the consumers and
-ran slower (the tuner may still time it). With ``DQ_TMA`` the dQ writer adds each partial
+there (``space.persistent_by_default``; causal up to 2k since the walks below); at D128 the
+tile loop spills in the consumers and ran slower (the tuner may still time it).
+
+Under a causal mask at D64 (``kernel.DIAGONAL_LAST_MAX_D``) every partition walks a CTA's
+query blocks that no key of its block is masked in first, from the last down, and the
+mask's diagonal last (``kernel._step_block``), and the consumers run the two in loops of
+their own: the unmasked loop has no mask and no branch on one, 30% fewer instructions
+(FA3's backward splits its loop the same way). On an H200 the main kernel ran 1.02-1.04x
+the one loop's at N 4k-16k (``benchmarks/results/bwd_diag_last_d64_h200.json``). At D128
+ptxas spills in the unmasked loop of the split (1.03-1.20x slower), so D128 keeps one loop
+with the mask behind a branch. With ``DQ_TMA`` the dQ writer adds each partial
 by TMA bulk reduce-adds (FA3's writer) instead of vector atomics: 1.03x the main kernel at
 D128 without a mask, the default there (``space.dq_tma_by_default``).
 

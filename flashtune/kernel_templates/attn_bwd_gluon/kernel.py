@@ -20,8 +20,12 @@ structure, :mod:`.launcher` plans and launches them).
   accumulator with vector atomics while the consumers go on;
 * ``gluon_attn_bwd_convert_dq``: ``dQ = scale * accumulator`` cast to the input dtype.
 
-``_steps`` is the one place both partitions read the CTA's walk from (which query blocks,
-how many steps); keep the two in step.
+``_steps`` and ``_step_block`` are the one place the partitions read the CTA's walk from
+(which query blocks, how many steps, in which order); keep them in step. Under a causal
+mask at D64 (``DIAGONAL_LAST_MAX_D``) the walk runs the blocks no key of the CTA's block is
+masked in first, from the last down, and the mask's diagonal last, so that the consumers
+run the two in loops of their own (``_consumer_step``'s ``MASK``): the unmasked loop has no
+mask and no branch on one (FA3's backward splits its loop the same way).
 
 ``PERSISTENT`` (dense batches): at most one CTA an SM, CTA ``i`` of ``P`` walking the grid
 launch's tiles ``i, i + P, ...`` (``_tile_at`` numbers them as the grid's CTAs); each
@@ -64,6 +68,14 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+
+# a consumer step's masking (``_consumer_step``'s ``MASK``)
+MASK_NONE: gl.constexpr = gl.constexpr(0)
+MASK_BRANCH: gl.constexpr = gl.constexpr(1)
+MASK_DIAGONAL: gl.constexpr = gl.constexpr(2)
+# the largest head dim whose causal walks run the mask's diagonal last, in a loop of its own
+# (``_step_block``); at D128 ptxas spills in the unmasked loop
+DIAGONAL_LAST_MAX_D: gl.constexpr = gl.constexpr(64)
 
 
 @gluon.jit
@@ -182,6 +194,25 @@ def _steps(n_block, seqlen_q, seqlen_k, group, BLOCK_M: gl.constexpr,
     if VARLEN:
         n_m = gl.where(n_block * BLOCK_N < seqlen_k, n_m, 0)
     return m_lo, n_m, group * n_m
+
+
+@gluon.jit
+def _step_block(t, m_lo, n_m, n_diag, group, DIAGONAL_LAST: gl.constexpr):
+    """Step ``t``'s query head in the GQA group and query block (the walk of :func:`_steps`:
+    ``n_m`` blocks from ``m_lo`` per head), the same in the three partitions. A head's blocks
+    up from ``m_lo``, head after head; with ``DIAGONAL_LAST`` every head's blocks that no key
+    of the CTA's block is masked in, from the last down, then every head's ``n_diag`` blocks
+    of the causal mask's diagonal (the first ones, :func:`_masked_steps`), so that the
+    consumers run the steps the mask touches in a loop of their own, after the others."""
+    if DIAGONAL_LAST:
+        u = n_m - n_diag
+        first = t < group * u
+        r = t - group * u
+        u1 = gl.maximum(u, 1)
+        d1 = gl.maximum(n_diag, 1)
+        return (gl.where(first, t // u1, r // d1),
+                gl.where(first, m_lo + n_m - 1 - t % u1, m_lo + n_diag - 1 - r % d1))
+    return t // n_m, m_lo + t % n_m
 
 
 @gluon.jit
@@ -323,9 +354,14 @@ def _producer_tile(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_s
         tma.async_copy_global_to_shared(v_desc, [kv_row, kv_col], kv_bar, v_smem)
         m_lo, n_m, total = _steps(n_block, seqlen_q, seqlen_k, group, BLOCK_M, BLOCK_N,
                                   CAUSAL, VARLEN)
+    DIAGONAL_LAST: gl.constexpr = CAUSAL and HEAD_D <= DIAGONAL_LAST_MAX_D
+    n_diag = 0
+    if DIAGONAL_LAST:
+        n_diag = _masked_steps(n_block * BLOCK_N, m_lo, n_m, seqlen_q, seqlen_k, BLOCK_M,
+                               BLOCK_N)
     for t in range(total):
-        h = hk * group + t // n_m
-        m = m_lo + t % n_m
+        j, m = _step_block(t, m_lo, n_m, n_diag, group, DIAGONAL_LAST)
+        h = hk * group + j
         st = (step0 + t) % NUM_STAGES
         # a fresh mbarrier counts as phase 1 complete: the first NUM_STAGES waits pass
         mbarrier.wait(qdo_empty.index(st), (((step0 + t) // NUM_STAGES) & 1) ^ 1)
@@ -398,9 +434,14 @@ def _dq_writer_tile(dq_smem, dq_full, dq_empty, dq_acc_ptr, dq_desc, cu_q_ptr, c
         _, seqlen_k = _seq(cu_k_ptr, b)
     m_lo, n_m, total = _steps(n_block, seqlen_q, seqlen_k, group, BLOCK_M, BLOCK_N, CAUSAL,
                               VARLEN)
+    DIAGONAL_LAST: gl.constexpr = CAUSAL and HEAD_D <= DIAGONAL_LAST_MAX_D
+    n_diag = 0
+    if DIAGONAL_LAST:
+        n_diag = _masked_steps(n_block * BLOCK_N, m_lo, n_m, seqlen_q, seqlen_k, BLOCK_M,
+                               BLOCK_N)
     for t in range(total):
-        h = hk * group + t // n_m
-        m = m_lo + t % n_m
+        j, m = _step_block(t, m_lo, n_m, n_diag, group, DIAGONAL_LAST)
+        h = hk * group + j
         if DQ_TMA:  # (the launcher keeps B * Hq * Nq_pad rows below 2**31)
             row = (b * heads_q + h) * seqlen_q_pad + m * BLOCK_M
             mbarrier.wait(dq_full, (step0 + t) & 1)
@@ -476,7 +517,6 @@ def _consumer_tile(cid, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_s
     phases; returns the tile's steps."""
     ROWS_N: gl.constexpr = BLOCK_N // NUM_CONSUMERS
     DQ_COLS: gl.constexpr = HEAD_D // NUM_CONSUMERS
-    dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -509,66 +549,33 @@ def _consumer_tile(cid, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_s
         mbarrier.wait(kv_bar, 0, pred=total > 0)
     else:
         mbarrier.wait(kv_bar, tile_i & 1)
-    for t in range(total):
-        m = m_lo + t % n_m
-        st = (step0 + t) % NUM_STAGES
-        ph = ((step0 + t) // NUM_STAGES) & 1
-        qrows = gl.arange(0, BLOCK_M, layout=qry_l)
-        mbarrier.wait(q_ready.index(st), ph)
-        # the query rows' LSE (log2 domain, +inf past the end) and delta, with Q
-        lse2 = lse_smem.index(st).load(qry_l)
-        delta = delta_smem.index(st).load(qry_l)
-        q_t = q_smem.index(st)
-        do_t = do_smem.index(st)
-        # (the zero accumulators made at their use: hoisted, they hold registers throughout)
-        s_zero = gl.zeros([ROWS_N, BLOCK_M], gl.float32, s_layout)
-        s = warpgroup_mma(k_c, q_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        mbarrier.wait(do_ready.index(st), ph)
-        dp = warpgroup_mma(v_c, do_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
-        # P^T while dP^T is on the tensor cores
-        p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 0))
-        need_mask = k0 + ROWS_N > seqlen_k
-        if CAUSAL:  # the block's first query row misses some of the keys
-            need_mask = need_mask | (m * BLOCK_M + (seqlen_k - seqlen_q) < k0 + ROWS_N - 1)
-        if need_mask:
-            ok = gl.expand_dims(keys < seqlen_k, 1)
-            if CAUSAL:
-                qpos = m * BLOCK_M + qrows + (seqlen_k - seqlen_q)
-                ok = ok & (gl.expand_dims(keys, 1) <= gl.expand_dims(qpos, 0))
-            p = gl.where(ok, p, 0.0)
-        # dV += P^T dO with P^T in registers, on the tensor cores while dS^T is computed
-        p16 = gl.convert_layout(p.to(dtype), a_layout)
-        dv = warpgroup_mma(p16, do_t, dv, is_async=True)
-        dp = warpgroup_mma_wait(num_outstanding=1, deps=(dp, ))
-        ds = p * (dp - gl.expand_dims(delta, 0))
-        # dK += dS^T Q with dS^T in registers too: issued before dS^T's store to shared
-        # memory (for dS K), not after it
-        ds16 = gl.convert_layout(ds.to(dtype), a_layout)
-        dk = warpgroup_mma(ds16, q_t, dk, is_async=True)
-        # dS^T: this consumer's rows of the step's buffer (two buffers: a consumer writes
-        # buffer t % 2 again only after both passed step t + 1's ds_ready, so after the
-        # other's dS K of step t has completed)
-        ds_b = ds_smem.index((step0 + t) % 2)
-        ds_own = ds_b.slice(cid * ROWS_N, ROWS_N, dim=0)
-        ds_own.store(ds16)
-        fence_async_shared()
-        mbarrier.arrive(ds_ready.index((step0 + t) % 2), count=1)
-        # dQ_part[:, cols] = dS K[:, cols] over all the CTA's keys, once every consumer's
-        # dS^T rows are in
-        mbarrier.wait(ds_ready.index((step0 + t) % 2), ((step0 + t) // 2) & 1)
-        dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout)
-        dq = warpgroup_mma(ds_b.permute((1, 0)), k_cols, dq_zero, use_acc=False,
-                           is_async=True)
-        dv, dk, p16, ds16 = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dk, p16, ds16))
-        mbarrier.arrive(qdo_empty.index(st), count=1)  # Q and dO read
-        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
-        # to the dQ writer: its buffer free once it read the previous step's
-        mbarrier.wait(dq_empty, ((step0 + t) & 1) ^ 1)
-        dq_c.store(dq)
-        if DQ_TMA:  # the writer's reduce-adds read it through the async proxy
-            fence_async_shared()
-        mbarrier.arrive(dq_full, count=1)
+    DIAGONAL_LAST: gl.constexpr = CAUSAL and HEAD_D <= DIAGONAL_LAST_MAX_D
+    if DIAGONAL_LAST:  # the steps no key of the block is masked in, then the diagonal's
+        # (the CTA's count: a consumer whose keys some of those steps see whole masks them
+        # all the same), in the order of _step_block
+        n_diag = _masked_steps(n_block * BLOCK_N, m_lo, n_m, seqlen_q, seqlen_k, BLOCK_M,
+                               BLOCK_N)
+        for t in range(0, group * (n_m - n_diag)):
+            dk, dv = _consumer_step(
+                t, 0, step0, q_smem, do_smem, k_c, v_c, k_cols, ds_smem, dq_c, lse_smem,
+                delta_smem, q_ready, do_ready, qdo_empty, ds_ready, dq_full, dq_empty, dk, dv,
+                keys, k0, seqlen_q, seqlen_k, qk_scale, cid, BLOCK_M, ROWS_N, DQ_COLS,
+                NUM_STAGES, CAUSAL, DQ_TMA, MASK_NONE, s_layout, dq_layout, a_layout, qry_l)
+        for t in range(group * (n_m - n_diag), total):
+            _, m = _step_block(t, m_lo, n_m, n_diag, group, True)
+            dk, dv = _consumer_step(
+                t, m, step0, q_smem, do_smem, k_c, v_c, k_cols, ds_smem, dq_c, lse_smem,
+                delta_smem, q_ready, do_ready, qdo_empty, ds_ready, dq_full, dq_empty, dk, dv,
+                keys, k0, seqlen_q, seqlen_k, qk_scale, cid, BLOCK_M, ROWS_N, DQ_COLS,
+                NUM_STAGES, CAUSAL, DQ_TMA, MASK_DIAGONAL, s_layout, dq_layout, a_layout,
+                qry_l)
+    else:
+        for t in range(total):
+            dk, dv = _consumer_step(
+                t, m_lo + t % n_m, step0, q_smem, do_smem, k_c, v_c, k_cols, ds_smem, dq_c,
+                lse_smem, delta_smem, q_ready, do_ready, qdo_empty, ds_ready, dq_full, dq_empty,
+                dk, dv, keys, k0, seqlen_q, seqlen_k, qk_scale, cid, BLOCK_M, ROWS_N, DQ_COLS,
+                NUM_STAGES, CAUSAL, DQ_TMA, MASK_BRANCH, s_layout, dq_layout, a_layout, qry_l)
     if TMA_STORE:
         if k0 + ROWS_N <= seqlen_k:  # a whole block: no row of the view's next head (or
             # sequence) in it
@@ -587,6 +594,100 @@ def _consumer_tile(cid, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_s
         _store_rows(dk, dv, dk_ptr, dv_ptr, cu_k_ptr, b, hk, k0, seqlen_k, stride_dkb,
                     stride_dkh, stride_dkn, sm_scale, ROWS_N, HEAD_D, VARLEN)
     return total
+
+
+@gluon.jit
+def _masked_steps(k0, m_lo, n_m, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr,
+                  ROWS_N: gl.constexpr):
+    """Causal: how many of a query head's steps (query blocks ``m_lo ..``, ``n_m`` of them)
+    the keys ``[k0, k0 + ROWS_N)`` are masked in: those whose first query row misses some
+    of them (bottom-right aligned: row ``i`` sees key ``j`` iff ``j <= i + seqlen_k -
+    seqlen_q``). Keys running past the end are masked in every step (no query row sees a key
+    past it)."""
+    m_end = gl.cdiv(gl.maximum(k0 + ROWS_N - 1 - (seqlen_k - seqlen_q), 0), BLOCK_M)
+    return gl.minimum(gl.maximum(m_end - m_lo, 0), n_m)
+
+
+@gluon.jit
+def _consumer_step(t, m, step0, q_smem, do_smem, k_c, v_c, k_cols, ds_smem, dq_c, lse_smem,
+                   delta_smem, q_ready, do_ready, qdo_empty, ds_ready, dq_full, dq_empty, dk, dv,
+                   keys, k0, seqlen_q, seqlen_k, qk_scale, cid, BLOCK_M: gl.constexpr,
+                   ROWS_N: gl.constexpr, DQ_COLS: gl.constexpr, NUM_STAGES: gl.constexpr,
+                   CAUSAL: gl.constexpr, DQ_TMA: gl.constexpr, MASK: gl.constexpr,
+                   s_layout: gl.constexpr, dq_layout: gl.constexpr, a_layout: gl.constexpr,
+                   qry_l: gl.constexpr):
+    """Consumer ``cid``'s step ``t`` of its tile (query block ``m``; the CTA's step ``step0 +
+    t`` picks the ring slot and the phases): ``S^T``, ``P^T``, ``dP^T``, ``dS^T``, ``dV``
+    and ``dK`` of its keys, its columns of the step's ``dQ`` partial to the writer; returns
+    ``dk, dv``. ``MASK``: :data:`MASK_NONE`, :data:`MASK_BRANCH` (the mask behind a branch
+    on whether the step needs it: keys past the end, and under a causal mask the diagonal)
+    or :data:`MASK_DIAGONAL` (the causal mask and the keys' end, at every step)."""
+    dtype: gl.constexpr = q_smem.dtype
+    st = (step0 + t) % NUM_STAGES
+    ph = ((step0 + t) // NUM_STAGES) & 1
+    qrows = gl.arange(0, BLOCK_M, layout=qry_l)
+    mbarrier.wait(q_ready.index(st), ph)
+    # the query rows' LSE (log2 domain, +inf past the end) and delta, with Q
+    lse2 = lse_smem.index(st).load(qry_l)
+    delta = delta_smem.index(st).load(qry_l)
+    q_t = q_smem.index(st)
+    do_t = do_smem.index(st)
+    # (the zero accumulators made at their use: hoisted, they hold registers throughout)
+    s_zero = gl.zeros([ROWS_N, BLOCK_M], gl.float32, s_layout)
+    s = warpgroup_mma(k_c, q_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    mbarrier.wait(do_ready.index(st), ph)
+    dp = warpgroup_mma(v_c, do_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
+    # P^T while dP^T is on the tensor cores
+    p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 0))
+    if MASK == MASK_BRANCH:
+        need_mask = k0 + ROWS_N > seqlen_k
+        if CAUSAL:  # the block's first query row misses some of the keys
+            need_mask = need_mask | (m * BLOCK_M + (seqlen_k - seqlen_q) < k0 + ROWS_N - 1)
+        if need_mask:
+            ok = gl.expand_dims(keys < seqlen_k, 1)
+            if CAUSAL:
+                qpos = m * BLOCK_M + qrows + (seqlen_k - seqlen_q)
+                ok = ok & (gl.expand_dims(keys, 1) <= gl.expand_dims(qpos, 0))
+            p = gl.where(ok, p, 0.0)
+    if MASK == MASK_DIAGONAL:  # query i sees key j iff j <= i + seqlen_k - seqlen_q
+        qpos = m * BLOCK_M + qrows + (seqlen_k - seqlen_q)
+        ok = gl.expand_dims(keys < seqlen_k, 1) & (gl.expand_dims(keys, 1)
+                                                   <= gl.expand_dims(qpos, 0))
+        p = gl.where(ok, p, 0.0)
+    # dV += P^T dO with P^T in registers, on the tensor cores while dS^T is computed
+    p16 = gl.convert_layout(p.to(dtype), a_layout)
+    dv = warpgroup_mma(p16, do_t, dv, is_async=True)
+    dp = warpgroup_mma_wait(num_outstanding=1, deps=(dp, ))
+    ds = p * (dp - gl.expand_dims(delta, 0))
+    # dK += dS^T Q with dS^T in registers too: issued before dS^T's store to shared
+    # memory (for dS K), not after it
+    ds16 = gl.convert_layout(ds.to(dtype), a_layout)
+    dk = warpgroup_mma(ds16, q_t, dk, is_async=True)
+    # dS^T: this consumer's rows of the step's buffer (two buffers: a consumer writes
+    # buffer t % 2 again only after both passed step t + 1's ds_ready, so after the
+    # other's dS K of step t has completed)
+    ds_b = ds_smem.index((step0 + t) % 2)
+    ds_own = ds_b.slice(cid * ROWS_N, ROWS_N, dim=0)
+    ds_own.store(ds16)
+    fence_async_shared()
+    mbarrier.arrive(ds_ready.index((step0 + t) % 2), count=1)
+    # dQ_part[:, cols] = dS K[:, cols] over all the CTA's keys, once every consumer's
+    # dS^T rows are in
+    mbarrier.wait(ds_ready.index((step0 + t) % 2), ((step0 + t) // 2) & 1)
+    dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout)
+    dq = warpgroup_mma(ds_b.permute((1, 0)), k_cols, dq_zero, use_acc=False,
+                       is_async=True)
+    dv, dk, p16, ds16 = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dk, p16, ds16))
+    mbarrier.arrive(qdo_empty.index(st), count=1)  # Q and dO read
+    dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
+    # to the dQ writer: its buffer free once it read the previous step's
+    mbarrier.wait(dq_empty, ((step0 + t) & 1) ^ 1)
+    dq_c.store(dq)
+    if DQ_TMA:  # the writer's reduce-adds read it through the async proxy
+        fence_async_shared()
+    mbarrier.arrive(dq_full, count=1)
+    return dk, dv
 
 
 @gluon.jit
