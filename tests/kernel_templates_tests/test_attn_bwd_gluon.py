@@ -592,8 +592,8 @@ def _check_configs(case: tuple, dtype: torch.dtype, seed: int,
 
 DIAGONAL_LAST_CASES = [  # D64 causal: the walks run each query head's diagonal last
     (2, 4, 4, 1000, 1000, 64, True),  # ragged: the last key block runs past the end
-    (1, 8, 2, 77, 133, 64, True),  # GQA 4:1, Nq < Nk: a CTA walks four heads, each's
-    # diagonal after its unmasked blocks
+    (1, 8, 2, 77, 133, 64, True),  # GQA 4:1, Nq < Nk: a CTA walks four heads' unmasked
+    # blocks, then their four diagonals
     (1, 4, 1, 384, 130, 64, True),  # MQA, Nq > Nk: rows that see no key
     (2, 6, 3, 333, 517, 64, True),  # GQA 2:1, ragged, Nq < Nk
 ]
@@ -603,9 +603,10 @@ DIAGONAL_LAST_CASES = [  # D64 causal: the walks run each query head's diagonal 
 @pytest.mark.parametrize("case", DIAGONAL_LAST_CASES,
                          ids=lambda s: "b{}h{}:{}q{}k{}d{}c".format(*s[:6]))
 def test_d64_causal_walks_mask_the_diagonal_last_in_every_tile_shape(case) -> None:
-    """At D64 a causal walk runs each query head's blocks from the last down, the mask's
-    diagonal in a loop of its own after the unmasked steps (``kernel.DIAGONAL_LAST_MAX_D``),
-    and the producer and the dQ writer walk alike: every tile shape the predicate accepts
+    """At D64 a causal walk runs every query head's unmasked blocks from the last down, then
+    the heads' diagonal blocks in a loop of their own, with the mask
+    (``kernel.DIAGONAL_LAST_MAX_D``), and the producer and the dQ writer walk alike
+    (``kernel._step_block``): every tile shape the predicate accepts
     (query rows a step, keys a CTA, one or two consumers, two or three stages; the other
     knobs are the tests above) against the float64 reference, where a wrong count of masked
     steps lets a query see a later key or a ring slot pair with another step's Q."""

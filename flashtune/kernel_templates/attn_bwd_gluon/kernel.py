@@ -555,7 +555,7 @@ def _consumer_tile(cid, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_s
         # all the same), in the order of _step_block
         n_diag = _masked_steps(n_block * BLOCK_N, m_lo, n_m, seqlen_q, seqlen_k, BLOCK_M,
                                BLOCK_N)
-        for t in range(0, group * (n_m - n_diag)):
+        for t in range(0, group * (n_m - n_diag)):  # (no mask: the block's index unused)
             dk, dv = _consumer_step(
                 t, 0, step0, q_smem, do_smem, k_c, v_c, k_cols, ds_smem, dq_c, lse_smem,
                 delta_smem, q_ready, do_ready, qdo_empty, ds_ready, dq_full, dq_empty, dk, dv,
