@@ -61,6 +61,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))  # gluon_tile_cost's fit_line
 KERNEL = ROOT / "flashtune" / "kernel_templates" / "attn_bwd_gluon" / "kernel.py"
 TOKENS, HIDDEN = 16384, 2048
 DT = torch.bfloat16
@@ -240,15 +241,14 @@ def timeline_stats(records: list[list[int]]) -> dict[str, Any]:
         rs.sort()
         gaps += sum(max(b[0] - a[1], 0) for a, b in zip(rs, rs[1:]))
         n_gaps += len(rs) - 1
+    from gluon_tile_cost import fit_line
+
     steps = [r[3] for r in records]
     durations = [(r[1] - r[0]) / 1e3 for r in records]
-    fixed = per_step = None
-    mean_s = sum(steps) / len(steps)
-    var = sum((x - mean_s) ** 2 for x in steps)
-    if var > 0:
-        mean_d = sum(durations) / len(durations)
-        per_step = sum((x - mean_s) * (y - mean_d) for x, y in zip(steps, durations)) / var
-        fixed = mean_d - per_step * mean_s
+    try:
+        fixed, per_step = fit_line(steps, durations)
+    except ValueError:  # one CTA, or every CTA as many steps: no slope
+        fixed = per_step = None
     n_sm = len(per_sm)
     return {"ctas": len(records), "sms": n_sm, "span_us": (t1 - t0) / 1e3,
             "busy_share": busy / (n_sm * (t1 - t0)),
@@ -257,6 +257,14 @@ def timeline_stats(records: list[list[int]]) -> dict[str, Any]:
             "gap_us": gaps / max(n_gaps, 1) / 1e3,
             "cta_us_mean": sum(durations) / len(durations),
             "fixed_us": fixed, "per_step_us": per_step}
+
+
+def _run_backward(launches: dict[str, Any], main: tuple[Any, Any, Any, Any]) -> None:
+    """The planned backward (preprocess, ``main`` in place of the planned main kernel, dQ
+    convert) once, into the plan's gradients."""
+    for part in ("preprocess", "main", "convert"):
+        kernel, args, kwargs, grid = main if part == "main" else launches[part]
+        kernel[grid](*args, **kwargs)
 
 
 def time_launch(launch: tuple[Any, Any, Any, Any], reps: int) -> float:
@@ -411,9 +419,7 @@ def main(argv: list[str] | None = None) -> int:
             kernel, a, kw, g = mains["timeline"]
             mains["timeline"] = (kernel, a, {**kw, "cu_q_ptr": record}, g)
         # the base variant is the library kernel: same gradients as its launcher
-        for name in ("preprocess", "main", "convert"):
-            kernel, a, kw, grid = launches[name] if name != "main" else mains["base"]
-            kernel[grid](*a, **kw)
+        _run_backward(launches, mains["base"])
         same = all(torch.equal(x, y) or (x - y).abs().max().item() < 1e-2
                    for x, y in zip((dk, dv), ref[1:]))
         dq_err = ((dq.float() - ref[0].float()).norm() / ref[0].float().norm()).item()
@@ -423,11 +429,8 @@ def main(argv: list[str] | None = None) -> int:
         for name in kernels:
             if name not in mains:
                 continue
-            kernel, a, kw, g = mains[name]
             dq.zero_(), dk.zero_(), dv.zero_()
-            for part in ("preprocess", "main", "convert"):
-                run, pa, pkw, pg = launches[part] if part != "main" else (kernel, a, kw, g)
-                run[pg](*pa, **pkw)
+            _run_backward(launches, mains[name])
             kernels_match[name] = {
                 "dk_dv_max_abs": max((x.float() - y.float()).abs().max().item()
                                      for x, y in zip((dk, dv), ref[1:])),
