@@ -18,7 +18,14 @@ says:
 
 Shapes are the standard grid's (16384 tokens, 2048 / D heads, bf16); each runs the config
 the runtime's lookup gives it (the training step's forward). The base variant's output is
-checked against the library launcher's first (the same kernel). Variants are compiled in a
+checked against the library launcher's first (the same kernel).
+
+``--variant NAME=[PATH]|JSON`` (repeatable) adds a contender beside the patched ones: the
+kernel file ``PATH`` (same parameters; a candidate change; empty: the library's kernel)
+launched with the lookup's config updated by ``JSON`` (an object of knobs, or one per head
+dim: ``{"64": {...}, "128": {...}}``), e.g. a config's persistent twin. Its O and LSE are
+checked against the library launcher's (lookup config) before it is timed; a variant that
+does not compile or fails the check is reported and left out of that shape's timing. Variants are compiled in a
 process pool, then timed interleaved, ``--rounds`` rounds of CUDA-event timing, the median
 kept; SDPA cuDNN's and flash's forward kernels are profiled on the same inputs as anchors.
 Without a CUDA GPU it prints "needs a CUDA GPU" and exits 0.
@@ -27,6 +34,7 @@ Without a CUDA GPU it prints "needs a CUDA GPU" and exits 0.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import statistics
 import sys
@@ -81,6 +89,28 @@ def _args(q: Any, out: Any, lse: Any, config: dict[str, int], causal: bool) -> A
                        scale=1.0 / math.sqrt(q.shape[3]))
 
 
+def parse_variant(text: str) -> tuple[str, str, dict[str, Any]]:
+    """``NAME=[PATH]|JSON`` -> ``(name, path or "", updates)`` (``ValueError`` naming the
+    part that is wrong)."""
+    name, sep, rest = text.partition("=")
+    path, bar, updates = rest.partition("|")
+    if not sep or not bar or not name.isidentifier():
+        raise ValueError(f"--variant {text!r}: expected NAME=[PATH]|JSON")
+    found = json.loads(updates or "{}")
+    if not isinstance(found, dict):
+        raise ValueError(f"--variant {name}: JSON must be an object")
+    return name, path, found
+
+
+def variant_config(config: dict[str, int], updates: dict[str, Any],
+                   head_dim: int) -> dict[str, int]:
+    """The lookup's ``config`` with a variant's ``updates`` (or its head dim's, when keyed
+    by head dim) applied."""
+    if updates and all(k.isdigit() for k in updates):
+        updates = updates.get(str(head_dim), {})
+    return {**config, **{k: int(v) for k, v in updates.items()}}
+
+
 def _compile(where: str, name: str, shape: tuple[int, int, int, int], causal: bool,
              config: dict[str, int]) -> str | None:
     """Worker: compile variant ``name`` for ``shape`` (shape-only stand-ins)."""
@@ -123,7 +153,13 @@ def _anchors(q: Any, k: Any, v: Any, causal: bool) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_run_args(ap, "64,128", "512,1024,4096", "yes")
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help="the patched variants to time, comma-separated (base first)")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=[PATH]|JSON",
+                    help="another kernel file and/or config updates, timed beside them")
     args = ap.parse_args(argv)
+    extra = [parse_variant(v) for v in args.variant]
+    patched = {n: VARIANTS[n] for n in args.variants.split(",")}
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
         return 0
@@ -138,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     causals = {"no": (False,), "yes": (True,), "both": (False, True)}[args.causal]
     share_cache_dir()  # set before the pool starts: its workers compile into it
     where = tempfile.mkdtemp(prefix=PREFIX + "_")
-    write_modules(Path(where), PREFIX, KERNEL, PATCHES, VARIANTS)
+    write_modules(Path(where), PREFIX, KERNEL, PATCHES, patched,
+                  {n: Path(path) if path else KERNEL for n, path, _ in extra})
     cases = []
     for d in map(int, args.head_dims.split(",")):
         for causal in causals:
@@ -147,31 +184,56 @@ def main(argv: list[str] | None = None) -> int:
                                      "bf16")
                 cases.append((p, dict(Dispatcher(fwd).choose(p, device).config)))
     jobs = [(where, name, (p.batch, p.heads_q, p.seqlen_q, p.head_dim), p.causal, cfg)
-            for p, cfg in cases for name in VARIANTS]
-    compile_all(_compile, jobs, args.jobs)
+            for p, cfg in cases for name in patched]
+    jobs += [(where, name, (p.batch, p.heads_q, p.seqlen_q, p.head_dim), p.causal,
+              variant_config(cfg, updates, p.head_dim))
+             for p, cfg in cases for name, _, updates in extra]
+    failed = dict(zip(((j[1], j[2], j[3]) for j in jobs), compile_all(_compile, jobs, args.jobs)))
     rows = []
     for p, config in cases:
         g = torch.Generator(device="cuda").manual_seed(p.seqlen_q * p.head_dim + p.causal)
         q, k, v = (torch.randn(p.batch, p.heads_q, p.seqlen_q, p.head_dim, device="cuda",
                                dtype=DT, generator=g) for _ in range(3))
-        ref, _ = fwd.launcher(q, k, v, config, causal=p.causal, return_lse=True)
+        ref, ref_lse = fwd.launcher(q, k, v, config, causal=p.causal, return_lse=True)
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[:3], device="cuda", dtype=torch.float32)
         from flashtune.kernel_templates.attn_fwd_gluon.launcher import kernel_args
 
         a, kw, grid = kernel_args(q, k, v, out, lse, config, causal=p.causal,
                                   scale=1.0 / math.sqrt(p.head_dim))
-        mains = {name: (_kernel(where, name, PREFIX, ATTR), a, kw, grid) for name in VARIANTS}
+        mains = {name: (_kernel(where, name, PREFIX, ATTR), a, kw, grid) for name in patched}
         base = mains["base"]
         base[0][base[3]](*base[1], **base[2])
         same = ((out.float() - ref.float()).abs().max().item() < 1e-2)
+        shape = (p.batch, p.heads_q, p.seqlen_q, p.head_dim)
+        checks: dict[str, Any] = {}
+        for name, _, updates in extra:
+            vcfg = variant_config(config, updates, p.head_dim)
+            if failed[(name, shape, p.causal)]:
+                checks[name] = {"config": vcfg, "error": "does not compile"}
+                continue
+            v_out, v_lse = torch.full_like(q, float("nan")), torch.full_like(lse, float("nan"))
+            va, vkw, vgrid = kernel_args(q, k, v, v_out, v_lse, vcfg, causal=p.causal,
+                                         scale=1.0 / math.sqrt(p.head_dim))
+            launch = (_kernel(where, name, PREFIX, ATTR), va, vkw, vgrid)
+            launch[0][vgrid](*va, **vkw)
+            torch.cuda.synchronize()
+            same_inf = torch.isinf(ref_lse) & (v_lse == ref_lse)  # rows that see no key
+            err = max((v_out.float() - ref.float()).abs().max().item(),
+                      torch.where(same_inf, 0.0, v_lse - ref_lse).abs().max().item())
+            checks[name] = {"config": vcfg, "grid": list(vgrid), "max_error": err}
+            if err < 1e-2:
+                mains[name] = launch
+            else:
+                print(f"   {name}: max error {err:.3g} against the launcher: not timed")
         times = time_variants(mains, args.rounds, args.reps)
         anchors = _anchors(q, k, v, p.causal)
         row = {"shape": f"B{p.batch} H{p.heads_q} N{p.seqlen_q} D{p.head_dim}"
                         f"{' causal' if p.causal else ''}",
                "batch": p.batch, "heads": p.heads_q, "seqlen": p.seqlen_q,
                "head_dim": p.head_dim, "causal": p.causal, "config": config,
-               "grid": list(grid), "base_matches_launcher": same, "anchors_ms": anchors,
+               "grid": list(grid), "base_matches_launcher": same, "variants": checks,
+               "anchors_ms": anchors,
                "variants_ms": {n: statistics.median(t) for n, t in times.items()},
                "rounds_ms": times}
         rows.append(row)
@@ -181,9 +243,11 @@ def main(argv: list[str] | None = None) -> int:
         for n, ms in row["variants_ms"].items():
             print(f"   {n:14s} {ms * 1e3:8.1f} us  {ms / row['variants_ms']['base']:.3f}x base  "
                   f"{anchors['cudnn'] / ms:.3f}x cuDNN")
-        del q, k, v, out, lse, ref
+        del q, k, v, out, lse, ref, ref_lse
         torch.cuda.empty_cache()
-    write_doc(args.out, "fwd_ablation", args, PATCHES, VARIANTS, rows)
+    write_doc(args.out, "fwd_ablation", args, PATCHES,
+              {**patched, **{n: {"kernel": path or "library", "updates": u}
+                             for n, path, u in extra}}, rows)
     return 0
 
 

@@ -64,3 +64,18 @@ def test_a_timeline_splits_a_launch_into_busy_time_tail_and_gaps() -> None:
     assert stats([[0, 5, 0, 3], [5, 10, 0, 3]])["per_step_us"] is None
     with pytest.raises(ValueError, match="ends before it starts"):
         stats([[10, 5, 0, 1]])
+
+
+def test_a_variant_names_its_kernel_file_and_config_updates() -> None:
+    module = _load("explore_fwd_ablation")
+    name, path, updates = module.parse_variant('chain=/tmp/k.py|{"128": {"PERSISTENT": 1}}')
+    assert (name, path, updates) == ("chain", "/tmp/k.py", {"128": {"PERSISTENT": 1}})
+    assert module.parse_variant('twin=|{"LPT": 1}') == ("twin", "", {"LPT": 1})
+    lookup = {"ROWS": 64, "PERSISTENT": 0, "LPT": 0}
+    # updates keyed by head dim apply to their head dim only; plain ones to every shape
+    assert module.variant_config(lookup, updates, 128) == {**lookup, "PERSISTENT": 1}
+    assert module.variant_config(lookup, updates, 64) == lookup
+    assert module.variant_config(lookup, {"LPT": "1"}, 64) == {**lookup, "LPT": 1}
+    for bad in ("chain", "chain=k.py", "2x=|{}", 'x=|[1]'):
+        with pytest.raises(ValueError, match="--variant"):
+            module.parse_variant(bad)
