@@ -5,6 +5,7 @@ move, results/fwd_chain_causal_h200.json).
 
     python benchmarks/sustained_load.py [--shapes 4096:128:1,4096:64:1,2048:128:0 | grid]
         [--what fwd,train] [--seconds 4] [--cool 4] [--group 1] [--no-flash]
+        [--config NAME=JSON ...] [--tuner-rounds 5]
         [--out benchmarks/results/sustained_load_h200.json]
 
 A shape ``N:D:causal`` is the standard grid's (batch x N = 16384 tokens, 2048 / D heads,
@@ -22,7 +23,12 @@ contender: ms per call "cool" (the fastest chunk of the first half second, befor
 cap's controller has pulled the clock down) and "hot" (the median of the last quarter's
 chunks), their ratio, the mean clock and power over the last quarter, the energy per call
 (hot power x hot time) and the throttle reasons seen; each contender's ratio to cuDNN,
-cool and hot; and per mode the geomean of flashtune's ratios.
+cool and hot; and per mode the geomean of flashtune's ratios. ``--config NAME=JSON``
+(forward): a contender of its own, the Gluon forward's launcher with the lookup's config
+updated by JSON (the launcher's host cost shows at short N). ``--tuner-rounds R``: after
+the sustained runs, every contender timed again the way the tuner's side-by-side stage
+times leaders (``timing.bench`` in rotation, R rounds), to set what the tuner sees beside
+the cool and hot figures.
 
 Without a CUDA GPU it prints "needs a CUDA GPU" and exits 0.
 """
@@ -192,10 +198,13 @@ def run_sustained(call: Any, seconds: float, sampler: Sampler,
     return row
 
 
-def _contenders(sh: Any, what: str, device: Any, flash: bool
+def _contenders(sh: Any, what: str, device: Any, flash: bool,
+                configs: dict[str, dict[str, Any]] | None = None
                 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """``{name: call}`` for one shape (each call returns its outputs) and the route
-    flashtune's router takes for it (implementation, config, source)."""
+    flashtune's router takes for it (implementation, config, source); ``configs``
+    (forward only): contenders of their own, the Gluon forward's launcher with the
+    lookup's config updated by each (keyed by head dim or not, as ``--config`` says)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from train_breakdown import _sdpa_step
 
@@ -232,7 +241,46 @@ def _contenders(sh: Any, what: str, device: Any, flash: bool
         del calls["flash"]
     route = {"implementation": choice.template, "config": dict(choice.config),
              "source": choice.source}
+    if what == "fwd" and configs:
+        from train_breakdown import _gluon_configs
+
+        from flashtune.kernel_templates import get_template
+
+        fwd = get_template("attn_fwd_gluon")
+        lookup = _gluon_configs(sh.problem, device, "lookup")["fwd_config"]
+
+        def launch(config: dict[str, int]) -> Any:
+            def call() -> tuple[torch.Tensor, ...]:
+                out, _ = fwd.launcher(sh.q, sh.k, sh.v, config, causal=sh.causal,
+                                      return_lse=True)
+                return (out, )
+            return call
+        route["configs"] = {}
+        for name, updates in configs.items():
+            if updates and all(k.isdigit() for k in updates):
+                updates = updates.get(str(sh.d), {})
+            config = {**lookup, **{k: int(v) for k, v in updates.items()}}
+            route["configs"][name] = config
+            calls[name] = launch(config)
     return calls, route
+
+
+def tuner_timing(calls: dict[str, Any], results: dict[str, dict[str, Any]],
+                 rounds: int) -> None:
+    """Each timed contender timed again as the tuner's side-by-side stage times leaders
+    (``timing.bench`` round-robin, ``rounds`` rounds of ``round_rep_ms``, the median of the
+    rounds' medians), into its result's ``tuner_ms`` (and ``tuner_rounds_ms``)."""
+    from flashtune.autotune.runners import round_rep_ms
+    from flashtune.autotune.timing import bench
+
+    timed = [name for name in calls if "cool_ms" in results.get(name, {})]
+    got: dict[str, list[float]] = {name: [] for name in timed}
+    for _ in range(rounds):
+        for name in timed:
+            got[name].append(bench(calls[name], rep_ms=round_rep_ms(rounds)).median_ms)
+    for name in timed:
+        results[name]["tuner_ms"] = statistics.median(got[name])
+        results[name]["tuner_rounds_ms"] = got[name]
 
 
 def _shapes(spec: str) -> list[tuple[int, int, bool]]:
@@ -300,6 +348,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=4.0)
     ap.add_argument("--cool", type=float, default=4.0)
     ap.add_argument("--group", type=int, default=1)
+    ap.add_argument("--config", action="append", default=[], metavar="NAME=JSON",
+                    help="forward only: a contender NAME, the Gluon forward's launcher with "
+                         "the lookup's config updated by JSON (one object, or one per head "
+                         "dim: {\"64\": {...}}; {} is the lookup's own) (repeatable)")
+    ap.add_argument("--tuner-rounds", type=int, default=0,
+                    help="also time the contenders the tuner's way afterwards: this many "
+                         "rounds in rotation of timing.bench (L2 flushed, round_rep_ms)")
     ap.add_argument("--no-flash", action="store_true",
                     help="leave SDPA flash out (the anchors are cuDNN and flash; a budget's "
                          "exception, said in the JSON)")
@@ -316,6 +371,8 @@ def main(argv: list[str] | None = None) -> int:
     index = torch.cuda.current_device()
     sampler = Sampler(index)
     print(f"sampling with {sampler.source or 'nothing (times only)'}", flush=True)
+    configs = {name: json.loads(text) for name, _, text in
+               (c.partition("=") for c in args.config)}
     shapes = _shapes(args.shapes)
     if torch.cuda.get_device_capability() == (9, 0):
         _precompile(shapes, args.group, device)
@@ -323,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     for n, d, causal in shapes:
         sh = Shape(n, d, causal, args.group)
         for what in args.what.split(","):
-            calls, route = _contenders(sh, what, device, not args.no_flash)
+            calls, route = _contenders(sh, what, device, not args.no_flash, configs)
             row: dict[str, Any] = {"shape": sh.name, "what": what, "seqlen": n, "head_dim": d,
                                    "causal": causal, "group": args.group, "route": route,
                                    "contenders": {}}
@@ -339,6 +396,8 @@ def main(argv: list[str] | None = None) -> int:
                 res = run_sustained(call, args.seconds, sampler)
                 res["error"] = err
                 row["contenders"][name] = res
+            if args.tuner_rounds:
+                tuner_timing(calls, row["contenders"], args.tuner_rounds)
             base = row["contenders"].get("cudnn", {})
             for name, res in row["contenders"].items():
                 if "cool_ms" not in res:
@@ -346,6 +405,8 @@ def main(argv: list[str] | None = None) -> int:
                 if "cool_ms" in base:
                     res["vs_cudnn_cool"] = base["cool_ms"] / res["cool_ms"]
                     res["vs_cudnn_hot"] = base["hot_ms"] / res["hot_ms"]
+                    if "tuner_ms" in res and "tuner_ms" in base:
+                        res["vs_cudnn_tuner"] = base["tuner_ms"] / res["tuner_ms"]
                 print(f"   {name:9s} cool {res['cool_ms'] * 1e3:8.1f} us  hot "
                       f"{res['hot_ms'] * 1e3:8.1f} us  x{res['hot_over_cool']:.3f}  "
                       f"vs cuDNN cool {res.get('vs_cudnn_cool', float('nan')):.3f} hot "
@@ -354,7 +415,10 @@ def main(argv: list[str] | None = None) -> int:
                       f"{res.get('hot_clock_mhz', float('nan')):.0f} MHz  "
                       f"{res.get('hot_power_w', float('nan')):.0f} W  "
                       f"{res.get('energy_mj_per_call', float('nan')):.2f} mJ/call  "
-                      f"{','.join(res.get('throttle_reasons', []))}", flush=True)
+                      f"{','.join(res.get('throttle_reasons', []))}"
+                      + (f"  tuner's timing {res['tuner_ms'] * 1e3:.1f} us, vs cuDNN "
+                         f"{res.get('vs_cudnn_tuner', float('nan')):.3f}"
+                         if "tuner_ms" in res else ""), flush=True)
             rows.append(row)
         del sh
         torch.cuda.empty_cache()
@@ -367,7 +431,8 @@ def main(argv: list[str] | None = None) -> int:
                "torch": torch.__version__, "python": platform.python_version(),
                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
                "seconds": args.seconds, "cool": args.cool, "sampler": sampler.source,
-               "flash": not args.no_flash,
+               "flash": not args.no_flash, "configs": configs,
+               "tuner_rounds": args.tuner_rounds,
                "summary": summary, "rows": rows}
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(compact_json(doc))

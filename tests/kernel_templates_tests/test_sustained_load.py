@@ -83,3 +83,25 @@ def test_series_are_written_one_line_each_and_read_back_unchanged() -> None:
     assert json.loads(text) == doc
     assert "[0.02, 0.1311]" in text and "[0.1, 1980.0, 130.5, 35.0, 0]" in text
     assert '"a, b"' in text  # lists of strings are left as they are
+
+
+def test_the_tuners_timing_rotates_the_timed_contenders_and_keeps_the_median(
+        monkeypatch) -> None:
+    from flashtune.autotune import timing
+
+    m = _load()
+    order: list[str] = []
+    figures = {"a": iter([3.0, 1.0, 2.0]), "b": iter([5.0, 4.0, 6.0])}
+
+    def fake_bench(fn, *, rep_ms):  # noqa: ANN001, ANN202 - timing.bench's stand-in
+        name = fn()
+        order.append(name)
+        return timing.Timing(next(figures[name]), 0.0, 0.0)
+
+    monkeypatch.setattr(timing, "bench", fake_bench)
+    results = {"a": {"cool_ms": 1.0}, "b": {"cool_ms": 2.0}, "c": {"skipped": "failed"}}
+    m.tuner_timing({"a": lambda: "a", "b": lambda: "b", "c": lambda: "c"}, results, 3)
+    assert order == ["a", "b"] * 3  # round-robin; a contender that was not timed is not
+    assert results["a"]["tuner_ms"] == 2.0 and results["b"]["tuner_ms"] == 5.0
+    assert results["a"]["tuner_rounds_ms"] == [3.0, 1.0, 2.0]
+    assert "tuner_ms" not in results["c"]
