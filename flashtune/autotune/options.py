@@ -16,6 +16,9 @@ from flashtune.core.problem import AttentionProblem
 __all__ = ["TuneOptions", "TuneResult", "check_tunable", "tuning_device"]
 
 
+MAX_SETTLE_MS = 10_000  # a settling run longer than this is a typo, not a measurement
+
+
 @dataclass(frozen=True)
 class TuneOptions:
     """How :func:`~flashtune.autotune.jobs.tune` searches: the template, the sampler and the
@@ -41,6 +44,9 @@ class TuneOptions:
     # evaluate candidates in a worker process (crash/hang isolation); None: on for the
     # real runner on a GPU, off under the interpreter and for custom runner factories
     isolate: bool | None = None
+    # ms each timing window first runs its candidate back to back (timing.settle): 0 times
+    # as before; 200 or more times every candidate at the clock its own power leaves
+    settle_ms: float = 0.0
 
     def __post_init__(self) -> None:
         # refused here, before tune() opens the store: later they would fail inside Optuna
@@ -86,6 +92,10 @@ def _check_options(o: TuneOptions) -> None:
     integer("workers", 1, none=True)
     seconds("trial_timeout_s")
     integer("top_k_confirm", 0)
+    if isinstance(o.settle_ms, bool) or not isinstance(o.settle_ms, (int, float)) \
+            or not math.isfinite(o.settle_ms) or not 0 <= o.settle_ms <= MAX_SETTLE_MS:
+        raise InputError(f"TuneOptions.settle_ms must be a number of milliseconds from 0 to "
+                         f"{MAX_SETTLE_MS}, got {o.settle_ms!r}")
 
 
 @dataclass(frozen=True)

@@ -128,10 +128,11 @@ class LocalRunner:
 
     def __init__(self, spec: TemplateSpec, problem: AttentionProblem, device: DeviceFingerprint, *,
                  seed: int = 0, check_slice: bool = True, timeout_s: float | None = None,
-                 launcher: Any = None) -> None:
+                 launcher: Any = None, settle_ms: float = 0.0) -> None:
         import torch
 
         self.spec = spec
+        self.settle_ms = settle_ms  # each timing window's settling run (timing.settle)
         self.problem = problem
         self.device = device
         self.timeout_s = timeout_s
@@ -256,7 +257,7 @@ class LocalRunner:
             return statistics.median(times), times[0], times[-1]
         from flashtune.autotune.timing import bench
 
-        timing = bench(self._launch, rep_ms=rep_ms)
+        timing = bench(self._launch, rep_ms=rep_ms, settle_ms=self.settle_ms)
         return timing.median_ms, timing.p20_ms, timing.p80_ms
 
 

@@ -254,7 +254,7 @@ def _leader_runner(spec: TemplateSpec, problem: AttentionProblem, device: Device
     from flashtune.autotune.runners import LocalRunner
 
     return LocalRunner(spec, problem, device, seed=options.seed or 0,
-                       timeout_s=options.trial_timeout_s)
+                       timeout_s=options.trial_timeout_s, settle_ms=options.settle_ms)
 
 
 class _Unbuilt:

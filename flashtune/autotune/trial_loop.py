@@ -65,7 +65,7 @@ def _default_runner(spec: Any, problem: AttentionProblem, device: DeviceFingerpr
     from flashtune.autotune.runners import LocalRunner
 
     return LocalRunner(spec, problem, device, seed=options.seed or 0,
-                       timeout_s=options.trial_timeout_s)
+                       timeout_s=options.trial_timeout_s, settle_ms=options.settle_ms)
 
 
 def runner_factory_for(options: TuneOptions, custom: Callable[..., Any] | None,

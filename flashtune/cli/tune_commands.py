@@ -43,6 +43,9 @@ __all__ = ["INTERPRETER_MAX_FLOPS", "OP_CHOICES", "format_config", "format_tflop
 # flashtune.core.spec.USER_OPS, written out: parsing imports nothing of the library's kernels
 # (a test keeps the two equal)
 OP_CHOICES = ("fwd", "train", "decode")
+# flashtune.autotune.options.MAX_SETTLE_MS, written out for the same reason (a test keeps
+# the two equal)
+MAX_SETTLE_MS = 10_000
 
 _SHAPE_NAMES = ("batch", "heads", "kv_heads", "seqlen", "kv_seqlen", "head_dim", "causal")
 _REQUIRED = ("batch", "heads", "seqlen", "head_dim")
@@ -381,6 +384,13 @@ def render_op_summary(results: Sequence[Any], total: int) -> str:
               help="Evaluate candidates in a worker process that a crash or a hang (past "
                    "the trial timeout) kills instead of the job. Default: on with a GPU, off "
                    "under the interpreter.")
+@click.option("--settle-ms", type=FiniteFloatRange(min=0, max=MAX_SETTLE_MS), default=0.0,
+              show_default=True, metavar="MS",
+              help="Run each candidate back to back for MS milliseconds before each timing "
+                   "window, so it is timed at the clock its own power leaves (a GPU at its "
+                   "power cap slows within 0.1-0.2 s of sustained use; 200 or more times "
+                   "every candidate sustained, as a long training run sees it). 0: time "
+                   "as before, near the cool figure.")
 @click.pass_context
 def tune_command(ctx: click.Context, template: str, op: str | None, impls: tuple[str, ...],
                  batch: int | None, heads: int | None,
@@ -391,7 +401,7 @@ def tune_command(ctx: click.Context, template: str, op: str | None, impls: tuple
                  preset_name: str | None, trials: int, timeout_s: float | None,
                  patience: int | None, sampler: str, seed: int | None, workers: int | None,
                  interpret: bool, progress: bool, gpus_text: str | None, skip_tuned: bool,
-                 stop_after_s: float | None, isolate: bool | None) -> None:
+                 stop_after_s: float | None, isolate: bool | None, settle_ms: float) -> None:
     """Search kernel configs for attention shapes and store the best ones.
 
     Give exactly one of: a shape (--batch --heads [--kv-heads] --seqlen [--kv-seqlen]
@@ -460,7 +470,8 @@ def tune_command(ctx: click.Context, template: str, op: str | None, impls: tuple
         jobs = importlib.import_module("flashtune.autotune.jobs")
         options = jobs.TuneOptions(template=template, trials=trials, timeout_s=timeout_s,
                                    sampler=sampler, seed=seed, patience=patience,
-                                   interpret=interpret, workers=workers, isolate=isolate)
+                                   interpret=interpret, workers=workers, isolate=isolate,
+                                   settle_ms=settle_ms)
         if op is not None:
             _tune_op(problems, op, options, impls, db_url(ctx), progress, gpus, skip_tuned,
                      deadline, stop_after_s)

@@ -208,3 +208,45 @@ def test_host_bound_medians_are_re_timed():
     assert host_bound(1.2, 1.5)
     assert not host_bound(1.2, 0.05)
     assert not host_bound(30.0, 0.2)
+
+
+def test_settling_runs_the_call_back_to_back_for_its_time_waiting_every_2_ms():
+    now = [0.0]
+    log: list[str] = []
+
+    def call():  # each call: 0.5 ms of GPU work, seen at the next wait
+        log.append("call")
+        now[0] += 0.0005
+
+    def sync():
+        log.append("sync")
+
+    calls = timing.settle(call, 10.0, sync=sync, clock=lambda: now[0])
+    # the first call alone sizes the rest: 4 calls (2 ms of work) between two waits
+    assert log[:2] == ["call", "sync"] and log[2:7] == ["call"] * 4 + ["sync"]
+    assert calls == 1 + 4 * 5 and math.isclose(now[0], 0.0105)
+    assert timing.settle(call, 0.0, sync=sync, clock=lambda: now[0]) == 0
+
+
+def test_a_runner_settles_each_timing_window_as_its_options_say(monkeypatch):
+    seen = []
+
+    def fake_bench(fn, *, rep_ms, settle_ms):
+        seen.append((rep_ms, settle_ms))
+        return timing.Timing(1.0, 0.9, 1.1)
+
+    monkeypatch.setattr(timing, "bench", fake_bench)
+    runner = LocalRunner(get_template("attn_fwd"), PROBLEM, H100, launcher=exact, settle_ms=250)
+    runner.interpreting = False
+    runner._config = dict(CFG)
+    assert runner._measure(40.0) == (1.0, 0.9, 1.1)
+    assert seen == [(40.0, 250)]
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf"), True, "200", 20_000])
+def test_settle_ms_must_be_a_number_of_milliseconds(bad):
+    from flashtune.core.errors import InputError
+
+    with pytest.raises(InputError, match="settle_ms"):
+        TuneOptions(settle_ms=bad)
+    assert TuneOptions(settle_ms=200).settle_ms == 200

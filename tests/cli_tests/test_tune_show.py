@@ -45,6 +45,7 @@ class FakeOptions:
     trial_timeout_s: float = 120.0
     top_k_confirm: int = 3
     isolate: bool | None = None
+    settle_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -132,6 +133,20 @@ def test_tune_shape_and_search_options(jobs: Calls, tmp_path: Path) -> None:
     assert call["options"] == FakeOptions(trials=7, timeout_s=30.0, sampler="random", seed=5,
                                           patience=3, interpret=False, workers=2)
     assert call["db_url"] == url and call["progress"] is False
+
+
+def test_tune_settle_ms(jobs: Calls) -> None:
+    from flashtune.autotune.options import MAX_SETTLE_MS
+    from flashtune.cli.tune_commands import MAX_SETTLE_MS as CLI_MAX
+
+    assert CLI_MAX == MAX_SETTLE_MS  # written out in the CLI, which imports no library code
+    result = run("tune", *SHAPE, "--settle-ms", "250")
+    assert result.exit_code == 0, result.output
+    assert jobs.calls[0]["options"] == FakeOptions(settle_ms=250.0)
+    for bad in ("-1", "nan", "20000"):
+        result = run("tune", *SHAPE, "--settle-ms", bad)
+        assert result.exit_code == 2 and "--settle-ms" in result.output, result.output
+    assert len(jobs.calls) == 1
 
 
 def test_tune_gpus(jobs: Calls, monkeypatch: pytest.MonkeyPatch) -> None:
