@@ -55,3 +55,29 @@ def test_a_host_bound_step_over_a_millisecond_is_timed_for_its_gpu_work():
     got = bench(_behind_host_work(kernel, 1.5e-3))
     assert got.median_ms < 1.0, got
     assert abs(queued.median_ms - got.median_ms) <= 0.3 * queued.median_ms + 0.01, (got, queued)
+
+
+def test_settling_keeps_the_gpu_busy_for_its_time_and_no_longer():
+    """A ~1 ms matmul settled for 150 ms: the GPU runs it back to back for about that long
+    (the host waits every ~2 ms of work, so little is left queued when it returns), and a
+    settled bench still reports the call's time."""
+    from flashtune.autotune.timing import settle
+
+    x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty_like(x)
+
+    def matmul():
+        torch.matmul(x, x, out=y)
+
+    matmul()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    calls = settle(matmul, 150.0)
+    returned = time.perf_counter() - t
+    torch.cuda.synchronize()
+    drained = time.perf_counter() - t
+    assert 0.15 <= returned < 0.3, returned
+    assert drained - returned < 0.02, (returned, drained)  # at most a wait's worth queued
+    assert calls >= 20, calls
+    plain, settled = bench(matmul), bench(matmul, settle_ms=150.0)
+    assert 0.5 * plain.median_ms <= settled.median_ms <= 2.0 * plain.median_ms, (plain, settled)
