@@ -1,6 +1,11 @@
-"""Shared test helpers: the flash-attention tolerance rule."""
+"""Shared test helpers: the flash-attention tolerance rule; a benchmark script as a module."""
 
 from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -83,3 +88,20 @@ def assert_grads_close(grads, q, k, v, dout, *, causal, scale=None, max_factor=3
         assert rel < 2e-2, f"{name}: relative error {rel:.3e}"
         rels.append(rel)
     return rels
+
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def load_benchmark(name: str) -> ModuleType:
+    """``benchmarks/{name}.py`` as a fresh module (``benchmarks/`` on the path while it
+    loads, for the scripts that import each other)."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+        assert spec and spec.loader
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(BENCHMARKS))

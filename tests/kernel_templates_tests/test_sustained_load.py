@@ -3,27 +3,15 @@ samples become its cool and hot figures, the grid it walks, and the JSON it writ
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 from types import ModuleType
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+from tests.helpers import load_benchmark
 
 
 def _load() -> ModuleType:
-    sys.path.insert(0, str(BENCH))
-    try:
-        spec = importlib.util.spec_from_file_location("sustained_load",
-                                                      BENCH / "sustained_load.py")
-        assert spec and spec.loader
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(BENCH))
+    return load_benchmark("sustained_load")
 
 
 def test_cool_is_the_fastest_early_chunk_and_hot_the_last_quarters_median() -> None:
