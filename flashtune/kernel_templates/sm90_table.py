@@ -3,14 +3,25 @@
 table entry is made (:func:`compile_entry`), and the command that writes a table
 (:func:`write_table`). Each template's ``space.py`` reads its table and ``prefilter.py``
 writes it; both import this module, which no launcher imports, so it is in no source hash.
+
+Each entry records ``ir_hash``, a hash of the kernel's Gluon IR as the frontend makes it
+for that compile (:func:`frontend_hash`: source locations left out, so a moved line or a
+comment does not count). Regenerating a table reuses an entry of the old one whose key and
+IR hash are the new compile's (same Triton version and target): the code ptxas would see is
+the same, so are its figures. A kernel change behind a new constexpr off by default
+recompiles only the configs that turn it on; a full compile is 2-20 s a config, the
+frontend 0.3-0.7 s. ``--hash-only`` adds the hashes to a table compiled from the current
+source without compiling anything.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -23,7 +34,8 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 __all__ = ["SMEM_LIMIT", "SPILL_LIMIT", "Compiled", "compile_entry", "entry_config",
-           "entry_figures", "parse_table", "read_table", "smem_limit", "write_table"]
+           "entry_figures", "frontend_hash", "parse_table", "read_table", "reusable",
+           "smem_limit", "write_table"]
 
 SMEM_LIMIT = 227 * 1024  # dynamic shared memory an sm_90 block may opt in to
 # spill-store bytes a config may have (each template's space.py says what spills there)
@@ -119,6 +131,11 @@ def parse_table(doc: Any, where: str, *, table_format: int, regenerate: str,
                          f"of entries; regenerate it: {regenerate}")
     table: dict[str, Compiled] = {}
     for i, raw in enumerate(doc["entries"]):
+        ir_hash = raw.get("ir_hash") if isinstance(raw, dict) else None
+        if ir_hash is not None and not (isinstance(ir_hash, str)
+                                        and re.fullmatch(r"[0-9a-f]{16}", ir_hash)):
+            raise ValueError(f"{where}, entry {i}: ir_hash must be 16 hex digits or null, "
+                             f"got {ir_hash!r}")
         key, compiled = entry(raw, f"{where}, entry {i}")
         if key in table:
             raise ValueError(f"{where}, entry {i}: {key} appears twice")
@@ -154,16 +171,91 @@ def read_table(path: Path, template: str, regenerate: str,
     return table
 
 
-def compile_entry(case: Mapping[str, Any], compile_fn: Callable[[], Any]) -> dict[str, Any]:
+class _Frontend(Exception):
+    """Carries :func:`frontend_hash`'s hash out of the compile it stopped."""
+
+    def __init__(self, digest: str) -> None:
+        super().__init__(digest)
+        self.digest = digest
+
+
+_LOCATION = re.compile(r"\s*loc\((?:[^()]|\([^()]*\))*\)")
+
+
+def ir_digest(text: str) -> str:
+    """A hash of an MLIR module's text without its source locations (``loc(...)``
+    annotations and ``#loc`` definitions): 16 hex digits."""
+    kept = [line for line in _LOCATION.sub("", text).splitlines()
+            if not line.startswith("#loc")]
+    return hashlib.sha256("\n".join(kept).encode()).hexdigest()[:16]
+
+
+def frontend_hash(compile_fn: Callable[[], Any]) -> str | None:
+    """The :func:`ir_digest` of the Gluon/Triton IR that ``compile_fn`` (a function that
+    calls ``triton.compile`` once, as the launchers' ``compile_sm90`` do) hands to the
+    compiler's passes: ``triton.compile`` is stood in for while it runs, the source's
+    ``make_ir`` is run with the target's options, and nothing else is compiled. None when
+    the frontend itself fails (the full compile then records the error)."""
+    import triton
+    from triton._C.libtriton import ir
+    from triton.compiler.compiler import make_backend
+
+    def stand_in(src: Any, target: Any = None, options: Any = None, **_: Any) -> Any:
+        backend = make_backend(target)
+        opts = backend.parse_options(dict(options or {}))
+        context = ir.context()
+        ir.load_dialects(context)
+        backend.load_dialects(context)
+        module = src.make_ir(target, opts, backend.get_codegen_implementation(opts),
+                             backend.get_module_map(), context)
+        raise _Frontend(ir_digest(str(module)))
+
+    real = triton.compile
+    triton.compile = stand_in
+    try:
+        compile_fn()
+    except _Frontend as found:
+        return found.digest
+    except Exception:  # noqa: BLE001 - the full compile reports it
+        return None
+    finally:
+        triton.compile = real
+    raise RuntimeError("compile_fn did not call triton.compile")
+
+
+def reusable(old: Mapping[str, Any] | None, ir_hash: str | None) -> bool:
+    """Whether an old table's entry stands for a compile whose frontend IR hashes to
+    ``ir_hash``: both hashes known and equal."""
+    return old is not None and ir_hash is not None and old.get("ir_hash") == ir_hash
+
+
+def compile_entry(case: Mapping[str, Any], compile_fn: Callable[[], Any],
+                  old: Mapping[str, Any] | None = None, keep: bool = False) -> dict[str, Any]:
     """One table entry: ``case`` with the shared memory, registers and spill-store bytes of
-    ``compile_fn()`` (a Triton compiled kernel for sm_90a), or the error's first line.
+    ``compile_fn()`` (a Triton compiled kernel for sm_90a), or the error's first line, and
+    its ``ir_hash`` (:func:`frontend_hash`); ``old``'s figures, not compiled again, when it
+    is the old table's entry for the same key with the same IR hash (``reused``: True), or
+    with ``keep`` whatever its hash (``--hash-only``: a table compiled from this source).
 
     Arguments:
         case: the compile's fields (head dim, causal flag, config...).
         compile_fn: compiles it.
+        old: the entry of the same key in the table being regenerated, if any.
+        keep: take ``old``'s figures as this compile's (only its hash is computed).
     Returns:
-        The entry (``shared``, ``registers``, ``spill_bytes``, ``error``).
+        The entry (``shared``, ``registers``, ``spill_bytes``, ``error``, ``ir_hash``).
     """
+    ir_hash = frontend_hash(compile_fn)
+    if old is not None and (keep or reusable(old, ir_hash)):
+        return dict(case, shared=old["shared"], registers=old["registers"],
+                    spill_bytes=old["spill_bytes"], error=old["error"], ir_hash=ir_hash,
+                    reused=True)
+    entry = _compiled_entry(case, compile_fn)
+    entry["ir_hash"] = ir_hash
+    return entry
+
+
+def _compiled_entry(case: Mapping[str, Any], compile_fn: Callable[[], Any]) -> dict[str, Any]:
     from flashtune.kernel_templates.attn_fwd_gluon.launcher import ptxas_stats
 
     entry = dict(case, shared=None, registers=None, spill_bytes=None, error=None)
@@ -207,15 +299,43 @@ def write_table(argv: list[str] | None, *, command: str, description: str | None
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                         help="compile processes (default: every core)")
     parser.add_argument("--out", type=Path, default=table, help=f"default: {table}")
+    parser.add_argument("--reuse", type=Path, default=None, metavar="TABLE",
+                        help="the table whose entries may be reused (default: --out's file "
+                             "when it exists): an entry of the same key and frontend IR hash, "
+                             "compiled by the same Triton for the same target, is not "
+                             "compiled again")
+    parser.add_argument("--no-reuse", action="store_true", help="compile every entry")
+    parser.add_argument("--hash-only", action="store_true",
+                        help="compile nothing: add each entry's frontend IR hash to the "
+                             "--reuse table, which must be compiled from the current source "
+                             "by this Triton for this target")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET"):
         print("unset TRITON_INTERPRET: this compiles for sm_90", file=sys.stderr)
         return 2
+    source = args.reuse if args.reuse is not None else args.out
+    old_doc = None if args.no_reuse or not source.exists() else \
+        json.loads(source.read_text(encoding="utf-8"))
+    why_not = reuse_refusal(old_doc, header)
+    old_entries: dict[str, Any] = {}
+    if old_doc is not None and why_not is None:
+        old_entries = {label(e): e for e in old_doc.get("entries", [])}
+    elif old_doc is not None:
+        print(f"not reusing {source}: {why_not}", file=sys.stderr)
+    olds = [old_entries.get(label(case)) for case in cases]
+    if args.hash_only:
+        problem = hash_only_refusal(old_doc, why_not, header, olds.count(None))
+        if problem is not None:
+            print(f"--hash-only: {problem}", file=sys.stderr)
+            return 2
     start = time.monotonic()
     entries = []
+    reused = 0
     with ProcessPoolExecutor(max_workers=max(1, args.jobs),
                              mp_context=get_context("spawn")) as pool:
-        for i, entry in enumerate(pool.map(compile_case, cases), 1):
+        for i, entry in enumerate(pool.map(compile_case, cases, olds,
+                                           [args.hash_only] * len(cases)), 1):
+            reused += bool(entry.pop("reused", False))
             entries.append(entry)
             print(f"[{i}/{len(cases)} {time.monotonic() - start:.0f}s] {label(entry)}: shared "
                   f"{entry['shared']}, registers {entry['registers']}, spills "
@@ -224,6 +344,35 @@ def write_table(argv: list[str] | None, *, command: str, description: str | None
     doc = {**header, "entries": entries}
     check(doc, "the new table")  # what the predicate will read back
     args.out.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
-    print(f"wrote {len(entries)} entries to {args.out} in {time.monotonic() - start:.0f}s",
-          file=sys.stderr)
+    print(f"wrote {len(entries)} entries to {args.out} in {time.monotonic() - start:.0f}s "
+          f"({reused} reused from {source}, {len(entries) - reused} compiled)", file=sys.stderr)
     return 0
+
+
+def hash_only_refusal(old_doc: Any, why_not: str | None, header: Mapping[str, Any],
+                      missing: int) -> str | None:
+    """Why ``--hash-only`` cannot take an old table's figures as this source's (no table,
+    one :func:`reuse_refusal` refuses, another source, cases it lacks), or None."""
+    if old_doc is None:
+        return "no table to add hashes to"
+    if why_not is not None:
+        return why_not
+    if old_doc.get("source_hash") != header.get("source_hash"):
+        return (f"the table was compiled from source {old_doc.get('source_hash')}, the "
+                f"source is now {header.get('source_hash')}: regenerate it instead")
+    if missing:
+        return f"the table lacks {missing} of the cases: regenerate it instead"
+    return None
+
+
+def reuse_refusal(old_doc: Any, header: Mapping[str, Any]) -> str | None:
+    """Why an old table's entries cannot stand for this run's compiles (another Triton,
+    another target, another format), or None."""
+    if old_doc is None:
+        return None
+    if not isinstance(old_doc, dict) or not isinstance(old_doc.get("entries"), list):
+        return "not a table"
+    for field in ("format", "triton", "target"):
+        if old_doc.get(field) != header.get(field):
+            return f"its {field} is {old_doc.get(field)!r}, this run's {header.get(field)!r}"
+    return None

@@ -38,12 +38,16 @@ def cases() -> list[dict[str, Any]]:
             for d in HEAD_DIMS for c in (False, True)]
 
 
-def compile_case(case: dict[str, Any]) -> dict[str, Any]:
-    """Compile one case for sm_90a; the table entry (the error's first line on failure)."""
+def compile_case(case: dict[str, Any], old: dict[str, Any] | None = None,
+                 keep: bool = False) -> dict[str, Any]:
+    """Compile one case for sm_90a; the table entry (the error's first line on failure).
+    ``old``: the regenerated table's entry of the same key, reused when its frontend IR
+    hash is this compile's (``keep``: whatever it is; see :func:`compile_entry`)."""
     from flashtune.kernel_templates.attn_bwd_gluon.launcher import compile_sm90
 
     return compile_entry(case, lambda: compile_sm90(case["config"], case["head_dim"],
-                                                    case["causal"]))
+                                                    case["causal"]),
+                         old, keep)
 
 
 def main(argv: list[str] | None = None) -> int:

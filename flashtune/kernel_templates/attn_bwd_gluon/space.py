@@ -28,7 +28,9 @@ valid point per head dim and causal flag, compiled for sm_90a on the CPU by
 
     python -m flashtune.kernel_templates.attn_bwd_gluon --prefilter
 
-The table is compiled in bf16; fp16 compiles to the same registers and shared memory (the
+(about 30 minutes on 2 cores; an entry whose frontend IR a kernel change left as it was is
+reused, not compiled again: :mod:`flashtune.kernel_templates.sm90_table`). The table is
+compiled in bf16; fp16 compiles to the same registers and shared memory (the
 same tile shapes, wgmma of another input type), so its verdicts serve both. ``EXPAND_GQA``
 is not a key of it: its kernel differs by the producer's K/V head (``hk // KV_GROUP``), and
 compiled to the same shared memory, registers and spills as its twin (D128 causal with the
@@ -98,8 +100,10 @@ def structural_reason(config: Mapping[str, int]) -> str | None:
 
 def _entry(raw: Any, where: str) -> tuple[str, Compiled]:
     fields = {"head_dim", "causal", "config", "shared", "registers", "spill_bytes", "error"}
-    if not isinstance(raw, dict) or set(raw) != fields:
-        raise ValueError(f"{where}: an entry is an object with the keys {sorted(fields)}")
+    # ir_hash (optional): sm90_table.parse_table checks it
+    if not isinstance(raw, dict) or set(raw) - {"ir_hash"} != fields:
+        raise ValueError(f"{where}: an entry is an object with the keys {sorted(fields)} "
+                         f"(and ir_hash)")
     config = sm90_table.entry_config(raw, COMPILED, where)
     if type(raw["head_dim"]) is not int or type(raw["causal"]) is not bool:
         raise ValueError(f"{where}: head_dim int and causal bool, got {raw['head_dim']!r}, "
