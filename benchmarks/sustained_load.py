@@ -242,6 +242,7 @@ def _contenders(sh: Any, what: str, device: Any, flash: bool,
     route = {"implementation": choice.template, "config": dict(choice.config),
              "source": choice.source}
     if what == "fwd" and configs:
+        from explore_fwd_ablation import variant_config
         from train_breakdown import _gluon_configs
 
         from flashtune.kernel_templates import get_template
@@ -257,9 +258,7 @@ def _contenders(sh: Any, what: str, device: Any, flash: bool,
             return call
         route["configs"] = {}
         for name, updates in configs.items():
-            if updates and all(k.isdigit() for k in updates):
-                updates = updates.get(str(sh.d), {})
-            config = {**lookup, **{k: int(v) for k, v in updates.items()}}
+            config = variant_config(lookup, updates, sh.d)
             route["configs"][name] = config
             calls[name] = launch(config)
     return calls, route

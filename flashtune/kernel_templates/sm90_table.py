@@ -34,8 +34,8 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 __all__ = ["SMEM_LIMIT", "SPILL_LIMIT", "Compiled", "compile_entry", "entry_config",
-           "entry_figures", "frontend_hash", "parse_table", "read_table", "reusable",
-           "smem_limit", "write_table"]
+           "entry_figures", "frontend_hash", "parse_table", "read_table", "smem_limit",
+           "write_table"]
 
 SMEM_LIMIT = 227 * 1024  # dynamic shared memory an sm_90 block may opt in to
 # spill-store bytes a config may have (each template's space.py says what spills there)
@@ -223,12 +223,6 @@ def frontend_hash(compile_fn: Callable[[], Any]) -> str | None:
     raise RuntimeError("compile_fn did not call triton.compile")
 
 
-def reusable(old: Mapping[str, Any] | None, ir_hash: str | None) -> bool:
-    """Whether an old table's entry stands for a compile whose frontend IR hashes to
-    ``ir_hash``: both hashes known and equal."""
-    return old is not None and ir_hash is not None and old.get("ir_hash") == ir_hash
-
-
 def compile_entry(case: Mapping[str, Any], compile_fn: Callable[[], Any],
                   old: Mapping[str, Any] | None = None, keep: bool = False) -> dict[str, Any]:
     """One table entry: ``case`` with the shared memory, registers and spill-store bytes of
@@ -246,7 +240,8 @@ def compile_entry(case: Mapping[str, Any], compile_fn: Callable[[], Any],
         The entry (``shared``, ``registers``, ``spill_bytes``, ``error``, ``ir_hash``).
     """
     ir_hash = frontend_hash(compile_fn)
-    if old is not None and (keep or reusable(old, ir_hash)):
+    # reused: both hashes known and equal (or keep)
+    if old is not None and (keep or (ir_hash is not None and old.get("ir_hash") == ir_hash)):
         return dict(case, shared=old["shared"], registers=old["registers"],
                     spill_bytes=old["spill_bytes"], error=old["error"], ir_hash=ir_hash,
                     reused=True)
