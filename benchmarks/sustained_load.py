@@ -5,7 +5,7 @@ move, results/fwd_chain_causal_h200.json).
 
     python benchmarks/sustained_load.py [--shapes 4096:128:1,4096:64:1,2048:128:0 | grid]
         [--what fwd,train] [--seconds 4] [--cool 4] [--group 1] [--no-flash]
-        [--config NAME=JSON ...] [--tuner-rounds 5]
+        [--config NAME=[PATH|]JSON ...] [--tuner-rounds 5]
         [--out benchmarks/results/sustained_load_h200.json]
 
 A shape ``N:D:causal`` is the standard grid's (batch x N = 16384 tokens, 2048 / D heads,
@@ -25,7 +25,10 @@ chunks), their ratio, the mean clock and power over the last quarter, the energy
 (hot power x hot time) and the throttle reasons seen; each contender's ratio to cuDNN,
 cool and hot; and per mode the geomean of flashtune's ratios. ``--config NAME=JSON``
 (forward): a contender of its own, the Gluon forward's launcher with the lookup's config
-updated by JSON (the launcher's host cost shows at short N). ``--tuner-rounds R``: after
+updated by JSON (the launcher's host cost shows at short N); ``NAME=PATH|JSON``: the same
+with the kernel file ``PATH`` (a candidate change with the library kernel's parameters, as
+``explore_fwd_ablation.py --variant`` takes it) in the library kernel's place, compiled in
+the pool with the rest and checked like every contender. ``--tuner-rounds R``: after
 the sustained runs, every contender timed again the way the tuner's side-by-side stage
 times leaders (``timing.bench`` in rotation, R rounds), to set what the tuner sees beside
 the cool and hot figures.
@@ -199,12 +202,14 @@ def run_sustained(call: Any, seconds: float, sampler: Sampler,
 
 
 def _contenders(sh: Any, what: str, device: Any, flash: bool,
-                configs: dict[str, dict[str, Any]] | None = None
+                configs: dict[str, dict[str, Any]] | None = None,
+                kernels: dict[str, Any] | None = None
                 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """``{name: call}`` for one shape (each call returns its outputs) and the route
     flashtune's router takes for it (implementation, config, source); ``configs``
     (forward only): contenders of their own, the Gluon forward's launcher with the
-    lookup's config updated by each (keyed by head dim or not, as ``--config`` says)."""
+    lookup's config updated by each (keyed by head dim or not, as ``--config`` says),
+    launching ``kernels[name]`` in the library kernel's place where it has one."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from train_breakdown import _sdpa_step
 
@@ -250,18 +255,77 @@ def _contenders(sh: Any, what: str, device: Any, flash: bool,
         fwd = get_template("attn_fwd_gluon")
         lookup = _gluon_configs(sh.problem, device, "lookup")["fwd_config"]
 
-        def launch(config: dict[str, int]) -> Any:
+        def launch(config: dict[str, int], kernel: Any = None) -> Any:
             def call() -> tuple[torch.Tensor, ...]:
-                out, _ = fwd.launcher(sh.q, sh.k, sh.v, config, causal=sh.causal,
-                                      return_lse=True)
-                return (out, )
+                if kernel is None:
+                    out, _ = fwd.launcher(sh.q, sh.k, sh.v, config, causal=sh.causal,
+                                          return_lse=True)
+                    return (out, )
+                return (_launch_kernel(kernel, sh, config), )
             return call
         route["configs"] = {}
         for name, updates in configs.items():
             config = variant_config(lookup, updates, sh.d)
             route["configs"][name] = config
-            calls[name] = launch(config)
+            calls[name] = launch(config, (kernels or {}).get(name))
     return calls, route
+
+
+def _launch_kernel(kernel: Any, sh: Any, config: dict[str, int]) -> torch.Tensor:
+    """The library launcher's launch (contiguous inputs, default scale, O and LSE
+    allocated per call) with another kernel file's ``gluon_attn_fwd_kernel``."""
+    from flashtune.kernel_templates.attn_fwd_gluon.launcher import kernel_args
+
+    out = torch.empty_like(sh.q)
+    lse = torch.empty(sh.q.shape[:3], device=sh.q.device, dtype=torch.float32)
+    args, kwargs, grid = kernel_args(sh.q, sh.k, sh.v, out, lse, config, causal=sh.causal,
+                                     scale=1.0 / math.sqrt(sh.d))
+    kernel[grid](*args, **kwargs)
+    return out
+
+
+def parse_config(text: str) -> tuple[str, str, dict[str, Any]]:
+    """``--config NAME=[PATH|]JSON`` -> ``(name, path or "", updates)``: explore_fwd_ablation's
+    ``--variant`` syntax, its ``PATH|`` optional."""
+    from explore_fwd_ablation import parse_variant
+
+    name, sep, rest = text.partition("=")
+    if not sep:
+        raise ValueError(f"--config {text!r}: expected NAME=[PATH|]JSON")
+    return parse_variant(text if "|" in rest else f"{name}=|{rest}")
+
+
+def _kernel_files(paths: dict[str, str], shapes: list[tuple[int, int, bool]],
+                  configs: dict[str, dict[str, Any]], device: Any, group: int,
+                  precompile: bool, jobs: int = 16) -> dict[str, Any]:
+    """Each ``--config``'s kernel file as a module of its own, ``{name: kernel}``; with
+    ``precompile``, compiled first for every shape (MHA; a GQA group compiles at its first
+    call) in a process pool sharing the Triton cache, a failure printed."""
+    import tempfile
+
+    from explore_bwd_ablation import _kernel, compile_all, write_modules
+    from explore_fwd_ablation import ATTR, HIDDEN, KERNEL, PREFIX, TOKENS, variant_config
+    from explore_fwd_ablation import _compile as compile_one
+    from train_breakdown import _gluon_configs
+
+    from flashtune.autotune.precompile import share_cache_dir
+    from flashtune.core.problem import AttentionProblem
+
+    if not paths:
+        return {}
+    share_cache_dir()
+    where = tempfile.mkdtemp(prefix=PREFIX + "_")
+    write_modules(Path(where), PREFIX, KERNEL, {}, {},
+                  {name: Path(path) for name, path in paths.items()})
+    work = []
+    for n, d, causal in shapes if precompile and group == 1 else ():
+        p = AttentionProblem(TOKENS // n, HIDDEN // d, HIDDEN // d, n, n, d, causal, "bf16")
+        lookup = _gluon_configs(p, device, "lookup")["fwd_config"]
+        work += [(where, name, (p.batch, p.heads_q, n, d), causal,
+                  variant_config(lookup, configs[name], d)) for name in paths]
+    if work:
+        compile_all(compile_one, work, jobs)
+    return {name: _kernel(where, name, PREFIX, ATTR) for name in paths}
 
 
 def tuner_timing(calls: dict[str, Any], results: dict[str, dict[str, Any]],
@@ -347,10 +411,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=4.0)
     ap.add_argument("--cool", type=float, default=4.0)
     ap.add_argument("--group", type=int, default=1)
-    ap.add_argument("--config", action="append", default=[], metavar="NAME=JSON",
+    ap.add_argument("--config", action="append", default=[], metavar="NAME=[PATH|]JSON",
                     help="forward only: a contender NAME, the Gluon forward's launcher with "
                          "the lookup's config updated by JSON (one object, or one per head "
-                         "dim: {\"64\": {...}}; {} is the lookup's own) (repeatable)")
+                         "dim: {\"64\": {...}}; {} is the lookup's own), launching the "
+                         "kernel file PATH instead of the library's if given (repeatable)")
     ap.add_argument("--tuner-rounds", type=int, default=0,
                     help="also time the contenders the tuner's way afterwards: this many "
                          "rounds in rotation of timing.bench (L2 flushed, round_rep_ms)")
@@ -370,16 +435,20 @@ def main(argv: list[str] | None = None) -> int:
     index = torch.cuda.current_device()
     sampler = Sampler(index)
     print(f"sampling with {sampler.source or 'nothing (times only)'}", flush=True)
-    configs = {name: json.loads(text) for name, _, text in
-               (c.partition("=") for c in args.config)}
+    parsed = [parse_config(c) for c in args.config]
+    configs = {name: updates for name, _, updates in parsed}
+    paths = {name: path for name, path, _ in parsed if path}
     shapes = _shapes(args.shapes)
-    if torch.cuda.get_device_capability() == (9, 0):
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    if hopper:
         _precompile(shapes, args.group, device)
+    kernels = _kernel_files(paths, shapes, configs, device, args.group, hopper)
     rows = []
     for n, d, causal in shapes:
         sh = Shape(n, d, causal, args.group)
         for what in args.what.split(","):
-            calls, route = _contenders(sh, what, device, not args.no_flash, configs)
+            calls, route = _contenders(sh, what, device, not args.no_flash, configs,
+                                       kernels)
             row: dict[str, Any] = {"shape": sh.name, "what": what, "seqlen": n, "head_dim": d,
                                    "causal": causal, "group": args.group, "route": route,
                                    "contenders": {}}
@@ -430,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
                "torch": torch.__version__, "python": platform.python_version(),
                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
                "seconds": args.seconds, "cool": args.cool, "sampler": sampler.source,
-               "flash": not args.no_flash, "configs": configs,
+               "flash": not args.no_flash, "configs": configs, "kernels": paths,
                "tuner_rounds": args.tuner_rounds,
                "summary": summary, "rows": rows}
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

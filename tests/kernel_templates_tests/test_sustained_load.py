@@ -93,3 +93,19 @@ def test_the_tuners_timing_rotates_the_timed_contenders_and_keeps_the_median(
     assert results["a"]["tuner_ms"] == 2.0 and results["b"]["tuner_ms"] == 5.0
     assert results["a"]["tuner_rounds_ms"] == [3.0, 1.0, 2.0]
     assert "tuner_ms" not in results["c"]
+
+
+def test_a_config_takes_a_kernel_file_or_not() -> None:
+    m = _load()
+    assert m.parse_config('big={"BLOCK_N": 128}') == ("big", "", {"BLOCK_N": 128})
+    assert m.parse_config("lookup={}") == ("lookup", "", {})
+    assert m.parse_config('poly=v/fwd_exp.py|{"64": {"ROWS": 64}}') == (
+        "poly", "v/fwd_exp.py", {"64": {"ROWS": 64}})
+    assert m.parse_config("same=fwd_exp.py|") == ("same", "fwd_exp.py", {})
+    for bad in ("noequals", "x=[1]", "1x={}"):
+        try:
+            m.parse_config(bad)
+        except ValueError as exc:
+            assert "--variant" in str(exc) or "JSON" in str(exc)
+        else:
+            raise AssertionError(f"{bad!r} accepted")
