@@ -189,9 +189,13 @@ def test_the_space_has_room_to_search_at_both_head_dims() -> None:
             assert _config(PERSISTENT=1) in valid and _config(PERSISTENT=1, PINGPONG=1) in valid
             # and the TMA-store epilogue, grid-launched and persistent
             assert _config(TMA_STORE=1) in valid and _config(PERSISTENT=1, TMA_STORE=1) in valid
-            # FA3's 192-row tile: three consumers of 64 rows over 64-key tiles
+            # FA3's 192-row tile: three consumers of 64 rows over 64-key tiles, and over
+            # 128-key tiles at D64 (P converted early: no spill), not at D128 (spills)
             assert _config(NUM_CONSUMERS=3, BLOCK_N=64) in valid
             assert _config(NUM_CONSUMERS=3, BLOCK_N=64, PERSISTENT=1) in valid
+            assert (_config(NUM_CONSUMERS=3, BLOCK_N=128) in valid) == (d == 64)
+            assert (_config(NUM_CONSUMERS=3, BLOCK_N=128, NUM_STAGES=3, TMA_STORE=1)
+                    in valid) == (d == 64)
     for causal in (False, True):  # D256 (Gemma-2): two stages of 64-key tiles fit, not more
         valid = SPEC.space.valid_configs(_problem(256, causal), H100)
         assert _config(BLOCK_N=64) in valid and _config(BLOCK_N=64, PERSISTENT=1) in valid
@@ -560,6 +564,22 @@ def test_short_causal_problems_default_to_two_one_consumer_ctas_an_sm(d: int,
         assert SPEC.default_config(p, H100)["CTAS_PER_SM"] == 1, p
 
 
+def test_long_d64_problems_default_to_fa3s_tile() -> None:
+    """sustained_early_h200.json (H200, at the power cap, cuDNN = 1): three consumers of 64
+    rows over 128-key tiles, grid-launched, 3 stages and the TMA store ran D64 N16k 1.09x,
+    N8k causal 1.04x (the tuned configs 0.98x, 0.97x) and trailed at N 1k-2k causal; the
+    default from 8k keys at D64, with a mask or without, and only there."""
+    fa3 = _config(NUM_CONSUMERS=3, BLOCK_N=128, NUM_STAGES=3, TMA_STORE=1)
+    for causal in (False, True):
+        for n in (8192, 16384):
+            p = _problem(64, causal, nq=n, nk=n)
+            assert SPEC.default_config(p, H100) == fa3, (causal, n)
+            assert SPEC.space.check(fa3, p, H100) is None
+        for p in (_problem(64, causal, nq=4096, nk=4096), _problem(128, causal, nq=8192,
+                                                                    nk=8192)):
+            assert SPEC.default_config(p, H100)["NUM_CONSUMERS"] != 3, p
+
+
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_a_search_tries_the_defaults_rivals_right_after_it(d: int) -> None:
     """occupancy_probe_h100.json and _h200.json: at causal D64 N512-2k one consumer two an
@@ -568,7 +588,7 @@ def test_a_search_tries_the_defaults_rivals_right_after_it(d: int) -> None:
     one-consumer tile; without a mask the grid tile beside the overlapped default. Each is
     valid, none is the default, at most two; D256 has none that fit."""
     for causal in (False, True):
-        for n in (77, 512, 2048, 8192):
+        for n in (77, 512, 2048, 4096, 8192):
             p = _problem(d, causal, nq=n, nk=n)
             default = SPEC.default_config(p, H100)
             seeds = SPEC.seed_configs(p, H100)
@@ -583,8 +603,12 @@ def test_a_search_tries_the_defaults_rivals_right_after_it(d: int) -> None:
                 assert seeds == []
             elif causal and default["CTAS_PER_SM"] == 2:  # the short causal range
                 assert (2, 1, 1, 1) in structures and (2, 1, 0, 0) in structures
+            elif d == 64 and n == 4096:  # FA3's D64 tile first, short of its default range
+                assert seeds[0]["NUM_CONSUMERS"] == 3 and seeds[0]["BLOCK_N"] == 128
             elif causal:
                 assert (1, 2, 0, 0) in structures and (2, 1, 1, 1) in structures
+            elif default["NUM_CONSUMERS"] == 3:  # D64 from 8k: the overlapped kernel too
+                assert structures == {(2, 1, 0, 0), (2, 1, 1, 0)}
             else:
                 assert structures == {(2, 1, 0, 0)}
 
@@ -740,6 +764,29 @@ def test_every_valid_config_of_the_space_compiles_and_runs(d: int) -> None:
         assert valid
         _precompile(p, valid)
         _assert_each_matches_the_reference(q, k, v, valid, causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [c for c in CASES if c[5] == 64] + [
+    (2, 6, 2, 333, 517, 64, True), (1, 4, 1, 384, 130, 64, True), (2, 4, 4, 1000, 1000, 64, False)],
+    ids=lambda s: "b{}h{}:{}q{}k{}d{}{}".format(*s[:6], "c" if s[6] else ""))
+def test_fa3s_d64_tile_matches_the_reference(case) -> None:
+    """Three consumers over 128-key tiles at D64 (P converted to the P V operand before
+    the next S: kernel.py's EARLY_P), every launch of it the space holds, on ragged, GQA,
+    MQA, Nq != Nk and single-query shapes."""
+    from flashtune.core.device import cuda_device
+
+    b, hq, hkv, nq, nk, d, causal = case
+    q, k, v = _rand(b, hq, nq, d, dtype=torch.bfloat16), \
+        _rand(b, hkv, nk, d, dtype=torch.bfloat16), _rand(b, hkv, nk, d, dtype=torch.bfloat16)
+    p = AttentionProblem.from_tensors(q, k, causal=causal)
+    configs = [c for c in SPEC.space.valid_configs(p, cuda_device())
+               if c["NUM_CONSUMERS"] == 3 and c["BLOCK_N"] == 128]
+    assert _config(NUM_CONSUMERS=3, BLOCK_N=128, NUM_STAGES=3, TMA_STORE=1) in configs
+    _precompile(p, configs)
+    _assert_each_matches_the_reference(q, k, v, configs, causal)
+    out = SPEC.launcher(q, k, v, configs[0], causal=causal)
+    assert_close_to_reference(out, q, k, v, causal=causal)
 
 
 @pytest.mark.gpu

@@ -70,6 +70,8 @@ def test_the_swept_configs_compile() -> None:
              {"PINGPONG": 1, "head_dim": 64}, {"PERSISTENT": 1, "causal": True},
              {"PERSISTENT": 1, "PINGPONG": 1, "head_dim": 64},
              {"NUM_CONSUMERS": 3, "BLOCK_N": 64, "head_dim": 64, "PERSISTENT": 1},
+             {"NUM_CONSUMERS": 3, "head_dim": 64, "NUM_STAGES": 3, "TMA_STORE": 1,
+              "causal": True},
              {"NUM_CONSUMERS": 1, "BLOCK_N": 64, "CTAS_PER_SM": 2, "causal": True}]
     # warps: 4 per consumer + the producer's warpgroup (padded to 4 with three consumers)
     warps = {1: 8, 2: 12, 3: 16}
@@ -77,6 +79,7 @@ def test_the_swept_configs_compile() -> None:
         assert got["warps"] == warps[case.get("NUM_CONSUMERS", 2)], got
         assert 1 in got["wgmma_wait_depths"], got
         if case.get("NUM_CONSUMERS") == 3:  # 24 / 160 registers, no spill at 64-key tiles
+            # nor at D64's 128-key tiles (FA3's tile: P converted before the next S)
             assert ["inc", "160"] in got["setmaxnreg"], got
             assert got["spill_store_bytes"] == [0], got
         if case.get("CTAS_PER_SM") == 2:  # launched at 128 a thread, the consumer at 232

@@ -274,6 +274,12 @@ def _consumer_tile(cid, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    # FA3's order: P_j becomes the P V operand once P_{j-1} V_{j-1} is done, so the fp32 P
+    # (64 registers at 128 keys) never lives beside the next S. Three consumers at D64
+    # need it (160 registers: FA3's 192 x 128 tile spilled 0.8-1.6 KB without it, none
+    # with it); elsewhere the conversion stays after the next S is issued, off the
+    # softmax's path (early: 0.94-1.06x at two consumers, results/sustained_early_h200.json)
+    EARLY_P: gl.constexpr = (NUM_CONSUMERS == 3) & (BLOCK_N == 128) & (HEAD_D == 64)
 
     steps = kv_base + tile_i  # ping-pong steps of the earlier tiles (their blocks + 1 each)
     lo, n_total = _tile(bh, m_block, heads_q, group, seqlen_q, seqlen_k, window_left, ROWS,
@@ -310,6 +316,8 @@ def _consumer_tile(cid, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready
     p, alpha, m_i, l_i = _softmax_block(qk, lo, m_i, l_i, q_start, seqlen_q, seqlen_k,
                                         qk_scale, window_left, s_layout, ROWS, BLOCK_N, CAUSAL,
                                         WINDOW)
+    if EARLY_P:
+        p16 = gl.convert_layout(p.to(dtype), p_layout)
     for j in range(lo + 1, n_mine):
         g = kv_base + j - lo
         st = g % NUM_STAGES
@@ -322,7 +330,8 @@ def _consumer_tile(cid, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready
         qk = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False,
                            is_async=True)
         mbarrier.wait(v_ready.index(prev), prev_ph)
-        p16 = gl.convert_layout(p.to(dtype), p_layout)
+        if not EARLY_P:
+            p16 = gl.convert_layout(p.to(dtype), p_layout)
         acc = warpgroup_mma(p16, v_smem.index(prev), acc, is_async=True)
         _their_turn(turn, cid, PINGPONG)
         qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk, ))
@@ -338,6 +347,8 @@ def _consumer_tile(cid, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready
         else:
             mbarrier.arrive(kv_empty.index(prev), count=1)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+        if EARLY_P:
+            p16 = gl.convert_layout(p.to(dtype), p_layout)
     if PERSISTENT and not TMA_STORE:  # every S of the tile is done: the producer may load
         mbarrier.arrive(q_empty.index(qs + cid), count=1)  # the next tile's Q
     # the last block's P V
@@ -345,7 +356,8 @@ def _consumer_tile(cid, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready
     last = g_last % NUM_STAGES
     _my_turn(turn, cid, steps + n_mine - lo, PINGPONG)
     mbarrier.wait(v_ready.index(last), (g_last // NUM_STAGES) & 1)
-    p16 = gl.convert_layout(p.to(dtype), p_layout)
+    if not EARLY_P:
+        p16 = gl.convert_layout(p.to(dtype), p_layout)
     acc = warpgroup_mma(p16, v_smem.index(last), acc, is_async=True)
     _their_turn(turn, cid, PINGPONG)
     acc, p16 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p16))
