@@ -260,6 +260,15 @@ _TWO_AN_SM: dict[int, tuple[int, Config]] = {
 }
 
 
+# FA3's D64 tile: three consumers of 64 rows over 128-key tiles, grid-launched, 3 stages,
+# the TMA store (kernel.py's EARLY_P makes it fit). On the H200 (sustained_early_h200.json,
+# at the power cap, cuDNN = 1) it ran N 16k 1.09x, N 8k causal 1.04x, N 4k 1.02x and N 4k
+# causal 0.96x, where the tuned configs of before ran 0.98x, 0.97x, 0.97x and 0.92x; at
+# N 1k-2k causal it trailed them (0.66-0.88x). The default from 8k keys, a rival from 4k
+_FA3_D64_TILE: Config = {**_knobs(3, 0, 128, 3), "TMA_STORE": 1}
+_FA3_D64_DEFAULT_FROM, _FA3_D64_RIVAL_FROM = 8192, 4096  # keys
+
+
 def default_config(problem: AttentionProblem, device: DeviceFingerprint) -> Config:
     """A safe config for ``problem``: the first of the defaults the predicate accepts (the
     first one for a problem no config serves: the predicate names why), with TMA_STORE 1
@@ -275,8 +284,8 @@ def default_config(problem: AttentionProblem, device: DeviceFingerprint) -> Conf
     short = _TWO_AN_SM.get(problem.head_dim)
     if problem.causal and short is not None and problem.seqlen_k <= short[0]:
         defaults = (short[1], *defaults)
-    if problem.head_dim == 64 and problem.seqlen_k >= _LONG_D64[0]:
-        defaults = (_LONG_D64[2], *defaults)
+    if problem.head_dim == 64 and problem.seqlen_k >= _FA3_D64_DEFAULT_FROM:
+        defaults = (_FA3_D64_TILE, *defaults)
     for config in defaults:
         if check(config, problem, device) is None:
             return dict(config)
@@ -293,12 +302,6 @@ def default_config(problem: AttentionProblem, device: DeviceFingerprint) -> Conf
 # two-consumer grid tile with 3 stages and the TMA store, the default's own past them.
 # Without a mask: the overlapped persistent kernel and the grid tile (D128 N4k on the
 # H200: 1.05x cuDNN against 1.03x)
-# FA3's D64 tile: three consumers of 64 rows over 128-key tiles, grid-launched, 3 stages,
-# the TMA store (kernel.py's EARLY_P makes it fit). On the H200 (sustained_early_h200.json,
-# at the power cap, cuDNN = 1) it ran N 16k 1.09x, N 8k causal 1.04x, N 4k 1.02x and N 4k
-# causal 0.96x, where the tuned configs of before ran 0.98x, 0.97x, 0.97x and 0.92x; at
-# N 1k-2k causal it trailed them (0.66-0.88x). The default from 8k keys, a rival from 4k
-_LONG_D64: tuple[int, int, Config] = (8192, 4096, {**_knobs(3, 0, 128, 3), "TMA_STORE": 1})
 _CAUSAL_RIVALS: tuple[Config, ...] = (
     {**_knobs(2, 1), "LPT": 1, "TMA_STORE": 1, "Q_BUFFERS": 2, "SPLIT_KV": 1},
     {**_knobs(3, 0), "TMA_STORE": 1},
@@ -316,8 +319,8 @@ def seed_configs(problem: AttentionProblem, device: DeviceFingerprint) -> list[C
     else:
         rivals = tuple(c for c in (_OVERLAPPED.get(problem.head_dim),
                                    {**_knobs(3, 0), "TMA_STORE": 1}) if c is not None)
-    if problem.head_dim == 64 and problem.seqlen_k >= _LONG_D64[1]:
-        rivals = (_LONG_D64[2], *rivals)
+    if problem.head_dim == 64 and problem.seqlen_k >= _FA3_D64_RIVAL_FROM:
+        rivals = (_FA3_D64_TILE, *rivals)
     out: list[Config] = []
     for config in rivals:
         if config != default and config not in out and check(config, problem, device) is None:
