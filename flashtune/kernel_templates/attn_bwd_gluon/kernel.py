@@ -621,7 +621,10 @@ def _consumer_step(t, m, step0, q_smem, do_smem, k_c, v_c, k_cols, ds_smem, dq_c
     and ``dK`` of its keys, its columns of the step's ``dQ`` partial to the writer; returns
     ``dk, dv``. ``MASK``: :data:`MASK_NONE`, :data:`MASK_BRANCH` (the mask behind a branch
     on whether the step needs it: keys past the end, and under a causal mask the diagonal)
-    or :data:`MASK_DIAGONAL` (the causal mask and the keys' end, at every step)."""
+    or :data:`MASK_DIAGONAL` (the causal mask at every step). A causal mask masks the keys
+    past the end with it and has no test of its own for them: one compare and one select a
+    score where two of each were (on the H200 the D128 causal main kernel 1.3-2.2% faster,
+    ``benchmarks/results/bwd_mask_v3_d128c_h200.json``)."""
     dtype: gl.constexpr = q_smem.dtype
     st = (step0 + t) % NUM_STAGES
     ph = ((step0 + t) // NUM_STAGES) & 1
@@ -645,15 +648,17 @@ def _consumer_step(t, m, step0, q_smem, do_smem, k_c, v_c, k_cols, ds_smem, dq_c
         if CAUSAL:  # the block's first query row misses some of the keys
             need_mask = need_mask | (m * BLOCK_M + (seqlen_k - seqlen_q) < k0 + ROWS_N - 1)
         if need_mask:
-            ok = gl.expand_dims(keys < seqlen_k, 1)
-            if CAUSAL:
+            if CAUSAL:  # (which masks the keys past the end too: see MASK_DIAGONAL)
                 qpos = m * BLOCK_M + qrows + (seqlen_k - seqlen_q)
-                ok = ok & (gl.expand_dims(keys, 1) <= gl.expand_dims(qpos, 0))
+                ok = gl.expand_dims(keys, 1) <= gl.expand_dims(qpos, 0)
+            else:
+                ok = gl.expand_dims(keys < seqlen_k, 1)
             p = gl.where(ok, p, 0.0)
-    if MASK == MASK_DIAGONAL:  # query i sees key j iff j <= i + seqlen_k - seqlen_q
+    if MASK == MASK_DIAGONAL:  # query i sees key j iff j <= i + seqlen_k - seqlen_q: for
+        # a query row (i < seqlen_q) no key past the end (j >= seqlen_k), so the keys' end
+        # needs no test of its own; a padded row (i >= seqlen_q) has P = 0 by its LSE (+inf)
         qpos = m * BLOCK_M + qrows + (seqlen_k - seqlen_q)
-        ok = gl.expand_dims(keys < seqlen_k, 1) & (gl.expand_dims(keys, 1)
-                                                   <= gl.expand_dims(qpos, 0))
+        ok = gl.expand_dims(keys, 1) <= gl.expand_dims(qpos, 0)
         p = gl.where(ok, p, 0.0)
     # dV += P^T dO with P^T in registers, on the tensor cores while dS^T is computed
     p16 = gl.convert_layout(p.to(dtype), a_layout)
@@ -717,20 +722,23 @@ def _store_rows(dk, dv, dk_ptr, dv_ptr, cu_k_ptr, b, hk, k0, seqlen_k, stride_dk
                 stride_dkn, sm_scale, ROWS_N: gl.constexpr, HEAD_D: gl.constexpr,
                 VARLEN: gl.constexpr):
     """The epilogue from registers: dK = scale * dS^T Q, dV = P^T dO, keys past the end not
-    stored; 32-bit offsets from the head's base (64-bit ones beside dK and dV spill)."""
+    stored; 32-bit offsets from the head's base (64-bit ones beside dK and dV spill), a
+    row's added to the base before its columns' (so that ptxas addresses a row's columns
+    as immediates from one pointer a row: summed first, it kept a 64-bit address an element
+    and spilled them, 64-128 B a consumer)."""
     dtype: gl.constexpr = dk_ptr.dtype.element_ty
     acc_layout: gl.constexpr = dk.type.layout
-    cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, acc_layout))
+    cols = gl.expand_dims(gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, acc_layout)), 0)
     rows = k0 + gl.arange(0, ROWS_N, layout=gl.SliceLayout(1, acc_layout))
-    offs = gl.expand_dims(rows * stride_dkn, 1) + gl.expand_dims(cols, 0)
+    row_offs = gl.expand_dims(rows * stride_dkn, 1)
     if VARLEN:  # the packed rows from the sequence's start (read here: no register held
         # through the walk)
         base = gl.load(cu_k_ptr + b).to(gl.int64) * stride_dkn + hk.to(gl.int64) * stride_dkh
     else:
         base = b.to(gl.int64) * stride_dkb + hk.to(gl.int64) * stride_dkh
     ok = gl.expand_dims(rows < seqlen_k, 1)
-    gl.store(dk_ptr + base + offs, (dk * sm_scale).to(dtype), mask=ok)
-    gl.store(dv_ptr + base + offs, dv.to(dtype), mask=ok)
+    gl.store(dk_ptr + base + row_offs + cols, (dk * sm_scale).to(dtype), mask=ok)
+    gl.store(dv_ptr + base + row_offs + cols, dv.to(dtype), mask=ok)
 
 
 @gluon.jit
