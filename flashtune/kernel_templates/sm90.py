@@ -2,7 +2,10 @@
 report what ptxas made of them: shared memory, registers, spill stores, and hashes of the
 machine code (to show that a change leaves a config's code as it was): of the cubin's bytes
 (which also hold line tables, so moving code in a file changes it) and of its instructions
-alone (``nvdisasm``'s listing without addresses, encodings or line info).
+alone (``nvdisasm``'s listing without addresses, encodings or line info), and a census of
+its main loops' instructions (:func:`loop_census`: a step's count, spills and masked
+sections, which the Gluon templates' ``python -m`` compile commands print with
+``"loops": true``).
 
 Each launch is compiled as the launcher would launch it for contiguous, aligned inputs of
 the problem (the template's ``warmup_launches``, built from shapes alone), with Triton's
@@ -32,7 +35,7 @@ from typing import Any
 from flashtune.core.device import DeviceFingerprint
 from flashtune.core.problem import AttentionProblem
 
-__all__ = ["H100", "compile_launches", "main"]
+__all__ = ["H100", "compile_launches", "loop_census", "loop_report", "main", "sass_listing"]
 
 # the H100 SXM the shipped tables are for (what default configs are derived for)
 H100 = DeviceFingerprint("NVIDIA_H100_80GB_HBM3", "9.0", 132, 232448, 85 << 30)
@@ -90,6 +93,118 @@ def compile_launches(template: str, problem: AttentionProblem,
             "cubin": hashlib.sha256(compiled.asm["cubin"]).hexdigest()[:16],
             "sass": sass_hash(compiled.asm["cubin"])})
     return results
+
+
+def sass_listing(cubin: bytes) -> str:
+    """``nvdisasm -c`` of ``cubin`` (Triton's own copy of the tool, else one on PATH): the
+    instructions with their addresses and branch labels. Raises RuntimeError when no
+    ``nvdisasm`` is found."""
+    import shutil
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    found = str(tool) if tool.exists() else shutil.which("nvdisasm")
+    if found is None:
+        raise RuntimeError("no nvdisasm: neither triton's copy nor one on PATH")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([found, "-c", f.name], capture_output=True, text=True,
+                              check=True).stdout
+
+
+# the opcodes a loop's census counts (a main loop's matrix products, softmax, masking,
+# spills, shared memory and synchronisation)
+LOOP_OPCODES = ("HGMMA", "MUFU", "FFMA", "FMUL", "FADD", "FSEL", "ISETP", "SEL", "IADD3",
+                "IMAD", "LOP3", "SHF", "F2FP", "LDS", "STS", "STSM", "LDL", "STL", "BAR",
+                "SYNCS")
+# a conditional forward branch inside a loop skipping more instructions than this is a
+# section of its own (a mask's, an epilogue's)
+SECTION_MIN = 20
+
+
+def loop_census(listing: str) -> list[dict[str, Any]]:
+    """The innermost loops of an ``nvdisasm -c`` listing that issue ``HGMMA`` (a kernel's
+    main loops: one per consumer partition of a warp-specialized kernel), in address order.
+    A loop runs from a branch label to the last instruction before the kernel's last
+    ``EXIT`` branching back to it. Each:
+    ``start``/``end`` (addresses), ``instructions``, ``opcodes`` (counts of
+    :data:`LOOP_OPCODES`, predicated ones included) and ``sections``: the conditional
+    forward branches inside it that skip more than :data:`SECTION_MIN` instructions (what
+    runs only on some steps, e.g. a mask), each with its own ``start``, ``end``,
+    ``instructions`` and ``opcodes``. A static census: which instructions a step may
+    issue, not how often (the GPU's profile says that)."""
+    import re
+
+    label_re = re.compile(r"^\s*(\.L_x_\d+):")
+    instr_re = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+    branch_re = re.compile(r"BRA\b[^`]*`\(?(\.L_x_\d+)")
+    code: list[tuple[int, str]] = []
+    labels: dict[str, int] = {}
+    pending: list[str] = []
+    for line in listing.splitlines():
+        found = label_re.match(line)
+        if found:
+            pending.append(found.group(1))
+            continue
+        found = instr_re.search(line)
+        if found:
+            for name in pending:
+                labels[name] = len(code)
+            pending = []
+            code.append((int(found.group(1), 16), found.group(2)))
+
+    def opcode(text: str) -> str:
+        words = text.split()
+        return (words[1] if words[0].startswith("@") else words[0]).split(".")[0]
+
+    def census(first: int, last: int) -> dict[str, Any]:
+        ops = [opcode(text) for _, text in code[first:last + 1]]
+        return {"start": code[first][0], "end": code[last][0], "instructions": len(ops),
+                "opcodes": {name: ops.count(name) for name in LOOP_OPCODES
+                            if name in ops}}
+
+    # past the last EXIT lie the out-of-line blocks (barrier waits' spin loops), each
+    # branching back into a loop it was called from: not loops of their own
+    exits = [i for i, (_, text) in enumerate(code) if opcode(text) == "EXIT"]
+    body_end = exits[-1] if exits else len(code)
+    loops = []
+    for i, (_, text) in enumerate(code[:body_end]):
+        found = branch_re.search(text)
+        if found and labels.get(found.group(1), i) < i:
+            first = labels[found.group(1)]
+            if any(opcode(t) == "HGMMA" for _, t in code[first:i + 1]):
+                loops.append((first, i))
+    # innermost: no other such loop inside; the last back branch to a label ends its loop
+    ends: dict[int, int] = {}
+    for first, last in loops:
+        ends[first] = max(last, ends.get(first, last))
+    spans = sorted(ends.items())
+    inner = [(a, b) for a, b in spans
+             if not any((c, d) != (a, b) and a <= c and d <= b for c, d in spans)]
+    result = []
+    for first, last in inner:
+        entry = census(first, last)
+        sections = []
+        for j in range(first, last):
+            text = code[j][1]
+            found = branch_re.search(text)
+            target = labels.get(found.group(1), -1) if found else -1
+            if text.startswith("@") and j < target <= last and target - j > SECTION_MIN:
+                sections.append(census(j + 1, target - 1))
+        entry["sections"] = sections
+        result.append(entry)
+    return result
+
+
+def loop_report(cubin: bytes) -> dict[str, Any]:
+    """``{"loops": ...}``: :func:`loop_census` of ``cubin``'s listing (the templates'
+    ``python -m`` compile commands print it with a case's ``"loops": true``)."""
+    return {"loops": loop_census(sass_listing(cubin))}
 
 
 def sass_hash(cubin: bytes) -> str:

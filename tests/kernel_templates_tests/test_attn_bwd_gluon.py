@@ -467,6 +467,23 @@ def _compile(cases: list[dict]) -> list[dict]:
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
 
+def test_the_causal_mask_costs_one_compare_and_one_select_a_score() -> None:
+    """The D128 causal default (64 x 128 tiles: a consumer's 64 keys by 64 queries, 32
+    scores a thread), its sm_90a SASS: each consumer's main loop holds one masked section
+    with 32 compares and 32 selects, the causal test alone (a key past the end is past
+    every query row's diagonal); testing the keys' end too made it 32 more selects (116
+    instructions, where it is 86-87 now), and the loops carried 6 and 14 spill reloads a
+    step, where they carry at most 8 now."""
+    (got,) = _compile([dict(BLOCK_M=64, BLOCK_N=128, NUM_STAGES=2, NUM_CONSUMERS=2,
+                            TMA_STORE=1, head_dim=128, causal=True, loops=True)])
+    assert len(got["loops"]) == 2, got["loops"]  # one a consumer
+    for loop in got["loops"]:
+        assert loop["opcodes"]["HGMMA"] == 32  # S, dP, dV, dK and dQ's wgmmas, unrolled
+        (mask,) = loop["sections"]
+        assert mask["opcodes"]["ISETP"] == 32 and mask["opcodes"]["FSEL"] == 32, mask
+        assert loop["opcodes"].get("LDL", 0) <= 8, loop["opcodes"]
+
+
 def test_each_structural_variant_compiles_for_sm90_within_its_budget() -> None:
     """One consumer (D128, causal), two consumers (D64, (B, N, H, D) storage; D128 causal;
     longest first; dK and dV by TMA; both): no spill beyond the allowance, shared memory within 227 KiB, the register split, a wgmma

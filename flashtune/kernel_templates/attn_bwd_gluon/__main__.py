@@ -3,7 +3,9 @@
     python -m flashtune.kernel_templates.attn_bwd_gluon '[{"head_dim": 64, "causal": true}]'
 
 Each case is a config over ``DEFAULT_CONFIG`` plus optional ``head_dim`` (128), ``causal``
-(false), ``dtype`` ("bf16") and ``layout`` ("bhsd" or "bshd"); one JSON line per case.
+(false), ``dtype`` ("bf16"), ``layout`` ("bhsd" or "bshd") and ``loops`` (false: with
+the main loops' SASS census, :func:`~flashtune.kernel_templates.sm90.loop_census`); one
+JSON line per case.
 
     python -m flashtune.kernel_templates.attn_bwd_gluon --prefilter [--jobs N]
 
@@ -30,12 +32,14 @@ def main(argv: list[str]) -> int:
         return 2
     from flashtune.kernel_templates.attn_bwd_gluon.launcher import DEFAULT_CONFIG, compile_sm90
     from flashtune.kernel_templates.attn_fwd_gluon.launcher import ptxas_stats
+    from flashtune.kernel_templates.sm90 import loop_report
 
     for case in json.loads(argv[0]) if argv else [{}]:
         d = case.pop("head_dim", 128)
         causal = case.pop("causal", False)
         dtype = case.pop("dtype", "bf16")
         layout = case.pop("layout", "bhsd")
+        loops = case.pop("loops", False)
         config = dict(DEFAULT_CONFIG, **case)
         c = compile_sm90(config, d, causal, dtype, layout)
         print(json.dumps({"config": config, "head_dim": d, "causal": causal, "dtype": dtype,
@@ -44,8 +48,10 @@ def main(argv: list[str]) -> int:
                           "atomics": sorted(set(re.findall(r"(?:atom|red)\.global\.[\w.]+",
                                                            c.asm["ptx"]))),
                           "tma_stores": len(re.findall(
-                              r"cp\.async\.bulk\.tensor\.\dd\.global\.shared", c.asm["ptx"]))}))
+                              r"cp\.async\.bulk\.tensor\.\dd\.global\.shared", c.asm["ptx"])),
+                          **(loop_report(c.asm["cubin"]) if loops else {})}))
     return 0
+
 
 
 if __name__ == "__main__":

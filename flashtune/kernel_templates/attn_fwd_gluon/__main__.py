@@ -5,7 +5,9 @@
 
 Each case is a config over ``DEFAULT_CONFIG`` plus optional ``head_dim`` (128), ``causal``
 (false), ``dtype`` ("bf16"), ``layout`` ("bhsd", or "bshd": inputs in ``(B, N, H, D)``
-storage) and ``window`` (false: with a causal sliding window); one JSON line per case: the config, shared memory bytes,
+storage), ``window`` (false: with a causal sliding window) and ``loops`` (false: with the
+main loops' SASS census, :func:`~flashtune.kernel_templates.sm90.loop_census`); one JSON
+line per case: the config, shared memory bytes,
 warps, and
 :func:`~flashtune.kernel_templates.attn_fwd_gluon.launcher.ptxas_stats`. No GPU needed; run
 it without ``TRITON_INTERPRET``.
@@ -38,20 +40,24 @@ def main(argv: list[str]) -> int:
         compile_sm90,
         ptxas_stats,
     )
+    from flashtune.kernel_templates.sm90 import loop_report
 
     for case in json.loads(argv[0]) if argv else [{}]:
         d = case.pop("head_dim", 128)
         causal = case.pop("causal", False)
         dtype = case.pop("dtype", "bf16")
         layout = case.pop("layout", "bhsd")
+        loops = case.pop("loops", False)
         window = case.pop("window", False)
         c = compile_sm90(case, d, causal, dtype, layout, window)
         print(json.dumps({"config": dict(DEFAULT_CONFIG, **case), "head_dim": d,
                           "causal": causal, "dtype": dtype, "layout": layout,
                           "window": window,
                           "shared": c.metadata.shared,
-                          "warps": c.metadata.num_warps, **ptxas_stats(c.asm["ptx"])}))
+                          "warps": c.metadata.num_warps, **ptxas_stats(c.asm["ptx"]),
+                          **(loop_report(c.asm["cubin"]) if loops else {})}))
     return 0
+
 
 
 if __name__ == "__main__":
