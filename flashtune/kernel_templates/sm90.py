@@ -95,10 +95,9 @@ def compile_launches(template: str, problem: AttentionProblem,
     return results
 
 
-def sass_listing(cubin: bytes) -> str:
-    """``nvdisasm -c`` of ``cubin`` (Triton's own copy of the tool, else one on PATH): the
-    instructions with their addresses and branch labels. Raises RuntimeError when no
-    ``nvdisasm`` is found."""
+def _nvdisasm(cubin: bytes, *flags: str) -> str | None:
+    """``nvdisasm``'s listing of ``cubin`` with ``flags`` (Triton's own copy of the tool,
+    else one on PATH); None where neither is found."""
     import shutil
     import subprocess
     import tempfile
@@ -109,12 +108,21 @@ def sass_listing(cubin: bytes) -> str:
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
     found = str(tool) if tool.exists() else shutil.which("nvdisasm")
     if found is None:
-        raise RuntimeError("no nvdisasm: neither triton's copy nor one on PATH")
+        return None
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        return subprocess.run([found, "-c", f.name], capture_output=True, text=True,
+        return subprocess.run([found, *flags, f.name], capture_output=True, text=True,
                               check=True).stdout
+
+
+def sass_listing(cubin: bytes) -> str:
+    """``nvdisasm -c`` of ``cubin``: the instructions with their addresses and branch
+    labels. Raises RuntimeError when no ``nvdisasm`` is found."""
+    listing = _nvdisasm(cubin, "-c")
+    if listing is None:
+        raise RuntimeError("no nvdisasm: neither triton's copy nor one on PATH")
+    return listing
 
 
 # the opcodes a loop's census counts (a main loop's matrix products, softmax, masking,
@@ -213,22 +221,10 @@ def sass_hash(cubin: bytes) -> str:
     builds whose code differs only in its line tables (a kernel moved in its file) hash
     the same. "" where no ``nvdisasm`` is found."""
     import re
-    import shutil
-    import subprocess
-    import tempfile
-    from pathlib import Path
 
-    import triton
-
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
-    found = str(tool) if tool.exists() else shutil.which("nvdisasm")
-    if found is None:
+    listing = _nvdisasm(cubin)
+    if listing is None:
         return ""
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        listing = subprocess.run([found, f.name], capture_output=True, text=True,
-                                 check=True).stdout
     code = [re.sub(r"/\*.*?\*/", "", line).strip() for line in listing.splitlines()
             if ";" in line]
     return hashlib.sha256("\n".join(c for c in code if c).encode()).hexdigest()[:16]

@@ -59,6 +59,5 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
