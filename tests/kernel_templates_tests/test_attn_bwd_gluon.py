@@ -484,6 +484,26 @@ def test_the_causal_mask_costs_one_compare_and_one_select_a_score() -> None:
         assert loop["opcodes"].get("LDL", 0) <= 8, loop["opcodes"]
 
 
+def test_the_d64_diagonal_loop_shifts_its_keys_not_its_query_rows() -> None:
+    """The D64 causal default walks the diagonal's steps in a loop of their own (a
+    consumer's 64 keys by 64 queries, 32 scores a thread, 2 keys and 16 query rows a
+    thread). Its mask compares ``key - shift <= row``: the shift lands on the 2 keys, where
+    ``key <= row + shift`` computed 16 query positions a step (19 IADD3, 16 SEL and 15 SHF
+    among 557 / 572 instructions; 475 / 476 now). Each consumer's two loops: the unmasked
+    one with no compare, the diagonal one with the mask's 32 compares and 32 selects."""
+    (got,) = _compile([dict(head_dim=64, causal=True, loops=True)])
+    assert got["config"] == dict(BLOCK_M=64, BLOCK_N=128, NUM_STAGES=2, NUM_CONSUMERS=2)
+    plain, diagonal = got["loops"][0::2], got["loops"][1::2]
+    assert len(got["loops"]) == 4, got["loops"]
+    for loop in plain:
+        assert "ISETP" not in loop["opcodes"] and "FSEL" not in loop["opcodes"], loop
+    for loop in diagonal:
+        ops = loop["opcodes"]
+        assert ops["HGMMA"] == 24 and ops["ISETP"] == 32 and ops["FSEL"] == 32, ops
+        assert not {"IADD3", "SEL", "SHF", "LDL"} & set(ops), ops
+        assert loop["instructions"] <= 490, loop
+
+
 def test_each_structural_variant_compiles_for_sm90_within_its_budget() -> None:
     """One consumer (D128, causal), two consumers (D64, (B, N, H, D) storage; D128 causal;
     longest first; dK and dV by TMA; both): no spill beyond the allowance, shared memory within 227 KiB, the register split, a wgmma

@@ -657,8 +657,8 @@ def _consumer_step(t, m, step0, q_smem, do_smem, k_c, v_c, k_cols, ds_smem, dq_c
     if MASK == MASK_DIAGONAL:  # query i sees key j iff j <= i + seqlen_k - seqlen_q: for
         # a query row (i < seqlen_q) no key past the end (j >= seqlen_k), so the keys' end
         # needs no test of its own; a padded row (i >= seqlen_q) has P = 0 by its LSE (+inf)
-        qpos = m * BLOCK_M + qrows + (seqlen_k - seqlen_q)
-        ok = gl.expand_dims(keys, 1) <= gl.expand_dims(qpos, 0)
+        shift = m * BLOCK_M + (seqlen_k - seqlen_q)
+        ok = gl.expand_dims(keys - shift, 1) <= gl.expand_dims(qrows, 0)
         p = gl.where(ok, p, 0.0)
     # dV += P^T dO with P^T in registers, on the tensor cores while dS^T is computed
     p16 = gl.convert_layout(p.to(dtype), a_layout)
