@@ -261,6 +261,11 @@ class TemplateSpec:
             structures measured to win where the default did not (on another GPU, or a
             neighbouring shape), so a search of a few trials still compares them; None:
             none.
+        torch_bound: its timings rest on torch's own kernels, so its source hash carries
+            torch's and cuDNN's versions (:func:`~flashtune.kernel_templates.sdpa_extern.
+            extern_hash`): an SDPA backend, or a training pair with one's forward. A choice
+            of it timed under another torch is stale for that torch alone (its shapes take
+            the default there; nothing of flashtune's to re-tune) and is exported as it is.
         plan: ``plan(q, k, v, config, causal=, scale=, return_lse=)`` -> a launch plan for
             one CUDA call signature of an inference call, called as ``plan(q, k, v,
             stream)``, with a ``device_index``: what the runtime replays instead of the
@@ -285,6 +290,7 @@ class TemplateSpec:
     limits: Limits = Limits()
     backward: str | None = None
     seed_configs: SeedConfigs | None = None
+    torch_bound: bool = False
     plan: Callable[..., Any] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:

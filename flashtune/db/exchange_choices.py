@@ -429,11 +429,13 @@ def export_choice_documents(store: TuningStore, *, specs: Mapping[str, TemplateS
                             op: str | None = None) -> list[ChoiceDocument]:
     """One document per (device name, op) of the store's op choices, sorted by file name;
     only choices whose winner is registered, serves the op and was decided at its current
-    source hash (others are stale and would never be served), except that an extern's
-    choices keep the hash they were decided at: an SDPA backend's hash is the torch and
-    cuDNN of the machine that timed it, so a database tuned on a GPU box exports whole from
-    any machine, and each reader judges the hash against its own torch. Where an extern's
-    choices of one document were decided at several hashes, the latest hash's are kept.
+    source hash (others are stale and would never be served), except that a torch-bound
+    implementation's choices (an SDPA backend's, or a pair with one's forward:
+    ``TemplateSpec.torch_bound``) keep the hash they were decided at: that hash carries the
+    torch and cuDNN of the machine that timed it, so a database tuned on a GPU box exports
+    whole from any machine, and each reader judges the hash against its own torch. Where
+    such choices of one document were decided at several hashes, the latest hash's are
+    kept.
 
     The store keeps the winner's hash only: ``implementations`` gives a runner-up and an
     extern their current hash, and a runner-up or extern that ``specs`` does not know (or
@@ -460,7 +462,7 @@ def export_choice_documents(store: TuningStore, *, specs: Mapping[str, TemplateS
         serving = op_implementations(specs, user_op)
         for c in store.list_choices(device_name=device_name, op=user_op):
             spec = serving.get(c.implementation)
-            if spec is not None and (spec.source_hash == c.source_hash or spec.kind == "extern"):
+            if spec is not None and (spec.source_hash == c.source_hash or spec.torch_bound):
                 groups.setdefault(c.device.name, []).append(c)
         docs.extend(_export_group(store.url, user_op, records, specs)
                     for records in groups.values())
@@ -475,7 +477,7 @@ def _export_group(url: str, op: str, records: list[ChoiceRecord],
         key = canonical_json(r.problem_key)
         if key not in fastest or r.median_ms < fastest[key].median_ms:
             fastest[key] = r
-    # one hash per winner: an extern's latest (its choices may span torch versions)
+    # one hash per winner: a torch-bound one's latest (its choices may span torch versions)
     names: dict[str, str] = {}
     for r in sorted(fastest.values(), key=lambda r: r.decided_at, reverse=True):
         names.setdefault(r.implementation, r.source_hash)

@@ -438,6 +438,7 @@ def extern_spec(backend: str) -> TemplateSpec:
         warmup_launches=None,
         tunable=True,
         kind="extern",
+        torch_bound=True,
         serves=("fwd", "train", "decode"),
         limits=_LIMITS[backend],
     )

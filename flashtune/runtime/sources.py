@@ -294,10 +294,11 @@ def _choices_from_file(path: Path, kind: str, op: str, hashes: Mapping[str, str]
                                       doc.implementations.get(e.implementation), hashes))
            for e in doc.entries]
     # warned about: entries of one of flashtune's own kernels whose source moved since (its
-    # kernels changed: re-tune); only logged: an SDPA backend's, whose hash is the torch and
-    # cuDNN that timed it (any other torch: their shapes take the default, cuDNN on Hopper,
-    # as the stale choice would), and one this flashtune does not know (a newer file's)
-    moved = [n for n in stale.skipped if n in hashes and specs[n].kind != "extern"]
+    # kernels changed: re-tune); only logged: an SDPA backend's (or a pair with its forward:
+    # ``torch_bound``), whose hash is the torch and cuDNN that timed it (any other torch:
+    # their shapes take the default, cuDNN on Hopper, as the stale choice would), and one
+    # this flashtune does not know (a newer file's)
+    moved = [n for n in stale.skipped if n in hashes and not specs[n].torch_bound]
     if moved and doc.device.name == device_name:
         found = _choice_staleness(path, kind, doc, hashes, specs)
         if found is not None:
@@ -418,7 +419,7 @@ def _choice_staleness(path: Path, kind: str, doc: Any, hashes: Mapping[str, str]
     moved = sorted({e.implementation for e in stale})
     reasons = []
     for name in moved:
-        if name in hashes and specs[name].kind == "extern":
+        if name in hashes and specs[name].torch_bound:
             reasons.append(f"{name} timed under another torch or cuDNN than this one (source "
                            f"{doc.implementations.get(name)}, here {hashes[name]}): those "
                            f"shapes take the default")

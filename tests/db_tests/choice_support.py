@@ -33,7 +33,7 @@ def extern_spec(name: str = EXTERN, source_hash: str = EXTERN_HASH) -> TemplateS
         default_config=lambda problem, device: {},
         make_case=lambda problem, device, **kw: forward_case(attn_fwd_reference, problem,
                                                              device, **kw),
-        kind="extern", serves=("fwd", "decode"))
+        kind="extern", torch_bound=True, serves=("fwd", "decode"))
 
 
 # the real attn_fwd (fwd, decode), attn_decode (decode) and attn_bwd (no user op), and the

@@ -391,6 +391,22 @@ def test_an_externs_choices_export_with_the_torch_they_were_timed_with(url: str)
     assert import_(url.replace("a.db", "c.db"), [doc]).total("stale") == 1
 
 
+def test_a_torch_bound_own_implementation_exports_as_an_extern_does(url: str) -> None:
+    """A pair with SDPA cuDNN's forward (``TemplateSpec.torch_bound``: its hash carries the
+    torch and cuDNN that timed it) exports with the hash it was decided at, as an extern's
+    choices do, though it is of flashtune's own kind; the same choice of an own kernel that
+    is not torch-bound is stale and left out."""
+    bound = replace(extern_spec(name="cudnn_pair", source_hash="c" * 16), kind="gluon")
+    specs = {**SPECS, "cudnn_pair": bound}
+    decide(url, H100, "fwd", FWD_PROBLEMS[0], implementation="cudnn_pair",
+           source_hash="d" * 16, config={}, median_ms=1.0, tflops=None)
+    with open_store(url, read_only=True) as store:
+        [doc] = export_choice_documents(store, specs=specs)
+        assert doc.implementations == {"cudnn_pair": "d" * 16}
+        unbound = {**specs, "cudnn_pair": replace(bound, torch_bound=False)}
+        assert export_choice_documents(store, specs=unbound) == []
+
+
 def test_an_export_checks_what_it_writes(url: str) -> None:
     decide(url, H100, "fwd", FWD_PROBLEMS[0], implementation="attn_fwd", source_hash=FWD,
            config={"BLOCK_M": 7}, median_ms=1.0, tflops=None)

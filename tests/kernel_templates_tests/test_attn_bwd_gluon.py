@@ -11,6 +11,7 @@ import math
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ from flashtune.core.errors import ConfigError, DeviceError, InputError
 from flashtune.core.problem import AttentionProblem
 from flashtune.kernel_templates import get_template, implementations
 from flashtune.kernel_templates.attn_bwd.reference import attn_bwd_reference
-from flashtune.kernel_templates.attn_bwd_gluon import PAIR_NAME, space
+from flashtune.kernel_templates.attn_bwd_gluon import CUDNN_PAIR_NAME, PAIR_NAME, space
 from flashtune.kernel_templates.attn_bwd_gluon.launcher import (
     DEFAULT_CONFIG,
     PRE_BLOCK,
@@ -34,6 +35,7 @@ from flashtune.kernel_templates.attn_bwd_gluon.launcher import (
 from flashtune.kernel_templates.attn_bwd_gluon.prefilter import cases
 from flashtune.kernel_templates.registry import source_hash
 from flashtune.kernel_templates.shaped import Shaped
+from flashtune.kernel_templates.training import TrainStep
 from tests.helpers import assert_grads_close
 
 SPEC = get_template("attn_bwd_gluon")
@@ -83,6 +85,35 @@ def test_the_training_pair_is_attn_fwd_gluon_with_this_backward() -> None:
                        return_lse=True) is None
     # the router's default pairs are unchanged: attn_fwd_gluon still pairs with attn_bwd
     assert get_template("attn_fwd_gluon").backward == "attn_bwd"
+
+
+def test_cudnns_forward_pairs_with_this_backward_for_training() -> None:
+    """``sdpa_cudnn_bwd_gluon``: SDPA cuDNN's forward (it returns the LSE this backward
+    reads) with this backward, a training pair of flashtune's own kind that only a tuning
+    run's choice routes to. What it serves is what both serve: not causal with Nq != Nk
+    (cuDNN's mask is top-left), not packed batches, sm_90 only; its LSE has a gradient
+    (this backward takes dLSE). Its hash moves with torch's and cuDNN's versions
+    (``torch_bound``) and with this backward's."""
+    fwd, cudnn = get_template(CUDNN_PAIR_NAME), get_template("sdpa_cudnn")
+    assert fwd.op == "fwd" and fwd.serves == ("train",) and fwd.backward == SPEC.name
+    assert fwd.launcher is cudnn.launcher and fwd.kind == "gluon" and fwd.torch_bound
+    assert fwd.source_hash == cudnn.source_hash and not fwd.space.params
+    assert fwd not in implementations("fwd")
+    pair = {s.name: s for s in implementations("train")}[CUDNN_PAIR_NAME]
+    assert isinstance(pair.launcher, TrainStep) and pair.launcher.bwd is SPEC
+    assert set(pair.space.params) == {f"bwd.{n}" for n in space.PARAMS}
+    assert pair.torch_bound and pair.source_hash not in (SPEC.source_hash, cudnn.source_hash)
+    # its limits on an H100 (this process's torch may have no cuDNN: ``available``)
+    limits = replace(pair.limits, available=None)
+    assert limits.refuse(_problem(64, True, hq=8, hkv=2, nq=333, nk=333), H100,
+                         return_lse=True) is None
+    assert "causal" in limits.refuse(_problem(64, True, nq=333, nk=517), H100)
+    assert limits.refuse(_problem(128, tokens_q=1500, tokens_k=1500), H100) is not None
+    assert "head_dim 96" in limits.refuse(_problem(96), H100)
+    assert "sm_90" in limits.refuse(_problem(), A100)
+    assert pair.limits.deterministic is False
+    if not torch.backends.cudnn.is_available():
+        assert pair.refuse(_problem(), H100) is not None
 
 
 def test_its_limits_refuse_what_it_cannot_serve() -> None:
@@ -785,3 +816,39 @@ def test_bshd_inputs_a_dlse_and_the_training_pair() -> None:
     config = pair.default_config(p, cuda_device())
     _, dq, dk, dv = pair.launcher(qs, ks, vs, do, config, causal=True)
     assert_grads_close((dq, dk, dv), qs, ks, vs, do, causal=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d,hq,hkv,n,causal,bshd", [
+    (64, 8, 8, 333, True, False), (128, 8, 2, 257, True, True), (64, 4, 1, 197, False, True),
+    (128, 4, 4, 1000, False, False)], ids=["d64-causal", "d128-gqa-causal-bshd",
+                                          "d64-mqa-bshd", "d128"])
+def test_cudnns_forward_with_this_backward_trains_through_attention(d, hq, hkv, n, causal,
+                                                                    bshd) -> None:
+    """The pair ``sdpa_cudnn_bwd_gluon`` as a user runs it (``flashtune.attention(...,
+    impl=)`` with gradients): out, dQ, dK and dV against float64 autograd on ragged, GQA
+    and MQA shapes, in (B, H, N, D) and (B, N, H, D) storage, then with a loss on the LSE
+    too, against attn_fwd + attn_bwd's gradients of the same loss."""
+    import flashtune
+
+    torch.manual_seed(2)
+
+    def make(h: int) -> torch.Tensor:
+        if bshd:
+            return torch.randn(2, n, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+        return torch.randn(2, h, n, d, device="cuda", dtype=torch.bfloat16)
+
+    q, k, v, do = make(hq), make(hkv), make(hkv), make(hq)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = flashtune.attention(*leaves, causal=causal, impl=CUDNN_PAIR_NAME)
+    dq, dk, dv = torch.autograd.grad(out, leaves, do)
+    assert_grads_close((dq, dk, dv), q, k, v, do, causal=causal)
+    dlse = torch.randn(2, hq, n, device="cuda")
+    grads = {}
+    for impl in (CUDNN_PAIR_NAME, "attn_fwd"):
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        out, lse = flashtune.attention(*leaves, causal=causal, impl=impl, return_lse=True)
+        loss = (out.float() * do.float()).sum() + (lse * dlse).sum()
+        grads[impl] = torch.autograd.grad(loss, leaves)
+    for w, h in zip(grads["attn_fwd"], grads[CUDNN_PAIR_NAME], strict=True):
+        assert ((w.float() - h.float()).norm() / w.float().norm()).item() < 1e-2

@@ -97,6 +97,7 @@ from flashtune.kernel_templates.attn_bwd_gluon.warmup import warmup_launches
 from flashtune.kernel_templates.attn_fwd import SPEC as FWD_TL
 from flashtune.kernel_templates.attn_fwd_gluon import SPEC as FWD_GLUON
 from flashtune.kernel_templates.registry import TemplateSpec, register_template, source_hash
+from flashtune.kernel_templates.sdpa_cudnn import SPEC as FWD_CUDNN
 
 _HERE = Path(__file__).parent
 # the training pair's name: attn_fwd_gluon's forward with this backward
@@ -128,5 +129,13 @@ TL_PAIR_NAME = "attn_fwd_bwd_gluon"
 TL_PAIR_SPEC = register_template(replace(FWD_TL, name=TL_PAIR_NAME, serves=("train",),
                                          backward=SPEC.name))
 
-__all__ = ["PAIR_NAME", "PAIR_SPEC", "SPACE", "SPEC", "TL_PAIR_NAME", "TL_PAIR_SPEC",
-           "attn_bwd_gluon", "default_config", "gluon_attn_bwd_kernel"]
+# SDPA cuDNN's forward (it returns the LSE, natural log, (batch, heads, seqlen_q), as this
+# backward reads it) with this backward, for train only: where cuDNN's forward leads
+# flashtune's (short causal sequences) and this backward leads cuDNN's (D64 causal)
+CUDNN_PAIR_NAME = "sdpa_cudnn_bwd_gluon"
+CUDNN_PAIR_SPEC = register_template(replace(
+    FWD_CUDNN, name=CUDNN_PAIR_NAME, kind="gluon", serves=("train",), backward=SPEC.name))
+
+__all__ = ["CUDNN_PAIR_NAME", "CUDNN_PAIR_SPEC", "PAIR_NAME", "PAIR_SPEC", "SPACE", "SPEC",
+           "TL_PAIR_NAME", "TL_PAIR_SPEC", "attn_bwd_gluon", "default_config",
+           "gluon_attn_bwd_kernel"]
