@@ -852,3 +852,43 @@ def test_cudnns_forward_with_this_backward_trains_through_attention(d, hq, hkv, 
         grads[impl] = torch.autograd.grad(loss, leaves)
     for w, h in zip(grads["attn_fwd"], grads[CUDNN_PAIR_NAME], strict=True):
         assert ((w.float() - h.float()).norm() / w.float().norm()).item() < 1e-2
+
+
+@pytest.mark.gpu
+def test_cudnns_forward_with_this_backward_compiles_and_captures() -> None:
+    """The contract of every route, for ``sdpa_cudnn_bwd_gluon``: a training step through
+    ``torch.compile(fullgraph=True)`` gives eager's gradients, and a forward + backward
+    captured in a CUDA graph replays to them."""
+    import flashtune
+
+    torch.manual_seed(3)
+    q, k, v = (torch.randn(2, h, 300, 64, device="cuda", dtype=torch.bfloat16)
+               for h in (8, 2, 2))
+
+    def loss_fn(q, k, v):
+        out, lse = flashtune.attention(q, k, v, causal=True, return_lse=True,
+                                       impl=CUDNN_PAIR_NAME)
+        return (out.float() ** 2).mean() + lse.mean()
+
+    grads = []
+    for fn in (loss_fn, torch.compile(loss_fn, fullgraph=True)):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+        fn(*leaves).backward()
+        grads.append([t.grad.float() for t in leaves])
+    for eager, compiled in zip(*grads, strict=True):
+        assert ((eager - compiled).norm() / eager.norm()).item() < 2e-2
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up outside the graph (compiles, allocates)
+        captured = torch.autograd.grad(loss_fn(*leaves), leaves)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = torch.autograd.grad(loss_fn(*leaves), leaves)
+    for t, src in zip(leaves, (q, k, v), strict=True):
+        t.data.copy_(src)
+    graph.replay()
+    torch.cuda.synchronize()
+    for eager, got in zip(grads[0], captured, strict=True):
+        assert ((eager - got.float()).norm() / eager.norm()).item() < 2e-2

@@ -63,14 +63,15 @@ def test_every_shipped_file_is_of_one_kind_or_the_other():
 @pytest.mark.parametrize("path", OP_FILES, ids=lambda p: p.name)
 def test_shipped_op_choices_are_valid_and_current_for_flashtunes_kernels(path):
     """Own kernels' choices must be current (a kernel change re-tunes them); an SDPA
-    backend's carry the torch and cuDNN of the GPU that timed them, which a reader with
-    another torch treats as stale (its calls there take the default)."""
+    backend's, and a pair's with its forward (``torch_bound``), carry the torch and cuDNN of
+    the GPU that timed them, which a reader with another torch treats as stale (its calls
+    there take the default)."""
     doc = read_choice_document(path, specs=SPECS)  # the importer's strict validation
     assert path.name == choice_file_name(doc.device.name, doc.op)
     serving = op_implementations(SPECS, doc.op)
     winners = {e.implementation for e in doc.entries}
     for name in winners:
-        if serving[name].kind != "extern":
+        if not serving[name].torch_bound:
             assert doc.implementations[name] == serving[name].source_hash, (
                 f"{path.name}: {name} was tuned at {doc.implementations[name]}, it is now "
                 f"@{serving[name].source_hash}: re-tune on the GPU (flashtune/configs/README.md)")
