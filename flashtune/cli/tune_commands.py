@@ -350,8 +350,8 @@ def render_op_summary(results: Sequence[Any], total: int) -> str:
                    "its margins; without it, --template's configs are tuned.")
 @click.option("--impl", "impls", multiple=True, metavar="NAME",
               help="With --op: search only this implementation of the op (repeatable; "
-                   "train's include the pair attn_fwd_gluon_bwd_gluon, which no template "
-                   "folder is named after).")
+                   "train's include the pairs attn_fwd_gluon_bwd_gluon and "
+                   "sdpa_cudnn_bwd_gluon, which no template folder is named after).")
 @shape_options
 @mods_options
 @click.option("--plan", default=None, metavar="FILE|NAME",

@@ -9,7 +9,9 @@ An implementation of ``train`` is a forward that has a backward:
   has one config: the forward's knobs, and the backward's under ``bwd.``
   (:func:`~flashtune.core.spec.join_pair`); the forward's and the backward's searches are
   independent (two kernels, two launches), so the tuner searches each template on its own
-  and pairs the bests, then times the pair as a whole;
+  and pairs the bests, then times the pair as a whole. The forward may be torch's: SDPA
+  cuDNN's returns the LSE the Gluon backward reads (``sdpa_cudnn_bwd_gluon``, no forward
+  knobs);
 * **an extern** (torch SDPA's backends): torch's autograd differentiates the aten op; the
   config is ``{}``.
 

@@ -74,7 +74,12 @@ and this backward can: packed batches (attn_fwd's varlen forward, then this kern
 causal batch's backward ran 1.50x attn_bwd's (393 against 262 TFLOP/s, and 1.46x
 FlexAttention's; ``benchmarks/results/packed_bwd_h200.json``). ``Limits.packed`` also lets
 the tuner time this backward on packed ``bwd`` problems (attn_bwd's ``make_case`` passes the
-``cu_seqlens``).
+``cu_seqlens``). And a third, ``sdpa_cudnn_bwd_gluon``: SDPA cuDNN's forward (it returns
+the LSE, natural log, as this backward reads it) with this backward, where cuDNN's forward
+leads flashtune's (short causal sequences) and this backward leads or ties cuDNN's: on an
+H200, tuned, D64 causal training steps at N 512-4k ran 1.02-1.18x cuDNN's step
+(``benchmarks/results/train_d64_causal_h200.json``). Its hash carries torch's and cuDNN's
+versions (``TemplateSpec.torch_bound``), as an SDPA backend's does.
 
 Gluon has no interpreter mode: ``needs_gpu``, sm_90 only. ``space.py``'s predicate reads
 ``sm90_compile.json`` (:mod:`.prefilter`); numerics are checked on the GPU
