@@ -39,12 +39,13 @@ interpreter_only = pytest.mark.skipif(DEVICE != "cpu", reason="runs kernels unde
 def test_the_implementations_of_train_are_forwards_with_a_backward():
     specs = {s.name: s for s in implementations("train")}
     assert set(specs) == {"attn_fwd", "attn_fwd_bwd_gluon", "attn_fwd_gluon",
-                          "attn_fwd_gluon_bwd_gluon", "sdpa_cudnn", "sdpa_efficient",
-                          "sdpa_flash", "sdpa_math"}  # not attn_decode
+                          "attn_fwd_gluon_bwd_gluon", "sdpa_cudnn", "sdpa_cudnn_bwd_gluon",
+                          "sdpa_efficient", "sdpa_flash", "sdpa_math"}  # not attn_decode
     # the Gluon forward pairs with attn_bwd, and as attn_fwd_gluon_bwd_gluon with the Gluon
-    # backward; attn_fwd's forward with the Gluon backward is attn_fwd_bwd_gluon
-    assert get_template("attn_fwd_gluon_bwd_gluon").backward == "attn_bwd_gluon"
-    assert get_template("attn_fwd_bwd_gluon").backward == "attn_bwd_gluon"
+    # backward; attn_fwd's forward with the Gluon backward is attn_fwd_bwd_gluon, SDPA
+    # cuDNN's sdpa_cudnn_bwd_gluon
+    for pair in ("attn_fwd_gluon_bwd_gluon", "attn_fwd_bwd_gluon", "sdpa_cudnn_bwd_gluon"):
+        assert get_template(pair).backward == "attn_bwd_gluon"
     for name, spec in specs.items():
         assert spec.op == "train" and spec.serves == ("train",)
         forward = get_template(name)
