@@ -243,6 +243,8 @@ def test_every_packaged_plan_shape_is_served_on_hopper(name: str) -> None:
     assert any(p.softcap == 50 and p.window_left == 4095 for p in plan.problems)
     if plan.op == "fwd":  # multi-query: a choice lent across GQA groups is a far one
         assert {(48, 1, 128), (8, 1, 256)} <= families
+    if plan.op == "train":  # small D64 decoders (GPT-2-small, Llama-3.2-1B)
+        assert {(12, 12, 64), (32, 8, 64)} <= families
 
 
 def test_tune_command_round_trips_through_the_cli(monkeypatch: pytest.MonkeyPatch) -> None:
