@@ -877,7 +877,8 @@ def test_cudnns_forward_with_this_backward_compiles_and_captures() -> None:
         grads.append([t.grad.float() for t in leaves])
     for eager, compiled in zip(*grads, strict=True):
         assert ((eager - compiled).norm() / eager.norm()).item() < 2e-2
-    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    # captured on other values: the replay must read the inputs copied in after
+    leaves = [torch.randn_like(t).requires_grad_(True) for t in (q, k, v)]
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # warm-up outside the graph (compiles, allocates)
@@ -886,8 +887,9 @@ def test_cudnns_forward_with_this_backward_compiles_and_captures() -> None:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = torch.autograd.grad(loss_fn(*leaves), leaves)
-    for t, src in zip(leaves, (q, k, v), strict=True):
-        t.data.copy_(src)
+    with torch.no_grad():
+        for t, src in zip(leaves, (q, k, v), strict=True):
+            t.copy_(src)
     graph.replay()
     torch.cuda.synchronize()
     for eager, got in zip(grads[0], captured, strict=True):
