@@ -39,13 +39,16 @@ interpreter_only = pytest.mark.skipif(DEVICE != "cpu", reason="runs kernels unde
 def test_the_implementations_of_train_are_forwards_with_a_backward():
     specs = {s.name: s for s in implementations("train")}
     assert set(specs) == {"attn_fwd", "attn_fwd_bwd_gluon", "attn_fwd_gluon",
-                          "attn_fwd_gluon_bwd_gluon", "sdpa_cudnn", "sdpa_cudnn_bwd_gluon",
-                          "sdpa_efficient", "sdpa_flash", "sdpa_math"}  # not attn_decode
+                          "attn_fwd_gluon_bwd_cudnn", "attn_fwd_gluon_bwd_gluon", "sdpa_cudnn",
+                          "sdpa_cudnn_bwd_gluon", "sdpa_efficient", "sdpa_flash",
+                          "sdpa_math"}  # not attn_decode
     # the Gluon forward pairs with attn_bwd, and as attn_fwd_gluon_bwd_gluon with the Gluon
     # backward; attn_fwd's forward with the Gluon backward is attn_fwd_bwd_gluon, SDPA
-    # cuDNN's sdpa_cudnn_bwd_gluon
+    # cuDNN's sdpa_cudnn_bwd_gluon; the Gluon forward with cuDNN's backward
+    # attn_fwd_gluon_bwd_cudnn
     for pair in ("attn_fwd_gluon_bwd_gluon", "attn_fwd_bwd_gluon", "sdpa_cudnn_bwd_gluon"):
         assert get_template(pair).backward == "attn_bwd_gluon"
+    assert get_template("attn_fwd_gluon_bwd_cudnn").backward == "sdpa_cudnn_bwd"
     for name, spec in specs.items():
         assert spec.op == "train" and spec.serves == ("train",)
         forward = get_template(name)
@@ -55,6 +58,7 @@ def test_the_implementations_of_train_are_forwards_with_a_backward():
         else:  # the pair's space: the forward's knobs and its backward's under bwd.
             bwd = get_template(forward.backward)
             assert bwd.name == ("attn_bwd_gluon" if name.endswith("_bwd_gluon")
+                                else "sdpa_cudnn_bwd" if name.endswith("_bwd_cudnn")
                                 else "attn_bwd")
             assert set(spec.space.params) == set(forward.space.params) | {
                 f"bwd.{n}" for n in bwd.space.params}

@@ -113,8 +113,9 @@ def test_export_errors_are_one_line(db: str, tmp_path: Path) -> None:
     assert code == 2 and output.endswith(
         "Error: Invalid value for '--template': unknown template 'attn_nope'; known "
         f"templates: {', '.join(known_names())}\n")
-    assert ("attn_fwd, attn_fwd_bwd_gluon, attn_fwd_gluon, attn_fwd_gluon_bwd_gluon, "
-            "sdpa_cudnn, sdpa_cudnn_bwd_gluon, sdpa_efficient, sdpa_flash, sdpa_math") in output
+    assert ("attn_fwd, attn_fwd_bwd_gluon, attn_fwd_gluon, attn_fwd_gluon_bwd_cudnn, "
+            "attn_fwd_gluon_bwd_gluon, sdpa_cudnn, sdpa_cudnn_bwd, sdpa_cudnn_bwd_gluon, "
+            "sdpa_efficient, sdpa_flash, sdpa_math") in output
     code, output = invoke("--db", db, "export")
     assert code == 2 and "Missing option '-o'" in output
 
