@@ -434,12 +434,18 @@ def past_deadline(deadline: float | None, longest_s: float) -> bool:
 def _stored_choice(url: str, op: str, problem: AttentionProblem, device: DeviceFingerprint,
                    specs: Sequence[TemplateSpec], impls: Sequence[str] | None) -> Any:
     """:func:`~flashtune.autotune.resume.stored_choice` against every implementation that
-    can serve ``problem`` here (``specs`` unless ``impls`` narrowed them: the choice is made
-    across all)."""
+    can serve ``problem`` here (``specs``); with ``impls`` against what such a run times:
+    ``specs`` (the named ones) and every other that has a stored best
+    (:func:`_stored_leaders`). One with neither cannot be timed by the run, so requiring it
+    made the choice stale at every run, and ``--skip-tuned`` tuned the same shapes again
+    (a 12-shape plan whose first 8 were redone by the second command, 2026-11-30)."""
     from flashtune.autotune.resume import stored_choice
     from flashtune.db import open_store
 
-    serving = specs if impls is None else applicable(op, problem, device)[0]
+    serving = list(specs)
+    if impls is not None:
+        serving += [spec for spec, _ in _stored_leaders(url, op, problem, device,
+                                                        {s.name for s in specs})]
     with open_store(url) as store:
         return stored_choice(store, op, problem, device, serving)
 

@@ -157,3 +157,24 @@ def test_a_training_step_choice_is_skipped_when_current(tmp_path):
     assert {r.template for r in first.results} == {"attn_fwd", "attn_bwd"}
     (again,) = tune_op([problem], "train", OPTS, skip_tuned=True, **opts)
     assert again.reused and again.winner.implementation == first.winner.implementation
+
+
+def test_a_narrowed_run_s_choice_is_current_for_the_same_narrowed_run(tmp_path):
+    """``--impl`` narrows what a run can time to the named implementations and the others'
+    stored bests: its choice is current for a run narrowed the same way (it used to be
+    stale for want of an implementation the run could never time, so ``--skip-tuned`` made
+    it again at every command), and stale for a run across all."""
+    url = f"sqlite:///{tmp_path / 'n.db'}"
+    (first,) = _tune(url, [TINY], impls=["sdpa_math"], skip_tuned=True)
+    assert not first.reused and [x.implementation for x in first.leaders] == ["sdpa_math"]
+    (again,) = _tune(url, [TINY], impls=["sdpa_math"], skip_tuned=True)
+    assert again.reused and again.results == ()
+    # attn_fwd has no stored best: a run across all would time it
+    assert "attn_fwd was not timed in it" in _state(url, TINY).stale
+    (full,) = _tune(url, [TINY], skip_tuned=True)
+    assert not full.reused and {x.implementation for x in full.leaders} == {"attn_fwd",
+                                                                            "sdpa_math"}
+    # now attn_fwd has a stored best: the narrowed run times it too, so the choice is
+    # current for it as well
+    (narrow,) = _tune(url, [TINY], impls=["sdpa_math"], skip_tuned=True)
+    assert narrow.reused
