@@ -177,9 +177,11 @@ class Dispatcher:
         """The config for ``problem`` on ``device`` (memoised); the template default comes
         with a warning, once per bucket (a decoding loop meets a new Nk every step, and
         would otherwise log a line per generated token; templates the tuner cannot tune yet
-        stay quiet)."""
+        stay quiet, and so do those with no knobs, whose default is their one config: an
+        extern backward, sdpa_cudnn_bwd)."""
         found = self.peek(problem, device)
-        if found.source == "default" and getattr(self.spec, "tunable", True):
+        if found.source == "default" and getattr(self.spec, "tunable", True) \
+                and self.spec.space.params:
             self._warn_once(("default", device.name, problem.bucket()),
                             "flashtune: no tuned %s config for %s on %s; using the template "
                             "default for it and the other shapes of its bucket %s (run "

@@ -576,3 +576,18 @@ def test_no_template_default_warning_for_a_call_the_capability_default_serves(en
             assert routing._route(decode, a100, tune=False).template == "attn_decode"
     warned = [r.getMessage() for r in caplog.records if "no tuned" in r.getMessage()]
     assert len(warned) == 2 and "attn_fwd" in warned[0] and "attn_decode" in warned[1], warned
+
+
+def test_no_template_default_warning_for_a_template_without_knobs(env, caplog):
+    """A template whose space has no knobs (cuDNN's backward, sdpa_cudnn_bwd) runs its one
+    config untuned: nothing to tune, so no "run `flashtune tune`" line; a template with
+    knobs still warns."""
+    h100 = DeviceFingerprint("NVIDIA_H100_80GB_HBM3", "9.0", 132, 232448, 80 * 2**30)
+    problem = AttentionProblem(2, 8, 2, 1000, 1000, 64, True, "bf16")
+    with caplog.at_level(logging.WARNING, logger="flashtune"):
+        quiet = lookup_mod.Dispatcher(get_template("sdpa_cudnn_bwd")).choose(problem, h100)
+        assert (quiet.config, quiet.source) == ({}, "default")
+        assert not [r for r in caplog.records if "no tuned" in r.getMessage()]
+        lookup_mod.Dispatcher(get_template("attn_bwd_gluon")).choose(problem, h100)
+    warned = [r.getMessage() for r in caplog.records if "no tuned" in r.getMessage()]
+    assert len(warned) == 1 and "attn_bwd_gluon" in warned[0], warned
