@@ -14,8 +14,9 @@ The Gluon kernels run with the configs the runtime's lookup gives (the shipped t
 tuned entry, or the template default; the source is printed; ``--bwd-source default``: the
 backward's template default, as an untuned shape gets it); ``--bwd-configs`` adds a
 contender per entry: the backward's config updated with it. ``--lpt-budget-mib``: the L2
-bytes an ``LPT`` section of the backward may fill, for the whole run (80 sizes the sections
-as before they counted the dQ accumulator).
+bytes an ``LPT`` section of the backward may fill, for the whole run, grouped and one-head
+walks alike (80 sizes the sections as before they counted the dQ accumulator; 40 the
+one-head walks' as before 2026-11-30).
 
 Every contender is checked first: its output and dQ, dK, dV against fp32 autograd on the
 first batch row and head (relative Frobenius error under 2e-2, the tuner's tolerance); a
@@ -162,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.lpt_budget_mib:  # read by the launcher at each launch's planning
         from flashtune.kernel_templates.attn_bwd_gluon import launcher
 
-        launcher.L2_BUDGET = args.lpt_budget_mib << 20
+        launcher.L2_BUDGET = launcher.L2_BUDGET_ONE_HEAD = args.lpt_budget_mib << 20
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
         return 0

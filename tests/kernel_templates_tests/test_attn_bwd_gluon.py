@@ -192,23 +192,24 @@ def test_the_default_config_is_valid_for_every_problem_it_serves(d: int, causal:
     config = SPEC.default_config(p, H100)
     assert space.check(config, p, H100) is None
     assert SPEC.space.validate(config) == config
-    # D64 MHA at N 1000: persistent, longest first under a causal mask; D128: the grid
-    # launch, and for MHA (no query heads share a K/V) the 2-D order; dQ by TMA at D128
-    # without a mask; dK and dV by TMA stores
-    assert config["PERSISTENT"] == (d == 64) and config["LPT"] == (d == 64 and causal)
+    # D64 MHA at N 1000: persistent; D128: the grid launch; longest first under a causal
+    # mask either way; dQ by TMA at D128 without a mask; dK and dV by TMA stores
+    assert config["PERSISTENT"] == (d == 64) and config["LPT"] == causal
     assert config["DQ_TMA"] == (d == 128 and not causal)
     assert config["TMA_STORE"] == 1
 
 
 @pytest.mark.parametrize("hq,hkv,d,causal,lpt", [
-    (28, 4, 128, True, 1), (64, 8, 128, True, 1), (32, 32, 128, True, 0),
+    (28, 4, 128, True, 1), (64, 8, 128, True, 1), (32, 32, 128, True, 1),
     (28, 4, 128, False, 0), (32, 8, 64, True, 1), (32, 4, 64, False, 0)])
-def test_the_default_walks_longest_first_for_causal_gqa(hq, hkv, d, causal, lpt):
+def test_the_default_walks_longest_first_under_a_causal_mask(hq, hkv, d, causal, lpt):
     """Measured on the H100 (benchmarks/results/bwd_lpt_h100.json): 1.03-1.11x on causal
     GQA at D128, within 2% on MHA; on an H200 (lpt_sections_gqa_h200.json) 1.04-1.07x at
-    D128 and 1.10-1.13x at D64. The rest of the config is the GQA grid launch's either way,
-    with the TMA stores of dK and dV (at D128 causal both fit since the epilogue's addresses
-    stopped spilling: 104 B, was 268 over a budget of 256, the sm_90 table)."""
+    D128 and 1.10-1.13x at D64; MHA D128 0.99-1.04x at N 512-8k once its sections were sized
+    for 16 MiB (lpt_sections_b16_d128c_h200.json). The rest of the config is the GQA grid
+    launch's either way, with the TMA stores of dK and dV (at D128 causal both fit since the
+    epilogue's addresses stopped spilling: 104 B, was 268 over a budget of 256, the sm_90
+    table). Packed batches walk longest first for GQA only (not measured for MHA)."""
     p = AttentionProblem(2, hq, hkv, 1000, 1000, d, causal, "bf16")
     config = SPEC.default_config(p, H100)
     assert config["LPT"] == lpt and space.check(config, p, H100) is None
@@ -217,7 +218,10 @@ def test_the_default_walks_longest_first_for_causal_gqa(hq, hkv, d, causal, lpt)
     if d == 128:  # (MHA at D64 runs persistent at this length)
         mha = SPEC.default_config(AttentionProblem(2, hkv, hkv, 1000, 1000, d, causal, "bf16"),
                                   H100)
-        assert {**config, "LPT": 0, "TMA_STORE": 1} == mha
+        assert config == mha
+    packed = AttentionProblem(2, hq, hkv, 1000, 1000, d, causal, "bf16", tokens_q=1500,
+                              tokens_k=1500)
+    assert space.lpt_by_default(packed) == (causal and hq > hkv)
 
 
 @pytest.mark.parametrize("hq,hkv,d,n,causal,expand", [
@@ -323,7 +327,7 @@ def test_expand_gqa_plans_a_cta_per_query_head_reading_its_groups_kv() -> None:
     _, args, kwargs, grid = launches["main"]
     assert kwargs["KV_GROUP"] == 4 and grid == (32 * b * hq, 1)
     assert args[args.index(hq) + 1] == hq  # heads_q, then heads_kv: the query heads
-    assert args[-1] == 3  # sections of 8 query heads (4 MB each of the 40)
+    assert args[-1] == 2  # sections of 4 query heads (4 MB each of a one-head walk's 16)
     plain = _plan(b, hq, hkv, n, n, d, _config(LPT=1))["main"]
     assert "KV_GROUP" not in plain[2] and plain[3] == (32 * b * hkv, 1)
     with pytest.raises(AssertionError, match="per query head"):
@@ -350,7 +354,11 @@ def test_the_longest_first_order_is_one_grid_dimension_in_sections_that_fit_l2()
     most KV heads whose Q, dO and fp32 dQ accumulator fit the L2 budget (FA3's backward
     scheduler's count), a power of two dividing the batch's KV heads (the kernel takes its
     log2); a config without the knob runs LPT 0."""
-    from flashtune.kernel_templates.attn_bwd_gluon.launcher import L2_BUDGET, lpt_section
+    from flashtune.kernel_templates.attn_bwd_gluon.launcher import (
+        L2_BUDGET,
+        L2_BUDGET_ONE_HEAD,
+        lpt_section,
+    )
 
     # Q and dO (bf16) and the dQ accumulator (fp32) of a 4-head group, N 2048, D128
     per_head = 4 * 2048 * 128 * (2 + 2 + 4)
@@ -360,6 +368,11 @@ def test_the_longest_first_order_is_one_grid_dimension_in_sections_that_fit_l2()
     assert lpt_section(12, 1, 512, 64) == 4  # all fit: the most that divides 12
     assert lpt_section(7, 1, 512, 64) == 1  # an odd count: one head a section
     assert lpt_section(64, 8, 131072, 128) == 1  # not even one head fits
+    # a walk of one query head (MHA, EXPAND_GQA) fills L2_BUDGET_ONE_HEAD: at N 2048 D128,
+    # 2 MB a head, 8 of the 16 MiB where a group's walk would take 16 of its 40
+    assert L2_BUDGET_ONE_HEAD == 16 << 20 < L2_BUDGET
+    assert lpt_section(64, 1, 2048, 128) == 8
+    assert lpt_section(64, 2, 1024, 128) == 16
     launches = _plan(2, 32, 8, 4096, 4096, 128, _config(LPT=1))
     kernel, args, kwargs, grid = launches["main"]
     assert kwargs["LPT"] and grid == (32 * 2 * 8, 1)

@@ -72,9 +72,18 @@ DEFAULT_CONFIG: dict[str, int] = {"BLOCK_M": 64, "BLOCK_N": 128, "NUM_STAGES": 2
 # CTA
 OPTIONAL_CONFIG: dict[str, int] = {"LPT": 0, "PERSISTENT": 0, "DQ_TMA": 0, "TMA_STORE": 0,
                                    "EXPAND_GQA": 0}
-# bytes of L2 a section's Q, dO and fp32 dQ accumulator may take (FA3's backward tile
-# scheduler, SingleTileBwdLPTScheduler, budgets 40 of the 50 MB for the three)
+# bytes of L2 a section's Q, dO and fp32 dQ accumulator may take where a CTA walks a GQA
+# group's query heads (FA3's backward tile scheduler, SingleTileBwdLPTScheduler, budgets 40
+# of the 50 MB for the three), and where it walks one query head (MHA, EXPAND_GQA). On an
+# H200 (lpt_sections_b{16,8}_d128c_h200.json, lpt_b{16,40}_*_h200.json: the main kernel
+# against cuDNN's backward, each budget a run) 16 MiB sections ran the one-head walks
+# faster than 40: D128 MHA causal N 1k-8k 0.95-0.98x cuDNN's kernel where 40 MiB gave
+# 0.88-0.90x (8 MiB 0.92-0.94x, the 2-D order 0.92-0.96x), D64 causal with the persistent
+# default N 512-2k 1.02-1.09x against 1.01-1.07x, 4:1 D128 per query head N 4k / 8k 0.99x /
+# 0.99x against 0.99x / 0.98x; the grouped walk (4:1 D128 N 1k / 2k) ran 3-5% slower with
+# 16 MiB
 L2_BUDGET = 40 << 20
+L2_BUDGET_ONE_HEAD = 16 << 20
 # the SMs a persistent launch plans for when it has shapes only (warmup): an H100 SXM's
 PLANNING_SMS = 132
 
@@ -98,12 +107,15 @@ def lpt_section(batch_heads_kv: int, group: int, seqlen_q: int, head_dim: int,
                 itemsize: int = 2) -> int:
     """KV heads a section of the ``LPT`` order holds: the most whose Q and dO and the fp32
     dQ accumulator's rows the atomics add to (``group`` query heads each) fit
-    :data:`L2_BUDGET`, a power of two that divides ``batch_heads_kv`` (so every section is
-    whole and the kernel maps a CTA to its tile with shifts); 1 when not even one head
-    fits. (Until 2026-11-29 the sections counted Q and dO alone, twice as many heads at
-    2-byte inputs; FA3's backward scheduler counts the accumulator too.)"""
+    :data:`L2_BUDGET` (a CTA walks a group, ``group`` > 1) or :data:`L2_BUDGET_ONE_HEAD`
+    (one query head: MHA, and ``EXPAND_GQA``, whose launch passes 1), a power of two that
+    divides ``batch_heads_kv`` (so every section is whole and the kernel maps a CTA to its
+    tile with shifts); 1 when not even one head fits. (Until 2026-11-29 the sections counted
+    Q and dO alone, twice as many heads at 2-byte inputs; FA3's backward scheduler counts
+    the accumulator too. Until 2026-11-30 one-head walks had the group's budget.)"""
     per_head = group * seqlen_q * head_dim * (2 * itemsize + 4)
-    fit = max(1, L2_BUDGET // max(1, per_head))
+    budget = L2_BUDGET if group > 1 else L2_BUDGET_ONE_HEAD
+    fit = max(1, budget // max(1, per_head))
     return min(1 << (fit.bit_length() - 1), batch_heads_kv & -batch_heads_kv)
 
 

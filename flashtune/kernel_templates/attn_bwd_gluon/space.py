@@ -170,14 +170,18 @@ _DEFAULTS: dict[int, tuple[Config, ...]] = {
 
 
 def lpt_by_default(problem: AttentionProblem) -> bool:
-    """Whether the default walks the longest key blocks first (``LPT`` 1): causal GQA, where
-    a CTA walks every query head of its group and the walks' lengths differ most. On the
-    H100 it ran 1.03-1.11x ``LPT`` 0 at D128 on four causal GQA shapes (28:4, 32:8, 64:8; N
-    2k-16k) and 0.98-1.01x on MHA (benchmarks/results/bwd_lpt_h100.json). On an H200, with
-    sections that count the dQ accumulator (``lpt_sections_{new,gqa}_h200.json``, the
-    main kernel against ``LPT`` 0): GQA 4:1 D128 N 1k / 4k 1.07x / 1.04x; GQA 4:1 D64
-    (with the TMA stores, which spill nothing there) 1.10x / 1.13x; MHA D128 0.95-1.00x."""
-    return problem.causal and problem.heads_q > problem.heads_kv
+    """Whether the default walks the longest key blocks first (``LPT`` 1): under a causal
+    mask, where the walks' lengths differ (packed batches: GQA only). On the H100 it ran
+    1.03-1.11x ``LPT`` 0 at D128 on four causal GQA shapes (28:4, 32:8, 64:8; N 2k-16k) and
+    0.98-1.01x on MHA (benchmarks/results/bwd_lpt_h100.json). On an H200, with sections
+    that count the dQ accumulator (``lpt_sections_{new,gqa}_h200.json``, the main kernel
+    against ``LPT`` 0): GQA 4:1 D128 N 1k / 4k 1.07x / 1.04x; GQA 4:1 D64 (with the TMA
+    stores, which spill nothing there) 1.10x / 1.13x; MHA D128 0.95-1.00x, until the
+    one-head walks' sections were sized for 16 MiB (``launcher.L2_BUDGET_ONE_HEAD``): then
+    MHA D128 N 512 / 1k / 2k / 4k / 8k 0.99x / 1.01x / 1.03x / 1.03x / 1.04x, and D64 from
+    4k (the grid launch) 1.02x / 1.01x at N 4k / 8k
+    (``lpt_sections_b16_d128c_h200.json``, ``lpt_b16_d64c_h200.json``)."""
+    return problem.causal and (problem.heads_q > problem.heads_kv or not problem.packed)
 
 
 # the longest query lengths whose walks the default runs persistent, without and with a
