@@ -93,6 +93,37 @@ def assert_grads_close(grads, q, k, v, dout, *, causal, scale=None, max_factor=3
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
+def assert_compiles_and_captures(loss_fn, inputs, *, tol=2e-2):
+    """The contract of every training route, on a CUDA device: ``loss_fn(*inputs)``'s
+    gradients through ``torch.compile(fullgraph=True)`` equal eager's, and a forward +
+    backward captured in a CUDA graph on other values replays to them from the inputs copied
+    in after the capture (relative Frobenius error under ``tol``)."""
+    grads = []
+    for fn in (loss_fn, torch.compile(loss_fn, fullgraph=True)):
+        leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
+        fn(*leaves).backward()
+        grads.append([t.grad.float() for t in leaves])
+    for eager, compiled in zip(*grads, strict=True):
+        assert ((eager - compiled).norm() / eager.norm()).item() < tol
+    # captured on other values: the replay must read the inputs copied in after
+    leaves = [torch.randn_like(t).requires_grad_(True) for t in inputs]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up outside the graph (compiles, allocates)
+        captured = torch.autograd.grad(loss_fn(*leaves), leaves)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = torch.autograd.grad(loss_fn(*leaves), leaves)
+    with torch.no_grad():
+        for t, src in zip(leaves, inputs, strict=True):
+            t.copy_(src)
+    graph.replay()
+    torch.cuda.synchronize()
+    for eager, got in zip(grads[0], captured, strict=True):
+        assert ((eager - got.float()).norm() / eager.norm()).item() < tol
+
+
 def load_benchmark(name: str) -> ModuleType:
     """``benchmarks/{name}.py`` as a fresh module (``benchmarks/`` on the path while it
     loads, for the scripts that import each other)."""

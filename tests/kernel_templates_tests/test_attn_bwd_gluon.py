@@ -36,7 +36,7 @@ from flashtune.kernel_templates.attn_bwd_gluon.prefilter import cases
 from flashtune.kernel_templates.registry import source_hash
 from flashtune.kernel_templates.shaped import Shaped
 from flashtune.kernel_templates.training import TrainStep
-from tests.helpers import assert_grads_close
+from tests.helpers import assert_compiles_and_captures, assert_grads_close
 
 SPEC = get_template("attn_bwd_gluon")
 FOLDER = space.TABLE.parent
@@ -883,27 +883,4 @@ def test_cudnns_forward_with_this_backward_compiles_and_captures() -> None:
                                        impl=CUDNN_PAIR_NAME)
         return (out.float() ** 2).mean() + lse.mean()
 
-    grads = []
-    for fn in (loss_fn, torch.compile(loss_fn, fullgraph=True)):
-        leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
-        fn(*leaves).backward()
-        grads.append([t.grad.float() for t in leaves])
-    for eager, compiled in zip(*grads, strict=True):
-        assert ((eager - compiled).norm() / eager.norm()).item() < 2e-2
-    # captured on other values: the replay must read the inputs copied in after
-    leaves = [torch.randn_like(t).requires_grad_(True) for t in (q, k, v)]
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm-up outside the graph (compiles, allocates)
-        captured = torch.autograd.grad(loss_fn(*leaves), leaves)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = torch.autograd.grad(loss_fn(*leaves), leaves)
-    with torch.no_grad():
-        for t, src in zip(leaves, (q, k, v), strict=True):
-            t.copy_(src)
-    graph.replay()
-    torch.cuda.synchronize()
-    for eager, got in zip(grads[0], captured, strict=True):
-        assert ((eager - got.float()).norm() / eager.norm()).item() < 2e-2
+    assert_compiles_and_captures(loss_fn, (q, k, v))
