@@ -93,6 +93,39 @@ def assert_grads_close(grads, q, k, v, dout, *, causal, scale=None, max_factor=3
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
+def assert_trains_through_attention(impl, d, hq, hkv, n, causal, bshd, *, seed):
+    """Training implementation ``impl`` as a user runs it (``flashtune.attention(...,
+    impl=)`` with gradients, on a CUDA device): out against float64, dQ, dK and dV against
+    float64 autograd (:func:`assert_grads_close`), in (B, H, N, D) or, ``bshd``, (B, N, H,
+    D) storage; then with a loss on the LSE too, against attn_fwd + attn_bwd's gradients of
+    the same loss."""
+    import flashtune
+
+    torch.manual_seed(seed)
+
+    def make(h: int) -> torch.Tensor:
+        if bshd:
+            return torch.randn(2, n, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+        return torch.randn(2, h, n, d, device="cuda", dtype=torch.bfloat16)
+
+    q, k, v, do = make(hq), make(hkv), make(hkv), make(hq)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = flashtune.attention(*leaves, causal=causal, impl=impl)
+    ref, _ = attn_fwd_reference(q, k, v, causal=causal, dtype=torch.float64)
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
+    grads = torch.autograd.grad(out, leaves, do)
+    assert_grads_close(grads, q, k, v, do, causal=causal)
+    dlse = torch.randn(2, hq, n, device="cuda")
+    by_impl = {}
+    for name in (impl, "attn_fwd"):
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        out, lse = flashtune.attention(*leaves, causal=causal, impl=name, return_lse=True)
+        loss = (out.float() * do.float()).sum() + (lse * dlse).sum()
+        by_impl[name] = torch.autograd.grad(loss, leaves)
+    for w, h in zip(by_impl["attn_fwd"], by_impl[impl], strict=True):
+        assert ((w.float() - h.float()).norm() / w.float().norm()).item() < 1e-2
+
+
 def assert_compiles_and_captures(loss_fn, inputs, *, tol=2e-2):
     """The contract of every training route, on a CUDA device: ``loss_fn(*inputs)``'s
     gradients through ``torch.compile(fullgraph=True)`` equal eager's, and a forward +

@@ -36,7 +36,11 @@ from flashtune.kernel_templates.attn_bwd_gluon.prefilter import cases
 from flashtune.kernel_templates.registry import source_hash
 from flashtune.kernel_templates.shaped import Shaped
 from flashtune.kernel_templates.training import TrainStep
-from tests.helpers import assert_compiles_and_captures, assert_grads_close
+from tests.helpers import (
+    assert_compiles_and_captures,
+    assert_grads_close,
+    assert_trains_through_attention,
+)
 
 SPEC = get_template("attn_bwd_gluon")
 FOLDER = space.TABLE.parent
@@ -842,29 +846,7 @@ def test_cudnns_forward_with_this_backward_trains_through_attention(d, hq, hkv, 
     impl=)`` with gradients): out, dQ, dK and dV against float64 autograd on ragged, GQA
     and MQA shapes, in (B, H, N, D) and (B, N, H, D) storage, then with a loss on the LSE
     too, against attn_fwd + attn_bwd's gradients of the same loss."""
-    import flashtune
-
-    torch.manual_seed(2)
-
-    def make(h: int) -> torch.Tensor:
-        if bshd:
-            return torch.randn(2, n, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
-        return torch.randn(2, h, n, d, device="cuda", dtype=torch.bfloat16)
-
-    q, k, v, do = make(hq), make(hkv), make(hkv), make(hq)
-    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-    out = flashtune.attention(*leaves, causal=causal, impl=CUDNN_PAIR_NAME)
-    dq, dk, dv = torch.autograd.grad(out, leaves, do)
-    assert_grads_close((dq, dk, dv), q, k, v, do, causal=causal)
-    dlse = torch.randn(2, hq, n, device="cuda")
-    grads = {}
-    for impl in (CUDNN_PAIR_NAME, "attn_fwd"):
-        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-        out, lse = flashtune.attention(*leaves, causal=causal, impl=impl, return_lse=True)
-        loss = (out.float() * do.float()).sum() + (lse * dlse).sum()
-        grads[impl] = torch.autograd.grad(loss, leaves)
-    for w, h in zip(grads["attn_fwd"], grads[CUDNN_PAIR_NAME], strict=True):
-        assert ((w.float() - h.float()).norm() / w.float().norm()).item() < 1e-2
+    assert_trains_through_attention(CUDNN_PAIR_NAME, d, hq, hkv, n, causal, bshd, seed=2)
 
 
 @pytest.mark.gpu

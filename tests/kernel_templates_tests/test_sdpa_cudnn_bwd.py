@@ -21,7 +21,7 @@ from flashtune.kernel_templates.attn_fwd.reference import attn_fwd_reference
 from flashtune.kernel_templates.registry import source_hash
 from flashtune.kernel_templates.sdpa_cudnn_bwd import PAIR_NAME, SPEC, launcher
 from flashtune.kernel_templates.training import TrainStep
-from tests.helpers import assert_compiles_and_captures, assert_grads_close
+from tests.helpers import assert_compiles_and_captures, assert_trains_through_attention
 
 H100 = DeviceFingerprint("NVIDIA_H100_80GB_HBM3", "9.0", 132, 232448, 85 * 2**30)
 A100 = DeviceFingerprint("NVIDIA_A100_SXM4_80GB", "8.0", 108, 166912, 85 * 2**30)
@@ -188,31 +188,7 @@ def test_the_pair_trains_through_attention(d, hq, hkv, n, causal, bshd) -> None:
     with gradients): out, dQ, dK and dV against float64 autograd on ragged, GQA and MQA
     shapes in (B, H, N, D) and (B, N, H, D) storage; then a loss on the LSE too (the Gluon
     backward then), against attn_fwd + attn_bwd's gradients of the same loss."""
-    import flashtune
-
-    torch.manual_seed(4)
-
-    def make(h: int) -> torch.Tensor:
-        if bshd:
-            return torch.randn(2, n, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
-        return torch.randn(2, h, n, d, device="cuda", dtype=torch.bfloat16)
-
-    q, k, v, do = make(hq), make(hkv), make(hkv), make(hq)
-    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-    out = flashtune.attention(*leaves, causal=causal, impl=PAIR_NAME)
-    ref, _ = attn_fwd_reference(q, k, v, causal=causal, dtype=torch.float64)
-    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
-    dq, dk, dv = torch.autograd.grad(out, leaves, do)
-    assert_grads_close((dq, dk, dv), q, k, v, do, causal=causal)
-    dlse = torch.randn(2, hq, n, device="cuda")
-    grads = {}
-    for impl in (PAIR_NAME, "attn_fwd"):
-        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-        out, lse = flashtune.attention(*leaves, causal=causal, impl=impl, return_lse=True)
-        loss = (out.float() * do.float()).sum() + (lse * dlse).sum()
-        grads[impl] = torch.autograd.grad(loss, leaves)
-    for w, h in zip(grads["attn_fwd"], grads[PAIR_NAME], strict=True):
-        assert ((w.float() - h.float()).norm() / w.float().norm()).item() < 1e-2
+    assert_trains_through_attention(PAIR_NAME, d, hq, hkv, n, causal, bshd, seed=4)
 
 
 @pytest.mark.gpu
