@@ -105,10 +105,16 @@ def _op_setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.causal, ctx.scale, ctx.config_str, ctx.impl = causal, scale, config_str, impl
+    # an output the loss does not use gets None, not zeros, as eager's PairFn: a compiled
+    # step that does not use the LSE hands its backward no dLSE (a backward that takes
+    # none, cuDNN's in attn_fwd_gluon_bwd_cudnn, would otherwise hand the call to another)
+    ctx.set_materialize_grads(False)
 
 
-def _op_backward(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor) -> Any:
+def _op_backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) -> Any:
     q, k, v, out, lse = ctx.saved_tensors
+    if dout is None:  # only the LSE is used
+        dout = torch.zeros_like(out)
     dq, dk, dv = torch.ops.flashtune.attention_bwd(q, k, v, out, lse, dout.contiguous(),
                                                    dlse, ctx.causal, ctx.scale,
                                                    ctx.config_str, ctx.impl)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import replace
+from typing import Any
 
 import pytest
 import torch
@@ -164,3 +166,47 @@ def test_impl_attn_fwd_is_honoured_with_and_without_gradients(monkeypatch):
     route = autograd._train_route(leaves[0], leaves[1], True, False, None, "attn_fwd")
     assert route.fwd.name == "attn_fwd" and route.bwd is not None \
         and route.bwd.name == "attn_bwd"
+
+
+@pytest.mark.parametrize("uses", ["out", "lse", "both"])
+def test_a_compiled_step_hands_its_backward_only_the_gradients_the_loss_uses(monkeypatch,
+                                                                             uses):
+    """Under ``torch.compile`` the call is the custom op ``flashtune::attention_fwd``: an
+    output the loss does not use reaches its backward as None, not zeros (as eager's
+    PairFn), so a backward that takes no LSE gradient (cuDNN's) runs where the LSE is
+    unused; the gradients equal eager's either way."""
+    from flashtune.runtime import autograd
+    from flashtune.runtime.routing import TrainRoute
+
+    seen: list[torch.Tensor | None] = []
+    paired = autograd._paired
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        route = paired(*args, **kwargs)
+        bwd = route.bwd
+
+        def launcher(*a: Any, dlse: torch.Tensor | None = None, **kw: Any) -> Any:
+            seen.append(dlse)
+            return bwd.launcher(*a, dlse=dlse, **kw)
+
+        return TrainRoute(route.fwd, route.fwd_config, replace(bwd, launcher=launcher),
+                          route.bwd_config)
+
+    monkeypatch.setattr(autograd, "_paired", spy)
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, 2, 40, 16, generator=g, dtype=torch.float16) for _ in range(3))
+
+    def loss_fn(q, k, v):
+        out, lse = flashtune.attention(q, k, v, causal=True, return_lse=True)
+        terms = {"out": (out.float() ** 2).sum(), "lse": lse.sum()}
+        return terms["out"] + terms["lse"] if uses == "both" else terms[uses]
+
+    grads = []
+    for fn in (loss_fn, torch.compile(loss_fn, backend="aot_eager", fullgraph=True)):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        fn(*leaves).backward()
+        grads.append([t.grad for t in leaves])
+    for eager, compiled in zip(*grads, strict=True):
+        torch.testing.assert_close(compiled, eager)
+    assert len(seen) == 1  # the compiled backward (eager runs PairFn)
+    assert (seen[0] is None) == (uses == "out")

@@ -13,9 +13,9 @@ with the Gluon backward) is the mirror pair, for the other regime.
 Limits: what both serve. cuDNN's backward: its mask aligned top-left (causal only with
 ``seqlen_q == seqlen_k``), GQA, no single query over a single key; here head dims 64 and
 128 on sm_90, what the backward of a call with an LSE gradient runs: cuDNN's backward takes
-none, so such a call (a loss on the returned LSE, and every backward under
-``torch.compile``, whose op hands one over) runs ``attn_bwd_gluon`` with its default
-config. dQ is summed with atomics: ``Limits.deterministic`` is False.
+none, so such a call (a loss on the returned LSE, eager or under ``torch.compile``, whose
+op hands the backward an LSE gradient only where the loss uses the LSE) runs
+``attn_bwd_gluon`` with its default config. dQ is summed with atomics: ``Limits.deterministic`` is False.
 
 Its hash is SDPA cuDNN's (torch's and cuDNN's versions) with this launcher's; the pair is
 ``torch_bound``, as an SDPA backend is (a choice timed under another torch is stale there
