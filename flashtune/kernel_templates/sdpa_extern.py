@@ -82,7 +82,8 @@ from flashtune.core.spec import Limits, TemplateSpec
 from flashtune.kernel_templates.attn_fwd.reference import attn_fwd_reference
 
 __all__ = ["BACKENDS", "EMPTY_SPACE", "any_layout", "bound_inference", "extern_hash",
-           "extern_spec", "sdpa_cudnn", "sdpa_efficient", "sdpa_flash", "sdpa_math"]
+           "extern_spec", "no_config", "sdpa_cudnn", "sdpa_efficient", "sdpa_flash",
+           "sdpa_is_causal", "sdpa_math"]
 
 BACKENDS = ("cudnn", "flash", "efficient", "math")
 # no knobs: one config, {}
@@ -115,13 +116,16 @@ _MATH_GQA = _has_arg(_MATH, "enable_gqa")
 _CUDNN_CURRENT = _has_arg(_CUDNN, "compute_log_sumexp")
 
 
-def _no_config(problem: AttentionProblem, device: DeviceFingerprint) -> Config:
+def no_config(problem: AttentionProblem, device: DeviceFingerprint) -> Config:
+    """The default config of an implementation without knobs: ``{}``."""
     return {}
 
 
-def _is_causal(name: str, q: torch.Tensor, k: torch.Tensor, config: Mapping[str, int],
-               causal: bool, gqa: bool = False) -> bool:
-    """SDPA's ``is_causal`` for flashtune's ``causal``; raises what a launcher refuses."""
+def sdpa_is_causal(name: str, q: torch.Tensor, k: torch.Tensor, config: Mapping[str, int],
+                   causal: bool, gqa: bool = False) -> bool:
+    """SDPA's ``is_causal`` for flashtune's ``causal`` (the same mask where ``seqlen_q ==
+    seqlen_k``, none needed for a single query); raises what a launcher of torch's SDPA ops
+    refuses (a config other than ``{}``, GQA where ``gqa`` is False, unaligned causal)."""
     if config != {} and (not isinstance(config, Mapping) or len(config)):
         raise ConfigError(f"config must be {{}} for {name} (an extern has no knobs), got "
                           f"{config!r}")
@@ -163,7 +167,7 @@ def sdpa_cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: Mappin
     Raises:
         ConfigError for a config other than ``{}``; InputError for GQA or unaligned causal.
     """
-    is_causal = _is_causal("sdpa_cudnn", q, k, config, causal, gqa=True)
+    is_causal = sdpa_is_causal("sdpa_cudnn", q, k, config, causal, gqa=True)
     res = _CUDNN(q, k, v, None, _needs_lse(return_lse, q, k, v), 0.0, is_causal, False,
                  scale=scale)
     if not return_lse:
@@ -186,7 +190,7 @@ def sdpa_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: Mappin
     score), the scale of the real head dim, the output a view of the first ``head_dim``
     columns. Differentiable either way.
     """
-    is_causal = _is_causal("sdpa_flash", q, k, config, causal, gqa=True)
+    is_causal = sdpa_is_causal("sdpa_flash", q, k, config, causal, gqa=True)
     head_dim = q.shape[-1]
     if head_dim % 8:
         if scale is None:
@@ -210,7 +214,7 @@ def sdpa_efficient(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     Arguments, returns and errors as :func:`sdpa_cudnn` (the op pads the LSE's last dim to a
     multiple of 32; the returned ``lse`` is a view of its first ``seqlen_q``).
     """
-    is_causal = _is_causal("sdpa_efficient", q, k, config, causal)
+    is_causal = sdpa_is_causal("sdpa_efficient", q, k, config, causal)
     res = _EFFICIENT(q, k, v, None, _needs_lse(return_lse, q, k, v), 0.0, is_causal,
                      scale=scale)
     if not return_lse:
@@ -234,7 +238,7 @@ def sdpa_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: Mapping
         unaligned causal, and for GQA under torch < 2.5; ConfigError for a config other
         than ``{}``.
     """
-    is_causal = _is_causal("sdpa_math", q, k, config, causal, gqa=_MATH_GQA)
+    is_causal = sdpa_is_causal("sdpa_math", q, k, config, causal, gqa=_MATH_GQA)
     if return_lse:
         raise InputError("sdpa_math cannot return the LSE (return_lse=True); use attn_fwd "
                          "or another SDPA backend")
@@ -284,7 +288,7 @@ def bound_inference(name: str, q: torch.Tensor, k: torch.Tensor, *, causal: bool
     if name not in ("sdpa_cudnn", "sdpa_flash", "sdpa_efficient"):
         return None
     gqa = name != "sdpa_efficient"
-    is_causal = _is_causal(name, q, k, {}, causal, gqa=gqa)
+    is_causal = sdpa_is_causal(name, q, k, {}, causal, gqa=gqa)
     if return_lse and name != "sdpa_flash":
         return None
     grouped = q.shape[1] != k.shape[1]
@@ -433,7 +437,7 @@ def extern_spec(backend: str) -> TemplateSpec:
         launcher=_LAUNCHERS[backend],
         reference=attn_fwd_reference,
         space=EMPTY_SPACE,
-        default_config=_no_config,
+        default_config=no_config,
         make_case=_MAKE_CASE,
         warmup_launches=None,
         tunable=True,

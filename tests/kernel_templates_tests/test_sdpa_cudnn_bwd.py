@@ -114,16 +114,20 @@ def _inputs(hq: int = 4, hkv: int = 2, nq: int = 37, nk: int = 37, d: int = 64,
     return (*(t.to(dtype) for t in (q, k, v, out)), lse.float(), dout.to(dtype))
 
 
-@pytest.mark.parametrize("causal,scale", [(True, None), (False, 0.3)])
+@pytest.mark.parametrize("causal,scale,nq,nk", [(True, None, 37, 37), (False, 0.3, 37, 53),
+                                                 (True, None, 1, 37)],
+                         ids=["causal", "full", "causal-one-query"])
 def test_the_op_gets_the_lse_as_cudnns_statistics_and_the_call_s_mask(
-        stand_in: _StandIn, causal: bool, scale: float | None) -> None:
-    q, k, v, out, lse, dout = _inputs(nk=37 if causal else 53, causal=causal)
+        stand_in: _StandIn, causal: bool, scale: float | None, nq: int, nk: int) -> None:
+    """The mask is SDPA's ``is_causal`` for flashtune's: the same at Nq == Nk, none for a
+    single query (which sees every key, bottom-right), as the pair's limits allow."""
+    q, k, v, out, lse, dout = _inputs(nq=nq, nk=nk, causal=causal)
     got = launcher.sdpa_cudnn_bwd(q, k, v, out, lse, dout, {}, causal=causal, scale=scale)
     want = attn_bwd_reference(q, k, v, dout, causal=causal, scale=scale)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w)
     call = stand_in.calls[-1]
-    assert call["is_causal"] is causal and call["scale"] == scale
+    assert call["is_causal"] is (causal and nq == nk) and call["scale"] == scale
     assert call["out"] is out and torch.equal(call["lse"][..., 0], lse)
 
 

@@ -11,8 +11,8 @@ backward leads the Gluon backward (D64 N 4k-16k without a mask 1.05-1.10x, D128 
 with the Gluon backward) is the mirror pair, for the other regime.
 
 Limits: what both serve. cuDNN's backward: its mask aligned top-left (causal only with
-``seqlen_q == seqlen_k``), GQA, no single query over a single key; here head dims 64 and
-128 on sm_90, what the backward of a call with an LSE gradient runs: cuDNN's backward takes
+``seqlen_q == seqlen_k`` or one query), GQA, no single query over a single key; here head
+dims 64 and 128 on sm_90, what the backward of a call with an LSE gradient runs: cuDNN's backward takes
 none, so such a call (a loss on the returned LSE, eager or under ``torch.compile``, whose
 op hands the backward an LSE gradient only where the loss uses the LSE) runs
 ``attn_bwd_gluon`` with its default config. dQ is summed with atomics: ``Limits.deterministic`` is False.
@@ -26,6 +26,7 @@ measured winner.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import replace
 from pathlib import Path
@@ -33,7 +34,7 @@ from typing import Any
 
 import torch
 
-from flashtune.core.device import DeviceFingerprint, current_device
+from flashtune.core.device import current_device
 from flashtune.core.problem import AttentionProblem
 from flashtune.core.space import Config
 from flashtune.core.spec import Limits
@@ -45,11 +46,21 @@ from flashtune.kernel_templates.attn_fwd_gluon import SPEC as FWD_GLUON
 from flashtune.kernel_templates.registry import TemplateSpec, register_template, source_hash
 from flashtune.kernel_templates.sdpa_cudnn import SPEC as FWD_CUDNN
 from flashtune.kernel_templates.sdpa_cudnn_bwd.launcher import sdpa_cudnn_bwd
-from flashtune.kernel_templates.sdpa_extern import EMPTY_SPACE
+from flashtune.kernel_templates.sdpa_extern import EMPTY_SPACE, no_config
+from flashtune.kernel_templates.shaped import Shaped
 
 _HERE = Path(__file__).parent
 # the training pair's name: attn_fwd_gluon's forward with this backward
 PAIR_NAME = "attn_fwd_gluon_bwd_cudnn"
+
+
+@functools.lru_cache(maxsize=256)
+def _gluon_config(q_shape: torch.Size, k_shape: torch.Size, dtype: torch.dtype,
+                  device: torch.device, causal: bool) -> Config:
+    """attn_bwd_gluon's default config for a call signature (chosen once, not per step)."""
+    problem = AttentionProblem.from_tensors(Shaped(dtype, q_shape), Shaped(dtype, k_shape),
+                                            causal=causal)
+    return gluon_default(problem, current_device(device))
 
 
 def _lse_gradient_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -58,8 +69,7 @@ def _lse_gradient_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A call with the LSE's gradient: the Gluon backward, which takes it, with its
     default config for the call's problem."""
-    problem = AttentionProblem.from_tensors(q, k, causal=causal)
-    config = gluon_default(problem, current_device(q.device))
+    config = _gluon_config(q.shape, k.shape, q.dtype, q.device, causal)
     return attn_bwd_gluon(q, k, v, out, lse, dout, config, causal=causal, scale=scale,
                           dlse=dlse)
 
@@ -73,10 +83,6 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                           dlse=dlse, fallback=_lse_gradient_backward)
 
 
-def _no_config(problem: AttentionProblem, device: DeviceFingerprint) -> Config:
-    return {}
-
-
 def _hash(*parts: Any) -> str:
     return hashlib.sha256("\x00".join(map(str, parts)).encode()).hexdigest()[:16]
 
@@ -88,7 +94,7 @@ SPEC = register_template(TemplateSpec(
     launcher=launch,
     reference=attn_bwd_reference,
     space=EMPTY_SPACE,
-    default_config=_no_config,
+    default_config=no_config,
     make_case=make_case,
     kind="extern",
     torch_bound=True,

@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from flashtune.core.errors import ConfigError, InputError
+from flashtune.core.errors import InputError
+from flashtune.kernel_templates.sdpa_extern import sdpa_is_causal
 
 __all__ = ["sdpa_cudnn_bwd"]
 
@@ -42,8 +43,9 @@ def sdpa_cudnn_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
             contiguous (``attn_fwd_gluon`` with ``return_lse=True``).
         dout: the gradient of ``out``, shaped like it (last dim contiguous).
         config: ``{}`` (cuDNN has no knobs).
-        causal: the causal mask, ``seqlen_q == seqlen_k`` only (cuDNN aligns it top-left,
-            flashtune bottom-right: the same mask there).
+        causal: the causal mask, ``seqlen_q == seqlen_k`` or a single query (cuDNN aligns
+            it top-left, flashtune bottom-right: the same mask there, and none for one query:
+            :func:`~flashtune.kernel_templates.sdpa_extern.sdpa_is_causal`).
         scale: softmax scale, default ``1 / sqrt(head_dim)``.
         dlse: the LSE's gradient, or None. cuDNN's backward takes none, so a call with one
             runs ``fallback`` (the same arguments, ``config`` left to it).
@@ -54,12 +56,10 @@ def sdpa_cudnn_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
         by cuDNN in fp32 with atomics (its last bits may differ between runs).
     Raises:
         ConfigError for a config other than ``{}``; InputError for causal with
-        ``seqlen_q != seqlen_k``, an LSE of another shape or dtype, or ``dlse`` without a
-        ``fallback``.
+        ``1 != seqlen_q != seqlen_k``, an LSE of another shape or dtype, or ``dlse`` without
+        a ``fallback``.
     """
-    if config != {} and (not isinstance(config, Mapping) or len(config)):
-        raise ConfigError(f"config must be {{}} for sdpa_cudnn_bwd (cuDNN has no knobs), "
-                          f"got {config!r}")
+    is_causal = sdpa_is_causal("sdpa_cudnn_bwd", q, k, config, causal, gqa=True)
     if dlse is not None:
         if fallback is None:
             raise InputError("sdpa_cudnn_bwd takes no gradient of the LSE (dlse): cuDNN's "
@@ -67,16 +67,11 @@ def sdpa_cudnn_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
         grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = fallback(
             q, k, v, out, lse, dout, causal=causal, scale=scale, dlse=dlse)
         return grads
-    nq, nk = q.shape[2], k.shape[2]
-    if causal and nq != nk:
-        raise InputError(f"sdpa_cudnn_bwd does not serve causal with seqlen_q {nq} != "
-                         f"seqlen_k {nk} (cuDNN aligns the mask top-left, flashtune "
-                         f"bottom-right)")
     if lse.shape != q.shape[:3] or lse.dtype != torch.float32:
         raise InputError(f"lse must be float32 of shape {tuple(q.shape[:3])} (batch, heads_q, "
                          f"seqlen_q), got {lse.dtype} {tuple(lse.shape)}")
     # cuDNN's statistics are (batch, heads, seqlen_q, 1), as its forward returns them; no
     # dropout, so no seed or offset (undefined tensors), and no bias or packed lengths
     dq, dk, dv = _BWD(dout, q, k, v, out, lse.contiguous().unsqueeze(-1), None, None, None,
-                      None, None, nq, nk, 0.0, bool(causal), scale=scale)
+                      None, None, q.shape[2], k.shape[2], 0.0, is_causal, scale=scale)
     return dq, dk, dv
