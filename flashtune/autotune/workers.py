@@ -2,8 +2,10 @@
 
 :func:`tune_on_gpus` splits the work into tasks and runs them on worker processes (spawn
 context), one per GPU, each started with ``CUDA_VISIBLE_DEVICES`` set to its GPU so torch
-and triton see that one device. Workers take tasks from a shared queue until it is empty,
-so a GPU that finishes early takes the next problem.
+and triton see that one device. Workers take the next task from a shared counter until none
+is left, so a GPU that finishes early takes the next problem. (Not from a queue: a
+``get_nowait`` while another worker reads the queue answers Empty, and that worker would
+stop with tasks still waiting.)
 
 * With at least as many problems as GPUs, a task is one whole problem.
 * With fewer, each problem's study is shared by ``len(gpus) // len(problems)`` workers,
@@ -11,7 +13,9 @@ so a GPU that finishes early takes the next problem.
   ``offer_best`` keeps the fastest confirmed config, so concurrent workers of one study
   neither collide nor lose the best; TPE's constant liar keeps them apart.
 
-Results come back as JSON over a queue. A worker that dies (a crashed driver, say) loses
+Results come back as JSON over a pipe per worker, written before the worker goes on, so
+what a worker reported survives its death (a queue's feeder thread would drop it). A
+worker that dies (a crashed driver, say) loses
 only the task it held: the parent reports which, the other workers go on, and running the
 same command again resumes that study (its stale trials are failed on resume). Under the
 Triton interpreter the "GPUs" are just worker slots, which is how the tests run this on CPU.
@@ -34,13 +38,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-import queue as queue_mod
 import signal
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, replace
 from multiprocessing import get_context
+from multiprocessing.connection import wait
 from typing import TYPE_CHECKING, Any
 
 from flashtune.autotune.options import TuneOptions, TuneResult, tuning_device
@@ -77,6 +81,18 @@ def plan_tasks(problems: Sequence[AttentionProblem], trials: int,
         for j in range(n):
             tasks.append((i, trials // n + (1 if j < trials % n else 0)))
     return tasks
+
+
+def _take(counter: Any, count: int) -> int | None:
+    """The next task's index from the shared ``counter`` (a ``multiprocessing.Value``), or
+    None once all ``count`` are taken. It waits for the counter's lock, so a worker never
+    stops because another is taking a task at the same moment."""
+    with counter.get_lock():
+        index = counter.value
+        if index >= count:
+            return None
+        counter.value = index + 1
+    return index
 
 
 def _result_to_json(result: TuneResult) -> str:
@@ -163,20 +179,19 @@ def _compile_pool_stopped() -> Iterator[None]:
 
 
 def _worker(slot: int, gpu: int, problem_keys: list[dict[str, Any]], options_json: str,
-            db_url: str, tasks: Any, results: Any, progress: bool, log_level: int) -> None:
-    """One worker: pin the GPU, then run tasks until the queue is empty."""
+            db_url: str, tasks: list[tuple[int, int]], counter: Any, results: Any,
+            progress: bool, log_level: int) -> None:
+    """One worker: pin the GPU, then run ``tasks`` (taken through ``counter``) until none
+    is left."""
     options = _pin(slot, gpu, options_json, log_level)
     from flashtune.autotune.trial_loop import shared_runner_factory, tune_on_device
 
     # one candidate worker for every task this GPU takes (each costs seconds to start)
     with _compile_pool_stopped(), \
             shared_runner_factory(options, None, tuning_device(options)) as factory:
-        while True:
-            try:
-                index, trials = tasks.get_nowait()
-            except queue_mod.Empty:
-                return
-            results.put(("start", slot, index, None))
+        while (taken := _take(counter, len(tasks))) is not None:
+            index, trials = tasks[taken]
+            results.send(("start", slot, index, None))
             problem = AttentionProblem.from_key(problem_keys[index])
             try:
                 [res] = tune_on_device([problem], replace(options, trials=trials),
@@ -184,15 +199,15 @@ def _worker(slot: int, gpu: int, problem_keys: list[dict[str, Any]], options_jso
                                        progress_position=slot, shared_factory=factory)
             except KeyboardInterrupt:
                 raise SystemExit(128 + signal.SIGTERM) from None  # recorded INTERRUPTED
-            results.put(("done", slot, index, _result_to_json(res)))
+            results.send(("done", slot, index, _result_to_json(res)))
 
 
 def _op_worker(slot: int, gpu: int, problem_keys: list[dict[str, Any]], op: str,
-               impls: list[str] | None, options_json: str, db_url: str, tasks: Any,
+               impls: list[str] | None, options_json: str, db_url: str, counter: Any,
                results: Any, progress: bool, skip_tuned: bool, deadline: float | None,
                runner_factory: Callable[..., Any] | None, log_level: int) -> None:
-    """One ``tune --op`` worker: pin the GPU, then choose for problems from the queue until
-    it is empty or ``deadline`` has passed (once it has tuned one)."""
+    """One ``tune --op`` worker: pin the GPU, then choose for the problems it takes through
+    ``counter`` until none is left or ``deadline`` has passed (once it has tuned one)."""
     options = _pin(slot, gpu, options_json, log_level)
     from flashtune.autotune.select import past_deadline, tune_op
     from flashtune.autotune.trial_loop import shared_runner_factory
@@ -204,11 +219,9 @@ def _op_worker(slot: int, gpu: int, problem_keys: list[dict[str, Any]], op: str,
             shared_runner_factory(options, runner_factory, tuning_device(options)) as factory:
         log.info("worker %d on GPU %d: ready", slot, gpu)
         while not tuned or not past_deadline(deadline, longest):
-            try:
-                index = tasks.get_nowait()
-            except queue_mod.Empty:
+            if (index := _take(counter, len(problem_keys))) is None:
                 return
-            results.put(("start", slot, index, None))
+            results.send(("start", slot, index, None))
             problem = AttentionProblem.from_key(problem_keys[index])
             try:
                 [res] = tune_op([problem], op, options, impls=impls, db_url=db_url,
@@ -216,13 +229,13 @@ def _op_worker(slot: int, gpu: int, problem_keys: list[dict[str, Any]], op: str,
                                 skip_tuned=skip_tuned, shared_factory=factory,
                                 _runner_factory=runner_factory)
             except FlashtuneError as exc:  # this problem's: report it, go on with the next
-                results.put(("error", slot, index, str(exc)))
+                results.send(("error", slot, index, str(exc)))
                 continue
             except KeyboardInterrupt:
                 raise SystemExit(128 + signal.SIGTERM) from None  # recorded INTERRUPTED
             if not res.reused:
                 tuned, longest = True, max(longest, res.seconds)
-            results.put(("done", slot, index, _op_result_to_json(res)))
+            results.send(("done", slot, index, _op_result_to_json(res)))
 
 
 def tune_on_gpus(problems: Sequence[AttentionProblem], options: TuneOptions, *, db_url: str,
@@ -235,17 +248,16 @@ def tune_on_gpus(problems: Sequence[AttentionProblem], options: TuneOptions, *, 
     """
     _prepare(db_url, gpus)
     ctx = get_context("spawn")
-    tasks_plan = plan_tasks(problems, options.trials, len(gpus))
-    tasks, results = ctx.Queue(), ctx.Queue()
-    for task in tasks_plan:
-        tasks.put(task)
+    tasks = plan_tasks(problems, options.trials, len(gpus))
+    counter = ctx.Value("q", 0)
+    channels = [ctx.Pipe(duplex=False) for _ in gpus]
     keys = [p.key() for p in problems]
     options_json = json.dumps(asdict(options))
     procs = [ctx.Process(target=_worker, name=f"flashtune-gpu{gpu}",
-                         args=(slot, gpu, keys, options_json, db_url, tasks, results, progress,
-                               _log_level()))
+                         args=(slot, gpu, keys, options_json, db_url, tasks, counter,
+                               channels[slot][1], progress, _log_level()))
              for slot, gpu in enumerate(gpus)]
-    done, lost = _supervise(procs, tasks, results, problems, gpus, _result_from_json)
+    done, lost = _supervise(procs, channels, problems, gpus, _result_from_json)
     done.sort(key=lambda item: item[0])
     out = [res for _, res in done]
     if lost:
@@ -272,26 +284,30 @@ def _prepare(db_url: str, gpus: Sequence[int]) -> None:
     _optuna_storage(db_url)
 
 
-def _supervise(procs: list[Any], tasks: Any, results: Any,
+def _supervise(procs: list[Any], channels: Sequence[tuple[Any, Any]],
                problems: Sequence[AttentionProblem], gpus: Sequence[int],
                decode: Callable[[str], Any]) -> tuple[list[tuple[int, Any]], list[str]]:
     """Start the workers and collect their messages until every one has exited.
 
-    Returns ``(done, lost)``: ``(problem index, decoded result)`` per task finished, and one
-    line per problem lost (a worker died holding it, or reported an error for it). If this
+    ``channels`` holds each worker's ``(reader, writer)`` pipe, by slot. Returns
+    ``(done, lost)``: ``(problem index, decoded result)`` per task finished, and one line
+    per problem lost (a worker died holding it, or reported an error for it). If this
     process is interrupted (SIGTERM, Ctrl-C), the workers still running get SIGTERM and are
     waited for (up to :data:`_STOP_WAIT_S`, then killed) before the exception goes on.
     """
     held: dict[int, int] = {}  # worker slot -> problem index it is tuning
     done: list[tuple[int, Any]] = []
     lost: list[str] = []
+    readers = [reader for reader, _ in channels]
+    listening = set(range(len(readers)))  # slots whose pipe has not reached its end
 
-    def drain(timeout: float) -> bool:
-        """Handle one message from the workers; False if none came within ``timeout``."""
+    def handle(slot: int) -> None:
+        """Handle one message on ``slot``'s pipe, or note that the pipe has ended."""
         try:
-            kind, slot, index, payload = results.get(timeout=timeout)
-        except queue_mod.Empty:
-            return False
+            kind, _, index, payload = readers[slot].recv()
+        except EOFError:
+            listening.discard(slot)
+            return
         if kind == "start":
             held[slot] = index
         elif kind == "error":
@@ -301,18 +317,20 @@ def _supervise(procs: list[Any], tasks: Any, results: Any,
         else:
             held.pop(slot, None)
             done.append((index, decode(payload)))
-        return True
 
     try:
         for p in procs:
             p.start()
+        for _, writer in channels:  # the workers hold theirs: a pipe ends when its worker does
+            writer.close()
         alive = set(range(len(procs)))
         while alive:
-            drain(0.5)
+            for reader in wait([readers[s] for s in listening], 0.5):
+                handle(readers.index(reader))
             for slot in [s for s in alive if not procs[s].is_alive()]:
                 procs[slot].join()
-                while drain(0.1):  # what it sent before it exited
-                    pass
+                while slot in listening and readers[slot].poll(0):  # what it sent
+                    handle(slot)
                 alive.discard(slot)
                 if procs[slot].exitcode != 0:
                     what = problems[held.pop(slot)].describe() if slot in held else "no task"
@@ -322,11 +340,8 @@ def _supervise(procs: list[Any], tasks: Any, results: Any,
         _stop_workers(procs)
         raise
     finally:
-        while True:  # tasks no worker took (a deadline passed): empty the queue's pipe
-            try:
-                tasks.get_nowait()
-            except (queue_mod.Empty, OSError, ValueError):
-                break
+        for reader in readers:
+            reader.close()
     return done, lost
 
 
@@ -371,20 +386,19 @@ def tune_op_on_gpus(problems: Sequence[AttentionProblem], op: str, options: Tune
                          "in-memory database is private to one process")
     _prepare(db_url, gpus)
     ctx = get_context("spawn")
-    tasks, results = ctx.Queue(), ctx.Queue()
-    for index in range(len(problems)):
-        tasks.put(index)
+    counter = ctx.Value("q", 0)
+    channels = [ctx.Pipe(duplex=False) for _ in gpus]
     keys = [p.key() for p in problems]
     options_json = json.dumps(asdict(options))
     impl_list = None if impls is None else list(impls)
     log.info("%d shape(s) of op %s on GPUs %s: starting the workers", len(problems), op,
              ",".join(map(str, gpus)))
     procs = [ctx.Process(target=_op_worker, name=f"flashtune-gpu{gpu}",
-                         args=(slot, gpu, keys, op, impl_list, options_json, db_url, tasks,
-                               results, progress, skip_tuned, deadline, _runner_factory,
+                         args=(slot, gpu, keys, op, impl_list, options_json, db_url, counter,
+                               channels[slot][1], progress, skip_tuned, deadline, _runner_factory,
                                _log_level()))
              for slot, gpu in enumerate(gpus)]
-    done, lost = _supervise(procs, tasks, results, problems, gpus, _op_result_from_json)
+    done, lost = _supervise(procs, channels, problems, gpus, _op_result_from_json)
     done.sort(key=lambda item: item[0])
     out = [res for _, res in done]
     if lost:

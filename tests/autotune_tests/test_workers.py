@@ -9,7 +9,7 @@ import pytest
 
 from flashtune.autotune.jobs import tune
 from flashtune.autotune.options import TuneOptions
-from flashtune.autotune.workers import WorkerError, plan_tasks, tune_on_gpus
+from flashtune.autotune.workers import WorkerError, _take, plan_tasks, tune_on_gpus
 from flashtune.core.problem import AttentionProblem
 from flashtune.db import TrialState, canonical_json, open_store
 
@@ -24,6 +24,26 @@ def test_plan_tasks_splits_trials_when_problems_are_few():
     assert plan_tasks([P1], 10, 4) == [(0, 3), (0, 3), (0, 2), (0, 2)]
     assert plan_tasks([P1], 2, 4) == [(0, 1), (0, 1)]  # never a share of 0 trials
     assert plan_tasks([P1, P2], 9, 5) == [(0, 5), (0, 4), (1, 5), (1, 4)]
+
+
+def test_a_worker_waits_for_the_task_counter_rather_than_stopping():
+    """A worker takes its next task under the counter's lock: while another holds it, the
+    worker waits and gets the task (a queue's get_nowait answered Empty there, and the
+    worker stopped with tasks left: in CI a refused shape was never tuned)."""
+    import multiprocessing
+    import threading
+    import time
+
+    counter = multiprocessing.get_context("spawn").Value("q", 0)
+    taken: list[int | None] = []
+    with counter.get_lock():
+        other = threading.Thread(target=lambda: taken.append(_take(counter, 2)))
+        other.start()
+        time.sleep(0.2)
+        assert taken == []  # waiting, not stopped
+    other.join(10)
+    assert taken == [0]
+    assert [_take(counter, 2), _take(counter, 2)] == [1, None]
 
 
 def test_two_workers_two_problems(tmp_path):
