@@ -628,6 +628,12 @@ def _scored_bwd_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
     return _grads_like(q, k, v)
 
 
+def _dout(dout: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+    """The output's gradient for a custom op's backward: zeros where the loss used only the
+    LSE (the op's context hands over None for an unused output, not zeros)."""
+    return torch.zeros_like(out) if dout is None else dout.contiguous()
+
+
 def _scored_setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
     q, k, v, causal, scale, wl, wr, cap, slopes, config_str, impl, drop, seed = inputs
     out, lse = output
@@ -635,13 +641,14 @@ def _scored_setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> Non
     ctx.slopes = slopes
     ctx.args = (causal, scale, wl, wr, cap)
     ctx.route = (config_str, impl, drop)
+    ctx.set_materialize_grads(False)  # an unused output's gradient is None, as in eager
 
 
-def _scored_backward(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor) -> Any:
+def _scored_backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) -> Any:
     q, k, v, out, lse, seed = ctx.saved_tensors
     causal, scale, wl, wr, cap = ctx.args
     dq, dk, dv = torch.ops.flashtune.attention_scored_bwd(
-        q, k, v, out, lse, dout.contiguous(), dlse, causal, scale, wl, wr, cap, ctx.slopes,
+        q, k, v, out, lse, _dout(dout, out), dlse, causal, scale, wl, wr, cap, ctx.slopes,
         *ctx.route, seed)
     return (dq, dk, dv) + (None,) * 10
 
@@ -777,12 +784,13 @@ def _varlen_setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> Non
     ctx.slopes = slopes
     ctx.args = (max_q, max_k, causal, scale, wl, wr, cap)
     ctx.route = (config_str, impl, drop)
+    ctx.set_materialize_grads(False)  # an unused output's gradient is None, as in eager
 
 
-def _varlen_backward(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor) -> Any:
+def _varlen_backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) -> Any:
     q, k, v, out, lse, cu_q, cu_k, seed = ctx.saved_tensors
     dq, dk, dv = torch.ops.flashtune.attention_varlen_bwd(
-        q, k, v, out, lse, dout.contiguous(), dlse, cu_q, cu_k, *ctx.args, ctx.slopes,
+        q, k, v, out, lse, _dout(dout, out), dlse, cu_q, cu_k, *ctx.args, ctx.slopes,
         *ctx.route, seed)
     return (dq, dk, dv) + (None,) * 14
 

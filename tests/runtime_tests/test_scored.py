@@ -321,6 +321,54 @@ def test_torch_compile_traces_varlen_calls_without_graph_breaks():
     assert explained.graph_break_count == 0
 
 
+@pytest.mark.parametrize("packed_batch", [False, True], ids=["scored", "varlen"])
+@pytest.mark.parametrize("uses", ["out", "lse"])
+def test_a_compiled_scored_step_hands_its_backward_only_the_gradients_the_loss_uses(
+        monkeypatch, packed_batch, uses):
+    """The score-modification and packed-batch custom ops, as ``flashtune::attention_fwd``:
+    an output the loss does not use reaches the backward as None, not zeros (eager's
+    PairFn does the same), and the gradients equal eager's."""
+    seen: list[torch.Tensor | None] = []
+    launcher_of = scored._bwd_launcher
+
+    def spy(bwd):
+        launcher = launcher_of(bwd)
+
+        def spied(*args, dlse=None, **kwargs):
+            seen.append(dlse)
+            return launcher(*args, dlse=dlse, **kwargs)
+
+        return spied
+
+    monkeypatch.setattr(scored, "_bwd_launcher", spy)
+    if packed_batch:
+        q, k, v, cq, ck = packed([21, 5, 30], [21, 9, 30])
+
+        def call(q, k, v):
+            out, lse = flashtune.attention_varlen(q, k, v, cq, ck, 30, 30, causal=True,
+                                                  window=(7, 0), return_lse=True)
+            return out, lse.t()
+    else:
+        q, k, v = qkv(b=2)
+
+        def call(q, k, v):
+            return flashtune.attention(q, k, v, causal=True, window=(9, 0), softcap=3.0,
+                                       return_lse=True)
+
+    def loss_fn(q, k, v):
+        out, lse = call(q * 1.0, k, v)
+        return (out.float() ** 2).sum() if uses == "out" else lse.sum()
+
+    grads = []
+    for fn in (loss_fn, torch.compile(loss_fn, backend="aot_eager", fullgraph=True)):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+        fn(*leaves).backward()
+        grads.append([t.grad for t in leaves])
+    for eager, compiled in zip(*grads, strict=True):
+        torch.testing.assert_close(compiled, eager, atol=2e-3, rtol=2e-3)
+    assert seen[-1] is None if uses == "out" else seen[-1] is not None
+
+
 def test_varlen_max_seqlen_too_short_for_the_tokens_is_caught_without_reading_lengths():
     q, k, v, cq, ck = packed([19, 1, 33], [19, 7, 40])
     with pytest.raises(InputError, match="max_seqlen_q = 10, but 53 tokens in 3 sequences"):
