@@ -364,7 +364,7 @@ def tune_op_on_gpus(problems: Sequence[AttentionProblem], op: str, options: Tune
                     deadline: float | None = None,
                     _runner_factory: Callable[..., Any] | None = None) -> list[OpResult]:
     """:func:`~flashtune.autotune.select.tune_op` over ``problems`` with one worker process
-    per entry of ``gpus``, each taking whole problems from a shared queue; see the module
+    per entry of ``gpus``, each taking whole problems through a shared counter; see the module
     doc. ``db_url`` None: ``$FLASHTUNE_DB`` or the default file. ``_runner_factory``
     (tests) must be importable by name in the workers.
 
