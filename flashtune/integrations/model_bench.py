@@ -46,8 +46,9 @@ from typing import Any
 import torch
 
 from flashtune.core.problem import MAX_HEAD_DIM
-from flashtune.integrations.transformers import NAME, sdpa_arguments
+from flashtune.integrations.transformers import NAME, chunk_against_cache, sdpa_arguments
 from flashtune.runtime.bench import _first_line
+from flashtune.runtime.ops import lookup_config
 from flashtune.runtime.sdpa import describe_route, fallback_counts, reset_fallback_counts
 
 __all__ = ["ATTENTION_KERNEL", "CONTENDERS", "FAMILIES", "PRESETS", "TINY", "ModelSpec",
@@ -277,6 +278,10 @@ def _probing(model: Any) -> Iterator[dict[str, dict[str, Any]]]:
             step = is_generation_step(query, key, attention_mask, a["dropout_p"])
             if step:
                 route = "attn_decode: a generation step over the whole cache"
+            elif attention_mask is None and chunk_against_cache(query, key, a["is_causal"]):
+                choice = lookup_config(query, key, value, causal=True)
+                route = (f"{choice.template} ({choice.source}): a chunk against the cache, "
+                         f"causal aligned bottom-right")
             elif attention_mask is not None and attention_mask.dim() == 2 \
                     and attention_mask.shape[1] <= key.shape[2] \
                     and query.shape[-1] <= MAX_HEAD_DIM:  # what the integration unpads

@@ -40,7 +40,7 @@ from flashtune.runtime.sdpa import scaled_dot_product_attention
 from flashtune.runtime.static_cache import attention_static_cache, one_run
 
 __all__ = ["NAME", "STEP_ROWS", "flashtune_attention_forward", "flashtune_attention_mask",
-           "is_generation_step", "sdpa_arguments"]
+           "chunk_against_cache", "is_generation_step", "sdpa_arguments"]
 
 NAME = "flashtune"
 # a call of at most this many query rows with a padding mask over the whole cache is a
@@ -110,7 +110,8 @@ def flashtune_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
             module, query, key, value, mask, dropout, scaling, is_causal, **kwargs))
         return out.transpose(1, 2).contiguous(), None
     packed = _packed(query, mask, kwargs)
-    if mask is None and packed is None and window is None and softcap is None:
+    if mask is None and packed is None and window is None and softcap is None \
+            and not chunk_against_cache(query, key, causal):
         out = scaled_dot_product_attention(**sdpa_arguments(
             module, query, key, value, None, dropout, scaling, is_causal, **kwargs))
         return out.transpose(1, 2).contiguous(), None
@@ -135,6 +136,17 @@ def flashtune_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
                         softcap=softcap, dropout_p=dropout_p)
         return out.transpose(1, 2).contiguous(), None
     return _padded(query, key, value, mask, options), None
+
+
+def chunk_against_cache(query: torch.Tensor, key: torch.Tensor, causal: bool) -> bool:
+    """Whether a causal call without a mask is several query rows against more keys: a
+    prompt's later chunk (chunked prefill, a second turn, assisted generation's candidates)
+    over a dynamic cache that holds the tokens before it. FlashAttention-2's mask builder
+    hands it no mask, and FA2 aligns its causal mask bottom-right: query ``i`` sees the
+    cache and the chunk's first ``i + 1`` tokens. torch's ``is_causal`` is top-left (it
+    would see the first ``i + 1`` keys), so this call goes to :func:`flashtune.attention`,
+    not to the SDPA drop-in."""
+    return causal and 1 < query.shape[2] < key.shape[2]
 
 
 def is_generation_step(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None,
@@ -197,6 +209,9 @@ def flashtune_attention_mask(batch_size: int, q_length: int, kv_length: int,
         None (plain causal) or a boolean 2-D padding mask; for a generation step over a
         static cache ``(B, kv_length)``.
     """
+    if attention_mask is None:
+        attention_mask = _cache_tokens(batch_size, q_length, kv_length, q_offset,
+                                       kwargs.get("device"))
     if attention_mask is not None and q_length <= STEP_ROWS:
         mask = attention_mask[:, -kv_length:].bool()
         if mask.shape[1] < kv_length:  # a static cache: slots past the tokens are empty
@@ -209,6 +224,26 @@ def flashtune_attention_mask(batch_size: int, q_length: int, kv_length: int,
         **({} if mask_function is None else {"mask_function": mask_function}),
         attention_mask=attention_mask, **kwargs)
     return built
+
+
+def _cache_tokens(batch_size: int, q_length: int, kv_length: int, q_offset: Any,
+                  device: Any) -> torch.Tensor | None:
+    """The padding mask a call without one stands for where the cache has empty slots (a
+    static cache before it fills: ``q_offset + q_length`` of its ``kv_length`` slots hold
+    tokens), else None. FA2's builder returns None there, and the call would attend the
+    empty slots; with this mask the call sees the tokens only, as one with generate's mask
+    of ones does. A static cache's offset is a tensor: a step's mask (at most
+    :data:`STEP_ROWS` rows) is the whole cache's, compared on the device (no sync, so it
+    compiles and captures); a longer chunk's is the tokens' (the offset read once)."""
+    if isinstance(q_offset, torch.Tensor):
+        if q_length <= STEP_ROWS:
+            slots = torch.arange(kv_length, device=q_offset.device)
+            return (slots < q_offset + q_length).expand(batch_size, kv_length)
+        q_offset = int(q_offset)
+    tokens = q_offset + q_length
+    if tokens >= kv_length:
+        return None
+    return torch.ones(batch_size, tokens, dtype=torch.bool, device=device)
 
 
 def _packed(query: torch.Tensor, mask: torch.Tensor | None,

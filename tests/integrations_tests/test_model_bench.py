@@ -157,3 +157,23 @@ def test_on_the_gpu_a_small_llama_reports_attention_share_and_routes():
         assert row["errors"] == {}, row["errors"]
         assert 0 < row["attention_share"]["flashtune"] < 1
         assert row["fallbacks"] == {}
+
+
+def test_the_probe_names_a_later_chunk_against_the_cache():
+    """A call the route table describes as run: a later chunk over a dynamic cache goes to
+    flashtune.attention (causal bottom-right), not to the SDPA drop-in's top-left mask."""
+    from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                         max_position_embeddings=64)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=mb.NAME,
+                                             dtype=torch.float16).to(DEVICE).eval()
+    ids = torch.randint(1, 64, (1, 30), generator=torch.Generator().manual_seed(0))
+    past = DynamicCache(config=config)
+    with torch.no_grad(), mb._probing(model) as calls:
+        model(ids[:, :12].to(DEVICE), past_key_values=past, use_cache=True)
+        model(ids[:, 12:].to(DEVICE), past_key_values=past, use_cache=True)
+    routes = {c["call"]: c["route"] for c in calls.values()}
+    (chunk,) = [r for call, r in routes.items() if "q (1, 2, 18, 16) k (1, 1, 30, 16)" in call]
+    assert chunk.endswith("a chunk against the cache, causal aligned bottom-right"), routes

@@ -199,6 +199,56 @@ def test_generation_steps_with_left_padding_and_a_dynamic_cache(models, varlen_c
     assert len(varlen_calls) == 2
 
 
+@pytest.mark.parametrize("cache,chunk,padding", [
+    ("dynamic", 17, None), ("dynamic", 17, "ones"), ("dynamic", 17, "left"),
+    ("dynamic", 3, None), ("static", 3, None), ("static", 17, None)])
+def test_a_later_chunk_against_the_cache_matches_eager(models, cache, chunk, padding):
+    """A prompt's later chunk over the cache of its first (chunked prefill, a second turn):
+    several query rows against more keys. FA2's mask builder hands a dynamic cache's chunk
+    no mask and FA2 aligns causal bottom-right, so query i sees the cache and the chunk up
+    to i (torch's top-left is_causal would see the first i + 1 keys: wrong logits, as this
+    integration gave before); a static cache without a mask sees its tokens only, not the
+    empty slots. Logits of the chunk against eager's with the same cache."""
+    from transformers import DynamicCache, StaticCache
+
+    ours, eager = models
+    config = ours.config
+    ids = torch.randint(1, 128, (2, 21 + chunk), generator=torch.Generator().manual_seed(9))
+    ids = ids.to(DEVICE)
+    mask = None if padding is None else torch.ones_like(ids)
+    if padding == "left":
+        mask[1, :5] = 0
+    got = []
+    for model in (ours, eager):
+        past = DynamicCache(config=config) if cache == "dynamic" \
+            else StaticCache(config=config, max_cache_len=64)
+        with torch.no_grad():
+            for start, end in ((0, 21), (21, 21 + chunk)):
+                kw = {} if mask is None else {"attention_mask": mask[:, :end]}
+                logits = model(ids[:, start:end], past_key_values=past, use_cache=True,
+                               cache_position=torch.arange(start, end, device=DEVICE),
+                               **kw).logits.float()
+        got.append(logits)
+    keep = slice(None) if mask is None else mask[:, 21:].bool()
+    diff = (got[0] - got[1])[keep].abs().max().item()
+    assert diff < 2e-2 * got[1].abs().max().item(), diff
+
+
+def test_the_mask_builder_gives_a_cache_without_a_mask_its_tokens():
+    """No padding mask: a dynamic cache (its keys are its tokens) and no cache get None;
+    a static cache before it fills gets its tokens' mask, a step's over the whole cache
+    (compared on the device from the tensor offset a static layer gives)."""
+    from flashtune.integrations.transformers import flashtune_attention_mask
+
+    assert flashtune_attention_mask(2, 40, 40) is None
+    assert flashtune_attention_mask(2, 17, 38, q_offset=21) is None
+    chunk = flashtune_attention_mask(2, 17, 64, q_offset=torch.tensor(21))
+    assert chunk.shape == (2, 38) and chunk.dtype == torch.bool and chunk.all()
+    step = flashtune_attention_mask(2, 1, 64, q_offset=torch.tensor(21))
+    assert step.shape == (2, 64) and step[:, :22].all() and not step[:, 22:].any()
+    assert flashtune_attention_mask(2, 1, 22, q_offset=torch.tensor(21)) is None  # full
+
+
 def test_the_mask_builder_keeps_a_steps_shape():
     """FA2's builder for the prefill and for caches it covers; for a step over a static
     cache the whole cache's mask, padded with empty slots; while compiling no mask.all()."""
