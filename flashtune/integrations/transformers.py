@@ -72,16 +72,14 @@ def flashtune_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
         kwargs: the rest of transformers' contract: ``sliding_window``, ``softcap``,
             ``position_ids`` (a padding-free batch), ``cu_seq_lens_q``/``cu_seq_lens_k``
             with ``max_length_q``/``max_length_k`` (a collator's packed batch);
-            ``position_bias`` is refused.
+            ``position_bias`` and ``s_aux`` (attention sinks) are refused.
     Returns:
         ``(out, None)``: ``out`` of shape ``(B, Lq, Hq, D)``, no attention weights.
     Raises:
-        ValueError for ``position_bias``, or a ``softcap`` with a head dim over 256 (the
+        ValueError for ``position_bias`` or ``s_aux``, or a ``softcap`` with a head dim over 256 (the
         message names the implementation to use instead).
     """
-    if kwargs.get("position_bias") is not None:
-        raise ValueError("flashtune attention does not support `position_bias`; use "
-                         "attn_implementation='sdpa' or 'eager' for this model")
+    _refuse_unsupported(kwargs)
     lq, lk = query.shape[2], key.shape[2]
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     causal = bool(causal and lq > 1)  # one row against the cache sees every cached key
@@ -136,6 +134,16 @@ def flashtune_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
                         softcap=softcap, dropout_p=dropout_p)
         return out.transpose(1, 2).contiguous(), None
     return _padded(query, key, value, mask, options), None
+
+
+def _refuse_unsupported(kwargs: dict[str, Any]) -> None:
+    """A score term flashtune's kernels do not add: T5's ``position_bias``, and the
+    attention sinks (``s_aux``: a learned logit per head in every row's softmax) of gpt-oss
+    and its kin. Refused rather than dropped, which would change the model's output."""
+    for name in ("position_bias", "s_aux"):
+        if kwargs.get(name) is not None:
+            raise ValueError(f"flashtune attention does not support `{name}`; use "
+                             "attn_implementation='sdpa' or 'eager' for this model")
 
 
 def chunk_against_cache(query: torch.Tensor, key: torch.Tensor, causal: bool) -> bool:
@@ -370,11 +378,10 @@ def sdpa_arguments(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
         ``query``, ``key``, ``value``, ``attn_mask``, ``dropout_p`` (0 outside training),
         ``is_causal`` (as transformers' SDPA path decides it), ``scale`` and ``enable_gqa``.
     Raises:
-        ValueError for ``position_bias``, as :func:`flashtune_attention_forward`.
+        ValueError for ``position_bias`` or ``s_aux``, as
+            :func:`flashtune_attention_forward`.
     """
-    if kwargs.get("position_bias") is not None:
-        raise ValueError("flashtune attention does not support `position_bias`; use "
-                         "attn_implementation='sdpa' or 'eager' for this model")
+    _refuse_unsupported(kwargs)
     q_length = query.shape[2]
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     # As transformers' SDPA path: causal only for several query rows and no explicit mask

@@ -270,3 +270,19 @@ def test_the_mask_builder_keeps_a_steps_shape():
 
     torch.compile(step, backend="eager", fullgraph=True)(ones)  # no data-dependent branch
     assert seen and seen[0] is not None and tuple(seen[0].shape) == (2, 6)
+
+
+@pytest.mark.parametrize("term", ["position_bias", "s_aux"])
+def test_a_score_term_flashtune_does_not_add_is_refused_not_dropped(term):
+    """T5's position bias and gpt-oss's attention sinks change every row's softmax: a call
+    that brings one is refused with the argument's name, not run without it."""
+    from flashtune.integrations.transformers import flashtune_attention_forward, sdpa_arguments
+
+    q = torch.zeros(1, 2, 4, 16, dtype=DTYPE)
+    k = v = torch.zeros(1, 2, 4, 16, dtype=DTYPE)
+    layer = torch.nn.Module()
+    extra = {term: torch.zeros(2)}
+    with pytest.raises(ValueError, match=f"does not support `{term}`"):
+        flashtune_attention_forward(layer, q, k, v, None, **extra)
+    with pytest.raises(ValueError, match=f"does not support `{term}`"):
+        sdpa_arguments(layer, q, k, v, None, **extra)
