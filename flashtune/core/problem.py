@@ -240,8 +240,9 @@ class AttentionProblem:
         # other score modifications: a config still runs them, and tiles tuned without a
         # window are a better start than the template's default, but any problem with the
         # same ones is nearer
-        mods = 0.0 if self.mods() == other.mods() else MODS_DISTANCE
-        if self.mods() == other.mods() and "window" in self.mods():
+        own_mods = self.mods()
+        mods = 0.0 if own_mods == other.mods() else MODS_DISTANCE
+        if not mods and "window" in own_mods:
             mods = 0.5 * (lg(self._window_span(), other._window_span()))
         # a packed batch: its grid's other axis is the work of tokens / longest sequences
         # of the longest's length; a dense config serves it (the same kernels) but a

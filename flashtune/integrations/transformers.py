@@ -153,7 +153,15 @@ def chunk_against_cache(query: torch.Tensor, key: torch.Tensor, causal: bool) ->
     hands it no mask, and FA2 aligns its causal mask bottom-right: query ``i`` sees the
     cache and the chunk's first ``i + 1`` tokens. torch's ``is_causal`` is top-left (it
     would see the first ``i + 1`` keys), so this call goes to :func:`flashtune.attention`,
-    not to the SDPA drop-in."""
+    not to the SDPA drop-in.
+
+    Arguments:
+        query: ``(B, Hq, Lq, D)``.
+        key: ``(B, Hkv, Lk, D)``.
+        causal: the call's causal flag as :func:`flashtune_attention_forward` decides it.
+    Returns:
+        True for a causal call of several query rows against more keys.
+    """
     return causal and 1 < query.shape[2] < key.shape[2]
 
 

@@ -38,8 +38,10 @@ from flashtune.runtime.lookup import (
     _SOURCE_LOCK,
     _SOURCE_WARNED,
     ConfigChoice,
+    Nearest,
     _warn_once,
     pick_nearest,
+    remember,
     split_by_device,
 )
 from flashtune.runtime.sources import ChoiceEntry, DeviceKey, device_key, load_choices
@@ -61,7 +63,7 @@ class OpRouter:
         self.op = op
         self.specs = dict(specs)
         self._lock = threading.RLock()
-        self._tables: dict[DeviceKey, tuple[list[ChoiceEntry], list[ChoiceEntry]]] = {}
+        self._tables: dict[DeviceKey, tuple[Nearest[ChoiceEntry], Nearest[ChoiceEntry]]] = {}
         self._memo: dict[tuple[Any, ...], ConfigChoice | None] = {}
         self._aliases: bool | None = None
         self._db_url: str | None = None
@@ -73,7 +75,7 @@ class OpRouter:
             self._memo.clear()
             self._aliases, self._db_url = device_alias, db_url
 
-    def _table(self, device: Any) -> tuple[list[ChoiceEntry], list[ChoiceEntry]]:
+    def _table(self, device: Any) -> tuple[Nearest[ChoiceEntry], Nearest[ChoiceEntry]]:
         key = device_key(device)
         table = self._tables.get(key)
         if table is not None:
@@ -94,7 +96,8 @@ class OpRouter:
             for reason in problems:
                 _warn_once(_SOURCE_WARNED, _SOURCE_LOCK, reason, "flashtune: %s; serving "
                            "what the other sources have (else defaults)", reason)
-            table = self._tables[key] = split_by_device(_unshadowed(entries), key, aliases)
+            own, alias = split_by_device(_unshadowed(entries), key, aliases)
+            table = self._tables[key] = (Nearest(own), Nearest(alias))
             return table
 
     def choose(self, problem: AttentionProblem, device: Any, *, return_lse: bool = False,
@@ -116,9 +119,10 @@ class OpRouter:
         except KeyError:
             pass
         with self._lock:
-            if memo_key not in self._memo:
-                self._memo[memo_key] = self._walk(problem, device, return_lse, paired)
-            return self._memo[memo_key]
+            if memo_key in self._memo:
+                return self._memo[memo_key]
+            return remember(self._memo, memo_key,
+                            self._walk(problem, device, return_lse, paired))
 
     def _serves(self, entry: ChoiceEntry, problem: AttentionProblem, device: Any,
                 return_lse: bool, paired: bool) -> bool:
@@ -140,8 +144,8 @@ class OpRouter:
         def usable(e: ChoiceEntry) -> bool:  # a stale choice answers "the default"
             return e.stale or self._serves(e, problem, device, return_lse, paired)
 
-        for e in own:
-            if e.problem == problem and usable(e):
+        for e in own.exact(problem):
+            if usable(e):
                 return _choice(e, "exact", problem, self.op)
         for source, entries, same_bucket in (("bucket", own, True), ("nearest", own, False),
                                              ("device-alias", alias, False)):

@@ -95,7 +95,7 @@ from flashtune.runtime.kvcache_checks import (
     check_kvcache_tables,
     check_per_sequence,
 )
-from flashtune.runtime.lookup import ConfigChoice, Dispatcher
+from flashtune.runtime.lookup import ConfigChoice, Dispatcher, remember
 
 log = logging.getLogger(__name__)
 
@@ -508,8 +508,7 @@ def _new_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: Any,
         log.warning("flashtune: direct decode launches disabled (%s: %s); calls go through "
                     "Triton's launcher", type(exc).__name__, exc)
         return None
-    _PLANS[key] = plan
-    return plan
+    return remember(_PLANS, key, plan)
 
 
 

@@ -33,16 +33,43 @@ import logging
 import math
 import os
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, overload
 
 from flashtune.core.problem import AttentionProblem
 from flashtune.runtime.sources import DeviceKey, TunedEntry, device_key, load_entries
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ConfigChoice", "Dispatcher", "SOURCES", "pick_nearest", "split_by_device"]
+__all__ = ["MEMO_LIMIT", "ConfigChoice", "Dispatcher", "Nearest", "SOURCES", "pick_nearest",
+           "remember", "split_by_device"]
+
+# how many call signatures a per-process memo (a route, a launch plan, a choice) holds
+# before it starts again: a decode loop over a dynamic cache meets a new key length every
+# step, and a server a new shape with every request, so an unbounded memo would grow for
+# the life of the process
+MEMO_LIMIT = 4096
+
+_K = TypeVar("_K")
+_V = TypeVar("_V")
+
+
+def remember(memo: dict[_K, _V], key: _K, value: _V, limit: int = MEMO_LIMIT) -> _V:
+    """``memo[key] = value``, emptying ``memo`` first when it holds ``limit`` entries (one
+    step, safe under threads; the signatures still in use come back at one lookup each).
+
+    Arguments:
+        memo: a per-process memo (call signature -> route, plan or choice).
+        key, value: the entry to add.
+        limit: the most entries ``memo`` holds.
+    Returns:
+        ``value``.
+    """
+    if len(memo) >= limit:
+        memo.clear()
+    memo[key] = value
+    return value
 
 
 class _Entry(Protocol):
@@ -105,8 +132,8 @@ class _Table:
     """The entries usable on one device: own (by device key) and aliases."""
 
     def __init__(self, own: list[TunedEntry], alias: list[TunedEntry]) -> None:
-        self.own = own
-        self.alias = alias
+        self.own = Nearest(own)
+        self.alias = Nearest(alias)
         self.exact: dict[AttentionProblem, TunedEntry] = {}
         for e in own:  # first wins: sources come in precedence order
             self.exact.setdefault(e.problem, e)
@@ -199,13 +226,13 @@ class Dispatcher:
         with self._lock:
             found = self._memo.get(memo_key)
             if found is None:
-                found = self._memo[memo_key] = self._walk(problem, device)
+                found = remember(self._memo, memo_key, self._walk(problem, device))
         return found
 
     def _usable(self, entry: TunedEntry, problem: AttentionProblem, device: Any) -> bool:
         return self.spec.space.check(entry.config, problem, device) is None
 
-    def _pick(self, entries: list[TunedEntry], problem: AttentionProblem, device: Any,
+    def _pick(self, entries: Nearest[TunedEntry], problem: AttentionProblem, device: Any,
               same_bucket: bool) -> TunedEntry | None:
         return pick_nearest(entries, problem, same_bucket,
                             lambda e: self._usable(e, problem, device),
@@ -250,6 +277,59 @@ def split_by_device(entries: Sequence[_E], key: DeviceKey,
     return own, alias
 
 
+class Nearest(Sequence[_E]):
+    """Entries in source order (a sequence of them), indexed for :func:`pick_nearest`: by
+    bucket, and by what a finite distance needs (dtype, head_dim, causal), with each one's
+    measured time per FLOP. Built once per table, so a call of a shape not seen before (a
+    decode step's new cache length, every step) ranks only the entries that can be near
+    it instead of measuring its distance to every entry of the table."""
+
+    def __init__(self, entries: Sequence[_E]) -> None:
+        self.entries: list[_E] = list(entries)
+        self._bucket: dict[str, list[int]] = {}
+        self._kind: dict[tuple[str, int, bool], list[int]] = {}
+        self._exact: dict[AttentionProblem, list[int]] = {}
+        for i, e in enumerate(self.entries):
+            p = e.problem
+            self._exact.setdefault(p, []).append(i)
+            self._bucket.setdefault(p.bucket(), []).append(i)
+            self._kind.setdefault((p.dtype, p.head_dim, p.causal), []).append(i)
+        self._speed: dict[int, float] = {}
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    @overload
+    def __getitem__(self, i: int) -> _E: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[_E]: ...
+
+    def __getitem__(self, i: int | slice) -> _E | list[_E]:
+        return self.entries[i]
+
+    def __iter__(self) -> Iterator[_E]:
+        return iter(self.entries)
+
+    def exact(self, problem: AttentionProblem) -> list[_E]:
+        """The entries of exactly ``problem``, in source order."""
+        return [self.entries[i] for i in self._exact.get(problem, ())]
+
+    def candidates(self, problem: AttentionProblem, same_bucket: bool) -> list[int]:
+        """The positions of the entries that can be at a finite distance from ``problem``
+        (with ``same_bucket``, those of its bucket), in source order."""
+        if same_bucket:
+            return self._bucket.get(problem.bucket(), [])
+        return self._kind.get((problem.dtype, problem.head_dim, problem.causal), [])
+
+    def speed(self, i: int) -> float:
+        """Entry ``i``'s measured milliseconds per FLOP (the tie-break), computed once."""
+        found = self._speed.get(i)
+        if found is None:
+            e = self.entries[i]
+            found = self._speed[i] = e.median_ms / max(e.problem.flops(), 1.0)
+        return found
+
+
 def pick_nearest(entries: Sequence[_E], problem: AttentionProblem, same_bucket: bool,
                  usable: Callable[[_E], bool], *, across_groups: bool = False) -> _E | None:
     """The entry nearest ``problem`` (:meth:`AttentionProblem.distance`; with
@@ -257,28 +337,29 @@ def pick_nearest(entries: Sequence[_E], problem: AttentionProblem, same_bucket: 
     measured one, then to the earlier source.
 
     Arguments:
-        entries: tuned configs or op choices, in source order.
+        entries: tuned configs or op choices, in source order; a :class:`Nearest` (what
+            the tables hold) is searched through its index, any other sequence is indexed
+            for this call.
         problem: the call's problem.
         same_bucket: only entries of ``problem``'s bucket.
-        usable: whether an entry can serve this call.
+        usable: whether an entry can serve this call; asked nearest first, and only until
+            one can.
         across_groups: entries of other GQA group sizes too, farther
             (:meth:`AttentionProblem.distance`).
     Returns:
         The entry, or None when none is at a finite distance and usable.
     """
-    bucket = problem.bucket()
-    best: tuple[float, float, int] | None = None
-    pick = None
-    for i, e in enumerate(entries):
-        if same_bucket and e.problem.bucket() != bucket:
-            continue
-        dist = problem.distance(e.problem, across_groups=across_groups)
-        if not math.isfinite(dist) or not usable(e):
-            continue
-        rank = (dist, e.median_ms / max(e.problem.flops(), 1.0), i)
-        if best is None or rank < best:
-            best, pick = rank, e
-    return pick
+    index = entries if isinstance(entries, Nearest) else Nearest(entries)
+    ranked = []
+    for i in index.candidates(problem, same_bucket):
+        dist = problem.distance(index.entries[i].problem, across_groups=across_groups)
+        if math.isfinite(dist):
+            ranked.append((dist, index.speed(i), i))
+    ranked.sort()
+    for _, _, i in ranked:
+        if usable(index.entries[i]):
+            return index.entries[i]
+    return None
 
 
 def _warn_once(seen: set[Any], lock: Any, key: Any, msg: str, *args: Any) -> None:

@@ -67,7 +67,7 @@ from flashtune.kernel_templates.sdpa_extern import any_layout, bound_inference
 from flashtune.runtime import kvcache
 from flashtune.runtime.checks import check_attention_inputs, check_grid
 from flashtune.runtime.choices import OpRouter
-from flashtune.runtime.lookup import ConfigChoice, Dispatcher
+from flashtune.runtime.lookup import ConfigChoice, Dispatcher, remember
 
 log = logging.getLogger(__name__)
 
@@ -342,8 +342,7 @@ def _resolve(q: torch.Tensor, k: torch.Tensor, causal: bool, return_lse: bool,
     spec = get_template(choice.template)
     if spec.kind != "extern":  # once per key: it holds the shapes and the device
         check_grid(q, k, decode=spec is _DEC)
-    route = _FAST[key] = (spec, choice.config)
-    return route
+    return remember(_FAST, key, (spec, choice.config))
 
 
 def _train_choice(problem: AttentionProblem, device: DeviceFingerprint, *,
@@ -427,7 +426,7 @@ def _train_route(q: torch.Tensor, k: torch.Tensor, causal: bool, return_lse: boo
         check_grid(q, k)  # the forward's grid, and the backward's
     route = TrainRoute(spec, fcfg, bwd_spec, bcfg)
     if config is None and impl is None:
-        _TRAIN_FAST[key] = route
+        remember(_TRAIN_FAST, key, route)
     return route
 
 
@@ -457,9 +456,8 @@ def _new_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: TemplateS
                              return_lse=return_lse)
         if fn is not None:
             if any_layout(fn):  # torch's SDPA: later calls of these shapes skip the plan key
-                _BY_SHAPE[_shape_key(q, k, causal, scale, return_lse)] = fn
-            bound = _PLANS[key] = _BoundPlan(fn, q.get_device())
-            return bound
+                remember(_BY_SHAPE, _shape_key(q, k, causal, scale, return_lse), fn)
+            return remember(_PLANS, key, _BoundPlan(fn, q.get_device()))
     if spec.plan is not None:  # the implementation's own plan, where it plans the call
         try:
             own: _OwnPlan = spec.plan(q, k, v, cfg, causal=causal, scale=scale,
@@ -468,13 +466,11 @@ def _new_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: TemplateS
             log.debug("flashtune: no %s plan for this call (%s: %s)", spec.name,
                       type(exc).__name__, exc)
         else:
-            _PLANS[key] = own
-            return own
+            return remember(_PLANS, key, own)
     if spec is not _FWD and spec is not _DEC:
         # the launcher (an attn_fwd plan also runs a head dim padded, see AttnFwdPlan)
-        launch = _PLANS[key] = _LaunchPlan(spec, cfg, causal, scale, return_lse,
-                                           q.get_device())
-        return launch
+        return remember(_PLANS, key, _LaunchPlan(spec, cfg, causal, scale, return_lse,
+                                                 q.get_device()))
     plan_type = AttnDecodeDensePlan if spec is _DEC else AttnFwdPlan
     try:
         plan = plan_type(q, k, v, cfg, causal=causal, scale=scale, return_lse=return_lse)
@@ -483,8 +479,7 @@ def _new_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: TemplateS
         log.warning("flashtune: direct launches disabled (%s: %s); calls go through "
                     "Triton's launcher", type(exc).__name__, exc)
         return None
-    _PLANS[key] = plan
-    return plan
+    return remember(_PLANS, key, plan)
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,

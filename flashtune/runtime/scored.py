@@ -57,7 +57,7 @@ from flashtune.kernel_templates import get_template
 from flashtune.kernel_templates.dropout import draw_seed
 from flashtune.kernel_templates.training import pair_fn
 from flashtune.runtime.checks import check_attention_inputs, check_grid, check_score_mods
-from flashtune.runtime.lookup import ConfigChoice
+from flashtune.runtime.lookup import ConfigChoice, remember
 from flashtune.runtime.routing import (
     _BWD,
     _DISPATCH,
@@ -303,8 +303,8 @@ def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         full = key + (grad, grad and torch.are_deterministic_algorithms_enabled())
         route = _ROUTES.get(full)
         if route is None:
-            route = _ROUTES[full] = _choose(problem(), q, causal, return_lse, grad, None,
-                                            None)
+            route = remember(_ROUTES, full, _choose(problem(), q, causal, return_lse, grad,
+                                                    None, None))
     else:
         route = _choose(problem(), q, causal, return_lse, grad, config, impl)
     spec, fcfg, bwd, bcfg = route
@@ -549,7 +549,7 @@ def _pair_route(q: torch.Tensor, k: torch.Tensor, causal: bool, window_left: int
                                                 dropout=dropout_p)
         check_grid(q, k)
         config = config_from_text(config_str) if config_str is not None else None
-        route = _ROUTES[key] = _choose(problem, q, causal, True, True, config, impl)
+        route = remember(_ROUTES, key, _choose(problem, q, causal, True, True, config, impl))
     spec, fcfg, bwd, bcfg = route
     assert bwd is not None and bcfg is not None
     return spec, fcfg, bwd, bcfg
@@ -694,7 +694,7 @@ def _varlen_route(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Tensor,
                                   max_seqlen_k, causal, window_left, window_right, softcap,
                                   alibi, dropout_p)
         config = config_from_text(config_str) if config_str is not None else None
-        route = _ROUTES[key] = _choose(problem, q, causal, True, True, config, impl)
+        route = remember(_ROUTES, key, _choose(problem, q, causal, True, True, config, impl))
     spec, fcfg, bwd, bcfg = route
     assert bwd is not None and bcfg is not None
     return spec, fcfg, bwd, bcfg

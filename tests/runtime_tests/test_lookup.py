@@ -591,3 +591,78 @@ def test_no_template_default_warning_for_a_template_without_knobs(env, caplog):
         lookup_mod.Dispatcher(get_template("attn_bwd_gluon")).choose(problem, h100)
     warned = [r.getMessage() for r in caplog.records if "no tuned" in r.getMessage()]
     assert len(warned) == 1 and "attn_bwd_gluon" in warned[0], warned
+
+
+def _nearest_by_scan(entries, problem, same_bucket, usable, across_groups):
+    """pick_nearest as it was written before its index: every entry measured, in order."""
+    import math
+
+    best, pick = None, None
+    for i, e in enumerate(entries):
+        if same_bucket and e.problem.bucket() != problem.bucket():
+            continue
+        dist = problem.distance(e.problem, across_groups=across_groups)
+        if not math.isfinite(dist) or not usable(e):
+            continue
+        rank = (dist, e.median_ms / max(e.problem.flops(), 1.0), i)
+        if best is None or rank < best:
+            best, pick = rank, e
+    return pick
+
+
+def test_the_indexed_nearest_lookup_picks_what_a_scan_of_every_entry_picks():
+    """:class:`lookup.Nearest` ranks only the entries that can be near a problem (its
+    bucket, or its dtype, head dim and mask) and asks ``usable`` nearest first: over mixed
+    tables, with ties and refusals, it picks the entry a scan of every entry picks."""
+    import random
+
+    from flashtune.runtime.sources import TunedEntry
+
+    rng = random.Random(0)
+
+    def shape():
+        hkv = rng.choice([1, 2, 8])
+        n = rng.choice([1, 128, 500, 1024, 2049, 4096])
+        return AttentionProblem(rng.choice([1, 2, 8]), hkv * rng.choice([1, 4]), hkv,
+                                n, rng.choice([n, 2 * n]), rng.choice([64, 128]),
+                                rng.random() < 0.5, rng.choice(["fp16", "bf16"]))
+
+    entries = [TunedEntry(("d",), shape(), {"i": i}, rng.choice([1.0, 2.0, 3.0]), 1.0, "")
+               for i in range(300)]
+    index = lookup_mod.Nearest(entries)
+    assert list(index) == entries and len(index) == 300 and index[7] is entries[7]
+    refused = {id(e) for e in entries if rng.random() < 0.3}
+
+    def usable(e):
+        return id(e) not in refused
+
+    picked = 0
+    for _ in range(200):
+        problem = shape()
+        for same_bucket in (True, False):
+            for across in (True, False):
+                want = _nearest_by_scan(entries, problem, same_bucket, usable, across)
+                got = lookup_mod.pick_nearest(index, problem, same_bucket, usable,
+                                              across_groups=across)
+                assert got is want, (problem, same_bucket, across)
+                assert lookup_mod.pick_nearest(entries, problem, same_bucket, usable,
+                                               across_groups=across) is want
+                picked += want is not None
+    assert picked > 100  # the tables do serve most problems
+
+
+def test_per_call_memos_are_bounded():
+    """A decode loop over a dynamic cache meets a new key length every step: the route, the
+    plan and the choice memos start again at :data:`lookup.MEMO_LIMIT` entries instead of
+    growing for the life of the process, and answer as before."""
+    memo: dict[int, int] = {}
+    for i in range(10):
+        assert lookup_mod.remember(memo, i, i * i, limit=4) == i * i
+        assert len(memo) <= 4 and memo[i] == i * i
+    dispatcher = lookup_mod.Dispatcher(SPEC)
+    first = dispatcher.choose(AttentionProblem(1, 2, 2, 1, 64, 32, True, "fp16"), HERE)
+    for n in range(65, 65 + lookup_mod.MEMO_LIMIT + 10):
+        dispatcher.peek(AttentionProblem(1, 2, 2, 1, n, 32, True, "fp16"), HERE)
+    assert len(dispatcher._memo) <= lookup_mod.MEMO_LIMIT
+    assert dispatcher.choose(AttentionProblem(1, 2, 2, 1, 64, 32, True, "fp16"),
+                             HERE) == first
