@@ -23,7 +23,9 @@ device:
 
 Ties are broken by the faster measured config. Entries are loaded lazily, once per process
 and device, from :mod:`flashtune.runtime.sources`; :meth:`Dispatcher.reload` drops them.
-Choices are memoised per (device, problem): after the first call a lookup is one dict read.
+Choices are memoised per (device, problem): after the first call a lookup is one dict read
+(up to :data:`MEMO_LIMIT` problems, then the memo starts again). A problem not seen before
+is ranked against its bucket's or its head dim's entries only (:class:`Nearest`).
 Thread-safe: loading and memoising happen under a lock; reads of the memo need none.
 """
 
