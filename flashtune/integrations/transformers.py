@@ -59,7 +59,8 @@ def flashtune_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
     Arguments:
         module: the attention layer (its ``training`` and ``is_causal`` are read).
         query: ``(B, Hq, Lq, D)``.
-        key, value: ``(B, Hkv, Lk, D)`` (the KV cache already updated).
+        key, value: ``(B, Hkv, Lk, D)`` (the KV cache already updated); value's head dim
+            may be narrower (MLA), then zero-padded to ``D`` and the output cropped to it.
         attention_mask: None, or the 2-D padding mask ``(B, Lk)`` (True: a real token)
             from transformers' flash-attention mask builder (shorter than ``Lk`` with a
             static cache, whose slots past it are empty: K/V are sliced to it, as
@@ -74,12 +75,31 @@ def flashtune_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
             with ``max_length_q``/``max_length_k`` (a collator's packed batch);
             ``position_bias`` and ``s_aux`` (attention sinks) are refused.
     Returns:
-        ``(out, None)``: ``out`` of shape ``(B, Lq, Hq, D)``, no attention weights.
+        ``(out, None)``: ``out`` of shape ``(B, Lq, Hq, Dv)`` (value's head dim), no
+        attention weights.
     Raises:
         ValueError for ``position_bias`` or ``s_aux``, or a ``softcap`` with a head dim over 256 (the
         message names the implementation to use instead).
     """
     _refuse_unsupported(kwargs)
+    head_dim, v_head_dim = query.shape[-1], value.shape[-1]
+    if v_head_dim < head_dim:
+        # a value head narrower than the query's (MLA: DeepSeek-V2/V3): padded with zeros
+        # to the query's, the output's extra columns (zeros) cropped, as transformers' FA2
+        # path does
+        value = torch.nn.functional.pad(value, (0, head_dim - v_head_dim))
+        out, _ = _forward(module, query, key, value, attention_mask, dropout, scaling,
+                          is_causal, **kwargs)
+        return out[..., :v_head_dim], None
+    return _forward(module, query, key, value, attention_mask, dropout, scaling, is_causal,
+                    **kwargs)
+
+
+def _forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+             value: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float,
+             scaling: float | None, is_causal: bool | None, **kwargs: Any
+             ) -> tuple[torch.Tensor, None]:
+    """:func:`flashtune_attention_forward` with value's head dim the query's."""
     lq, lk = query.shape[2], key.shape[2]
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     causal = bool(causal and lq > 1)  # one row against the cache sees every cached key

@@ -286,3 +286,40 @@ def test_a_score_term_flashtune_does_not_add_is_refused_not_dropped(term):
         flashtune_attention_forward(layer, q, k, v, None, **extra)
     with pytest.raises(ValueError, match=f"does not support `{term}`"):
         sdpa_arguments(layer, q, k, v, None, **extra)
+
+
+def test_mla_a_value_head_narrower_than_the_querys_runs_padded():
+    """DeepSeek-V3's MLA: the query and key heads (24 here) are wider than the value's (16).
+    The value is zero-padded to the query's head dim and the output cropped, as
+    transformers' FA2 path does, so the padded prefill and a later chunk against the cache
+    run on flashtune's kernels (a chunk was refused: k and v of different shapes)."""
+    from transformers import DeepseekV3Config, DynamicCache
+
+    config = DeepseekV3Config(vocab_size=128, hidden_size=64, intermediate_size=64,
+                              moe_intermediate_size=32, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=4, n_routed_experts=2,
+                              num_experts_per_tok=1, n_group=1, topk_group=1, kv_lora_rank=16,
+                              q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16,
+                              v_head_dim=16, first_k_dense_replace=1,
+                              max_position_embeddings=128, pad_token_id=0)
+    torch.manual_seed(0)
+    ours = AutoModelForCausalLM.from_config(copy.deepcopy(config),
+                                            attn_implementation="flashtune", dtype=DTYPE)
+    eager = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="eager",
+                                             dtype=DTYPE)
+    eager.load_state_dict(ours.state_dict())
+    ours, eager = ours.to(DEVICE).eval(), eager.to(DEVICE).eval()
+    ids = torch.randint(1, 128, (2, 40), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    got = []
+    for model in (ours, eager):
+        past = DynamicCache(config=config)
+        with torch.no_grad():
+            padded = model(ids[:, :21], attention_mask=mask[:, :21], past_key_values=past,
+                           use_cache=True).logits.float()
+            chunk = model(ids[:, 21:], attention_mask=mask, past_key_values=past,
+                          use_cache=True).logits.float()
+        got.append((padded[mask[:, :21].bool()], chunk))
+    for a, b in zip(*got, strict=True):
+        assert (a - b).abs().max().item() < 2e-2 * b.abs().max().item()
