@@ -15,7 +15,15 @@ of ``calls`` calls each of:
   and ``sdpa_flash`` / ``sdpa_cudnn`` with the backend forced (the ``sdpa_kernel`` context
   entered once, outside the loop).
 
-Each is checked against ``sdpa`` once before it is timed. Reported per shape: microseconds
+* ``attention_new_shape`` and ``sdpa_new_shape``: the same calls without a mask and with
+  one more key each time, as a decode step over a dynamic cache meets (K and V views of a
+  longer buffer):
+  every ``attention`` call is a signature not seen before, so it pays the route and the
+  plan of a first call; each round runs a tenth of ``calls`` of them (the keys grow by that
+  many a round).
+
+Each is checked against ``sdpa`` once before it is timed (the growing ones against SDPA
+without the mask at the same length). Reported per shape: microseconds
 per call (wall and this thread's CPU time), ``attention`` over ``sdpa`` (issue 25's target: at
 most 1.0) and ``attention - routed`` (flashtune's own dispatch cost), from the round medians;
 and ``attention`` over ``sdpa`` from each one's fastest round (``best_us_per_call``): a
@@ -95,7 +103,32 @@ def _backend(name: str) -> Iterator[None]:
         yield
 
 
-def _contenders(s: DispatchShape, device: str) -> tuple[dict[str, Callable[[], Any]],
+class _Growing:
+    """``call(q, k, v)`` with one more key than the last call each time: the views
+    ``k[:, :, :n]`` of a buffer holding ``extra`` keys past the shape's."""
+
+    def __init__(self, call: Callable[..., Any], q: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor, extra: int, gen: torch.Generator) -> None:
+        more = (k.shape[0], k.shape[1], extra, k.shape[3])
+        self.q, self.call, self.n = q, call, k.shape[2]
+        self.k, self.v = (torch.cat([t, torch.randn(more, device=t.device, dtype=t.dtype,
+                                                    generator=gen)], dim=2) for t in (k, v))
+
+    def __call__(self) -> Any:
+        self.n += 1
+        return self.call(self.q, self.k[:, :, :self.n], self.v[:, :, :self.n])
+
+    def reference(self, sdpa: Callable[..., torch.Tensor]) -> torch.Tensor:
+        """``sdpa`` at the length of the last call."""
+        return sdpa(self.q, self.k[:, :, :self.n], self.v[:, :, :self.n])
+
+
+def _growing_calls(calls: int) -> int:
+    """How many calls a round of a growing contender makes."""
+    return max(1, calls // 10)
+
+
+def _contenders(s: DispatchShape, device: str, calls: int = 2000, rounds: int = 5) -> tuple[dict[str, Callable[[], Any]],
                                                          dict[str, Any]]:
     from flashtune.core.device import current_device
     from flashtune.core.problem import AttentionProblem
@@ -129,20 +162,33 @@ def _contenders(s: DispatchShape, device: str) -> tuple[dict[str, Callable[[], A
         kernel[grid](*args, **kwargs)
         return out
 
-    def sdpa() -> torch.Tensor:
+    def sdpa_of(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=s.causal,
                                                                 enable_gqa=gqa)
 
+    def sdpa() -> torch.Tensor:
+        return sdpa_of(q, k, v)
+
+    def plain_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+
+    # every call of every round and check a new length (two checks, three warm-up calls)
+    extra = _growing_calls(calls) * rounds + 8
     fns: dict[str, Callable[[], Any]] = {
         "attention": lambda: attention(q, k, v, causal=s.causal),
         "routed": lambda: routed.launcher(q, k, v, cfg, causal=s.causal),
         "triton": triton_launch,
         "sdpa": sdpa,
+        # without the mask: torch's is_causal is aligned top-left, flashtune's bottom-right,
+        # and they differ once the keys outnumber the queries
+        "attention_new_shape": _Growing(lambda q, k, v: attention(q, k, v), q, k, v, extra,
+                                        gen),
+        "sdpa_new_shape": _Growing(plain_sdpa, q, k, v, extra, gen),
     }
     if device == "cuda":
         fns["sdpa_flash"] = fns["sdpa_cudnn"] = sdpa
     return fns, {"route": f"{choice.template} ({choice.source})", "config": cfg,
-                 "triton_config": dict(tcfg)}
+                 "triton_config": dict(tcfg), "reference": plain_sdpa}
 
 
 def bench_dispatch(shapes: Sequence[DispatchShape] = DEFAULT_SHAPES, *, calls: int = 2000,
@@ -166,7 +212,8 @@ def bench_dispatch(shapes: Sequence[DispatchShape] = DEFAULT_SHAPES, *, calls: i
     cuda = device == "cuda"
     rows = []
     for s in shapes:
-        fns, meta = _contenders(s, device)
+        fns, meta = _contenders(s, device, calls, rounds)
+        plain_sdpa = meta.pop("reference")
         errors: dict[str, str] = {}
         ref = fns["sdpa"]().float()
         for name, fn in fns.items():
@@ -175,7 +222,8 @@ def bench_dispatch(shapes: Sequence[DispatchShape] = DEFAULT_SHAPES, *, calls: i
                     for _ in range(3 if cuda else 1):  # compile, route, warm the caches
                         got = fn()
                 got = got[0] if isinstance(got, tuple) else got
-                err = float((got.float() - ref).norm() / ref.norm())
+                want = fn.reference(plain_sdpa).float() if isinstance(fn, _Growing) else ref
+                err = float((got.float() - want).norm() / want.norm())
                 if not err < 2e-2:
                     errors[name] = f"relative error {err:.2e} vs sdpa"
             except Exception as exc:  # a backend that cannot take the shape: data
@@ -185,8 +233,9 @@ def bench_dispatch(shapes: Sequence[DispatchShape] = DEFAULT_SHAPES, *, calls: i
         cpu: dict[str, list[float]] = {n: [] for n in timed}
         for _ in range(rounds):
             for name in timed:
+                n = _growing_calls(calls) if isinstance(fns[name], _Growing) else calls
                 with _backend(name):
-                    w, c = _per_call_us(fns[name], calls, cuda)
+                    w, c = _per_call_us(fns[name], n, cuda)
                 wall[name].append(w)
                 cpu[name].append(c)
         med = {n: statistics.median(xs) for n, xs in wall.items()}
@@ -202,6 +251,8 @@ def bench_dispatch(shapes: Sequence[DispatchShape] = DEFAULT_SHAPES, *, calls: i
             row["attention_over_sdpa_best"] = best["attention"] / best["sdpa"]
         if "attention" in med and "routed" in med:
             row["dispatch_us"] = med["attention"] - med["routed"]
+        if "attention_new_shape" in med and "sdpa_new_shape" in med:
+            row["new_shape_over_sdpa"] = med["attention_new_shape"] / med["sdpa_new_shape"]
         rows.append(row)
     ratios = [r["attention_over_sdpa"] for r in rows if "attention_over_sdpa" in r]
     return {"benchmark": "dispatch", "device": torch.cuda.get_device_name() if cuda
@@ -213,10 +264,12 @@ def bench_dispatch(shapes: Sequence[DispatchShape] = DEFAULT_SHAPES, *, calls: i
 
 def render_dispatch(result: dict[str, Any]) -> str:
     """The closing table: us per call of each contender, attention over sdpa, dispatch."""
-    names = ["attention", "routed", "triton", "sdpa", "sdpa_flash", "sdpa_cudnn"]
+    names = ["attention", "routed", "triton", "sdpa", "sdpa_flash", "sdpa_cudnn",
+             "attention_new_shape", "sdpa_new_shape"]
     names = [n for n in names if any(n in r["us_per_call"] or n in r["errors"]
                                      for r in result["rows"])]
-    header = ["shape", "route", *names, "attention / sdpa", "(fastest rounds)", "dispatch us"]
+    header = ["shape", "route", *names, "attention / sdpa", "(fastest rounds)", "dispatch us",
+              "new shape / sdpa"]
     body = []
     for r in result["rows"]:
         m = r["us_per_call"]
@@ -225,7 +278,9 @@ def render_dispatch(result: dict[str, Any]) -> str:
                      f"{r['attention_over_sdpa']:.2f}x" if "attention_over_sdpa" in r else "-",
                      f"{r['attention_over_sdpa_best']:.2f}x"
                      if "attention_over_sdpa_best" in r else "-",
-                     f"{r['dispatch_us']:+.1f}" if "dispatch_us" in r else "-"])
+                     f"{r['dispatch_us']:+.1f}" if "dispatch_us" in r else "-",
+                     f"{r['new_shape_over_sdpa']:.2f}x" if "new_shape_over_sdpa" in r
+                     else "-"])
     widths = [max(len(str(x)) for x in col) for col in zip(header, *body)]
     lines = [f"host us per call ({result['device']}, median of {result['rounds']} rounds of "
              f"{result['calls']} calls)"]

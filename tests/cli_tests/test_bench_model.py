@@ -92,12 +92,16 @@ def test_bench_dispatch_interpret_checks_and_times_every_contender(tmp_path):
     result = json.loads(out.read_text())
     (row,) = result["rows"]
     assert row["label"] == "B1 H2/1 N16 D16 causal" and row["errors"] == {}
-    assert set(row["us_per_call"]) == {"attention", "routed", "triton", "sdpa"}
+    assert set(row["us_per_call"]) == {"attention", "routed", "triton", "sdpa",
+                                       "attention_new_shape", "sdpa_new_shape"}
+    assert row["new_shape_over_sdpa"] == pytest.approx(  # a new key length every call
+        row["us_per_call"]["attention_new_shape"] / row["us_per_call"]["sdpa_new_shape"])
     assert row["attention_over_sdpa"] == pytest.approx(
         row["us_per_call"]["attention"] / row["us_per_call"]["sdpa"])
     assert row["attention_over_sdpa_best"] == pytest.approx(  # the fastest rounds'
         min(row["samples_us"]["attention"]) / min(row["samples_us"]["sdpa"]))
     assert row["route"].startswith("attn_fwd (") and "dispatch us" in res.output
+    assert "new shape / sdpa" in res.output
 
 
 @pytest.mark.parametrize("args,message", [
