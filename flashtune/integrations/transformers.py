@@ -57,7 +57,9 @@ def flashtune_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
     """The attention function transformers calls for ``attn_implementation="flashtune"``.
 
     Arguments:
-        module: the attention layer (its ``training`` and ``is_causal`` are read).
+        module: the attention layer (its ``training`` and ``is_causal`` are read; for
+            float32 inputs, as under autocast, the half dtype to run in: see
+            :func:`_half_dtype`).
         query: ``(B, Hq, Lq, D)``.
         key, value: ``(B, Hkv, Lk, D)`` (the KV cache already updated); value's head dim
             may be narrower (MLA), then zero-padded to ``D`` and the output cropped to it.
@@ -82,6 +84,9 @@ def flashtune_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
         message names the implementation to use instead).
     """
     _refuse_unsupported(kwargs)
+    target = _half_dtype(query, module)
+    if target is not None:
+        query, key, value = query.to(target), key.to(target), value.to(target)
     head_dim, v_head_dim = query.shape[-1], value.shape[-1]
     if v_head_dim < head_dim:
         # a value head narrower than the query's (MLA: DeepSeek-V2/V3): padded with zeros
@@ -154,6 +159,26 @@ def _forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                         softcap=softcap, dropout_p=dropout_p)
         return out.transpose(1, 2).contiguous(), None
     return _padded(query, key, value, mask, options), None
+
+
+def _half_dtype(query: torch.Tensor, module: torch.nn.Module) -> torch.dtype | None:
+    """The half dtype float32 inputs run in, as transformers' FA2 path casts them: under
+    autocast the rotary embedding's float32 cos/sin turn the query and key float32 again
+    (mixed-precision training), so they go back to autocast's dtype; else a quantized
+    model's dtype, else that of the layer's first linear weight. None where the inputs are
+    not float32 or the answer is not a half dtype (a float32 model: flashtune's checks
+    refuse it on the paths that reach its kernels)."""
+    if query.dtype != torch.float32:
+        return None
+    device_type = query.device.type
+    if torch.is_autocast_enabled(device_type):
+        target: torch.dtype | None = torch.get_autocast_dtype(device_type)
+    elif hasattr(getattr(module, "config", None), "_is_quantized"):
+        target = module.config.dtype  # type: ignore[union-attr]
+    else:
+        target = next((m.weight.dtype for m in module.modules()
+                       if isinstance(m, torch.nn.Linear)), None)
+    return target if target in (torch.float16, torch.bfloat16) else None
 
 
 def _refuse_unsupported(kwargs: dict[str, Any]) -> None:

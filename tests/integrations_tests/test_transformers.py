@@ -323,3 +323,38 @@ def test_mla_a_value_head_narrower_than_the_querys_runs_padded():
         got.append((padded[mask[:, :21].bool()], chunk))
     for a, b in zip(*got, strict=True):
         assert (a - b).abs().max().item() < 2e-2 * b.abs().max().item()
+
+
+@pytest.mark.parametrize("padding", [None, "left", "right"])
+def test_mixed_precision_training_under_autocast_runs_flashtune(kernel_calls, varlen_calls,
+                                                               padding):
+    """float32 weights under autocast: the rotary embedding's float32 cos/sin hand the
+    attention float32 queries and keys. They run in autocast's dtype, as transformers' FA2
+    path casts them (a padded batch was refused: q must be float16 or bfloat16; one without
+    padding ran torch's float32 SDPA); the gradients match eager's under the same autocast,
+    the loss taken on the tokens a padded row predicts from real ones."""
+    torch.manual_seed(0)
+    ours = AutoModelForCausalLM.from_config(copy.deepcopy(_config()),
+                                            attn_implementation="flashtune",
+                                            dtype=torch.float32).to(DEVICE)
+    eager = AutoModelForCausalLM.from_config(copy.deepcopy(_config()),
+                                             attn_implementation="eager",
+                                             dtype=torch.float32).to(DEVICE)
+    eager.load_state_dict(ours.state_dict())
+    ids = torch.randint(1, 128, (2, 23), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    mask, labels = None, ids.clone()
+    if padding is not None:
+        mask = torch.ones_like(ids)
+        pad = slice(None, 5) if padding == "left" else slice(-5, None)
+        mask[1, pad] = 0
+        labels[mask == 0] = -100
+        labels[1, 5] = -100 if padding == "left" else labels[1, 5]  # predicted from padding
+    grads = []
+    for model in (ours, eager):
+        model.train()
+        with torch.autocast(DEVICE, dtype=DTYPE):
+            model(ids, attention_mask=mask, labels=labels).loss.backward()
+        grads.append(model.model.layers[0].self_attn.q_proj.weight.grad)
+    assert ((grads[0] - grads[1]).norm() / grads[1].norm()).item() < 1e-2
+    # one call per layer on flashtune's kernels: unpadded, or through the SDPA drop-in
+    assert (len(kernel_calls), len(varlen_calls)) == ((2, 0) if padding is None else (0, 2))
