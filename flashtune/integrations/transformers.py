@@ -174,7 +174,7 @@ def _half_dtype(query: torch.Tensor, module: torch.nn.Module) -> torch.dtype | N
     if torch.is_autocast_enabled(device_type):
         target: torch.dtype | None = torch.get_autocast_dtype(device_type)
     elif hasattr(getattr(module, "config", None), "_is_quantized"):
-        target = module.config.dtype  # type: ignore[union-attr]
+        target = getattr(module.config, "dtype", None)
     else:
         target = next((m.weight.dtype for m in module.modules()
                        if isinstance(m, torch.nn.Linear)), None)
