@@ -172,3 +172,26 @@ def test_the_fast_acceptance_never_serves_what_fallback_reason_refuses():
 def test_the_fast_acceptance_leaves_cpu_calls_to_fallback_reason():
     q, k = _t(1, 2, 9, 32).cpu(), _t(1, 2, 9, 32).cpu()
     assert not sdpa_mod._served(q, k, k, None, 0.0, False, None, False)
+
+
+def test_float32_inputs_under_autocast_run_on_flashtune_in_its_dtype(monkeypatch):
+    """torch's SDPA is an autocast op of lower precision: under autocast float32 inputs (a
+    rotary embedding in float32 makes them) run in autocast's dtype. The drop-in does the
+    same on flashtune's kernels, output dtype and values as torch's; outside autocast
+    float32 still goes to torch."""
+    calls = []
+    real = sdpa_mod.attention
+    monkeypatch.setattr(sdpa_mod, "attention",
+                        lambda *a, **kw: calls.append(a[0].dtype) or real(*a, **kw))
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 9, 16, generator=g) for _ in range(3))
+    half = torch.float16 if DEVICE == "cpu" else torch.bfloat16
+    q, k, v = (t.to(DEVICE) for t in (q, k, v))
+    with torch.autocast(DEVICE, dtype=half):
+        got = flashtune.scaled_dot_product_attention(q, k, v, is_causal=True)
+        want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        assert "torch SDPA" not in sdpa_mod.describe_route(q, k, v, is_causal=True)
+    assert got.dtype == want.dtype == half and calls == [half]
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-3, rtol=2e-3)
+    flashtune.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert calls == [half]  # float32 outside autocast: torch's
