@@ -249,7 +249,7 @@ _RUN_MEMO: dict[str, tuple[torch.Tensor, int, bool]] = {}
 
 
 def flashtune_attention_mask(batch_size: int, q_length: int, kv_length: int,
-                             q_offset: int = 0, kv_offset: int = 0,
+                             q_offset: Any = None, kv_offset: int = 0,
                              mask_function: Any = None,
                              attention_mask: torch.Tensor | None = None,
                              **kwargs: Any) -> torch.Tensor | None:
@@ -270,7 +270,8 @@ def flashtune_attention_mask(batch_size: int, q_length: int, kv_length: int,
         None (plain causal) or a boolean 2-D padding mask; for a generation step over a
         static cache ``(B, kv_length)``.
     """
-    if attention_mask is None:
+    if attention_mask is None and q_offset is not None:  # (a caller that gives no
+        # offset gets no mask made up: its cache's keys are taken as tokens, as FA2's)
         attention_mask = _cache_tokens(batch_size, q_length, kv_length, q_offset,
                                        kwargs.get("device"))
     if attention_mask is not None and q_length <= STEP_ROWS:
@@ -281,7 +282,7 @@ def flashtune_attention_mask(batch_size: int, q_length: int, kv_length: int,
                                              torch.cuda.is_current_stream_capturing()):
             return mask
     built: torch.Tensor | None = flash_attention_mask(
-        batch_size, q_length, kv_length, q_offset, kv_offset,
+        batch_size, q_length, kv_length, 0 if q_offset is None else q_offset, kv_offset,
         **({} if mask_function is None else {"mask_function": mask_function}),
         attention_mask=attention_mask, **kwargs)
     return built

@@ -241,6 +241,7 @@ def test_the_mask_builder_gives_a_cache_without_a_mask_its_tokens():
     from flashtune.integrations.transformers import flashtune_attention_mask
 
     assert flashtune_attention_mask(2, 40, 40) is None
+    assert flashtune_attention_mask(2, 1, 64) is None  # no offset given: none made up
     assert flashtune_attention_mask(2, 17, 38, q_offset=21) is None
     chunk = flashtune_attention_mask(2, 17, 64, q_offset=torch.tensor(21))
     assert chunk.shape == (2, 38) and chunk.dtype == torch.bool and chunk.all()
