@@ -80,8 +80,8 @@ def flashtune_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
         ``(out, None)``: ``out`` of shape ``(B, Lq, Hq, Dv)`` (value's head dim), no
         attention weights.
     Raises:
-        ValueError for ``position_bias`` or ``s_aux``, or a ``softcap`` with a head dim over 256 (the
-        message names the implementation to use instead).
+        ValueError for ``position_bias`` or ``s_aux``, or a ``softcap`` with a head dim
+        over 256 (the message names the implementation to use instead).
     """
     _refuse_unsupported(kwargs)
     target = _half_dtype(query, module)
