@@ -43,6 +43,26 @@ def _plainly_fine(q: Any, k: Any, v: Any, scale: Any) -> bool:
     return scale is None or (type(scale) is float and math.isfinite(scale))
 
 
+def autocast_inputs(q: Any, k: Any, v: Any) -> tuple[Any, Any, Any]:
+    """``q, k, v`` as an autocast op of lower precision runs them (torch's SDPA is one):
+    under autocast on their device, a float32 tensor in autocast's dtype (a rotary
+    embedding in float32 hands attention float32 queries and keys); else as they are. The
+    callers look at ``q``'s dtype first, so other calls pay one attribute read.
+
+    Arguments:
+        q, k, v: the call's tensors (anything else is handed back for the checks).
+    Returns:
+        ``(q, k, v)``, cast or not.
+    """
+    if not isinstance(q, torch.Tensor) or q.dtype is not torch.float32 \
+            or not torch.is_autocast_enabled(q.device.type):
+        return q, k, v
+    dtype = torch.get_autocast_dtype(q.device.type)
+    cast = [t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype is torch.float32 else t
+            for t in (q, k, v)]
+    return cast[0], cast[1], cast[2]
+
+
 def check_attention_inputs(q: Any, k: Any, v: Any, scale: Any) -> None:
     """Raise a clear ``InputError``/``InputTypeError``/``DeviceError`` for bad inputs."""
     if _plainly_fine(q, k, v, scale):

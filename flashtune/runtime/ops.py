@@ -26,7 +26,7 @@ from flashtune.core.space import config_text
 from flashtune.kernel_templates import get_template
 from flashtune.runtime import scored as _scored_module
 from flashtune.runtime.autograd import _train
-from flashtune.runtime.checks import check_attention_inputs
+from flashtune.runtime.checks import autocast_inputs, check_attention_inputs
 from flashtune.runtime.lookup import ConfigChoice
 from flashtune.runtime.routing import (
     _DISPATCH,
@@ -40,6 +40,7 @@ from flashtune.runtime.routing import (
 
 __all__ = ["attention", "attention_varlen", "lookup_config", "reload_configs", "warmup"]
 
+_F32 = torch.float32
 # eager outside torch.compile's tracing; a compiled attention() with score modifications
 # or a compiled attention_varlen() takes a custom op instead (no graph break)
 _varlen_eager = torch.compiler.disable(  # type: ignore[no-untyped-call]
@@ -50,6 +51,8 @@ _varlen_eager = torch.compiler.disable(  # type: ignore[no-untyped-call]
 def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                      max_seqlen_q: int, max_seqlen_k: int, **options: Any) -> Any:
+    if getattr(q, "dtype", None) is _F32:  # under autocast: its dtype, as torch's SDPA
+        q, k, v = autocast_inputs(q, k, v)
     if torch.compiler.is_compiling():
         return _scored_module.varlen_compiled(q, k, v, cu_seqlens_q, cu_seqlens_k,
                                               max_seqlen_q, max_seqlen_k, **options)
@@ -109,7 +112,8 @@ def attention(
         k: ``(batch, heads_kv, seqlen_k, head_dim)``; ``heads_q`` a multiple of ``heads_kv``
             (GQA/MQA without copying K/V).
         v: same shape as ``k``.
-            All three: float16 or bfloat16, one dtype, one CUDA device (or CPU under
+            All three: float16 or bfloat16 (float32 under autocast runs in autocast's
+            dtype, as torch's SDPA runs it), one dtype, one CUDA device (or CPU under
             ``TRITON_INTERPRET=1``), any strides with a contiguous last dimension, so
             ``(batch, seqlen, heads, head_dim)`` storage viewed with ``.transpose(1, 2)``
             runs without a copy. Any head_dim from 1 to 256 (FlashAttention-2's range;
@@ -159,6 +163,8 @@ def attention(
         batch) or a ``dropout_p`` outside ``[0, 1)``, ConfigError (``ValueError``) for a config outside the space, DeviceError
         for CPU tensors without the interpreter. All before any launch.
     """
+    if getattr(q, "dtype", None) is _F32:  # under autocast: its dtype, as torch's SDPA
+        q, k, v = autocast_inputs(q, k, v)
     if (window is not None or softcap is not None or alibi_slopes is not None
             or dropout_p) and has_mods(causal, window, softcap, alibi_slopes, dropout_p):
         if torch.compiler.is_compiling():  # the custom op: no graph break
@@ -274,6 +280,8 @@ def lookup_config(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         :func:`attention` would refuse, DeviceError for CPU tensors without the
         interpreter.
     """
+    if getattr(q, "dtype", None) is _F32:  # under autocast: its dtype, as attention runs it
+        q, k, v = autocast_inputs(q, k, v)
     if (window is not None or softcap is not None or alibi_slopes is not None
             or dropout_p) and has_mods(causal, window, softcap, alibi_slopes, dropout_p):
         return _copy(_scored_module.lookup_scored(

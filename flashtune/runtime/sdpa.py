@@ -50,7 +50,7 @@ import torch
 
 from flashtune.core.device import interpreting
 from flashtune.core.problem import MAX_HEAD_DIM, AttentionProblem, dtype_name
-from flashtune.runtime.checks import MAX_GRID_YZ, SUPPORTED_DTYPES, grid_problem
+from flashtune.runtime.checks import MAX_GRID_YZ, SUPPORTED_DTYPES, autocast_inputs, grid_problem
 from flashtune.runtime.ops import attention, lookup_config
 from flashtune.runtime.scored import lookup_varlen
 from flashtune.runtime.sdpa_masks import KeyPadding, Window, mask_verdict
@@ -232,7 +232,7 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
         reason is logged at DEBUG level); flashtune's own checks pass for the calls it
         runs, so it raises nothing of its own.
     """
-    query, key, value = _autocast(query, key, value)
+    query, key, value = autocast_inputs(query, key, value)
     found = None if _served(query, key, value, attn_mask, dropout_p, is_causal, scale,
                             enable_gqa) \
         else _decide(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
@@ -251,19 +251,6 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     key, value = _top_left(query, key, value, is_causal)
     return attention(query, key, value, causal=bool(is_causal),
                      scale=None if scale is None else float(scale), dropout_p=drop)
-
-
-def _autocast(query: Any, key: Any, value: Any) -> tuple[Any, Any, Any]:
-    """The inputs as torch's SDPA runs them: under autocast (an autocast op of lower
-    precision) a float32 one in autocast's dtype, so float32 queries, as a rotary embedding
-    in float32 makes them, still run on flashtune; else as they are."""
-    if type(query) is not _Tensor or query.dtype is not torch.float32 \
-            or not torch.is_autocast_enabled(query.device.type):
-        return query, key, value
-    dtype = torch.get_autocast_dtype(query.device.type)
-    q, k, v = (t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype is torch.float32 else t
-               for t in (query, key, value))
-    return q, k, v
 
 
 def _top_left(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -295,7 +282,7 @@ def describe_route(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     Raises:
         What :func:`flashtune.lookup_config` raises for a call it would refuse.
     """
-    query, key, value = _autocast(query, key, value)
+    query, key, value = autocast_inputs(query, key, value)
     found = None if _served(query, key, value, attn_mask, dropout_p, is_causal, scale,
                             enable_gqa) \
         else _decide(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)

@@ -210,3 +210,34 @@ def test_a_compiled_step_hands_its_backward_only_the_gradients_the_loss_uses(mon
         torch.testing.assert_close(compiled, eager)
     assert len(seen) == 1  # the compiled backward (eager runs PairFn)
     assert (seen[0] is None) == (uses == "out")
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_float32_inputs_under_autocast_run_in_its_dtype_as_torch_sdpa(varlen):
+    """Under autocast torch's SDPA runs float32 inputs in autocast's dtype (a rotary
+    embedding in float32 hands attention float32 queries): flashtune.attention and
+    attention_varlen do the same, with gradients back to the float32 leaves; outside
+    autocast float32 is still refused, naming q."""
+    half = torch.float16 if DEVICE == "cpu" else torch.bfloat16
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 21, 16, generator=g).to(DEVICE) for _ in range(3))
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+
+    def call(q, k, v):
+        if not varlen:
+            return flashtune.attention(q, k, v, causal=True)
+        cu = torch.tensor([0, 21], dtype=torch.int32, device=DEVICE)
+        out = flashtune.attention_varlen(q[0].transpose(0, 1), k[0].transpose(0, 1),
+                                         v[0].transpose(0, 1), cu, cu, 21, 21, causal=True)
+        return out.transpose(0, 1)[None]
+
+    with torch.autocast(DEVICE, dtype=half):
+        got = call(*leaves)
+        choice = flashtune.lookup_config(q, k, v, causal=True)
+    want = call(*(t.to(half) for t in (q, k, v)))
+    assert got.dtype == half and choice.template
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    got.float().sum().backward()
+    assert all(t.grad is not None and t.grad.dtype == torch.float32 for t in leaves)
+    with pytest.raises(InputTypeError, match="q must be float16 or bfloat16"):
+        call(q, k, v)
