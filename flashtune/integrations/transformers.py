@@ -158,7 +158,10 @@ def _forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
         out = attention(query, key, value, causal=causal, scale=scaling, window=window,
                         softcap=softcap, dropout_p=dropout_p)
         return out.transpose(1, 2).contiguous(), None
-    return _padded(query, key, value, mask, options), None
+    # a causal call's queries are the mask's last Lq tokens (FA2's reading); a non-causal
+    # one's only in self-attention: cross-attention's queries are another sequence's
+    rows = causal or (lq == lk and not _cross_attention(module))
+    return _padded(query, key, value, mask, options, rows), None
 
 
 def _half_dtype(query: torch.Tensor, module: torch.nn.Module) -> torch.dtype | None:
@@ -347,20 +350,36 @@ _PACKED_MEMO: dict[str, tuple[torch.Tensor, int, tuple[torch.Tensor, int] | None
 
 
 def _padded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-            mask: torch.Tensor, options: dict[str, Any]) -> torch.Tensor:
+            mask: torch.Tensor, options: dict[str, Any], rows: bool = True) -> torch.Tensor:
     """A padded batch (``mask`` ``(B, Lk)``, True: a real token) as transformers' flash
-    path runs it: the real tokens packed, the packed kernel, then put back (padded query
-    rows are zeros). Queries are the last ``Lq`` positions of the mask."""
+    path runs it: the real tokens packed, the packed kernel, then put back. With ``rows``
+    the queries are the last ``Lq`` positions of the mask, and padded query rows are zeros;
+    without (cross-attention: the mask is the keys' only), every query row attends to its
+    sequence's real keys, as eager attention runs it."""
     b, hq, lq, d = query.shape
     lk = key.shape[2]
     idx_q, idx_k, cu_q, cu_k, longest_q, longest_k = _unpadding(mask, lq)
     k = key.transpose(1, 2).reshape(b * lk, -1, d)[idx_k]
     v = value.transpose(1, 2).reshape(b * lk, -1, d)[idx_k]
-    q = query.transpose(1, 2).reshape(b * lq, hq, d)[idx_q]
-    out = _varlen(q, k, v, cu_q, cu_k, longest_q, longest_k, **options)
+    q = query.transpose(1, 2).reshape(b * lq, hq, d)
+    if not rows:
+        cu_q = torch.arange(0, (b + 1) * lq, lq, dtype=torch.int32, device=query.device)
+        every: torch.Tensor = _varlen(q, k, v, cu_q, cu_k, lq, longest_k, **options)
+        return every.view(b, lq, hq, d)
+    out = _varlen(q[idx_q], k, v, cu_q, cu_k, longest_q, longest_k, **options)
     full: torch.Tensor = out.new_zeros(b * lq, hq, d)
     full[idx_q] = out
     return full.view(b, lq, hq, d)
+
+
+def _cross_attention(module: torch.nn.Module) -> bool:
+    """Whether transformers' attention layer attends another sequence (an encoder's, in an
+    encoder-decoder model), as its modules say it: ``is_cross_attention`` (BERT's, and
+    most), a class named so (``BertCrossAttention``), or a decoder's layer that is not
+    causal (BART's, Whisper's ``encoder_attn``)."""
+    if getattr(module, "is_cross_attention", False) or "CrossAttention" in type(module).__name__:
+        return True
+    return bool(getattr(module, "is_decoder", False)) and not getattr(module, "is_causal", True)
 
 
 def _unpadding(mask: torch.Tensor, lq: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,

@@ -359,3 +359,74 @@ def test_mixed_precision_training_under_autocast_runs_flashtune(kernel_calls, va
     assert ((grads[0] - grads[1]).norm() / grads[1].norm()).item() < 1e-2
     # one call per layer on flashtune's kernels: unpadded, or through the SDPA drop-in
     assert (len(kernel_calls), len(varlen_calls)) == ((2, 0) if padding is None else (0, 2))
+
+
+class _Decoder(torch.nn.Module):  # BART's and Whisper's encoder_attn
+    is_decoder, is_causal = True, False
+
+
+class _Flagged(torch.nn.Module):
+    is_cross_attention, is_causal = True, False
+
+
+class BertCrossAttention(torch.nn.Module):  # named so in transformers
+    is_causal = False
+
+
+@pytest.mark.parametrize("layer", [_Decoder, _Flagged, BertCrossAttention])
+@pytest.mark.parametrize("lq", [19, 23])
+@pytest.mark.parametrize("padding", ["left", "right"])
+def test_cross_attention_keeps_every_query_row_of_the_other_sequence(layer, lq, padding):
+    """Cross-attention's mask is the encoder's, over the keys only: every decoder query row
+    attends to its sequence's real keys (as eager does). The mask's last Lq positions, what
+    a padded self-attention's query rows are, said nothing of them: rows were dropped or
+    misplaced (errors of 1-2 on outputs of magnitude 1), with a decoder longer than 16 rows
+    or as long as the encoder."""
+    from flashtune.integrations.transformers import flashtune_attention_forward
+
+    g = torch.Generator().manual_seed(lq)
+    q = torch.randn(2, 4, lq, 16, generator=g).to(DEVICE, DTYPE)
+    k, v = (torch.randn(2, 2, 19, 16, generator=g).to(DEVICE, DTYPE) for _ in range(2))
+    mask = torch.ones(2, 19, dtype=torch.bool, device=DEVICE)
+    mask[1, slice(None, 6) if padding == "left" else slice(-6, None)] = False
+    out, _ = flashtune_attention_forward(layer(), q, k, v, mask)
+    scores = q.double() @ k.double().repeat_interleave(2, 1).transpose(-1, -2) / 4.0
+    scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
+    want = (scores.softmax(-1) @ v.double().repeat_interleave(2, 1)).transpose(1, 2)
+    assert (out.double() - want).abs().max().item() < 1e-2
+
+
+def test_bart_cross_attention_is_told_from_self_attention(monkeypatch):
+    """In a real encoder-decoder (BART) the layers say which attention is which: the
+    encoder's self-attention drops its padded query rows (FA2's reading of the mask), the
+    decoder's cross-attention keeps every row; the logits match eager's."""
+    from transformers import AutoModelForSeq2SeqLM, BartConfig
+
+    from flashtune.integrations import transformers as integration
+
+    config = BartConfig(vocab_size=128, d_model=64, encoder_layers=1, decoder_layers=1,
+                        encoder_attention_heads=4, decoder_attention_heads=4,
+                        encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
+                        pad_token_id=1)
+    torch.manual_seed(0)
+    ours = AutoModelForSeq2SeqLM.from_config(copy.deepcopy(config),
+                                             attn_implementation="flashtune", dtype=DTYPE)
+    eager = AutoModelForSeq2SeqLM.from_config(copy.deepcopy(config),
+                                              attn_implementation="eager", dtype=DTYPE)
+    eager.load_state_dict(ours.state_dict())
+    ours, eager = ours.to(DEVICE).eval(), eager.to(DEVICE).eval()
+    seen = []
+    real = integration._padded
+    monkeypatch.setattr(integration, "_padded", lambda q, k, v, mask, options, rows=True:
+                        seen.append((q.shape[2], k.shape[2], rows))
+                        or real(q, k, v, mask, options, rows))
+    g = torch.Generator().manual_seed(1)
+    src = torch.randint(3, 128, (2, 19), generator=g).to(DEVICE)
+    tgt = torch.randint(3, 128, (2, 23), generator=g).to(DEVICE)
+    mask = torch.ones_like(src)
+    mask[1, -6:] = 0
+    with torch.no_grad():
+        got = ours(input_ids=src, attention_mask=mask, decoder_input_ids=tgt).logits.float()
+        want = eager(input_ids=src, attention_mask=mask, decoder_input_ids=tgt).logits.float()
+    assert seen == [(19, 19, True), (23, 19, False)]  # encoder self-, decoder cross-
+    assert (got - want).abs().max().item() < 2e-2 * want.abs().max().item()
