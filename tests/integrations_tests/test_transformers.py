@@ -25,15 +25,20 @@ def _config() -> LlamaConfig:
                        max_position_embeddings=256, pad_token_id=0, eos_token_id=None)
 
 
-@pytest.fixture(scope="module")
-def models():
+def _ours_and_eager(config, auto=AutoModelForCausalLM, dtype=DTYPE):
+    """The same random weights (seed 0) with attention "flashtune" and "eager", on DEVICE,
+    in eval mode."""
     torch.manual_seed(0)
-    ours = AutoModelForCausalLM.from_config(copy.deepcopy(_config()),
-                                            attn_implementation="flashtune", dtype=DTYPE)
-    eager = AutoModelForCausalLM.from_config(copy.deepcopy(_config()),
-                                             attn_implementation="eager", dtype=DTYPE)
+    ours = auto.from_config(copy.deepcopy(config), attn_implementation="flashtune",
+                            dtype=dtype)
+    eager = auto.from_config(copy.deepcopy(config), attn_implementation="eager", dtype=dtype)
     eager.load_state_dict(ours.state_dict())
     return ours.to(DEVICE).eval(), eager.to(DEVICE).eval()
+
+
+@pytest.fixture(scope="module")
+def models():
+    return _ours_and_eager(_config())
 
 
 @pytest.fixture
@@ -115,13 +120,7 @@ def test_gemma2_softcap_and_sliding_window_run_on_flashtune(varlen_calls):
                           head_dim=16, sliding_window=8, attn_logit_softcapping=5.0,
                           final_logit_softcapping=None, query_pre_attn_scalar=16,
                           max_position_embeddings=256, pad_token_id=0)
-    torch.manual_seed(0)
-    ours = AutoModelForCausalLM.from_config(copy.deepcopy(config),
-                                            attn_implementation="flashtune", dtype=DTYPE)
-    eager = AutoModelForCausalLM.from_config(copy.deepcopy(config),
-                                             attn_implementation="eager", dtype=DTYPE)
-    eager.load_state_dict(ours.state_dict())
-    ours, eager = ours.to(DEVICE).eval(), eager.to(DEVICE).eval()
+    ours, eager = _ours_and_eager(config)
     assert ours.config.layer_types[0] == "sliding_attention"
     from flashtune.runtime import scored
 
@@ -303,13 +302,7 @@ def test_mla_a_value_head_narrower_than_the_querys_runs_padded():
                               q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16,
                               v_head_dim=16, first_k_dense_replace=1,
                               max_position_embeddings=128, pad_token_id=0)
-    torch.manual_seed(0)
-    ours = AutoModelForCausalLM.from_config(copy.deepcopy(config),
-                                            attn_implementation="flashtune", dtype=DTYPE)
-    eager = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="eager",
-                                             dtype=DTYPE)
-    eager.load_state_dict(ours.state_dict())
-    ours, eager = ours.to(DEVICE).eval(), eager.to(DEVICE).eval()
+    ours, eager = _ours_and_eager(config)
     ids = torch.randint(1, 128, (2, 40), generator=torch.Generator().manual_seed(3)).to(DEVICE)
     mask = torch.ones_like(ids)
     mask[1, :4] = 0
@@ -334,14 +327,7 @@ def test_mixed_precision_training_under_autocast_runs_flashtune(kernel_calls, va
     path casts them (a padded batch was refused: q must be float16 or bfloat16; one without
     padding ran torch's float32 SDPA); the gradients match eager's under the same autocast,
     the loss taken on the tokens a padded row predicts from real ones."""
-    torch.manual_seed(0)
-    ours = AutoModelForCausalLM.from_config(copy.deepcopy(_config()),
-                                            attn_implementation="flashtune",
-                                            dtype=torch.float32).to(DEVICE)
-    eager = AutoModelForCausalLM.from_config(copy.deepcopy(_config()),
-                                             attn_implementation="eager",
-                                             dtype=torch.float32).to(DEVICE)
-    eager.load_state_dict(ours.state_dict())
+    ours, eager = _ours_and_eager(_config(), dtype=torch.float32)
     ids = torch.randint(1, 128, (2, 23), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     mask, labels = None, ids.clone()
     if padding is not None:
@@ -408,13 +394,7 @@ def test_bart_cross_attention_is_told_from_self_attention(monkeypatch):
                         encoder_attention_heads=4, decoder_attention_heads=4,
                         encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
                         pad_token_id=1)
-    torch.manual_seed(0)
-    ours = AutoModelForSeq2SeqLM.from_config(copy.deepcopy(config),
-                                             attn_implementation="flashtune", dtype=DTYPE)
-    eager = AutoModelForSeq2SeqLM.from_config(copy.deepcopy(config),
-                                              attn_implementation="eager", dtype=DTYPE)
-    eager.load_state_dict(ours.state_dict())
-    ours, eager = ours.to(DEVICE).eval(), eager.to(DEVICE).eval()
+    ours, eager = _ours_and_eager(config, AutoModelForSeq2SeqLM)
     seen = []
     real = integration._padded
     monkeypatch.setattr(integration, "_padded", lambda q, k, v, mask, options, rows=True:
