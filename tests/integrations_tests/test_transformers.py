@@ -342,7 +342,8 @@ def test_mixed_precision_training_under_autocast_runs_flashtune(kernel_calls, va
         with torch.autocast(DEVICE, dtype=DTYPE):
             model(ids, attention_mask=mask, labels=labels).loss.backward()
         grads.append(model.model.layers[0].self_attn.q_proj.weight.grad)
-    assert ((grads[0] - grads[1]).norm() / grads[1].norm()).item() < 1e-2
+    tol = 1e-2 if DTYPE == torch.float16 else 4e-2  # bfloat16: 8 bits of mantissa
+    assert ((grads[0] - grads[1]).norm() / grads[1].norm()).item() < tol
     # one call per layer on flashtune's kernels: unpadded, or through the SDPA drop-in
     assert (len(kernel_calls), len(varlen_calls)) == ((2, 0) if padding is None else (0, 2))
 
@@ -379,7 +380,7 @@ def test_cross_attention_keeps_every_query_row_of_the_other_sequence(layer, lq, 
     scores = q.double() @ k.double().repeat_interleave(2, 1).transpose(-1, -2) / 4.0
     scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
     want = (scores.softmax(-1) @ v.double().repeat_interleave(2, 1)).transpose(1, 2)
-    assert (out.double() - want).abs().max().item() < 1e-2
+    assert (out.double() - want).abs().max().item() < 3e-2  # the bug: errors of 1-2
 
 
 def test_bart_cross_attention_is_told_from_self_attention(monkeypatch):

@@ -236,7 +236,8 @@ def test_float32_inputs_under_autocast_run_in_its_dtype_as_torch_sdpa(varlen):
         choice = flashtune.lookup_config(q, k, v, causal=True)
     want = call(*(t.to(half).requires_grad_(True) for t in (q, k, v)))  # the same route
     assert got.dtype == half and choice.template
-    torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+    tol = 2e-3 if half == torch.float16 else 1.6e-2  # bfloat16: 8 bits of mantissa
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
     got.float().sum().backward()
     assert all(t.grad is not None and t.grad.dtype == torch.float32 for t in leaves)
     with pytest.raises(InputTypeError, match="q must be float16 or bfloat16"):
