@@ -35,6 +35,7 @@ from transformers.masking_utils import AttentionMaskInterface, flash_attention_m
 from flashtune.core.problem import MAX_HEAD_DIM
 from flashtune.kernel_templates.attn_fwd.reference import visible
 from flashtune.runtime import scored
+from flashtune.runtime.checks import autocast_inputs
 from flashtune.runtime.ops import attention
 from flashtune.runtime.sdpa import scaled_dot_product_attention
 from flashtune.runtime.static_cache import attention_static_cache, one_run
@@ -84,6 +85,7 @@ def flashtune_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
         over 256 (the message names the implementation to use instead).
     """
     _refuse_unsupported(kwargs)
+    query, key, value = autocast_inputs(query, key, value)  # mixed-precision training
     target = _half_dtype(query, module)
     if target is not None:
         query, key, value = query.to(target), key.to(target), value.to(target)
@@ -165,18 +167,15 @@ def _forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
 
 
 def _half_dtype(query: torch.Tensor, module: torch.nn.Module) -> torch.dtype | None:
-    """The half dtype float32 inputs run in, as transformers' FA2 path casts them: under
-    autocast the rotary embedding's float32 cos/sin turn the query and key float32 again
-    (mixed-precision training), so they go back to autocast's dtype; else a quantized
-    model's dtype, else that of the layer's first linear weight. None where the inputs are
-    not float32 or the answer is not a half dtype (a float32 model: flashtune's checks
-    refuse it on the paths that reach its kernels)."""
+    """The half dtype float32 inputs outside autocast run in, as transformers' FA2 path
+    casts them (under autocast :func:`~flashtune.runtime.checks.autocast_inputs` has cast
+    them to its dtype: the rotary embedding's float32 cos/sin turn queries float32 again):
+    a quantized model's dtype, else that of the layer's first linear weight. None where the
+    inputs are not float32 or the answer is not a half dtype (a float32 model: flashtune's
+    checks refuse it on the paths that reach its kernels)."""
     if query.dtype != torch.float32:
         return None
-    device_type = query.device.type
-    if torch.is_autocast_enabled(device_type):
-        target: torch.dtype | None = torch.get_autocast_dtype(device_type)
-    elif hasattr(getattr(module, "config", None), "_is_quantized"):
+    if hasattr(getattr(module, "config", None), "_is_quantized"):
         target = getattr(module.config, "dtype", None)
     else:
         target = next((m.weight.dtype for m in module.modules()

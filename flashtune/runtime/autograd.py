@@ -111,11 +111,22 @@ def _op_setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
     ctx.set_materialize_grads(False)
 
 
+def dout_or_zeros(dout: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+    """The output's gradient for a custom op's backward, contiguous: zeros where the loss
+    used only the LSE (the op's context hands over None for an unused output, not zeros).
+
+    Arguments:
+        dout: the output's gradient, or None.
+        out: the forward's output.
+    Returns:
+        ``dout`` contiguous, or zeros like ``out``.
+    """
+    return torch.zeros_like(out) if dout is None else dout.contiguous()
+
+
 def _op_backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) -> Any:
     q, k, v, out, lse = ctx.saved_tensors
-    if dout is None:  # only the LSE is used
-        dout = torch.zeros_like(out)
-    dq, dk, dv = torch.ops.flashtune.attention_bwd(q, k, v, out, lse, dout.contiguous(),
+    dq, dk, dv = torch.ops.flashtune.attention_bwd(q, k, v, out, lse, dout_or_zeros(dout, out),
                                                    dlse, ctx.causal, ctx.scale,
                                                    ctx.config_str, ctx.impl)
     return dq, dk, dv, None, None, None, None, None

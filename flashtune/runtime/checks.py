@@ -46,8 +46,8 @@ def _plainly_fine(q: Any, k: Any, v: Any, scale: Any) -> bool:
 def autocast_inputs(q: Any, k: Any, v: Any) -> tuple[Any, Any, Any]:
     """``q, k, v`` as an autocast op of lower precision runs them (torch's SDPA is one):
     under autocast on their device, a float32 tensor in autocast's dtype (a rotary
-    embedding in float32 hands attention float32 queries and keys); else as they are. The
-    callers look at ``q``'s dtype first, so other calls pay one attribute read.
+    embedding in float32 hands attention float32 queries and keys); else as they are, for
+    the price of ``q``'s dtype read.
 
     Arguments:
         q, k, v: the call's tensors (anything else is handed back for the checks).

@@ -136,9 +136,6 @@ class _Table:
     def __init__(self, own: list[TunedEntry], alias: list[TunedEntry]) -> None:
         self.own = Nearest(own)
         self.alias = Nearest(alias)
-        self.exact: dict[AttentionProblem, TunedEntry] = {}
-        for e in own:  # first wins: sources come in precedence order
-            self.exact.setdefault(e.problem, e)
 
 
 class Dispatcher:
@@ -194,11 +191,12 @@ class Dispatcher:
     def exact(self, problem: AttentionProblem, device: Any) -> TunedEntry | None:
         """The entry tuned for exactly ``problem`` on ``device`` (None if none); no warning,
         no memo."""
-        return self._table(device).exact.get(problem)
+        found = self._table(device).own.exact(problem)
+        return found[0] if found else None  # the first: sources come in precedence order
 
     def tuned_problems(self, device: Any) -> list[AttentionProblem]:
         """Every problem with a config tuned on ``device`` itself, in source order."""
-        return list(self._table(device).exact)
+        return self._table(device).own.problems()
 
     # -- choosing ---------------------------------------------------------------------------
 
@@ -242,7 +240,7 @@ class Dispatcher:
 
     def _walk(self, problem: AttentionProblem, device: Any) -> ConfigChoice:
         table = self._table(device)
-        exact = table.exact.get(problem)
+        exact = self.exact(problem, device)
         if exact is not None and self._usable(exact, problem, device):
             return _choice(exact, "exact", self.spec.name)
         for source, entries, same_bucket in (("bucket", table.own, True),
@@ -315,6 +313,10 @@ class Nearest(Sequence[_E]):
     def exact(self, problem: AttentionProblem) -> list[_E]:
         """The entries of exactly ``problem``, in source order."""
         return [self.entries[i] for i in self._exact.get(problem, ())]
+
+    def problems(self) -> list[AttentionProblem]:
+        """Every problem with an entry, once each, in source order."""
+        return list(self._exact)
 
     def candidates(self, problem: AttentionProblem, same_bucket: bool) -> list[int]:
         """The positions of the entries that can be at a finite distance from ``problem``

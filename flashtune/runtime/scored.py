@@ -56,6 +56,7 @@ from flashtune.core.spec import TemplateSpec, join_pair, split_pair
 from flashtune.kernel_templates import get_template
 from flashtune.kernel_templates.dropout import draw_seed
 from flashtune.kernel_templates.training import pair_fn
+from flashtune.runtime.autograd import dout_or_zeros
 from flashtune.runtime.checks import check_attention_inputs, check_grid, check_score_mods
 from flashtune.runtime.lookup import ConfigChoice, remember
 from flashtune.runtime.routing import (
@@ -628,12 +629,6 @@ def _scored_bwd_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
     return _grads_like(q, k, v)
 
 
-def _dout(dout: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
-    """The output's gradient for a custom op's backward: zeros where the loss used only the
-    LSE (the op's context hands over None for an unused output, not zeros)."""
-    return torch.zeros_like(out) if dout is None else dout.contiguous()
-
-
 def _scored_setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
     q, k, v, causal, scale, wl, wr, cap, slopes, config_str, impl, drop, seed = inputs
     out, lse = output
@@ -648,7 +643,7 @@ def _scored_backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | N
     q, k, v, out, lse, seed = ctx.saved_tensors
     causal, scale, wl, wr, cap = ctx.args
     dq, dk, dv = torch.ops.flashtune.attention_scored_bwd(
-        q, k, v, out, lse, _dout(dout, out), dlse, causal, scale, wl, wr, cap, ctx.slopes,
+        q, k, v, out, lse, dout_or_zeros(dout, out), dlse, causal, scale, wl, wr, cap, ctx.slopes,
         *ctx.route, seed)
     return (dq, dk, dv) + (None,) * 10
 
@@ -790,7 +785,7 @@ def _varlen_setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> Non
 def _varlen_backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) -> Any:
     q, k, v, out, lse, cu_q, cu_k, seed = ctx.saved_tensors
     dq, dk, dv = torch.ops.flashtune.attention_varlen_bwd(
-        q, k, v, out, lse, _dout(dout, out), dlse, cu_q, cu_k, *ctx.args, ctx.slopes,
+        q, k, v, out, lse, dout_or_zeros(dout, out), dlse, cu_q, cu_k, *ctx.args, ctx.slopes,
         *ctx.route, seed)
     return (dq, dk, dv) + (None,) * 14
 
