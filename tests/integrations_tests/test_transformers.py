@@ -290,6 +290,7 @@ def test_a_score_term_flashtune_does_not_add_is_refused_not_dropped(term):
 
 def test_mla_a_value_head_narrower_than_the_querys_runs_padded():
     """DeepSeek-V3's MLA: the query and key heads (24 here) are wider than the value's (16).
+    Both layers dense (no expert routing, whose top-k a rounding difference can flip).
     The value is zero-padded to the query's head dim and the output cropped, as
     transformers' FA2 path does, so the padded prefill and a later chunk against the cache
     run on flashtune's kernels (a chunk was refused: k and v of different shapes)."""
@@ -300,7 +301,7 @@ def test_mla_a_value_head_narrower_than_the_querys_runs_padded():
                               num_attention_heads=4, num_key_value_heads=4, n_routed_experts=2,
                               num_experts_per_tok=1, n_group=1, topk_group=1, kv_lora_rank=16,
                               q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16,
-                              v_head_dim=16, first_k_dense_replace=1,
+                              v_head_dim=16, first_k_dense_replace=2,
                               max_position_embeddings=128, pad_token_id=0)
     ours, eager = _ours_and_eager(config)
     ids = torch.randint(1, 128, (2, 40), generator=torch.Generator().manual_seed(3)).to(DEVICE)
@@ -315,8 +316,9 @@ def test_mla_a_value_head_narrower_than_the_querys_runs_padded():
             chunk = model(ids[:, 21:], attention_mask=mask, past_key_values=past,
                           use_cache=True).logits.float()
         got.append((padded[mask[:, :21].bool()], chunk))
+    tol = 2e-2 if DTYPE == torch.float16 else 4e-2  # bfloat16: 8 bits of mantissa
     for a, b in zip(*got, strict=True):
-        assert (a - b).abs().max().item() < 2e-2 * b.abs().max().item()
+        assert (a - b).abs().max().item() < tol * b.abs().max().item()
 
 
 @pytest.mark.parametrize("padding", [None, "left", "right"])

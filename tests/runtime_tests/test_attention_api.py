@@ -194,7 +194,8 @@ def test_a_compiled_step_hands_its_backward_only_the_gradients_the_loss_uses(mon
 
     monkeypatch.setattr(autograd, "_paired", spy)
     g = torch.Generator().manual_seed(7)
-    q, k, v = (torch.randn(1, 2, 40, 16, generator=g, dtype=torch.float16) for _ in range(3))
+    q, k, v = (torch.randn(1, 2, 40, 16, generator=g).to(DEVICE, torch.float16)
+               for _ in range(3))
 
     def loss_fn(q, k, v):
         out, lse = flashtune.attention(q, k, v, causal=True, return_lse=True)
@@ -207,7 +208,8 @@ def test_a_compiled_step_hands_its_backward_only_the_gradients_the_loss_uses(mon
         fn(*leaves).backward()
         grads.append([t.grad for t in leaves])
     for eager, compiled in zip(*grads, strict=True):
-        torch.testing.assert_close(compiled, eager)
+        # a GPU's backward may accumulate dQ in another order from one run to the next
+        torch.testing.assert_close(compiled, eager, atol=2e-3, rtol=2e-3)
     assert len(seen) == 1  # the compiled backward (eager runs PairFn)
     assert (seen[0] is None) == (uses == "out")
 
