@@ -266,6 +266,13 @@ class TemplateSpec:
             extern_hash`): an SDPA backend, or a training pair with one's forward. A choice
             of it timed under another torch is stale for that torch alone (its shapes take
             the default there; nothing of flashtune's to re-tune) and is exported as it is.
+        plans_per_shape: its backend builds a plan the first time it meets a shape (cuDNN's
+            graph: 40-68 ms a new shape on an H200, against under a millisecond for
+            flashtune's kernels and torch's FLASH backend:
+            ``benchmarks/results/new_shape_h200.json``), so a call without gradients takes
+            it only at a shape it was chosen for exactly (:class:`~flashtune.runtime.
+            choices.OpRouter`): inference meets a new shape with every decoding step over a
+            growing cache and every prompt length, a training step the same shapes again.
         plan: ``plan(q, k, v, config, causal=, scale=, return_lse=)`` -> a launch plan for
             one CUDA call signature of an inference call, called as ``plan(q, k, v,
             stream)``, with a ``device_index``: what the runtime replays instead of the
@@ -292,6 +299,7 @@ class TemplateSpec:
     seed_configs: SeedConfigs | None = None
     torch_bound: bool = False
     plan: Callable[..., Any] | None = field(default=None, compare=False)
+    plans_per_shape: bool = False
 
     def __post_init__(self) -> None:
         if self.op not in OPS:

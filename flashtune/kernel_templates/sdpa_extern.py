@@ -445,4 +445,5 @@ def extern_spec(backend: str) -> TemplateSpec:
         torch_bound=True,
         serves=("fwd", "train", "decode"),
         limits=_LIMITS[backend],
+        plans_per_shape=backend == "cudnn",
     )

@@ -260,27 +260,20 @@ class _Served:
         choice, else the dispatcher's config), for the backward the dispatcher's config,
         for the training step the train op's choice; with nothing tuned, the default the
         runtime takes on the device's compute capability (an SDPA backend, as
-        ``routing._capability_default``), else attn_fwd's config (and attn_bwd's, joined)."""
-        from flashtune.runtime.routing import _capability_default
+        ``routing._train_default``), else attn_fwd's config (and attn_bwd's, joined)."""
+        from flashtune.runtime.routing import _route_ops, _train_default
 
         if spec.op == "train":
             chosen = self.routers["train"].choose(p, device) \
-                or _capability_default("train", p, device, False)
+                or _train_default(p, device, False)
             if chosen is not None:
                 return chosen
             fwd, bwd = self.dispatcher.choose(p, device), self.backward.choose(p, device)
             return replace(fwd, config=join_pair(fwd.config, bwd.config), tflops=None,
                            median_ms=None)
         if spec.op == "fwd":
-            from flashtune.runtime.routing import _route_ops, _users_own
-
             for op in _route_ops(p):
                 chosen = self.routers[op].choose(p, device)
-                if chosen is not None:
-                    return chosen
-            # not tuned by the user: the runtime's default by capability (routing._route)
-            if not _users_own(self.dispatcher.peek(p, device), p):
-                chosen = _capability_default("fwd", p, device, False)
                 if chosen is not None:
                     return chosen
         return self.dispatcher.choose(p, device)

@@ -9,7 +9,11 @@ made for this exact problem on this device (``exact``), else for a problem of it
 what the call asks for (:meth:`~flashtune.core.spec.TemplateSpec.refuse`: an SDPA backend
 never gets a causal call whose mask it would align differently, nor a ``return_lse`` it
 cannot return) and its config passes the implementation's validity predicate for the call's
-problem; otherwise the chain goes on. With no choice that serves it, :meth:`OpRouter.choose`
+problem; otherwise the chain goes on. An implementation that builds a plan for every new
+shape (:attr:`~flashtune.core.spec.TemplateSpec.plans_per_shape`: cuDNN's, 40-68 ms the
+first call of a shape on an H200) serves the ``fwd`` and ``decode`` ops only at the shapes it
+was chosen for: a call that only its bucket or nearest match would serve gets None, as a
+stale one does (a decoding step over a growing cache is a new shape every token). With no choice that serves it, :meth:`OpRouter.choose`
 answers None and the caller takes the per-template route (the documented default: attn_fwd's
 tuned configs, the shipped table, the template default; short queries over long caches on
 attn_decode).
@@ -152,10 +156,24 @@ class OpRouter:
             # a training step's choice holds its backward's config: never across groups
             pick = pick_nearest(entries, problem, same_bucket, usable,
                                 across_groups=self.op != "train")
-            if pick is not None:
-                return _choice(pick, source, problem, self.op,
-                               self._lent(pick, problem, device))
+            if pick is None:
+                continue
+            if self._plans_per_shape(pick):
+                # cuDNN's choices keep their place too: a new shape near them takes the
+                # default, not a choice made further away
+                log.info("%s: op %s takes the default: its %s match, %s for %s (%s), "
+                         "builds a plan for every new shape", problem.describe(), self.op,
+                         source, pick.implementation, pick.problem.describe(), pick.origin)
+                return None
+            return _choice(pick, source, problem, self.op, self._lent(pick, problem, device))
         return None
+
+    def _plans_per_shape(self, entry: ChoiceEntry) -> bool:
+        """Whether ``entry`` serves a call without gradients only at its own shape
+        (:attr:`~flashtune.core.spec.TemplateSpec.plans_per_shape`); a training step's
+        choice serves near shapes too, which a training run meets again every step."""
+        spec = self.specs.get(entry.implementation)
+        return self.op != "train" and spec is not None and spec.plans_per_shape
 
     def _lent(self, entry: ChoiceEntry, problem: AttentionProblem,
               device: Any) -> dict[str, int]:

@@ -24,14 +24,14 @@ implementation -- a Triton or Gluon kernel of flashtune's, or an SDPA backend of
 is fastest for the shape; exact, bucket, nearest, device alias), for short queries the
 ``decode`` op's before the ``fwd`` op's; without a choice that can serve the call, the
 documented default: short-query problems may go to attn_decode
-(:func:`~flashtune.runtime.kvcache.decode_route`; untuned by the user, on sm_90 cuDNN's
-forward instead where it serves the call, :data:`DECODE_DEFAULT`), the rest to attn_fwd with the user's own
-tuned configs (database, config folder), else by compute capability (:data:`FWD_DEFAULT`: on
-sm_90 cuDNN's forward where it serves the call), else attn_fwd with its shipped table or its
-default; with ``FLASHTUNE_AUTOTUNE=1`` a problem that attn_fwd serves by default and has no
-exact tuned config for is tuned on its first call, once per process (not one the sm_90 default
-serves: tuning attn_fwd alone would not beat it; ``tune --op fwd`` searches across
-implementations).
+(:func:`~flashtune.runtime.kvcache.decode_route`), the rest to attn_fwd with the user's own
+tuned configs (database, config folder), else its shipped table or its default; with
+``FLASHTUNE_AUTOTUNE=1`` a problem attn_fwd has no exact tuned config for is tuned on its
+first call, once per process (``tune --op fwd`` searches across implementations). cuDNN's
+forward serves a call without gradients only at a shape it was chosen for exactly (an op
+choice): it builds a plan for every new shape, 40-68 ms on an H200, and inference meets a
+new shape with every decoding step over a growing cache and every prompt length
+(:attr:`~flashtune.core.spec.TemplateSpec.plans_per_shape`).
 A call with gradients takes its training route (:func:`_train_route`, memoised per call
 signature in ``_TRAIN_FAST``): the ``train`` op's stored choice (a forward of flashtune's
 with its backward's config, or an SDPA backend that torch differentiates), else attn_fwd's
@@ -158,34 +158,14 @@ AUTOTUNE_TRIALS = 30
 # shape tuned on the H100: benchmarks/results/route_train_tuned_h100.json); elsewhere, and
 # where it cannot serve the call, attn_fwd with attn_bwd
 TRAIN_DEFAULT: tuple[tuple[tuple[int, int], ...], str] = (((9, 0),), "sdpa_cudnn")
-# the forward of a call without gradients that no op choice and no tuning of the user's serves
-# (only attn_fwd's shipped table or its default would), by compute capability: on sm_90
-# cuDNN's (over the H100 standard grid and 15 real-model shapes, attn_fwd tuned measured
-# 0.81-0.93x cuDNN, geomean, and cuDNN won the side-by-side timing of 19 of 24 grid shapes
-# and every real-model shape: benchmarks/results/route_fwd_*_h100.json); elsewhere, and
-# where it cannot serve the call, attn_fwd
-FWD_DEFAULT: tuple[tuple[tuple[int, int], ...], str] = (((9, 0),), "sdpa_cudnn")
-# the same for a short-query call attn_decode would take untuned (its shipped or default
-# config): on sm_90 cuDNN's, where it serves the call (a Llama-3-8B-shaped model generating
-# with transformers on the H100 ran 8.2 ms a token on attn_decode's default against 7.7 on
-# cuDNN: benchmarks/results/model_llama_h100.json; one split-KV kernel measured 0.92x cuDNN
-# tuned at B1 N1k, decode_tuned_graph_h100.json); elsewhere attn_decode
-DECODE_DEFAULT: tuple[tuple[tuple[int, int], ...], str] = (((9, 0),), "sdpa_cudnn")
-# the origins of tuned configs that are the user's own (their database, their config folder):
-# served as tuned; the package's shipped table is not
-_USERS_OWN = ("db ", "dir ")
+# no such default for a call without gradients: its shapes are new ones (every decoding step
+# over a growing cache, every prompt length), and cuDNN builds a plan for each shape it meets,
+# 40-68 ms on an H200 against under a millisecond for flashtune's kernels
+# (benchmarks/results/new_shape_h200.json; TemplateSpec.plans_per_shape). A Llama-3-8B-shaped
+# model generating on the H100 ran 8.2 ms a token on attn_decode's default against 7.7 on
+# cuDNN, but only with every step's shape planned in an earlier round
+# (benchmarks/results/model_llama_h100.json)
 _BAD_TRIALS: set[str] = set()  # bad $FLASHTUNE_AUTOTUNE_TRIALS values already warned about
-
-
-def _users_own(choice: ConfigChoice, problem: AttentionProblem) -> bool:
-    """Whether ``choice`` is the user's own tuning (their database or config folder) for
-    ``problem``'s GQA group, and so served before the capability default. A config lent
-    from another group (a forward's nearest may be: :meth:`AttentionProblem.distance`) is
-    not: it says how to run that template, not that the template beats the default here."""
-    tuned = choice.tuned_problem
-    return choice.origin.startswith(_USERS_OWN) and (
-        tuned is None
-        or tuned.heads_q // tuned.heads_kv == problem.heads_q // problem.heads_kv)
 
 
 @cache
@@ -294,44 +274,29 @@ def _route(problem: AttentionProblem, device: DeviceFingerprint, *, tune: bool =
     """The implementation and config a call without gradients runs with (see the module
     docstring): the op's stored choice that can serve the call, else attn_decode's when
     :func:`~flashtune.runtime.kvcache.decode_route` takes the problem (short queries),
-    else attn_fwd's tuned config from the user's database or config folder (see
-    :func:`_choose` for ``tune``), else on the compute capabilities of :data:`FWD_DEFAULT`
-    its SDPA backend where it serves the call, else attn_fwd's shipped or default config."""
+    else attn_fwd's (its tuned config, else the shipped or default one; see :func:`_choose`
+    for ``tune``)."""
     for op in _route_ops(problem):
         chosen = _ROUTERS[op].choose(problem, device, return_lse=return_lse)
         if chosen is not None:
             return chosen
-    # the templates' answers are peeked at first: "no tuned config, using the template
-    # default" is not true of a call the capability default serves
     choice = kvcache.decode_route(problem, device, _DISPATCH, warn=False)
     if choice is not None:
-        if not _users_own(choice, problem):
-            default = _capability_default("decode", problem, device, return_lse)
-            if default is not None:
-                return default
         return kvcache.DISPATCH.choose(problem, device)  # memoised: the same, warned
-    if not _users_own(_DISPATCH.peek(problem, device), problem):
-        # not tuned here with FLASHTUNE_AUTOTUNE=1 either: attn_fwd alone would not beat
-        # this default (`tune --op fwd` searches across implementations)
-        default = _capability_default("fwd", problem, device, return_lse)
-        if default is not None:
-            return default
     return _choose(problem, device, tune=tune)
 
 
-def _capability_default(op: str, problem: AttentionProblem, device: DeviceFingerprint,
-                        return_lse: bool) -> ConfigChoice | None:
-    """The extern that serves ``op`` untuned on ``device``'s compute capability
-    (:data:`FWD_DEFAULT`, :data:`DECODE_DEFAULT`, :data:`TRAIN_DEFAULT`), if it can serve
-    the call; else None."""
-    capabilities, name = {"fwd": FWD_DEFAULT, "decode": DECODE_DEFAULT,
-                          "train": TRAIN_DEFAULT}[op]
-    extern = _ROUTERS[op].specs.get(name)
+def _train_default(problem: AttentionProblem, device: DeviceFingerprint,
+                   return_lse: bool) -> ConfigChoice | None:
+    """The extern that serves a training step untuned on ``device``'s compute capability
+    (:data:`TRAIN_DEFAULT`), if it can serve the call; else None."""
+    capabilities, name = TRAIN_DEFAULT
+    extern = _ROUTERS["train"].specs.get(name)
     if extern is None or device.capability not in capabilities \
             or extern.refuse(problem, device, return_lse=return_lse) is not None:
         return None
-    what = {"fwd": "forward", "decode": "decode", "train": "training step"}[op]
-    return ConfigChoice({}, "default", origin=f"default {what} on {device.compute_capability}",
+    return ConfigChoice({}, "default",
+                        origin=f"default training step on {device.compute_capability}",
                         template=extern.name)
 
 
@@ -358,7 +323,7 @@ def _train_choice(problem: AttentionProblem, device: DeviceFingerprint, *,
     chosen = _ROUTERS["train"].choose(problem, device, return_lse=return_lse, paired=paired)
     if chosen is not None:
         return chosen
-    default = None if paired else _capability_default("train", problem, device, return_lse)
+    default = None if paired else _train_default(problem, device, return_lse)
     if default is not None:
         return default
     fwd = _choose(problem, device, tune=tune)

@@ -350,11 +350,12 @@ def test_the_training_step_bench_times_every_own_pair_the_gpu_can_run(tmp_path):
 
 def test_the_routed_column_is_what_the_runtime_runs_untuned_on_an_h100(tmp_path,
                                                                         monkeypatch):
-    """With nothing tuned, ``bench``'s ``flashtune`` column on an sm_90 device is the
-    runtime's default by compute capability (``routing._capability_default``: SDPA's cuDNN
-    backend, forward and training step), not attn_fwd's default: the bench times what a
-    user's call runs. (A CPU build of torch has no cuDNN, so the extern's own refusal is
-    stood in for: cuDNN serves head dims that are multiples of 8 here.)"""
+    """With nothing tuned, ``bench``'s ``flashtune`` column on an sm_90 device is what the
+    runtime runs: the training step on its default by compute capability
+    (``routing._train_default``: SDPA's cuDNN backend), the forward on attn_fwd (cuDNN
+    plans every new shape, so an inference call takes it only at a shape chosen for it).
+    (A CPU build of torch has no cuDNN, so the extern's own refusal is stood in for: cuDNN
+    serves head dims that are multiples of 8 here.)"""
     from flashtune.kernel_templates import get_template
     from flashtune.kernel_templates.registry import train_step
     from flashtune.kernel_templates.sm90 import H100
@@ -362,23 +363,23 @@ def test_the_routed_column_is_what_the_runtime_runs_untuned_on_an_h100(tmp_path,
     from flashtune.runtime.bench import _Served
     from flashtune.runtime.lookup import Dispatcher
 
-    real = routing._capability_default
+    real = routing._train_default
     asked = []
 
-    def on_gpu(op, problem, device, return_lse):
-        asked.append(op)
+    def on_gpu(problem, device, return_lse):
+        asked.append(problem.head_dim)
         if problem.head_dim % 8 or device.capability != (9, 0):
             return None
-        return dataclasses.replace(real(op, problem, device, return_lse)
+        return dataclasses.replace(real(problem, device, return_lse)
                                    or routing.ConfigChoice({}, "default",
                                                            template="sdpa_cudnn"))
-    monkeypatch.setattr(routing, "_capability_default", on_gpu)
+    monkeypatch.setattr(routing, "_train_default", on_gpu)
     fwd = get_template("attn_fwd")
     served = _Served(Dispatcher(fwd), f"sqlite:///{tmp_path / 'none.db'}")
     p = AttentionProblem(4, 16, 16, 1024, 1024, 128, True, "bf16")
-    assert served.choice(p, fwd, H100).template == "sdpa_cudnn"
+    assert served.choice(p, fwd, H100).template == "attn_fwd"
     assert served.choice(p, train_step(fwd), H100).template == "sdpa_cudnn"
-    assert asked == ["fwd", "train"]
+    assert asked == [128]
     # a head dim cuDNN refuses keeps flashtune's own kernels
     odd = AttentionProblem(2, 8, 8, 256, 256, 59, True, "bf16")
     assert served.choice(odd, fwd, H100).template == "attn_fwd"

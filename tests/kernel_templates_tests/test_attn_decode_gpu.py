@@ -126,14 +126,8 @@ def test_attention_routes_short_queries_to_decode(nq, causal, dtype):
     q = torch.randn(b, nq, hq, d, device="cuda", dtype=dtype).transpose(1, 2)
     k = torch.randn(b, nk, hkv, d, device="cuda", dtype=dtype).transpose(1, 2)
     v = torch.randn(b, nk, hkv, d, device="cuda", dtype=dtype).transpose(1, 2)
-    from flashtune.runtime.routing import DECODE_DEFAULT
-
-    # untuned, sm_90 takes cuDNN's forward where it serves the call (its causal mask is
-    # top-left: not for several causal queries against more keys); elsewhere attn_decode
-    capabilities, extern = DECODE_DEFAULT
-    cudnn = torch.cuda.get_device_capability() in capabilities and not (causal and nq > 1)
-    want = extern if cudnn else "attn_decode"
-    assert flashtune.lookup_config(q, k, v, causal=causal).template == want
+    # untuned, on every GPU (cuDNN plans every new shape: a decoding step is one)
+    assert flashtune.lookup_config(q, k, v, causal=causal).template == "attn_decode"
     outs = [flashtune.attention(q, k, v, causal=causal, return_lse=True) for _ in range(3)]
     for out, lse in outs:
         assert_close_to_reference(out, q, k, v, causal=causal, lse=lse)

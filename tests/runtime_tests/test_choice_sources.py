@@ -294,3 +294,61 @@ def test_a_shipped_file_is_warned_about_when_flashtunes_kernels_moved_not_torch(
     assert all(e.stale for e in entries)
     assert problem.startswith(f"package {path.name} is stale: all 2 op fwd choices")
     assert "flashtune tune --op fwd" in problem
+
+
+def test_an_extern_that_plans_every_shape_serves_inference_only_at_its_own_shapes(
+        env: dict) -> None:
+    """cuDNN builds a plan the first time it meets a shape (40-68 ms on an H200): a
+    ``fwd`` or ``decode`` choice of it serves its exact shape, and a shape only near it
+    takes the default, as a stale choice's neighbours do, not a choice made further away.
+    An extern without that cost serves near shapes, and so does a ``train`` choice (a
+    training run meets its shapes every step)."""
+    from flashtune.core.problem import AttentionProblem
+    from flashtune.kernel_templates import implementations
+    from flashtune.runtime.choices import OpRouter
+
+    a = AttentionProblem(2, 8, 2, 2048, 2048, 64, True, "bf16")  # the extern won here
+    b = AttentionProblem(2, 8, 2, 8192, 8192, 64, True, "bf16")  # attn_fwd won here
+    write(env["package"],
+          entry(a, implementation=EXTERN, config={}, runner_up="attn_fwd", runner_up_ms=1.3,
+                extern=None, extern_ms=None),
+          entry(b), implementations={EXTERN: EXTERN_HASH, "attn_fwd": FWD})
+
+    def router(op: str, plans: bool) -> OpRouter:
+        specs = {s.name: s for s in implementations(op)}
+        specs[EXTERN] = replace(specs[EXTERN], plans_per_shape=plans)
+        return OpRouter(op, specs)
+
+    def served(r: OpRouter, nq: int) -> tuple[str | None, str | None]:
+        got = r.choose(replace(a, seqlen_q=nq, seqlen_k=nq), HERE)
+        return (None, None) if got is None else (got.template, got.source)
+
+    planning = router("fwd", True)
+    assert served(planning, 2048) == (EXTERN, "exact")
+    assert served(planning, 2047) == (None, None)  # its bucket: a new shape to plan
+    assert served(planning, 2560) == (None, None)  # nearer it than attn_fwd's choice
+    assert served(planning, 7168) == ("attn_fwd", "bucket")
+    plain = router("fwd", False)
+    assert served(plain, 2047) == (EXTERN, "bucket")
+    assert served(plain, 2560) == (EXTERN, "nearest")
+    # the train op's table is another file: the same two choices there, the toy extern
+    # differentiated by torch as SDPA's backends are
+    unregister_template(EXTERN)
+    register_template(replace(extern_spec(), serves=("fwd", "decode", "train")))
+    write(env["package"],
+          entry(a, implementation=EXTERN, config={}, runner_up="attn_fwd", runner_up_ms=1.3,
+                extern=None, extern_ms=None),
+          entry(b), op="train", implementations={EXTERN: EXTERN_HASH, "attn_fwd": FWD})
+    training = router("train", True)
+    assert served(training, 2560) == (EXTERN, "nearest")
+
+
+def test_only_cudnn_plans_every_shape() -> None:
+    """Of torch's SDPA backends, cuDNN's builds a graph per shape; FLASH and EFFICIENT run
+    a new shape at once (benchmarks/results/new_shape_h200.json)."""
+    from flashtune.kernel_templates import get_template
+
+    assert get_template("sdpa_cudnn").plans_per_shape
+    assert not get_template("sdpa_flash").plans_per_shape
+    assert not get_template("sdpa_efficient").plans_per_shape
+    assert not get_template("attn_fwd").plans_per_shape

@@ -22,56 +22,41 @@ def _qkv(b=2, hq=8, hkv=2, n=333, d=128, dtype=torch.bfloat16):
 
 
 @pytest.fixture(autouse=True)
-def attn_fwd_route(monkeypatch, request):
+def attn_fwd_route(monkeypatch):
     """These tests are about attn_fwd's and attn_decode's launch plans: untuned calls route
-    to them, not to the sm_90 defaults (cuDNN's forward, ``routing.FWD_DEFAULT`` and
-    ``routing.DECODE_DEFAULT``) nor to the op choices the shipped tables lend the shape
-    (an H200's forward table sends many to the Gluon forward or cuDNN), except in the tests
-    of those defaults."""
-    if "cudnn_default" not in request.node.name:
-        monkeypatch.setattr(routing, "FWD_DEFAULT", ((), routing.FWD_DEFAULT[1]))
-        monkeypatch.setattr(routing, "DECODE_DEFAULT", ((), routing.DECODE_DEFAULT[1]))
-        for router in routing._ROUTERS.values():
-            monkeypatch.setattr(router, "choose", lambda *a, **kw: None)
+    to them, not to the op choices the shipped tables lend the shape (an H200's forward
+    table sends many to the Gluon forward or cuDNN)."""
+    for router in routing._ROUTERS.values():
+        monkeypatch.setattr(router, "choose", lambda *a, **kw: None)
     flashtune.reload_configs()
     yield
     flashtune.reload_configs()
 
 
-def test_an_untuned_call_on_hopper_runs_the_cudnn_default_and_captures(tmp_path,
-                                                                       monkeypatch):
-    """On sm_90 a call nothing of the user's is tuned for runs cuDNN's forward; it matches
-    the reference, returns the LSE, and replays from a CUDA graph."""
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the cuDNN forward default is sm_90's")
+def test_an_untuned_call_runs_flashtunes_kernels_and_cudnn_captures_when_asked(tmp_path,
+                                                                              monkeypatch):
+    """A call nothing is tuned for runs attn_fwd (a decoding step attn_decode), on sm_90
+    too: cuDNN plans every new shape. cuDNN's forward asked for by name matches the
+    reference, returns the LSE and replays from a CUDA graph."""
     monkeypatch.setenv("FLASHTUNE_DB", f"sqlite:///{tmp_path / 'none.db'}")
-    for router in routing._ROUTERS.values():  # nor a shipped table's op choice
-        monkeypatch.setattr(router, "choose", lambda *a, **kw: None)
     flashtune.reload_configs()
     q, k, v = _qkv(hkv=8)
-    choice = flashtune.lookup_config(q, k, v, causal=True)
-    assert (choice.template, choice.source) == ("sdpa_cudnn", "default"), choice
-    out, lse = flashtune.attention(q, k, v, causal=True, return_lse=True)
+    assert flashtune.lookup_config(q, k, v, causal=True).template == "attn_fwd"
+    q1 = q[:, :, -1:].contiguous()
+    assert flashtune.lookup_config(q1, k, v, causal=True).template == "attn_decode"
+    out, lse = flashtune.attention(q, k, v, causal=True, return_lse=True, impl="sdpa_cudnn")
     ref, ref_lse = attn_fwd_reference(q, k, v, causal=True, dtype=torch.float32)
     assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
     assert torch.allclose(lse, ref_lse, atol=1e-2)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = flashtune.attention(q, k, v, causal=True)
+        captured = flashtune.attention(q, k, v, causal=True, impl="sdpa_cudnn")
     q.copy_(torch.randn_like(q))
     graph.replay()
     torch.cuda.synchronize()
     ref, _ = attn_fwd_reference(q, k, v, causal=True, dtype=torch.float32)
     assert ((captured.float() - ref).norm() / ref.norm()).item() < 1e-2
-    # a decoding step (one query row, every key): cuDNN too (routing.DECODE_DEFAULT)
-    q1 = q[:, :, -1:].contiguous()
-    choice = flashtune.lookup_config(q1, k, v, causal=True)
-    assert (choice.template, choice.source) == ("sdpa_cudnn", "default"), choice
-    for _ in range(2):  # the first call builds the launch plan, the second runs it
-        out = flashtune.attention(q1, k, v, causal=True)
-    ref, _ = attn_fwd_reference(q1, k, v, causal=True, dtype=torch.float32)
-    assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
 
 
 def _compiled_kernels() -> int:
