@@ -170,7 +170,8 @@ BENCH_OPS = ("fwd", "bwd")
 @click.option("--new-tokens", type=click.IntRange(min=1), default=None,
               help="--model llama: tokens generated (greedy, KV cache).")
 @click.option("--phases", default=None,
-              help="--model: phases to run, comma-separated (llama: prefill,train,generate; "
+              help="--model: phases to run, comma-separated (llama: prefill,train,generate,"
+                   "generate_static,generate_new; "
                    "bert, vit: forward,train; default all).")
 @click.option("--dispatch", is_flag=True,
               help="The host cost of one flashtune.attention call (small shapes, loops of "

@@ -14,7 +14,12 @@ switched between the contenders, same weights, same inputs, same run:
   (``cache_implementation="static"``), with which transformers compiles each decode step
   with ``torch.compile(mode="reduce-overhead")`` on a GPU: the steps replay as CUDA graphs
   (flashtune's steps run over the whole cache, lengths on the device:
-  :mod:`flashtune.runtime.static_cache`). On CPU the steps run eagerly.
+  :mod:`flashtune.runtime.static_cache`). On CPU the steps run eagerly;
+* ``generate_new`` (``llama``): greedy generation from prompt lengths the process has not
+  run, each contender in a process of its own
+  (:mod:`flashtune.integrations.fresh_generation`): every decoding step a shape torch's
+  cuDNN has not planned, as a request with a new prompt length meets it (``generate``
+  repeats its lengths round after round).
 
 Contenders: ``flashtune`` (``attn_implementation="flashtune"``: what
 :func:`flashtune.scaled_dot_product_attention` routes each call to), ``sdpa`` (torch's own
@@ -163,7 +168,8 @@ class Workload:
     gen_batch: int = 0
     gen_prompt: int = 0
     new_tokens: int = 0
-    phases: tuple[str, ...] = ("prefill", "train", "generate", "generate_static")
+    phases: tuple[str, ...] = ("prefill", "train", "generate", "generate_static",
+                               "generate_new")
 
 
 # Llama-3-8B's layer (4096 wide, 32 query and 8 KV heads of 128, MLP 14336, vocab 128256), 8
@@ -504,6 +510,13 @@ def bench_model(spec: ModelSpec, work: Workload, *, contenders: Sequence[str] = 
         rows.append(row)
         if on_phase is not None:
             on_phase(row)
+    if "generate_new" in work.phases and spec.family == "llama":
+        from flashtune.integrations.fresh_generation import fresh_generation_row
+
+        row = fresh_generation_row(spec, work, contenders, rounds, device)
+        rows.append(row)
+        if on_phase is not None:
+            on_phase(row)
     return {"benchmark": "model", "model": asdict(spec), "workload": asdict(work),
             "contenders": contenders, "rounds": rounds, "interpret": interpret,
             "device": torch.cuda.get_device_name() if device == "cuda" else "cpu-interpreter",
@@ -545,6 +558,8 @@ def render_model(result: Mapping[str, Any]) -> str:
                 f"{c} {d[c]:.3f}" for c in contenders if c in d))
         for c, e in r["errors"].items():
             lines.append(f"{r['phase']} {r['label']}: {c} not timed: {e}")
+        if "routes" not in r:  # generate_new: its contenders ran in processes of their own
+            continue
         falls = r.get("fallbacks", {})
         total = sum(x["calls"] for x in r.get("routes", []))
         if falls:

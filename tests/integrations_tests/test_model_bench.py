@@ -23,7 +23,9 @@ def _run(family, rounds=1, **work):
 
 
 def test_llama_runs_every_phase_on_flashtune_checked_against_sdpa():
-    result = _run("llama", rounds=2)
+    assert mb.default_workload("llama").phases == ("prefill", "train", "generate",
+                                                   "generate_static", "generate_new")
+    result = _run("llama", rounds=2, phases=("prefill", "train", "generate", "generate_static"))
     json.dumps(result)  # JSON-ready as it is
     rows = {r["phase"]: r for r in result["phases"]}
     assert list(rows) == ["prefill", "train", "generate", "generate_static"]
@@ -63,6 +65,43 @@ def test_llama_runs_every_phase_on_flashtune_checked_against_sdpa():
     assert static["check"]["flashtune"] == 0  # the same tokens as sdpa's
     text = mb.render_model(result)
     assert "generate" in text and "all 6 attention calls ran on flashtune's route" in text
+
+
+def test_fresh_lengths_never_share_a_key_length():
+    """A generation from n tokens calls attention with n to n + new keys: the rounds' and
+    the warm-up's ranges are disjoint, so no decoding step of a timed round meets a shape
+    planned before."""
+    from flashtune.integrations.fresh_generation import fresh_lengths
+
+    for prompt, new, rounds in ((2048, 64, 5), (12, 3, 2), (7, 1, 4)):
+        warm, timed = fresh_lengths(prompt, new, rounds)
+        assert timed[0] == prompt and len(timed) == rounds
+        spans = [set(range(n, n + new + 1)) for n in [*timed, warm]]
+        assert all(not (a & b) for i, a in enumerate(spans) for b in spans[i + 1:])
+
+
+def test_generate_new_runs_each_contender_in_a_process_of_its_own():
+    """``generate_new``: a child process per contender, the same prompt tokens for each
+    (flashtune's first round's tokens compared with sdpa's), a ratio per round; a contender
+    whose process fails is an error of its own, the others are timed."""
+    from flashtune.integrations.fresh_generation import fresh_generation_row
+
+    spec = mb.TINY["llama"]
+    work = replace(mb.default_workload("llama", tiny=True), phases=("generate_new",))
+    result = mb.bench_model(spec, work, contenders=("flashtune", "sdpa"), rounds=2,
+                            interpret=DEVICE == "cpu")
+    [row] = result["phases"]
+    assert row["phase"] == "generate_new" and row["errors"] == {}, row["errors"]
+    assert row["lengths"] == [work.gen_prompt, work.gen_prompt + work.new_tokens + 1]
+    assert set(row["ms"]) == {"flashtune", "sdpa"} and len(row["round_ms"]["sdpa"]) == 2
+    ratios = [s / f for s, f in zip(row["round_ms"]["sdpa"], row["round_ms"]["flashtune"])]
+    assert row["speedup"]["sdpa"] == pytest.approx(sum(ratios) / 2)
+    assert 0 <= row["check"]["flashtune"] <= 1
+    assert "new lengths" in mb.render_model(result)
+    broken = fresh_generation_row(spec, work, ("flashtune", "sdpa", "sdpa_nothing"), 1,
+                                  "cpu" if DEVICE == "cpu" else "cuda")
+    assert set(broken["ms"]) == {"flashtune", "sdpa"}
+    assert "its process failed" in broken["errors"]["sdpa_nothing"]
 
 
 def test_bert_training_with_dropout_runs_on_flashtune_and_is_not_compared():
