@@ -12,13 +12,13 @@ times ``rounds`` generations, round ``r`` from a prompt of ``prompt + r * (new +
 the same lengths. The prompts are the same tokens for every contender (prefixes of one
 seeded draw), the weights the same seeded initialisation as the other phases'.
 
-The child is ``python -m flashtune.integrations.fresh_generation``: the job as JSON on its
-standard input, the result as JSON on the last line of its standard output.
+The child is ``python -m flashtune.integrations.model_bench`` (its ``fresh_child``): the
+job as JSON on its standard input, the result as JSON on the last line of its standard
+output.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import statistics
@@ -45,40 +45,10 @@ def fresh_lengths(prompt: int, new_tokens: int, rounds: int) -> tuple[int, list[
     return prompt + rounds * step, [prompt + r * step for r in range(rounds)]
 
 
-def _child(job: dict[str, Any]) -> dict[str, Any]:
-    """In the child process: build the model, warm up, time the rounds of one contender."""
-    from flashtune.integrations.model_bench import ModelSpec, Workload, _contender, _timer
-
-    spec, work = ModelSpec(**job["spec"]), Workload(**job["work"])
-    device, rounds = job["device"], job["rounds"]
-    torch.manual_seed(0)
-    model = spec.build(torch.bfloat16, device)
-    warm, timed = fresh_lengths(work.gen_prompt, work.new_tokens, rounds)
-    gen = torch.Generator(device=device).manual_seed(1)
-    tokens = torch.randint(1, spec.vocab, (work.gen_batch, warm), device=device, generator=gen)
-    out: dict[str, torch.Tensor] = {}
-
-    def generate(n: int) -> None:
-        prompt = tokens[:, :n]
-        with torch.no_grad():
-            new = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt),
-                                 max_new_tokens=work.new_tokens,
-                                 min_new_tokens=work.new_tokens, do_sample=False,
-                                 pad_token_id=0)
-        out[str(n)] = new[:, n:]
-
-    ms = _timer(device)
-    with _contender(model, job["contender"]):
-        generate(warm)
-        samples = [ms(functools.partial(generate, n)) for n in timed]
-    return {"ms": samples, "lengths": timed, "warmup_length": warm,
-            "first_tokens": out[str(timed[0])].tolist()}
-
-
 def _run_child(job: dict[str, Any]) -> dict[str, Any]:
     """One contender's rounds in a new Python process; RuntimeError with its last line of
     error output if it fails."""
-    done = subprocess.run([sys.executable, "-m", "flashtune.integrations.fresh_generation"],
+    done = subprocess.run([sys.executable, "-m", "flashtune.integrations.model_bench"],
                           input=json.dumps(job), capture_output=True, text=True,
                           env=dict(os.environ), timeout=CHILD_TIMEOUT_S, check=False)
     lines = done.stdout.strip().splitlines()
@@ -129,14 +99,3 @@ def fresh_generation_row(spec: Any, work: Any, contenders: Sequence[str], rounds
     if best:
         row["speedup_vs_best_of_sdpa_and_cudnn"] = min(best)
     return row
-
-
-def main() -> None:
-    job = json.loads(sys.stdin.read())
-    if job["device"] == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    print(json.dumps(_child(job)))
-
-
-if __name__ == "__main__":
-    main()

@@ -40,6 +40,7 @@ On CPU (``interpret=True``, under ``TRITON_INTERPRET=1``) the same pipeline runs
 from __future__ import annotations
 
 import contextlib
+import functools
 import platform
 import re
 import statistics
@@ -51,6 +52,7 @@ from typing import Any
 import torch
 
 from flashtune.core.problem import MAX_HEAD_DIM
+from flashtune.integrations.fresh_generation import fresh_generation_row, fresh_lengths
 from flashtune.integrations.transformers import NAME, chunk_against_cache, sdpa_arguments
 from flashtune.runtime.bench import _first_line
 from flashtune.runtime.ops import lookup_config
@@ -511,8 +513,6 @@ def bench_model(spec: ModelSpec, work: Workload, *, contenders: Sequence[str] = 
         if on_phase is not None:
             on_phase(row)
     if "generate_new" in work.phases and spec.family == "llama":
-        from flashtune.integrations.fresh_generation import fresh_generation_row
-
         row = fresh_generation_row(spec, work, contenders, rounds, device)
         rows.append(row)
         if on_phase is not None:
@@ -572,3 +572,41 @@ def render_model(result: Mapping[str, Any]) -> str:
                              {x['route'] for x in r.get("routes", [])})))
     return "\n".join(lines)
 
+
+def fresh_child(job: Mapping[str, Any]) -> dict[str, Any]:
+    """``generate_new``'s child process (:mod:`flashtune.integrations.fresh_generation`):
+    builds the model as :func:`bench_model` does (seed 0), warms up one contender at a
+    length past the rounds', then times a generation from each round's prompt length
+    (:func:`~flashtune.integrations.fresh_generation.fresh_lengths`), the prompts prefixes of
+    one seeded draw. Returns the round times, the lengths and the first round's tokens."""
+    spec, work = ModelSpec(**job["spec"]), Workload(**job["work"])
+    device, rounds = job["device"], job["rounds"]
+    torch.manual_seed(0)
+    model = spec.build(torch.bfloat16, device)
+    warm, timed = fresh_lengths(work.gen_prompt, work.new_tokens, rounds)
+    gen = torch.Generator(device=device).manual_seed(1)
+    tokens = torch.randint(1, spec.vocab, (work.gen_batch, warm), device=device, generator=gen)
+    out: dict[int, torch.Tensor] = {}
+
+    def generate(n: int) -> None:
+        prompt = tokens[:, :n]
+        with torch.no_grad():
+            new = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt),
+                                 max_new_tokens=work.new_tokens,
+                                 min_new_tokens=work.new_tokens, do_sample=False,
+                                 pad_token_id=0)
+        out[n] = new[:, n:]
+
+    ms = _timer(device)
+    with _contender(model, job["contender"]):
+        generate(warm)
+        samples = [ms(functools.partial(generate, n)) for n in timed]
+    return {"ms": samples, "lengths": timed, "warmup_length": warm,
+            "first_tokens": out[timed[0]].tolist()}
+
+
+if __name__ == "__main__":  # generate_new's child: the job on stdin, the result on stdout
+    import json
+    import sys
+
+    print(json.dumps(fresh_child(json.loads(sys.stdin.read()))))
