@@ -20,7 +20,6 @@ output.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -29,6 +28,8 @@ from dataclasses import asdict
 from typing import Any
 
 import torch
+
+from flashtune.runtime.bench import _first_line
 
 __all__ = ["fresh_generation_row", "fresh_lengths"]
 
@@ -50,7 +51,7 @@ def _run_child(job: dict[str, Any]) -> dict[str, Any]:
     error output if it fails."""
     done = subprocess.run([sys.executable, "-m", "flashtune.integrations.model_bench"],
                           input=json.dumps(job), capture_output=True, text=True,
-                          env=dict(os.environ), timeout=CHILD_TIMEOUT_S, check=False)
+                          timeout=CHILD_TIMEOUT_S, check=False)
     lines = done.stdout.strip().splitlines()
     if done.returncode != 0 or not lines:
         why = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
@@ -70,7 +71,7 @@ def fresh_generation_row(spec: Any, work: Any, contenders: Sequence[str], rounds
         "phase": "generate_new",
         "label": (f"B{work.gen_batch} x {timed[0]}-{timed[-1]} + {work.new_tokens} new, "
                   f"new lengths, a process each"),
-        "tokens": work.gen_batch * work.new_tokens, "ms": {}, "errors": {}, "check": {},
+        "tokens": work.gen_batch * work.new_tokens, "errors": {}, "check": {},
         "lengths": timed, "warmup_length": warm}
     job = {"spec": asdict(spec), "work": asdict(work), "rounds": rounds, "device": device}
     samples: dict[str, list[float]] = {}
@@ -79,7 +80,7 @@ def fresh_generation_row(spec: Any, work: Any, contenders: Sequence[str], rounds
         try:
             got = _run_child({**job, "contender": name})
         except Exception as exc:  # a backend that cannot run the model: data
-            row["errors"][name] = str(exc).splitlines()[0][:300]
+            row["errors"][name] = _first_line(exc)
             continue
         samples[name] = got["ms"]
         first = torch.tensor(got["first_tokens"])

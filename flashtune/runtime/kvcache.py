@@ -126,7 +126,7 @@ def _device(device_type: str, index: int | None) -> DeviceFingerprint:
 
 
 def decode_route(problem: AttentionProblem, device: DeviceFingerprint,
-                 fwd: Dispatcher, *, warn: bool = True) -> ConfigChoice | None:
+                 fwd: Dispatcher) -> ConfigChoice | None:
     """The attn_decode config :func:`flashtune.attention` runs ``problem`` (dense K/V) with,
     or None to run it with attn_fwd (``fwd``'s dispatcher).
 
@@ -141,8 +141,6 @@ def decode_route(problem: AttentionProblem, device: DeviceFingerprint,
         problem: the call's problem (dense K/V: ``seqlen_k`` is the keys' length).
         device: the device it runs on.
         fwd: attn_fwd's dispatcher (for its tuned timing of the same problem).
-        warn: warn when attn_decode's template default is the answer (False: the caller
-            may serve the call otherwise and warns itself when it does not).
     Returns:
         attn_decode's :class:`~flashtune.runtime.lookup.ConfigChoice`, or None for attn_fwd.
     """
@@ -155,7 +153,7 @@ def decode_route(problem: AttentionProblem, device: DeviceFingerprint,
             return None
     elif dec_exact is None and problem.seqlen_k < DECODE_MIN_KEYS:
         return None
-    return DISPATCH.choose(problem, device) if warn else DISPATCH.peek(problem, device)
+    return DISPATCH.choose(problem, device)
 
 
 def reset() -> None:

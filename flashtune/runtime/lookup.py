@@ -217,8 +217,7 @@ class Dispatcher:
         return found
 
     def peek(self, problem: AttentionProblem, device: Any) -> ConfigChoice:
-        """:meth:`choose` without its warning: for a caller that may serve the call
-        otherwise (the router's defaults by compute capability)."""
+        """:meth:`choose` without its warning."""
         memo_key = (device_key(device), problem)
         found = self._memo.get(memo_key)
         if found is not None:

@@ -280,10 +280,8 @@ def _route(problem: AttentionProblem, device: DeviceFingerprint, *, tune: bool =
         chosen = _ROUTERS[op].choose(problem, device, return_lse=return_lse)
         if chosen is not None:
             return chosen
-    choice = kvcache.decode_route(problem, device, _DISPATCH, warn=False)
-    if choice is not None:
-        return kvcache.DISPATCH.choose(problem, device)  # memoised: the same, warned
-    return _choose(problem, device, tune=tune)
+    return kvcache.decode_route(problem, device, _DISPATCH) \
+        or _choose(problem, device, tune=tune)
 
 
 def _train_default(problem: AttentionProblem, device: DeviceFingerprint,
