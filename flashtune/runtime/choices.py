@@ -12,8 +12,10 @@ cannot return) and its config passes the implementation's validity predicate for
 problem; otherwise the chain goes on. An implementation that builds a plan for every new
 shape (:attr:`~flashtune.core.spec.TemplateSpec.plans_per_shape`: cuDNN's, 40-68 ms the
 first call of a shape on an H200) serves the ``fwd`` and ``decode`` ops only at the shapes it
-was chosen for: a call that only its bucket or nearest match would serve gets None, as a
-stale one does (a decoding step over a growing cache is a new shape every token). With no choice that serves it, :meth:`OpRouter.choose`
+was chosen for: a call that only its bucket or nearest match would serve gets the fastest
+implementation timed beside it there that plans nothing and serves the call (its config as
+timed there), else None, as a stale choice does (a decoding step over a growing cache is a
+new shape every token). With no choice that serves it, :meth:`OpRouter.choose`
 answers None and the caller takes the per-template route (the documented default: attn_fwd's
 tuned configs, the shipped table, the template default; short queries over long caches on
 attn_decode).
@@ -34,6 +36,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from flashtune.core.problem import AttentionProblem
@@ -158,21 +161,47 @@ class OpRouter:
                                 across_groups=self.op != "train")
             if pick is None:
                 continue
-            if self._plans_per_shape(pick):
+            if self._plans_per_shape(pick.implementation) and not pick.stale:
                 # cuDNN's choices keep their place too: a new shape near them takes the
-                # default, not a choice made further away
-                log.info("%s: op %s takes the default: its %s match, %s for %s (%s), "
-                         "builds a plan for every new shape", problem.describe(), self.op,
-                         source, pick.implementation, pick.problem.describe(), pick.origin)
-                return None
+                # fastest of what was timed beside cuDNN there, else the default, not a
+                # choice made further away
+                return self._instead(pick, source, problem, device, return_lse, paired)
             return _choice(pick, source, problem, self.op, self._lent(pick, problem, device))
         return None
 
-    def _plans_per_shape(self, entry: ChoiceEntry) -> bool:
-        """Whether ``entry`` serves a call without gradients only at its own shape
-        (:attr:`~flashtune.core.spec.TemplateSpec.plans_per_shape`); a training step's
-        choice serves near shapes too, which a training run meets again every step."""
-        spec = self.specs.get(entry.implementation)
+    def _instead(self, pick: ChoiceEntry, source: str, problem: AttentionProblem, device: Any,
+                 return_lse: bool, paired: bool) -> ConfigChoice | None:
+        """For a call that ``pick``, a choice of an implementation that plans per shape,
+        would serve from another shape: the fastest implementation timed beside it there
+        that builds no plan and serves the call (its config as timed, lent to ``problem``),
+        else None (the default)."""
+        for alt in pick.alternatives:
+            if self._plans_per_shape(alt.implementation):
+                continue
+            entry = replace(pick, implementation=alt.implementation, config=alt.config,
+                            median_ms=alt.median_ms, margin=None, alternatives=(),
+                            tflops=None if pick.tflops is None
+                            else pick.tflops * pick.median_ms / alt.median_ms)
+            if self._serves(entry, problem, device, return_lse, paired):
+                log.info("%s: op %s served by %s, timed beside %s's choice for %s (%s, %s): "
+                         "%s builds a plan for every new shape", problem.describe(), self.op,
+                         alt.implementation, pick.implementation, pick.problem.describe(),
+                         source, pick.origin, pick.implementation)
+                return ConfigChoice(self._lent(entry, problem, device), source, entry.tflops,
+                                    entry.median_ms, entry.problem, entry.origin,
+                                    entry.implementation)
+        log.info("%s: op %s takes the default: its %s match, %s for %s (%s), builds a plan "
+                 "for every new shape, and nothing timed beside it serves the call",
+                 problem.describe(), self.op, source, pick.implementation,
+                 pick.problem.describe(), pick.origin)
+        return None
+
+    def _plans_per_shape(self, implementation: str) -> bool:
+        """Whether a choice of ``implementation`` serves a call without gradients only at
+        its own shape (:attr:`~flashtune.core.spec.TemplateSpec.plans_per_shape`); a
+        training step's choice serves near shapes too, which a training run meets again
+        every step."""
+        spec = self.specs.get(implementation)
         return self.op != "train" and spec is not None and spec.plans_per_shape
 
     def _lent(self, entry: ChoiceEntry, problem: AttentionProblem,

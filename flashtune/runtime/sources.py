@@ -51,7 +51,7 @@ from flashtune.core.spec import USER_OPS
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
-__all__ = ["ChoiceEntry", "DeviceKey", "StaleTable", "TunedEntry", "device_key",
+__all__ = ["Alternative", "ChoiceEntry", "DeviceKey", "StaleTable", "TunedEntry", "device_key",
            "load_choices", "load_entries", "retune_file_command", "source_dirs",
            "stale_tables"]
 
@@ -219,7 +219,9 @@ class ChoiceEntry:
     ``implementation`` with ``config``, which beat the runner-up by ``margin``
     (``runner_up_ms / median_ms``; None when nothing else was timed). ``stale``: decided at
     another source of ``implementation`` (or by one this flashtune does not know): never
-    served, it only marks where that choice was made (see the module docstring)."""
+    served, it only marks where that choice was made (see the module docstring).
+    ``alternatives``: the other implementations timed in the decision, fastest first, each
+    its best config and time, those decided at the source hash the caller names only."""
 
     device: DeviceKey
     problem: AttentionProblem
@@ -230,6 +232,33 @@ class ChoiceEntry:
     origin: str  # "db <url>", "dir <path>" or "package <path>"
     margin: float | None
     stale: bool = False
+    alternatives: tuple[Alternative, ...] = ()
+
+
+@dataclass(frozen=True)
+class Alternative:
+    """One implementation a choice was timed against: its best config and time there."""
+
+    implementation: str
+    config: dict[str, int]
+    median_ms: float
+
+
+def _alternatives(candidates: Iterable[Mapping[str, Any]], winner: str,
+                  hashes: Mapping[str, str],
+                  known: Mapping[str, str] | None = None) -> tuple[Alternative, ...]:
+    """``candidates`` (a decision's, as stored) less the winner, those that failed and those
+    timed at a source hash other than ``hashes`` names (a candidate's own, else the
+    document's ``known`` one), fastest first."""
+    out = []
+    for c in candidates:
+        name, ms = c.get("implementation"), c.get("median_ms")
+        if name == winner or not isinstance(name, str) or ms is None:
+            continue
+        timed_at = c.get("source_hash") or (known or {}).get(name)
+        if name in hashes and timed_at == hashes[name]:
+            out.append(Alternative(name, dict(c.get("config") or {}), float(ms)))
+    return tuple(sorted(out, key=lambda a: a.median_ms))
 
 
 class _Stale:
@@ -270,7 +299,8 @@ def _choices_from_db(op: str, hashes: Mapping[str, str], url: str | None) -> lis
     stale = _Stale(f"db {safe_url(url)}")
     out = [ChoiceEntry(device_key(c.device), AttentionProblem.from_key(c.problem_key),
                        c.implementation, dict(c.config), c.median_ms, c.tflops, stale.origin,
-                       c.margin, not stale.keep(c.implementation, c.source_hash, hashes))
+                       c.margin, not stale.keep(c.implementation, c.source_hash, hashes),
+                       _alternatives(c.candidates, c.implementation, hashes))
            for c in stored]
     stale.log(hashes)
     return out
@@ -291,7 +321,9 @@ def _choices_from_file(path: Path, kind: str, op: str, hashes: Mapping[str, str]
                        dict(e.config), e.median_ms, e.tflops, stale.origin,
                        None if e.runner_up_ms is None else e.runner_up_ms / e.median_ms,
                        not stale.keep(e.implementation,
-                                      doc.implementations.get(e.implementation), hashes))
+                                      doc.implementations.get(e.implementation), hashes),
+                       _alternatives(e.candidates, e.implementation, hashes,
+                                     doc.implementations))
            for e in doc.entries]
     # warned about: entries of one of flashtune's own kernels whose source moved since (its
     # kernels changed: re-tune); only logged: an SDPA backend's (or a pair with its forward:

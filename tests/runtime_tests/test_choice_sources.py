@@ -343,6 +343,65 @@ def test_an_extern_that_plans_every_shape_serves_inference_only_at_its_own_shape
     assert served(training, 2560) == (EXTERN, "nearest")
 
 
+def test_a_shape_near_a_planning_choice_takes_what_was_timed_beside_it(env: dict) -> None:
+    """Where a ``fwd`` or ``decode`` choice of an implementation that plans every shape
+    would serve a near shape, the router serves the fastest candidate timed beside it there
+    that plans nothing, with the config it was timed with: from a file (its hash the
+    document's, or the candidate's own) and from the database; a candidate timed at
+    another source, one that failed, or one that cannot serve the call is passed over, and
+    with none left the call takes the default."""
+    from flashtune.core.problem import AttentionProblem
+    from flashtune.kernel_templates import get_template, implementations
+    from flashtune.runtime.choices import OpRouter
+
+    a = AttentionProblem(2, 8, 2, 2048, 2048, 64, True, "bf16")
+    timed = dict(FWD_CFG, num_warps=4)
+    filled = get_template("attn_fwd").space.validate(timed)  # the knobs left out: defaults
+
+    def candidates(fwd_hash: str | None) -> list[dict[str, Any]]:
+        return [{"implementation": EXTERN, "config": {}, "median_ms": 1.0},
+                {"implementation": "attn_decode", "config": DECODE_CFG, "median_ms": None},
+                {"implementation": "attn_fwd", "config": timed, "median_ms": 1.3}
+                | ({} if fwd_hash is None else {"source_hash": fwd_hash})]
+
+    def router() -> OpRouter:
+        specs = {s.name: s for s in implementations("fwd")}
+        specs[EXTERN] = replace(specs[EXTERN], plans_per_shape=True)
+        return OpRouter("fwd", specs)
+
+    def served(nq: int, **kwargs: Any) -> tuple[Any, ...]:
+        got = router().choose(replace(a, seqlen_q=nq, seqlen_k=nq), HERE, **kwargs)
+        return (None,) if got is None else (got.template, got.source, got.config,
+                                            got.median_ms)
+
+    def ship(fwd_hash: str | None) -> None:
+        write(env["package"], entry(a, implementation=EXTERN, config={}, runner_up="attn_fwd",
+                                    runner_up_ms=1.3, extern=None, extern_ms=None,
+                                    candidates=tuple(candidates(fwd_hash))),
+              implementations={EXTERN: EXTERN_HASH, "attn_fwd": FWD})
+
+    ship(None)  # the document's hash of attn_fwd
+    [e] = load_choices("fwd", env["hashes"], HERE.name)[0]
+    assert [(x.implementation, x.config, x.median_ms) for x in e.alternatives] == [
+        ("attn_fwd", timed, 1.3)]  # not the winner, not the one that failed
+    assert served(2048) == (EXTERN, "exact", {}, 1.0)
+    assert served(2047) == ("attn_fwd", "bucket", filled, 1.3)
+    assert served(2560)[:2] == ("attn_fwd", "nearest")
+    ship(FWD)  # the candidate's own
+    assert served(2047)[:2] == ("attn_fwd", "bucket")
+    ship(OLD)  # timed at another attn_fwd source
+    assert served(2047) == (None,)
+    # the database's candidates, which win over the package's file
+    ship(OLD)
+    decide(env["db"], "fwd", 0, EXTERN, source_hash=EXTERN_HASH, config={}, median_ms=1.0,
+           tflops=300.0, candidates=candidates(FWD))
+    db_problem = FWD_PROBLEMS[0]
+    got = router().choose(replace(db_problem, seqlen_q=db_problem.seqlen_q - 1,
+                                  seqlen_k=db_problem.seqlen_k - 1), HERE)
+    assert got is not None and (got.template, got.config) == ("attn_fwd", filled)
+    assert got.tflops == pytest.approx(300.0 / 1.3)
+
+
 def test_only_cudnn_plans_every_shape() -> None:
     """Of torch's SDPA backends, cuDNN's builds a graph per shape; FLASH and EFFICIENT run
     a new shape at once (benchmarks/results/new_shape_h200.json)."""
