@@ -228,32 +228,18 @@ class AttentionProblem:
         """
         if (self.dtype, self.head_dim, self.causal) != (other.dtype, other.head_dim, other.causal):
             return math.inf
-        group, other_group = self.heads_q // self.heads_kv, other.heads_q // other.heads_kv
-        if group != other_group and not across_groups:
-            return math.inf
+        return features_distance(self.near_features(), other.near_features(),
+                                 across_groups=across_groups)
 
-        def lg(a: float, b: float) -> float:
-            return abs(math.log2(a) - math.log2(b))
-
-        grouped = 0.0 if group == other_group else GROUP_DISTANCE + lg(group, other_group)
-
-        # other score modifications: a config still runs them, and tiles tuned without a
-        # window are a better start than the template's default, but any problem with the
-        # same ones is nearer
-        own_mods = self.mods()
-        mods = 0.0 if own_mods == other.mods() else MODS_DISTANCE
-        if not mods and "window" in own_mods:
-            mods = 0.5 * (lg(self._window_span(), other._window_span()))
-        # a packed batch: its grid's other axis is the work of tokens / longest sequences
-        # of the longest's length; a dense config serves it (the same kernels) but a
-        # packed one is nearer
-        packed = 0.0 if self.packed == other.packed else PACKED_DISTANCE
-        # dropout: the same kernels with the mask's work added; any rate is as near as
-        # another (the work does not depend on it), none against some is farther
-        dropout = 0.0 if bool(self.dropout) == bool(other.dropout) else DROPOUT_DISTANCE
-        return (lg(self.seqlen_q, other.seqlen_q) + lg(self.seqlen_k, other.seqlen_k)
-                + 0.5 * lg(self._rows() * self.heads_q, other._rows() * other.heads_q)
-                + mods + packed + dropout + grouped)
+    def near_features(self) -> NearFeatures:
+        """What :meth:`distance` reads of this problem beside dtype, head_dim and causal,
+        computed once: a table of tuned problems keeps each entry's, so ranking them for a
+        shape not seen before (every decoding step over a growing cache) is arithmetic."""
+        mods = self.mods()
+        return (self.heads_q // self.heads_kv, math.log2(self.seqlen_q),
+                math.log2(self.seqlen_k), math.log2(self._rows() * self.heads_q), mods,
+                math.log2(self._window_span()) if "window" in mods else 0.0, self.packed,
+                bool(self.dropout))
 
     def _rows(self) -> float:
         """How many sequences of ``seqlen_q`` the batch's queries amount to."""
@@ -350,6 +336,40 @@ GROUP_DISTANCE = 2.0
 # what differing score modifications add to the nearest-problem distance (as much as four
 # doublings of both sequence lengths)
 MODS_DISTANCE = 8.0
+
+
+# :meth:`AttentionProblem.near_features`: GQA group, log2 of seqlen_q, seqlen_k and the
+# rows x heads_q, the score modifications, log2 of the window's span (0 without a window),
+# packed, dropout
+NearFeatures = tuple[int, float, float, float, tuple[str, ...], float, bool, bool]
+
+
+def features_distance(a: NearFeatures, b: NearFeatures, *,
+                      across_groups: bool = False) -> float:
+    """:meth:`AttentionProblem.distance` of two problems of the same dtype, head_dim and
+    causal, from their :meth:`~AttentionProblem.near_features`."""
+    group, lq, lk, rows, mods, span, packed, dropout = a
+    o_group, o_lq, o_lk, o_rows, o_mods, o_span, o_packed, o_dropout = b
+    if group != o_group:
+        if not across_groups:
+            return math.inf
+        grouped = GROUP_DISTANCE + abs(math.log2(group) - math.log2(o_group))
+    else:
+        grouped = 0.0
+    # other score modifications: a config still runs them, and tiles tuned without a
+    # window are a better start than the template's default, but any problem with the
+    # same ones is nearer
+    if mods != o_mods:
+        modded = MODS_DISTANCE
+    else:
+        modded = 0.5 * abs(span - o_span) if "window" in mods else 0.0
+    # a packed batch: its grid's other axis is the work of tokens / longest sequences of
+    # the longest's length; a dense config serves it (the same kernels) but a packed one is
+    # nearer. Dropout: the same kernels with the mask's work added; any rate is as near as
+    # another (the work does not depend on it), none against some is farther
+    return (abs(lq - o_lq) + abs(lk - o_lk) + 0.5 * abs(rows - o_rows) + modded
+            + (0.0 if packed == o_packed else PACKED_DISTANCE)
+            + (0.0 if dropout == o_dropout else DROPOUT_DISTANCE) + grouped)
 
 
 def _spread(tokens: int, count: int, longest: int) -> tuple[int, ...]:

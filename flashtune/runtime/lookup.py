@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar, overload
 
-from flashtune.core.problem import AttentionProblem
+from flashtune.core.problem import AttentionProblem, NearFeatures, features_distance
 from flashtune.runtime.sources import DeviceKey, TunedEntry, device_key, load_entries
 
 log = logging.getLogger(__name__)
@@ -288,8 +288,11 @@ class Nearest(Sequence[_E]):
         self._bucket: dict[str, list[int]] = {}
         self._kind: dict[tuple[str, int, bool], list[int]] = {}
         self._exact: dict[AttentionProblem, list[int]] = {}
+        # what the distance reads of each entry's problem, computed once
+        self.features: list[NearFeatures] = []
         for i, e in enumerate(self.entries):
             p = e.problem
+            self.features.append(p.near_features())
             self._exact.setdefault(p, []).append(i)
             self._bucket.setdefault(p.bucket(), []).append(i)
             self._kind.setdefault((p.dtype, p.head_dim, p.causal), []).append(i)
@@ -354,8 +357,9 @@ def pick_nearest(entries: Sequence[_E], problem: AttentionProblem, same_bucket: 
     """
     index = entries if isinstance(entries, Nearest) else Nearest(entries)
     ranked = []
-    for i in index.candidates(problem, same_bucket):
-        dist = problem.distance(index.entries[i].problem, across_groups=across_groups)
+    own, features = problem.near_features(), index.features
+    for i in index.candidates(problem, same_bucket):  # dtype, head_dim and causal agree
+        dist = features_distance(own, features[i], across_groups=across_groups)
         if math.isfinite(dist):
             ranked.append((dist, index.speed(i), i))
     ranked.sort()

@@ -643,3 +643,82 @@ def test_per_call_memos_are_bounded():
     assert len(dispatcher._memo) <= lookup_mod.MEMO_LIMIT
     assert dispatcher.choose(AttentionProblem(1, 2, 2, 1, 64, 32, True, "fp16"),
                              HERE) == first
+
+
+def _distance_as_documented(a, b, across_groups):
+    """AttentionProblem.distance as its docstring states it, term by term (the reference
+    for the per-entry features the tables keep)."""
+    import math
+
+    from flashtune.core.problem import (
+        DROPOUT_DISTANCE,
+        GROUP_DISTANCE,
+        MODS_DISTANCE,
+        PACKED_DISTANCE,
+    )
+
+    def lg(x, y):
+        return abs(math.log2(x) - math.log2(y))
+
+    if (a.dtype, a.head_dim, a.causal) != (b.dtype, b.head_dim, b.causal):
+        return math.inf
+    ga, gb = a.heads_q // a.heads_kv, b.heads_q // b.heads_kv
+    if ga != gb and not across_groups:
+        return math.inf
+
+    def rows(p):
+        return p.tokens_q / p.seqlen_q if p.tokens_q else float(p.batch)
+
+    def span(p):
+        left = p.seqlen_k if p.window_left < 0 else p.window_left
+        right = 0 if p.causal else (p.seqlen_k if p.window_right < 0 else p.window_right)
+        return max(1, min(p.seqlen_k, left + right + 1))
+
+    mods = 0.0 if a.mods() == b.mods() else MODS_DISTANCE
+    if not mods and "window" in a.mods():
+        mods = 0.5 * lg(span(a), span(b))
+    return (lg(a.seqlen_q, b.seqlen_q) + lg(a.seqlen_k, b.seqlen_k)
+            + 0.5 * lg(rows(a) * a.heads_q, rows(b) * b.heads_q) + mods
+            + (0.0 if bool(a.tokens_q) == bool(b.tokens_q) else PACKED_DISTANCE)
+            + (0.0 if bool(a.dropout) == bool(b.dropout) else DROPOUT_DISTANCE)
+            + (0.0 if ga == gb else GROUP_DISTANCE + lg(ga, gb)))
+
+
+def test_the_distance_from_kept_features_is_the_documented_one():
+    """The nearest lookup ranks a table's entries by features each keeps
+    (:meth:`AttentionProblem.near_features`); over problems with windows, softcaps, ALiBi,
+    packed batches, dropout and GQA groups, that distance is the documented sum exactly."""
+    import random
+
+    from flashtune.core.problem import features_distance
+
+    rng = random.Random(1)
+
+    def shape():
+        hkv, b = rng.choice([1, 2, 8]), rng.choice([1, 3, 8])
+        nq = rng.choice([1, 77, 512, 2049])
+        nk = rng.choice([nq, 2 * nq, 4096])
+        causal = rng.random() < 0.5
+        left = rng.choice([-1, -1, 63, 1000])
+        right = -1 if causal else rng.choice([-1, 0, 31])
+        packed = rng.random() < 0.2
+        return AttentionProblem(
+            b, hkv * rng.choice([1, 4]), hkv, nq, nk, 64, causal, "bf16",
+            window_left=left, window_right=right,
+            softcap=rng.choice([0.0, 0.0, 30.0]), alibi=rng.random() < 0.2,
+            tokens_q=b * nq - (b - 1) if packed else 0,
+            tokens_k=b * nk - (b - 1) if packed else 0,
+            dropout=rng.choice([0.0, 0.0, 0.1]))
+
+    problems = [shape() for _ in range(120)]
+    finite = 0
+    for a in problems:
+        for b in problems[:40]:
+            for across in (False, True):
+                want = _distance_as_documented(a, b, across)
+                assert a.distance(b, across_groups=across) == want, (a, b, across)
+                if a.causal == b.causal:  # what the table's index compares
+                    assert features_distance(a.near_features(), b.near_features(),
+                                             across_groups=across) == want
+                finite += want != float("inf")
+    assert finite > 1000
