@@ -95,7 +95,7 @@ class DirectLaunch:
     device's context: build under ``torch.cuda.device(...)`` of the tensors' device).
     """
 
-    __slots__ = ("grid", "tail", "_late", "_run", "_function", "_packed")
+    __slots__ = ("grid", "tail", "_late", "_run", "_function", "_packed", "_raw")
 
     def __init__(self, jit_fn: Any, args: Sequence[Any], kwargs: Mapping[str, Any],
                  grid: Sequence[int], n_varying: int, late: Sequence[str] = ()) -> None:
@@ -124,18 +124,150 @@ class DirectLaunch:
         self._run = compiled.run
         self._function = compiled.function
         self._packed = compiled.packed_metadata
+        self._raw = RawLaunch.of(compiled.run, n_varying, self.tail, self._late)
 
     def __call__(self, stream: int, *varying: Any) -> None:
         g0, g1, g2 = self.grid
+        if self._raw is not None:
+            self._raw(g0, g1, g2, stream, self._function, self._packed, varying, ())
+            return
         self._run(g0, g1, g2, stream, self._function, self._packed, None, None, None,
                   *varying, *self.tail)
 
     def with_late(self, stream: int, varying: Sequence[Any], late: Sequence[Any]) -> None:
         """A launch whose ``late`` arguments (as named at build time, in that order) change
         per call too."""
+        g0, g1, g2 = self.grid
+        if self._raw is not None:
+            self._raw(g0, g1, g2, stream, self._function, self._packed, varying, late)
+            return
         tail = list(self.tail)
         for i, value in zip(self._late, late):
             tail[i] = value
-        g0, g1, g2 = self.grid
         self._run(g0, g1, g2, stream, self._function, self._packed, None, None, None,
                   *varying, *tail)
+
+
+class RawLaunch:
+    """Triton's compiled C launcher called with the argument list Triton's Python layer
+    would build for it, that list's fixed part built once.
+
+    Triton 3.6's CUDA launcher (``CompiledKernel.run``, a ``CudaLauncher``) is a Python
+    object whose call allocates the scratch buffers a kernel may need and, for a kernel with
+    host tensor descriptors, goes through a closure (``wrap_handle_tensordesc``) that walks
+    every argument to expand each descriptor into the C launcher's arguments; for attn_fwd's
+    40 arguments that walk was most of a planned call's host time on an H200 (``driver.py``'s
+    ``inner``: 11 of the plan's 20 us under cProfile). Here only the arguments that change
+    per call (the leading ones and the late ones) are expanded per call, with Triton's own
+    ``make_tensordesc_arg``; the others were expanded when the plan was built. :meth:`of`
+    answers None (the caller keeps ``CompiledKernel.run``) unless the launcher is that
+    object as this code knows it and the kernel needs no scratch memory.
+    """
+
+    __slots__ = ("_launch", "_coop", "_pdl", "_varying", "_parts", "_late_meta",
+                 "_late_order", "_expand")
+
+    def __init__(self, launch: Callable[..., Any], coop: bool, pdl: bool,
+                 varying: tuple[Any, ...], parts: tuple[tuple[Any, ...], ...],
+                 late_meta: tuple[Any, ...], late_order: tuple[int, ...],
+                 expand: Callable[[Any, Any], list[Any]]) -> None:
+        self._launch, self._coop, self._pdl = launch, coop, pdl
+        self._varying = varying  # per leading argument: _PLAIN, or its descriptor metadata
+        # the fixed arguments as the C launcher takes them, split where a late one goes:
+        # parts[0], late[0], parts[1], ... (late in position order)
+        self._parts = parts
+        self._late_meta = late_meta
+        self._late_order = late_order  # the caller's late values, reordered by position
+        self._expand = expand
+
+    @classmethod
+    def of(cls, run: Any, n_varying: int, tail: Sequence[Any],
+           late: Sequence[int]) -> RawLaunch | None:
+        """The raw launch of ``run`` (a compiled kernel's ``run``) for a kernel called with
+        ``n_varying`` leading arguments that change per call, then ``tail``, whose positions
+        ``late`` (in the order the caller passes their values) change too; or None."""
+        try:
+            from triton.backends.nvidia import driver
+        except ImportError:  # pragma: no cover - a Triton without the CUDA backend
+            return None
+        if type(run) is not getattr(driver, "CudaLauncher", None) \
+                or getattr(driver, "_BASE_ARGS_FORMAT_LEN", None) != 13:
+            return None
+        try:
+            if run.global_scratch_size or run.profile_scratch_size:
+                return None  # allocated per launch by the launcher
+            launch, coop, pdl = (run.launch, bool(run.launch_cooperative_grid),
+                                 bool(run.launch_pdl))
+        except AttributeError:
+            return None
+        indices: Any = ()
+        meta: Sequence[Any] = ()
+        code = getattr(launch, "__code__", None)
+        if code is not None:  # wrap_handle_tensordesc's closure over the C launcher
+            cells = dict(zip(code.co_freevars,
+                             (c.cell_contents for c in launch.__closure__ or ())))
+            if not {"launcher", "tensordesc_indices", "tensordesc_meta"} <= cells.keys():
+                return None
+            launch, indices, meta = (cells["launcher"], cells["tensordesc_indices"],
+                                     cells["tensordesc_meta"])
+        expand = getattr(driver, "make_tensordesc_arg", None)
+        if expand is None or getattr(launch, "__code__", None) is not None:
+            return None
+        return cls.build(launch, coop, pdl, n_varying, tail, late, indices, meta, expand)
+
+    @classmethod
+    def build(cls, launch: Callable[..., Any], coop: bool, pdl: bool, n_varying: int,
+              tail: Sequence[Any], late: Sequence[int], indices: Any, meta: Sequence[Any],
+              expand: Callable[[Any, Any], list[Any]]) -> RawLaunch | None:
+        """:meth:`of` past Triton's objects: ``indices`` the positions of the kernel's
+        tensor descriptors among all its arguments, ``meta`` their metadata in that order
+        (empty: none, as ``wrap_handle_tensordesc`` reads it), ``expand`` Triton's
+        ``make_tensordesc_arg``."""
+        order = sorted(indices)
+        if meta and len(meta) != len(order):
+            return None
+
+        def desc(i: int) -> Any:
+            if i not in indices:
+                return _PLAIN
+            return meta[order.index(i)] if meta else None
+
+        by_position = sorted(range(len(late)), key=lambda n: late[n])
+        late_sorted = [late[n] for n in by_position]
+        if any(desc(n_varying + j) is _PLAIN for j in late_sorted):
+            return None  # only descriptors come late (the Gluon forward's output)
+        parts: list[tuple[Any, ...]] = []
+        chunk: list[Any] = []
+        for j, value in enumerate(tail):
+            d = desc(n_varying + j)
+            if j in late_sorted:
+                parts.append(tuple(chunk))
+                chunk = []
+            elif d is _PLAIN:
+                chunk.append(value)
+            else:
+                chunk.extend(expand(value, d))
+        parts.append(tuple(chunk))
+        return cls(launch, coop, pdl, tuple(desc(i) for i in range(n_varying)), tuple(parts),
+                   tuple(desc(n_varying + j) for j in late_sorted), tuple(by_position),
+                   expand)
+
+    def __call__(self, g0: int, g1: int, g2: int, stream: int, function: Any, packed: Any,
+                 varying: Sequence[Any], late: Sequence[Any]) -> None:
+        args = [g0, g1, g2, stream, function, self._coop, self._pdl, None, None, packed,
+                None, None, None]
+        expand = self._expand
+        for value, d in zip(varying, self._varying):
+            if d is _PLAIN:
+                args.append(value)
+            else:
+                args.extend(expand(value, d))
+        parts = self._parts
+        args.extend(parts[0])
+        for n, (i, d) in enumerate(zip(self._late_order, self._late_meta)):
+            args.extend(expand(late[i], d))
+            args.extend(parts[n + 1])
+        self._launch(*args)
+
+
+_PLAIN = object()  # RawLaunch: an argument that is no tensor descriptor
