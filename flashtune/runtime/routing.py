@@ -31,7 +31,9 @@ first call, once per process (``tune --op fwd`` searches across implementations)
 forward serves a call without gradients only at a shape it was chosen for exactly (an op
 choice): it builds a plan for every new shape, 40-68 ms on an H200, and inference meets a
 new shape with every decoding step over a growing cache and every prompt length
-(:attr:`~flashtune.core.spec.TemplateSpec.plans_per_shape`).
+(:attr:`~flashtune.core.spec.TemplateSpec.plans_per_shape`); a call near such a choice runs
+the fastest implementation timed beside it that plans nothing (SDPA's FLASH or one of
+flashtune's kernels, with the config it was timed with), else the default.
 A call with gradients takes its training route (:func:`_train_route`, memoised per call
 signature in ``_TRAIN_FAST``): the ``train`` op's stored choice (a forward of flashtune's
 with its backward's config, or an SDPA backend that torch differentiates), else attn_fwd's

@@ -300,9 +300,9 @@ def test_an_extern_that_plans_every_shape_serves_inference_only_at_its_own_shape
         env: dict) -> None:
     """cuDNN builds a plan the first time it meets a shape (40-68 ms on an H200): a
     ``fwd`` or ``decode`` choice of it serves its exact shape, and a shape only near it
-    takes the default, as a stale choice's neighbours do, not a choice made further away.
-    An extern without that cost serves near shapes, and so does a ``train`` choice (a
-    training run meets its shapes every step)."""
+    (here with nothing else timed beside it) takes the default, as a stale choice's
+    neighbours do, not a choice made further away. An extern without that cost serves near
+    shapes, and so does a ``train`` choice (a training run meets its shapes every step)."""
     from flashtune.core.problem import AttentionProblem
     from flashtune.kernel_templates import implementations
     from flashtune.runtime.choices import OpRouter
