@@ -165,7 +165,7 @@ class RawLaunch:
     """
 
     __slots__ = ("_launch", "_coop", "_pdl", "_varying", "_parts", "_late_meta",
-                 "_late_order", "_expand")
+                 "_late_order", "_expand", "_maps")
 
     def __init__(self, launch: Callable[..., Any], coop: bool, pdl: bool,
                  varying: tuple[Any, ...], parts: tuple[tuple[Any, ...], ...],
@@ -179,6 +179,9 @@ class RawLaunch:
         self._late_meta = late_meta
         self._late_order = late_order  # the caller's late values, reordered by position
         self._expand = expand
+        # descriptors already encoded, by slot, base address, shape and strides (see
+        # _encoded); at most _MAPS of them, then the cache starts again
+        self._maps: dict[tuple[Any, ...], list[Any]] = {}
 
     @classmethod
     def of(cls, run: Any, n_varying: int, tail: Sequence[Any],
@@ -256,18 +259,39 @@ class RawLaunch:
                  varying: Sequence[Any], late: Sequence[Any]) -> None:
         args = [g0, g1, g2, stream, function, self._coop, self._pdl, None, None, packed,
                 None, None, None]
-        expand = self._expand
-        for value, d in zip(varying, self._varying):
+        encoded = self._encoded
+        for slot, (value, d) in enumerate(zip(varying, self._varying)):
             if d is _PLAIN:
                 args.append(value)
             else:
-                args.extend(expand(value, d))
+                args.extend(encoded(slot, value, d))
         parts = self._parts
         args.extend(parts[0])
         for n, (i, d) in enumerate(zip(self._late_order, self._late_meta)):
-            args.extend(expand(late[i], d))
+            args.extend(encoded(-1 - n, late[i], d))
             args.extend(parts[n + 1])
         self._launch(*args)
 
+    def _encoded(self, slot: int, desc: Any, meta: Any) -> list[Any]:
+        """Descriptor ``desc`` as the C launcher takes it (Triton's ``make_tensordesc_arg``).
+        A device descriptor (``meta`` set: a CUDA tensor map encoded on the host, about a
+        microsecond and a half a descriptor in Python and the driver) is kept by what it
+        encodes: the slot, the base address, shape and strides (its element type, block
+        and swizzle are the slot's metadata), so a call whose tensors sit where an earlier
+        call's did (the caching allocator hands a layer's buffers out again) reuses the
+        map, which the launcher copies into the kernel's parameters by value. Triton's
+        host decomposition (``meta`` None) holds the tensor itself: built per call."""
+        if meta is None:
+            return self._expand(desc, meta)
+        key = (slot, desc.base.data_ptr(), *desc.shape, *desc.strides)
+        found = self._maps.get(key)
+        if found is None:
+            found = self._expand(desc, meta)
+            if len(self._maps) >= _MAPS:
+                self._maps.clear()
+            self._maps[key] = found
+        return found
+
 
 _PLAIN = object()  # RawLaunch: an argument that is no tensor descriptor
+_MAPS = 64  # RawLaunch: encoded descriptors kept per launch

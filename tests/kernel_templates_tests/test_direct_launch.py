@@ -91,3 +91,51 @@ def test_it_steps_aside_where_triton_is_not_as_it_knows() -> None:
                         (3,)) is None
     # a late argument that is no descriptor
     assert RawLaunch.of(_launcher(_Recorder()), N_VARYING, tail, (1,)) is None
+
+
+def test_device_descriptors_are_encoded_once_per_address_and_geometry() -> None:
+    """A device descriptor (Triton's metadata set) is a tensor map encoded on the host: kept
+    by slot, base address, shape and strides, so a call whose tensors sit where an earlier
+    call's did reuses it; a new address, another geometry or another slot encodes anew,
+    and the launcher gets what a fresh encoding gives each time."""
+    from flashtune.kernel_templates import direct
+
+    encoded: list[tuple[int, tuple[int, ...], str]] = []
+
+    def expand(desc: HostDesc, meta: Any) -> list[Any]:  # make_tensordesc_arg's shape
+        encoded.append((desc.base.data_ptr(), tuple(desc.shape), meta))
+        return [("map", desc.base.data_ptr(), meta), *desc.shape, *desc.strides]
+
+    recorder = _Recorder()
+    # leading: a tensor and a descriptor; tail: a scalar, a late descriptor, a scalar
+    raw = RawLaunch.build(recorder, False, False, 2, (7, None, 9), (1,), {1, 3},
+                          ["meta-q", "meta-o"], expand)
+    assert raw is not None
+    a, b, out = torch.zeros(64, 64), torch.zeros(64, 64), torch.zeros(64, 64)
+
+    def call(q: torch.Tensor, o: torch.Tensor, rows: int = 64) -> list[Any]:
+        raw(1, 1, 1, 0, "fn", "p", (q, HostDesc(q, [rows, 64], [64, 1])),
+            (HostDesc(o, [64, 64], [64, 1]),))
+        return recorder.calls[-1]
+
+    first = call(a, out)
+    assert first[13:] == [a, ("map", a.data_ptr(), "meta-q"), 64, 64, 64, 1, 7,
+                          ("map", out.data_ptr(), "meta-o"), 64, 64, 64, 1, 9]
+    assert len(encoded) == 2
+    assert call(a, out) == first and len(encoded) == 2  # the same addresses: reused
+    call(b, out)
+    assert encoded[-1][0] == b.data_ptr() and len(encoded) == 3  # a new address
+    call(a, out, rows=32)
+    assert encoded[-1][1] == (32, 64) and len(encoded) == 4  # another geometry
+    call(out, a)  # the same addresses in the other slots: encoded for each slot
+    assert len(encoded) == 6
+    for i in range(2 * direct._MAPS):  # bounded: the cache starts again
+        call(torch.zeros(64, 64), out)
+    assert len(raw._maps) <= direct._MAPS
+    # Triton's host decomposition holds the tensor itself: built on every call
+    plain = RawLaunch.build(recorder, False, False, 2, (7,), (), {1}, [None], expand)
+    assert plain is not None
+    before = len(encoded)
+    for _ in range(3):
+        plain(1, 1, 1, 0, "fn", "p", (a, HostDesc(a, [64, 64], [64, 1])), ())
+    assert len(encoded) == before + 3

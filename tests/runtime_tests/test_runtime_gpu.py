@@ -144,10 +144,17 @@ def test_planned_calls_match_the_launcher_bit_for_bit(causal, return_lse):
 
 
 def test_a_plan_follows_new_tensors_of_the_same_layout():
+    """New tensors, and new contents at the addresses of earlier calls (where a plan reuses
+    the tensor maps it encoded: direct.RawLaunch), both read what they hold now."""
     q, k, v = _qkv(n=129, d=64)
     flashtune.attention(q, k, v, causal=True)
-    for _ in range(2):
-        q2, k2, v2 = (torch.randn_like(t) for t in (q, k, v))
+    for step in range(4):
+        if step % 2:
+            for t in (q, k, v):
+                t.copy_(torch.randn_like(t))
+            q2, k2, v2 = q, k, v
+        else:
+            q2, k2, v2 = (torch.randn_like(t) for t in (q, k, v))
         got = flashtune.attention(q2, k2, v2, causal=True)
         ref, _ = attn_fwd_reference(q2, k2, v2, causal=True, dtype=torch.float32)
         assert ((got.float() - ref).norm() / ref.norm()).item() < 1e-2
