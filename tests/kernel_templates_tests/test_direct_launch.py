@@ -129,7 +129,7 @@ def test_device_descriptors_are_encoded_once_per_address_and_geometry() -> None:
     assert encoded[-1][1] == (32, 64) and len(encoded) == 4  # another geometry
     call(out, a)  # the same addresses in the other slots: encoded for each slot
     assert len(encoded) == 6
-    for i in range(2 * direct._MAPS):  # bounded: the cache starts again
+    for _ in range(2 * direct._MAPS):  # bounded: the cache starts again
         call(torch.zeros(64, 64), out)
     assert len(raw._maps) <= direct._MAPS
     # Triton's host decomposition holds the tensor itself: built on every call
