@@ -377,13 +377,7 @@ def _phases(spec: ModelSpec, work: Workload, model: Any, device: str) -> list[_P
 
         def generate(static: dict[str, str] = static, prompt: torch.Tensor = prompt,
                      mask: torch.Tensor = mask) -> torch.Tensor:
-            with torch.no_grad():
-                out = model.generate(input_ids=prompt, attention_mask=mask,
-                                     max_new_tokens=work.new_tokens,
-                                     min_new_tokens=work.new_tokens, do_sample=False,
-                                     pad_token_id=0, **static)
-            new: torch.Tensor = out[:, work.gen_prompt:]
-            return new
+            return _greedy(model, prompt, mask, work.new_tokens, **static)
 
         prefill = infer({"input_ids": prompt, "logits_to_keep": 1})
         label = (f"B{work.gen_batch} x {work.gen_prompt} + {work.new_tokens} new"
@@ -392,6 +386,18 @@ def _phases(spec: ModelSpec, work: Workload, model: Any, device: str) -> list[_P
         phases.append(_Phase(name, label, work.gen_batch * work.new_tokens, generate,
                              generate, {"prefill": prefill}))
     return phases
+
+
+def _greedy(model: Any, prompt: torch.Tensor, mask: torch.Tensor, new_tokens: int,
+            **options: Any) -> torch.Tensor:
+    """The generation phases' workload: exactly ``new_tokens`` greedy tokens after
+    ``prompt`` (``options``: e.g. a static cache); the new tokens."""
+    with torch.no_grad():
+        out = model.generate(input_ids=prompt, attention_mask=mask,
+                             max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                             do_sample=False, pad_token_id=0, **options)
+    new: torch.Tensor = out[:, prompt.shape[1]:]
+    return new
 
 
 def _timer(device: str) -> Callable[[Callable[[], Any]], float]:
@@ -590,12 +596,7 @@ def fresh_child(job: Mapping[str, Any]) -> dict[str, Any]:
 
     def generate(n: int) -> None:
         prompt = tokens[:, :n]
-        with torch.no_grad():
-            new = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt),
-                                 max_new_tokens=work.new_tokens,
-                                 min_new_tokens=work.new_tokens, do_sample=False,
-                                 pad_token_id=0)
-        out[n] = new[:, n:]
+        out[n] = _greedy(model, prompt, torch.ones_like(prompt), work.new_tokens)
 
     ms = _timer(device)
     with _contender(model, job["contender"]):
