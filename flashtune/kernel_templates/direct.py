@@ -12,9 +12,12 @@ its end.
 
 The caller must only reuse a :class:`DirectLaunch` for arguments that Triton would specialise
 identically: same shapes, strides, dtypes, constexprs and scalar values, and the same 16-byte
-alignment of every pointer (the runtime's plan key holds all of these). Host tensor
-descriptors are passed as :class:`HostDesc`, which carries what the launcher reads from
-Triton's ``TensorDescriptor`` without its per-object validation (done once, at build time).
+alignment of every pointer (the runtime's plan key holds all of these). A tensor descriptor
+among the arguments that change per call keeps the shape and strides of the build call's
+(the plan key fixes them too), so a call passes only its base tensor: the descriptor's
+expansion into the launcher's arguments is built once (Triton's host decomposition) or kept
+per base address (a device descriptor's encoded tensor map), with no descriptor object and
+no validation per call.
 
 This uses Triton internals that are stable in 3.x (``CompiledKernel.run``, ``function``,
 ``packed_metadata``, ``JITFunction.arg_names``/``params``); :func:`supported` says whether this
@@ -47,13 +50,24 @@ current_stream: Callable[[int], int] = getattr(torch._C, "_cuda_getCurrentRawStr
 
 class HostDesc:
     """What Triton's CUDA launcher reads from a host ``TensorDescriptor``: the base tensor,
-    its shape and strides (lists) and the padding mode. Validated once when the plan is built
-    (block shape, alignment), so building one per call is a few attribute stores."""
+    its shape and strides (lists) and the padding mode (validated when the plan was built:
+    block shape, alignment)."""
 
     __slots__ = ("base", "shape", "strides", "padding")
 
-    def __init__(self, base: Any, shape: list[int], strides: list[int]) -> None:
-        self.base, self.shape, self.strides, self.padding = base, shape, strides, "zero"
+    def __init__(self, base: Any, shape: list[int], strides: list[int],
+                 padding: str = "zero") -> None:
+        self.base, self.shape, self.strides, self.padding = base, shape, strides, padding
+
+
+def _geometry(value: Any) -> tuple[list[int], list[int], str] | None:
+    """A tensor descriptor's (shape, strides, padding) -- Triton's or Gluon's
+    ``TensorDescriptor``, or a :class:`HostDesc` --; None for any other argument."""
+    if isinstance(value, torch.Tensor) or not all(
+            hasattr(value, a) for a in ("base", "shape", "strides", "padding")):
+        return None
+    return ([int(x) for x in value.shape], [int(x) for x in value.strides],
+            str(value.padding))
 
 
 def supported() -> bool:
@@ -87,15 +101,18 @@ class DirectLaunch:
         jit_fn: the ``@triton.jit`` function.
         args, kwargs, grid: one real call's arguments, as for ``jit_fn[grid](*args,
             **kwargs)``; ``kwargs`` holds constexprs and launch options (``num_warps``...).
-        n_varying: how many leading positional arguments change per call (tensors, host
+        n_varying: how many leading positional arguments change per call (tensors, tensor
             descriptors); the rest are fixed.
         late: names of arguments past the leading ones that change per call too (a
             keyword tensor or descriptor); pass them to :meth:`with_late`.
-    The kernel is compiled now if Triton's cache does not have it (in the current CUDA
-    device's context: build under ``torch.cuda.device(...)`` of the tensors' device).
+    A call passes the changing arguments in the build call's order, each tensor descriptor
+    as its base tensor alone: the descriptor keeps the build call's shape, strides and
+    padding. The kernel is compiled now if Triton's cache does not have it (in the current
+    CUDA device's context: build under ``torch.cuda.device(...)`` of the tensors' device).
     """
 
-    __slots__ = ("grid", "tail", "_late", "_run", "_function", "_packed", "_raw")
+    __slots__ = ("grid", "tail", "_late", "_run", "_function", "_packed", "_raw", "_descs",
+                 "_late_descs")
 
     def __init__(self, jit_fn: Any, args: Sequence[Any], kwargs: Mapping[str, Any],
                  grid: Sequence[int], n_varying: int, late: Sequence[str] = ()) -> None:
@@ -119,18 +136,23 @@ class DirectLaunch:
         if any(i < 0 for i in self._late):
             raise ValueError(f"late arguments {list(late)} must come after the "
                              f"{n_varying} leading ones")
+        # per changing argument: the build call's descriptor geometry, or None (no descriptor)
+        self._descs = tuple(_geometry(a) for a in full[:n_varying])
+        self._late_descs = tuple(_geometry(self.tail[i]) for i in self._late)
         g = tuple(grid) + (1, 1)
         self.grid = (int(g[0]), int(g[1]), int(g[2]))
         self._run = compiled.run
         self._function = compiled.function
         self._packed = compiled.packed_metadata
-        self._raw = RawLaunch.of(compiled.run, n_varying, self.tail, self._late)
+        self._raw = RawLaunch.of(compiled.run, full[:n_varying], self.tail, self._late)
 
     def __call__(self, stream: int, *varying: Any) -> None:
         g0, g1, g2 = self.grid
         if self._raw is not None:
             self._raw(g0, g1, g2, stream, self._function, self._packed, varying, ())
             return
+        if any(self._descs):
+            varying = tuple(_described(varying, self._descs))
         self._run(g0, g1, g2, stream, self._function, self._packed, None, None, None,
                   *varying, *self.tail)
 
@@ -142,10 +164,17 @@ class DirectLaunch:
             self._raw(g0, g1, g2, stream, self._function, self._packed, varying, late)
             return
         tail = list(self.tail)
-        for i, value in zip(self._late, late):
+        for i, value in zip(self._late, _described(late, self._late_descs)):
             tail[i] = value
         self._run(g0, g1, g2, stream, self._function, self._packed, None, None, None,
-                  *varying, *tail)
+                  *_described(varying, self._descs), *tail)
+
+
+def _described(values: Sequence[Any],
+               descs: Sequence[tuple[list[int], list[int], str] | None]) -> list[Any]:
+    """``values`` as Triton's launcher takes them: each base tensor of a descriptor slot
+    wrapped in a :class:`HostDesc` of the slot's geometry."""
+    return [v if d is None else HostDesc(v, *d) for v, d in zip(values, descs)]
 
 
 class RawLaunch:
@@ -157,38 +186,39 @@ class RawLaunch:
     host tensor descriptors, goes through a closure (``wrap_handle_tensordesc``) that walks
     every argument to expand each descriptor into the C launcher's arguments; for attn_fwd's
     40 arguments that walk was most of a planned call's host time on an H200 (``driver.py``'s
-    ``inner``: 11 of the plan's 20 us under cProfile). Here only the arguments that change
-    per call (the leading ones and the late ones) are expanded per call, with Triton's own
-    ``make_tensordesc_arg``; the others were expanded when the plan was built. :meth:`of`
-    answers None (the caller keeps ``CompiledKernel.run``) unless the launcher is that
-    object as this code knows it and the kernel needs no scratch memory.
+    ``inner``: 11 of the plan's 20 us under cProfile). Here the fixed arguments are expanded
+    once, and so is every changing descriptor past its base tensor: Triton's host
+    decomposition (no metadata) is the base followed by shape and strides that the plan
+    fixes, and a device descriptor (a CUDA tensor map, encoded on the host) is encoded by
+    Triton's own ``make_tensordesc_arg`` once per slot and base address (see
+    :class:`_DeviceDesc`). :meth:`of` answers None (the caller keeps
+    ``CompiledKernel.run``) unless the launcher is that object as this code knows it and
+    the kernel needs no scratch memory.
     """
 
-    __slots__ = ("_launch", "_coop", "_pdl", "_varying", "_parts", "_late_meta",
-                 "_late_order", "_expand", "_maps")
+    __slots__ = ("_launch", "_coop", "_pdl", "_varying", "_parts", "_late_kinds",
+                 "_late_order")
 
     def __init__(self, launch: Callable[..., Any], coop: bool, pdl: bool,
                  varying: tuple[Any, ...], parts: tuple[tuple[Any, ...], ...],
-                 late_meta: tuple[Any, ...], late_order: tuple[int, ...],
-                 expand: Callable[[Any, Any], list[Any]]) -> None:
+                 late_kinds: tuple[Any, ...], late_order: tuple[int, ...]) -> None:
         self._launch, self._coop, self._pdl = launch, coop, pdl
-        self._varying = varying  # per leading argument: _PLAIN, or its descriptor metadata
+        # per leading argument: _PLAIN; a host descriptor's fixed expansion past its base
+        # (a tuple); or a _DeviceDesc
+        self._varying = varying
         # the fixed arguments as the C launcher takes them, split where a late one goes:
         # parts[0], late[0], parts[1], ... (late in position order)
         self._parts = parts
-        self._late_meta = late_meta
+        self._late_kinds = late_kinds  # the late descriptors' kinds, in position order
         self._late_order = late_order  # the caller's late values, reordered by position
-        self._expand = expand
-        # descriptors already encoded, by slot, base address, shape and strides (see
-        # _encoded); at most _MAPS of them, then the cache starts again
-        self._maps: dict[tuple[Any, ...], list[Any]] = {}
 
     @classmethod
-    def of(cls, run: Any, n_varying: int, tail: Sequence[Any],
+    def of(cls, run: Any, lead: Sequence[Any], tail: Sequence[Any],
            late: Sequence[int]) -> RawLaunch | None:
-        """The raw launch of ``run`` (a compiled kernel's ``run``) for a kernel called with
-        ``n_varying`` leading arguments that change per call, then ``tail``, whose positions
-        ``late`` (in the order the caller passes their values) change too; or None."""
+        """The raw launch of ``run`` (a compiled kernel's ``run``) for a kernel built with
+        the leading arguments ``lead`` (they change per call) and then ``tail``, whose
+        positions ``late`` (in the order the caller passes their values) change too; or
+        None."""
         try:
             from triton.backends.nvidia import driver
         except ImportError:  # pragma: no cover - a Triton without the CUDA backend
@@ -216,10 +246,10 @@ class RawLaunch:
         expand = getattr(driver, "make_tensordesc_arg", None)
         if expand is None or getattr(launch, "__code__", None) is not None:
             return None
-        return cls.build(launch, coop, pdl, n_varying, tail, late, indices, meta, expand)
+        return cls.build(launch, coop, pdl, lead, tail, late, indices, meta, expand)
 
     @classmethod
-    def build(cls, launch: Callable[..., Any], coop: bool, pdl: bool, n_varying: int,
+    def build(cls, launch: Callable[..., Any], coop: bool, pdl: bool, lead: Sequence[Any],
               tail: Sequence[Any], late: Sequence[int], indices: Any, meta: Sequence[Any],
               expand: Callable[[Any, Any], list[Any]]) -> RawLaunch | None:
         """:meth:`of` past Triton's objects: ``indices`` the positions of the kernel's
@@ -229,69 +259,96 @@ class RawLaunch:
         order = sorted(indices)
         if meta and len(meta) != len(order):
             return None
+        n_varying = len(lead)
 
-        def desc(i: int) -> Any:
+        def kind(i: int, value: Any) -> Any:
+            """How argument ``i`` (built as ``value``) changes per call."""
             if i not in indices:
                 return _PLAIN
-            return meta[order.index(i)] if meta else None
+            geometry = _geometry(value)
+            if geometry is None:
+                return None
+            d = meta[order.index(i)] if meta else None
+            if d is not None:
+                return _DeviceDesc(d, geometry, expand)
+            expanded = expand(HostDesc(_BASE, *geometry), None)
+            if not expanded or expanded[0] is not _BASE or _BASE in expanded[1:]:
+                return None  # a decomposition not as this code knows it
+            return tuple(expanded[1:])
 
+        varying = tuple(kind(i, value) for i, value in enumerate(lead))
         by_position = sorted(range(len(late)), key=lambda n: late[n])
         late_sorted = [late[n] for n in by_position]
-        if any(desc(n_varying + j) is _PLAIN for j in late_sorted):
+        late_kinds = tuple(kind(n_varying + j, tail[j]) for j in late_sorted)
+        if None in varying or any(k is _PLAIN or k is None for k in late_kinds):
             return None  # only descriptors come late (the Gluon forward's output)
         parts: list[tuple[Any, ...]] = []
         chunk: list[Any] = []
         for j, value in enumerate(tail):
-            d = desc(n_varying + j)
             if j in late_sorted:
                 parts.append(tuple(chunk))
                 chunk = []
-            elif d is _PLAIN:
+            elif n_varying + j not in indices:
                 chunk.append(value)
             else:
-                chunk.extend(expand(value, d))
+                chunk.extend(expand(value, meta[order.index(n_varying + j)] if meta
+                                    else None))
         parts.append(tuple(chunk))
-        return cls(launch, coop, pdl, tuple(desc(i) for i in range(n_varying)), tuple(parts),
-                   tuple(desc(n_varying + j) for j in late_sorted), tuple(by_position),
-                   expand)
+        return cls(launch, coop, pdl, varying, tuple(parts), late_kinds, tuple(by_position))
 
     def __call__(self, g0: int, g1: int, g2: int, stream: int, function: Any, packed: Any,
                  varying: Sequence[Any], late: Sequence[Any]) -> None:
+        """Launch with ``varying`` (the leading arguments, a descriptor's base tensor in
+        its slot) and ``late`` (the late descriptors' base tensors)."""
         args = [g0, g1, g2, stream, function, self._coop, self._pdl, None, None, packed,
                 None, None, None]
-        encoded = self._encoded
-        for slot, (value, d) in enumerate(zip(varying, self._varying)):
-            if d is _PLAIN:
+        for value, k in zip(varying, self._varying):
+            if k is _PLAIN:
                 args.append(value)
+            elif k.__class__ is tuple:
+                args.append(value)
+                args.extend(k)
             else:
-                args.extend(encoded(slot, value, d))
+                args.extend(k.encoded(value))
         parts = self._parts
         args.extend(parts[0])
-        for n, (i, d) in enumerate(zip(self._late_order, self._late_meta)):
-            args.extend(encoded(-1 - n, late[i], d))
+        for n, (i, k) in enumerate(zip(self._late_order, self._late_kinds)):
+            if k.__class__ is tuple:
+                args.append(late[i])
+                args.extend(k)
+            else:
+                args.extend(k.encoded(late[i]))
             args.extend(parts[n + 1])
         self._launch(*args)
 
-    def _encoded(self, slot: int, desc: Any, meta: Any) -> list[Any]:
-        """Descriptor ``desc`` as the C launcher takes it (Triton's ``make_tensordesc_arg``).
-        A device descriptor (``meta`` set: a CUDA tensor map encoded on the host, about a
-        microsecond and a half a descriptor in Python and the driver) is kept by what it
-        encodes: the slot, the base address, shape and strides (its element type, block
-        and swizzle are the slot's metadata), so a call whose tensors sit where an earlier
-        call's did (the caching allocator hands a layer's buffers out again) reuses the
-        map, which the launcher copies into the kernel's parameters by value. Triton's
-        host decomposition (``meta`` None) holds the tensor itself: built per call."""
-        if meta is None:
-            return self._expand(desc, meta)
-        key = (slot, desc.base.data_ptr(), *desc.shape, *desc.strides)
-        found = self._maps.get(key)
+
+class _DeviceDesc:
+    """A changing device descriptor of a :class:`RawLaunch`: its metadata (element type,
+    block, swizzle) and the plan's fixed geometry. Encoding one (``make_tensordesc_arg``: a
+    CUDA tensor map built in Python and the driver, about a microsecond and a half) depends
+    on nothing else than the base address then, so the encoded arguments are kept by base
+    address (at most ``_MAPS``, then the cache starts again): a call whose tensors sit where
+    an earlier call's did (the caching allocator hands a layer's buffers out again) reuses
+    the map, which the launcher copies into the kernel's parameters by value."""
+
+    __slots__ = ("_meta", "_geometry", "_expand", "_maps")
+
+    def __init__(self, meta: Any, geometry: tuple[list[int], list[int], str],
+                 expand: Callable[[Any, Any], list[Any]]) -> None:
+        self._meta, self._geometry, self._expand = meta, geometry, expand
+        self._maps: dict[int, list[Any]] = {}
+
+    def encoded(self, base: Any) -> list[Any]:
+        ptr = base.data_ptr()
+        found = self._maps.get(ptr)
         if found is None:
-            found = self._expand(desc, meta)
+            found = self._expand(HostDesc(base, *self._geometry), self._meta)
             if len(self._maps) >= _MAPS:
                 self._maps.clear()
-            self._maps[key] = found
+            self._maps[ptr] = found
         return found
 
 
 _PLAIN = object()  # RawLaunch: an argument that is no tensor descriptor
-_MAPS = 64  # RawLaunch: encoded descriptors kept per launch
+_BASE = object()  # RawLaunch.build: the stand-in base of a host descriptor's expansion
+_MAPS = 64  # _DeviceDesc: encoded descriptors kept per slot

@@ -457,9 +457,10 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     if config is None and impl is None and _DIRECT and type(q) is _Tensor \
             and type(k) is _Tensor and type(v) is _Tensor and q.is_cuda:
         head = _shape_key(q, k, causal, scale, return_lse)
-        sdpa = _BY_SHAPE.get(head)
-        if sdpa is not None:  # torch's SDPA: it checks the tensors itself
-            return sdpa(q, k, v)
+        if _BY_SHAPE:  # routes to torch's SDPA whatever the layout: it checks the tensors
+            sdpa = _BY_SHAPE.get(head)
+            if sdpa is not None:
+                return sdpa(q, k, v)
         key = _plan_key(q, k, v, head)
         plan = _PLANS.get(key)
         if plan is not None:

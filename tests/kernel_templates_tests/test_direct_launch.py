@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+from flashtune.kernel_templates import direct
 from flashtune.kernel_templates.direct import HostDesc, RawLaunch
 
 driver = pytest.importorskip("triton.backends.nvidia.driver")
@@ -50,20 +51,36 @@ def _desc(rows: int) -> HostDesc:
 
 
 def test_the_raw_launch_hands_the_c_launcher_what_triton_would() -> None:
+    """A call passes each changing descriptor's base tensor; the launcher gets what
+    Triton's layer gives for a descriptor of the build call's geometry over that base."""
     triton_side, raw_side = _Recorder(), _Recorder()
     k_desc, o_build = _desc(256), _desc(128)
     tail = (k_desc, 1000, 0.125, o_build, 4096, 64)  # fixed, except o_desc (late)
     late = (6 - N_VARYING,)
-    raw = RawLaunch.of(_launcher(raw_side), N_VARYING, tail, late)
+    lead = (torch.zeros(128, 64), torch.zeros(128, 64), _desc(128))
+    raw = RawLaunch.of(_launcher(raw_side), lead, tail, late)
     assert raw is not None
-    for call in range(2):  # new tensors each call, as a plan's calls bring
-        q, out, o = torch.zeros(128, 64), torch.zeros(128, 64), _desc(128 + call)
-        q_desc = HostDesc(q, [128, 64], [64, 1])
-        _launcher(triton_side)(4, 2, 1, 77, "fn", "packed", None, None, None, q, out, q_desc,
-                               k_desc, 1000, 0.125, o, 4096, 64)
-        raw(4, 2, 1, 77, "fn", "packed", (q, out, q_desc), (o,))
+    for _ in range(2):  # new tensors each call, as a plan's calls bring
+        q, out, o = torch.zeros(128, 64), torch.zeros(128, 64), torch.zeros(128, 64)
+        _launcher(triton_side)(4, 2, 1, 77, "fn", "packed", None, None, None, q, out,
+                               HostDesc(q, [128, 64], [64, 1]), k_desc, 1000, 0.125,
+                               HostDesc(o, [128, 64], [64, 1]), 4096, 64)
+        raw(4, 2, 1, 77, "fn", "packed", (q, out, q), (o,))
         assert raw_side.calls[-1] == triton_side.calls[-1]
+        assert raw_side.calls[-1][15] is q  # the base itself, as Triton hands it
     assert len(raw_side.calls[-1]) > 13 + len(SIGNATURE)  # descriptors were expanded
+
+
+def test_the_fallback_wraps_each_base_in_its_slots_geometry() -> None:
+    """Where the raw launch steps aside, DirectLaunch hands Triton's launcher descriptors
+    again: the base of each descriptor slot in the build call's shape, strides and padding."""
+    q = torch.zeros(8, 64)
+    geometry = ([8, 64], [64, 1], "nan")
+    plain, desc = direct._described((q, q), (None, geometry))
+    assert plain is q and isinstance(desc, HostDesc)
+    assert (desc.base, desc.shape, desc.strides, desc.padding) == (q, *geometry)
+    assert direct._geometry(q) is None and direct._geometry(3) is None
+    assert direct._geometry(_desc(8)) == ([8, 64], [64, 1], "zero")
 
 
 def test_without_descriptors_or_late_arguments_too() -> None:
@@ -71,7 +88,7 @@ def test_without_descriptors_or_late_arguments_too() -> None:
     triton_side, raw_side = _Recorder(), _Recorder()
     run = _launcher(raw_side, launch=driver.wrap_handle_tensordesc(raw_side, plain, None))
     assert run.launch is raw_side  # Triton leaves a kernel without descriptors unwrapped
-    raw = RawLaunch.of(run, 1, (5, 32), ())
+    raw = RawLaunch.of(run, (torch.zeros(4),), (5, 32), ())
     assert raw is not None
     q = torch.zeros(4)
     _launcher(triton_side, launch=triton_side)(1, 1, 1, 0, "fn", "p", None, None, None,
@@ -82,24 +99,26 @@ def test_without_descriptors_or_late_arguments_too() -> None:
 
 def test_it_steps_aside_where_triton_is_not_as_it_knows() -> None:
     tail = (_desc(256), 1000, 0.125, _desc(128), 4096, 64)
-    assert RawLaunch.of(lambda *a: None, N_VARYING, tail, (3,)) is None  # not a CudaLauncher
+    lead = (torch.zeros(128, 64), torch.zeros(128, 64), _desc(128))
+    assert RawLaunch.of(lambda *a: None, lead, tail, (3,)) is None  # not a CudaLauncher
     # scratch memory is allocated by the launcher per launch
-    assert RawLaunch.of(_launcher(_Recorder(), global_scratch_size=16), N_VARYING, tail,
+    assert RawLaunch.of(_launcher(_Recorder(), global_scratch_size=16), lead, tail,
                         (3,)) is None
     # a Python launcher that is not Triton's descriptor closure
-    assert RawLaunch.of(_launcher(_Recorder(), launch=lambda *a: None), N_VARYING, tail,
+    assert RawLaunch.of(_launcher(_Recorder(), launch=lambda *a: None), lead, tail,
                         (3,)) is None
     # a late argument that is no descriptor
-    assert RawLaunch.of(_launcher(_Recorder()), N_VARYING, tail, (1,)) is None
+    assert RawLaunch.of(_launcher(_Recorder()), lead, tail, (1,)) is None
+    # a host decomposition that does not start with the base
+    assert RawLaunch.build(_Recorder(), False, False, lead, tail, (3,), {2, 3, 6}, (),
+                           lambda d, m: [*d.shape, d.base]) is None
 
 
-def test_device_descriptors_are_encoded_once_per_address_and_geometry() -> None:
-    """A device descriptor (Triton's metadata set) is a tensor map encoded on the host: kept
-    by slot, base address, shape and strides, so a call whose tensors sit where an earlier
-    call's did reuses it; a new address, another geometry or another slot encodes anew,
-    and the launcher gets what a fresh encoding gives each time."""
-    from flashtune.kernel_templates import direct
-
+def test_device_descriptors_are_encoded_once_per_slot_and_address() -> None:
+    """A device descriptor (Triton's metadata set) is a tensor map encoded on the host from
+    the base address and the slot's fixed geometry: kept by slot and base address, so a call
+    whose tensors sit where an earlier call's did reuses it; a new address or another slot
+    encodes anew, and the launcher gets what a fresh encoding gives each time."""
     encoded: list[tuple[int, tuple[int, ...], str]] = []
 
     def expand(desc: HostDesc, meta: Any) -> list[Any]:  # make_tensordesc_arg's shape
@@ -107,35 +126,43 @@ def test_device_descriptors_are_encoded_once_per_address_and_geometry() -> None:
         return [("map", desc.base.data_ptr(), meta), *desc.shape, *desc.strides]
 
     recorder = _Recorder()
+    a, b, out = torch.zeros(64, 64), torch.zeros(64, 64), torch.zeros(64, 64)
     # leading: a tensor and a descriptor; tail: a scalar, a late descriptor, a scalar
-    raw = RawLaunch.build(recorder, False, False, 2, (7, None, 9), (1,), {1, 3},
+    raw = RawLaunch.build(recorder, False, False, (a, HostDesc(a, [32, 64], [64, 1])),
+                          (7, HostDesc(out, [64, 64], [64, 1]), 9), (1,), {1, 3},
                           ["meta-q", "meta-o"], expand)
     assert raw is not None
-    a, b, out = torch.zeros(64, 64), torch.zeros(64, 64), torch.zeros(64, 64)
+    assert not encoded  # both descriptors change per call: encoded at their first call
 
-    def call(q: torch.Tensor, o: torch.Tensor, rows: int = 64) -> list[Any]:
-        raw(1, 1, 1, 0, "fn", "p", (q, HostDesc(q, [rows, 64], [64, 1])),
-            (HostDesc(o, [64, 64], [64, 1]),))
+    def call(q: torch.Tensor, o: torch.Tensor) -> list[Any]:
+        raw(1, 1, 1, 0, "fn", "p", (q, q), (o,))
         return recorder.calls[-1]
 
     first = call(a, out)
-    assert first[13:] == [a, ("map", a.data_ptr(), "meta-q"), 64, 64, 64, 1, 7,
+    assert first[13:] == [a, ("map", a.data_ptr(), "meta-q"), 32, 64, 64, 1, 7,
                           ("map", out.data_ptr(), "meta-o"), 64, 64, 64, 1, 9]
     assert len(encoded) == 2
     assert call(a, out) == first and len(encoded) == 2  # the same addresses: reused
     call(b, out)
-    assert encoded[-1][0] == b.data_ptr() and len(encoded) == 3  # a new address
-    call(a, out, rows=32)
-    assert encoded[-1][1] == (32, 64) and len(encoded) == 4  # another geometry
+    assert encoded[-1] == (b.data_ptr(), (32, 64), "meta-q") and len(encoded) == 3
     call(out, a)  # the same addresses in the other slots: encoded for each slot
-    assert len(encoded) == 6
+    assert len(encoded) == 5
     for _ in range(2 * direct._MAPS):  # bounded: the cache starts again
         call(torch.zeros(64, 64), out)
-    assert len(raw._maps) <= direct._MAPS
-    # Triton's host decomposition holds the tensor itself: built on every call
-    plain = RawLaunch.build(recorder, False, False, 2, (7,), (), {1}, [None], expand)
-    assert plain is not None
-    before = len(encoded)
-    for _ in range(3):
-        plain(1, 1, 1, 0, "fn", "p", (a, HostDesc(a, [64, 64], [64, 1])), ())
-    assert len(encoded) == before + 3
+    assert all(len(k._maps) <= direct._MAPS for k in raw._varying if hasattr(k, "_maps"))
+    # Triton's host decomposition holds the tensor itself: the base goes in per call,
+    # the rest was expanded once
+    host: list[Any] = []
+
+    def host_expand(desc: Any, meta: Any) -> list[Any]:
+        host.append(desc)
+        return list(driver.make_tensordesc_arg(desc, meta))
+
+    plain = RawLaunch.build(recorder, False, False, (a, HostDesc(a, [64, 64], [64, 1])),
+                            (7,), (), {1}, [None], host_expand)
+    assert plain is not None and len(host) == 1
+    for t in (a, b, a):
+        plain(1, 1, 1, 0, "fn", "p", (t, t), ())
+        assert recorder.calls[-1][13:] == [t, *driver.make_tensordesc_arg(
+            HostDesc(t, [64, 64], [64, 1]), None), 7]
+    assert len(host) == 1

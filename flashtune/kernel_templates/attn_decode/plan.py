@@ -35,6 +35,8 @@ from flashtune.kernel_templates.direct import DirectLaunch
 
 __all__ = ["AttnDecodeDensePlan", "AttnDecodePlan"]
 
+_CONTIGUOUS = torch.contiguous_format
+
 
 class AttnDecodePlan:
     """Replays ``attn_decode_kvcache`` (``seqlens`` given) or ``attn_decode`` (dense K/V,
@@ -47,8 +49,8 @@ class AttnDecodePlan:
     device current (``device_index``), and call the plan only while that device is current.
     """
 
-    __slots__ = ("device_index", "_split", "_combine", "_out_shape", "_lse_shape",
-                 "_part_shapes", "_dtype", "_device", "_return_lse")
+    __slots__ = ("device_index", "_split", "_combine", "_lse_shape", "_part_shapes",
+                 "_device", "_return_lse")
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  config: Mapping[str, int], *, seqlens: torch.Tensor | None,
@@ -63,14 +65,13 @@ class AttnDecodePlan:
         if scale is None:
             scale = 1.0 / math.sqrt(head_dim)
         self.device_index = q.get_device()
-        self._device, self._dtype, self._return_lse = q.device, q.dtype, bool(return_lse)
-        self._out_shape = (batch, heads_q, seqlen_q, head_dim)
+        self._device, self._return_lse = q.device, bool(return_lse)
         self._lse_shape = (batch, heads_q, seqlen_q)
         splits = config["NUM_SPLITS"]
         parts = partial_count(splits, cache_options.get("k_new") is not None,
                               batch * k.shape[1])
         self._part_shapes = partial_shapes(q, parts) if splits > 1 else None
-        out, lse, o_part, lse_part = self._buffers()
+        out, lse, o_part, lse_part = self._buffers(q)
         seqlen_k = (block_table.shape[1] * k.shape[2] if block_table is not None
                     else k.shape[2])
         launches = kernel_args(q, k, v, out, lse, seqlens, block_table, o_part, lse_part,
@@ -85,9 +86,9 @@ class AttnDecodePlan:
                 kernel, args, kwargs, grid = launches[1]
                 self._combine = DirectLaunch(kernel, args, kwargs, grid, COMBINE_VARYING)
 
-    def _buffers(self) -> tuple[Any, Any, Any, Any]:
+    def _buffers(self, q: torch.Tensor) -> tuple[Any, Any, Any, Any]:
         dev = self._device
-        out = torch.empty(self._out_shape, dtype=self._dtype, device=dev)
+        out = torch.empty_like(q, memory_format=_CONTIGUOUS)  # q's shape and dtype
         lse = (torch.empty(self._lse_shape, dtype=torch.float32, device=dev)
                if self._return_lse else None)
         if self._part_shapes is None:
@@ -105,7 +106,7 @@ class AttnDecodePlan:
                  cache_batch_idx: torch.Tensor | None = None,
                  cache_leftpad: torch.Tensor | None = None,
                  ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        out, lse, o_part, lse_part = self._buffers()
+        out, lse, o_part, lse_part = self._buffers(q)
         lse_arg = out if lse is None else lse
         if self._combine is None:
             self._split(stream, q, k, v, out, lse_arg, q if seqlens is None else seqlens,

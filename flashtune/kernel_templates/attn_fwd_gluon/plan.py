@@ -10,9 +10,9 @@ this kernel), seven times an SDPA call's. Between two calls of one signature (th
 plan key: shapes, strides, dtypes, device, 16-byte alignment) only the tensors' addresses
 change, so :class:`AttnFwdGluonPlan` does all of that once, from the first call, through
 ``kernel_args`` (the function the launcher and the precompiler use, so the plan runs exactly
-the kernel the launcher would), and a later call allocates ``out`` and ``lse``, builds the
-descriptors as :class:`~flashtune.kernel_templates.direct.HostDesc` (what Triton's launcher
-reads) and hands them to the compiled kernel.
+the kernel the launcher would), and a later call allocates ``out`` and ``lse`` and hands them, with the
+tensors its descriptors read (their geometry is the first call's, which the plan key fixes),
+to the compiled kernel.
 
 It plans only what the launcher runs without a copy or a rewrite: q, k, v in a TMA-readable
 layout (K and V in the same one), a non-negative scale, no window, at least one query and
@@ -34,11 +34,10 @@ import torch
 from flashtune.kernel_templates.attn_fwd_gluon.kernel import gluon_attn_fwd_kernel
 from flashtune.kernel_templates.attn_fwd_gluon.launcher import (
     _check,
-    _desc_shape,
     kernel_args,
     layout,
 )
-from flashtune.kernel_templates.direct import DirectLaunch, HostDesc
+from flashtune.kernel_templates.direct import DirectLaunch
 
 __all__ = ["AttnFwdGluonPlan"]
 
@@ -59,7 +58,7 @@ class AttnFwdGluonPlan:
     """
 
     __slots__ = ("device_index", "_launch", "_lse_shape", "_device", "_return_lse",
-                 "_q_view", "_kv_view", "_o_desc")
+                 "_o_desc")
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  config: Mapping[str, int], *, causal: bool, scale: float | None,
@@ -83,9 +82,6 @@ class AttnFwdGluonPlan:
             raise ValueError("out would not be in q's layout: no plan")
         args, kwargs, grid = kernel_args(q, k, v, out, lse, config, causal=causal,
                                          scale=scale)
-        # (shape, strides) of each 2-D view, validated by kernel_args' descriptors above
-        self._q_view = _desc_shape(q, q_how)
-        self._kv_view = _desc_shape(k, kv_how)
         self._o_desc = "o_desc" in kwargs
         with torch.cuda.device(self.device_index):
             self._launch = DirectLaunch(gluon_attn_fwd_kernel, args, kwargs, grid, _VARYING,
@@ -95,10 +91,9 @@ class AttnFwdGluonPlan:
                  stream: int) -> Any:
         out = torch.empty_like(q)  # q's strides: the plan key holds them
         lse = torch.empty(self._lse_shape, device=self._device, dtype=torch.float32)
-        (qs, qt), (ks, kt) = self._q_view, self._kv_view
-        varying = (HostDesc(q, qs, qt), HostDesc(k, ks, kt), HostDesc(v, ks, kt), out, lse)
+        varying = (q, k, v, out, lse)  # the descriptors' bases: the build call's geometry
         if self._o_desc:
-            self._launch.with_late(stream, varying, (HostDesc(out, qs, qt),))
+            self._launch.with_late(stream, varying, (out,))
         else:
             self._launch(stream, *varying)
         return (out, lse) if self._return_lse else out
