@@ -18,7 +18,7 @@ overhead.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, overload
 
 import torch
 
@@ -51,6 +51,21 @@ def _paired(q: torch.Tensor, k: torch.Tensor, causal: bool, config_str: str | No
 # -- torch.library: the op torch.compile sees -------------------------------------------------
 
 
+@overload
+def as_declared(a: torch.Tensor, b: torch.Tensor, /) -> tuple[torch.Tensor, torch.Tensor]: ...
+@overload
+def as_declared(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, /
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+def as_declared(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A custom op's outputs as its fake implementation declares them: contiguous.
+    Inductor lays out what follows an op by the fake's strides and asserts them on the real
+    outputs, while an implementation may write another layout: the Gluon kernels write
+    ``out`` and the gradients in the inputs' layout (``(B, N, H, D)`` storage as
+    transformers hands it), torch's SDPA backends in theirs. Those are copied; a
+    contiguous output is returned as it is."""
+    return tuple(t.contiguous() for t in tensors)
+
+
 @torch.library.custom_op("flashtune::attention_fwd", mutates_args=())
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                   scale: float | None, return_lse: bool,
@@ -61,11 +76,11 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     if impl is not None and "train" not in get_template(impl).serves:  # no backward:
         config = config_from_text(config_str) if config_str is not None else None  # its backward op raises
         out, lse = _attention(q, k, v, causal, scale, True, config, impl)
-        return out, lse
-    route = _paired(q, k, causal, config_str, impl)
-    out, lse = route.fwd.launcher(q, k, v, route.fwd_config, causal=causal, scale=scale,
-                                  return_lse=True)
-    return out, lse
+    else:
+        route = _paired(q, k, causal, config_str, impl)
+        out, lse = route.fwd.launcher(q, k, v, route.fwd_config, causal=causal, scale=scale,
+                                      return_lse=True)
+    return as_declared(out, lse)
 
 
 @_attention_op.register_fake
@@ -84,9 +99,9 @@ def _attention_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: to
                       impl: str | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     route = _paired(q, k, causal, config_str, impl)
-    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = route.bwd.launcher(
-        q, k, v, out, lse, dout, route.bwd_config, causal=causal, scale=scale, dlse=dlse)
-    return grads
+    dq, dk, dv = route.bwd.launcher(q, k, v, out, lse, dout, route.bwd_config, causal=causal,
+                                    scale=scale, dlse=dlse)
+    return as_declared(dq, dk, dv)
 
 
 @_attention_bwd_op.register_fake

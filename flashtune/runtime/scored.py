@@ -56,7 +56,7 @@ from flashtune.core.spec import TemplateSpec, join_pair, split_pair
 from flashtune.kernel_templates import get_template
 from flashtune.kernel_templates.dropout import draw_seed
 from flashtune.kernel_templates.training import pair_fn
-from flashtune.runtime.autograd import dout_or_zeros
+from flashtune.runtime.autograd import as_declared, dout_or_zeros
 from flashtune.runtime.checks import check_attention_inputs, check_grid, check_score_mods
 from flashtune.runtime.lookup import ConfigChoice, remember
 from flashtune.runtime.routing import (
@@ -587,7 +587,7 @@ def _scored_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
     out, lse = spec.launcher(q, k, v, fcfg, causal=causal, scale=scale, return_lse=True,
                              **_compiled_options(spec, window_left, window_right, softcap,
                                                  alibi_slopes, dropout_p, seed))
-    return out, lse
+    return as_declared(out, lse)
 
 
 @_scored_fwd_op.register_fake
@@ -615,7 +615,7 @@ def _scored_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
                                 dropout_p, seed)
     grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = _bwd_launcher(bwd)(
         q, k, v, out, lse, dout, bcfg, causal=causal, scale=scale, dlse=dlse, **options)
-    return grads
+    return as_declared(*grads)
 
 
 @_scored_bwd_op.register_fake
@@ -722,7 +722,7 @@ def _varlen_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              **_varlen_options(cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                max_seqlen_k, window_left, window_right,
                                                softcap, alibi_slopes, dropout_p, seed))
-    return out, lse
+    return as_declared(out, lse)
 
 
 @_varlen_fwd_op.register_fake
@@ -755,7 +755,7 @@ def _varlen_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
         **_varlen_options(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                           window_left, window_right, softcap, alibi_slopes, dropout_p,
                           seed))
-    return grads
+    return as_declared(*grads)
 
 
 @_varlen_bwd_op.register_fake
