@@ -27,14 +27,15 @@ Triton has them, and the runtime falls back to ``kernel[grid]`` when not, or whe
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from triton import knobs
 
-__all__ = ["DirectLaunch", "HostDesc", "current_device", "current_stream", "hooks_installed",
-           "supported"]
+__all__ = ["DirectLaunch", "HostDesc", "Scratch", "current_device", "current_stream",
+           "hooks_installed", "supported"]
 
 
 def _torch_current_stream(index: int) -> int:
@@ -46,6 +47,42 @@ current_device: Callable[[], int] = getattr(torch._C, "_cuda_getDevice",
                                             torch.cuda.current_device)
 current_stream: Callable[[int], int] = getattr(torch._C, "_cuda_getCurrentRawStream",
                                                _torch_current_stream)
+capturing: Callable[[], bool] = torch.cuda.is_current_stream_capturing
+
+
+class Scratch:
+    """Buffers a plan's own launches write and read within one call and nobody reads after
+    it (a discarded LSE, split-KV partials), kept from the build call and handed out again
+    to the calls made on the same stream from the same thread: those run in launch order,
+    so one call's kernels are done with the buffers before the next call's touch them.
+    Any other call (another stream, or another thread, whose launches may interleave) gets
+    None and allocates its own, and so does every call under CUDA-graph capture (a graph
+    must not hold buffers that the plan frees, nor share them with eager calls it may run
+    beside) and a plan built under capture or whose buffers would hold more than ``limit``
+    bytes. Freed with the plan, on the build stream, where all their uses were ordered.
+
+    Arguments:
+        device_index: the CUDA device whose current stream the build call runs on.
+        buffers: the build call's buffers.
+        limit: the most bytes kept.
+    """
+
+    __slots__ = ("buffers", "_stream", "_thread")
+
+    def __init__(self, device_index: int, buffers: tuple[torch.Tensor, ...],
+                 limit: int = 8 << 20) -> None:
+        kept = (sum(t.numel() * t.element_size() for t in buffers) <= limit
+                and not capturing())
+        self.buffers = buffers if kept else None
+        self._stream = current_stream(device_index) if kept else -1
+        self._thread = threading.get_ident()
+
+    def get(self, stream: int) -> tuple[torch.Tensor, ...] | None:
+        """The kept buffers for a call on ``stream`` from this thread, else None."""
+        if stream == self._stream and threading.get_ident() == self._thread \
+                and not capturing():
+            return self.buffers
+        return None
 
 
 class HostDesc:

@@ -166,3 +166,30 @@ def test_device_descriptors_are_encoded_once_per_slot_and_address() -> None:
         assert recorder.calls[-1][13:] == [t, *driver.make_tensordesc_arg(
             HostDesc(t, [64, 64], [64, 1]), None), 7]
     assert len(host) == 1
+
+
+def test_scratch_is_handed_out_again_only_where_launches_stay_in_order(monkeypatch) -> None:
+    """A plan's scratch (a discarded LSE, split-KV partials) comes back to calls on the
+    build's stream from the build's thread, outside CUDA-graph capture; every other call
+    gets None (it allocates its own), and a plan over the limit or built under capture
+    keeps nothing."""
+    import threading
+
+    capturing = [False]
+    monkeypatch.setattr(direct, "current_stream", lambda index: 70 + index)
+    monkeypatch.setattr(direct, "capturing", lambda: capturing[0])
+    bufs = (torch.zeros(4), torch.zeros(2))
+    scratch = direct.Scratch(1, bufs)
+    assert scratch.get(71) is bufs
+    assert scratch.get(70) is None  # another stream
+    seen: list[Any] = []
+    worker = threading.Thread(target=lambda: seen.append(scratch.get(71)))
+    worker.start()
+    worker.join()
+    assert seen == [None]  # another thread: its launches may interleave with this one's
+    capturing[0] = True
+    assert scratch.get(71) is None  # a graph must not hold the plan's buffers
+    assert direct.Scratch(1, bufs).get(71) is None  # built under capture: nothing kept
+    capturing[0] = False
+    assert direct.Scratch(1, bufs, limit=23).get(71) is None  # 24 bytes over a limit of 23
+    assert direct.Scratch(1, bufs, limit=24).get(71) is bufs

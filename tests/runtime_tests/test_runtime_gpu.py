@@ -192,3 +192,42 @@ def test_torch_compile_training_step_matches_eager():
         grads.append([t.grad.float() for t in (xs, ks, vs)] + [proj.weight.grad.float()])
     for eager, compiled in zip(*grads):
         assert ((eager - compiled).norm() / eager.norm()).item() < 2e-2
+
+
+def test_a_decode_plans_kept_partials_serve_back_to_back_calls_and_no_graph():
+    """attn_decode's plan keeps its split-KV partials (direct.Scratch) for calls on the
+    build's stream: back-to-back calls with new queries, without a sync between them, each
+    read their own; a call on another stream and a CUDA-graph capture allocate their own
+    (the captured graph replays to the launcher's answer after the eager calls moved on)."""
+    from flashtune.kernel_templates.attn_decode.launcher import attn_decode
+    from flashtune.kernel_templates.attn_decode.plan import AttnDecodeDensePlan
+    from flashtune.kernel_templates.direct import current_stream
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    k, v = (torch.randn(2, 2, 700, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+            for _ in range(2))
+    qs = [torch.randn(2, 8, 1, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+          for _ in range(4)]
+    cfg = {"BLOCK_N": 64, "NUM_SPLITS": 4, "num_warps": 4, "num_stages": 2}
+    plan = AttnDecodeDensePlan(qs[0], k, v, cfg, causal=False, scale=None, return_lse=False)
+    assert plan._scratch is not None and plan._scratch.buffers is not None
+    want = [attn_decode(q, k, v, cfg) for q in qs]
+    got = [plan(q, k, v, current_stream(0)) for q in qs]  # no sync between them
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        assert plan._scratch.get(current_stream(0)) is None
+        on_side = plan(qs[1], k, v, current_stream(0))
+    torch.cuda.current_stream().wait_stream(side)
+    assert torch.equal(on_side, want[1])
+    static_q = qs[2].clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = plan(static_q, k, v, current_stream(0))
+    eager = plan(qs[3], k, v, current_stream(0))  # the kept partials, after the capture
+    static_q.copy_(qs[0])
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, want[0]) and torch.equal(eager, want[3])

@@ -6,8 +6,10 @@ Built from one real call (q, K/V or caches, optional ``cache_seqlens`` and ``blo
 config, causal, scale, return_lse, the score modifications, the cache options: new K/V,
 rotary cos/sin, cache batch indices and left pads); later calls whose tensors have
 the same shapes, strides, dtypes, device and 16-byte alignment and the same modifications
-and options (the caller's key) allocate the output, the LSE and the split partials and
-launch the compiled split (and combine) kernels directly; ALiBi slopes and the options'
+and options (the caller's key) allocate the output and the LSE (the split partials are the
+plan's own for calls on the build's stream and thread:
+:class:`~flashtune.kernel_templates.direct.Scratch`) and launch the compiled split (and
+combine) kernels directly; ALiBi slopes and the options'
 tensors are passed per call, like the other tensors. Arguments come
 from :func:`~flashtune.kernel_templates.attn_decode.launcher.kernel_args`, the function the
 launcher and the precompiler use, so the plan runs exactly the kernels the launcher would.
@@ -31,7 +33,7 @@ from flashtune.kernel_templates.attn_decode.launcher import (
     partial_count,
     partial_shapes,
 )
-from flashtune.kernel_templates.direct import DirectLaunch
+from flashtune.kernel_templates.direct import DirectLaunch, Scratch
 
 __all__ = ["AttnDecodeDensePlan", "AttnDecodePlan"]
 
@@ -50,7 +52,7 @@ class AttnDecodePlan:
     """
 
     __slots__ = ("device_index", "_split", "_combine", "_lse_shape", "_part_shapes",
-                 "_device", "_return_lse")
+                 "_device", "_return_lse", "_scratch")
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  config: Mapping[str, int], *, seqlens: torch.Tensor | None,
@@ -71,7 +73,10 @@ class AttnDecodePlan:
         parts = partial_count(splits, cache_options.get("k_new") is not None,
                               batch * k.shape[1])
         self._part_shapes = partial_shapes(q, parts) if splits > 1 else None
-        out, lse, o_part, lse_part = self._buffers(q)
+        self._scratch = None
+        out, lse, o_part, lse_part = self._buffers(q, -1)
+        if o_part is not None:  # the split kernel writes them, the combine reads them
+            self._scratch = Scratch(self.device_index, (o_part, lse_part))
         seqlen_k = (block_table.shape[1] * k.shape[2] if block_table is not None
                     else k.shape[2])
         launches = kernel_args(q, k, v, out, lse, seqlens, block_table, o_part, lse_part,
@@ -86,13 +91,16 @@ class AttnDecodePlan:
                 kernel, args, kwargs, grid = launches[1]
                 self._combine = DirectLaunch(kernel, args, kwargs, grid, COMBINE_VARYING)
 
-    def _buffers(self, q: torch.Tensor) -> tuple[Any, Any, Any, Any]:
+    def _buffers(self, q: torch.Tensor, stream: int) -> tuple[Any, Any, Any, Any]:
         dev = self._device
         out = torch.empty_like(q, memory_format=_CONTIGUOUS)  # q's shape and dtype
         lse = (torch.empty(self._lse_shape, dtype=torch.float32, device=dev)
                if self._return_lse else None)
         if self._part_shapes is None:
             return out, lse, None, None
+        kept = self._scratch.get(stream) if self._scratch is not None else None
+        if kept is not None:
+            return out, lse, kept[0], kept[1]
         o_shape, l_shape = self._part_shapes
         return (out, lse, torch.empty(o_shape, dtype=torch.float32, device=dev),
                 torch.empty(l_shape, dtype=torch.float32, device=dev))
@@ -106,7 +114,7 @@ class AttnDecodePlan:
                  cache_batch_idx: torch.Tensor | None = None,
                  cache_leftpad: torch.Tensor | None = None,
                  ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        out, lse, o_part, lse_part = self._buffers(q)
+        out, lse, o_part, lse_part = self._buffers(q, stream)
         lse_arg = out if lse is None else lse
         if self._combine is None:
             self._split(stream, q, k, v, out, lse_arg, q if seqlens is None else seqlens,

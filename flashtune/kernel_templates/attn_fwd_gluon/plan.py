@@ -10,7 +10,9 @@ this kernel), seven times an SDPA call's. Between two calls of one signature (th
 plan key: shapes, strides, dtypes, device, 16-byte alignment) only the tensors' addresses
 change, so :class:`AttnFwdGluonPlan` does all of that once, from the first call, through
 ``kernel_args`` (the function the launcher and the precompiler use, so the plan runs exactly
-the kernel the launcher would), and a later call allocates ``out`` and ``lse`` and hands them, with the
+the kernel the launcher would), and a later call allocates ``out`` (and ``lse`` where it returns it: the
+kernel writes one always, and a call that does not want it writes the plan's,
+:class:`~flashtune.kernel_templates.direct.Scratch`) and hands them, with the
 tensors its descriptors read (their geometry is the first call's, which the plan key fixes),
 to the compiled kernel.
 
@@ -37,7 +39,7 @@ from flashtune.kernel_templates.attn_fwd_gluon.launcher import (
     kernel_args,
     layout,
 )
-from flashtune.kernel_templates.direct import DirectLaunch
+from flashtune.kernel_templates.direct import DirectLaunch, Scratch
 
 __all__ = ["AttnFwdGluonPlan"]
 
@@ -58,7 +60,7 @@ class AttnFwdGluonPlan:
     """
 
     __slots__ = ("device_index", "_launch", "_lse_shape", "_device", "_return_lse",
-                 "_o_desc")
+                 "_o_desc", "_scratch")
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  config: Mapping[str, int], *, causal: bool, scale: float | None,
@@ -83,6 +85,8 @@ class AttnFwdGluonPlan:
         args, kwargs, grid = kernel_args(q, k, v, out, lse, config, causal=causal,
                                          scale=scale)
         self._o_desc = "o_desc" in kwargs
+        # the kernel always writes the LSE: a call that does not return it writes the kept one
+        self._scratch = None if return_lse else Scratch(self.device_index, (lse,))
         with torch.cuda.device(self.device_index):
             self._launch = DirectLaunch(gluon_attn_fwd_kernel, args, kwargs, grid, _VARYING,
                                         late=("o_desc",) if self._o_desc else ())
@@ -90,7 +94,9 @@ class AttnFwdGluonPlan:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  stream: int) -> Any:
         out = torch.empty_like(q)  # q's strides: the plan key holds them
-        lse = torch.empty(self._lse_shape, device=self._device, dtype=torch.float32)
+        kept = self._scratch.get(stream) if self._scratch is not None else None
+        lse = kept[0] if kept is not None else torch.empty(
+            self._lse_shape, device=self._device, dtype=torch.float32)
         varying = (q, k, v, out, lse)  # the descriptors' bases: the build call's geometry
         if self._o_desc:
             self._launch.with_late(stream, varying, (out,))
