@@ -14,7 +14,9 @@ shape (:attr:`~flashtune.core.spec.TemplateSpec.plans_per_shape`: cuDNN's, 40-68
 first call of a shape on an H200) serves the ``fwd`` and ``decode`` ops only at the shapes it
 was chosen for: a call that only its bucket or nearest match would serve gets the fastest
 implementation timed beside it there that plans nothing and serves the call (its config as
-timed there), else None, as a stale choice does (a decoding step over a growing cache is a
+timed there; for a choice stored without what was timed beside it, a table written before
+choices carried it, the fastest of those implementations' own configs tuned for exactly
+that shape, ``tuned_at``), else None, as a stale choice does (a decoding step over a growing cache is a
 new shape every token). With no choice that serves it, :meth:`OpRouter.choose`
 answers None and the caller takes the per-template route (the documented default: attn_fwd's
 tuned configs, the shipped table, the template default; short queries over long caches on
@@ -35,7 +37,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -51,7 +53,13 @@ from flashtune.runtime.lookup import (
     remember,
     split_by_device,
 )
-from flashtune.runtime.sources import ChoiceEntry, DeviceKey, device_key, load_choices
+from flashtune.runtime.sources import (
+    Alternative,
+    ChoiceEntry,
+    DeviceKey,
+    device_key,
+    load_choices,
+)
 
 log = logging.getLogger(__name__)
 
@@ -64,11 +72,18 @@ class OpRouter:
     Arguments:
         op: the user op (``"fwd"``, ``"decode"``).
         specs: the implementations that may serve it, by name (the registry's).
+        tuned_at: ``(implementation, problem, device)`` -> that implementation's own
+            config tuned for exactly ``problem`` on ``device`` and its time,
+            ``(config, median_ms)``, or None (the runtime's per-template tables); what a
+            planning choice stored without candidates is compared with.
     """
 
-    def __init__(self, op: str, specs: Mapping[str, TemplateSpec]) -> None:
+    def __init__(self, op: str, specs: Mapping[str, TemplateSpec],
+                 tuned_at: Callable[[str, AttentionProblem, Any],
+                                    tuple[dict[str, int], float] | None] | None = None) -> None:
         self.op = op
         self.specs = dict(specs)
+        self._tuned_at = tuned_at
         self._lock = threading.RLock()
         self._tables: dict[DeviceKey, tuple[Nearest[ChoiceEntry], Nearest[ChoiceEntry]]] = {}
         self._memo: dict[tuple[Any, ...], ConfigChoice | None] = {}
@@ -173,9 +188,12 @@ class OpRouter:
                  return_lse: bool, paired: bool) -> ConfigChoice | None:
         """For a call that ``pick``, a choice of an implementation that plans per shape,
         would serve from another shape: the fastest implementation timed beside it there
-        that builds no plan and serves the call (its config as timed, lent to ``problem``),
-        else None (the default)."""
-        for alt in pick.alternatives:
+        that builds no plan and serves the call (its config as timed, lent to ``problem``;
+        for a choice stored without candidates, the implementations' own configs tuned for
+        that shape), else None (the default)."""
+        alternatives, how = ((pick.alternatives, "timed beside") if pick.alternatives
+                             else (self._tuned_beside(pick, device), "tuned for the shape of"))
+        for alt in alternatives:
             if self._plans_per_shape(alt.implementation):
                 continue
             entry = replace(pick, implementation=alt.implementation, config=alt.config,
@@ -183,9 +201,9 @@ class OpRouter:
                             tflops=None if pick.tflops is None
                             else pick.tflops * pick.median_ms / alt.median_ms)
             if self._serves(entry, problem, device, return_lse, paired):
-                log.info("%s: op %s served by %s, timed beside %s's choice for %s (%s, %s): "
+                log.info("%s: op %s served by %s, %s %s's choice for %s (%s, %s): "
                          "%s builds a plan for every new shape", problem.describe(), self.op,
-                         alt.implementation, pick.implementation, pick.problem.describe(),
+                         alt.implementation, how, pick.implementation, pick.problem.describe(),
                          source, pick.origin, pick.implementation)
                 return ConfigChoice(self._lent(entry, problem, device), source, entry.tflops,
                                     entry.median_ms, entry.problem, entry.origin,
@@ -195,6 +213,20 @@ class OpRouter:
                  problem.describe(), self.op, source, pick.implementation,
                  pick.problem.describe(), pick.origin)
         return None
+
+    def _tuned_beside(self, pick: ChoiceEntry, device: Any) -> list[Alternative]:
+        """For ``pick``, stored without candidates: each other implementation's own config
+        tuned for exactly its problem on this device (``tuned_at``), fastest first."""
+        if self._tuned_at is None:
+            return []
+        found = []
+        for name in sorted(self.specs):
+            if name == pick.implementation or self._plans_per_shape(name):
+                continue
+            tuned = self._tuned_at(name, pick.problem, device)
+            if tuned is not None:
+                found.append(Alternative(name, tuned[0], tuned[1]))
+        return sorted(found, key=lambda a: a.median_ms)
 
     def _plans_per_shape(self, implementation: str) -> bool:
         """Whether a choice of ``implementation`` serves a call without gradients only at

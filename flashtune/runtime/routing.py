@@ -137,7 +137,17 @@ _DISPATCH_BWD = Dispatcher(_BWD)
 _DISPATCHERS: dict[str, Dispatcher] = {_FWD.name: _DISPATCH, _BWD.name: _DISPATCH_BWD,
                                        _DEC.name: kvcache.DISPATCH}
 # the stored choices of each op, across its implementations
-_ROUTERS = {op: OpRouter(op, {s.name: s for s in implementations(op)}) for op in USER_OPS}
+def _tuned_at(implementation: str, problem: AttentionProblem,
+              device: DeviceFingerprint) -> tuple[dict[str, int], float] | None:
+    """``implementation``'s own config tuned for exactly ``problem`` on ``device`` and its
+    time (its per-template table), or None: what the op routers compare a planning choice
+    stored without candidates with."""
+    entry = _dispatcher(get_template(implementation)).exact(problem, device)
+    return None if entry is None else (dict(entry.config), float(entry.median_ms))
+
+
+_ROUTERS = {op: OpRouter(op, {s.name: s for s in implementations(op)}, _tuned_at)
+            for op in USER_OPS}
 # (q.shape, k.shape, dtype, device index, causal, return_lse) -> (implementation, config):
 # the per-call lookup
 _FAST: dict[tuple[Any, ...], tuple[TemplateSpec, Config]] = {}

@@ -411,3 +411,48 @@ def test_only_cudnn_plans_every_shape() -> None:
     assert not get_template("sdpa_flash").plans_per_shape
     assert not get_template("sdpa_efficient").plans_per_shape
     assert not get_template("attn_fwd").plans_per_shape
+
+
+def test_a_planning_choice_stored_without_candidates_is_compared_with_the_tuned_tables(
+        env: dict) -> None:
+    """A planning choice from a table written before choices carried their candidates:
+    a near shape takes the fastest implementation whose own config was tuned for exactly
+    that choice's shape (the router's ``tuned_at``: the per-template tables), lent to the
+    call; where none was, the default. Stored candidates, where there are some, come
+    first."""
+    from flashtune.core.problem import AttentionProblem
+    from flashtune.kernel_templates import get_template, implementations
+    from flashtune.runtime.choices import OpRouter
+
+    a = AttentionProblem(2, 8, 2, 2048, 2048, 64, True, "bf16")
+    fast = dict(FWD_CFG, num_warps=4)
+    filled = get_template("attn_fwd").space.validate(fast)
+    tables: dict[tuple[str, AttentionProblem], tuple[dict[str, int], float]] = {}
+    asked: list[str] = []
+
+    def tuned_at(name: str, problem: AttentionProblem, device: Any) -> Any:
+        asked.append(name)
+        return tables.get((name, problem))
+
+    def served(nq: int, candidates: tuple[dict[str, Any], ...] = ()) -> tuple[Any, ...]:
+        write(env["package"], entry(a, implementation=EXTERN, config={}, runner_up=None,
+                                    runner_up_ms=None, extern=None, extern_ms=None,
+                                    candidates=candidates),
+              implementations={EXTERN: EXTERN_HASH})
+        specs = {s.name: s for s in implementations("fwd")}
+        specs[EXTERN] = replace(specs[EXTERN], plans_per_shape=True)
+        got = OpRouter("fwd", specs, tuned_at).choose(replace(a, seqlen_q=nq, seqlen_k=nq),
+                                                      HERE)
+        return (None,) if got is None else (got.template, got.source, got.config,
+                                            got.median_ms)
+
+    assert served(2047) == (None,)  # nothing tuned at its shape: the default
+    assert EXTERN not in asked and "attn_fwd" in asked  # the choice itself is not asked
+    tables[("attn_fwd", a)] = (fast, 1.4)
+    tables[("attn_fwd", replace(a, seqlen_q=4096, seqlen_k=4096))] = (FWD_CFG, 0.1)
+    assert served(2047) == ("attn_fwd", "bucket", filled, 1.4)  # exactly its shape only
+    assert served(2560)[:2] == ("attn_fwd", "nearest")
+    # what was timed beside the choice, where it was stored, is what counts
+    timed = ({"implementation": "attn_fwd", "config": FWD_CFG, "median_ms": 1.3,
+              "source_hash": FWD},)
+    assert served(2047, timed)[3] == 1.3

@@ -722,3 +722,18 @@ def test_the_distance_from_kept_features_is_the_documented_one():
                                              across_groups=across) == want
                 finite += want != float("inf")
     assert finite > 1000
+
+
+def test_the_op_routers_read_an_implementations_config_tuned_for_exactly_a_shape(env):
+    """``routing._tuned_at``, what the op routers compare a planning choice stored without
+    candidates with: the implementation's own config tuned for exactly that problem on
+    that device and its time, from its per-template table; nothing for a near problem or
+    another device."""
+    p = prob(128)
+    populate(env["db"], [(HERE, p, cfg(32, 32), 0.7)])
+    flashtune.reload_configs()
+    config, ms = routing._tuned_at("attn_fwd", p, HERE)
+    assert (config["BLOCK_M"], config["BLOCK_N"], ms) == (32, 32, 0.7)
+    assert routing._tuned_at("attn_fwd", prob(127), HERE) is None  # near is not exact
+    assert routing._tuned_at("attn_fwd", p, TWIN) is None
+    assert routing._tuned_at("attn_decode", p, HERE) is None  # another implementation's table
