@@ -221,7 +221,7 @@ class OpRouter:
             return []
         found = []
         for name in sorted(self.specs):
-            if name == pick.implementation or self._plans_per_shape(name):
+            if self._plans_per_shape(name):  # ``pick``'s own among them
                 continue
             tuned = self._tuned_at(name, pick.problem, device)
             if tuned is not None:

@@ -136,7 +136,8 @@ _DISPATCH_BWD = Dispatcher(_BWD)
 # and kvcache's; the others are made when an ``impl=`` call first asks)
 _DISPATCHERS: dict[str, Dispatcher] = {_FWD.name: _DISPATCH, _BWD.name: _DISPATCH_BWD,
                                        _DEC.name: kvcache.DISPATCH}
-# the stored choices of each op, across its implementations
+
+
 def _tuned_at(implementation: str, problem: AttentionProblem,
               device: DeviceFingerprint) -> tuple[dict[str, int], float] | None:
     """``implementation``'s own config tuned for exactly ``problem`` on ``device`` and its
@@ -146,6 +147,7 @@ def _tuned_at(implementation: str, problem: AttentionProblem,
     return None if entry is None else (dict(entry.config), float(entry.median_ms))
 
 
+# the stored choices of each op, across its implementations
 _ROUTERS = {op: OpRouter(op, {s.name: s for s in implementations(op)}, _tuned_at)
             for op in USER_OPS}
 # (q.shape, k.shape, dtype, device index, causal, return_lse) -> (implementation, config):

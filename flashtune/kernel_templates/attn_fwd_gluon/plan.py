@@ -10,11 +10,11 @@ this kernel), seven times an SDPA call's. Between two calls of one signature (th
 plan key: shapes, strides, dtypes, device, 16-byte alignment) only the tensors' addresses
 change, so :class:`AttnFwdGluonPlan` does all of that once, from the first call, through
 ``kernel_args`` (the function the launcher and the precompiler use, so the plan runs exactly
-the kernel the launcher would), and a later call allocates ``out`` (and ``lse`` where it returns it: the
-kernel writes one always, and a call that does not want it writes the plan's,
-:class:`~flashtune.kernel_templates.direct.Scratch`) and hands them, with the
-tensors its descriptors read (their geometry is the first call's, which the plan key fixes),
-to the compiled kernel.
+the kernel the launcher would), and a later call allocates ``out`` (and ``lse`` where it
+returns it: the kernel always writes one, and a call that does not want it writes the
+plan's, :class:`~flashtune.kernel_templates.direct.Scratch`) and hands them, with the
+tensors its descriptors read (their geometry is the first call's, which the plan key
+fixes), to the compiled kernel.
 
 It plans only what the launcher runs without a copy or a rewrite: q, k, v in a TMA-readable
 layout (K and V in the same one), a non-negative scale, no window, at least one query and
