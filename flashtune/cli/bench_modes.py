@@ -1,4 +1,4 @@
-"""``flashtune bench``'s two modes beside the kernel benchmark: ``--model llama|bert|vit``
+"""``flashtune bench``'s two modes beside the kernel benchmark: ``--model llama|gemma3|bert|vit``
 (flashtune inside a transformers model against torch's SDPA, end to end: see
 :mod:`flashtune.integrations.model_bench`) and ``--dispatch`` (the host cost of one call: see
 :mod:`flashtune.runtime.dispatch_bench`).
@@ -27,7 +27,7 @@ __all__ = ["MODEL_FAMILIES", "MODEL_OPTIONS", "run_dispatch_bench", "run_model_b
 
 # flashtune.integrations.model_bench.FAMILIES, spelled out: that module imports torch and
 # transformers (tests/cli_tests/test_bench_model.py checks the two agree)
-MODEL_FAMILIES = ("llama", "bert", "vit")
+MODEL_FAMILIES = ("llama", "gemma3", "bert", "vit")
 # bench's options that only --model reads, and the default contenders beside flashtune
 MODEL_OPTIONS = ("layers", "hidden", "intermediate", "train_batch", "train_seqlen",
                  "gen_batch", "gen_prompt", "new_tokens", "phases")
@@ -122,7 +122,7 @@ def run_model_bench(ctx: click.Context, family: str, params: dict[str, Any]) -> 
     spec = (TINY if interpret else PRESETS)[family]
     changes = {k: params[k] for k in ("layers", "hidden", "intermediate") if params[k]}
     changes.update({k: params[k] for k in ("heads", "kv_heads") if params[k]})
-    if params["heads"] and not params["kv_heads"] and family != "llama":
+    if params["heads"] and not params["kv_heads"] and family in ("bert", "vit"):
         changes["kv_heads"] = params["heads"]
     spec = replace(spec, **changes)
     try:

@@ -1,21 +1,25 @@
 """``flashtune bench --model``: flashtune inside a real model, end to end, against torch's SDPA.
 
-One randomly initialised transformers model (Llama-, BERT- or ViT-shaped: :data:`PRESETS`,
-layers and widths overridable) in bf16 runs each phase with its attention implementation
-switched between the contenders, same weights, same inputs, same run:
+One randomly initialised transformers model (Llama-, Gemma-3-, BERT- or ViT-shaped:
+:data:`PRESETS`, layers and widths overridable) in bf16 runs each phase with its attention
+implementation switched between the contenders, same weights, same inputs, same run. The
+decoders (:data:`DECODERS`: ``llama``, ``gemma3``) run the prefill and generation phases;
+``gemma3``'s local layers attend within a sliding window of 1024 keys (five of every six
+layers, as Gemma 3's), which torch's SDPA receives as an explicit mask and flashtune as a
+window:
 
-* ``prefill`` (``llama``: the prompt's forward, last-token logits, as a server's prefill) or
+* ``prefill`` (decoders: the prompt's forward, last-token logits, as a server's prefill) or
   ``forward`` (``bert``, ``vit``: inference on a batch), at each requested length;
 * ``train``: forward, loss and backward of a batch (no optimizer step: it is the same work
   for every contender);
-* ``generate`` (``llama``): greedy generation of ``new`` tokens after a prompt, KV cache on;
+* ``generate`` (decoders): greedy generation of ``new`` tokens after a prompt, KV cache on;
   its decode time is the generation's minus the prompt's prefill, timed beside it;
-* ``generate_static`` (``llama``): the same with a static cache
+* ``generate_static`` (decoders): the same with a static cache
   (``cache_implementation="static"``), with which transformers compiles each decode step
   with ``torch.compile(mode="reduce-overhead")`` on a GPU: the steps replay as CUDA graphs
   (flashtune's steps run over the whole cache, lengths on the device:
   :mod:`flashtune.runtime.static_cache`). On CPU the steps run eagerly;
-* ``generate_new`` (``llama``): greedy generation from prompt lengths the process has not
+* ``generate_new`` (decoders): greedy generation from prompt lengths the process has not
   run, each contender in a process of its own
   (:mod:`flashtune.integrations.fresh_generation`): every decoding step a shape torch's
   cuDNN has not planned, as a request with a new prompt length meets it (``generate``
@@ -58,10 +62,12 @@ from flashtune.runtime.bench import _first_line
 from flashtune.runtime.ops import lookup_config
 from flashtune.runtime.sdpa import describe_route, fallback_counts, reset_fallback_counts
 
-__all__ = ["ATTENTION_KERNEL", "CONTENDERS", "FAMILIES", "PRESETS", "TINY", "ModelSpec",
+__all__ = ["ATTENTION_KERNEL", "CONTENDERS", "DECODERS", "FAMILIES", "PRESETS", "TINY", "ModelSpec",
            "Workload", "attention_share", "bench_model", "default_workload", "render_model"]
 
-FAMILIES = ("llama", "bert", "vit")
+FAMILIES = ("llama", "gemma3", "bert", "vit")
+# the causal language models: a prefill, generation and its KV cache
+DECODERS = ("llama", "gemma3")
 CONTENDERS = ("flashtune", "sdpa", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa_math")
 DEFAULT_CONTENDERS = ("flashtune", "sdpa", "sdpa_flash", "sdpa_cudnn")
 # kernels that compute attention: flashtune's (attn_fwd/bwd/decode, Gluon), FA2 in torch
@@ -81,9 +87,12 @@ TOL = 5e-2
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A model's shape: family (``llama``, ``bert``, ``vit``), layers, hidden size, query
-    and key/value heads, MLP width, vocabulary (``llama``, ``bert``), image and patch size
-    (``vit``), attention dropout (in training only)."""
+    """A model's shape: family (:data:`FAMILIES`), layers, hidden size, query and key/value
+    heads, MLP width, vocabulary (decoders, ``bert``), image and patch size (``vit``),
+    attention dropout (in training only); for ``gemma3`` the head dim (``head_size``; 0:
+    ``hidden // heads``), the local layers' sliding window and every how many layers one
+    attends globally (``global_every``: Gemma 3's 6, five local layers, then a global
+    one)."""
 
     family: str
     layers: int
@@ -95,10 +104,19 @@ class ModelSpec:
     image: int = 0
     patch: int = 0
     dropout: float = 0.0
+    head_size: int = 0
+    window: int = 0
+    global_every: int = 0
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.head_size or self.hidden // self.heads
+
+    @property
+    def layer_types(self) -> list[str]:
+        """``gemma3``'s attention per layer (transformers' ``layer_types``)."""
+        return ["full_attention" if (i + 1) % self.global_every == 0 else "sliding_attention"
+                for i in range(self.layers)]
 
     def check(self) -> None:
         """ValueError naming the field that makes no model."""
@@ -107,14 +125,22 @@ class ModelSpec:
         for name in ("layers", "hidden", "heads", "kv_heads", "intermediate"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.hidden % self.heads:
+        if not self.head_size and self.hidden % self.heads:
             raise ValueError(f"hidden {self.hidden} is not a multiple of heads {self.heads}")
         if self.heads % self.kv_heads:
             raise ValueError(f"heads {self.heads} is not a multiple of kv_heads "
                              f"{self.kv_heads}")
-        if self.family != "llama" and self.kv_heads != self.heads:
+        if self.family not in DECODERS and self.kv_heads != self.heads:
             raise ValueError(f"{self.family} has no grouped-query attention: kv_heads must "
                              f"equal heads ({self.heads})")
+        if self.family == "gemma3":
+            for name in ("window", "global_every"):
+                if getattr(self, name) < 1:
+                    raise ValueError(f"{name} must be at least 1 for gemma3, got "
+                                     f"{getattr(self, name)}")
+        elif self.head_size or self.window or self.global_every:
+            raise ValueError(f"head_size, window and global_every are gemma3's; {self.family} "
+                             f"takes its head dim from hidden / heads and has no window")
 
     def config(self) -> Any:
         """The transformers config."""
@@ -127,6 +153,21 @@ class ModelSpec:
                                num_key_value_heads=self.kv_heads,
                                max_position_embeddings=32768, attention_dropout=self.dropout,
                                pad_token_id=0, bos_token_id=None, eos_token_id=None)
+        if self.family == "gemma3":
+            from transformers import Gemma3TextConfig
+
+            # scores scaled by 1 / sqrt(head dim) (query_pre_attn_scalar, as Gemma 3 12B's);
+            # no softcap (Gemma 3 has none: Gemma 2's is what it replaced with QK norms)
+            return Gemma3TextConfig(vocab_size=self.vocab, hidden_size=self.hidden,
+                                    intermediate_size=self.intermediate,
+                                    num_hidden_layers=self.layers,
+                                    num_attention_heads=self.heads,
+                                    num_key_value_heads=self.kv_heads, head_dim=self.head_dim,
+                                    query_pre_attn_scalar=self.head_dim,
+                                    sliding_window=self.window, layer_types=self.layer_types,
+                                    max_position_embeddings=32768,
+                                    attention_dropout=self.dropout,
+                                    pad_token_id=0, bos_token_id=None, eos_token_id=None)
         if self.family == "bert":
             from transformers import BertConfig
 
@@ -149,7 +190,7 @@ class ModelSpec:
         from transformers import AutoModelForCausalLM, BertForMaskedLM, ViTForImageClassification
 
         # (transformers' constructors are untyped: called through Any)
-        make: Any = AutoModelForCausalLM.from_config if self.family == "llama" else \
+        make: Any = AutoModelForCausalLM.from_config if self.family in DECODERS else \
             (BertForMaskedLM if self.family == "bert" else ViTForImageClassification)._from_config
         with torch.device(device):  # initialised where it runs: no host copy of the weights
             model = make(self.config(), dtype=dtype, attn_implementation="sdpa")
@@ -158,9 +199,9 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class Workload:
-    """What to run: the inference batch and lengths (``llama``: prompts; ``bert``: tokens;
+    """What to run: the inference batch and lengths (decoders: prompts; ``bert``: tokens;
     ``vit``: ignored, a sequence is the image's patches and the class token), the training
-    batch and length, and for ``llama`` the generation's batch, prompt and new tokens.
+    batch and length, and for the decoders the generation's batch, prompt and new tokens.
     ``phases`` names the phases to run."""
 
     batch: int
@@ -175,26 +216,33 @@ class Workload:
 
 
 # Llama-3-8B's layer (4096 wide, 32 query and 8 KV heads of 128, MLP 14336, vocab 128256), 8
-# of its 32 layers; BERT-large (24 x 1024, 16 heads of 64, attention dropout 0.1 as trained);
+# of its 32 layers; Gemma-3-12B's (3840 wide, 16 query and 8 KV heads of 256, MLP 15360, vocab
+# 262208, local layers' window 1024, one global layer in six), 8 of its 48 (layers 1-5 and 7-8
+# local, 6 global); BERT-large (24 x 1024, 16 heads of 64, attention dropout 0.1 as trained);
 # ViT-L/16 at 224 px (24 x 1024, 16 heads of 64, 197 tokens)
 PRESETS: dict[str, ModelSpec] = {
     "llama": ModelSpec("llama", 8, 4096, 32, 8, 14336, vocab=128256),
+    "gemma3": ModelSpec("gemma3", 8, 3840, 16, 8, 15360, vocab=262208, head_size=256,
+                        window=1024, global_every=6),
     "bert": ModelSpec("bert", 24, 1024, 16, 16, 4096, vocab=30522, dropout=0.1),
     "vit": ModelSpec("vit", 24, 1024, 16, 16, 4096, image=224, patch=16),
 }
 # under the interpreter: head dim 16, a few tokens, so a phase takes seconds on a CPU
 TINY: dict[str, ModelSpec] = {
     "llama": ModelSpec("llama", 2, 64, 4, 2, 128, vocab=128),
+    # a local layer then a global one; prompts longer than the window of 8
+    "gemma3": ModelSpec("gemma3", 2, 64, 4, 2, 128, vocab=128, head_size=16, window=8,
+                        global_every=2),
     "bert": ModelSpec("bert", 2, 64, 4, 4, 128, vocab=128, dropout=0.1),
     "vit": ModelSpec("vit", 2, 64, 4, 4, 128, image=32, patch=8),
 }
 
 
 def default_workload(family: str, *, tiny: bool = False) -> Workload:
-    """The issue's measures: Llama prefill of one 2k and one 8k prompt, a training step on
-    2 x 4096 tokens, 64 tokens generated for 8 prompts of 2048; BERT 32 x 512 tokens; ViT
-    64 images. ``tiny``: a few tokens each, for the interpreter."""
-    if family == "llama":
+    """The issue's measures: a decoder's prefill of one 2k and one 8k prompt, a training
+    step on 2 x 4096 tokens, 64 tokens generated for 8 prompts of 2048; BERT 32 x 512
+    tokens; ViT 64 images. ``tiny``: a few tokens each, for the interpreter."""
+    if family in DECODERS:
         if tiny:
             return Workload(1, (24,), 2, 16, 2, 12, 3)
         return Workload(1, (2048, 8192), 2, 4096, 8, 2048, 64)
@@ -278,14 +326,24 @@ def _probing(model: Any) -> Iterator[dict[str, dict[str, Any]]]:
               **kwargs: Any) -> Any:
         a = sdpa_arguments(module, query, key, value, attention_mask, *args, **kwargs)
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+        # a layer's sliding window, where its keys outrun it (as the integration reads it)
+        sliding, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
+        window = (sliding - 1, sliding - 1) if sliding is not None \
+            and key.shape[2] > sliding else None
         label = (f"q {tuple(query.shape)} k {tuple(key.shape)} {str(query.dtype)[6:]}"
                  f"{' causal' if a['is_causal'] else ''}"
+                 f"{f' window {sliding}' if window else ''}"
+                 f"{f' softcap {softcap}' if softcap is not None else ''}"
                  f"{' mask' if attention_mask is not None else ''}"
                  f"{' dropout' if a['dropout_p'] else ''}{' grad' if grad else ''}")
         if label not in calls:
             step = is_generation_step(query, key, attention_mask, a["dropout_p"])
             if step:
                 route = "attn_decode: a generation step over the whole cache"
+            elif attention_mask is None and (window or softcap is not None):
+                choice = lookup_config(query, key, value, causal=a["is_causal"], window=window,
+                                       softcap=softcap, dropout_p=a["dropout_p"])
+                route = f"{choice.template} ({choice.source})"
             elif attention_mask is None and chunk_against_cache(query, key, a["is_causal"]):
                 choice = lookup_config(query, key, value, causal=True)
                 route = (f"{choice.template} ({choice.source}): a chunk against the cache, "
@@ -340,7 +398,7 @@ def _phases(spec: ModelSpec, work: Workload, model: Any, device: str) -> list[_P
             return logits
         return run
 
-    infer_phase = "prefill" if spec.family == "llama" else "forward"
+    infer_phase = "prefill" if spec.family in DECODERS else "forward"
     if infer_phase in work.phases:
         for n in (work.seqlens if spec.family != "vit" else (0,)):
             x = inputs(work.batch, n)
@@ -369,7 +427,7 @@ def _phases(spec: ModelSpec, work: Workload, model: Any, device: str) -> list[_P
                                       f"{tokens(1, work.train_seqlen)} tokens",
                              tokens(work.train_batch, work.train_seqlen), step, step))
     for name in ("generate", "generate_static"):
-        if name not in work.phases or spec.family != "llama":
+        if name not in work.phases or spec.family not in DECODERS:
             continue
         prompt = ids(work.gen_batch, work.gen_prompt)
         mask = torch.ones_like(prompt)
@@ -518,7 +576,7 @@ def bench_model(spec: ModelSpec, work: Workload, *, contenders: Sequence[str] = 
         rows.append(row)
         if on_phase is not None:
             on_phase(row)
-    if "generate_new" in work.phases and spec.family == "llama":
+    if "generate_new" in work.phases and spec.family in DECODERS:
         row = fresh_generation_row(spec, work, contenders, rounds, device)
         rows.append(row)
         if on_phase is not None:
@@ -553,7 +611,8 @@ def render_model(result: Mapping[str, Any]) -> str:
              for line in [header, *body]]
     m = result["model"]
     lines.insert(0, f"{m['family']}: {m['layers']} layers, hidden {m['hidden']}, "
-                    f"{m['heads']}:{m['kv_heads']} heads of {m['hidden'] // m['heads']}, bf16, "
+                    f"{m['heads']}:{m['kv_heads']} heads of "
+                    f"{m.get('head_size') or m['hidden'] // m['heads']}, bf16, "
                     f"{result['device']} (ms, median of {result['rounds']} rounds; vs X: "
                     f"X's time over flashtune's; round spread: the widest contender's "
                     f"(max - min) / median, under which a ratio is not resolved)")

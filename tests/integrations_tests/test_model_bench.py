@@ -67,6 +67,47 @@ def test_llama_runs_every_phase_on_flashtune_checked_against_sdpa():
     assert "generate" in text and "all 6 attention calls ran on flashtune's route" in text
 
 
+def test_gemma3_runs_its_local_layers_in_a_window_checked_against_sdpa():
+    """Gemma 3's local layers reach flashtune as a sliding window (transformers hands SDPA
+    an explicit mask for them): the tiny model's prompts outrun its window of 8, so a
+    window dropped or misread would fail the check against sdpa's masked output."""
+    spec = mb.TINY["gemma3"]
+    assert spec.layer_types == ["sliding_attention", "full_attention"]
+    result = _run("gemma3", phases=("prefill", "train", "generate"))
+    rows = {r["phase"]: r for r in result["phases"]}
+    for name in ("prefill", "train"):
+        r = rows[name]
+        assert r["errors"] == {} and r["fallbacks"] == {}, (r["errors"], r["fallbacks"])
+        assert 0 <= r["check"]["flashtune"] <= mb.TOL
+        calls = {c["call"]: c["route"] for c in r["routes"]}
+        # one local layer in a window of 8, one global layer, both on flashtune's kernels
+        assert sum(" window 8" in c for c in calls) == 1 and len(calls) == 2, calls
+        assert all(not route.startswith("torch") for route in calls.values())
+    gen = rows["generate"]
+    w = mb.default_workload("gemma3", tiny=True)
+    assert sum(c["calls"] for c in gen["routes"]) == w.new_tokens * spec.layers
+    # a local layer's cache keeps the window's last keys: its steps need no window
+    steps = [c["call"] for c in gen["routes"] if c["call"].startswith("q (2, 4, 1, 16)")]
+    assert any(" k (2, 2, 8, 16) " in c for c in steps), steps
+    assert gen["check"]["flashtune"] == 0  # the same tokens as sdpa's
+
+
+def test_a_window_dropped_on_the_way_fails_gemma3s_check(monkeypatch):
+    """The check above can fail: the integration running the local layer without its
+    window is caught against sdpa's masked output."""
+    from flashtune.integrations import transformers as ft
+
+    real = ft._forward
+
+    def unwindowed(*args, **kwargs):
+        kwargs.pop("sliding_window", None)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ft, "_forward", unwindowed)
+    (row,) = _run("gemma3", phases=("prefill",))["phases"]
+    assert "output differs from sdpa's" in row["errors"]["flashtune"]
+
+
 def test_fresh_lengths_never_share_a_key_length():
     """A generation from n tokens calls attention with n to n + new keys: the rounds' and
     the warm-up's ranges are disjoint, so no decoding step of a timed round meets a shape
@@ -171,6 +212,20 @@ def test_a_spec_that_makes_no_model_names_the_field(change, match):
         replace(mb.TINY["llama"], **change).check()
     with pytest.raises(ValueError, match="no grouped-query attention"):
         replace(mb.TINY["bert"], kv_heads=2).check()
+
+
+def test_gemma3s_fields_are_its_own():
+    """A head dim apart from hidden / heads, the window and the global layers' period:
+    gemma3 needs the last two, no other family takes any of them."""
+    spec = mb.PRESETS["gemma3"]
+    spec.check()
+    assert spec.head_dim == 256 and spec.hidden // spec.heads == 240
+    assert spec.layer_types.count("full_attention") == 1  # layer 6 of 8
+    assert spec.config().layer_types == spec.layer_types
+    with pytest.raises(ValueError, match="window must be at least 1 for gemma3"):
+        replace(spec, window=0).check()
+    with pytest.raises(ValueError, match="head_size, window and global_every are gemma3's"):
+        replace(mb.TINY["llama"], window=8).check()
 
 
 def test_unknown_contender_is_refused_before_any_work():
