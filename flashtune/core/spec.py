@@ -277,7 +277,9 @@ class TemplateSpec:
             one CUDA call signature of an inference call, called as ``plan(q, k, v,
             stream)``, with a ``device_index``: what the runtime replays instead of the
             launcher's per-call checks and binding (it raises for a call it does not plan;
-            the launcher runs that one); None: the launcher every call.
+            the launcher runs that one); None: the launcher every call. A plan that also
+            takes ``window=(left, right)`` plans score-modified calls with a window
+            (:mod:`flashtune.runtime.scored`; raising for a window it does not serve).
     """
 
     name: str

@@ -41,6 +41,7 @@ captured, where nothing may synchronise.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import replace
@@ -53,9 +54,13 @@ from flashtune.core.packing import check_cu_seqlens
 from flashtune.core.problem import AttentionProblem, dtype_name
 from flashtune.core.space import Config, config_from_text, config_text
 from flashtune.core.spec import TemplateSpec, join_pair, split_pair
-from flashtune.kernel_templates import get_template
+from flashtune.kernel_templates import direct, get_template
+from flashtune.kernel_templates.attn_fwd.plan import AttnFwdPlan
+from flashtune.kernel_templates.direct import current_device as _current_device
+from flashtune.kernel_templates.direct import current_stream as _current_stream
 from flashtune.kernel_templates.dropout import draw_seed
 from flashtune.kernel_templates.training import pair_fn
+from flashtune.runtime import routing
 from flashtune.runtime.autograd import as_declared, dout_or_zeros
 from flashtune.runtime.checks import check_attention_inputs, check_grid, check_score_mods
 from flashtune.runtime.lookup import ConfigChoice, remember
@@ -66,6 +71,7 @@ from flashtune.runtime.routing import (
     _FWD,
     _device_of,
     _explicit_config,
+    _plan_key,
     _route,
     _train_choice,
 )
@@ -77,6 +83,12 @@ __all__ = ["attention_compiled", "attention_scored", "attention_varlen", "check_
 
 # call signature -> (forward spec, forward config, backward spec and config or None)
 _ROUTES: dict[tuple[Any, ...], Route] = {}
+# the plan key of an inference call with a window or a softcap (routing._plan_key over its
+# route's key) -> the launch plan of its route's kernel, or None where the kernel has none
+# for it (the launcher then runs every call)
+_PLANS: dict[tuple[Any, ...], Any] = {}
+_Tensor = torch.Tensor
+log = logging.getLogger(__name__)
 # the training step of a packed batch nothing of the user's is tuned for exactly, by compute
 # capability: on sm_90 attn_fwd's varlen forward with the Gluon backward's VARLEN kernel,
 # where the pair serves the call (head dims 64 and 128, no score modification or dropout,
@@ -309,6 +321,16 @@ def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     else:
         route = _choose(problem(), q, causal, return_lse, grad, config, impl)
     spec, fcfg, bwd, bcfg = route
+    if not grad and config is None and impl is None and q.is_cuda and routing._DIRECT \
+            and type(q) is _Tensor and type(k) is _Tensor and type(v) is _Tensor \
+            and options["alibi_slopes"] is None and "dropout_p" not in options \
+            and "cu_seqlens_q" not in options \
+            and _current_device() == q.get_device() and not direct.hooks_installed():
+        pkey = _plan_key(q, k, v, full + (scale,))  # (a route does not read the scale)
+        plan = _PLANS.get(pkey) if pkey in _PLANS else _new_plan(
+            q, k, v, spec, fcfg, causal, scale, return_lse, options, pkey)
+        if plan is not None:
+            return plan(q, k, v, _current_stream(plan.device_index))
     if spec is not _FWD:  # the Gluon forward (a causal window), attn_decode (short queries)
         options = {n: o for n, o in options.items() if o is not None}
     if grad:
@@ -318,6 +340,32 @@ def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return (out, lse) if return_lse else out
     return spec.launcher(q, k, v, fcfg, causal=causal, scale=scale, return_lse=return_lse,
                          **options)
+
+
+def _new_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: TemplateSpec,
+              cfg: Config, causal: bool, scale: float | None, return_lse: bool,
+              options: Mapping[str, Any], key: tuple[Any, ...]) -> Any:
+    """The launch plan of an inference call with a window or a softcap (no ALiBi slopes, no
+    dropout: those are tensors and draws of each call), kept under ``key``: attn_fwd's
+    (:class:`~flashtune.kernel_templates.attn_fwd.plan.AttnFwdPlan`, both bound at build)
+    or the implementation's own where it takes a window (the Gluon forward's causal sliding
+    window). As a plain call's (:func:`flashtune.runtime.routing._attention`), it skips the
+    launcher's checks and binding on later calls: the Gluon launcher's are about 150 us of
+    host time. None (kept too) where there is none: the launcher runs."""
+    window, cap = options["window"], options["softcap"]
+    plan = None
+    try:
+        if spec is _FWD:
+            plan = AttnFwdPlan(q, k, v, cfg, causal=causal, scale=scale,
+                               return_lse=return_lse, window=window, softcap=cap)
+        elif spec.plan is not None and not cap:
+            plan = spec.plan(q, k, v, cfg, causal=causal, scale=scale, return_lse=return_lse,
+                             window=window)
+    except Exception as exc:  # noqa: BLE001 - a call it does not plan: the launcher's
+        log.debug("flashtune: no %s plan for this call (%s: %s)", spec.name,
+                  type(exc).__name__, exc)
+        plan = None
+    return remember(_PLANS, key, plan)
 
 
 def _bwd_launcher(bwd: TemplateSpec) -> Callable[..., Any]:
@@ -526,8 +574,9 @@ def _packed_problem(q: torch.Tensor, k: torch.Tensor, batch: int, max_seqlen_q: 
 
 
 def reset() -> None:
-    """Drop the memoised routes (``flashtune.reload_configs``)."""
+    """Drop the memoised routes and plans (``flashtune.reload_configs``)."""
     _ROUTES.clear()
+    _PLANS.clear()
 
 
 # -- torch.compile: the custom ops a compiled model traces (no graph break) -------------------

@@ -44,8 +44,9 @@ _CONTIGUOUS = torch.contiguous_format
 
 
 class AttnFwdPlan:
-    """Replays ``attn_fwd(q, k, v, config, causal=, scale=, return_lse=)`` for CUDA tensors
-    like the ones it was built from; call it as ``plan(q, k, v, stream)``.
+    """Replays ``attn_fwd(q, k, v, config, causal=, scale=, return_lse=, window=,
+    softcap=)`` for CUDA tensors like the ones it was built from (a window and a softcap
+    are scalars bound at build, as the config is); call it as ``plan(q, k, v, stream)``.
 
     Building compiles the kernel if Triton's cache lacks it; do it with the tensors' device
     current (``device_index``), and call the plan only while that device is current.
@@ -56,7 +57,8 @@ class AttnFwdPlan:
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  config: Mapping[str, int], *, causal: bool, scale: float | None,
-                 return_lse: bool) -> None:
+                 return_lse: bool, window: tuple[int, int] = (-1, -1),
+                 softcap: float | None = None) -> None:
         if q.device.type != "cuda":
             raise ValueError("launch plans are for CUDA tensors")
         batch, heads_q, seqlen_q, head_dim = q.shape
@@ -81,7 +83,8 @@ class AttnFwdPlan:
                if return_lse else None)
         use_tma = bool(config.get("USE_TMA", 0)) and tma_ok(q, k, v, out)
         args, kwargs, grid = kernel_args(q, k, v, out, lse, config, causal=causal, scale=scale,
-                                         use_tma=use_tma, upcast_dot=False)
+                                         use_tma=use_tma, upcast_dot=False, window=window,
+                                         softcap=softcap)
         self._tma = use_tma
         with torch.cuda.device(self.device_index):
             self._launch = DirectLaunch(attn_fwd_kernel, args, kwargs, grid, _VARYING)

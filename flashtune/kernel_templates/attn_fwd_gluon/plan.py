@@ -17,8 +17,9 @@ tensors its descriptors read (their geometry is the first call's, which the plan
 fixes), to the compiled kernel.
 
 It plans only what the launcher runs without a copy or a rewrite: q, k, v in a TMA-readable
-layout (K and V in the same one), a non-negative scale, no window, at least one query and
-one key. Anything else raises (ValueError, or the launcher's own error for inputs it
+layout (K and V in the same one), a non-negative scale, at least one query and one key, and
+no window or the causal sliding window the kernel serves (a score-modified call's plan:
+:mod:`flashtune.runtime.scored`). Anything else raises (ValueError, or the launcher's own error for inputs it
 refuses) and the runtime keeps calling the launcher.
 
 Not part of the template's source hash: it changes how the kernel is launched, not which
@@ -47,7 +48,7 @@ _VARYING = 5  # q_desc, k_desc, v_desc, o_ptr, lse_ptr; o_desc (TMA_STORE) comes
 
 
 class AttnFwdGluonPlan:
-    """Replays ``attn_fwd_gluon(q, k, v, config, causal=, scale=, return_lse=)`` for CUDA
+    """Replays ``attn_fwd_gluon(q, k, v, config, causal=, scale=, return_lse=, window=)`` for CUDA
     tensors like the ones it was built from; call it as ``plan(q, k, v, stream)``.
 
     Building compiles the kernel if Triton's cache lacks it; do it with the tensors' device
@@ -64,7 +65,11 @@ class AttnFwdGluonPlan:
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  config: Mapping[str, int], *, causal: bool, scale: float | None,
-                 return_lse: bool) -> None:
+                 return_lse: bool, window: tuple[int, int] = (-1, -1)) -> None:
+        left, right = window
+        if left != -1 and not causal or left == -1 and right not in (-1, 0) or left < -1:
+            raise ValueError(f"window {tuple(window)}: not the causal sliding window the "
+                             f"kernel serves: no plan")
         _check(q, k, v, config)
         q_how, kv_how = layout(q), layout(k)
         if q_how is None or kv_how is None or layout(v) != kv_how:
@@ -83,7 +88,7 @@ class AttnFwdGluonPlan:
         if layout(out) != q_how:
             raise ValueError("out would not be in q's layout: no plan")
         args, kwargs, grid = kernel_args(q, k, v, out, lse, config, causal=causal,
-                                         scale=scale)
+                                         scale=scale, window_left=left)
         self._o_desc = "o_desc" in kwargs
         # the kernel always writes the LSE: a call that does not return it writes the kept one
         self._scratch = None if return_lse else Scratch(self.device_index, (lse,))
