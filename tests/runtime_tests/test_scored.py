@@ -3,6 +3,8 @@ public API end to end (routing, numerics, gradients, bad input), under the inter
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -455,3 +457,52 @@ def test_a_backward_without_score_mods_gets_the_routes_off_values_dropped():
         with pytest.raises(InputError, match="no score modification"):
             run(1, 2, **bad)
     assert len(seen) == 2
+
+
+def test_which_plan_a_score_modified_call_gets(monkeypatch):
+    """``_new_plan``'s choice (the plans themselves replay CUDA launches: their GPU tests
+    are in test_scored_plans_gpu.py): attn_fwd's plan with the window and the softcap bound;
+    an implementation's own plan with the window, never with a softcap it has no knob for;
+    a plan that refuses the call is kept as None, so the launcher runs it from then on."""
+    from flashtune.kernel_templates import get_template
+
+    built = []
+
+    class Planned:
+        device_index = 0
+
+        def __init__(self, *args, **kwargs):
+            built.append(kwargs)
+
+    monkeypatch.setattr(scored, "AttnFwdPlan", Planned)
+    monkeypatch.setattr(scored, "_PLANS", {})
+    q = torch.zeros(1, 2, 8, 16)
+    options = {"window": (3, 0), "softcap": 20.0, "alibi_slopes": None}
+    fwd = get_template("attn_fwd")
+    plan = scored._new_plan(q, q, q, fwd, {}, True, None, False, options, ("a",))
+    assert isinstance(plan, Planned) and scored._PLANS == {("a",): plan}
+    assert built[-1] == {"causal": True, "scale": None, "return_lse": False,
+                         "window": (3, 0), "softcap": 20.0}
+
+    gluon = dataclasses.replace(get_template("attn_fwd_gluon"), plan=Planned)
+    assert scored._new_plan(q, q, q, gluon, {}, True, 0.5, True, options, ("b",)) is None
+    plan = scored._new_plan(q, q, q, gluon, {}, True, 0.5, True, {**options, "softcap": 0.0},
+                            ("c",))
+    assert isinstance(plan, Planned)
+    assert built[-1] == {"causal": True, "scale": 0.5, "return_lse": True, "window": (3, 0)}
+
+    def refuses(*args, **kwargs):
+        raise ValueError("the launcher copies these inputs: no plan")
+
+    gluon = dataclasses.replace(gluon, plan=refuses)
+    assert scored._new_plan(q, q, q, gluon, {}, True, None, False,
+                            {**options, "softcap": 0.0}, ("d",)) is None
+    assert ("d",) in scored._PLANS and scored._PLANS[("d",)] is None
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the interpreter's calls")
+def test_calls_on_the_interpreter_plan_nothing():
+    scored.reset()
+    q, k, v = qkv()
+    flashtune.attention(q, k, v, causal=True, window=(5, 0), softcap=10.0)
+    assert scored._PLANS == {}
