@@ -1,4 +1,4 @@
-"""``flashtune bench``'s two modes beside the kernel benchmark: ``--model llama|gemma3|bert|vit``
+"""``flashtune bench``'s two modes beside the kernel benchmark: ``--model llama|gemma2|gemma3|bert|vit``
 (flashtune inside a transformers model against torch's SDPA, end to end: see
 :mod:`flashtune.integrations.model_bench`) and ``--dispatch`` (the host cost of one call: see
 :mod:`flashtune.runtime.dispatch_bench`).
@@ -27,7 +27,7 @@ __all__ = ["MODEL_FAMILIES", "MODEL_OPTIONS", "run_dispatch_bench", "run_model_b
 
 # flashtune.integrations.model_bench.FAMILIES, spelled out: that module imports torch and
 # transformers (tests/cli_tests/test_bench_model.py checks the two agree)
-MODEL_FAMILIES = ("llama", "gemma3", "bert", "vit")
+MODEL_FAMILIES = ("llama", "gemma2", "gemma3", "bert", "vit")
 # bench's options that only --model reads, and the default contenders beside flashtune
 MODEL_OPTIONS = ("layers", "hidden", "intermediate", "train_batch", "train_seqlen",
                  "gen_batch", "gen_prompt", "new_tokens", "phases")
@@ -111,6 +111,7 @@ def run_model_bench(ctx: click.Context, family: str, params: dict[str, Any]) -> 
                                  "runs a tiny model on CPU under the Triton interpreter to "
                                  "check the pipeline (timings mean nothing)")
     from flashtune.integrations.model_bench import (
+        BASELINES,
         CONTENDERS,
         PRESETS,
         TINY,
@@ -147,7 +148,7 @@ def run_model_bench(ctx: click.Context, family: str, params: dict[str, Any]) -> 
     work = replace(work, **wchanges)
     baselines = params["baselines"]
     if ctx.get_parameter_source("baselines") is click.core.ParameterSource.DEFAULT:
-        baselines = MODEL_BASELINES
+        baselines = ",".join(BASELINES[family]) if family in BASELINES else MODEL_BASELINES
     names = [b for b in baselines.split(",") if b]
     unknown = [b for b in names if b not in CONTENDERS or b == "flashtune"]
     if unknown:

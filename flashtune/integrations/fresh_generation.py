@@ -61,11 +61,11 @@ def _run_child(job: dict[str, Any]) -> dict[str, Any]:
 
 
 def fresh_generation_row(spec: Any, work: Any, contenders: Sequence[str], rounds: int,
-                         device: str) -> dict[str, Any]:
+                         device: str, reference: str = "sdpa") -> dict[str, Any]:
     """The ``generate_new`` row of :func:`~flashtune.integrations.model_bench.bench_model`:
-    per contender (``sdpa`` first, the reference) its rounds in a process of its own; the
-    generated tokens of the first round compared with ``sdpa``'s (the share that differ),
-    not judged (one near-tie in bf16 changes the rest)."""
+    per contender (``reference`` first: ``sdpa``, or the family's) its rounds in a process
+    of its own; the generated tokens of the first round compared with the reference's (the
+    share that differ), not judged (one near-tie in bf16 changes the rest)."""
     warm, timed = fresh_lengths(work.gen_prompt, work.new_tokens, rounds)
     row: dict[str, Any] = {
         "phase": "generate_new",
@@ -76,7 +76,7 @@ def fresh_generation_row(spec: Any, work: Any, contenders: Sequence[str], rounds
     job = {"spec": asdict(spec), "work": asdict(work), "rounds": rounds, "device": device}
     samples: dict[str, list[float]] = {}
     ref = None
-    for name in ["sdpa", *(c for c in contenders if c != "sdpa")]:
+    for name in [reference, *(c for c in contenders if c != reference)]:
         try:
             got = _run_child({**job, "contender": name})
         except Exception as exc:  # a backend that cannot run the model: data
@@ -84,7 +84,7 @@ def fresh_generation_row(spec: Any, work: Any, contenders: Sequence[str], rounds
             continue
         samples[name] = got["ms"]
         first = torch.tensor(got["first_tokens"])
-        if name == "sdpa":
+        if name == reference:
             ref = first
         elif ref is not None:
             row["check"][name] = float((first != ref).float().mean())

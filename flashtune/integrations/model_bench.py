@@ -1,12 +1,17 @@
 """``flashtune bench --model``: flashtune inside a real model, end to end, against torch's SDPA.
 
-One randomly initialised transformers model (Llama-, Gemma-3-, BERT- or ViT-shaped:
-:data:`PRESETS`, layers and widths overridable) in bf16 runs each phase with its attention
-implementation switched between the contenders, same weights, same inputs, same run. The
-decoders (:data:`DECODERS`: ``llama``, ``gemma3``) run the prefill and generation phases;
-``gemma3``'s local layers attend within a sliding window of 1024 keys (five of every six
-layers, as Gemma 3's), which torch's SDPA receives as an explicit mask and flashtune as a
-window:
+One randomly initialised transformers model (Llama-, Gemma-2-, Gemma-3-, BERT- or
+ViT-shaped: :data:`PRESETS`, layers and widths overridable) in bf16 runs each phase with its
+attention implementation switched between the contenders, same weights, same inputs, same
+run. The decoders (:data:`DECODERS`: ``llama``, ``gemma2``, ``gemma3``) run the prefill and
+generation phases; ``gemma3``'s local layers attend within a sliding window of 1024 keys
+(five of every six layers, as Gemma 3's), which torch's SDPA receives as an explicit mask
+and flashtune as a window; ``gemma2``'s every other layer within 4096 keys, and every layer
+caps its scores with a softcap of 50 (``50 tanh(s / 50)``), which no SDPA backend applies:
+transformers runs Gemma 2 on its ``eager`` attention (matmuls and a softmax, the N x N
+scores in memory), the reference its contenders are checked against (:data:`REFERENCE`),
+beside ``flex_attention`` (FlexAttention, compiled, with the softcap as a score
+modification):
 
 * ``prefill`` (decoders: the prompt's forward, last-token logits, as a server's prefill) or
   ``forward`` (``bert``, ``vit``: inference on a batch), at each requested length;
@@ -27,8 +32,9 @@ window:
 
 Contenders: ``flashtune`` (``attn_implementation="flashtune"``: what
 :func:`flashtune.scaled_dot_product_attention` routes each call to), ``sdpa`` (torch's own
-choice of backend) and ``sdpa_<backend>`` (``sdpa`` inside ``sdpa_kernel(<backend>)``). Each
-contender's output is checked against ``sdpa``'s before it is timed; then the contenders
+choice of backend), ``sdpa_<backend>`` (``sdpa`` inside ``sdpa_kernel(<backend>)``), and
+transformers' ``eager`` and ``flex_attention``. Each contender's output is checked against
+the family's reference (``sdpa``; ``eager`` for ``gemma2``) before it is timed; then the contenders
 are timed in rotation, ``rounds`` times (median kept), so a drift in clocks hits all alike.
 
 Per phase it also records the calls flashtune handed to torch (by reason:
@@ -62,14 +68,21 @@ from flashtune.runtime.bench import _first_line
 from flashtune.runtime.ops import lookup_config
 from flashtune.runtime.sdpa import describe_route, fallback_counts, reset_fallback_counts
 
-__all__ = ["ATTENTION_KERNEL", "CONTENDERS", "DECODERS", "FAMILIES", "PRESETS", "TINY", "ModelSpec",
+__all__ = ["ATTENTION_KERNEL", "BASELINES", "CONTENDERS", "DECODERS", "FAMILIES", "REFERENCE", "PRESETS", "TINY", "ModelSpec",
            "Workload", "attention_share", "bench_model", "default_workload", "render_model"]
 
-FAMILIES = ("llama", "gemma3", "bert", "vit")
+FAMILIES = ("llama", "gemma2", "gemma3", "bert", "vit")
 # the causal language models: a prefill, generation and its KV cache
-DECODERS = ("llama", "gemma3")
-CONTENDERS = ("flashtune", "sdpa", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa_math")
+DECODERS = ("llama", "gemma2", "gemma3")
+CONTENDERS = ("flashtune", "sdpa", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa_math",
+              "eager", "flex_attention")
 DEFAULT_CONTENDERS = ("flashtune", "sdpa", "sdpa_flash", "sdpa_cudnn")
+# the contender every other is checked against, by family: torch's SDPA as it picks its
+# backend, but for Gemma 2, which transformers runs on its eager attention (SDPA has no
+# softcap: transformers refuses "sdpa" for it)
+REFERENCE = {"gemma2": "eager"}
+# the contenders beside flashtune when none are named, by family
+BASELINES = {"gemma2": ("eager", "flex_attention")}
 # kernels that compute attention: flashtune's (attn_fwd/bwd/decode, Gluon), FA2 in torch
 # (pytorch_flash::flash_fwd_kernel), cuDNN's SDPA (..._sdpa_...), the efficient backend
 # (fmha_cutlass...). torch's math path (matmuls and a softmax) is not counted.
@@ -89,10 +102,10 @@ TOL = 5e-2
 class ModelSpec:
     """A model's shape: family (:data:`FAMILIES`), layers, hidden size, query and key/value
     heads, MLP width, vocabulary (decoders, ``bert``), image and patch size (``vit``),
-    attention dropout (in training only); for ``gemma3`` the head dim (``head_size``; 0:
-    ``hidden // heads``), the local layers' sliding window and every how many layers one
-    attends globally (``global_every``: Gemma 3's 6, five local layers, then a global
-    one)."""
+    attention dropout (in training only); for the Gemma families the head dim
+    (``head_size``; 0: ``hidden // heads``), the local layers' sliding window and every how
+    many layers one attends globally (``global_every``: Gemma 3's 6, five local layers,
+    then a global one; Gemma 2's 2), and Gemma 2's attention softcap."""
 
     family: str
     layers: int
@@ -107,6 +120,7 @@ class ModelSpec:
     head_size: int = 0
     window: int = 0
     global_every: int = 0
+    softcap: float = 0.0
 
     @property
     def head_dim(self) -> int:
@@ -114,7 +128,7 @@ class ModelSpec:
 
     @property
     def layer_types(self) -> list[str]:
-        """``gemma3``'s attention per layer (transformers' ``layer_types``)."""
+        """A Gemma family's attention per layer (transformers' ``layer_types``)."""
         return ["full_attention" if (i + 1) % self.global_every == 0 else "sliding_attention"
                 for i in range(self.layers)]
 
@@ -133,14 +147,18 @@ class ModelSpec:
         if self.family not in DECODERS and self.kv_heads != self.heads:
             raise ValueError(f"{self.family} has no grouped-query attention: kv_heads must "
                              f"equal heads ({self.heads})")
-        if self.family == "gemma3":
+        if self.family in ("gemma2", "gemma3"):
             for name in ("window", "global_every"):
                 if getattr(self, name) < 1:
-                    raise ValueError(f"{name} must be at least 1 for gemma3, got "
+                    raise ValueError(f"{name} must be at least 1 for {self.family}, got "
                                      f"{getattr(self, name)}")
         elif self.head_size or self.window or self.global_every:
-            raise ValueError(f"head_size, window and global_every are gemma3's; {self.family} "
-                             f"takes its head dim from hidden / heads and has no window")
+            raise ValueError(f"head_size, window and global_every are the Gemma families'; "
+                             f"{self.family} takes its head dim from hidden / heads and has "
+                             f"no window")
+        if self.softcap < 0 or self.softcap and self.family != "gemma2":
+            raise ValueError(f"softcap is gemma2's (> 0, or 0 for none), got {self.softcap} "
+                             f"for {self.family}")
 
     def config(self) -> Any:
         """The transformers config."""
@@ -168,6 +186,20 @@ class ModelSpec:
                                     max_position_embeddings=32768,
                                     attention_dropout=self.dropout,
                                     pad_token_id=0, bos_token_id=None, eos_token_id=None)
+        if self.family == "gemma2":
+            from transformers import Gemma2Config
+
+            # Gemma 2 9B's: scores scaled by 1 / sqrt(head dim), capped at 50, the logits at 30
+            return Gemma2Config(vocab_size=self.vocab, hidden_size=self.hidden,
+                                intermediate_size=self.intermediate,
+                                num_hidden_layers=self.layers, num_attention_heads=self.heads,
+                                num_key_value_heads=self.kv_heads, head_dim=self.head_dim,
+                                query_pre_attn_scalar=self.head_dim,
+                                sliding_window=self.window, layer_types=self.layer_types,
+                                attn_logit_softcapping=self.softcap or None,
+                                final_logit_softcapping=30.0, max_position_embeddings=32768,
+                                attention_dropout=self.dropout,
+                                pad_token_id=0, bos_token_id=None, eos_token_id=None)
         if self.family == "bert":
             from transformers import BertConfig
 
@@ -193,7 +225,8 @@ class ModelSpec:
         make: Any = AutoModelForCausalLM.from_config if self.family in DECODERS else \
             (BertForMaskedLM if self.family == "bert" else ViTForImageClassification)._from_config
         with torch.device(device):  # initialised where it runs: no host copy of the weights
-            model = make(self.config(), dtype=dtype, attn_implementation="sdpa")
+            model = make(self.config(), dtype=dtype,
+                         attn_implementation=REFERENCE.get(self.family, "sdpa"))
         return model.eval()
 
 
@@ -216,12 +249,16 @@ class Workload:
 
 
 # Llama-3-8B's layer (4096 wide, 32 query and 8 KV heads of 128, MLP 14336, vocab 128256), 8
-# of its 32 layers; Gemma-3-12B's (3840 wide, 16 query and 8 KV heads of 256, MLP 15360, vocab
+# of its 32 layers; Gemma-2-9B's (3584 wide, 16 query and 8 KV heads of 256, MLP 14336, vocab
+# 256000, every other layer local with a 4096-key window, attention softcap 50), 8 of its 42;
+# Gemma-3-12B's (3840 wide, 16 query and 8 KV heads of 256, MLP 15360, vocab
 # 262208, local layers' window 1024, one global layer in six), 8 of its 48 (layers 1-5 and 7-8
 # local, 6 global); BERT-large (24 x 1024, 16 heads of 64, attention dropout 0.1 as trained);
 # ViT-L/16 at 224 px (24 x 1024, 16 heads of 64, 197 tokens)
 PRESETS: dict[str, ModelSpec] = {
     "llama": ModelSpec("llama", 8, 4096, 32, 8, 14336, vocab=128256),
+    "gemma2": ModelSpec("gemma2", 8, 3584, 16, 8, 14336, vocab=256000, head_size=256,
+                        window=4096, global_every=2, softcap=50.0),
     "gemma3": ModelSpec("gemma3", 8, 3840, 16, 8, 15360, vocab=262208, head_size=256,
                         window=1024, global_every=6),
     "bert": ModelSpec("bert", 24, 1024, 16, 16, 4096, vocab=30522, dropout=0.1),
@@ -233,6 +270,9 @@ TINY: dict[str, ModelSpec] = {
     # a local layer then a global one; prompts longer than the window of 8
     "gemma3": ModelSpec("gemma3", 2, 64, 4, 2, 128, vocab=128, head_size=16, window=8,
                         global_every=2),
+    # a softcap small enough to change the tiny model's scores
+    "gemma2": ModelSpec("gemma2", 2, 64, 4, 2, 128, vocab=128, head_size=16, window=8,
+                        global_every=2, softcap=1.0),
     "bert": ModelSpec("bert", 2, 64, 4, 4, 128, vocab=128, dropout=0.1),
     "vit": ModelSpec("vit", 2, 64, 4, 4, 128, image=32, patch=8),
 }
@@ -293,8 +333,9 @@ def _contender(model: Any, name: str) -> Iterator[None]:
     """``model`` runs its attention as contender ``name`` inside the block."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    model.set_attn_implementation(NAME if name == "flashtune" else "sdpa")
-    if name in ("flashtune", "sdpa"):
+    model.set_attn_implementation(name if name in ("eager", "flex_attention") else
+                                  NAME if name == "flashtune" else "sdpa")
+    if name in ("flashtune", "sdpa", "eager", "flex_attention"):
         yield
         return
     backend = {"sdpa_flash": SDPBackend.FLASH_ATTENTION,
@@ -496,8 +537,9 @@ def bench_model(spec: ModelSpec, work: Workload, *, contenders: Sequence[str] = 
     if unknown:
         raise ValueError(f"unknown contenders {unknown}; choose from {', '.join(CONTENDERS)}")
     contenders = ["flashtune", *(c for c in contenders if c != "flashtune")]
-    if "sdpa" not in contenders:
-        contenders.append("sdpa")  # the reference every contender is checked against
+    reference = REFERENCE.get(spec.family, "sdpa")
+    if reference not in contenders:
+        contenders.append(reference)  # the one every contender is checked against
     device = "cpu" if interpret else "cuda"
     if not interpret and not torch.cuda.is_available():
         raise RuntimeError("no CUDA GPU: bench --model measures a model on the GPU "
@@ -511,7 +553,7 @@ def bench_model(spec: ModelSpec, work: Workload, *, contenders: Sequence[str] = 
                                "tokens": phase.tokens, "ms": {}, "errors": {}, "check": {}}
         ref = None
         outputs: dict[str, torch.Tensor] = {}
-        for name in ["sdpa", *(c for c in contenders if c != "sdpa")]:
+        for name in [reference, *(c for c in contenders if c != reference)]:
             try:
                 with _contender(model, name):
                     if name == "flashtune":
@@ -527,17 +569,17 @@ def bench_model(spec: ModelSpec, work: Workload, *, contenders: Sequence[str] = 
             except Exception as exc:  # a backend that cannot run the model: data
                 row["errors"][name] = _first_line(exc)
                 continue
-            if name == "sdpa":
+            if name == reference:
                 ref = outputs[name]
             elif ref is None:  # nothing to check it against: not timed either
-                row["errors"][name] = "not checked: sdpa, the reference, failed"
+                row["errors"][name] = f"not checked: {reference}, the reference, failed"
             elif not (phase.name == "train" and spec.dropout):
                 # (generated tokens are compared, not judged: one near-tie in bf16 changes
                 # the rest; with dropout each run draws its own mask)
                 row["check"][name] = err = _rel_err(outputs[name], ref)
                 if not phase.name.startswith("generate") and err > TOL:
-                    row["errors"][name] = (f"output differs from sdpa's: relative error "
-                                           f"{err:.2e} > {TOL}")
+                    row["errors"][name] = (f"output differs from {reference}'s: relative "
+                                           f"error {err:.2e} > {TOL}")
         timed = [c for c in contenders if c not in row["errors"]]
         samples: dict[str, list[float]] = {c: [] for c in timed}
         prefill: dict[str, list[float]] = {c: [] for c in timed}
@@ -569,7 +611,7 @@ def bench_model(spec: ModelSpec, work: Workload, *, contenders: Sequence[str] = 
             row["speedup_vs_best_of_sdpa_and_cudnn"] = min(best) / mine
         if device == "cuda":
             row["attention_share"] = {}
-            for name in ("flashtune", "sdpa"):
+            for name in ("flashtune", reference):
                 if name in timed:
                     with _contender(model, name):
                         row["attention_share"][name] = _profile_share(phase.run)
@@ -577,7 +619,7 @@ def bench_model(spec: ModelSpec, work: Workload, *, contenders: Sequence[str] = 
         if on_phase is not None:
             on_phase(row)
     if "generate_new" in work.phases and spec.family in DECODERS:
-        row = fresh_generation_row(spec, work, contenders, rounds, device)
+        row = fresh_generation_row(spec, work, contenders, rounds, device, reference)
         rows.append(row)
         if on_phase is not None:
             on_phase(row)

@@ -44,6 +44,21 @@ def test_bench_model_interpret_writes_json_and_prints_the_table(tmp_path):
     assert f"wrote {out}" in res.output
 
 
+def test_gemma2s_default_contenders_are_eager_and_flex_attention(tmp_path):
+    """SDPA has no softcap, so Gemma 2's baselines are transformers' eager attention (the
+    reference) and FlexAttention; a baseline that cannot run here is reported, not fatal."""
+    out = tmp_path / "gemma2.json"
+    res = _bench(tmp_path, "--model", "gemma2", "--interpret", "--phases", "prefill",
+                 "--rounds", "1", "--out", str(out))
+    assert res.exit_code == 0, res.output
+    result = json.loads(out.read_text())
+    assert result["contenders"] == ["flashtune", "eager", "flex_attention"]
+    (row,) = result["phases"]
+    assert {"flashtune", "eager"} <= set(row["ms"]), row["errors"]
+    assert set(row["ms"]) | set(row["errors"]) == {"flashtune", "eager", "flex_attention"}
+    assert "vs eager" in res.output
+
+
 def test_model_shape_options_override_the_tiny_preset(tmp_path):
     out = tmp_path / "bert.json"
     res = _bench(tmp_path, "--model", "bert", "--interpret", "--phases", "forward",
@@ -67,7 +82,7 @@ def test_model_shape_options_override_the_tiny_preset(tmp_path):
      "unknown baselines for --model ['flex']"),
     (["--model", "llama", "--interpret", "--hidden", "66"],
      "hidden 66 is not a multiple of heads 4"),
-    (["--model", "gpt"], "'gpt' is not one of 'llama', 'gemma3', 'bert', 'vit'"),
+    (["--model", "gpt"], "'gpt' is not one of 'llama', 'gemma2', 'gemma3', 'bert', 'vit'"),
 ])
 def test_options_that_do_not_apply_are_refused(tmp_path, args, message):
     res = _bench(tmp_path, *args, "--out", str(tmp_path / "x.json"))

@@ -108,6 +108,26 @@ def test_a_window_dropped_on_the_way_fails_gemma3s_check(monkeypatch):
     assert "output differs from sdpa's" in row["errors"]["flashtune"]
 
 
+def test_gemma2_runs_on_flashtune_checked_against_eager():
+    """Gemma 2's softcap (and its local layers' window): transformers runs the family on its
+    eager attention, the reference here, since SDPA has no softcap. (The tiny model's
+    logits hardly move with its attention's scores: a dropped softcap passes this check,
+    where a dropped window does not; test_transformers.py checks the softcap's numerics
+    through the integration.)"""
+    assert mb.REFERENCE["gemma2"] == "eager"
+    spec = mb.TINY["gemma2"]
+    w = replace(mb.default_workload("gemma2", tiny=True), phases=("prefill", "train"))
+    result = mb.bench_model(spec, w, contenders=("flashtune",), rounds=1,
+                            interpret=DEVICE == "cpu")
+    assert result["contenders"] == ["flashtune", "eager"]
+    for r in result["phases"]:
+        assert r["errors"] == {} and r["fallbacks"] == {}, (r["errors"], r["fallbacks"])
+        assert 0 <= r["check"]["flashtune"] <= mb.TOL and set(r["ms"]) == {"flashtune", "eager"}
+        calls = [c["call"] for c in r["routes"]]
+        assert all(" softcap 1.0" in c for c in calls) and len(calls) == 2, calls
+        assert sum(" window 8 " in c for c in calls) == 1
+
+
 def test_fresh_lengths_never_share_a_key_length():
     """A generation from n tokens calls attention with n to n + new keys: the rounds' and
     the warm-up's ranges are disjoint, so no decoding step of a timed round meets a shape
@@ -224,8 +244,14 @@ def test_gemma3s_fields_are_its_own():
     assert spec.config().layer_types == spec.layer_types
     with pytest.raises(ValueError, match="window must be at least 1 for gemma3"):
         replace(spec, window=0).check()
-    with pytest.raises(ValueError, match="head_size, window and global_every are gemma3's"):
+    with pytest.raises(ValueError, match="head_size, window and global_every are the Gemma"):
         replace(mb.TINY["llama"], window=8).check()
+    with pytest.raises(ValueError, match="softcap is gemma2's"):
+        replace(spec, softcap=50.0).check()
+    gemma2 = mb.PRESETS["gemma2"]
+    gemma2.check()
+    assert gemma2.layer_types[:2] == ["sliding_attention", "full_attention"]
+    assert gemma2.config().attn_logit_softcapping == 50.0
 
 
 def test_unknown_contender_is_refused_before_any_work():
