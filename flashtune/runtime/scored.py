@@ -29,7 +29,11 @@ the same modifications, then the nearest without them, then the default): the op
 choice where it serves the call (the Gluon forward serves a causal window), short queries
 the split-KV ``attn_decode`` where :func:`~flashtune.runtime.kvcache.decode_route` takes
 them (it serves all three), else attn_fwd; with gradients attn_fwd and attn_bwd. The route
-is memoised per call signature, as the plain path's is; nothing is read per call. Packed
+is memoised per call signature, as the plain path's is; nothing is read per call. An
+inference call with a window or a softcap on a GPU replays a launch plan after its
+signature's first call, as a plain one does (attn_fwd's, or the Gluon forward's for a
+causal window; the plan key holds the scale too); ALiBi slopes and dropout run the
+launcher. Packed
 batches run attn_fwd's forward; their gradients, on sm_90, the Gluon backward's varlen
 kernel (:data:`PACKED_TRAIN_DEFAULT`, the pair ``attn_fwd_bwd_gluon``), else attn_bwd.
 
