@@ -171,35 +171,24 @@ class ModelSpec:
                                num_key_value_heads=self.kv_heads,
                                max_position_embeddings=32768, attention_dropout=self.dropout,
                                pad_token_id=0, bos_token_id=None, eos_token_id=None)
-        if self.family == "gemma3":
-            from transformers import Gemma3TextConfig
+        if self.family in ("gemma2", "gemma3"):
+            from transformers import Gemma2Config, Gemma3TextConfig
 
-            # scores scaled by 1 / sqrt(head dim) (query_pre_attn_scalar, as Gemma 3 12B's);
-            # no softcap (Gemma 3 has none: Gemma 2's is what it replaced with QK norms)
-            return Gemma3TextConfig(vocab_size=self.vocab, hidden_size=self.hidden,
-                                    intermediate_size=self.intermediate,
-                                    num_hidden_layers=self.layers,
-                                    num_attention_heads=self.heads,
-                                    num_key_value_heads=self.kv_heads, head_dim=self.head_dim,
-                                    query_pre_attn_scalar=self.head_dim,
-                                    sliding_window=self.window, layer_types=self.layer_types,
-                                    max_position_embeddings=32768,
-                                    attention_dropout=self.dropout,
-                                    pad_token_id=0, bos_token_id=None, eos_token_id=None)
-        if self.family == "gemma2":
-            from transformers import Gemma2Config
-
-            # Gemma 2 9B's: scores scaled by 1 / sqrt(head dim), capped at 50, the logits at 30
-            return Gemma2Config(vocab_size=self.vocab, hidden_size=self.hidden,
-                                intermediate_size=self.intermediate,
-                                num_hidden_layers=self.layers, num_attention_heads=self.heads,
-                                num_key_value_heads=self.kv_heads, head_dim=self.head_dim,
-                                query_pre_attn_scalar=self.head_dim,
-                                sliding_window=self.window, layer_types=self.layer_types,
-                                attn_logit_softcapping=self.softcap or None,
-                                final_logit_softcapping=30.0, max_position_embeddings=32768,
-                                attention_dropout=self.dropout,
-                                pad_token_id=0, bos_token_id=None, eos_token_id=None)
+            # scores scaled by 1 / sqrt(head dim) (query_pre_attn_scalar, as both models');
+            # Gemma 2 9B caps them at 50 and its logits at 30; Gemma 3 has no softcap (QK
+            # norms took its place)
+            gemma: dict[str, Any] = dict(
+                vocab_size=self.vocab, hidden_size=self.hidden,
+                intermediate_size=self.intermediate, num_hidden_layers=self.layers,
+                num_attention_heads=self.heads, num_key_value_heads=self.kv_heads,
+                head_dim=self.head_dim, query_pre_attn_scalar=self.head_dim,
+                sliding_window=self.window, layer_types=self.layer_types,
+                max_position_embeddings=32768, attention_dropout=self.dropout,
+                pad_token_id=0, bos_token_id=None, eos_token_id=None)
+            if self.family == "gemma3":
+                return Gemma3TextConfig(**gemma)
+            return Gemma2Config(**gemma, attn_logit_softcapping=self.softcap or None,
+                                final_logit_softcapping=30.0)
         if self.family == "bert":
             from transformers import BertConfig
 
