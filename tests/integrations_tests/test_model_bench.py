@@ -73,7 +73,7 @@ def test_gemma3_runs_its_local_layers_in_a_window_checked_against_sdpa():
     window dropped or misread would fail the check against sdpa's masked output."""
     spec = mb.TINY["gemma3"]
     assert spec.layer_types == ["sliding_attention", "full_attention"]
-    result = _run("gemma3", phases=("prefill", "train", "generate"))
+    result = _run("gemma3", phases=("prefill", "train", "generate", "generate_static"))
     rows = {r["phase"]: r for r in result["phases"]}
     for name in ("prefill", "train"):
         r = rows[name]
@@ -90,6 +90,12 @@ def test_gemma3_runs_its_local_layers_in_a_window_checked_against_sdpa():
     steps = [c["call"] for c in gen["routes"] if c["call"].startswith("q (2, 4, 1, 16)")]
     assert any(" k (2, 2, 8, 16) " in c for c in steps), steps
     assert gen["check"]["flashtune"] == 0  # the same tokens as sdpa's
+    # a static cache: the local layer's holds the window's last keys as a ring, the global
+    # layer's the whole length, its steps run over it with the lengths on the device
+    static = rows["generate_static"]
+    assert static["errors"] == {} and static["check"]["flashtune"] == 0, static["errors"]
+    assert any(c["route"].startswith("attn_decode: a generation step") for c in
+               static["routes"]), static["routes"]
 
 
 def test_a_window_dropped_on_the_way_fails_gemma3s_check(monkeypatch):
