@@ -1,7 +1,7 @@
-"""``flashtune bench``'s two modes beside the kernel benchmark: ``--model llama|gemma2|gemma3|bert|vit``
-(flashtune inside a transformers model against torch's SDPA, end to end: see
-:mod:`flashtune.integrations.model_bench`) and ``--dispatch`` (the host cost of one call: see
-:mod:`flashtune.runtime.dispatch_bench`).
+"""``flashtune bench``'s two modes beside the kernel benchmark: ``--model
+llama|gemma2|gemma3|bert|vit`` (flashtune inside a transformers model against torch's SDPA,
+end to end: see :mod:`flashtune.integrations.model_bench`) and ``--dispatch`` (the host cost
+of one call: see :mod:`flashtune.runtime.dispatch_bench`).
 
 The model's shape comes from a preset (:data:`~flashtune.integrations.model_bench.PRESETS`)
 with ``--layers --hidden --heads --kv-heads --intermediate`` overriding it; the work from

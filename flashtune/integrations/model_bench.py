@@ -34,8 +34,8 @@ Contenders: ``flashtune`` (``attn_implementation="flashtune"``: what
 :func:`flashtune.scaled_dot_product_attention` routes each call to), ``sdpa`` (torch's own
 choice of backend), ``sdpa_<backend>`` (``sdpa`` inside ``sdpa_kernel(<backend>)``), and
 transformers' ``eager`` and ``flex_attention``. Each contender's output is checked against
-the family's reference (``sdpa``; ``eager`` for ``gemma2``) before it is timed; then the contenders
-are timed in rotation, ``rounds`` times (median kept), so a drift in clocks hits all alike.
+the family's reference (``sdpa``; ``eager`` for ``gemma2``) before it is timed; then the
+contenders are timed in rotation, ``rounds`` times (median kept), so a drift in clocks hits all alike.
 
 Per phase it also records the calls flashtune handed to torch (by reason:
 :func:`flashtune.runtime.sdpa.fallback_counts`), where each distinct attention call of the
@@ -63,17 +63,25 @@ import torch
 
 from flashtune.core.problem import MAX_HEAD_DIM
 from flashtune.integrations.fresh_generation import fresh_generation_row, fresh_lengths
-from flashtune.integrations.transformers import NAME, chunk_against_cache, sdpa_arguments
+from flashtune.integrations.transformers import (
+    NAME,
+    chunk_against_cache,
+    layer_window,
+    sdpa_arguments,
+)
 from flashtune.runtime.bench import _first_line
 from flashtune.runtime.ops import lookup_config
 from flashtune.runtime.sdpa import describe_route, fallback_counts, reset_fallback_counts
 
-__all__ = ["ATTENTION_KERNEL", "BASELINES", "CONTENDERS", "DECODERS", "FAMILIES", "REFERENCE", "PRESETS", "TINY", "ModelSpec",
-           "Workload", "attention_share", "bench_model", "default_workload", "render_model"]
+__all__ = ["ATTENTION_KERNEL", "BASELINES", "CONTENDERS", "DECODERS", "FAMILIES", "GEMMAS",
+           "PRESETS", "REFERENCE", "TINY", "ModelSpec", "Workload", "attention_share",
+           "bench_model", "default_workload", "render_model"]
 
 FAMILIES = ("llama", "gemma2", "gemma3", "bert", "vit")
 # the causal language models: a prefill, generation and its KV cache
 DECODERS = ("llama", "gemma2", "gemma3")
+# the families with a head dim of their own, local layers and a window
+GEMMAS = ("gemma2", "gemma3")
 CONTENDERS = ("flashtune", "sdpa", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa_math",
               "eager", "flex_attention")
 DEFAULT_CONTENDERS = ("flashtune", "sdpa", "sdpa_flash", "sdpa_cudnn")
@@ -147,7 +155,7 @@ class ModelSpec:
         if self.family not in DECODERS and self.kv_heads != self.heads:
             raise ValueError(f"{self.family} has no grouped-query attention: kv_heads must "
                              f"equal heads ({self.heads})")
-        if self.family in ("gemma2", "gemma3"):
+        if self.family in GEMMAS:
             for name in ("window", "global_every"):
                 if getattr(self, name) < 1:
                     raise ValueError(f"{name} must be at least 1 for {self.family}, got "
@@ -156,7 +164,7 @@ class ModelSpec:
             raise ValueError(f"head_size, window and global_every are the Gemma families'; "
                              f"{self.family} takes its head dim from hidden / heads and has "
                              f"no window")
-        if self.softcap < 0 or self.softcap and self.family != "gemma2":
+        if self.softcap < 0 or (self.softcap and self.family != "gemma2"):
             raise ValueError(f"softcap is gemma2's (> 0, or 0 for none), got {self.softcap} "
                              f"for {self.family}")
 
@@ -171,7 +179,7 @@ class ModelSpec:
                                num_key_value_heads=self.kv_heads,
                                max_position_embeddings=32768, attention_dropout=self.dropout,
                                pad_token_id=0, bos_token_id=None, eos_token_id=None)
-        if self.family in ("gemma2", "gemma3"):
+        if self.family in GEMMAS:
             from transformers import Gemma2Config, Gemma3TextConfig
 
             # scores scaled by 1 / sqrt(head dim) (query_pre_attn_scalar, as both models');
@@ -358,8 +366,7 @@ def _probing(model: Any) -> Iterator[dict[str, dict[str, Any]]]:
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
         # a layer's sliding window, where its keys outrun it (as the integration reads it)
         sliding, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
-        window = (sliding - 1, sliding - 1) if sliding is not None \
-            and key.shape[2] > sliding else None
+        window = layer_window(sliding, key.shape[2])
         label = (f"q {tuple(query.shape)} k {tuple(key.shape)} {str(query.dtype)[6:]}"
                  f"{' causal' if a['is_causal'] else ''}"
                  f"{f' window {sliding}' if window else ''}"

@@ -41,7 +41,7 @@ from flashtune.runtime.sdpa import scaled_dot_product_attention
 from flashtune.runtime.static_cache import attention_static_cache, one_run
 
 __all__ = ["NAME", "STEP_ROWS", "flashtune_attention_forward", "flashtune_attention_mask",
-           "chunk_against_cache", "is_generation_step", "sdpa_arguments"]
+           "chunk_against_cache", "is_generation_step", "layer_window", "sdpa_arguments"]
 
 NAME = "flashtune"
 # a call of at most this many query rows with a padding mask over the whole cache is a
@@ -111,7 +111,7 @@ def _forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     causal = bool(causal and lq > 1)  # one row against the cache sees every cached key
     sliding = kwargs.get("sliding_window")
-    window = (sliding - 1, sliding - 1) if sliding is not None and lk > sliding else None
+    window = layer_window(sliding, lk)
     softcap = kwargs.get("softcap")
     dropout_p = dropout if module.training else 0.0
     mask = attention_mask
@@ -124,8 +124,7 @@ def _forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
         # transformers' flash path (_upad_input) does
         key, value = key[:, :, :mask.shape[1]], value[:, :, :mask.shape[1]]
         lk = mask.shape[1]
-        if sliding is not None:
-            window = (sliding - 1, sliding - 1) if lk > sliding else None
+        window = layer_window(sliding, lk)
     if mask is not None and (mask.dim() != 2 or mask.shape[1] != lk):
         # not a padding mask of these keys (a model's own mask)
         if softcap is not None or window is not None:
@@ -164,6 +163,20 @@ def _forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
     # one's only in self-attention: cross-attention's queries are another sequence's
     rows = causal or (lq == lk and not _cross_attention(module))
     return _padded(query, key, value, mask, options, rows), None
+
+
+def layer_window(sliding: int | None, lk: int) -> tuple[int, int] | None:
+    """A layer's sliding window as flashtune's ``window``.
+
+    Arguments:
+        sliding: the ``sliding_window`` transformers hands the call (None: the layer has
+            none).
+        lk: the call's key count.
+    Returns:
+        ``(sliding - 1, sliding - 1)`` (FlashAttention-2's reading; the right bound is the
+        causal one), or None where the keys do not outrun the window.
+    """
+    return (sliding - 1, sliding - 1) if sliding is not None and lk > sliding else None
 
 
 def _half_dtype(query: torch.Tensor, module: torch.nn.Module) -> torch.dtype | None:

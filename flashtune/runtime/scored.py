@@ -91,6 +91,7 @@ _ROUTES: dict[tuple[Any, ...], Route] = {}
 # route's key) -> the launch plan of its route's kernel, or None where the kernel has none
 # for it (the launcher then runs every call)
 _PLANS: dict[tuple[Any, ...], Any] = {}
+_UNSEEN = object()  # a plan key not in _PLANS
 _Tensor = torch.Tensor
 log = logging.getLogger(__name__)
 # the training step of a packed batch nothing of the user's is tuned for exactly, by compute
@@ -331,8 +332,9 @@ def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             and "cu_seqlens_q" not in options \
             and _current_device() == q.get_device() and not direct.hooks_installed():
         pkey = _plan_key(q, k, v, full + (scale,))  # (a route does not read the scale)
-        plan = _PLANS.get(pkey) if pkey in _PLANS else _new_plan(
-            q, k, v, spec, fcfg, causal, scale, return_lse, options, pkey)
+        plan = _PLANS.get(pkey, _UNSEEN)
+        if plan is _UNSEEN:
+            plan = _new_plan(q, k, v, spec, fcfg, causal, scale, return_lse, options, pkey)
         if plan is not None:
             return plan(q, k, v, _current_stream(plan.device_index))
     if spec is not _FWD:  # the Gluon forward (a causal window), attn_decode (short queries)
