@@ -162,12 +162,22 @@ class Limits:
                       lse=self.lse and other.lse, needs_gpu=self.needs_gpu or other.needs_gpu,
                       capabilities=meet(self.capabilities, other.capabilities),
                       max_seqlen_q=min(lengths) if lengths else None,
-                      score_mods=tuple(m for m in self.score_mods if m in other.score_mods),
+                      score_mods=_meet_mods(self.score_mods, other.score_mods),
                       packed=self.packed and other.packed,
                       single_token=self.single_token and other.single_token,
                       dropout=self.dropout and other.dropout,
                       deterministic=self.deterministic and other.deterministic,
                       available=available if checks else None)
+
+
+def _meet_mods(a: tuple[str, ...], b: tuple[str, ...]) -> tuple[str, ...]:
+    """The score modifications two kernels both serve: those in both, and a causal window
+    where one serves it and the other any window (a Gluon forward's causal sliding window
+    with attn_bwd's windows)."""
+    def served(mod: str, other: tuple[str, ...]) -> bool:
+        return mod in other or (mod == "causal_window" and "window" in other)
+
+    return tuple(dict.fromkeys([m for m in a if served(m, b)] + [m for m in b if served(m, a)]))
 
 
 def split_pair(config: Mapping[str, int]) -> tuple[dict[str, int], dict[str, int]]:

@@ -26,14 +26,15 @@ kernels), so these calls run flashtune's kernels that serve them, routed as plai
 but for the problem *with* its modifications
 (:class:`~flashtune.core.problem.AttentionProblem` keys them: exact, bucket, nearest with
 the same modifications, then the nearest without them, then the default): the op's stored
-choice where it serves the call (the Gluon forward serves a causal window), short queries
-the split-KV ``attn_decode`` where :func:`~flashtune.runtime.kvcache.decode_route` takes
-them (it serves all three), else attn_fwd; with gradients attn_fwd and attn_bwd. The route
-is memoised per call signature, as the plain path's is; nothing is read per call. An
-inference call with a window or a softcap on a GPU replays a launch plan after its
-signature's first call, as a plain one does (attn_fwd's, or the Gluon forward's for a
-causal window; the plan key holds the scale too); ALiBi slopes and dropout run the
-launcher. Packed
+choice where it serves the call (the Gluon forward serves a causal window and a softcap),
+short queries the split-KV ``attn_decode`` where
+:func:`~flashtune.runtime.kvcache.decode_route` takes them (it serves all three), else
+attn_fwd; with gradients the train op's stored pair where both its kernels serve the call,
+else attn_fwd and attn_bwd. The route is memoised per call signature, as the plain path's
+is; nothing is read per call. An inference call with a window or a softcap on a GPU
+replays a launch plan after its signature's first call, as a plain one does (attn_fwd's,
+or the Gluon forward's; the plan key holds the scale too); ALiBi slopes and dropout run
+the launcher. Packed
 batches run attn_fwd's forward; their gradients, on sm_90, the Gluon backward's varlen
 kernel (:data:`PACKED_TRAIN_DEFAULT`, the pair ``attn_fwd_bwd_gluon``), else attn_bwd.
 
@@ -160,8 +161,8 @@ def _choose(problem: AttentionProblem, q: torch.Tensor, causal: bool, return_lse
     """The forward and its config for ``problem``, and for gradients the backward and its
     config: the routed choice (the op's stored one, or attn_decode's for short queries)
     where it is one of flashtune's kernels that serves the call (attn_fwd serves every one;
-    the Gluon forward a causal sliding window; attn_decode short queries; a packed batch
-    only attn_fwd), else attn_fwd's own chain; with gradients the train op's stored pair
+    the Gluon forward a causal sliding window and a softcap; attn_decode short queries; a
+    packed batch only attn_fwd), else attn_fwd's own chain; with gradients the train op's stored pair
     where both its kernels serve the call, else for a packed batch
     :data:`PACKED_TRAIN_DEFAULT` (unless a pair was tuned for this very problem), else
     attn_fwd with attn_bwd; ``impl``/``config`` forced where given (attn_fwd with
@@ -337,7 +338,7 @@ def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             plan = _new_plan(q, k, v, spec, fcfg, causal, scale, return_lse, options, pkey)
         if plan is not None:
             return plan(q, k, v, _current_stream(plan.device_index))
-    if spec is not _FWD:  # the Gluon forward (a causal window), attn_decode (short queries)
+    if spec is not _FWD:  # the Gluon forward (a causal window, a softcap), attn_decode
         options = {n: o for n, o in options.items() if o is not None}
     if grad:
         assert bwd is not None and bcfg is not None
@@ -354,8 +355,8 @@ def _new_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: TemplateS
     """The launch plan of an inference call with a window or a softcap (no ALiBi slopes, no
     dropout: those are tensors and draws of each call), kept under ``key``: attn_fwd's
     (:class:`~flashtune.kernel_templates.attn_fwd.plan.AttnFwdPlan`, both bound at build)
-    or the implementation's own where it takes a window (the Gluon forward's causal sliding
-    window). As a plain call's (:func:`flashtune.runtime.routing._attention`), it skips the
+    or the implementation's own (the Gluon forward's: a causal sliding window, a softcap).
+    As a plain call's (:func:`flashtune.runtime.routing._attention`), it skips the
     launcher's checks and binding on later calls: the Gluon launcher's are about 150 us of
     host time. None (kept too) where there is none: the launcher runs."""
     window, cap = options["window"], options["softcap"]
@@ -364,9 +365,9 @@ def _new_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: TemplateS
         if spec is _FWD:
             plan = AttnFwdPlan(q, k, v, cfg, causal=causal, scale=scale,
                                return_lse=return_lse, window=window, softcap=cap)
-        elif spec.plan is not None and not cap:
+        elif spec.plan is not None:
             plan = spec.plan(q, k, v, cfg, causal=causal, scale=scale, return_lse=return_lse,
-                             window=window)
+                             window=window, softcap=cap)
     except Exception as exc:  # noqa: BLE001 - a call it does not plan: the launcher's
         log.debug("flashtune: no %s plan for this call (%s: %s)", spec.name,
                   type(exc).__name__, exc)

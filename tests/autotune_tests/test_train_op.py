@@ -7,6 +7,7 @@ math SDPA standing in for an extern."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ import flashtune
 from flashtune.autotune.options import TuneOptions
 from flashtune.autotune.runners import LocalRunner
 from flashtune.autotune.select import applicable, tune_op
-from flashtune.core.device import interpreter_device
+from flashtune.core.device import DeviceFingerprint, interpreter_device
 from flashtune.core.errors import ImportRejected, InputError
 from flashtune.core.problem import AttentionProblem
 from flashtune.core.spec import Limits, join_pair, op_implementations, split_pair
@@ -98,6 +99,26 @@ def test_a_pair_serves_what_both_kernels_serve():
     assert both.needs_gpu and both.refuse(AttentionProblem(1, 2, 2, 4, 8, 64, False, "fp16"),
                                           DEV) is not None
     assert Limits().both(Limits()) == Limits()
+
+
+def test_a_pair_serves_a_causal_window_where_the_backward_serves_any_window():
+    """The Gluon forward's causal sliding window and softcap, with attn_bwd's windows and
+    softcap: the pair serves both on causal problems, a two-sided window on none, ALiBi
+    (the forward's lack) on none."""
+    gluon = Limits(score_mods=("causal_window", "softcap"))
+    tl = Limits(score_mods=("window", "softcap", "alibi"))
+    for pair in (gluon.both(tl), tl.both(gluon)):
+        assert set(pair.score_mods) == {"causal_window", "softcap"}
+    assert Limits(score_mods=("causal_window",)).both(Limits(score_mods=("softcap",))
+                                                      ).score_mods == ()
+    h100 = DeviceFingerprint("NVIDIA_H100_80GB_HBM3", "9.0", 132, 232448, 85 * 2**30)
+    spec = get_template("attn_fwd_gluon")
+    assert spec.backward == "attn_bwd"
+    pair = spec.limits.both(get_template("attn_bwd").limits)
+    local = AttentionProblem(2, 16, 8, 4096, 4096, 256, True, "bf16", 1023, -1, 50.0)
+    assert pair.refuse(local, h100) is None
+    assert "a local window" in pair.refuse(replace(local, causal=False, window_right=7), h100)
+    assert "ALiBi" in pair.refuse(replace(local, alibi=True), h100)
 
 
 def test_applicable_train_skips_an_extern_that_masks_causal_differently():

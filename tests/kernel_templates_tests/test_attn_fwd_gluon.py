@@ -872,16 +872,47 @@ def test_the_warmup_launch_compiles_on_the_gpu() -> None:
 # -- a causal sliding window (issue 29) -----------------------------------------------------
 
 
-def test_it_serves_a_causal_sliding_window_only() -> None:
+def test_it_serves_a_causal_sliding_window_and_a_softcap_only() -> None:
     windowed = AttentionProblem(1, 8, 2, 4096, 4096, 128, True, "bf16", 1023)
     assert SPEC.refuse(windowed, H100) is None
     both_sides = AttentionProblem(1, 8, 2, 4096, 4096, 128, False, "bf16", 1023, 7)
     assert "a local window" in SPEC.refuse(both_sides, H100)
     capped = AttentionProblem(1, 8, 2, 4096, 4096, 128, True, "bf16", 1023, -1, 30.0)
-    assert "a softcap" in SPEC.refuse(capped, H100)
+    assert SPEC.refuse(capped, H100) is None
+    assert SPEC.refuse(AttentionProblem(2, 16, 8, 8192, 8192, 256, False, "bf16", -1, -1,
+                                        50.0), H100) is None
+    alibi = AttentionProblem(1, 8, 2, 4096, 4096, 128, True, "bf16", alibi=True)
+    assert "ALiBi" in SPEC.refuse(alibi, H100)
     q = torch.zeros(1, 2, 16, 128, dtype=torch.float16)
     with pytest.raises(InputError, match="causal sliding window"):
         SPEC.launcher(q, q, q, _config(), causal=False, window=(8, 8))
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(InputError, match="softcap"):
+            SPEC.launcher(q, q, q, _config(), causal=True, softcap=bad)
+
+
+def test_a_softcap_launch_passes_the_cap_as_a_constexpr_and_the_scale_into_the_tanh() -> None:
+    """With a softcap the kernel takes ``SOFTCAP`` = cap x log2 e (a constexpr: a compile
+    per cap) and ``qk_scale`` = scale / cap (an argument: no compile per scale); without
+    one, nothing new (the kernel compiled and cached before the knob); the warmup launch
+    compiles a capped problem's kernel."""
+    from flashtune.kernel_templates.attn_fwd_gluon.launcher import LOG2E, kernel_args
+
+    q = torch.zeros(2, 4, 300, 256, dtype=torch.bfloat16)
+    k = torch.zeros(2, 2, 300, 256, dtype=torch.bfloat16)
+
+    def plan(**kw):
+        return kernel_args(q, k, k, torch.empty_like(q), torch.zeros(2, 4, 300),
+                           _config(BLOCK_N=64), causal=True, scale=0.0625, **kw)
+
+    args, kwargs, _ = plan(softcap=50.0)
+    assert kwargs["SOFTCAP"] == pytest.approx(50.0 * LOG2E)
+    assert args[10] == pytest.approx(0.0625 / 50.0)
+    args, kwargs, _ = plan()
+    assert "SOFTCAP" not in kwargs and args[10] == pytest.approx(0.0625 * LOG2E)
+    capped = AttentionProblem(2, 4, 2, 300, 300, 256, True, "bf16", 99, -1, 50.0)
+    (_, _, kwargs, _), = SPEC.warmup_launches(capped, _config(BLOCK_N=64))
+    assert kwargs["SOFTCAP"] == pytest.approx(50.0 * LOG2E) and kwargs["WINDOW"]
 
 
 @pytest.mark.slow
@@ -897,6 +928,125 @@ def test_the_window_compiles_for_sm90_without_new_spills() -> None:
     assert windowed["window"] and not plain["window"]
     assert max(windowed["registers"]) <= max(plain["registers"])
     assert sum(windowed["spill_store_bytes"]) <= sum(plain["spill_store_bytes"])
+
+
+@pytest.mark.slow
+def test_the_softcap_compiles_for_sm90_without_spills_at_gemmas_head_dim() -> None:
+    """The capped kernel (a tanh a score before the softmax) compiles for sm_90 at D256
+    (Gemma 2, windowed or not) and D128 with the plain kernel's shared memory and no
+    spill where the plain one has none."""
+    d256 = _config(BLOCK_N=64)
+    d128 = _config(PINGPONG=1)
+    got = _recompile([{"config": d256, "head_dim": 256, "causal": True, "dtype": "bf16"},
+                      {"config": dict(d256, softcap=50.0), "head_dim": 256, "causal": True,
+                       "dtype": "bf16"},
+                      {"config": dict(d256, softcap=50.0, window=True), "head_dim": 256,
+                       "causal": True, "dtype": "bf16"},
+                      {"config": d128, "head_dim": 128, "causal": False, "dtype": "fp16"},
+                      {"config": dict(d128, softcap=30.0), "head_dim": 128, "causal": False,
+                       "dtype": "fp16"}])
+    assert [g["softcap"] for g in got] == [0.0, 50.0, 50.0, 0.0, 30.0]
+    for plain, capped in ((got[0], got[1]), (got[0], got[2]), (got[3], got[4])):
+        assert capped["shared"] <= plain["shared"] + 16
+        assert sum(plain["spill_store_bytes"]) > 0 or sum(capped["spill_store_bytes"]) == 0
+
+
+# knob variants beside the default where the space has hundreds of points (D64, D128)
+_SOFTCAP_KNOBS = [{"PINGPONG": 1}, {"PERSISTENT": 1, "LPT": 1, "TMA_STORE": 1, "Q_BUFFERS": 2,
+                                    "SPLIT_KV": 1},
+                  {"NUM_CONSUMERS": 1, "BLOCK_N": 64, "CTAS_PER_SM": 2},
+                  {"NUM_CONSUMERS": 3, "NUM_STAGES": 2}, {"NUM_STAGES": 3, "TMA_STORE": 1}]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [
+    (2, 8, 2, 1000, 1000, 128, True, -1, 5.0),  # GQA, causal, ragged end, a cap that bites
+    (1, 4, 4, 777, 1300, 64, True, 100, 5.0),  # Nq < Nk, a window inside one key block
+    (2, 4, 2, 1000, 1000, 256, True, 300, 5.0),  # Gemma 2's local layers
+    (2, 4, 2, 333, 517, 256, False, -1, 5.0),  # Gemma 2 without a mask (Nq != Nk)
+    (1, 4, 1, 1300, 700, 128, True, -1, 5.0),  # MQA, Nq > Nk: rows that see no key
+], ids=["d128-gqa-c", "d64-window", "d256-window", "d256-full", "d128-mqa-nq>nk"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_a_softcap_matches_the_reference(case, dtype) -> None:
+    """The scores capped (and windowed): output and LSE against the float32 reference (its
+    tanh exact, the kernel's the hardware's approximation); in bf16 every valid config of
+    D256 (Gemma 2's head dim), elsewhere the default and its knob variants."""
+    from flashtune.core.device import cuda_device
+
+    b, hq, hkv, nq, nk, d, causal, left, cap = case
+    q, k, v = _rand(b, hq, nq, d, dtype=dtype), _rand(b, hkv, nk, d, dtype=dtype), \
+        _rand(b, hkv, nk, d, dtype=dtype)
+    q = q * 2  # scores of several units: the cap of 5 bends them
+    window = (left, 0) if left >= 0 else (-1, -1)
+    p = AttentionProblem.from_tensors(q, k, causal=causal, window=window, softcap=cap)
+    default = SPEC.default_config(p, cuda_device())
+    if dtype == torch.bfloat16 and d == 256:
+        configs = SPEC.space.valid_configs(p, cuda_device())
+    else:
+        variants = [{**default, **knobs} for knobs in _SOFTCAP_KNOBS]
+        configs = [default] + [c for c in variants if c != default
+                               and SPEC.space.check(c, p, cuda_device()) is None]
+    assert len(configs) > 1
+    _precompile(p, configs)
+    ref, ref_lse = attn_fwd_reference(q, k, v, causal=causal, window=window, softcap=cap,
+                                      dtype=torch.float32)
+    plain, _ = attn_fwd_reference(q, k, v, causal=causal, window=window, dtype=torch.float32)
+    assert ((plain - ref).norm() / ref.norm()).item() > 0.05  # the cap matters here
+    tol = 2e-2 if dtype == torch.bfloat16 else 5e-3
+    for config in configs:
+        out, lse = SPEC.launcher(q, k, v, config, causal=causal, window=window, softcap=cap,
+                                 return_lse=True)
+        rel = ((out.float() - ref).norm() / ref.norm()).item()
+        assert rel < tol, (config, rel)
+        inf = torch.isinf(ref_lse)
+        assert torch.equal(torch.isinf(lse), inf), config
+        assert torch.allclose(lse[~inf], ref_lse[~inf], atol=1e-2), config
+
+
+@pytest.mark.gpu
+def test_a_softcap_trains_through_flashtune_with_the_gluon_forward() -> None:
+    """flashtune.attention with a softcap and a window, forced to the Gluon forward (its
+    plan replays the launcher bit for bit) and with gradients (the forward's pair with
+    attn_bwd, which recomputes the capped scores): output and gradients against float32
+    autograd."""
+    import flashtune
+    from flashtune.kernel_templates.attn_fwd_gluon.plan import AttnFwdGluonPlan
+    from flashtune.kernel_templates.direct import current_stream
+
+    torch.manual_seed(0)
+    q, k, v = (_rand(1, 8, 1000, 256, dtype=torch.bfloat16) for _ in range(3))
+    q = q * 4
+    kw = dict(causal=True, window=(255, 0), softcap=50.0)
+    out = flashtune.attention(q, k, v, impl="attn_fwd_gluon", **kw)
+    ref, _ = attn_fwd_reference(q, k, v, dtype=torch.float32, **kw)
+    assert ((out.float() - ref).norm() / ref.norm()).item() < 2e-2
+    config = _config(BLOCK_N=64)
+    plan = AttnFwdGluonPlan(q, k, v, config, scale=None, return_lse=True, **kw)
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        q2, k2, v2 = (_rand(1, 8, 1000, 256, dtype=torch.bfloat16) for _ in range(3))
+        got = plan(q2, k2, v2, current_stream(q2.get_device()))
+        want = SPEC.launcher(q2, k2, v2, config, return_lse=True, **kw)
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+    pair = get_template("attn_fwd_gluon")
+    problem = AttentionProblem.from_tensors(q, k, causal=True, window=(255, 0), softcap=50.0)
+    assert pair.limits.both(get_template("attn_bwd").limits).refuse(problem, H100) is None
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    fwd_cfg = SPEC.default_config(problem, H100)
+    from flashtune.runtime.autograd import pair_fn
+
+    bwd = get_template("attn_bwd")
+    out, _ = pair_fn(*leaves, True, None, SPEC.launcher, fwd_cfg, bwd.launcher,
+                     bwd.default_config(problem, H100),
+                     {"window": (255, 0), "softcap": 50.0})
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    ref_leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    ref, _ = attn_fwd_reference(*ref_leaves, dtype=torch.float32, **kw)
+    ref.backward(dout.float())
+    for got, want in zip(leaves, ref_leaves):
+        rel = ((got.grad.float() - want.grad).norm() / want.grad.norm()).item()
+        assert rel < 3e-2, rel
 
 
 @pytest.mark.gpu

@@ -462,8 +462,8 @@ def test_a_backward_without_score_mods_gets_the_routes_off_values_dropped():
 def test_which_plan_a_score_modified_call_gets(monkeypatch):
     """``_new_plan``'s choice (the plans themselves replay CUDA launches: their GPU tests
     are in test_scored_plans_gpu.py): attn_fwd's plan with the window and the softcap bound;
-    an implementation's own plan with the window, never with a softcap it has no knob for;
-    a plan that refuses the call is kept as None, so the launcher runs it from then on."""
+    an implementation's own plan (the Gluon forward's) with both too; a plan that refuses
+    the call is kept as None, so the launcher runs it from then on."""
     from flashtune.kernel_templates import get_template
 
     built = []
@@ -485,11 +485,15 @@ def test_which_plan_a_score_modified_call_gets(monkeypatch):
                          "window": (3, 0), "softcap": 20.0}
 
     gluon = dataclasses.replace(get_template("attn_fwd_gluon"), plan=Planned)
-    assert scored._new_plan(q, q, q, gluon, {}, True, 0.5, True, options, ("b",)) is None
+    plan = scored._new_plan(q, q, q, gluon, {}, True, 0.5, True, options, ("b",))
+    assert isinstance(plan, Planned)
+    assert built[-1] == {"causal": True, "scale": 0.5, "return_lse": True, "window": (3, 0),
+                         "softcap": 20.0}
     plan = scored._new_plan(q, q, q, gluon, {}, True, 0.5, True, {**options, "softcap": 0.0},
                             ("c",))
     assert isinstance(plan, Planned)
-    assert built[-1] == {"causal": True, "scale": 0.5, "return_lse": True, "window": (3, 0)}
+    assert built[-1] == {"causal": True, "scale": 0.5, "return_lse": True, "window": (3, 0),
+                         "softcap": 0.0}
 
     def refuses(*args, **kwargs):
         raise ValueError("the launcher copies these inputs: no plan")

@@ -1,6 +1,7 @@
 """attn_fwd_gluon: a Hopper flash-attention forward in Gluon with FlashAttention-3's
-structure, an implementation of the user op ``fwd`` (sm_90, head dims 64 and 128, fp16 and
-bf16, GQA, bottom-right causal, the LSE); the tuner searches it beside ``attn_fwd``.
+structure, an implementation of the user op ``fwd`` (sm_90, head dims 64, 128 and 256, fp16
+and bf16, GQA, bottom-right causal, the LSE, a causal sliding window, a softcap); the tuner
+searches it beside ``attn_fwd``.
 
 Issue 7's remaining gap to cuDNN is what Triton's ``tl`` cannot say on Hopper in 3.6 (see
 ``benchmarks/README.md``): wgmma left in flight while the softmax runs, and producer/consumer
@@ -22,6 +23,10 @@ This kernel is FA3's forward (Shah et al. 2024, Algorithm 1 and 2) written in Gl
 * exp2 with the softmax scale folded in; masking (causal diagonal, ragged key end) only on
   the blocks that need it; causal query tiles launched longest first; ``lse`` in natural log
   as ``attn_fwd`` stores it;
+* ``SOFTCAP`` (a constexpr: the cap times log2 e): the scores capped as FlashAttention's
+  softcap, ``cap * tanh(s / cap)``, with the hardware's ``tanh.approx.f32`` (FA2's and
+  FA3's ``fast_tanh``), the scale into the tanh and the cap's log2 e out of it; Gemma 2
+  caps every layer at 50;
 * ``PERSISTENT``: a CTA per SM looping over the tiles (FA3's persistent kernel: the next
   tile's loads overlap this one's epilogue), with ``LPT`` the causal tiles longest first
   across the heads of an L2-sized section (FA3's longest-processing-time order; the
@@ -88,7 +93,7 @@ SPEC = register_template(TemplateSpec(
     plan=AttnFwdGluonPlan,
     limits=Limits(head_dims=HEAD_DIMS, dtypes=("fp16", "bf16"), gqa=True,
                   causal_unaligned=True, lse=True, needs_gpu=True, capabilities=((9, 0),),
-                  score_mods=("causal_window",)),
+                  score_mods=("causal_window", "softcap")),
 ))
 
 __all__ = ["SPACE", "SPEC", "attn_fwd_gluon", "default_config", "gluon_attn_fwd_kernel",

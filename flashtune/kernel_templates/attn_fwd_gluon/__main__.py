@@ -5,7 +5,8 @@
 
 Each case is a config over ``DEFAULT_CONFIG`` plus optional ``head_dim`` (128), ``causal``
 (false), ``dtype`` ("bf16"), ``layout`` ("bhsd", or "bshd": inputs in ``(B, N, H, D)``
-storage), ``window`` (false: with a causal sliding window) and ``loops`` (false: with the
+storage), ``window`` (false: with a causal sliding window), ``softcap`` (0: none; with the scores
+capped at it) and ``loops`` (false: with the
 main loops' SASS census, :func:`~flashtune.kernel_templates.sm90.loop_census`); one JSON
 line per case: the config, shared memory bytes,
 warps, and
@@ -49,10 +50,11 @@ def main(argv: list[str]) -> int:
         layout = case.pop("layout", "bhsd")
         loops = case.pop("loops", False)
         window = case.pop("window", False)
-        c = compile_sm90(case, d, causal, dtype, layout, window)
+        softcap = float(case.pop("softcap", 0.0))
+        c = compile_sm90(case, d, causal, dtype, layout, window, softcap)
         print(json.dumps({"config": dict(DEFAULT_CONFIG, **case), "head_dim": d,
                           "causal": causal, "dtype": dtype, "layout": layout,
-                          "window": window,
+                          "window": window, "softcap": softcap,
                           "shared": c.metadata.shared,
                           "warps": c.metadata.num_warps, **ptxas_stats(c.asm["ptx"]),
                           **(loop_report(c.asm["cubin"]) if loops else {})}))

@@ -31,6 +31,12 @@ neither loaded nor computed, so the work is O(N x window); the blocks that cut a
 window are masked in ``_softmax_block``. Every tile still holds ``hi - lo`` blocks for both
 partitions, so the barrier protocol is the one the model checks.
 
+``SOFTCAP`` (a constexpr, the cap times log2 e; 0: none): ``_softmax_block`` caps the raw
+scores first, ``tanh(qk * qk_scale) * SOFTCAP`` (``qk_scale`` is then ``scale / cap``), and
+masks the capped ones. Every kernel's frontend IR names it (a partition's mangled name
+carries its constexprs), but a kernel without it compiles to the instructions it had before
+the knob (170 of 170 shipped-config compiles, ``sass_hash``, flashtune/configs/README.md).
+
 :mod:`.protocol` models the barrier protocol of ``_producer`` and ``_consumer``: keep the two
 in step.
 """
@@ -203,11 +209,25 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_
 
 
 @gluon.jit
+def _tanh(x):
+    """The hardware's ``tanh.approx.f32``, as FA2's and FA3's softcap (CUTLASS's
+    ``fast_tanh``): one MUFU op a score, where the exp2 form takes two beside the softmax's
+    own exp2."""
+    return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x],
+                                     dtype=gl.float32, is_pure=True, pack=1)
+
+
+@gluon.jit
 def _softmax_block(qk, j, m_i, l_i, q_start, seqlen_q, seqlen_k, qk_scale, window_left,
                    s_layout: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
-                   CAUSAL: gl.constexpr, WINDOW: gl.constexpr):
+                   CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr = 0.0):
     """One block's online-softmax step on the raw scores ``qk`` (fp32, ``s_layout``):
-    returns ``(p, alpha, m_i, l_i)`` with ``p`` unnormalised in the log2 domain."""
+    returns ``(p, alpha, m_i, l_i)`` with ``p`` unnormalised in the log2 domain.
+    ``SOFTCAP`` (the cap times log2 e; 0: none): the scores become ``tanh(qk * qk_scale) *
+    SOFTCAP``, ``qk_scale`` then being ``scale / cap``, already in the log2 domain."""
+    if SOFTCAP > 0:
+        qk = _tanh(qk * qk_scale) * SOFTCAP
+        qk_scale = 1.0
     start_n = j * BLOCK_N
     need_mask = start_n + BLOCK_N > seqlen_k
     if CAUSAL:
@@ -262,7 +282,8 @@ def _consumer_tile(cid, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready
                    NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
                    CAUSAL: gl.constexpr, WINDOW: gl.constexpr, PINGPONG: gl.constexpr,
                    PERSISTENT: gl.constexpr, Q_BSHD: gl.constexpr, TMA_STORE: gl.constexpr,
-                   Q_BUFFERS: gl.constexpr, SPLIT_KV: gl.constexpr):
+                   Q_BUFFERS: gl.constexpr, SPLIT_KV: gl.constexpr,
+                   SOFTCAP: gl.constexpr = 0.0):
     """Consumer ``cid``'s part of the tile (``bh``, ``m_block``), after ``kv_base`` key blocks and ``tile_i``
     tiles of this CTA; returns the tile's key blocks. ``TMA_STORE``: a whole tile's O goes
     out through Q's shared buffer by one TMA store (``o_desc``, q's 2-D view over O)."""
@@ -315,7 +336,7 @@ def _consumer_tile(cid, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready
         mbarrier.arrive(kv_empty.index(st0), count=1)
     p, alpha, m_i, l_i = _softmax_block(qk, lo, m_i, l_i, q_start, seqlen_q, seqlen_k,
                                         qk_scale, window_left, s_layout, ROWS, BLOCK_N, CAUSAL,
-                                        WINDOW)
+                                        WINDOW, SOFTCAP)
     if EARLY_P:
         p16 = gl.convert_layout(p.to(dtype), p_layout)
     for j in range(lo + 1, n_mine):
@@ -340,7 +361,7 @@ def _consumer_tile(cid, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready
         # the softmax of S_j runs while P_{j-1} V_{j-1} is on the tensor cores
         p, alpha, m_i, l_i = _softmax_block(qk, j, m_i, l_i, q_start, seqlen_q, seqlen_k,
                                             qk_scale, window_left, s_layout, ROWS, BLOCK_N,
-                                            CAUSAL, WINDOW)
+                                            CAUSAL, WINDOW, SOFTCAP)
         acc, p16 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p16))
         if SPLIT_KV:
             mbarrier.arrive(v_empty.index(prev), count=1)
@@ -422,7 +443,7 @@ def _consumer(cid, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_
               NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
               WINDOW: gl.constexpr, PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr,
               Q_BSHD: gl.constexpr, LPT: gl.constexpr, TMA_STORE: gl.constexpr,
-              Q_BUFFERS: gl.constexpr, SPLIT_KV: gl.constexpr):
+              Q_BUFFERS: gl.constexpr, SPLIT_KV: gl.constexpr, SOFTCAP: gl.constexpr = 0.0):
     if PERSISTENT:  # key blocks and tiles of the CTA so far: ring slots and phases run on
         kv_base = 0
         tile_i = 0
@@ -433,14 +454,14 @@ def _consumer(cid, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_
                                       m_block, kv_base, tile_i, heads_q, group, seqlen_q,
                                       seqlen_k, qk_scale, window_left, HEAD_D, ROWS, BLOCK_N,
                                       NUM_STAGES, NUM_CONSUMERS, CAUSAL, WINDOW, PINGPONG, True,
-                                      Q_BSHD, TMA_STORE, Q_BUFFERS, SPLIT_KV)
+                                      Q_BSHD, TMA_STORE, Q_BUFFERS, SPLIT_KV, SOFTCAP)
             tile_i += 1
     else:  # a grid launch: (first, end) are the CTA's (m_block, bh)
         _consumer_tile(cid, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty,
                        v_empty, turn, o_ptr, o_desc, lse_ptr, end, first, 0, 0, heads_q, group,
                        seqlen_q, seqlen_k, qk_scale, window_left, HEAD_D, ROWS, BLOCK_N,
                        NUM_STAGES, NUM_CONSUMERS, CAUSAL, WINDOW, PINGPONG, False, Q_BSHD,
-                       TMA_STORE, Q_BUFFERS, SPLIT_KV)
+                       TMA_STORE, Q_BUFFERS, SPLIT_KV, SOFTCAP)
 
 
 @gluon.jit
@@ -454,7 +475,8 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, seqlen_q, seql
                           PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                           WINDOW: gl.constexpr = False, LPT: gl.constexpr = False,
                           o_desc=None, TMA_STORE: gl.constexpr = False,
-                          Q_BUFFERS: gl.constexpr = 1, SPLIT_KV: gl.constexpr = False):
+                          Q_BUFFERS: gl.constexpr = 1, SPLIT_KV: gl.constexpr = False,
+                          SOFTCAP: gl.constexpr = 0.0):
     n_mblocks = gl.cdiv(seqlen_q, NUM_CONSUMERS * ROWS)
     if PERSISTENT:  # a CTA per SM (or fewer), each taking every stride-th tile
         first = gl.program_id(0)
@@ -508,7 +530,7 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, seqlen_q, seql
                          v_empty, turn, o_ptr, o_desc, lse_ptr, first, end, stride, n_mblocks, heads_q,
                          group, seqlen_q, seqlen_k, qk_scale, window_left, section, HEAD_D,
                          ROWS, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, WINDOW, PINGPONG,
-                         PERSISTENT, Q_BSHD, LPT, TMA_STORE, Q_BUFFERS, SPLIT_KV)),
+                         PERSISTENT, Q_BSHD, LPT, TMA_STORE, Q_BUFFERS, SPLIT_KV, SOFTCAP)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty,
                          k_ready, v_ready, kv_empty, v_empty, first, end, stride, n_mblocks, heads_q,
                          group, seqlen_q, seqlen_k, window_left, section, ROWS,
@@ -521,12 +543,12 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, seqlen_q, seql
                          v_empty, turn, o_ptr, o_desc, lse_ptr, first, end, stride, n_mblocks, heads_q,
                          group, seqlen_q, seqlen_k, qk_scale, window_left, section, HEAD_D,
                          ROWS, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, WINDOW, PINGPONG,
-                         PERSISTENT, Q_BSHD, LPT, TMA_STORE, Q_BUFFERS, SPLIT_KV)),
+                         PERSISTENT, Q_BSHD, LPT, TMA_STORE, Q_BUFFERS, SPLIT_KV, SOFTCAP)),
             (_consumer, (1, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty,
                          v_empty, turn, o_ptr, o_desc, lse_ptr, first, end, stride, n_mblocks, heads_q,
                          group, seqlen_q, seqlen_k, qk_scale, window_left, section, HEAD_D,
                          ROWS, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, WINDOW, PINGPONG,
-                         PERSISTENT, Q_BSHD, LPT, TMA_STORE, Q_BUFFERS, SPLIT_KV)),
+                         PERSISTENT, Q_BSHD, LPT, TMA_STORE, Q_BUFFERS, SPLIT_KV, SOFTCAP)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty,
                          k_ready, v_ready, kv_empty, v_empty, first, end, stride, n_mblocks, heads_q,
                          group, seqlen_q, seqlen_k, window_left, section, ROWS,
@@ -539,17 +561,17 @@ def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, seqlen_q, seql
                          v_empty, turn, o_ptr, o_desc, lse_ptr, first, end, stride, n_mblocks, heads_q,
                          group, seqlen_q, seqlen_k, qk_scale, window_left, section, HEAD_D,
                          ROWS, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, WINDOW, PINGPONG,
-                         PERSISTENT, Q_BSHD, LPT, TMA_STORE, Q_BUFFERS, SPLIT_KV)),
+                         PERSISTENT, Q_BSHD, LPT, TMA_STORE, Q_BUFFERS, SPLIT_KV, SOFTCAP)),
             (_consumer, (1, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty,
                          v_empty, turn, o_ptr, o_desc, lse_ptr, first, end, stride, n_mblocks, heads_q,
                          group, seqlen_q, seqlen_k, qk_scale, window_left, section, HEAD_D,
                          ROWS, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, WINDOW, PINGPONG,
-                         PERSISTENT, Q_BSHD, LPT, TMA_STORE, Q_BUFFERS, SPLIT_KV)),
+                         PERSISTENT, Q_BSHD, LPT, TMA_STORE, Q_BUFFERS, SPLIT_KV, SOFTCAP)),
             (_consumer, (2, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty,
                          v_empty, turn, o_ptr, o_desc, lse_ptr, first, end, stride, n_mblocks, heads_q,
                          group, seqlen_q, seqlen_k, qk_scale, window_left, section, HEAD_D,
                          ROWS, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, WINDOW, PINGPONG,
-                         PERSISTENT, Q_BSHD, LPT, TMA_STORE, Q_BUFFERS, SPLIT_KV)),
+                         PERSISTENT, Q_BSHD, LPT, TMA_STORE, Q_BUFFERS, SPLIT_KV, SOFTCAP)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty,
                          k_ready, v_ready, kv_empty, v_empty, first, end, stride, n_mblocks, heads_q,
                          group, seqlen_q, seqlen_k, window_left, section, ROWS,

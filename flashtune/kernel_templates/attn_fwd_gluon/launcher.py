@@ -145,13 +145,15 @@ def _desc_shape(t: Any, how: str) -> tuple[list[int], list[int]]:
 
 
 def kernel_args(q: Any, k: Any, v: Any, out: Any, lse: Any, config: Mapping[str, int], *,
-                causal: bool, scale: float, window_left: int = -1
+                causal: bool, scale: float, window_left: int = -1, softcap: float = 0.0
                 ) -> tuple[tuple[Any, ...], dict[str, Any], tuple[int, int]]:
     """``(args, kwargs, grid)`` of ``gluon_attn_fwd_kernel`` for tensors in a
     :func:`layout`, K and V in one, ``out`` in q's (or shape-only stand-ins: a descriptor
     reads its base's address and dtype only), and a full ``config``; ``scale`` >= 0;
     ``window_left`` >= 0: a sliding window (causal only: the key blocks before the
-    window are neither loaded nor computed)."""
+    window are neither loaded nor computed); ``softcap`` > 0: the scores capped,
+    ``softcap * tanh(scale * q.k / softcap)`` (the kernel's ``SOFTCAP``, a constexpr: one
+    compile per cap, as a model has one; the scale stays an argument)."""
     batch, heads_q, seqlen_q, head_dim = q.shape
     heads_kv, seqlen_k = k.shape[1], k.shape[2]
     gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
@@ -174,8 +176,11 @@ def kernel_args(q: Any, k: Any, v: Any, out: Any, lse: Any, config: Mapping[str,
     group = heads_q // heads_kv
     section = lpt_section(batch * heads_q, group, seqlen_k, head_dim, m_blocks, ctas) \
         if lpt else 1
+    # the scores' factor into the log2 domain; with a softcap, into the tanh (the kernel
+    # multiplies the tanh by SOFTCAP, the cap times log2 e)
+    qk_scale = scale / softcap if softcap else scale * LOG2E
     args = (q_desc, k_desc, v_desc, out, lse, seqlen_q, seqlen_k, heads_q, group,
-            batch * heads_q, scale * LOG2E, max(window_left, 0), section)
+            batch * heads_q, qk_scale, max(window_left, 0), section)
     tma_store = bool(config.get("TMA_STORE", OPTIONAL_CONFIG["TMA_STORE"]))
     q_buffers = int(config.get("Q_BUFFERS", OPTIONAL_CONFIG["Q_BUFFERS"]))
     kwargs = dict(
@@ -190,6 +195,8 @@ def kernel_args(q: Any, k: Any, v: Any, out: Any, lse: Any, config: Mapping[str,
         kwargs["Q_BUFFERS"] = q_buffers
     if config.get("SPLIT_KV", OPTIONAL_CONFIG["SPLIT_KV"]):
         kwargs["SPLIT_KV"] = True
+    if softcap:
+        kwargs["SOFTCAP"] = softcap * LOG2E
     if tma_store:  # O's view is Q's (out is in q's layout): Q's block, Q's shared buffer
         kwargs.update(TMA_STORE=True, o_desc=TensorDescriptor(
             out, *_desc_shape(out, q_how), [rows, head_dim], _layout([rows, head_dim], gdt)))
@@ -256,6 +263,18 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           f"sm_{''.join(map(str, torch.cuda.get_device_capability(q.device)))}")
 
 
+def _softcap(softcap: Any) -> float:
+    """``softcap`` as the kernel takes it: a finite float > 0, or 0.0 for None or 0 (off);
+    InputError naming it otherwise."""
+    if softcap is None or softcap == 0:
+        return 0.0
+    cap = float(softcap)
+    if not math.isfinite(cap) or cap < 0:
+        raise InputError(f"softcap must be a finite number >= 0 (0 or None: off), got "
+                         f"{softcap!r}")
+    return cap
+
+
 def _tma_ready(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q, k, v in a :func:`layout` the kernel reads, K and V in the same one: each as it is
@@ -282,6 +301,7 @@ def attn_fwd_gluon(
     scale: float | None = None,
     return_lse: bool = False,
     window: tuple[int, int] = (-1, -1),
+    softcap: float | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Flash-attention forward with the Gluon kernel and an explicit config (a Hopper GPU).
 
@@ -305,6 +325,9 @@ def attn_fwd_gluon(
             ``causal`` (a causal sliding window: query ``i`` sees keys ``[pos - left,
             pos]``), or none (``(-1, -1)``); other windows are an InputError (attn_fwd
             serves them).
+        softcap: FlashAttention-2's ``softcap``: the scaled scores ``s`` become ``softcap *
+            tanh(s / softcap)`` (Gemma 2), the tanh the hardware's approximation (FA3's);
+            None or 0: off. One compile per distinct cap.
     Returns:
         ``out`` shaped like ``q`` in its dtype, or ``(out, lse)`` with ``lse`` float32
         ``(batch, heads_q, seqlen_q)``, natural log, ``-inf`` for rows that see no key
@@ -319,6 +342,7 @@ def attn_fwd_gluon(
         raise InputError(f"window {tuple(window)}: the Gluon forward serves a causal "
                          f"sliding window (left >= 0 with causal=True) only; attn_fwd "
                          f"serves the others")
+    cap = _softcap(softcap)
     _check(q, k, v, config)
     batch, heads_q, seqlen_q, head_dim = q.shape
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
@@ -332,7 +356,7 @@ def attn_fwd_gluon(
         lse.fill_(-math.inf)
     else:
         args, kwargs, grid = kernel_args(q, k, v, out, lse, config, causal=causal,
-                                         scale=scale, window_left=left)
+                                         scale=scale, window_left=left, softcap=cap)
         gluon_attn_fwd_kernel[grid](*args, **kwargs)
     return (out, lse) if return_lse else out
 
@@ -348,11 +372,12 @@ def gluon_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal:
 
 
 def compile_sm90(config: dict[str, int], head_dim: int = 128, causal: bool = False,
-                 dtype: str = "bf16", layout: str = "bhsd", window: bool = False) -> Any:
+                 dtype: str = "bf16", layout: str = "bhsd", window: bool = False,
+                 softcap: float = 0.0) -> Any:
     """Compile the kernel of ``config`` (over :data:`DEFAULT_CONFIG`) for sm_90 on the CPU,
     no GPU needed, planned as :func:`gluon_attn_fwd` launches it for inputs in ``layout``
     (``"bhsd"`` or ``"bshd"``, q, k and v alike; ``window``: with a causal sliding
-    window); returns the compiled kernel
+    window; ``softcap`` > 0: with the scores capped); returns the compiled kernel
     (``.asm["ptx"]``, ``.metadata.shared``, ``.metadata.num_warps``). Needs a process
     without ``TRITON_INTERPRET``."""
     import triton
@@ -374,7 +399,8 @@ def compile_sm90(config: dict[str, int], head_dim: int = 128, causal: bool = Fal
         "WINDOW": bool(window), "LPT": bool(cfg.get("LPT", OPTIONAL_CONFIG["LPT"])),
         "TMA_STORE": bool(cfg.get("TMA_STORE", OPTIONAL_CONFIG["TMA_STORE"])),
         "Q_BUFFERS": int(cfg.get("Q_BUFFERS", OPTIONAL_CONFIG["Q_BUFFERS"])),
-        "SPLIT_KV": bool(cfg.get("SPLIT_KV", OPTIONAL_CONFIG["SPLIT_KV"]))}
+        "SPLIT_KV": bool(cfg.get("SPLIT_KV", OPTIONAL_CONFIG["SPLIT_KV"])),
+        "SOFTCAP": softcap * LOG2E}
     if not const["TMA_STORE"]:  # no O descriptor: the launch passes None (a constexpr)
         const["o_desc"] = None
     kern = gluon_attn_fwd_kernel

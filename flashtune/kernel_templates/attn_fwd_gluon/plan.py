@@ -18,8 +18,8 @@ fixes), to the compiled kernel.
 
 It plans only what the launcher runs without a copy or a rewrite: q, k, v in a TMA-readable
 layout (K and V in the same one), a non-negative scale, at least one query and one key, and
-no window or the causal sliding window the kernel serves (a score-modified call's plan:
-:mod:`flashtune.runtime.scored`). Anything else raises (ValueError, or the launcher's own
+no window or the causal sliding window the kernel serves, with or without a softcap (a
+score-modified call's plan: :mod:`flashtune.runtime.scored`). Anything else raises (ValueError, or the launcher's own
 error for inputs it refuses) and the runtime keeps calling the launcher.
 
 Not part of the template's source hash: it changes how the kernel is launched, not which
@@ -37,6 +37,7 @@ import torch
 from flashtune.kernel_templates.attn_fwd_gluon.kernel import gluon_attn_fwd_kernel
 from flashtune.kernel_templates.attn_fwd_gluon.launcher import (
     _check,
+    _softcap,
     kernel_args,
     layout,
 )
@@ -48,7 +49,8 @@ _VARYING = 5  # q_desc, k_desc, v_desc, o_ptr, lse_ptr; o_desc (TMA_STORE) comes
 
 
 class AttnFwdGluonPlan:
-    """Replays ``attn_fwd_gluon(q, k, v, config, causal=, scale=, return_lse=, window=)``
+    """Replays ``attn_fwd_gluon(q, k, v, config, causal=, scale=, return_lse=, window=,
+    softcap=)``
     for CUDA tensors like the ones it was built from; call it as ``plan(q, k, v, stream)``.
 
     Building compiles the kernel if Triton's cache lacks it; do it with the tensors' device
@@ -65,11 +67,13 @@ class AttnFwdGluonPlan:
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  config: Mapping[str, int], *, causal: bool, scale: float | None,
-                 return_lse: bool, window: tuple[int, int] = (-1, -1)) -> None:
+                 return_lse: bool, window: tuple[int, int] = (-1, -1),
+                 softcap: float | None = None) -> None:
         left, right = window
         if left != -1 and not causal or left == -1 and right not in (-1, 0) or left < -1:
             raise ValueError(f"window {tuple(window)}: not the causal sliding window the "
                              f"kernel serves: no plan")
+        cap = _softcap(softcap)
         _check(q, k, v, config)
         q_how, kv_how = layout(q), layout(k)
         if q_how is None or kv_how is None or layout(v) != kv_how:
@@ -88,7 +92,7 @@ class AttnFwdGluonPlan:
         if layout(out) != q_how:
             raise ValueError("out would not be in q's layout: no plan")
         args, kwargs, grid = kernel_args(q, k, v, out, lse, config, causal=causal,
-                                         scale=scale, window_left=left)
+                                         scale=scale, window_left=left, softcap=cap)
         self._o_desc = "o_desc" in kwargs
         # the kernel always writes the LSE: a call that does not return it writes the kept one
         self._scratch = None if return_lse else Scratch(self.device_index, (lse,))

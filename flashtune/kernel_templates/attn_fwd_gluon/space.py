@@ -29,7 +29,10 @@ table records the template's source hash;
 ``tests/kernel_templates_tests/test_attn_fwd_gluon.py`` fails when it is stale or misses a
 point of the space. The table compiles scalar arguments without the divisibility
 specialization a launch may add (``seqlen_q`` a multiple of 16): a pre-filter, and the
-tuner's trials have the last word.
+tuner's trials have the last word. A causal window and a softcap are not keys: their
+kernels are read as their plain twins (the window's mask and block range cost no register
+over the causal kernel; the softcap's tanh a few at most, its shared memory the same:
+``test_attn_fwd_gluon.py`` compiles both).
 """
 
 from __future__ import annotations

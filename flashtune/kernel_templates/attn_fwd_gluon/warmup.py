@@ -30,5 +30,5 @@ def warmup_launches(problem: AttentionProblem, config: Mapping[str, int], *,
     lse = Shaped(torch.float32, q.shape[:3])
     args, kwargs, grid = kernel_args(q, k, k, Shaped(dt, q.shape), lse, config,
                                      causal=p.causal, scale=1.0 / math.sqrt(p.head_dim),
-                                     window_left=p.window_left)
+                                     window_left=p.window_left, softcap=p.softcap or 0.0)
     return [(gluon_attn_fwd_kernel, args, kwargs, grid)]
