@@ -23,7 +23,7 @@ import json
 import statistics
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -31,7 +31,7 @@ import torch
 
 from flashtune.runtime.bench import _first_line
 
-__all__ = ["fresh_generation_row", "fresh_lengths"]
+__all__ = ["fresh_generation_row", "fresh_lengths", "round_stats"]
 
 # a child's wall-clock limit: importing torch and transformers, building the model, a warm-up
 # and the rounds
@@ -44,6 +44,27 @@ def fresh_lengths(prompt: int, new_tokens: int, rounds: int) -> tuple[int, list[
     apart never share a key length, and the warm-up's lies past every round's."""
     step = new_tokens + 1
     return prompt + rounds * step, [prompt + r * step for r in range(rounds)]
+
+
+def round_stats(samples: Mapping[str, Sequence[float]]) -> dict[str, Any]:
+    """A phase's timing fields from each contender's rounds (ms): ``ms`` (the median round),
+    ``round_ms`` (the rounds), ``spread`` ((max - min) / median: a ratio closer to 1 than this
+    is not resolved by the run) and ``speedup_fastest`` (each other contender's fastest round
+    over flashtune's: where a host's rounds swing by tens of percent, as generation's do,
+    what each costs in the rounds the host left alone, as ``timeit`` reads a loop).
+
+    Arguments:
+        samples: contender -> its rounds' times, in the order they ran.
+    Returns:
+        The fields, JSON-ready.
+    """
+    mine = samples.get("flashtune")
+    return {"ms": {c: statistics.median(xs) for c, xs in samples.items()},
+            "round_ms": {c: list(xs) for c, xs in samples.items()},
+            "spread": {c: (max(xs) - min(xs)) / statistics.median(xs)
+                       for c, xs in samples.items() if statistics.median(xs) > 0},
+            "speedup_fastest": {c: min(xs) / min(mine) for c, xs in samples.items()
+                                if mine and min(mine) > 0 and c != "flashtune"}}
 
 
 def _run_child(job: dict[str, Any]) -> dict[str, Any]:
@@ -88,10 +109,7 @@ def fresh_generation_row(spec: Any, work: Any, contenders: Sequence[str], rounds
             ref = first
         elif ref is not None:
             row["check"][name] = float((first != ref).float().mean())
-    row["ms"] = {c: statistics.median(xs) for c, xs in samples.items()}
-    row["round_ms"] = samples
-    row["spread"] = {c: (max(xs) - min(xs)) / statistics.median(xs)
-                     for c, xs in samples.items() if statistics.median(xs) > 0}
+    row.update(round_stats(samples))
     # each round's lengths are the same for every contender: its ratio is the fair one
     mine = samples.get("flashtune")
     row["speedup"] = {c: statistics.median(t / m for t, m in zip(xs, mine, strict=True))

@@ -35,7 +35,9 @@ Contenders: ``flashtune`` (``attn_implementation="flashtune"``: what
 choice of backend), ``sdpa_<backend>`` (``sdpa`` inside ``sdpa_kernel(<backend>)``), and
 transformers' ``eager`` and ``flex_attention``. Each contender's output is checked against
 the family's reference (``sdpa``; ``eager`` for ``gemma2``) before it is timed; then the
-contenders are timed in rotation, ``rounds`` times (median kept), so a drift in clocks hits all alike.
+contenders are timed in rotation, ``rounds`` times (median kept), so a drift in clocks hits all
+alike; a phase whose rounds swing past :data:`UNRESOLVED` also reports the fastest rounds'
+ratios.
 
 Per phase it also records the calls flashtune handed to torch (by reason:
 :func:`flashtune.runtime.sdpa.fallback_counts`), where each distinct attention call of the
@@ -62,7 +64,11 @@ from typing import Any
 import torch
 
 from flashtune.core.problem import MAX_HEAD_DIM
-from flashtune.integrations.fresh_generation import fresh_generation_row, fresh_lengths
+from flashtune.integrations.fresh_generation import (
+    fresh_generation_row,
+    fresh_lengths,
+    round_stats,
+)
 from flashtune.integrations.transformers import (
     NAME,
     chunk_against_cache,
@@ -104,6 +110,9 @@ PROBE = "flashtune_probe"
 # backends differ by 2.1e-2 on the H100), and a training step's loss and per-parameter
 # gradient norms
 TOL = 5e-2
+# a round spread past which the table adds the fastest rounds' ratios (generation's rounds
+# swung by 35-53% on the H200 hosts, the other phases' by 1-15%)
+UNRESOLVED = 0.2
 
 
 @dataclass(frozen=True)
@@ -519,8 +528,10 @@ def bench_model(spec: ModelSpec, work: Workload, *, contenders: Sequence[str] = 
                 on_phase: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Run every phase of ``work`` on a model shaped ``spec`` for each contender (see the
     module doc) and return the run as a JSON-ready dict (``phases``: one row each, with
-    ``ms`` per contender, ``speedup`` of flashtune over each, the check, the fallbacks, the
-    routes and attention's share). ``on_phase`` gets each row as it is measured.
+    ``ms`` per contender, ``speedup`` of flashtune over each, the rounds' spread and the
+    fastest rounds' ratios (:func:`~flashtune.integrations.fresh_generation.round_stats`),
+    the check, the fallbacks, the routes and attention's share). ``on_phase`` gets each row
+    as it is measured.
 
     Raises:
         ValueError for an unknown contender or a spec that makes no model; RuntimeError
@@ -588,12 +599,7 @@ def bench_model(spec: ModelSpec, work: Workload, *, contenders: Sequence[str] = 
                     samples[name].append(ms(phase.run))
                     if "prefill" in phase.extra:
                         prefill[name].append(ms(phase.extra["prefill"]))
-        row["ms"] = {c: statistics.median(xs) for c, xs in samples.items()}
-        row["round_ms"] = samples
-        # (max - min) / median of each contender's rounds: a ratio closer to 1 than this
-        # is not resolved by the run
-        row["spread"] = {c: (max(xs) - min(xs)) / statistics.median(xs)
-                         for c, xs in samples.items() if statistics.median(xs) > 0}
+        row.update(round_stats(samples))
         if "prefill" in phase.extra:
             row["prefill_ms"] = {c: statistics.median(xs) for c, xs in prefill.items()}
             row["decode_ms_per_token"] = {
@@ -655,6 +661,12 @@ def render_model(result: Mapping[str, Any]) -> str:
                     f"X's time over flashtune's; round spread: the widest contender's "
                     f"(max - min) / median, under which a ratio is not resolved)")
     for r in result["phases"]:
+        spread = max(r.get("spread", {}).values(), default=0.0)
+        fastest = r.get("speedup_fastest", {})
+        if spread > UNRESOLVED and fastest:
+            lines.append(f"{r['phase']} {r['label']}: rounds spread {spread:.0%}; fastest "
+                         f"rounds: " + ", ".join(f"vs {c} {fastest[c]:.3f}x"
+                                                 for c in contenders if c in fastest))
         if "decode_ms_per_token" in r:
             d = r["decode_ms_per_token"]
             lines.append(f"{r['phase']} {r['label']}: decode ms/token " + ", ".join(

@@ -39,6 +39,8 @@ def test_llama_runs_every_phase_on_flashtune_checked_against_sdpa():
         assert len(xs) == 2 and r["ms"]["sdpa"] == pytest.approx(sum(xs) / 2)
         assert r["spread"]["sdpa"] == pytest.approx(abs(xs[0] - xs[1]) / r["ms"]["sdpa"])
         assert r["spread"]["sdpa"] > 0  # two host timings of the CPU run never agree exactly
+        assert r["speedup_fastest"]["sdpa"] == pytest.approx(
+            min(xs) / min(r["round_ms"]["flashtune"]))
         assert r["fallbacks"] == {}
         # one attention call per layer, every one on flashtune's own route
         assert sum(c["calls"] for c in r["routes"]) == mb.TINY["llama"].layers
@@ -65,6 +67,29 @@ def test_llama_runs_every_phase_on_flashtune_checked_against_sdpa():
     assert static["check"]["flashtune"] == 0  # the same tokens as sdpa's
     text = mb.render_model(result)
     assert "generate" in text and "all 6 attention calls ran on flashtune's route" in text
+
+
+def test_round_stats_and_the_fastest_rounds_of_a_swinging_phase():
+    """A phase's rounds give the median, the spread and each contender's fastest round over
+    flashtune's; the table adds the fastest rounds' ratios where the rounds swing past
+    UNRESOLVED (generation on a busy host), not where they agree."""
+    from flashtune.integrations.fresh_generation import round_stats
+
+    stats = round_stats({"flashtune": [650.0, 1000.0, 660.0], "sdpa": [990.0, 700.0, 640.0]})
+    assert stats["ms"] == {"flashtune": 660.0, "sdpa": 700.0}
+    assert stats["spread"]["flashtune"] == pytest.approx(350 / 660)
+    assert stats["speedup_fastest"] == {"sdpa": pytest.approx(640 / 650)}
+    steady = round_stats({"flashtune": [100.0, 101.0], "sdpa": [110.0, 111.0]})
+    result = {"contenders": ["flashtune", "sdpa"], "rounds": 3, "device": "x",
+              "model": {"family": "llama", "layers": 1, "hidden": 64, "heads": 4,
+                        "kv_heads": 2},
+              "phases": [{"phase": "generate", "label": "swinging", "errors": {},
+                          "speedup": {"sdpa": 700 / 660}, **stats},
+                         {"phase": "prefill", "label": "steady", "errors": {},
+                          "speedup": {"sdpa": 1.1}, **steady}]}
+    text = mb.render_model(result)
+    assert "generate swinging: rounds spread 53%; fastest rounds: vs sdpa 0.985x" in text
+    assert "steady: rounds spread" not in text
 
 
 def test_gemma3_runs_its_local_layers_in_a_window_checked_against_sdpa():
