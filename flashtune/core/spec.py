@@ -288,8 +288,8 @@ class TemplateSpec:
             stream)``, with a ``device_index``: what the runtime replays instead of the
             launcher's per-call checks and binding (it raises for a call it does not plan;
             the launcher runs that one); None: the launcher every call. A plan that also
-            takes ``window=(left, right)`` plans score-modified calls with a window
-            (:mod:`flashtune.runtime.scored`; raising for a window it does not serve).
+            takes ``window=(left, right)`` and ``softcap=`` plans score-modified calls
+            (:mod:`flashtune.runtime.scored`; raising for one it does not serve).
     """
 
     name: str

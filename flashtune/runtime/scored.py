@@ -162,8 +162,8 @@ def _choose(problem: AttentionProblem, q: torch.Tensor, causal: bool, return_lse
     config: the routed choice (the op's stored one, or attn_decode's for short queries)
     where it is one of flashtune's kernels that serves the call (attn_fwd serves every one;
     the Gluon forward a causal sliding window and a softcap; attn_decode short queries; a
-    packed batch only attn_fwd), else attn_fwd's own chain; with gradients the train op's stored pair
-    where both its kernels serve the call, else for a packed batch
+    packed batch only attn_fwd), else attn_fwd's own chain; with gradients the train op's
+    stored pair where both its kernels serve the call, else for a packed batch
     :data:`PACKED_TRAIN_DEFAULT` (unless a pair was tuned for this very problem), else
     attn_fwd with attn_bwd; ``impl``/``config`` forced where given (attn_fwd with
     attn_bwd)."""

@@ -19,8 +19,9 @@ fixes), to the compiled kernel.
 It plans only what the launcher runs without a copy or a rewrite: q, k, v in a TMA-readable
 layout (K and V in the same one), a non-negative scale, at least one query and one key, and
 no window or the causal sliding window the kernel serves, with or without a softcap (a
-score-modified call's plan: :mod:`flashtune.runtime.scored`). Anything else raises (ValueError, or the launcher's own
-error for inputs it refuses) and the runtime keeps calling the launcher.
+score-modified call's plan: :mod:`flashtune.runtime.scored`). Anything else raises
+(ValueError, or the launcher's own error for inputs it refuses) and the runtime keeps
+calling the launcher.
 
 Not part of the template's source hash: it changes how the kernel is launched, not which
 code is generated.
@@ -50,8 +51,8 @@ _VARYING = 5  # q_desc, k_desc, v_desc, o_ptr, lse_ptr; o_desc (TMA_STORE) comes
 
 class AttnFwdGluonPlan:
     """Replays ``attn_fwd_gluon(q, k, v, config, causal=, scale=, return_lse=, window=,
-    softcap=)``
-    for CUDA tensors like the ones it was built from; call it as ``plan(q, k, v, stream)``.
+    softcap=)`` for CUDA tensors like the ones it was built from; call it as ``plan(q, k, v,
+    stream)``.
 
     Building compiles the kernel if Triton's cache lacks it; do it with the tensors' device
     current (``device_index``), and call the plan only while that device is current.
