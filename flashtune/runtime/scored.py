@@ -97,11 +97,13 @@ _Tensor = torch.Tensor
 log = logging.getLogger(__name__)
 # the training step of a packed batch nothing of the user's is tuned for exactly, by compute
 # capability: on sm_90 attn_fwd's varlen forward with the Gluon backward's VARLEN kernel,
-# where the pair serves the call (head dims 64 and 128, no score modification or dropout,
-# not under torch.use_deterministic_algorithms: its dQ adds by atomics); on an H200 a
-# 7-document 16k-token GQA 32:8 D128 causal batch's backward ran 1.50x attn_bwd's and 1.46x
-# FlexAttention's, the step 1.33x attn_bwd's and 1.38x Flex's
-# (benchmarks/results/packed_bwd_h200.json); elsewhere attn_fwd with attn_bwd
+# where the pair serves the call (head dims 64 and 128, no dropout, ALiBi or window but a
+# causal one, not under torch.use_deterministic_algorithms: its dQ adds by atomics); on an
+# H200 a 7-document 16k-token GQA 32:8 D128 causal batch's backward ran 1.50x attn_bwd's
+# and 1.46x FlexAttention's, the step 1.33x attn_bwd's and 1.38x Flex's
+# (benchmarks/results/packed_bwd_h200.json); with a causal window, dense Mistral-like 32:8
+# D128 steps (a 4096-key window, 8k-16k tokens) ran this pair 1.27x attn_fwd's with attn_bwd
+# (benchmarks/plans/window_train_gluon_bwd.toml's run); elsewhere attn_fwd with attn_bwd
 PACKED_TRAIN_DEFAULT: tuple[tuple[tuple[int, int], ...], str] = (((9, 0),),
                                                                  "attn_fwd_bwd_gluon")
 
@@ -377,22 +379,32 @@ def _new_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: TemplateS
 
 def _bwd_launcher(bwd: TemplateSpec) -> Callable[..., Any]:
     """``bwd``'s launcher taking the options a route passes both kernels: attn_bwd's own;
-    a backward without score modifications (the Gluon one, routed only to calls without
-    them) gets them at their off values, which it drops."""
+    another backward (the Gluon one, routed only to calls its ``Limits`` serve) gets the
+    modifications it serves and drops those at their off values; one it does not serve is
+    an InputError."""
     if bwd is _BWD:
         return _BWD.launcher
     found = _BWD_LAUNCHERS.get(bwd.name)
     if found is None:
-        launcher = bwd.launcher
+        launcher, served = bwd.launcher, bwd.limits.score_mods
 
-        def plain(*args: Any, causal: bool = False, window: Any = (-1, -1),
-                  softcap: Any = None, alibi_slopes: Any = None, **options: Any) -> Any:
+        def served_only(*args: Any, causal: bool = False, window: Any = (-1, -1),
+                        softcap: Any = None, alibi_slopes: Any = None, **options: Any) -> Any:
             left, right = window  # (causal's right bound is 0: no window either)
-            if left != -1 or right not in ((-1, 0) if causal else (-1,)) or softcap \
-                    or alibi_slopes is not None:
-                raise InputError(f"{bwd.name} applies no score modification")
-            return launcher(*args, causal=causal, **options)
-        found = _BWD_LAUNCHERS[bwd.name] = plain
+            mods: dict[str, Any] = {}
+            if left != -1 or right not in ((-1, 0) if causal else (-1,)):
+                if not ("window" in served or "causal_window" in served and causal
+                        and left >= 0 and right in (-1, 0)):
+                    raise InputError(f"{bwd.name} serves no window {tuple(window)}")
+                mods["window"] = window
+            if softcap:
+                if "softcap" not in served:
+                    raise InputError(f"{bwd.name} applies no softcap")
+                mods["softcap"] = softcap
+            if alibi_slopes is not None:
+                raise InputError(f"{bwd.name} applies no ALiBi")
+            return launcher(*args, causal=causal, **mods, **options)
+        found = _BWD_LAUNCHERS[bwd.name] = served_only
     return found
 
 

@@ -126,8 +126,13 @@ def test_its_limits_refuse_what_it_cannot_serve() -> None:
     for d in (96, 256, 32):
         assert f"head_dim {d}" in SPEC.refuse(_problem(d), H100)
     assert "dropout" in SPEC.refuse(_problem(dropout=0.1), H100)
-    assert "window" in SPEC.refuse(_problem(128, True, window_left=255), H100)
-    assert "softcap" in SPEC.refuse(_problem(softcap=30.0), H100)
+    # a causal sliding window and a softcap (the Gluon forward's), not a local window
+    assert SPEC.refuse(_problem(128, True, window_left=255), H100) is None
+    assert SPEC.refuse(_problem(64, True, window_left=255, softcap=30.0), H100) is None
+    assert SPEC.refuse(_problem(softcap=30.0), H100) is None
+    assert "window" in SPEC.refuse(_problem(128, False, window_left=255, window_right=255),
+                                   H100)
+    assert "window" in SPEC.refuse(_problem(128, False, window_left=255), H100)
     assert "ALiBi" in SPEC.refuse(_problem(alibi=True), H100)
     assert SPEC.refuse(_problem(tokens_q=1500, tokens_k=1500), H100) is None  # VARLEN
     for d in (64, 128):
@@ -151,6 +156,15 @@ def test_the_launcher_refuses_what_it_cannot_serve_by_name() -> None:
         check_config(_config(BLOCK_N=64, NUM_CONSUMERS=2))
     with pytest.raises(ConfigError, match="NUM_STAGES"):
         check_config(_config(NUM_STAGES=1))
+    lse = torch.zeros(1, 2, 64)
+    for bad in (dict(causal=False, window=(8, 0)), dict(causal=True, window=(8, 8)),
+                dict(causal=True, window=(-2, 0)), dict(causal=False, window=(-1, 4)),
+                dict(causal=True, window=8)):
+        with pytest.raises(InputError, match="window"):
+            attn_bwd_gluon(q, q, q, q, lse, q, DEFAULT_CONFIG, **bad)
+    for cap in (-1.0, math.inf, math.nan, "x"):
+        with pytest.raises(InputError, match="softcap"):
+            attn_bwd_gluon(q, q, q, q, lse, q, DEFAULT_CONFIG, causal=True, softcap=cap)
 
 
 # -- the space and its compile table -----------------------------------------------------------
@@ -275,14 +289,37 @@ def test_the_default_at_d64_is_persistent_for_short_mha_walks(hq, hkv, n, causal
 # -- the launch plan, from shapes --------------------------------------------------------------
 
 def _plan(b: int, hq: int, hkv: int, nq: int, nk: int, d: int, config: dict[str, int],
-          causal: bool = True, dlse: bool = False) -> dict:
+          causal: bool = True, dlse: bool = False, **mods: object) -> dict:
     dt = torch.bfloat16
     q, k = Shaped(dt, (b, hq, nq, d)), Shaped(dt, (b, hkv, nk, d))
     scratch = {n: Shaped(torch.float32, s) for n, s in scratch_shapes(q.shape, config).items()}
     lse = Shaped(torch.float32, (b, hq, nq))
     return plan(q, k, k, Shaped(dt, q.shape), lse, Shaped(dt, q.shape), Shaped(dt, q.shape),
                 Shaped(dt, k.shape), Shaped(dt, k.shape), scratch, config, causal=causal,
-                scale=0.125, dlse=lse if dlse else None)
+                scale=0.125, dlse=lse if dlse else None, **mods)
+
+
+def test_a_window_and_a_softcap_plan_their_constexprs_and_the_tanhs_scale() -> None:
+    """A causal window passes ``window_left`` and ``WINDOW``; a softcap ``SOFTCAP`` = cap x
+    log2 e (a constexpr: one compile a cap) with ``qk_scale`` = scale / cap (the tanh's
+    argument, as the Gluon forward's); ``sm_scale`` stays the scale (dK's and dQ's). A plain
+    plan passes neither (the kernel as it was), and the grid is the same."""
+    log2e = 1.4426950408889634
+    plain = _plan(2, 8, 2, 333, 517, 128, DEFAULT_CONFIG)["main"]
+    both = _plan(2, 8, 2, 333, 517, 128, DEFAULT_CONFIG, window_left=255, softcap=30.0)["main"]
+    assert not {"WINDOW", "window_left", "SOFTCAP"} & set(plain[2])
+    assert plain[1][-3] == pytest.approx(0.125 * log2e) and plain[1][-2] == 0.125
+    assert both[2]["WINDOW"] is True and both[2]["window_left"] == 255
+    assert both[2]["SOFTCAP"] == pytest.approx(30.0 * log2e)
+    assert both[1][-3] == pytest.approx(0.125 / 30.0) and both[1][-2] == 0.125
+    assert both[3] == plain[3]
+    window_only = _plan(2, 8, 2, 333, 517, 64, DEFAULT_CONFIG, window_left=0)["main"]
+    assert window_only[2]["window_left"] == 0 and "SOFTCAP" not in window_only[2]
+    assert window_only[1][-3] == pytest.approx(0.125 * log2e)
+    launches = SPEC.warmup_launches(_problem(128, True, window_left=100, softcap=50.0),
+                                    DEFAULT_CONFIG)
+    assert launches[1][2]["window_left"] == 100
+    assert launches[1][2]["SOFTCAP"] == pytest.approx(50.0 * log2e)
 
 
 def test_the_plan_sizes_the_grids_and_the_padded_scratch_from_the_shapes() -> None:
@@ -590,6 +627,37 @@ def test_each_structural_variant_compiles_for_sm90_within_its_budget() -> None:
                                                          sum(g["spill_store_bytes"])), g
 
 
+def test_a_window_and_a_softcap_compile_for_sm90_within_their_costs() -> None:
+    """The window's and the softcap's kernels for sm_90 (the table holds the plain ones):
+    the D128 causal default with a window keeps its one masked section a consumer, 32
+    compares and 32 selects (the window's edge one unsigned compare of the distance), and
+    spills at most 160 B more than without it (104 -> 260 B in the loops' reloads: the
+    tuner's timing judges it); at D64 neither modification spills more than 8 B more; a
+    softcap's loop runs three MUFU ops a score where plain scores run one (the exp2, the
+    forward's tanh, the log2 that reads it back from P)."""
+    d128 = dict(BLOCK_M=64, BLOCK_N=128, NUM_STAGES=2, NUM_CONSUMERS=2, LPT=1, TMA_STORE=1,
+                head_dim=128, causal=True, loops=True)
+    d64 = dict(head_dim=64, causal=True, loops=True)
+    plain128, window128, plain64, window64, cap64 = _compile(
+        [d128, dict(d128, window=True), d64, dict(d64, window=True), dict(d64, softcap=30.0)])
+    assert (window128["window"], cap64["softcap"]) == (True, 30.0)
+    assert not plain128["window"] and plain128["softcap"] == 0.0
+
+    def spill(g: dict) -> int:
+        return sum(g["spill_store_bytes"])
+    assert spill(window128) <= spill(plain128) + 160, (spill(plain128), spill(window128))
+    assert window128["shared"] == plain128["shared"]
+    assert len(window128["loops"]) == 2
+    for loop in window128["loops"]:
+        (mask,) = loop["sections"]
+        assert mask["opcodes"]["ISETP"] == 32 and mask["opcodes"]["FSEL"] == 32, mask
+    assert spill(window64) <= spill(plain64) + 8 and spill(cap64) <= spill(plain64) + 8
+    # the window runs D64's causal walk in one loop (its edge is masked too): 2 loops, not 4
+    assert len(plain64["loops"]) == 4 and len(window64["loops"]) == 2
+    plain_mufu = plain64["loops"][0]["opcodes"]["MUFU"]
+    assert [loop["opcodes"]["MUFU"] for loop in cap64["loops"][0::2]] == [3 * plain_mufu] * 2
+
+
 # -- numerics on the GPU (sm_90) ---------------------------------------------------------------
 
 GPU_CASES = [  # (batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, causal)
@@ -866,3 +934,118 @@ def test_cudnns_forward_with_this_backward_compiles_and_captures() -> None:
         return (out.float() ** 2).mean() + lse.mean()
 
     assert_compiles_and_captures(loss_fn, (q, k, v))
+
+
+# -- a causal sliding window and a softcap (GPU) -------------------------------------------------
+
+MOD_CASES = [  # (batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, causal, left, softcap)
+    (2, 8, 2, 1000, 1000, 128, True, 255, 0.0),  # GQA, a window of 2 tiles, ragged end
+    (1, 4, 4, 777, 1300, 64, True, 100, 0.0),  # Nq < Nk, a window inside one key block
+    (1, 2, 2, 128, 1024, 64, True, 64, 0.0),  # keys before every window: walks of no step
+    (1, 4, 1, 384, 130, 128, True, 50, 0.0),  # MQA, Nq > Nk: rows that see no key
+    (2, 4, 4, 1000, 1000, 128, True, 1, 0.0),  # window 1: each query, itself and the key
+    # before (window 0 makes dS = 0: P = 1 on the diagonal, dP = delta)
+    (2, 4, 4, 1000, 1000, 64, True, -1, 30.0),  # a softcap, causal
+    (2, 8, 2, 1000, 1000, 128, False, -1, 30.0),  # a softcap, no mask, GQA
+    (2, 8, 2, 1000, 1000, 128, True, 255, 50.0),  # both
+]
+MOD_IDS = ["d128-gqa-w255", "d64-nq<nk-w100", "d64-unseen-keys-w64", "d128-mqa-nq>nk-w50",
+           "d128-w1", "d64-cap30", "d128-gqa-full-cap30", "d128-gqa-w255-cap50"]
+
+
+def _mod_references(q, k, v, do, causal, window, softcap):
+    """``(exact, low)``: float64 autograd through the reference with the modifications, and
+    the same in the inputs' precision (torch's own error: :func:`assert_grads_close`'s
+    baseline)."""
+    from flashtune.kernel_templates.attn_fwd.reference import attn_fwd_reference
+
+    refs = []
+    for dt in (torch.float64, q.dtype):
+        leaves = [t.detach().to(dt).requires_grad_() for t in (q, k, v)]
+        out, _ = attn_fwd_reference(*leaves, causal=causal, window=window,
+                                    softcap=softcap or None, dtype=dt)
+        refs.append(tuple(torch.autograd.grad(out, leaves, do.to(dt))))
+    return refs[0], refs[1]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", MOD_CASES, ids=MOD_IDS)
+def test_a_window_and_a_softcap_match_the_reference(case) -> None:
+    """The Gluon forward's window and softcap, backward: gradients of its output (its LSE
+    saved) against float64 autograd through the reference, for the default config and the
+    knobs that change the walk or the epilogue (one consumer, longest first, persistent, dQ
+    and dK/dV by TMA, a GQA group per query head). A window ends each key block's walk
+    where its last query sees it (keys no query sees get dK = dV = 0); a softcap's dS goes
+    through the hardware tanh the forward used: its error is the tanh's (2^-11 of the
+    cap), checked as the forward's is, within 2% of the float64 norm."""
+    from flashtune.core.device import cuda_device
+
+    b, hq, hkv, nq, nk, d, causal, left, cap = case
+    window = (left, 0) if left >= 0 else (-1, -1)
+    torch.manual_seed(11)
+    dt = torch.bfloat16
+    q, k, v = _rand(b, hq, nq, d, dtype=dt), _rand(b, hkv, nk, d, dtype=dt), \
+        _rand(b, hkv, nk, d, dtype=dt)
+    if cap:
+        q = q * 4  # scores that reach the cap
+    do = _rand(b, hq, nq, d, dtype=dt)
+    fwd = get_template("attn_fwd_gluon")
+    p = AttentionProblem.from_tensors(q, k, causal=causal, window=window, softcap=cap)
+    mods = {"window": window, "softcap": cap or None}
+    out, lse = fwd.launcher(q, k, v, fwd.default_config(p, cuda_device()), causal=causal,
+                            return_lse=True, **mods)
+    refs = _mod_references(q, k, v, do, causal, window, cap)
+    knobs = [{}, {"BLOCK_N": 64, "NUM_CONSUMERS": 1}, {"LPT": 1, "TMA_STORE": 1},
+             {"PERSISTENT": 1, "LPT": 1}, {"DQ_TMA": 1}]
+    if hq > hkv:
+        knobs.append({"EXPAND_GQA": 1, "TMA_STORE": 1})
+    configs = [c for c in [SPEC.default_config(p, cuda_device())]
+               + [_config(**kn) for kn in knobs] if space.check(c, p, cuda_device()) is None]
+    assert len(configs) >= 5  # (persistent at D128 spills past the table's allowance)
+    for config in configs:
+        got = SPEC.launcher(q, k, v, out, lse, do, config, causal=causal, **mods)
+        if cap:
+            for name, g, ref in zip(("dq", "dk", "dv"), got, refs[0]):
+                assert torch.isfinite(g).all(), (config, name)
+                rel = ((g.double() - ref).norm() / ref.norm()).item()
+                assert rel < 2e-2, (config, name, rel)
+        else:
+            assert_grads_close(got, q, k, v, do, causal=causal, refs=refs)
+        if left >= 0 and nk - nq > left:  # keys before every query's window
+            unseen = nk - nq - left
+            assert not got[1][:, :, :unseen].any() and not got[2][:, :, :unseen].any()
+
+
+@pytest.mark.gpu
+def test_the_gluon_pair_trains_a_window_and_a_softcap_through_attention() -> None:
+    """The training pair as ``flashtune.attention`` runs it for a windowed, capped call
+    whose tuned choice it is (its launcher a ``TrainStep``, the options passed to both
+    kernels) and under the route's own launcher (``scored._bwd_launcher``): gradients
+    against float32 autograd through the reference."""
+    from flashtune.core.device import cuda_device
+    from flashtune.kernel_templates.attn_fwd.reference import attn_fwd_reference
+    from flashtune.runtime import scored
+
+    torch.manual_seed(12)
+    b, hq, hkv, n, d = 1, 8, 2, 1000, 128
+    q = _rand(b, hq, n, d, dtype=torch.bfloat16) * 4
+    k, v = _rand(b, hkv, n, d, dtype=torch.bfloat16), _rand(b, hkv, n, d, dtype=torch.bfloat16)
+    do = _rand(b, hq, n, d, dtype=torch.bfloat16)
+    kw = dict(causal=True, window=(255, 0), softcap=50.0)
+    p = AttentionProblem.from_tensors(q, k, **kw)
+    pair = {s.name: s for s in implementations("train")}[PAIR_NAME]
+    assert pair.refuse(p, cuda_device(), return_lse=True) is None
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    _, dq, dk, dv = pair.launcher(*leaves, do, pair.default_config(p, cuda_device()), **kw)
+    ref_leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    ref, _ = attn_fwd_reference(*ref_leaves, dtype=torch.float32, **kw)
+    want = torch.autograd.grad(ref, ref_leaves, do.float())
+    out, lse = get_template("attn_fwd_gluon").launcher(
+        q, k, v, get_template("attn_fwd_gluon").default_config(p, cuda_device()),
+        return_lse=True, **kw)
+    routed = scored._bwd_launcher(SPEC)(q, k, v, out, lse, do, DEFAULT_CONFIG, **kw)
+    for got in ((dq, dk, dv), routed):
+        for g, w in zip(got, want):
+            rel = ((g.float() - w).norm() / w.norm()).item()
+            assert rel < 2e-2, rel
+

@@ -402,6 +402,41 @@ def test_packed_gradients_for_each_structural_variant(d, causal) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("d,cap", [(64, 0.0), (128, 0.0), (128, 30.0)],
+                         ids=["d64-w200", "d128-w200", "d128-w200-cap30"])
+def test_packed_windows_and_a_softcap_match_attn_bwd(d, cap) -> None:
+    """A causal sliding window (each sequence's own positions, bottom-right aligned) and a
+    softcap on packed sequences, some shorter than the window and some keys before every
+    window (Nq < Nk): the default's and the longest-first config's gradients against
+    attn_bwd's (which serves both), from attn_fwd's forward; with a softcap within 2% (the
+    forward's tanh is exact, this kernel's the hardware's)."""
+    lens_q, lens_k = [1000, 517, 150, 3], [1000, 900, 600, 3]
+    q, k, v, do, cu_q, cu_k = _packed_inputs(lens_q, lens_k, 8, 2, d, torch.bfloat16, seed=4)
+    if cap:
+        q = q * 4
+    mods = {"window": (200, 0), "softcap": cap or None}
+    fwd = get_template("attn_fwd")
+    from flashtune.core.device import cuda_device
+
+    p = AttentionProblem.from_lengths(lens_q, lens_k, heads_q=8, heads_kv=2, head_dim=d,
+                                      causal=True, dtype="bf16", window_left=200,
+                                      softcap=cap)
+    packing = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lens_q),
+                   max_seqlen_k=max(lens_k))
+    out, lse = fwd.launcher(q, k, v, fwd.default_config(p, cuda_device()), causal=True,
+                            return_lse=True, **mods, **packing)
+    ref = get_template("attn_bwd")
+    want = ref.launcher(q, k, v, out, lse, do, ref.default_config(p, cuda_device()),
+                        causal=True, **mods, **packing)
+    for config in (SPEC.default_config(p, cuda_device()), _config(LPT=1, TMA_STORE=1)):
+        got = attn_bwd_gluon(q, k, v, out, lse, do, config, causal=True, **mods, **packing)
+        _close(got, want, bound=2e-2 if cap else 1e-2)
+    # the keys of sequence 1 before its every query's window: dK = dV = 0
+    unseen = 900 - 517 - 200
+    assert not got[1][1000:1000 + unseen].any() and not got[2][1000:1000 + unseen].any()
+
+
+@pytest.mark.gpu
 def test_packed_lse_gradient_and_strided_inputs_match_attn_bwd() -> None:
     """dLSE ``(Hq, total_q)`` (a strided view) and q, k, v read in place from slices of a
     packed qkv (token stride 3 H D, MHA): the same gradients as attn_bwd's varlen

@@ -390,9 +390,10 @@ def _packed_route(monkeypatch, device, *, window=(-1, -1), impl=None, dropout=0.
 
 def test_a_packed_training_step_takes_the_gluon_backward_on_hopper(monkeypatch):
     """A packed batch's gradients on sm_90 run attn_fwd's varlen forward with the Gluon
-    backward's varlen kernel (PACKED_TRAIN_DEFAULT), each kernel with its own config; not
-    where the Gluon backward cannot serve the call (another GPU, a window, dropout,
-    deterministic algorithms) or attn_fwd is forced: attn_fwd with attn_bwd there."""
+    backward's varlen kernel (PACKED_TRAIN_DEFAULT), each kernel with its own config, a
+    causal sliding window too (the Gluon backward's WINDOW); not where the Gluon backward
+    cannot serve the call (another GPU, dropout, deterministic algorithms) or attn_fwd is
+    forced: attn_fwd with attn_bwd there."""
     from flashtune.kernel_templates import get_template
     from flashtune.kernel_templates.sm90 import H100
 
@@ -403,9 +404,11 @@ def test_a_packed_training_step_takes_the_gluon_backward_on_hopper(monkeypatch):
     assert (name, bwd) == ("attn_fwd_bwd_gluon", "attn_bwd_gluon")
     assert set(fcfg) <= set(get_template("attn_fwd").space.params) and set(bcfg) <= gluon_bwd
     assert bcfg["LPT"] == 1  # its default (longest first), not a config lent by a dense shape
+    flashtune.reload_configs()
+    assert _packed_route(monkeypatch, H100, window=(255, -1))[:2] == ("attn_fwd_bwd_gluon",
+                                                                     "attn_bwd_gluon")
     a100 = H100.__class__(**{**H100.__dict__, "name": "NVIDIA A100", "compute_capability": "8.0"})
     for route in (lambda: _packed_route(monkeypatch, a100),
-                  lambda: _packed_route(monkeypatch, H100, window=(255, -1)),
                   lambda: _packed_route(monkeypatch, H100, dropout=0.1),
                   lambda: _packed_route(monkeypatch, H100, impl="attn_fwd")):
         flashtune.reload_configs()
@@ -437,26 +440,38 @@ def test_lookup_names_the_packed_pair_a_training_step_runs(monkeypatch):
     flashtune.reload_configs()
 
 
-def test_a_backward_without_score_mods_gets_the_routes_off_values_dropped():
-    """The Gluon backward takes no ``window``/``softcap``/``alibi_slopes``: the launcher
-    the routes call drops their off values (a causal call's window is ``(-1, 0)``) and
-    refuses real ones (the route never sends them)."""
+def test_a_backward_launcher_gets_the_mods_it_serves_and_no_off_values():
+    """A backward other than attn_bwd (the Gluon one) gets from the routes' launcher the
+    score modifications its ``Limits`` serve (a causal window, a softcap) and not the off
+    values (a causal call's window is ``(-1, 0)``); one it does not serve is refused,
+    naming it (the route never sends it)."""
+    from dataclasses import replace
+
     from flashtune.kernel_templates import get_template
 
     seen = []
     spec = get_template("attn_bwd_gluon")
-    fake = type(spec)(**{**spec.__dict__, "name": "fake_bwd",
-                         "launcher": lambda *a, **kw: seen.append((a, kw))})
+    fake = replace(spec, name="fake_bwd", launcher=lambda *a, **kw: seen.append((a, kw)))
     run = scored._bwd_launcher(fake)
     assert scored._bwd_launcher(get_template("attn_bwd")) is get_template("attn_bwd").launcher
     run(1, 2, causal=True, window=(-1, 0), softcap=None, alibi_slopes=None, cu_seqlens_q=3)
     run(1, 2, causal=False, window=(-1, -1))
-    assert seen == [((1, 2), {"causal": True, "cu_seqlens_q": 3}), ((1, 2), {"causal": False})]
-    for bad in (dict(causal=False, window=(-1, 0)), dict(causal=True, window=(8, 0)),
-                dict(causal=True, softcap=30.0), dict(causal=True, alibi_slopes=torch.ones(2))):
-        with pytest.raises(InputError, match="no score modification"):
+    run(1, 2, causal=True, window=(8, 0), softcap=30.0)
+    assert seen == [((1, 2), {"causal": True, "cu_seqlens_q": 3}), ((1, 2), {"causal": False}),
+                    ((1, 2), {"causal": True, "window": (8, 0), "softcap": 30.0})]
+    for bad, match in ((dict(causal=False, window=(-1, 0)), "serves no window"),
+                       (dict(causal=False, window=(8, -1)), "serves no window"),
+                       (dict(causal=True, window=(8, 4)), "serves no window"),
+                       (dict(causal=True, alibi_slopes=torch.ones(2)), "no ALiBi")):
+        with pytest.raises(InputError, match=match):
             run(1, 2, **bad)
-    assert len(seen) == 2
+    plain = scored._bwd_launcher(replace(fake, name="fake_plain_bwd",
+                                         limits=replace(spec.limits, score_mods=())))
+    for bad, match in ((dict(causal=True, softcap=30.0), "no softcap"),
+                       (dict(causal=True, window=(8, 0)), "serves no window")):
+        with pytest.raises(InputError, match=match):
+            plain(1, 2, **bad)
+    assert len(seen) == 3
 
 
 def test_which_plan_a_score_modified_call_gets(monkeypatch):

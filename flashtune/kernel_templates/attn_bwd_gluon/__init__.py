@@ -2,8 +2,8 @@
 structure (``hopper/mainloop_bwd_sm90_tma_gmma_ws.hpp``), an implementation of the op
 ``bwd`` beside ``attn_bwd`` (sm_90, head dims 64 and 128, fp16 and bf16, GQA/MQA,
 bottom-right causal, Nq != Nk, ragged lengths, packed batches (FlashAttention-2's varlen
-layout, the kernels' ``VARLEN``); no dropout or score modifications: its ``Limits`` refuse
-them).
+layout, the kernels' ``VARLEN``), a causal sliding window and a softcap, as the Gluon forward
+serves them; no dropout, ALiBi or other windows: its ``Limits`` refuse them).
 
 * a **preprocess** launch: ``delta = rowsum(dO * O) - dLSE`` and ``lse * log2 e`` per query
   row into padded float32 rows, and the fp32 dQ accumulator zeroed (FA3's
@@ -38,7 +38,16 @@ ran 1.00-1.07x the grid launch at N 512-4k (causal with ``LPT`` 1), so the defau
 there (``space.persistent_by_default``; causal up to 2k since the walks below); at D128 the
 tile loop spills in the consumers and ran slower (the tuner may still time it).
 
-Under a causal mask at D64 (``kernel.DIAGONAL_LAST_MAX_D``) every partition walks a CTA's
+A causal sliding window (``WINDOW``, FlashAttention-2's ``window_size = (left, 0)``) ends a
+key block's walk at the last query block that sees it (``kernel._steps``), so the work is
+O(N x window) as in the forward, and masks the window's edge behind the causal mask's
+branch (one unsigned compare of the distance ``pos - key``). A softcap (``SOFTCAP``,
+Gemma 2's and Grok's) recomputes the forward's capped scores with the same hardware tanh and
+takes ``dS`` through it, ``1 - tanh^2``, the tanh read back from P (``log2 P + lse``: kept
+instead, the score tile's registers spilled the D128 consumers' loop). Either is a constexpr
+off by default: a kernel without them compiles to the instructions it had.
+
+Under a causal mask at D64 (``kernel.DIAGONAL_LAST_MAX_D``; not with a window) every partition walks a CTA's
 query blocks that no key of its block is masked in first, from the last down, and the
 mask's diagonal last (``kernel._step_block``), and the consumers run the two in loops of
 their own: the unmasked loop has no mask and no branch on one, 30% fewer instructions
@@ -122,7 +131,7 @@ SPEC = register_template(TemplateSpec(
     kind="gluon",
     limits=Limits(head_dims=HEAD_DIMS, dtypes=("fp16", "bf16"), gqa=True,
                   causal_unaligned=True, lse=True, needs_gpu=True, capabilities=((9, 0),),
-                  packed=True, deterministic=False),
+                  packed=True, deterministic=False, score_mods=("causal_window", "softcap")),
 ))
 
 # the pair's forward: attn_fwd_gluon as it is (its kernel, space, hash), for train only

@@ -3,9 +3,10 @@
     python -m flashtune.kernel_templates.attn_bwd_gluon '[{"head_dim": 64, "causal": true}]'
 
 Each case is a config over ``DEFAULT_CONFIG`` plus optional ``head_dim`` (128), ``causal``
-(false), ``dtype`` ("bf16"), ``layout`` ("bhsd" or "bshd") and ``loops`` (false: with
-the main loops' SASS census, :func:`~flashtune.kernel_templates.sm90.loop_census`); one
-JSON line per case.
+(false), ``dtype`` ("bf16"), ``layout`` ("bhsd" or "bshd"), ``window`` (false: with a
+causal sliding window), ``softcap`` (0: none) and ``loops`` (false: with the main loops'
+SASS census, :func:`~flashtune.kernel_templates.sm90.loop_census`); one JSON line per
+case.
 
     python -m flashtune.kernel_templates.attn_bwd_gluon --prefilter [--jobs N]
 
@@ -40,10 +41,13 @@ def main(argv: list[str]) -> int:
         dtype = case.pop("dtype", "bf16")
         layout = case.pop("layout", "bhsd")
         loops = case.pop("loops", False)
+        window = bool(case.pop("window", False))
+        softcap = float(case.pop("softcap", 0.0))
         config = dict(DEFAULT_CONFIG, **case)
-        c = compile_sm90(config, d, causal, dtype, layout)
+        c = compile_sm90(config, d, causal, dtype, layout, window=window, softcap=softcap)
         print(json.dumps({"config": config, "head_dim": d, "causal": causal, "dtype": dtype,
-                          "layout": layout, "shared": c.metadata.shared,
+                          "layout": layout, "window": window, "softcap": softcap,
+                          "shared": c.metadata.shared,
                           "warps": c.metadata.num_warps, **ptxas_stats(c.asm["ptx"]),
                           "atomics": sorted(set(re.findall(r"(?:atom|red)\.global\.[\w.]+",
                                                            c.asm["ptx"]))),

@@ -78,6 +78,14 @@ MASK_DIAGONAL: gl.constexpr = gl.constexpr(2)
 DIAGONAL_LAST_MAX_D: gl.constexpr = gl.constexpr(64)
 
 
+@gluon.constexpr_function
+def _diagonal_last(causal, window, head_dim):
+    """Whether a walk runs the causal mask's diagonal last (``_step_block``): causal, at
+    most :data:`DIAGONAL_LAST_MAX_D`, and no window (whose edge masks the walk's last
+    blocks too: those walks run the mask behind a branch)."""
+    return causal and head_dim <= DIAGONAL_LAST_MAX_D and not window
+
+
 @gluon.jit
 def gluon_attn_bwd_preprocess(o_ptr, do_ptr, lse_ptr, dlse_ptr, lse2_ptr, delta_ptr,
                               dq_acc_ptr, stride_ob, stride_oh, stride_on, stride_dob,
@@ -173,6 +181,23 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 
 
 @gluon.jit
+def _tanh(x):
+    """The hardware's ``tanh.approx.f32``, as the Gluon forward's softcap (its ``_tanh``,
+    kept here so that the forward's files stay out of this kernel's source hash): the
+    backward recomputes the forward's P with the same tanh."""
+    return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x],
+                                     dtype=gl.float32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _log2(x):
+    """The hardware's ``lg2.approx.f32`` (one MUFU op; ``gl.log2`` is libdevice's, a
+    polynomial of some 14 FMAs an element, which spilled the D128 consumers' main loop)."""
+    return gl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=f,f", [x],
+                                     dtype=gl.float32, is_pure=True, pack=1)
+
+
+@gluon.jit
 def _seq(cu_ptr, b):
     """``(start, length)`` of packed sequence ``b`` (VARLEN)."""
     start = gl.load(cu_ptr + b)
@@ -180,17 +205,26 @@ def _seq(cu_ptr, b):
 
 
 @gluon.jit
-def _steps(n_block, seqlen_q, seqlen_k, group, BLOCK_M: gl.constexpr,
-           BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr):
+def _steps(n_block, seqlen_q, seqlen_k, group, window_left, BLOCK_M: gl.constexpr,
+           BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr,
+           WINDOW: gl.constexpr):
     """The CTA's walk: its first query block ``m_lo`` and per query head ``n_m`` blocks
     (``m_lo .. m_lo + n_m - 1``; causal: from the first block whose last row sees the key
-    block's first key, bottom-right aligned); ``group * n_m`` steps in all. ``VARLEN``: the
-    sequence's lengths, and no step for a key block past its end (the grid covers the
-    longest sequence; dense, every key block holds a key)."""
+    block's first key, bottom-right aligned; ``WINDOW``: up to the last block whose first
+    row still sees the key block's last key, ``window_left`` keys back); ``group * n_m``
+    steps in all. ``VARLEN``: the sequence's lengths, and no step for a key block past its
+    end (the grid covers the longest sequence; dense, every key block holds a key, but
+    under a window the keys before every query's window are seen by none: no step)."""
     m_lo = 0
     if CAUSAL:  # query i sees key j iff j <= i + seqlen_k - seqlen_q
         m_lo = gl.maximum(n_block * BLOCK_N - (seqlen_k - seqlen_q), 0) // BLOCK_M
     n_m = gl.maximum(gl.cdiv(seqlen_q, BLOCK_M) - m_lo, 0)
+    if WINDOW:  # ... and j >= i + seqlen_k - seqlen_q - window_left: the rows up to
+        # (block end - 1) + window_left - (seqlen_k - seqlen_q) see a key of the block (the
+        # count of blocks through that row, clamped at 0 before the division truncates)
+        last = n_block * BLOCK_N + BLOCK_N - 1 + window_left - (seqlen_k - seqlen_q)
+        m_hi = gl.maximum(last + BLOCK_M, 0) // BLOCK_M
+        n_m = gl.maximum(gl.minimum(gl.cdiv(seqlen_q, BLOCK_M), m_hi) - m_lo, 0)
     if VARLEN:
         n_m = gl.where(n_block * BLOCK_N < seqlen_k, n_m, 0)
     return m_lo, n_m, group * n_m
@@ -283,7 +317,8 @@ def _producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, 
               HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, Q_BSHD: gl.constexpr,
               KV_BSHD: gl.constexpr, LPT: gl.constexpr, VARLEN: gl.constexpr,
-              PERSISTENT: gl.constexpr, KV_GROUP: gl.constexpr):
+              PERSISTENT: gl.constexpr, KV_GROUP: gl.constexpr, window_left,
+              WINDOW: gl.constexpr):
     if PERSISTENT:  # steps and tiles of the CTA so far: ring slots and phases run on
         step0 = 0
         tile_i = 0
@@ -295,7 +330,7 @@ def _producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, 
                                    seqlen_q, seqlen_k, seqlen_q_pad, heads_q, heads_kv,
                                    n_block, bhk, step0, tile_i, HEAD_D, BLOCK_M, BLOCK_N,
                                    NUM_STAGES, CAUSAL, Q_BSHD, KV_BSHD, VARLEN, True,
-                                   KV_GROUP)
+                                   KV_GROUP, window_left, WINDOW)
             tile_i += 1
     else:
         n_block, bhk = _tile(seqlen_k, section_log2, BLOCK_N, LPT)
@@ -303,7 +338,8 @@ def _producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, 
                        lse_smem, delta_smem, kv_bar, kv_empty, q_ready, do_ready, qdo_empty,
                        lse2_ptr, delta_ptr, cu_q_ptr, cu_k_ptr, seqlen_q, seqlen_k,
                        seqlen_q_pad, heads_q, heads_kv, n_block, bhk, 0, 0, HEAD_D, BLOCK_M,
-                       BLOCK_N, NUM_STAGES, CAUSAL, Q_BSHD, KV_BSHD, VARLEN, False, KV_GROUP)
+                       BLOCK_N, NUM_STAGES, CAUSAL, Q_BSHD, KV_BSHD, VARLEN, False, KV_GROUP,
+                       window_left, WINDOW)
 
 
 @gluon.jit
@@ -314,7 +350,7 @@ def _producer_tile(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_s
                    HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                    NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, Q_BSHD: gl.constexpr,
                    KV_BSHD: gl.constexpr, VARLEN: gl.constexpr, PERSISTENT: gl.constexpr,
-                   KV_GROUP: gl.constexpr):
+                   KV_GROUP: gl.constexpr, window_left, WINDOW: gl.constexpr):
     """One tile's loads: K and V once, then Q, dO and the rows' LSE and delta of every
     step through the ring (ring step ``step0 + t``: the CTA's earlier tiles took ``step0``);
     returns the tile's steps. ``KV_GROUP`` > 1: the launch runs a GQA problem per query
@@ -338,8 +374,8 @@ def _producer_tile(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_s
     rows_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
     rows = gl.arange(0, BLOCK_M, layout=rows_layout)
     if VARLEN:  # no step, no K and V (the consumers wait for them on the same condition)
-        m_lo, n_m, total = _steps(n_block, seqlen_q, seqlen_k, group, BLOCK_M, BLOCK_N,
-                                  CAUSAL, VARLEN)
+        m_lo, n_m, total = _steps(n_block, seqlen_q, seqlen_k, group, window_left, BLOCK_M,
+                                  BLOCK_N, CAUSAL, VARLEN, WINDOW)
         live = total > 0
         mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes,
                         pred=live)
@@ -352,9 +388,9 @@ def _producer_tile(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_s
         mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [kv_row, kv_col], kv_bar, k_smem)
         tma.async_copy_global_to_shared(v_desc, [kv_row, kv_col], kv_bar, v_smem)
-        m_lo, n_m, total = _steps(n_block, seqlen_q, seqlen_k, group, BLOCK_M, BLOCK_N,
-                                  CAUSAL, VARLEN)
-    DIAGONAL_LAST: gl.constexpr = CAUSAL and HEAD_D <= DIAGONAL_LAST_MAX_D
+        m_lo, n_m, total = _steps(n_block, seqlen_q, seqlen_k, group, window_left, BLOCK_M,
+                                  BLOCK_N, CAUSAL, VARLEN, WINDOW)
+    DIAGONAL_LAST: gl.constexpr = _diagonal_last(CAUSAL, WINDOW, HEAD_D)
     n_diag = 0
     if DIAGONAL_LAST:
         n_diag = _masked_steps(n_block * BLOCK_N, m_lo, n_m, seqlen_q, seqlen_k, BLOCK_M,
@@ -391,7 +427,8 @@ def _dq_writer(dq_smem, dq_full, dq_empty, dq_acc_ptr, dq_desc, cu_q_ptr, cu_k_p
                seqlen_k, seqlen_q_pad, heads_q, heads_kv, section_log2, first, end, stride,
                HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, LPT: gl.constexpr,
-               VARLEN: gl.constexpr, PERSISTENT: gl.constexpr, DQ_TMA: gl.constexpr):
+               VARLEN: gl.constexpr, PERSISTENT: gl.constexpr, DQ_TMA: gl.constexpr,
+               window_left, WINDOW: gl.constexpr):
     """Two warps: each step's ``dS K`` (the consumers' column slices in ``dq_smem``) added
     to the fp32 accumulator's rows off the consumers' path: vector atomics, or with
     ``DQ_TMA`` TMA bulk reduce-adds (FA3's dQ writer warp)."""
@@ -402,12 +439,14 @@ def _dq_writer(dq_smem, dq_full, dq_empty, dq_acc_ptr, dq_desc, cu_q_ptr, cu_k_p
             step0 += _dq_writer_tile(dq_smem, dq_full, dq_empty, dq_acc_ptr, dq_desc, cu_q_ptr,
                                     cu_k_ptr, seqlen_q, seqlen_k, seqlen_q_pad, heads_q,
                                     heads_kv, n_block, bhk, step0, HEAD_D, BLOCK_M, BLOCK_N,
-                                    NUM_CONSUMERS, CAUSAL, VARLEN, DQ_TMA)
+                                    NUM_CONSUMERS, CAUSAL, VARLEN, DQ_TMA, window_left,
+                                    WINDOW)
     else:
         n_block, bhk = _tile(seqlen_k, section_log2, BLOCK_N, LPT)
         _dq_writer_tile(dq_smem, dq_full, dq_empty, dq_acc_ptr, dq_desc, cu_q_ptr, cu_k_ptr,
                         seqlen_q, seqlen_k, seqlen_q_pad, heads_q, heads_kv, n_block, bhk, 0,
-                        HEAD_D, BLOCK_M, BLOCK_N, NUM_CONSUMERS, CAUSAL, VARLEN, DQ_TMA)
+                        HEAD_D, BLOCK_M, BLOCK_N, NUM_CONSUMERS, CAUSAL, VARLEN, DQ_TMA,
+                        window_left, WINDOW)
 
 
 @gluon.jit
@@ -415,7 +454,7 @@ def _dq_writer_tile(dq_smem, dq_full, dq_empty, dq_acc_ptr, dq_desc, cu_q_ptr, c
                     seqlen_q, seqlen_k, seqlen_q_pad, heads_q, heads_kv, n_block, bhk, step0,
                     HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                     NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr,
-                    DQ_TMA: gl.constexpr):
+                    DQ_TMA: gl.constexpr, window_left, WINDOW: gl.constexpr):
     """One tile's dQ partials (the CTA's step ``step0 + t``); returns the tile's steps.
     ``DQ_TMA``: each consumer's slice by one TMA bulk reduce-add (``dq_desc``, the
     accumulator's rows), waited for before the buffer is handed back; else vector atomics."""
@@ -432,9 +471,9 @@ def _dq_writer_tile(dq_smem, dq_full, dq_empty, dq_acc_ptr, dq_desc, cu_q_ptr, c
     if VARLEN:  # the padded scratch rows as dense; the walk by the sequence's lengths
         _, seqlen_q = _seq(cu_q_ptr, b)
         _, seqlen_k = _seq(cu_k_ptr, b)
-    m_lo, n_m, total = _steps(n_block, seqlen_q, seqlen_k, group, BLOCK_M, BLOCK_N, CAUSAL,
-                              VARLEN)
-    DIAGONAL_LAST: gl.constexpr = CAUSAL and HEAD_D <= DIAGONAL_LAST_MAX_D
+    m_lo, n_m, total = _steps(n_block, seqlen_q, seqlen_k, group, window_left, BLOCK_M,
+                              BLOCK_N, CAUSAL, VARLEN, WINDOW)
+    DIAGONAL_LAST: gl.constexpr = _diagonal_last(CAUSAL, WINDOW, HEAD_D)
     n_diag = 0
     if DIAGONAL_LAST:
         n_diag = _masked_steps(n_block * BLOCK_N, m_lo, n_m, seqlen_q, seqlen_k, BLOCK_M,
@@ -471,7 +510,8 @@ def _consumer(cid, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, 
               NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
               LPT: gl.constexpr, VARLEN: gl.constexpr, PERSISTENT: gl.constexpr,
               DQ_TMA: gl.constexpr, dk_desc, dv_desc, KV_BSHD: gl.constexpr,
-              TMA_STORE: gl.constexpr):
+              TMA_STORE: gl.constexpr, window_left, WINDOW: gl.constexpr,
+              SOFTCAP: gl.constexpr):
     if PERSISTENT:  # steps and tiles of the CTA so far: ring slots and phases run on
         step0 = 0
         tile_i = 0
@@ -484,7 +524,8 @@ def _consumer(cid, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, 
                                    seqlen_q, seqlen_k, seqlen_q_pad, heads_q, heads_kv,
                                    qk_scale, sm_scale, n_block, bhk, step0, tile_i, HEAD_D,
                                    BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, VARLEN,
-                                   True, DQ_TMA, dk_desc, dv_desc, KV_BSHD, TMA_STORE)
+                                   True, DQ_TMA, dk_desc, dv_desc, KV_BSHD, TMA_STORE,
+                                   window_left, WINDOW, SOFTCAP)
             tile_i += 1
     else:
         n_block, bhk = _tile(seqlen_k, section_log2, BLOCK_N, LPT)
@@ -494,7 +535,7 @@ def _consumer(cid, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, 
                        stride_dkh, stride_dkn, seqlen_q, seqlen_k, seqlen_q_pad, heads_q,
                        heads_kv, qk_scale, sm_scale, n_block, bhk, 0, 0, HEAD_D, BLOCK_M,
                        BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, VARLEN, False, DQ_TMA,
-                       dk_desc, dv_desc, KV_BSHD, TMA_STORE)
+                       dk_desc, dv_desc, KV_BSHD, TMA_STORE, window_left, WINDOW, SOFTCAP)
 
 
 @gluon.jit
@@ -506,7 +547,8 @@ def _consumer_tile(cid, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_s
                    HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                    NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
                    VARLEN: gl.constexpr, PERSISTENT: gl.constexpr, DQ_TMA: gl.constexpr,
-                   dk_desc, dv_desc, KV_BSHD: gl.constexpr, TMA_STORE: gl.constexpr):
+                   dk_desc, dv_desc, KV_BSHD: gl.constexpr, TMA_STORE: gl.constexpr,
+                   window_left, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr):
     """Consumer ``cid`` on one tile: keys ``[k0, k0 + ROWS_N)`` of the CTA's block, every
     step's ``S^T``, ``dP^T``, ``dS^T`` (its rows of the CTA's ``dS^T`` in shared memory),
     ``dV`` and ``dK`` of its keys, and columns ``[cid * DQ_COLS, ...)`` of ``dS K`` over all
@@ -536,8 +578,8 @@ def _consumer_tile(cid, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_s
         _, seqlen_k = _seq(cu_k_ptr, b)
     k0 = n_block * BLOCK_N + cid * ROWS_N
     keys = k0 + gl.arange(0, ROWS_N, layout=key_l)
-    m_lo, n_m, total = _steps(n_block, seqlen_q, seqlen_k, group, BLOCK_M, BLOCK_N, CAUSAL,
-                              VARLEN)
+    m_lo, n_m, total = _steps(n_block, seqlen_q, seqlen_k, group, window_left, BLOCK_M,
+                              BLOCK_N, CAUSAL, VARLEN, WINDOW)
 
     dk = gl.zeros([ROWS_N, HEAD_D], gl.float32, acc_layout)
     dv = gl.zeros([ROWS_N, HEAD_D], gl.float32, acc_layout)
@@ -549,7 +591,7 @@ def _consumer_tile(cid, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_s
         mbarrier.wait(kv_bar, 0, pred=total > 0)
     else:
         mbarrier.wait(kv_bar, tile_i & 1)
-    DIAGONAL_LAST: gl.constexpr = CAUSAL and HEAD_D <= DIAGONAL_LAST_MAX_D
+    DIAGONAL_LAST: gl.constexpr = _diagonal_last(CAUSAL, WINDOW, HEAD_D)
     if DIAGONAL_LAST:  # the steps no key of the block is masked in, then the diagonal's
         # (the CTA's count: a consumer whose keys some of those steps see whole masks them
         # all the same), in the order of _step_block
@@ -560,7 +602,8 @@ def _consumer_tile(cid, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_s
                 t, 0, step0, q_smem, do_smem, k_c, v_c, k_cols, ds_smem, dq_c, lse_smem,
                 delta_smem, q_ready, do_ready, qdo_empty, ds_ready, dq_full, dq_empty, dk, dv,
                 keys, k0, seqlen_q, seqlen_k, qk_scale, cid, BLOCK_M, ROWS_N, DQ_COLS,
-                NUM_STAGES, CAUSAL, DQ_TMA, MASK_NONE, s_layout, dq_layout, a_layout, qry_l)
+                NUM_STAGES, CAUSAL, DQ_TMA, MASK_NONE, s_layout, dq_layout, a_layout, qry_l,
+                window_left, WINDOW, SOFTCAP)
         for t in range(group * (n_m - n_diag), total):
             _, m = _step_block(t, m_lo, n_m, n_diag, group, True)
             dk, dv = _consumer_step(
@@ -568,14 +611,15 @@ def _consumer_tile(cid, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_s
                 delta_smem, q_ready, do_ready, qdo_empty, ds_ready, dq_full, dq_empty, dk, dv,
                 keys, k0, seqlen_q, seqlen_k, qk_scale, cid, BLOCK_M, ROWS_N, DQ_COLS,
                 NUM_STAGES, CAUSAL, DQ_TMA, MASK_DIAGONAL, s_layout, dq_layout, a_layout,
-                qry_l)
+                qry_l, window_left, WINDOW, SOFTCAP)
     else:
         for t in range(total):
             dk, dv = _consumer_step(
                 t, m_lo + t % n_m, step0, q_smem, do_smem, k_c, v_c, k_cols, ds_smem, dq_c,
                 lse_smem, delta_smem, q_ready, do_ready, qdo_empty, ds_ready, dq_full, dq_empty,
                 dk, dv, keys, k0, seqlen_q, seqlen_k, qk_scale, cid, BLOCK_M, ROWS_N, DQ_COLS,
-                NUM_STAGES, CAUSAL, DQ_TMA, MASK_BRANCH, s_layout, dq_layout, a_layout, qry_l)
+                NUM_STAGES, CAUSAL, DQ_TMA, MASK_BRANCH, s_layout, dq_layout, a_layout, qry_l,
+                window_left, WINDOW, SOFTCAP)
     if TMA_STORE:
         if k0 + ROWS_N <= seqlen_k:  # a whole block: no row of the view's next head (or
             # sequence) in it
@@ -615,7 +659,8 @@ def _consumer_step(t, m, step0, q_smem, do_smem, k_c, v_c, k_cols, ds_smem, dq_c
                    ROWS_N: gl.constexpr, DQ_COLS: gl.constexpr, NUM_STAGES: gl.constexpr,
                    CAUSAL: gl.constexpr, DQ_TMA: gl.constexpr, MASK: gl.constexpr,
                    s_layout: gl.constexpr, dq_layout: gl.constexpr, a_layout: gl.constexpr,
-                   qry_l: gl.constexpr):
+                   qry_l: gl.constexpr, window_left, WINDOW: gl.constexpr,
+                   SOFTCAP: gl.constexpr):
     """Consumer ``cid``'s step ``t`` of its tile (query block ``m``; the CTA's step ``step0 +
     t`` picks the ring slot and the phases): ``S^T``, ``P^T``, ``dP^T``, ``dS^T``, ``dV``
     and ``dK`` of its keys, its columns of the step's ``dQ`` partial to the writer; returns
@@ -624,7 +669,12 @@ def _consumer_step(t, m, step0, q_smem, do_smem, k_c, v_c, k_cols, ds_smem, dq_c
     or :data:`MASK_DIAGONAL` (the causal mask at every step). A causal mask masks the keys
     past the end with it and has no test of its own for them: one compare and one select a
     score where two of each were (on the H200 the D128 causal main kernel 1.3-2.2% faster,
-    ``benchmarks/results/bwd_mask_v3_d128c_h200.json``)."""
+    ``benchmarks/results/bwd_mask_v3_d128c_h200.json``). ``WINDOW`` (with a causal mask,
+    behind the branch): the keys before a row's window, ``window_left`` keys back, masked
+    too. ``SOFTCAP`` (the cap times log2 e; 0: none): the forward's scores ``SOFTCAP *
+    tanh(s * qk_scale)`` recomputed (``qk_scale`` then ``scale / cap``) and ``dS`` taken
+    through the tanh, ``1 - tanh^2`` (``sm_scale`` scales dK and dQ after, as without a
+    cap)."""
     dtype: gl.constexpr = q_smem.dtype
     st = (step0 + t) % NUM_STAGES
     ph = ((step0 + t) // NUM_STAGES) & 1
@@ -642,13 +692,26 @@ def _consumer_step(t, m, step0, q_smem, do_smem, k_c, v_c, k_cols, ds_smem, dq_c
     dp = warpgroup_mma(v_c, do_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
     # P^T while dP^T is on the tensor cores
-    p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 0))
+    if SOFTCAP > 0:  # (the forward's tanh, the hardware's approximation: the same P)
+        p = gl.exp2(_tanh(s * qk_scale) * SOFTCAP - gl.expand_dims(lse2, 0))
+    else:
+        p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 0))
     if MASK == MASK_BRANCH:
         need_mask = k0 + ROWS_N > seqlen_k
         if CAUSAL:  # the block's first query row misses some of the keys
             need_mask = need_mask | (m * BLOCK_M + (seqlen_k - seqlen_q) < k0 + ROWS_N - 1)
+        if WINDOW:  # the block's last query row's window starts after its first key
+            need_mask = need_mask | (m * BLOCK_M + BLOCK_M - 1 + (seqlen_k - seqlen_q)
+                                     - window_left > k0)
         if need_mask:
-            if CAUSAL:  # (which masks the keys past the end too: see MASK_DIAGONAL)
+            if WINDOW:  # key j in [pos - window_left, pos]: pos - j in [0, window_left], one
+                # unsigned compare (a key past the pos wraps round to a large distance; with
+                # the shift on the keys instead, as the D64 diagonal's, or two compares,
+                # ptxas spilled 20-100 B more at D128)
+                qpos = m * BLOCK_M + qrows + (seqlen_k - seqlen_q)
+                dist = gl.expand_dims(qpos, 0) - gl.expand_dims(keys, 1)
+                ok = dist.to(gl.uint32, bitcast=True) <= window_left.to(gl.uint32, bitcast=True)
+            elif CAUSAL:  # (which masks the keys past the end too: see MASK_DIAGONAL)
                 qpos = m * BLOCK_M + qrows + (seqlen_k - seqlen_q)
                 ok = gl.expand_dims(keys, 1) <= gl.expand_dims(qpos, 0)
             else:
@@ -665,6 +728,11 @@ def _consumer_step(t, m, step0, q_smem, do_smem, k_c, v_c, k_cols, ds_smem, dq_c
     dv = warpgroup_mma(p16, do_t, dv, is_async=True)
     dp = warpgroup_mma_wait(num_outstanding=1, deps=(dp, ))
     ds = p * (dp - gl.expand_dims(delta, 0))
+    if SOFTCAP > 0:  # d(cap tanh(x / cap)) / dx = 1 - tanh^2, the tanh read back from P
+        # (log2 P + lse2 = SOFTCAP tanh; kept from above, a score tile's registers spilled
+        # 430 B at D128); where P is 0 (masked, or a row without keys: lse2 +inf) so is dS
+        capped = gl.maximum((_log2(p) + gl.expand_dims(lse2, 0)) * (1.0 / SOFTCAP), -1.0)
+        ds = gl.where(p > 0, ds * (1.0 - capped * capped), 0.0)
     # dK += dS^T Q with dS^T in registers too: issued before dS^T's store to shared
     # memory (for dS K), not after it
     ds16 = gl.convert_layout(ds.to(dtype), a_layout)
@@ -753,7 +821,9 @@ def gluon_attn_bwd_kernel(q_desc, k_desc, v_desc, do_desc, lse2_ptr, delta_ptr, 
                           LPT: gl.constexpr, VARLEN: gl.constexpr, n_tiles=None,
                           PERSISTENT: gl.constexpr = False, dq_desc=None,
                           DQ_TMA: gl.constexpr = False, dk_desc=None, dv_desc=None,
-                          TMA_STORE: gl.constexpr = False, KV_GROUP: gl.constexpr = 1):
+                          TMA_STORE: gl.constexpr = False, KV_GROUP: gl.constexpr = 1,
+                          window_left=None, WINDOW: gl.constexpr = False,
+                          SOFTCAP: gl.constexpr = 0.0):
     """``seqlen_q``, ``seqlen_k``: the lengths (``VARLEN``: the longest sequence's, the
     grid's); ``cu_q_ptr``, ``cu_k_ptr``: VARLEN's ``cu_seqlens`` (None without it), after
     the dense parameters. ``PERSISTENT`` (dense only): a 1-D grid of at most one CTA an SM,
@@ -768,8 +838,18 @@ def gluon_attn_bwd_kernel(q_desc, k_desc, v_desc, do_desc, lse2_ptr, delta_ptr, 
     of ``BLOCK_N / NUM_CONSUMERS`` rows), else from registers (None). ``KV_GROUP`` > 1
     (``EXPAND_GQA``): a GQA problem run as MHA, a CTA per query head: ``heads_kv`` is
     ``heads_q``, K and V are read at head ``h // KV_GROUP`` and dK, dV written per query
-    head (the launcher sums each group's); 1: the kernel as it was."""
+    head (the launcher sums each group's); 1: the kernel as it was. ``WINDOW`` (with
+    ``CAUSAL``): a causal sliding window, query ``i`` seeing keys ``[pos - window_left,
+    pos]`` (``pos = i + seqlen_k - seqlen_q``; None without it): a key block's walk ends
+    at the last query block that sees it. ``SOFTCAP`` (the cap times log2 e; 0.0: none):
+    the forward's capped scores, ``qk_scale`` then ``scale / cap`` (see
+    ``_consumer_step``)."""
     gl.static_assert(KV_GROUP == 1 or not VARLEN)
+    gl.static_assert(CAUSAL or not WINDOW)
+    if WINDOW:
+        left = window_left
+    else:  # (a constant for the partitions, which take no None)
+        left = 0
     gl.static_assert(NUM_CONSUMERS == 1 or NUM_CONSUMERS == 2)
     gl.static_assert(not (PERSISTENT and VARLEN))
     if PERSISTENT:
@@ -834,17 +914,18 @@ def gluon_attn_bwd_kernel(q_desc, k_desc, v_desc, do_desc, lse2_ptr, delta_ptr, 
                          stride_dkh, stride_dkn, seqlen_q, seqlen_k, seqlen_q_pad, heads_q,
                          heads_kv, qk_scale, sm_scale, section_log2, first, end, stride, HEAD_D,
                          BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, LPT, VARLEN,
-                         PERSISTENT, DQ_TMA, dk_desc, dv_desc, KV_BSHD, TMA_STORE)),
+                         PERSISTENT, DQ_TMA, dk_desc, dv_desc, KV_BSHD, TMA_STORE, left, WINDOW,
+                         SOFTCAP)),
             (_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem,
                          lse_smem, delta_smem, kv_bar, kv_empty, q_ready, do_ready, qdo_empty,
                          lse2_ptr, delta_ptr, cu_q_ptr, cu_k_ptr, seqlen_q, seqlen_k,
                          seqlen_q_pad, heads_q, heads_kv, section_log2, first, end, stride,
                          HEAD_D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, Q_BSHD, KV_BSHD, LPT,
-                         VARLEN, PERSISTENT, KV_GROUP)),
+                         VARLEN, PERSISTENT, KV_GROUP, left, WINDOW)),
             (_dq_writer, (dq_smem, dq_full, dq_empty, dq_acc_ptr, dq_desc, cu_q_ptr, cu_k_ptr,
                           seqlen_q, seqlen_k, seqlen_q_pad, heads_q, heads_kv, section_log2,
                           first, end, stride, HEAD_D, BLOCK_M, BLOCK_N, NUM_CONSUMERS, CAUSAL,
-                          LPT, VARLEN, PERSISTENT, DQ_TMA)),
+                          LPT, VARLEN, PERSISTENT, DQ_TMA, left, WINDOW)),
         ], [1, 2], [PRODUCER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
@@ -854,22 +935,24 @@ def gluon_attn_bwd_kernel(q_desc, k_desc, v_desc, do_desc, lse2_ptr, delta_ptr, 
                          stride_dkh, stride_dkn, seqlen_q, seqlen_k, seqlen_q_pad, heads_q,
                          heads_kv, qk_scale, sm_scale, section_log2, first, end, stride, HEAD_D,
                          BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, LPT, VARLEN,
-                         PERSISTENT, DQ_TMA, dk_desc, dv_desc, KV_BSHD, TMA_STORE)),
+                         PERSISTENT, DQ_TMA, dk_desc, dv_desc, KV_BSHD, TMA_STORE, left, WINDOW,
+                         SOFTCAP)),
             (_consumer, (1, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem,
                          delta_smem, kv_bar, kv_empty, q_ready, do_ready, qdo_empty, ds_ready,
                          dq_full, dq_empty, dk_ptr, dv_ptr, cu_q_ptr, cu_k_ptr, stride_dkb,
                          stride_dkh, stride_dkn, seqlen_q, seqlen_k, seqlen_q_pad, heads_q,
                          heads_kv, qk_scale, sm_scale, section_log2, first, end, stride, HEAD_D,
                          BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, LPT, VARLEN,
-                         PERSISTENT, DQ_TMA, dk_desc, dv_desc, KV_BSHD, TMA_STORE)),
+                         PERSISTENT, DQ_TMA, dk_desc, dv_desc, KV_BSHD, TMA_STORE, left, WINDOW,
+                         SOFTCAP)),
             (_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem,
                          lse_smem, delta_smem, kv_bar, kv_empty, q_ready, do_ready, qdo_empty,
                          lse2_ptr, delta_ptr, cu_q_ptr, cu_k_ptr, seqlen_q, seqlen_k,
                          seqlen_q_pad, heads_q, heads_kv, section_log2, first, end, stride,
                          HEAD_D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, Q_BSHD, KV_BSHD, LPT,
-                         VARLEN, PERSISTENT, KV_GROUP)),
+                         VARLEN, PERSISTENT, KV_GROUP, left, WINDOW)),
             (_dq_writer, (dq_smem, dq_full, dq_empty, dq_acc_ptr, dq_desc, cu_q_ptr, cu_k_ptr,
                           seqlen_q, seqlen_k, seqlen_q_pad, heads_q, heads_kv, section_log2,
                           first, end, stride, HEAD_D, BLOCK_M, BLOCK_N, NUM_CONSUMERS, CAUSAL,
-                          LPT, VARLEN, PERSISTENT, DQ_TMA)),
+                          LPT, VARLEN, PERSISTENT, DQ_TMA, left, WINDOW)),
         ], [4, 1, 2], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])

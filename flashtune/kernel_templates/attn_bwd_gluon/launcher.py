@@ -209,22 +209,24 @@ def _bhn(t: Any) -> tuple[int, int, int]:
 def plan(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, dq: Any, dk: Any, dv: Any,
          scratch: Mapping[str, Any], config: Mapping[str, int], *, causal: bool,
          scale: float, dlse: Any = None, cu_seqlens_q: Any = None, cu_seqlens_k: Any = None,
-         max_seqlen_q: int | None = None, max_seqlen_k: int | None = None
-         ) -> dict[str, Launch]:
+         max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
+         window_left: int = -1, softcap: float = 0.0) -> dict[str, Launch]:
     """``{"preprocess", "main", "convert"} -> (kernel, args, kwargs, grid)`` for tensors
     (or shape-only stand-ins) with q and dout in one :func:`layout`, k and v in one, dk and
     dv in k's; ``scratch`` the buffers of :func:`scratch_shapes`; ``lse`` contiguous
     float32 ``(B, Hq, Nq)``; ``dlse`` optional, any strides. With ``EXPAND_GQA`` on a GQA
     problem, dk and dv are a query head's each (``(B, Hq, Nk, D)``, :func:`expanded`), the
     group's sums left to the caller. With ``cu_seqlens_q`` the packed plan
-    (:func:`plan_packed`)."""
+    (:func:`plan_packed`). ``window_left`` >= 0 (causal): a sliding window; ``softcap`` >
+    0: the forward's capped scores (:func:`score_options`)."""
     if cu_seqlens_q is not None:
         assert cu_seqlens_k is not None and max_seqlen_q is not None \
             and max_seqlen_k is not None, "a packed plan needs both cu_seqlens and max_seqlen"
         return plan_packed(q, k, v, out, lse, dout, dq, dk, dv, scratch, config,
                            causal=causal, scale=scale, dlse=dlse, cu_seqlens_q=cu_seqlens_q,
                            cu_seqlens_k=cu_seqlens_k, max_seqlen_q=int(max_seqlen_q),
-                           max_seqlen_k=int(max_seqlen_k))
+                           max_seqlen_k=int(max_seqlen_k), window_left=window_left,
+                           softcap=softcap)
     batch, heads_q, seqlen_q, head_dim = q.shape
     heads_kv, seqlen_k = k.shape[1], k.shape[2]
     bm, bn = config["BLOCK_M"], config["BLOCK_N"]
@@ -265,6 +267,8 @@ def plan(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, dq: Any, dk: Any
                             dq_acc=dq_acc, dkv=(dk, dv), dkv_view=lambda t: _desc_shape(t, kv_how))
     if kv_group > 1:  # (1: no constant passed, the kernel as it was)
         options.update(KV_GROUP=kv_group)
+    qk_scale, mods = score_options(scale, window_left, softcap)
+    options.update(mods)
     grid = (n_blocks * bh_kv, 1) if lpt else (n_blocks, bh_kv)
     if config.get("PERSISTENT", OPTIONAL_CONFIG["PERSISTENT"]):
         options.update(n_tiles=n_blocks * bh_kv, PERSISTENT=True)
@@ -272,8 +276,7 @@ def plan(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, dq: Any, dk: Any
     main: Launch = (
         gluon_attn_bwd_kernel,
         (q_desc, k_desc, v_desc, do_desc, lse2, delta, dq_acc, dk, dv, *_strides3(dk),
-         seqlen_q, seqlen_k, pad, heads_q, heads_kv, float(scale) * LOG2E, float(scale),
-         section_log2),
+         seqlen_q, seqlen_k, pad, heads_q, heads_kv, qk_scale, float(scale), section_log2),
         options, grid)
     conv: Launch = (
         gluon_attn_bwd_convert_dq,
@@ -281,6 +284,22 @@ def plan(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, dq: Any, dk: Any
         dict(cu_q_ptr=None, HEAD_D=head_dim, BLOCK=PRE_BLOCK, VARLEN=False, num_warps=4),
         (-(-seqlen_q // PRE_BLOCK), batch * heads_q))
     return {"preprocess": pre, "main": main, "convert": conv}
+
+
+def score_options(scale: float, window_left: int, softcap: float
+                  ) -> tuple[float, dict[str, Any]]:
+    """The main kernel's ``qk_scale`` and its score modifications' keywords: ``scale * log2
+    e`` and none for plain scores (the kernel as it was); a window ``window_left`` >= 0
+    (``WINDOW``); a cap ``softcap`` > 0 (``SOFTCAP`` its value times log2 e, one compile a
+    cap, and ``qk_scale`` ``scale / cap``: the tanh's argument, as the Gluon forward's)."""
+    mods: dict[str, Any] = {}
+    qk_scale = float(scale) * LOG2E
+    if window_left >= 0:
+        mods.update(window_left=int(window_left), WINDOW=True)
+    if softcap > 0:
+        mods.update(SOFTCAP=float(softcap) * LOG2E)
+        qk_scale = float(scale) / float(softcap)
+    return qk_scale, mods
 
 
 def expanded(heads_q: int, heads_kv: int, config: Mapping[str, int]) -> bool:
@@ -331,14 +350,16 @@ def dq_desc(dq_acc: Any, config: Mapping[str, int], head_dim: int) -> Any:
 def plan_packed(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, dq: Any, dk: Any,
                 dv: Any, scratch: Mapping[str, Any], config: Mapping[str, int], *,
                 causal: bool, scale: float, cu_seqlens_q: Any, cu_seqlens_k: Any,
-                max_seqlen_q: int, max_seqlen_k: int, dlse: Any = None) -> dict[str, Launch]:
+                max_seqlen_q: int, max_seqlen_k: int, dlse: Any = None, window_left: int = -1,
+                softcap: float = 0.0) -> dict[str, Launch]:
     """:func:`plan` for packed sequences (the kernels' ``VARLEN``): q, dout, out, dq
     ``(total_q, Hq, D)``, k, v, dk, dv ``(total_k, Hkv, D)`` with q, dout, k, v in
     :func:`packed_layout` and dk, dv of one set of strides; ``cu_seqlens_q/k`` ``(B + 1,)``
     int32; ``max_seqlen_q/k`` the longest sequences (the grids, the scratch's padding:
     ``scratch`` is :func:`scratch_shapes` of ``(B, Hq, max_seqlen_q, D)``); ``lse``
     contiguous float32 ``(Hq, total_q)``; ``dlse`` optional, ``(Hq, total_q)``, any
-    strides."""
+    strides; ``window_left`` and ``softcap`` as :func:`plan`'s (each sequence's own
+    positions)."""
     if config.get("PERSISTENT", OPTIONAL_CONFIG["PERSISTENT"]):
         raise ConfigError("PERSISTENT serves dense batches only: a packed batch's key blocks "
                           "past a document's end walk nothing, the grid launch skips them")
@@ -371,13 +392,14 @@ def plan_packed(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, dq: Any, 
     lpt = bool(config.get("LPT", OPTIONAL_CONFIG["LPT"]))
     n_blocks, bh_kv = -(-max_seqlen_k // bn), batch * heads_kv
     section = lpt_section(bh_kv, heads_q // heads_kv, max_seqlen_q, head_dim) if lpt else 1
+    qk_scale, mods = score_options(scale, window_left, softcap)
     main: Launch = (
         gluon_attn_bwd_kernel,
         (q_desc, k_desc, v_desc, do_desc, lse2, delta, dq_acc, dk, dv, *_bhn(dk),
-         max_seqlen_q, max_seqlen_k, pad, heads_q, heads_kv, float(scale) * LOG2E,
-         float(scale), section.bit_length() - 1),
+         max_seqlen_q, max_seqlen_k, pad, heads_q, heads_kv, qk_scale, float(scale),
+         section.bit_length() - 1),
         _main_options(config, head_dim, causal, True, True, cu_seqlens_q, cu_seqlens_k,
-                      dq_acc=dq_acc, dkv=(dk, dv), dkv_view=_packed_desc_shape),
+                      dq_acc=dq_acc, dkv=(dk, dv), dkv_view=_packed_desc_shape) | mods,
         (n_blocks * bh_kv, 1) if lpt else (n_blocks, bh_kv))
     conv: Launch = (
         gluon_attn_bwd_convert_dq,
@@ -495,6 +517,38 @@ def _check_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
     _check_device(q, k, v, out, dout)
 
 
+def check_window(window: Any, causal: bool) -> int:
+    """The left bound of ``window`` (FlashAttention-2's ``window_size``) this kernel serves:
+    ``left`` >= 0 with ``causal`` (a causal sliding window; the right bound -1 or 0), or -1
+    for none; InputError naming the window otherwise (attn_bwd serves the others)."""
+    try:
+        left, right = (int(x) for x in window)
+    except (TypeError, ValueError):
+        raise InputError(f"window must be a pair of ints (window_size), got {window!r}") \
+            from None
+    if left < -1 or (left >= 0 and (not causal or right not in (-1, 0))) \
+            or (left == -1 and right not in (-1, 0)):
+        raise InputError(f"window {tuple(window)}: the Gluon backward serves a causal sliding "
+                         f"window (left >= 0 with causal=True) only; attn_bwd serves the "
+                         f"others")
+    return left
+
+
+def check_softcap(softcap: Any) -> float:
+    """``softcap`` as the kernel takes it: a finite float > 0, or 0.0 for None or 0 (off);
+    InputError naming it otherwise."""
+    if softcap is None or softcap == 0:
+        return 0.0
+    try:
+        cap = float(softcap)
+    except (TypeError, ValueError):
+        cap = math.nan
+    if not math.isfinite(cap) or cap < 0:
+        raise InputError(f"softcap must be a finite number >= 0 (0 or None: off), got "
+                         f"{softcap!r}")
+    return cap
+
+
 def _max_len(cu: torch.Tensor) -> int:
     return int((cu[1:] - cu[:-1]).max().item())
 
@@ -532,6 +586,8 @@ def attn_bwd_gluon(
     cu_seqlens_k: torch.Tensor | None = None,
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
+    window: tuple[int, int] = (-1, -1),
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of flash attention with the Gluon warp-specialized kernel (a Hopper GPU).
 
@@ -560,6 +616,12 @@ def attn_bwd_gluon(
             1])``; their values are not checked here.
         max_seqlen_q, max_seqlen_k: the longest sequences (the grids and the scratch's
             padding); read from the ``cu_seqlens`` (a device sync) when None.
+        window: FlashAttention-2's ``window_size``, as the forward's was: a left bound with
+            ``causal`` (query ``i`` sees keys ``[pos - left, pos]``), or none (``(-1,
+            -1)``); other windows are an InputError (attn_bwd serves them).
+        softcap: FlashAttention-2's ``softcap``, as the forward's was (the scores ``softcap
+            * tanh(s / softcap)``, the tanh the hardware's approximation, as the Gluon
+            forward's); None or 0: off. One compile per distinct cap.
     Returns:
         ``(dq, dk, dv)`` in the input dtype, in the layouts of ``q``, ``k``, ``v`` (packed:
         contiguous ``(total, heads, head_dim)``). dK and dV are summed over each GQA group
@@ -571,13 +633,14 @@ def attn_bwd_gluon(
         a config outside its knobs.
     """
     check_config(config)
+    left, cap = check_window(window, causal), check_softcap(softcap)
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
         if cu_seqlens_q is None:
             raise InputError("cu_seqlens_q is required with cu_seqlens_k (packed sequences)")
         return _attn_bwd_packed(q, k, v, out, lse, dout, config, causal=causal, scale=scale,
                                 dlse=dlse, cu_seqlens_q=cu_seqlens_q,
                                 cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                                max_seqlen_k=max_seqlen_k)
+                                max_seqlen_k=max_seqlen_k, window_left=left, softcap=cap)
     _check(q, k, v, out, dout)
     head_dim = q.shape[3]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
@@ -603,7 +666,8 @@ def attn_bwd_gluon(
         dk_run, dv_run = (_per_query_head(t, q.shape[1]) for t in (k, v))
     for kernel, args, kwargs, grid in plan(q, k, v, out, lse, dout, dq, dk_run, dv_run,
                                            scratch, config, causal=causal, scale=scale,
-                                           dlse=dlse).values():
+                                           dlse=dlse, window_left=left,
+                                           softcap=cap).values():
         kernel[grid](*args, **kwargs)
     if dk_run is not dk:  # each group's sum (fp32 accumulation, one rounding)
         torch.sum(dk_run.unflatten(1, (heads_kv, group)), dim=2, out=dk)
@@ -625,8 +689,8 @@ def _attn_bwd_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
                      lse: torch.Tensor, dout: torch.Tensor, config: Mapping[str, int], *,
                      causal: bool, scale: float | None, dlse: torch.Tensor | None,
                      cu_seqlens_q: torch.Tensor, cu_seqlens_k: Any, max_seqlen_q: int | None,
-                     max_seqlen_k: int | None) -> tuple[torch.Tensor, torch.Tensor,
-                                                        torch.Tensor]:
+                     max_seqlen_k: int | None, window_left: int = -1,
+                     softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`attn_bwd_gluon` for packed sequences (its arguments, checked here)."""
     _check_packed(q, k, v, out, lse, dout, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                   max_seqlen_k)
@@ -655,18 +719,20 @@ def _attn_bwd_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
     for kernel, args, kwargs, grid in plan_packed(
             q, k, v, out, lse, dout, dq, dk, dv, scratch, config, causal=causal, scale=scale,
             dlse=dlse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-            max_seqlen_q=int(max_seqlen_q), max_seqlen_k=int(max_seqlen_k)).values():
+            max_seqlen_q=int(max_seqlen_q), max_seqlen_k=int(max_seqlen_k),
+            window_left=window_left, softcap=softcap).values():
         kernel[grid](*args, **kwargs)
     return dq, dk, dv
 
 
 def compile_sm90(config: Mapping[str, int], head_dim: int = 128, causal: bool = False,
                  dtype: str = "bf16", layout: str = "bhsd", varlen: bool = False,
-                 kv_group: int = 1) -> Any:
+                 kv_group: int = 1, window: bool = False, softcap: float = 0.0) -> Any:
     """Compile the main kernel of ``config`` for sm_90 on the CPU (no GPU needed), planned as
     :func:`attn_bwd_gluon` launches it for inputs in ``layout`` (q, k, v alike; ``varlen``:
     packed sequences, ``layout`` ignored; ``kv_group``: ``EXPAND_GQA``'s query heads a
-    KV head, 1 otherwise); returns the compiled kernel (``.asm["ptx"]``,
+    KV head, 1 otherwise; ``window``: with a causal sliding window, ``softcap`` > 0: the
+    scores capped); returns the compiled kernel (``.asm["ptx"]``,
     ``.metadata.shared``). Needs a process without ``TRITON_INTERPRET``."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -686,6 +752,11 @@ def compile_sm90(config: Mapping[str, int], head_dim: int = 128, causal: bool = 
         "LPT": bool(config.get("LPT", OPTIONAL_CONFIG["LPT"])), "VARLEN": varlen,
         "PERSISTENT": bool(config.get("PERSISTENT", OPTIONAL_CONFIG["PERSISTENT"])),
         "KV_GROUP": kv_group}
+    _, mods = score_options(1.0, 0 if window else -1, softcap)
+    const.update({"WINDOW": False, "SOFTCAP": 0.0}
+                 | {n: v for n, v in mods.items() if n.isupper()})
+    if not window:  # None: no parameter (the kernel without a window)
+        const.update(window_left=None)
     if not varlen:  # None: no parameter (the dense kernel's)
         const.update(cu_q_ptr=None, cu_k_ptr=None)
     if not const["PERSISTENT"]:  # the grid launch's kernel: no tile count

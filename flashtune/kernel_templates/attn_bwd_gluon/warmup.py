@@ -32,5 +32,6 @@ def warmup_launches(problem: AttentionProblem, config: Mapping[str, int], *,
                for n, s in scratch_shapes(tuple(q.shape), config).items()}
     launches = plan(q, k, k, Shaped(dt, q.shape), Shaped(torch.float32, q.shape[:3]),
                     Shaped(dt, q.shape), Shaped(dt, q.shape), dkv, dkv, scratch, config,
-                    causal=p.causal, scale=1.0 / math.sqrt(p.head_dim))
+                    causal=p.causal, scale=1.0 / math.sqrt(p.head_dim),
+                    window_left=p.window_left, softcap=p.softcap or 0.0)
     return list(launches.values())
