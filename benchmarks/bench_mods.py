@@ -11,6 +11,11 @@ Cases (bf16):
   forward;
 * ``gemma2``: softcap 50 with window 4096, B1 Hq16 Hkv8 N16384 D256, causal, forward
   (SDPA cannot apply a softcap: it is timed with the mask alone, a lower bound of its cost);
+* ``swa_train``: Mistral-7B-like sliding window 4096, B2 Hq32 Hkv8 N8192 D128, causal,
+  forward + backward through autograd; beside flashtune's routed step, its two training
+  pairs that serve a window with their default configs, as ``TrainStep`` runs them
+  (``pair_gluon``: the Gluon forward and backward; ``pair_gluon_attn_bwd``: the Gluon
+  forward with attn_bwd), and the anchors' dense causal steps;
 * ``packed``: documents of random lengths 128-4096 (seed 0) packed into 16384 tokens,
   Hq32 Hkv8 D128, causal inside each document, forward + backward
   (``flashtune.attention_varlen`` against FlexAttention with a document block mask;
@@ -73,8 +78,28 @@ def _step(fwd, q, k, v, do):
     """A forward + backward step of ``fwd`` (grads of q, k, v)."""
     def run():
         out = fwd(q, k, v)
-        return torch.autograd.grad(out, (q, k, v), do)
+        return (out.detach(), *torch.autograd.grad(out, (q, k, v), do))
     return run
+
+
+def _pair_steps(problem, q, k, v, do, left, softcap):
+    """The training pairs that serve a causal window (and a softcap), each with its
+    default config as ``TrainStep`` runs it (``(out, dq, dk, dv)``): the Gluon forward with
+    the Gluon backward, and with attn_bwd."""
+    from flashtune.kernel_templates import implementations
+
+    dev = cuda_device()
+    pairs = {s.name: s for s in implementations("train")}
+    mods = {"window": (left, 0), "softcap": softcap}
+    steps = {}
+    for label, name in (("pair_gluon", "attn_fwd_gluon_bwd_gluon"),
+                        ("pair_gluon_attn_bwd", "attn_fwd_gluon")):
+        spec = pairs[name]
+        if spec.refuse(problem, dev, return_lse=True) is None:
+            config = spec.default_config(problem, dev)
+            steps[label] = (lambda s, c: lambda: s.launcher(q, k, v, do, c, causal=True,
+                                                              **mods))(spec, config)
+    return steps
 
 
 def _no_grad(fwd, q, k, v):
@@ -82,16 +107,24 @@ def _no_grad(fwd, q, k, v):
         return fwd(q, k, v)
 
 
-def case_window(name, b, hq, hkv, n, d, left, softcap, rounds):
+def case_window(name, b, hq, hkv, n, d, left, softcap, rounds, train=False):
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(b, hq, n, d, device="cuda", dtype=DT, generator=g)
     k = torch.randn(b, hkv, n, d, device="cuda", dtype=DT, generator=g)
     v = torch.randn(b, hkv, n, d, device="cuda", dtype=DT, generator=g)
     problem = AttentionProblem(b, hq, hkv, n, n, d, True, "bf16", left, -1, softcap or 0.0)
-    flops = problem.flops()
+    flops = problem.flops() + (problem.flops(backward=True) if train else 0)
     group = hq // hkv
-    ref, _ = attn_fwd_reference(q[:1, :group], k[:1, :1], v[:1, :1], causal=True,
-                                dtype=torch.float32, window=(left, 0), softcap=softcap)
+    do = torch.randn(b, hq, n, d, device="cuda", dtype=DT, generator=g) if train else None
+    leaves = [t[:1, :s].float().requires_grad_(train)
+              for t, s in ((q, group), (k, 1), (v, 1))]
+    with torch.set_grad_enabled(train):
+        ref, _ = attn_fwd_reference(*leaves, causal=True, dtype=torch.float32,
+                                    window=(left, 0), softcap=softcap)
+    refs = (ref.detach(), *torch.autograd.grad(ref, leaves, do[:1, :group].float())) \
+        if train else (ref,)
+    if train:
+        q, k, v = (t.requires_grad_(True) for t in (q, k, v))
 
     def mask_mod(b_, h, qi, ki):
         return (ki <= qi) & (qi - ki <= left)
@@ -100,26 +133,29 @@ def case_window(name, b, hq, hkv, n, d, left, softcap, rounds):
         return softcap * torch.tanh(s / softcap)
 
     dense = visible(n, left).to("cuda")
-    # SDPA's masked kernel (memory-efficient) takes no GQA: K/V expanded once, untimed
-    k_full, v_full = (t.repeat_interleave(group, 1) for t in (k, v))
-    fns = {
-        "flashtune": lambda: flashtune.attention(q, k, v, causal=True, window=(left, 0),
-                                                 softcap=softcap),
-        "flex": (lambda f: lambda: f(q, k, v))(
-            _flex(score_mod if softcap else None, mask_mod, n)),
-        "sdpa_masked": lambda: F.scaled_dot_product_attention(q, k_full, v_full,
-                                                              attn_mask=dense),
+
+    def sdpa_masked(q_, k_, v_):  # SDPA's masked kernel (memory-efficient) takes no GQA
+        k_full, v_full = (t.repeat_interleave(group, 1) for t in (k_, v_))
+        return F.scaled_dot_product_attention(q_, k_full, v_full, attn_mask=dense)
+
+    forwards = {
+        "flashtune": lambda q_, k_, v_: flashtune.attention(q_, k_, v_, causal=True,
+                                                            window=(left, 0), softcap=softcap),
+        "flex": _flex(score_mod if softcap else None, mask_mod, n),
+        "sdpa_masked": sdpa_masked,
     }
+    forwards.update({f"sdpa_{be}_causal": (lambda be_: lambda q_, k_, v_: _sdpa_plain(
+        be_, q_, k_, v_))(backend) for be, backend in (("flash", SDPBackend.FLASH_ATTENTION),
+                                                     ("cudnn", SDPBackend.CUDNN_ATTENTION))})
+    if train:
+        fns = {c: _step(f, q, k, v, do) for c, f in forwards.items()}
+        fns.update(_pair_steps(problem, q, k, v, do, left, softcap))
+    else:
+        fns = {c: (lambda f: lambda: f(q, k, v))(f) for c, f in forwards.items()}
     checks = {"sdpa_masked": softcap is None}  # SDPA has no softcap: not comparable
-    anchors = {
-        "sdpa_flash_causal": (SDPBackend.FLASH_ATTENTION, None),
-        "sdpa_cudnn_causal": (SDPBackend.CUDNN_ATTENTION, None),
-    }
-    for aname, (backend, _) in anchors.items():
-        fns[aname] = (lambda be: lambda: _sdpa_plain(be, q, k, v))(backend)
     row = {"case": name, "problem": problem.key(), "label": problem.describe(),
-           "flops": flops, "dense_causal_flops": AttentionProblem(
-               b, hq, hkv, n, n, d, True, "bf16").flops(), "errors": {}, "ms": {}}
+           "flops": flops, "dense_causal_flops": _dense_flops(b, hq, hkv, n, d, train),
+           "train": train, "errors": {}, "ms": {}}
     runnable = {}
     for cname, fn in fns.items():
         try:
@@ -127,7 +163,9 @@ def case_window(name, b, hq, hkv, n, d, left, softcap, rounds):
             if cname.endswith("_causal"):
                 runnable[cname] = fn  # the plain problem's anchors: checked elsewhere
                 continue
-            err = _rel(out[:1, :group], ref)
+            got = out if train else (out,)  # (out, dq, dk, dv) of a step
+            errs = [_rel(t[:1, :s], r) for t, s, r in zip(got, (group, group, 1, 1), refs)]
+            err = float("nan") if any(e != e for e in errs) else max(errs)
             row["errors"][cname] = err
             if checks.get(cname, True) and not err < TOL:
                 row["ms"][cname] = f"wrong result: relative error {err:.2e}"
@@ -142,6 +180,12 @@ def case_window(name, b, hq, hkv, n, d, left, softcap, rounds):
                           for c, ms in row["ms"].items()
                           if isinstance(ms, float) and c.endswith("_causal")})
     return row
+
+
+def _dense_flops(b, hq, hkv, n, d, train):
+    """The dense causal problem's FLOPs (the anchors'), with the backward's for a step."""
+    plain = AttentionProblem(b, hq, hkv, n, n, d, True, "bf16")
+    return plain.flops() + (plain.flops(backward=True) if train else 0)
 
 
 def visible(n, left):
@@ -290,6 +334,9 @@ def main() -> None:
             rows.append(case_window("swa", 1, 32, 8, 16384, 128, 4095, None, args.rounds))
         elif name == "gemma2":
             rows.append(case_window("gemma2", 1, 16, 8, 16384, 256, 4095, 50.0, args.rounds))
+        elif name == "swa_train":
+            rows.append(case_window("swa_train", 2, 32, 8, 8192, 128, 4095, None, args.rounds,
+                                    train=True))
         elif name == "packed":
             rows.append(case_packed(args.rounds, njt=args.njt))
         else:
@@ -325,6 +372,12 @@ def main() -> None:
               f"{cell('sdpa_cudnn_causal')} | {ratio('flashtune', 'flex')} | "
               f"{ratio('flashtune', 'sdpa_masked')} | {cell('flashtune_fwd')} / "
               f"{cell('flex_fwd')} |")
+        if row.get("train") and "pair_gluon" in ms:  # the pairs, default configs
+            print(f"  training pairs (default configs): Gluon forward + Gluon backward "
+                  f"{cell('pair_gluon')}, Gluon forward + attn_bwd "
+                  f"{cell('pair_gluon_attn_bwd')} ({ratio('pair_gluon', 'pair_gluon_attn_bwd')}"
+                  f"); flashtune / cuDNN causal {ratio('flashtune', 'sdpa_cudnn_causal')} "
+                  f"(time, the dense problem's)")
         njt = [c for c in ms if c.startswith("sdpa_njt_")]
         if njt:
             steps = [ms[c] for c in njt if isinstance(ms[c], float) and not c.endswith("_fwd")]
