@@ -149,11 +149,13 @@ BENCH_OPS = ("fwd", "bwd")
 @click.option("--model", "model_family", type=click.Choice(MODEL_FAMILIES), default=None,
               help="End to end in a transformers model (random weights, bf16): prefill or "
                    "inference at --seqlens with --batch, a training step, and for the "
-                   "decoders (llama, gemma2, gemma3) greedy generation; attn_implementation="
-                   "'flashtune' against sdpa as torch picks it and forced to each --baselines "
-                   f"backend (default {MODEL_BASELINES}; gemma2: eager,flex_attention, its "
+                   "decoders (llama, mistral, gemma2, gemma3) greedy generation; "
+                   "attn_implementation='flashtune' against sdpa as torch picks it and forced "
+                   f"to each --baselines backend (default {MODEL_BASELINES}; mistral: "
+                   "sdpa,sdpa_cudnn,flex_attention; gemma2: eager,flex_attention, its "
                    "reference eager: SDPA has no softcap). Presets: llama (Llama-3-8B layers, "
-                   "8 of them), gemma2 (Gemma-2-9B layers, 8: heads of 256, softcap 50, every "
+                   "8 of them), mistral (Mistral-7B layers, 8: every layer in a 4096-key "
+                   "sliding window, the training step on 2 x 8192 tokens), gemma2 (Gemma-2-9B layers, 8: heads of 256, softcap 50, every "
                    "other layer in a 4096-key sliding window), gemma3 (Gemma-3-12B layers, 8: "
                    "heads of 256, local layers with a 1024-key sliding window), bert "
                    "(BERT-large), vit (ViT-L/16); --heads --kv-heads and the options below "
@@ -168,11 +170,11 @@ BENCH_OPS = ("fwd", "bwd")
 @click.option("--train-seqlen", type=click.IntRange(min=1), default=None,
               help="--model: training step sequence length.")
 @click.option("--gen-batch", type=click.IntRange(min=1), default=None,
-              help="--model llama, gemma2, gemma3: prompts generated for at once.")
+              help="--model llama, mistral, gemma2, gemma3: prompts generated for at once.")
 @click.option("--gen-prompt", type=click.IntRange(min=1), default=None,
-              help="--model llama, gemma2, gemma3: prompt length before generating.")
+              help="--model llama, mistral, gemma2, gemma3: prompt length before generating.")
 @click.option("--new-tokens", type=click.IntRange(min=1), default=None,
-              help="--model llama, gemma2, gemma3: tokens generated (greedy, KV cache).")
+              help="--model llama, mistral, gemma2, gemma3: tokens generated (greedy, KV cache).")
 @click.option("--phases", default=None,
               help="--model: phases to run, comma-separated (decoders: prefill,train,"
                    "generate,generate_static,generate_new; "

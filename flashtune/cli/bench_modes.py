@@ -1,5 +1,5 @@
 """``flashtune bench``'s two modes beside the kernel benchmark: ``--model
-llama|gemma2|gemma3|bert|vit`` (flashtune inside a transformers model against torch's SDPA,
+llama|mistral|gemma2|gemma3|bert|vit`` (flashtune inside a transformers model against torch's SDPA,
 end to end: see :mod:`flashtune.integrations.model_bench`) and ``--dispatch`` (the host cost
 of one call: see :mod:`flashtune.runtime.dispatch_bench`).
 
@@ -27,7 +27,7 @@ __all__ = ["MODEL_FAMILIES", "MODEL_OPTIONS", "run_dispatch_bench", "run_model_b
 
 # flashtune.integrations.model_bench.FAMILIES, spelled out: that module imports torch and
 # transformers (tests/cli_tests/test_bench_model.py checks the two agree)
-MODEL_FAMILIES = ("llama", "gemma2", "gemma3", "bert", "vit")
+MODEL_FAMILIES = ("llama", "mistral", "gemma2", "gemma3", "bert", "vit")
 # bench's options that only --model reads, and the default contenders beside flashtune
 MODEL_OPTIONS = ("layers", "hidden", "intermediate", "train_batch", "train_seqlen",
                  "gen_batch", "gen_prompt", "new_tokens", "phases")

@@ -1,10 +1,13 @@
 """``flashtune bench --model``: flashtune inside a real model, end to end, against torch's SDPA.
 
-One randomly initialised transformers model (Llama-, Gemma-2-, Gemma-3-, BERT- or
+One randomly initialised transformers model (Llama-, Mistral-, Gemma-2-, Gemma-3-, BERT- or
 ViT-shaped: :data:`PRESETS`, layers and widths overridable) in bf16 runs each phase with its
 attention implementation switched between the contenders, same weights, same inputs, same
-run. The decoders (:data:`DECODERS`: ``llama``, ``gemma2``, ``gemma3``) run the prefill and
-generation phases; ``gemma3``'s local layers attend within a sliding window of 1024 keys
+run. The decoders (:data:`DECODERS`: ``llama``, ``mistral``, ``gemma2``, ``gemma3``) run the
+prefill and generation phases; ``mistral``'s every layer attends within a sliding window of
+4096 keys (Mistral-7B v0.1's), which torch's SDPA receives as an explicit mask once a
+sequence outruns it and flashtune as a window (its default training step, 2 x 8192 tokens,
+does); ``gemma3``'s local layers attend within a sliding window of 1024 keys
 (five of every six layers, as Gemma 3's), which torch's SDPA receives as an explicit mask
 and flashtune as a window; ``gemma2``'s every other layer within 4096 keys, and every layer
 caps its scores with a softcap of 50 (``50 tanh(s / 50)``), which no SDPA backend applies:
@@ -83,9 +86,9 @@ __all__ = ["ATTENTION_KERNEL", "BASELINES", "CONTENDERS", "DECODERS", "FAMILIES"
            "PRESETS", "REFERENCE", "TINY", "ModelSpec", "Workload", "attention_share",
            "bench_model", "default_workload", "render_model"]
 
-FAMILIES = ("llama", "gemma2", "gemma3", "bert", "vit")
+FAMILIES = ("llama", "mistral", "gemma2", "gemma3", "bert", "vit")
 # the causal language models: a prefill, generation and its KV cache
-DECODERS = ("llama", "gemma2", "gemma3")
+DECODERS = ("llama", "mistral", "gemma2", "gemma3")
 # the families with a head dim of their own, local layers and a window
 GEMMAS = ("gemma2", "gemma3")
 CONTENDERS = ("flashtune", "sdpa", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa_math",
@@ -96,7 +99,8 @@ DEFAULT_CONTENDERS = ("flashtune", "sdpa", "sdpa_flash", "sdpa_cudnn")
 # softcap: transformers refuses "sdpa" for it)
 REFERENCE = {"gemma2": "eager"}
 # the contenders beside flashtune when none are named, by family
-BASELINES = {"gemma2": ("eager", "flex_attention")}
+BASELINES = {"gemma2": ("eager", "flex_attention"),
+             "mistral": ("sdpa", "sdpa_cudnn", "flex_attention")}
 # kernels that compute attention: flashtune's (attn_fwd/bwd/decode, Gluon), FA2 in torch
 # (pytorch_flash::flash_fwd_kernel), cuDNN's SDPA (..._sdpa_...), the efficient backend
 # (fmha_cutlass...). torch's math path (matmuls and a softmax) is not counted.
@@ -122,7 +126,8 @@ class ModelSpec:
     attention dropout (in training only); for the Gemma families the head dim
     (``head_size``; 0: ``hidden // heads``), the local layers' sliding window and every how
     many layers one attends globally (``global_every``: Gemma 3's 6, five local layers,
-    then a global one; Gemma 2's 2), and Gemma 2's attention softcap."""
+    then a global one; Gemma 2's 2), and Gemma 2's attention softcap; for ``mistral`` the
+    sliding window of its every layer."""
 
     family: str
     layers: int
@@ -169,10 +174,16 @@ class ModelSpec:
                 if getattr(self, name) < 1:
                     raise ValueError(f"{name} must be at least 1 for {self.family}, got "
                                      f"{getattr(self, name)}")
+        elif self.family == "mistral":
+            if self.window < 1:
+                raise ValueError(f"window must be at least 1 for mistral, got {self.window}")
+            if self.head_size or self.global_every:
+                raise ValueError("head_size and global_every are the Gemma families'; mistral "
+                                 "takes its head dim from hidden / heads, every layer local")
         elif self.head_size or self.window or self.global_every:
-            raise ValueError(f"head_size, window and global_every are the Gemma families'; "
-                             f"{self.family} takes its head dim from hidden / heads and has "
-                             f"no window")
+            raise ValueError(f"head_size, window and global_every are the Gemma families' "
+                             f"(window mistral's too); {self.family} takes its head dim from "
+                             f"hidden / heads and has no window")
         if self.softcap < 0 or (self.softcap and self.family != "gemma2"):
             raise ValueError(f"softcap is gemma2's (> 0, or 0 for none), got {self.softcap} "
                              f"for {self.family}")
@@ -188,6 +199,16 @@ class ModelSpec:
                                num_key_value_heads=self.kv_heads,
                                max_position_embeddings=32768, attention_dropout=self.dropout,
                                pad_token_id=0, bos_token_id=None, eos_token_id=None)
+        if self.family == "mistral":
+            from transformers import MistralConfig
+
+            return MistralConfig(vocab_size=self.vocab, hidden_size=self.hidden,
+                                 intermediate_size=self.intermediate,
+                                 num_hidden_layers=self.layers, num_attention_heads=self.heads,
+                                 num_key_value_heads=self.kv_heads, sliding_window=self.window,
+                                 max_position_embeddings=32768,
+                                 attention_dropout=self.dropout, pad_token_id=0,
+                                 bos_token_id=None, eos_token_id=None)
         if self.family in GEMMAS:
             from transformers import Gemma2Config, Gemma3TextConfig
 
@@ -255,7 +276,8 @@ class Workload:
 
 
 # Llama-3-8B's layer (4096 wide, 32 query and 8 KV heads of 128, MLP 14336, vocab 128256), 8
-# of its 32 layers; Gemma-2-9B's (3584 wide, 16 query and 8 KV heads of 256, MLP 14336, vocab
+# of its 32 layers; Mistral-7B v0.1's (the same widths, vocab 32000, every layer in a
+# 4096-key sliding window), 8 of its 32; Gemma-2-9B's (3584 wide, 16 query and 8 KV heads of 256, MLP 14336, vocab
 # 256000, every other layer local with a 4096-key window, attention softcap 50), 8 of its 42;
 # Gemma-3-12B's (3840 wide, 16 query and 8 KV heads of 256, MLP 15360, vocab
 # 262208, local layers' window 1024, one global layer in six), 8 of its 48 (layers 1-5 and 7-8
@@ -263,6 +285,7 @@ class Workload:
 # ViT-L/16 at 224 px (24 x 1024, 16 heads of 64, 197 tokens)
 PRESETS: dict[str, ModelSpec] = {
     "llama": ModelSpec("llama", 8, 4096, 32, 8, 14336, vocab=128256),
+    "mistral": ModelSpec("mistral", 8, 4096, 32, 8, 14336, vocab=32000, window=4096),
     "gemma2": ModelSpec("gemma2", 8, 3584, 16, 8, 14336, vocab=256000, head_size=256,
                         window=4096, global_every=2, softcap=50.0),
     "gemma3": ModelSpec("gemma3", 8, 3840, 16, 8, 15360, vocab=262208, head_size=256,
@@ -273,6 +296,8 @@ PRESETS: dict[str, ModelSpec] = {
 # under the interpreter: head dim 16, a few tokens, so a phase takes seconds on a CPU
 TINY: dict[str, ModelSpec] = {
     "llama": ModelSpec("llama", 2, 64, 4, 2, 128, vocab=128),
+    # prompts longer than the window of 8
+    "mistral": ModelSpec("mistral", 2, 64, 4, 2, 128, vocab=128, window=8),
     # a local layer then a global one; prompts longer than the window of 8
     "gemma3": ModelSpec("gemma3", 2, 64, 4, 2, 128, vocab=128, head_size=16, window=8,
                         global_every=2),
@@ -286,12 +311,13 @@ TINY: dict[str, ModelSpec] = {
 
 def default_workload(family: str, *, tiny: bool = False) -> Workload:
     """The issue's measures: a decoder's prefill of one 2k and one 8k prompt, a training
-    step on 2 x 4096 tokens, 64 tokens generated for 8 prompts of 2048; BERT 32 x 512
-    tokens; ViT 64 images. ``tiny``: a few tokens each, for the interpreter."""
+    step on 2 x 4096 tokens (``mistral``: 2 x 8192, twice its window), 64 tokens generated
+    for 8 prompts of 2048; BERT 32 x 512 tokens; ViT 64 images. ``tiny``: a few tokens
+    each, for the interpreter."""
     if family in DECODERS:
         if tiny:
             return Workload(1, (24,), 2, 16, 2, 12, 3)
-        return Workload(1, (2048, 8192), 2, 4096, 8, 2048, 64)
+        return Workload(1, (2048, 8192), 2, 8192 if family == "mistral" else 4096, 8, 2048, 64)
     phases = ("forward", "train")
     if family == "bert":
         return Workload(2, (24,), 2, 16, phases=phases) if tiny else \

@@ -82,7 +82,7 @@ def test_model_shape_options_override_the_tiny_preset(tmp_path):
      "unknown baselines for --model ['flex']"),
     (["--model", "llama", "--interpret", "--hidden", "66"],
      "hidden 66 is not a multiple of heads 4"),
-    (["--model", "gpt"], "'gpt' is not one of 'llama', 'gemma2', 'gemma3', 'bert', 'vit'"),
+    (["--model", "gpt"], "'gpt' is not one of 'llama', 'mistral', 'gemma2', 'gemma3', 'bert', 'vit'"),
 ])
 def test_options_that_do_not_apply_are_refused(tmp_path, args, message):
     res = _bench(tmp_path, *args, "--out", str(tmp_path / "x.json"))

@@ -123,6 +123,22 @@ def test_gemma3_runs_its_local_layers_in_a_window_checked_against_sdpa():
                static["routes"]), static["routes"]
 
 
+def test_mistral_runs_every_layer_in_its_window_checked_against_sdpa():
+    """Mistral's every layer reaches flashtune as a sliding window (transformers hands
+    SDPA a mask once a sequence outruns it): the tiny model's prompt (24) and training
+    sequences (16) outrun its window of 8, so a window dropped or misread would fail the
+    check against sdpa's masked output; its default training step is twice the preset's
+    window."""
+    assert mb.default_workload("mistral").train_seqlen == 2 * mb.PRESETS["mistral"].window
+    result = _run("mistral", phases=("prefill", "train"))
+    for r in result["phases"]:
+        assert r["errors"] == {} and r["fallbacks"] == {}, (r["errors"], r["fallbacks"])
+        assert 0 <= r["check"]["flashtune"] <= mb.TOL
+        calls = {c["call"]: c["route"] for c in r["routes"]}
+        assert calls and all(" window 8" in c for c in calls), calls
+        assert all(not route.startswith("torch") for route in calls.values())
+
+
 def test_a_window_dropped_on_the_way_fails_gemma3s_check(monkeypatch):
     """The check above can fail: the integration running the local layer without its
     window is caught against sdpa's masked output."""
@@ -279,6 +295,13 @@ def test_gemma3s_fields_are_its_own():
         replace(mb.TINY["llama"], window=8).check()
     with pytest.raises(ValueError, match="softcap is gemma2's"):
         replace(spec, softcap=50.0).check()
+    mistral = mb.PRESETS["mistral"]
+    mistral.check()
+    assert mistral.config().sliding_window == 4096 and mistral.head_dim == 128
+    with pytest.raises(ValueError, match="window must be at least 1 for mistral"):
+        replace(mistral, window=0).check()
+    with pytest.raises(ValueError, match="head_size and global_every are the Gemma"):
+        replace(mistral, global_every=2).check()
     gemma2 = mb.PRESETS["gemma2"]
     gemma2.check()
     assert gemma2.layer_types[:2] == ["sliding_attention", "full_attention"]
