@@ -4,12 +4,14 @@ document causal block mask; SDPA flash and cuDNN on the dense causal problem of 
 token count (B1, N = tokens) as anchors. One run, side by side.
 
     python benchmarks/bench_packed_bwd.py [--tokens 16384] [--heads 32] [--kv-heads 8]
-        [--head-dim 128] [--no-causal] [--seed 0] [--rounds 5]
+        [--head-dim 128] [--no-causal] [--window W] [--seed 0] [--rounds 5]
         [--configs '[{"BLOCK_M": 64, "BLOCK_N": 128, "NUM_STAGES": 2, "NUM_CONSUMERS": 2}]']
         [--out benchmarks/results/packed_bwd_h200.json]
 
 The batch: documents of random lengths 128-4096 (``--seed``, as bench_mods.py's ``packed``
-case draws them) packed into ``--tokens`` tokens, bf16, causal inside each document.
+case draws them) packed into ``--tokens`` tokens, bf16, causal inside each document; with
+``--window W`` each query sees only the ``W`` keys before it (FlashAttention-2's
+``window_size = (W, 0)``, each document's own positions; Flex's mask likewise).
 Out and LSE ``(Hq, total)`` come from attn_fwd's varlen forward (the runtime's config), so
 every backward reads the same inputs.
 
@@ -80,13 +82,15 @@ def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
     return ((got - ref).norm() / ref.norm()).item()
 
 
-def _reference(q, k, v, do, causal):
-    """fp32 ``(out, (dq, dk, dv))`` of plain attention on ``(1, H, N, D)`` tensors."""
+def _reference(q, k, v, do, causal, window=(-1, -1)):
+    """fp32 ``(out, (dq, dk, dv))`` of plain (or windowed) attention on ``(1, H, N, D)``
+    tensors."""
     from flashtune.kernel_templates.attn_fwd.reference import attn_fwd_reference
 
     leaves = [t.detach().float().requires_grad_(True) for t in (q, k, v)]
     with torch.enable_grad():
-        out, _ = attn_fwd_reference(*leaves, causal=causal, dtype=torch.float32)
+        out, _ = attn_fwd_reference(*leaves, causal=causal, dtype=torch.float32,
+                                    window=window)
         grads = torch.autograd.grad(out, leaves, do.float())
     return out.detach(), grads
 
@@ -103,6 +107,11 @@ class Packed:
         self.lens = document_lengths(args.tokens, args.seed)
         self.hq, self.hkv, self.d, self.causal = args.heads, args.kv_heads, args.head_dim, \
             args.causal
+        self.left = args.window
+        if self.left >= 0 and not self.causal:
+            raise SystemExit("--window is a causal sliding window: drop --no-causal")
+        # the launchers' keywords (none without a window: the calls as they were)
+        self.mods = {"window": (self.left, 0)} if self.left >= 0 else {}
         t, self.group = args.tokens, args.heads // args.kv_heads
         self.cu = torch.tensor([0, *torch.tensor(self.lens).cumsum(0).tolist()],
                                dtype=torch.int32, device="cuda")
@@ -114,26 +123,28 @@ class Packed:
         self.do = torch.randn(t, self.hq, self.d, device="cuda", dtype=DT, generator=g)
         self.problem = AttentionProblem.from_lengths(
             self.lens, None, heads_q=self.hq, heads_kv=self.hkv, head_dim=self.d,
-            causal=self.causal, dtype="bf16")
+            causal=self.causal, dtype="bf16", window_left=self.left)
         device = cuda_device()
         self.fwd_spec = get_template("attn_fwd")
         self.fwd_choice = Dispatcher(self.fwd_spec).choose(self.problem, device)
         self.out, self.lse = self.forward()
-        pairs = sum(n * (n + 1) // 2 if self.causal else n * n for n in self.lens)
+        pairs = sum(_visible(n, self.causal, self.left) for n in self.lens)
         self.fwd_flops = 4.0 * self.hq * self.d * pairs
         self.refs = []
         for i in range(2):
             s = slice(int(self.cu[i]), int(self.cu[i + 1]))
             seq = [x[s].transpose(0, 1)[None] for x in (self.q, self.k, self.v, self.do)]
             seq = [seq[0][:, :self.group], seq[1][:, :1], seq[2][:, :1], seq[3][:, :self.group]]
-            self.refs.append((s, *_reference(*seq, self.causal)))
+            self.refs.append((s, *_reference(*seq, self.causal,
+                                             self.mods.get("window", (-1, -1)))))
 
     def forward(self) -> tuple[torch.Tensor, torch.Tensor]:
         """attn_fwd's varlen forward saving the LSE ``(Hq, total)``."""
         return self.fwd_spec.launcher(self.q, self.k, self.v, self.fwd_choice.config,
                                       causal=self.causal, return_lse=True,
                                       cu_seqlens_q=self.cu, cu_seqlens_k=self.cu,
-                                      max_seqlen_q=self.longest, max_seqlen_k=self.longest)
+                                      max_seqlen_q=self.longest, max_seqlen_k=self.longest,
+                                      **self.mods)
 
     def error(self, grads=None, out=None) -> float:
         """The worst relative error of packed ``grads`` and ``out`` (either may be None) on
@@ -164,7 +175,7 @@ def _packed_contenders(pk: Packed, args: argparse.Namespace) -> dict[str, dict[s
 
         def bwd() -> Any:
             return spec.launcher(pk.q, pk.k, pk.v, pk.out, pk.lse, pk.do, config,
-                                 causal=pk.causal, **varlen)
+                                 causal=pk.causal, **varlen, **pk.mods)
         found[name] = {"bwd": bwd, "config": dict(config), "source": source, "spec": spec}
 
     tl = get_template("attn_bwd")
@@ -193,10 +204,12 @@ def _flex(pk: Packed):
 
     doc = torch.repeat_interleave(torch.arange(len(pk.lens), device="cuda"),
                                   torch.tensor(pk.lens, device="cuda"))
-    causal = pk.causal
+    causal, left = pk.causal, pk.left
 
     def doc_mask(b, h, qi, ki):
         same = doc[qi] == doc[ki]
+        if left >= 0:
+            return same & (ki <= qi) & (qi - ki <= left)
         return same & (ki <= qi) if causal else same
 
     n = len(doc)
@@ -302,6 +315,17 @@ def build(pk: Packed, args: argparse.Namespace, row: dict[str, Any]) -> dict[str
     return fns
 
 
+def _visible(n: int, causal: bool, left: int) -> int:
+    """The (query, key) pairs a document of ``n`` tokens computes: all, the causal
+    triangle, or within a window of ``left`` keys before each query."""
+    if not causal:
+        return n * n
+    if left < 0 or left >= n - 1:
+        return n * (n + 1) // 2
+    w = left + 1  # keys a query sees once the window is full
+    return w * (w + 1) // 2 + (n - w) * w
+
+
 def flops_of(name: str, pk: Packed, dense_fwd: float) -> float:
     fwd = dense_fwd if name.startswith("sdpa_") else pk.fwd_flops
     if name.endswith("_bwd"):
@@ -317,6 +341,9 @@ def main() -> int:
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--window", type=int, default=-1,
+                    help="a causal sliding window of this many keys before each query "
+                         "(-1: none)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--configs", default=None,
@@ -345,7 +372,8 @@ def main() -> int:
                                  args.head_dim, True, "bf16").flops()
     row["flops"] = {"fwd": pk.fwd_flops, "dense_causal_fwd": dense_fwd}
     print(f"{len(pk.lens)} documents, {args.tokens} tokens, Hq{args.heads} Hkv{args.kv_heads} "
-          f"D{args.head_dim}{' causal' if args.causal else ''}: {pk.lens}", flush=True)
+          f"D{args.head_dim}{' causal' if args.causal else ''}"
+          f"{f' window {args.window}' if args.window >= 0 else ''}: {pk.lens}", flush=True)
     fns = build(pk, args, row)
     print(f"built and checked in {time.time() - t0:.0f} s", flush=True)
     per: dict[str, list[float]] = {c: [] for c in fns}

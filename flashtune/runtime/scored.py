@@ -101,9 +101,9 @@ log = logging.getLogger(__name__)
 # causal one, not under torch.use_deterministic_algorithms: its dQ adds by atomics); on an
 # H200 a 7-document 16k-token GQA 32:8 D128 causal batch's backward ran 1.50x attn_bwd's
 # and 1.46x FlexAttention's, the step 1.33x attn_bwd's and 1.38x Flex's
-# (benchmarks/results/packed_bwd_h200.json); with a causal window, dense Mistral-like 32:8
-# D128 steps (a 4096-key window, 8k-16k tokens) ran this pair 1.27x attn_fwd's with attn_bwd
-# (benchmarks/plans/window_train_gluon_bwd.toml's run); elsewhere attn_fwd with attn_bwd
+# (benchmarks/results/packed_bwd_h200.json); with a 1024-key causal window the same batch's
+# backward 1.35x attn_bwd's and 1.46x Flex's, the step 1.24x and 1.36x
+# (benchmarks/results/packed_bwd_window_h200.json); elsewhere attn_fwd with attn_bwd
 PACKED_TRAIN_DEFAULT: tuple[tuple[tuple[int, int], ...], str] = (((9, 0),),
                                                                  "attn_fwd_bwd_gluon")
 
