@@ -41,6 +41,13 @@ shared buffer and, once every consumer's last ``dS K`` has read K (the tile's la
 ``dv_desc``); a block past the keys' end is stored from registers as without it. The
 register stores it replaces were three quarters of a D128 grid CTA's fixed cost.
 
+``WINDOW`` (with ``CAUSAL``; ``window_left`` keys before each query, FlashAttention-2's
+``window_size = (left, 0)``): ``_steps`` ends a key block's walk at the last query block
+that sees it, the consumers mask the window's edge behind the causal branch, and the D64
+walk keeps one loop (``_diagonal_last``). ``SOFTCAP`` (the cap times log2 e): the consumers
+recompute the forward's capped P and take dS through the tanh (``_consumer_step``). Both
+constexprs are off by default: the kernel without them is the code it was.
+
 ``VARLEN`` (FlashAttention-2's ``flash_attn_varlen_func`` layout; off: the dense code, as it
 was): Q, K, V, dO, O and the gradients are packed ``(total, H, D)``, ``b`` indexes the
 sequences of ``cu_seqlens`` (``cu_q_ptr``, ``cu_k_ptr``) and every program reads its
