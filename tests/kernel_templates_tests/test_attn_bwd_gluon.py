@@ -159,6 +159,7 @@ def test_the_launcher_refuses_what_it_cannot_serve_by_name() -> None:
     lse = torch.zeros(1, 2, 64)
     for bad in (dict(causal=False, window=(8, 0)), dict(causal=True, window=(8, 8)),
                 dict(causal=True, window=(-2, 0)), dict(causal=False, window=(-1, 4)),
+                dict(causal=False, window=(-1, 0)),  # a right bound: not "no window"
                 dict(causal=True, window=8)):
         with pytest.raises(InputError, match="window"):
             attn_bwd_gluon(q, q, q, q, lse, q, DEFAULT_CONFIG, **bad)

@@ -884,8 +884,10 @@ def test_it_serves_a_causal_sliding_window_and_a_softcap_only() -> None:
     alibi = AttentionProblem(1, 8, 2, 4096, 4096, 128, True, "bf16", alibi=True)
     assert "ALiBi" in SPEC.refuse(alibi, H100)
     q = torch.zeros(1, 2, 16, 128, dtype=torch.float16)
-    with pytest.raises(InputError, match="causal sliding window"):
-        SPEC.launcher(q, q, q, _config(), causal=False, window=(8, 8))
+    for causal, window in ((False, (8, 8)), (False, (8, 0)), (True, (8, 4)), (True, (-2, 0)),
+                           (False, (-1, 0))):  # the last a right bound, not "no window"
+        with pytest.raises(InputError, match="causal sliding window"):
+            SPEC.launcher(q, q, q, _config(), causal=causal, window=window)
     for bad in (-1.0, float("nan"), float("inf")):
         with pytest.raises(InputError, match="softcap"):
             SPEC.launcher(q, q, q, _config(), causal=True, softcap=bad)

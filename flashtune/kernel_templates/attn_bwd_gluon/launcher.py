@@ -520,14 +520,17 @@ def _check_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
 def check_window(window: Any, causal: bool) -> int:
     """The left bound of ``window`` (FlashAttention-2's ``window_size``) this kernel serves:
     ``left`` >= 0 with ``causal`` (a causal sliding window; the right bound -1 or 0), or -1
-    for none; InputError naming the window otherwise (attn_bwd serves the others)."""
+    for none (``(-1, -1)``, or with ``causal`` ``(-1, 0)``); InputError naming the window
+    otherwise (attn_bwd serves the others: ``(-1, 0)`` without ``causal`` is a right bound,
+    the causal mask by another name, not "no window")."""
     try:
         left, right = (int(x) for x in window)
     except (TypeError, ValueError):
         raise InputError(f"window must be a pair of ints (window_size), got {window!r}") \
             from None
-    if left < -1 or (left >= 0 and (not causal or right not in (-1, 0))) \
-            or (left == -1 and right not in (-1, 0)):
+    # none ((-1, -1); with causal also (-1, 0), its own right bound), or a causal left bound
+    if not (left == -1 and (right == -1 or causal and right == 0)
+            or causal and left >= 0 and right in (-1, 0)):
         raise InputError(f"window {tuple(window)}: the Gluon backward serves a causal sliding "
                          f"window (left >= 0 with causal=True) only; attn_bwd serves the "
                          f"others")

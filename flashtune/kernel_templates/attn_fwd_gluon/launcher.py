@@ -338,7 +338,9 @@ def attn_fwd_gluon(
         knobs.
     """
     left, right = window
-    if left != -1 and not causal or left == -1 and right not in (-1, 0) or left < -1:
+    # none ((-1, -1); with causal also (-1, 0), its own right bound), or a causal left bound
+    if not (left == -1 and (right == -1 or causal and right == 0)
+            or causal and left >= 0 and right in (-1, 0)):
         raise InputError(f"window {tuple(window)}: the Gluon forward serves a causal "
                          f"sliding window (left >= 0 with causal=True) only; attn_fwd "
                          f"serves the others")
