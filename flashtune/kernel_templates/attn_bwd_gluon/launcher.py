@@ -47,6 +47,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flashtune.core.device import sm_count
 from flashtune.core.errors import ConfigError, DeviceError, InputError, InputTypeError
+from flashtune.core.mods import causal_window_left, softcap_value
 from flashtune.core.packing import check_cu_seqlens
 from flashtune.kernel_templates.attn_bwd_gluon.kernel import (
     gluon_attn_bwd_convert_dq,
@@ -517,41 +518,6 @@ def _check_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
     _check_device(q, k, v, out, dout)
 
 
-def check_window(window: Any, causal: bool) -> int:
-    """The left bound of ``window`` (FlashAttention-2's ``window_size``) this kernel serves:
-    ``left`` >= 0 with ``causal`` (a causal sliding window; the right bound -1 or 0), or -1
-    for none (``(-1, -1)``, or with ``causal`` ``(-1, 0)``); InputError naming the window
-    otherwise (attn_bwd serves the others: ``(-1, 0)`` without ``causal`` is a right bound,
-    the causal mask by another name, not "no window")."""
-    try:
-        left, right = (int(x) for x in window)
-    except (TypeError, ValueError):
-        raise InputError(f"window must be a pair of ints (window_size), got {window!r}") \
-            from None
-    # none ((-1, -1); with causal also (-1, 0), its own right bound), or a causal left bound
-    if not (left == -1 and (right == -1 or causal and right == 0)
-            or causal and left >= 0 and right in (-1, 0)):
-        raise InputError(f"window {tuple(window)}: the Gluon backward serves a causal sliding "
-                         f"window (left >= 0 with causal=True) only; attn_bwd serves the "
-                         f"others")
-    return left
-
-
-def check_softcap(softcap: Any) -> float:
-    """``softcap`` as the kernel takes it: a finite float > 0, or 0.0 for None or 0 (off);
-    InputError naming it otherwise."""
-    if softcap is None or softcap == 0:
-        return 0.0
-    try:
-        cap = float(softcap)
-    except (TypeError, ValueError):
-        cap = math.nan
-    if not math.isfinite(cap) or cap < 0:
-        raise InputError(f"softcap must be a finite number >= 0 (0 or None: off), got "
-                         f"{softcap!r}")
-    return cap
-
-
 def _max_len(cu: torch.Tensor) -> int:
     return int((cu[1:] - cu[:-1]).max().item())
 
@@ -636,7 +602,8 @@ def attn_bwd_gluon(
         a config outside its knobs.
     """
     check_config(config)
-    left, cap = check_window(window, causal), check_softcap(softcap)
+    left = causal_window_left(window, causal, "the Gluon backward", "attn_bwd")
+    cap = softcap_value(softcap)
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
         if cu_seqlens_q is None:
             raise InputError("cu_seqlens_q is required with cu_seqlens_k (packed sequences)")
@@ -755,9 +722,7 @@ def compile_sm90(config: Mapping[str, int], head_dim: int = 128, causal: bool = 
         "LPT": bool(config.get("LPT", OPTIONAL_CONFIG["LPT"])), "VARLEN": varlen,
         "PERSISTENT": bool(config.get("PERSISTENT", OPTIONAL_CONFIG["PERSISTENT"])),
         "KV_GROUP": kv_group}
-    _, mods = score_options(1.0, 0 if window else -1, softcap)
-    const.update({"WINDOW": False, "SOFTCAP": 0.0}
-                 | {n: v for n, v in mods.items() if n.isupper()})
+    const.update(WINDOW=bool(window), SOFTCAP=float(softcap) * LOG2E)
     if not window:  # None: no parameter (the kernel without a window)
         const.update(window_left=None)
     if not varlen:  # None: no parameter (the dense kernel's)

@@ -32,6 +32,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flashtune.core.errors import ConfigError, DeviceError, InputError, InputTypeError
+from flashtune.core.mods import causal_window_left, softcap_value
 from flashtune.kernel_templates.attn_fwd_gluon.kernel import gluon_attn_fwd_kernel
 
 LOG2E = 1.4426950408889634
@@ -263,18 +264,6 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           f"sm_{''.join(map(str, torch.cuda.get_device_capability(q.device)))}")
 
 
-def _softcap(softcap: Any) -> float:
-    """``softcap`` as the kernel takes it: a finite float > 0, or 0.0 for None or 0 (off);
-    InputError naming it otherwise."""
-    if softcap is None or softcap == 0:
-        return 0.0
-    cap = float(softcap)
-    if not math.isfinite(cap) or cap < 0:
-        raise InputError(f"softcap must be a finite number >= 0 (0 or None: off), got "
-                         f"{softcap!r}")
-    return cap
-
-
 def _tma_ready(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q, k, v in a :func:`layout` the kernel reads, K and V in the same one: each as it is
@@ -337,14 +326,8 @@ def attn_fwd_gluon(
         than 64, 128 or 256, other dtypes, CPU tensors); ConfigError for a config outside its
         knobs.
     """
-    left, right = window
-    # none ((-1, -1); with causal also (-1, 0), its own right bound), or a causal left bound
-    if not (left == -1 and (right == -1 or causal and right == 0)
-            or causal and left >= 0 and right in (-1, 0)):
-        raise InputError(f"window {tuple(window)}: the Gluon forward serves a causal "
-                         f"sliding window (left >= 0 with causal=True) only; attn_fwd "
-                         f"serves the others")
-    cap = _softcap(softcap)
+    left = causal_window_left(window, causal, "the Gluon forward", "attn_fwd")
+    cap = softcap_value(softcap)
     _check(q, k, v, config)
     batch, heads_q, seqlen_q, head_dim = q.shape
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)

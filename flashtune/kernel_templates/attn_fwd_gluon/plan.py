@@ -35,10 +35,10 @@ from typing import Any
 
 import torch
 
+from flashtune.core.mods import causal_window_left, softcap_value
 from flashtune.kernel_templates.attn_fwd_gluon.kernel import gluon_attn_fwd_kernel
 from flashtune.kernel_templates.attn_fwd_gluon.launcher import (
     _check,
-    _softcap,
     kernel_args,
     layout,
 )
@@ -70,11 +70,8 @@ class AttnFwdGluonPlan:
                  config: Mapping[str, int], *, causal: bool, scale: float | None,
                  return_lse: bool, window: tuple[int, int] = (-1, -1),
                  softcap: float | None = None) -> None:
-        left, right = window
-        if left != -1 and not causal or left == -1 and right not in (-1, 0) or left < -1:
-            raise ValueError(f"window {tuple(window)}: not the causal sliding window the "
-                             f"kernel serves: no plan")
-        cap = _softcap(softcap)
+        left = causal_window_left(window, causal, "the Gluon forward", "attn_fwd")
+        cap = softcap_value(softcap)
         _check(q, k, v, config)
         q_how, kv_how = layout(q), layout(k)
         if q_how is None or kv_how is None or layout(v) != kv_how:
