@@ -277,12 +277,12 @@ class Workload:
 
 # Llama-3-8B's layer (4096 wide, 32 query and 8 KV heads of 128, MLP 14336, vocab 128256), 8
 # of its 32 layers; Mistral-7B v0.1's (the same widths, vocab 32000, every layer in a
-# 4096-key sliding window), 8 of its 32; Gemma-2-9B's (3584 wide, 16 query and 8 KV heads of 256, MLP 14336, vocab
-# 256000, every other layer local with a 4096-key window, attention softcap 50), 8 of its 42;
-# Gemma-3-12B's (3840 wide, 16 query and 8 KV heads of 256, MLP 15360, vocab
-# 262208, local layers' window 1024, one global layer in six), 8 of its 48 (layers 1-5 and 7-8
-# local, 6 global); BERT-large (24 x 1024, 16 heads of 64, attention dropout 0.1 as trained);
-# ViT-L/16 at 224 px (24 x 1024, 16 heads of 64, 197 tokens)
+# 4096-key sliding window), 8 of its 32; Gemma-2-9B's (3584 wide, 16 query and 8 KV heads of
+# 256, MLP 14336, vocab 256000, every other layer local with a 4096-key window, attention
+# softcap 50), 8 of its 42; Gemma-3-12B's (3840 wide, 16 query and 8 KV heads of 256, MLP
+# 15360, vocab 262208, local layers' window 1024, one global layer in six), 8 of its 48
+# (layers 1-5 and 7-8 local, 6 global); BERT-large (24 x 1024, 16 heads of 64, attention
+# dropout 0.1 as trained); ViT-L/16 at 224 px (24 x 1024, 16 heads of 64, 197 tokens)
 PRESETS: dict[str, ModelSpec] = {
     "llama": ModelSpec("llama", 8, 4096, 32, 8, 14336, vocab=128256),
     "mistral": ModelSpec("mistral", 8, 4096, 32, 8, 14336, vocab=32000, window=4096),
