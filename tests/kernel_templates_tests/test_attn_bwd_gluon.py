@@ -26,6 +26,7 @@ from flashtune.kernel_templates.attn_bwd_gluon import CUDNN_PAIR_NAME, PAIR_NAME
 from flashtune.kernel_templates.attn_bwd_gluon.launcher import (
     DEFAULT_CONFIG,
     PRE_BLOCK,
+    SPLIT_D_CONFIG,
     attn_bwd_gluon,
     check_config,
     layout,
@@ -56,6 +57,10 @@ def _problem(d: int = 128, causal: bool = False, dtype: str = "bf16", *, hq: int
 
 def _config(**knobs: int) -> dict[str, int]:
     return {**DEFAULT_CONFIG, **knobs}
+
+
+# the split-D kernel's one tile shape (D256)
+SPLIT_D = {k: v for k, v in SPLIT_D_CONFIG.items() if k in DEFAULT_CONFIG}
 
 
 # -- the spec, its limits, the training pair ---------------------------------------------------
@@ -123,7 +128,7 @@ def test_cudnns_forward_pairs_with_this_backward_for_training() -> None:
 def test_its_limits_refuse_what_it_cannot_serve() -> None:
     assert "needs a CUDA GPU" in SPEC.refuse(_problem(), interpreter_device())
     assert "sm_90" in SPEC.refuse(_problem(), A100)
-    for d in (96, 256, 32):
+    for d in (96, 32, 192):
         assert f"head_dim {d}" in SPEC.refuse(_problem(d), H100)
     assert "dropout" in SPEC.refuse(_problem(dropout=0.1), H100)
     # a causal sliding window and a softcap (the Gluon forward's), not a local window
@@ -135,7 +140,7 @@ def test_its_limits_refuse_what_it_cannot_serve() -> None:
     assert "window" in SPEC.refuse(_problem(128, False, window_left=255), H100)
     assert "ALiBi" in SPEC.refuse(_problem(alibi=True), H100)
     assert SPEC.refuse(_problem(tokens_q=1500, tokens_k=1500), H100) is None  # VARLEN
-    for d in (64, 128):
+    for d in (64, 128, 256):
         for dtype in ("fp16", "bf16"):  # GQA, MQA, causal with Nq != Nk, ragged
             assert SPEC.refuse(_problem(d, True, dtype, hq=8, hkv=2, nq=333, nk=517), H100) \
                 is None
@@ -156,6 +161,18 @@ def test_the_launcher_refuses_what_it_cannot_serve_by_name() -> None:
         check_config(_config(BLOCK_N=64, NUM_CONSUMERS=2))
     with pytest.raises(ConfigError, match="NUM_STAGES"):
         check_config(_config(NUM_STAGES=1))
+    # D256: the consumers split the head dim, one tile shape (SPLIT_D_CONFIG's)
+    q256 = torch.zeros(1, 2, 64, 256, dtype=torch.bfloat16)
+    with pytest.raises(ConfigError, match="head_dim 256"):
+        attn_bwd_gluon(q256, q256, q256, q256, torch.zeros(1, 2, 64), q256, DEFAULT_CONFIG)
+    check_config(_config(**SPLIT_D), 256)
+    check_config(_config(**SPLIT_D, LPT=1, TMA_STORE=1, EXPAND_GQA=1), 256)
+    for bad in ({"BLOCK_M": 128}, {"NUM_STAGES": 3}, {"PERSISTENT": 1}, {"DQ_TMA": 1},
+                {"BLOCK_N": 128, "NUM_CONSUMERS": 1}):
+        with pytest.raises(ConfigError, match="head_dim 256"):
+            check_config(_config(**{**SPLIT_D, **bad}), 256)
+    with pytest.raises(ConfigError, match="64 keys each"):  # at D128 the keys are split
+        check_config(_config(**SPLIT_D), 128)
     lse = torch.zeros(1, 2, 64)
     for bad in (dict(causal=False, window=(8, 0)), dict(causal=True, window=(8, 8)),
                 dict(causal=True, window=(-2, 0)), dict(causal=False, window=(-1, 4)),
@@ -174,6 +191,11 @@ def test_the_predicate_refuses_structure_head_dims_spills_and_shared_memory() ->
     p = _problem(128, True)
     assert "fewer than 64 keys" in space.check(_config(BLOCK_N=64, NUM_CONSUMERS=2), p, H100)
     assert "head_dim 96" in space.check(DEFAULT_CONFIG, _problem(96), H100)
+    # D256: the split-D shape only (and what it compiles to within budget)
+    assert "head_dim 256" in space.check(DEFAULT_CONFIG, _problem(256, True), H100)
+    ok256 = [c for c in space.SPACE if space.check(c, _problem(256, True, hq=8, hkv=2), H100)
+             is None]
+    assert ok256 and all({k: c[k] for k in SPLIT_D} == SPLIT_D for c in ok256)
     table = space.load_table()
     refused = {k: c.reason() for k, c in table.items() if c.reason() is not None}
     # something is refused (the space is not all valid) and something is left at each dim
@@ -200,11 +222,12 @@ def test_the_table_holds_every_point_of_the_space_and_the_current_source() -> No
     table = space.parse_table(doc)
     want = {space.entry_key(c["head_dim"], c["causal"], c["config"]) for c in cases()}
     assert set(table) == want
-    # head dims x causal x configs x LPT x PERSISTENT x DQ_TMA x TMA_STORE
-    assert len(want) == 2 * 2 * 12 * 2 * 2 * 2 * 2
+    # head dims x causal x configs x LPT x PERSISTENT x DQ_TMA x TMA_STORE, and D256's one
+    # shape x causal x LPT x TMA_STORE
+    assert len(want) == 2 * 2 * 12 * 2 * 2 * 2 * 2 + 2 * 2 * 2
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 def test_the_default_config_is_valid_for_every_problem_it_serves(d: int, causal: bool) -> None:
     p = _problem(d, causal)
@@ -498,6 +521,22 @@ def test_the_tma_store_plan_describes_dk_and_dv_as_k_is_seen() -> None:
         check_config(_config(TMA_STORE=2))
 
 
+def test_the_d256_plan_splits_the_head_dim_between_the_consumers() -> None:
+    """D256 (the consumers split the head dim): a CTA per 64 keys and KV head (longest
+    first: one grid dimension), no dQ descriptor (the consumers add dQ themselves), and
+    with TMA_STORE dK's and dV's blocks a consumer's half of every key's row."""
+    config = _config(**SPLIT_D, TMA_STORE=1)
+    _, _, kwargs, grid = _plan(2, 8, 2, 197, 300, 256, config)["main"]
+    assert grid == (math.ceil(300 / 64), 2 * 2) and kwargs["HEAD_D"] == 256
+    assert (kwargs["BLOCK_M"], kwargs["BLOCK_N"], kwargs["NUM_CONSUMERS"]) == (64, 64, 2)
+    assert "DQ_TMA" not in kwargs and "PERSISTENT" not in kwargs
+    for name in ("dk_desc", "dv_desc"):
+        assert kwargs[name].block_shape == [64, 128]
+        assert kwargs[name].shape == [2 * 2 * 300, 256]
+    _, _, kwargs, grid = _plan(2, 8, 2, 197, 300, 256, _config(**SPLIT_D, LPT=1))["main"]
+    assert grid == (math.ceil(300 / 64) * 2 * 2, 1) and kwargs["LPT"]
+
+
 def test_the_persistent_grid_is_one_cta_an_sm_of_the_tensors_gpu(monkeypatch) -> None:
     """On a GPU the grid takes that GPU's SM count (an H100 PCIe's 114 here, asked by
     index: the tensor's device, or the current one for a bare ``cuda`` device)."""
@@ -626,6 +665,32 @@ def test_each_structural_variant_compiles_for_sm90_within_its_budget() -> None:
             entry = table[space.entry_key(case["head_dim"], case["causal"], g["config"])]
             assert (entry.shared, entry.spill_bytes) == (g["shared"],
                                                          sum(g["spill_store_bytes"])), g
+
+
+def test_the_d256_kernel_splits_the_head_dim_and_adds_dq_itself() -> None:
+    """D256's split-D kernel for sm_90 (causal, longest first, dK and dV by TMA; a window
+    and a softcap): two consumer warpgroups and the producer's warp (no dQ writer), shared
+    memory within 227 KiB (the ring of two Q and dO tiles, K, V, two P^T and two dS^T
+    tiles: 225 KiB), spills within the allowance, dQ added by the consumers with ``v2``
+    fp32 atomics (the wgmma accumulator's two adjacent columns), a TMA store each of its
+    halves of dK and dV, and a consumer loop's 12 wgmmas (S^T and dP^T over 4 K-steps of
+    64 each, the dV and dK of its columns, dQ in two slices of 64 columns... as unrolled by
+    the compiler: at least 10 HGMMA), its scores masked behind one branch."""
+    base = dict(**SPLIT_D, LPT=1, TMA_STORE=1, head_dim=256, causal=True, loops=True)
+    plain, mods = _compile([base, dict(base, window=True, softcap=50.0)])
+    for g in (plain, mods):
+        assert g["shared"] <= space.SMEM_LIMIT and sum(g["spill_store_bytes"]) \
+            <= space.SPILL_LIMIT, g
+        assert g["warps"] == 4 + 4 + 4, g  # consumer 0, consumer 1, the producer's group
+        assert ["dec", "24"] in g["setmaxnreg"] and ["inc", "240"] in g["setmaxnreg"], g
+        assert g["atomics"] == ["atom.global.gpu.relaxed.add.v2.f32"], g
+        assert g["tma_stores"] == 4, g
+        assert len(g["loops"]) == 2, g["loops"]  # one a consumer
+        for loop in g["loops"]:
+            assert loop["opcodes"]["HGMMA"] >= 10 and len(loop["sections"]) == 1, loop
+    entry = space.load_table()[space.entry_key(256, True, plain["config"])]
+    assert (entry.shared, entry.spill_bytes) == (plain["shared"],
+                                                 sum(plain["spill_store_bytes"]))
 
 
 def test_a_window_and_a_softcap_compile_for_sm90_within_their_costs() -> None:
@@ -935,6 +1000,86 @@ def test_cudnns_forward_with_this_backward_compiles_and_captures() -> None:
         return (out.float() ** 2).mean() + lse.mean()
 
     assert_compiles_and_captures(loss_fn, (q, k, v))
+
+
+# -- D256: the consumers split the head dim (GPU) ---------------------------------------------
+
+D256_CASES = [  # (batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, causal)
+    (2, 4, 4, 1000, 1000, 256, False),  # ragged: the last key block runs past the end
+    (2, 4, 4, 1000, 1000, 256, True),
+    (1, 8, 2, 77, 133, 256, True),  # GQA 4:1, causal Nq < Nk
+    (1, 4, 1, 384, 130, 256, True),  # MQA, causal Nq > Nk: rows that see no key
+    (1, 6, 3, 197, 197, 256, False),  # GQA 2:1, ViT's 197
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("case", D256_CASES,
+                         ids=lambda s: "b{}h{}:{}q{}k{}d{}{}".format(*s[:6], "c" if s[6] else ""))
+def test_d256_gradients_match_the_reference_for_every_valid_config(case, dtype) -> None:
+    """The split-D kernel (each consumer half the query rows of a step's scores, half the
+    head dim of dK, dV and dQ, dQ by its own atomics) in every config the predicate accepts
+    (longest first, dK and dV by TMA, a GQA group per query head) against float64."""
+    from flashtune.core.device import cuda_device
+
+    b, hq, hkv, nq, nk, d, causal = case
+    p = AttentionProblem(b, hq, hkv, nq, nk, d, causal, "bf16")
+    configs = [c for c in space.SPACE if space.check(c, p, cuda_device()) is None]
+    assert len(configs) >= 4 and SPEC.default_config(p, cuda_device()) in configs
+    _check_configs(case, dtype, 5, configs)
+
+
+D256_MOD_CASES = [  # as MOD_CASES
+    (2, 8, 4, 1000, 1000, 256, True, 255, 50.0),  # Gemma 2: GQA 2:1, a window and a cap
+    (1, 4, 4, 777, 1300, 256, True, 100, 0.0),  # Nq < Nk: keys before every window
+    (2, 4, 2, 1000, 1000, 256, False, -1, 30.0),  # a softcap, no mask
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", D256_MOD_CASES,
+                         ids=["d256-gqa-w255-cap50", "d256-nq<nk-w100", "d256-full-cap30"])
+def test_d256_windows_and_softcaps_match_the_reference(case) -> None:
+    """:func:`test_a_window_and_a_softcap_match_the_reference` at D256, every valid config."""
+    from flashtune.core.device import cuda_device
+
+    b, hq, hkv, nq, nk, d, causal, left, cap = case
+    window = (left, 0) if left >= 0 else (-1, -1)
+    torch.manual_seed(13)
+    dt = torch.bfloat16
+    q, k, v = _rand(b, hq, nq, d, dtype=dt), _rand(b, hkv, nk, d, dtype=dt), \
+        _rand(b, hkv, nk, d, dtype=dt)
+    if cap:
+        q = q * 4
+    do = _rand(b, hq, nq, d, dtype=dt)
+    fwd = get_template("attn_fwd_gluon")
+    p = AttentionProblem.from_tensors(q, k, causal=causal, window=window, softcap=cap)
+    mods = {"window": window, "softcap": cap or None}
+    out, lse = fwd.launcher(q, k, v, fwd.default_config(p, cuda_device()), causal=causal,
+                            return_lse=True, **mods)
+    refs = _mod_references(q, k, v, do, causal, window, cap)
+    configs = [c for c in space.SPACE if space.check(c, p, cuda_device()) is None]
+    assert len(configs) >= 4
+    for config in configs:
+        got = SPEC.launcher(q, k, v, out, lse, do, config, causal=causal, **mods)
+        if cap:
+            for name, g, ref in zip(("dq", "dk", "dv"), got, refs[0]):
+                assert torch.isfinite(g).all(), (config, name)
+                rel = ((g.double() - ref).norm() / ref.norm()).item()
+                assert rel < 2e-2, (config, name, rel)
+        else:
+            assert_grads_close(got, q, k, v, do, causal=causal, refs=refs)
+        if left >= 0 and nk - nq > left:
+            unseen = nk - nq - left
+            assert not got[1][:, :, :unseen].any() and not got[2][:, :, :unseen].any()
+
+
+@pytest.mark.gpu
+def test_the_d256_pair_trains_through_attention_in_bshd_storage() -> None:
+    """The Gluon pair at D256 as a user runs it (``flashtune.attention(..., impl=)`` with
+    gradients, (B, N, H, D) storage, GQA, causal), then with a loss on the LSE too."""
+    assert_trains_through_attention(PAIR_NAME, 256, 8, 4, 333, True, True, seed=6)
 
 
 # -- a causal sliding window and a softcap (GPU) -------------------------------------------------

@@ -54,7 +54,7 @@ def _cu(lengths: list[int], device: str = "cpu") -> torch.Tensor:
 # -- the declaration ---------------------------------------------------------------------------
 
 def test_it_declares_packed_batches_within_its_other_limits() -> None:
-    for d in (64, 128):
+    for d in (64, 128, 256):
         p = AttentionProblem.from_lengths([1, 17, 200, 333], [40, 17, 129, 333], heads_q=8,
                                           heads_kv=2, head_dim=d, causal=True, dtype="bf16")
         assert SPEC.refuse(p, H100) is None
@@ -284,6 +284,11 @@ GPU_CASES = [  # (id, lengths_q, lengths_k, heads_q, heads_kv, head_dim, causal)
     ("cross-mqa-d64-causal", [17, 200, 1, 333, 70], [40, 129, 64, 333, 300], 4, 1, 64, True),
     # several key blocks per sequence, GQA 4:1 as packed training batches
     ("long-gqa-d128-causal", [1000, 517, 2048, 3], [1000, 517, 2048, 3], 8, 2, 128, True),
+    # D256: the consumers split the head dim
+    ("gqa-d256-causal", SEQS, SEQS, 4, 2, 256, True),
+    ("empty-mha-d256", [64, 0, 129, 0, 17], [64, 0, 129, 40, 0], 2, 2, 256, False),
+    ("cross-mqa-d256-causal", [17, 200, 1, 333, 70], [40, 129, 64, 333, 300], 4, 1, 256,
+     True),
 ]
 CASE_IDS = [c[0] for c in GPU_CASES]
 

@@ -1,6 +1,6 @@
 """attn_bwd_gluon: a Hopper flash-attention backward in Gluon with FlashAttention-3's
 structure (``hopper/mainloop_bwd_sm90_tma_gmma_ws.hpp``), an implementation of the op
-``bwd`` beside ``attn_bwd`` (sm_90, head dims 64 and 128, fp16 and bf16, GQA/MQA,
+``bwd`` beside ``attn_bwd`` (sm_90, head dims 64, 128 and 256, fp16 and bf16, GQA/MQA,
 bottom-right causal, Nq != Nk, ragged lengths, packed batches (FlashAttention-2's varlen
 layout, the kernels' ``VARLEN``), a causal sliding window and a softcap, as the Gluon forward
 serves them; no dropout, ALiBi or other windows: its ``Limits`` refuse them).
@@ -29,6 +29,17 @@ serves them; no dropout, ALiBi or other windows: its ``Limits`` refuse them).
   with fp32 vector atomics off the consumers' path (or, ``DQ_TMA``, with TMA bulk
   reduce-adds as FA3's writer does);
 * a **convert** launch: ``dQ = scale * accumulator`` in the input dtype.
+
+At D256 the consumers split the head dim instead of the keys (FA3's hdim 256 backward,
+``kernel._consumer_d``): dK and dV of a 64-key block, 64 x 256 fp32 each, do not fit one
+warpgroup's 240 registers, so each of the two consumers holds half their columns for every
+key of the block; it computes ``S^T`` and ``dP^T`` for half the step's 64 query rows,
+writes its columns of the step's ``P^T`` and ``dS^T`` to shared memory, and once both halves
+are in runs its columns of ``dV``, ``dK`` and the step's ``dS K``, which it adds to the
+accumulator itself with fp32 atomics (in two 64-column slices, the first's atomics under
+the dV and dK wgmmas): the dQ writer's staging tile would not fit beside the ring of two Q
+and dO tiles (the kernel takes 225 of the 227 KiB). One tile shape (64 x 64, two stages),
+a grid launch; ``LPT``, ``TMA_STORE`` and ``EXPAND_GQA`` as at the other head dims.
 
 With ``PERSISTENT`` (dense batches) the main launch is at most one CTA an SM walking the same
 tiles in the same order, each CTA several: the next tile's K, V and first Q and dO load

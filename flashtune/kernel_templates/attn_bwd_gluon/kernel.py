@@ -20,6 +20,14 @@ structure, :mod:`.launcher` plans and launches them).
   accumulator with vector atomics while the consumers go on;
 * ``gluon_attn_bwd_convert_dq``: ``dQ = scale * accumulator`` cast to the input dtype.
 
+At D256 (``_split_d``) the main kernel is ``_split_d_kernel``: the same producer, and two
+``_consumer_d`` warpgroups that split the head dim, not the keys (dK and dV of a 64-key
+block, 64 x 256 fp32 each, would take a warpgroup's every register): each computes ``S^T``
+and ``dP^T`` of every key for half the step's query rows, writes its columns of the step's
+``P^T`` and ``dS^T`` to shared memory, and once both halves are in accumulates its half of
+dK's and dV's columns and adds its half of the step's ``dS K`` to the fp32 accumulator by
+atomics itself (FA3's hdim 256 backward: no dQ writer, whose staging tile would not fit).
+
 ``_steps`` and ``_step_block`` are the one place the partitions read the CTA's walk from
 (which query blocks, how many steps, in which order); keep them in step. Under a causal
 mask at D64 (``DIAGONAL_LAST_MAX_D``) the walk runs the blocks no key of the CTA's block is
@@ -83,6 +91,8 @@ MASK_DIAGONAL: gl.constexpr = gl.constexpr(2)
 # the largest head dim whose causal walks run the mask's diagonal last, in a loop of its own
 # (``_step_block``); at D128 ptxas spills in the unmasked loop
 DIAGONAL_LAST_MAX_D: gl.constexpr = gl.constexpr(64)
+# the smallest head dim whose consumers split the head dim, not the keys (``_split_d``)
+SPLIT_D_MIN_D: gl.constexpr = gl.constexpr(256)
 
 
 @gluon.constexpr_function
@@ -816,6 +826,269 @@ def _store_rows(dk, dv, dk_ptr, dv_ptr, cu_k_ptr, b, hk, k0, seqlen_k, stride_dk
     gl.store(dv_ptr + base + row_offs + cols, dv.to(dtype), mask=ok)
 
 
+@gluon.constexpr_function
+def _split_d(head_dim):
+    """Whether the consumers split the head dim (``HEAD_D`` at least :data:`SPLIT_D_MIN_D`):
+    dK and dV of a whole key block do not fit one warpgroup's registers there (FA3's hdim
+    256 backward splits them the same way, ``mainloop_bwd_sm90_tma_gmma_ws.hpp``)."""
+    return head_dim >= SPLIT_D_MIN_D
+
+
+@gluon.jit
+def _consumer_d(cid, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, lse_smem, delta_smem,
+                kv_bar, q_ready, do_ready, qdo_empty, ds_ready, dq_acc_ptr, dk_ptr, dv_ptr,
+                cu_q_ptr, cu_k_ptr, stride_dkb, stride_dkh, stride_dkn, seqlen_q, seqlen_k,
+                seqlen_q_pad, heads_q, heads_kv, qk_scale, sm_scale, section_log2,
+                HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, LPT: gl.constexpr,
+                VARLEN: gl.constexpr, dk_desc, dv_desc, KV_BSHD: gl.constexpr,
+                TMA_STORE: gl.constexpr, window_left, WINDOW: gl.constexpr,
+                SOFTCAP: gl.constexpr):
+    """The split-D consumer ``cid`` (of two; :func:`_split_d`) on the CTA's tile: every
+    key of the block, query rows ``[cid * BLOCK_M / 2, ...)`` of each step for ``S^T``,
+    ``dP^T``, ``P^T`` and ``dS^T`` (its columns of the CTA's ``P^T`` and ``dS^T`` in shared
+    memory), then, once both halves are in, columns ``[cid * HEAD_D / 2, ...)`` of ``dV +=
+    P^T dO``, ``dK += dS^T Q`` and the step's ``dQ = dS K``, which it adds to the fp32
+    accumulator itself (FA3 at hdim 256: no dQ writer, whose staging tile would not fit
+    beside the ring), in two slices of 64 columns, the first's atomics under the dV and dK
+    wgmmas. dK and dV stored at the end (``TMA_STORE``: its columns of the block through its
+    columns of K and V in shared memory)."""
+    HALF_M: gl.constexpr = BLOCK_M // 2
+    COLS: gl.constexpr = HEAD_D // 2
+    DQ_SLICE: gl.constexpr = 64
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HALF_M, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, COLS, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, DQ_SLICE, 16])
+    key_l: gl.constexpr = gl.SliceLayout(1, s_layout)
+    qry_l: gl.constexpr = gl.SliceLayout(0, s_layout)
+    n_block, bhk = _tile(seqlen_k, section_log2, BLOCK_N, LPT)
+    b = bhk // heads_kv
+    hk = bhk % heads_kv
+    group = heads_q // heads_kv
+    if VARLEN:  # keys and queries counted from the sequence's starts, up to its lengths
+        _, seqlen_q = _seq(cu_q_ptr, b)
+        _, seqlen_k = _seq(cu_k_ptr, b)
+    k0 = n_block * BLOCK_N
+    keys = k0 + gl.arange(0, BLOCK_N, layout=key_l)
+    m_lo, n_m, total = _steps(n_block, seqlen_q, seqlen_k, group, window_left, BLOCK_M,
+                              BLOCK_N, CAUSAL, VARLEN, WINDOW)
+    dk = gl.zeros([BLOCK_N, COLS], gl.float32, acc_layout)
+    dv = gl.zeros([BLOCK_N, COLS], gl.float32, acc_layout)
+    if VARLEN:  # the producer loads K and V only for a walk of some steps
+        mbarrier.wait(kv_bar, 0, pred=total > 0)
+    else:
+        mbarrier.wait(kv_bar, 0)
+    for t in range(total):
+        j, m = _step_block(t, m_lo, n_m, 0, group, False)
+        row0 = ((b * heads_q + hk * group + j).to(gl.int64) * seqlen_q_pad + m * BLOCK_M) \
+            * HEAD_D
+        dk, dv = _consumer_step_d(
+            t, m, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, lse_smem, delta_smem,
+            q_ready, do_ready, qdo_empty, ds_ready, dq_acc_ptr + row0, dk, dv, keys,
+            k0, seqlen_q, seqlen_k, qk_scale, cid, BLOCK_M, BLOCK_N, HALF_M, COLS, DQ_SLICE,
+            NUM_STAGES, CAUSAL, s_layout, dq_layout, qry_l, window_left, WINDOW, SOFTCAP)
+    k_c = k_smem.slice(cid * COLS, COLS, dim=1)
+    v_c = v_smem.slice(cid * COLS, COLS, dim=1)
+    if TMA_STORE and k0 + BLOCK_N <= seqlen_k:  # a whole block (see _consumer_tile); the
+        # other consumer's last S^T and dP^T (all of K and V) are done (it had arrived on
+        # the last step's ds_ready), and its dS K reads its own columns of K
+        dtype: gl.constexpr = k_smem.dtype
+        v_c.store(dv.to(dtype))
+        k_c.store((dk * sm_scale).to(dtype))
+        fence_async_shared()
+        k_start = 0
+        if VARLEN:
+            k_start = gl.load(cu_k_ptr + b)
+        row, col = _kv_coords(b, hk, bhk, k0, seqlen_k, k_start, HEAD_D, KV_BSHD, VARLEN)
+        tma.async_copy_shared_to_global(dk_desc, [row, col + cid * COLS], k_c)
+        tma.async_copy_shared_to_global(dv_desc, [row, col + cid * COLS], v_c)
+        tma.store_wait(0)
+    else:
+        _store_rows_d(dk, dv, dk_ptr, dv_ptr, cu_k_ptr, b, hk, k0, seqlen_k, stride_dkb,
+                      stride_dkh, stride_dkn, sm_scale, cid * COLS, BLOCK_N, COLS, VARLEN)
+
+
+@gluon.jit
+def _consumer_step_d(t, m, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, lse_smem,
+                     delta_smem, q_ready, do_ready, qdo_empty, ds_ready, dq_base, dk, dv,
+                     keys, k0, seqlen_q, seqlen_k, qk_scale, cid, BLOCK_M: gl.constexpr,
+                     BLOCK_N: gl.constexpr, HALF_M: gl.constexpr, COLS: gl.constexpr,
+                     DQ_SLICE: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                     s_layout: gl.constexpr, dq_layout: gl.constexpr, qry_l: gl.constexpr,
+                     window_left, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr):
+    """Split-D consumer ``cid``'s step ``t`` (query block ``m``; :func:`_consumer_d`): its
+    half of the query rows through ``S^T``, ``P^T``, ``dP^T``, ``dS^T`` (masks and softcap
+    as :func:`_consumer_step`'s ``MASK_BRANCH``, on its rows), those into its columns of
+    the step's ``P^T`` and ``dS^T`` buffers (two each: a consumer writes buffer ``t % 2``
+    again only after both passed step ``t + 1``'s ``ds_ready``, so after the other's
+    wgmmas of step ``t`` have completed), then its columns of ``dV``, ``dK`` and the step's
+    dQ over the whole tile; returns ``dk, dv``."""
+    dtype: gl.constexpr = q_smem.dtype
+    st = t % NUM_STAGES
+    ph = (t // NUM_STAGES) & 1
+    q0: gl.constexpr = cid * HALF_M  # this consumer's first query row of the block
+    qrows = q0 + gl.arange(0, HALF_M, layout=qry_l)
+    mbarrier.wait(q_ready.index(st), ph)
+    lse2 = lse_smem.index(st).slice(q0, HALF_M).load(qry_l)
+    delta = delta_smem.index(st).slice(q0, HALF_M).load(qry_l)
+    q_t = q_smem.index(st)
+    do_t = do_smem.index(st)
+    s_zero = gl.zeros([BLOCK_N, HALF_M], gl.float32, s_layout)
+    s = warpgroup_mma(k_smem, q_t.slice(q0, HALF_M, dim=0).permute((1, 0)), s_zero,
+                      use_acc=False, is_async=True)
+    mbarrier.wait(do_ready.index(st), ph)
+    dp = warpgroup_mma(v_smem, do_t.slice(q0, HALF_M, dim=0).permute((1, 0)), s_zero,
+                       use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
+    if SOFTCAP > 0:
+        p = gl.exp2(_tanh(s * qk_scale) * SOFTCAP - gl.expand_dims(lse2, 0))
+    else:
+        p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 0))
+    need_mask = k0 + BLOCK_N > seqlen_k
+    if CAUSAL:  # this half's first query row misses some of the keys
+        need_mask = need_mask | (m * BLOCK_M + q0 + (seqlen_k - seqlen_q) < k0 + BLOCK_N - 1)
+    if WINDOW:  # this half's last query row's window starts after the block's first key
+        need_mask = need_mask | (m * BLOCK_M + q0 + HALF_M - 1 + (seqlen_k - seqlen_q)
+                                 - window_left > k0)
+    if need_mask:
+        if WINDOW:  # pos - key in [0, window_left]: one unsigned compare
+            qpos = m * BLOCK_M + qrows + (seqlen_k - seqlen_q)
+            dist = gl.expand_dims(qpos, 0) - gl.expand_dims(keys, 1)
+            ok = dist.to(gl.uint32, bitcast=True) <= window_left.to(gl.uint32, bitcast=True)
+        elif CAUSAL:  # (masks the keys past the end too: see _consumer_step)
+            qpos = m * BLOCK_M + qrows + (seqlen_k - seqlen_q)
+            ok = gl.expand_dims(keys, 1) <= gl.expand_dims(qpos, 0)
+        else:
+            ok = gl.expand_dims(keys < seqlen_k, 1)
+        p = gl.where(ok, p, 0.0)
+    buf = t % 2
+    p_b = p_smem.index(buf)
+    ds_b = ds_smem.index(buf)
+    p_b.slice(q0, HALF_M, dim=1).store(p.to(dtype))
+    dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp, ))
+    ds = p * (dp - gl.expand_dims(delta, 0))
+    if SOFTCAP > 0:  # 1 - tanh^2, the tanh read back from P (see _consumer_step)
+        capped = gl.maximum((_log2(p) + gl.expand_dims(lse2, 0)) * (1.0 / SOFTCAP), -1.0)
+        ds = gl.where(p > 0, ds * (1.0 - capped * capped), 0.0)
+    ds_b.slice(q0, HALF_M, dim=1).store(ds.to(dtype))
+    fence_async_shared()
+    mbarrier.arrive(ds_ready.index(buf), count=1)
+    mbarrier.wait(ds_ready.index(buf), (t // 2) & 1)
+    # both halves in: this consumer's columns of dQ over the whole tile, in two slices of
+    # 64 (one slice's registers live at a time: with both, ptxas spilled 160-290 B), the
+    # first's atomics under the dV and dK wgmmas
+    dq_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
+    dq_cols = gl.arange(0, DQ_SLICE, layout=gl.SliceLayout(0, dq_layout))
+    dq_row_ptrs = gl.expand_dims(dq_base + (dq_rows * (2 * COLS) + cid * COLS), 1)
+    dq_offs = gl.expand_dims(dq_cols, 0)
+    dq_zero = gl.zeros([BLOCK_M, DQ_SLICE], gl.float32, dq_layout)
+    dq = warpgroup_mma(ds_b.permute((1, 0)), k_smem.slice(cid * COLS, DQ_SLICE, dim=1),
+                       dq_zero, use_acc=False, is_async=True)
+    dv = warpgroup_mma(p_b, do_t.slice(cid * COLS, COLS, dim=1), dv, is_async=True)
+    dk = warpgroup_mma(ds_b, q_t.slice(cid * COLS, COLS, dim=1), dk, is_async=True)
+    dq = warpgroup_mma_wait(num_outstanding=2, deps=(dq, ))
+    gl.atomic_add(dq_row_ptrs + dq_offs, dq, sem="relaxed")
+    dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+    mbarrier.arrive(qdo_empty.index(st), count=1)  # Q and dO read
+    dq = warpgroup_mma(ds_b.permute((1, 0)),
+                       k_smem.slice(cid * COLS + DQ_SLICE, DQ_SLICE, dim=1), dq_zero,
+                       use_acc=False, is_async=True)
+    dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
+    gl.atomic_add(dq_row_ptrs + (dq_offs + DQ_SLICE), dq, sem="relaxed")
+    return dk, dv
+
+
+@gluon.jit
+def _store_rows_d(dk, dv, dk_ptr, dv_ptr, cu_k_ptr, b, hk, k0, seqlen_k, stride_dkb,
+                  stride_dkh, stride_dkn, sm_scale, col0, ROWS_N: gl.constexpr,
+                  COLS: gl.constexpr, VARLEN: gl.constexpr):
+    """:func:`_store_rows` for a split-D consumer: its ``COLS`` columns from ``col0``."""
+    dtype: gl.constexpr = dk_ptr.dtype.element_ty
+    acc_layout: gl.constexpr = dk.type.layout
+    cols = gl.expand_dims(col0 + gl.arange(0, COLS, layout=gl.SliceLayout(0, acc_layout)), 0)
+    rows = k0 + gl.arange(0, ROWS_N, layout=gl.SliceLayout(1, acc_layout))
+    row_offs = gl.expand_dims(rows * stride_dkn, 1)
+    if VARLEN:
+        base = gl.load(cu_k_ptr + b).to(gl.int64) * stride_dkn + hk.to(gl.int64) * stride_dkh
+    else:
+        base = b.to(gl.int64) * stride_dkb + hk.to(gl.int64) * stride_dkh
+    ok = gl.expand_dims(rows < seqlen_k, 1)
+    gl.store(dk_ptr + base + row_offs + cols, (dk * sm_scale).to(dtype), mask=ok)
+    gl.store(dv_ptr + base + row_offs + cols, dv.to(dtype), mask=ok)
+
+
+@gluon.jit
+def _split_d_kernel(q_desc, k_desc, v_desc, do_desc, lse2_ptr, delta_ptr, dq_acc_ptr, dk_ptr,
+                    dv_ptr, stride_dkb, stride_dkh, stride_dkn, seqlen_q, seqlen_k,
+                    seqlen_q_pad, heads_q, heads_kv, qk_scale, sm_scale, section_log2,
+                    cu_q_ptr, cu_k_ptr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
+                    BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                    NUM_CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, Q_BSHD: gl.constexpr,
+                    KV_BSHD: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                    CONSUMER_REGS: gl.constexpr, LPT: gl.constexpr, VARLEN: gl.constexpr,
+                    PERSISTENT: gl.constexpr, DQ_TMA: gl.constexpr, dk_desc, dv_desc,
+                    TMA_STORE: gl.constexpr, KV_GROUP: gl.constexpr, left,
+                    WINDOW: gl.constexpr, SOFTCAP: gl.constexpr):
+    """The main kernel where the consumers split the head dim (:func:`_split_d`): the
+    producer's ring as in the key split, two buffers each of the step's ``P^T`` and
+    ``dS^T`` (each consumer writes its half of the query columns, in a 64-byte swizzle:
+    one such column half a swizzle atom), no dQ staging tile and no dQ writer
+    (:func:`_consumer_d` adds dQ). Grid launch only, two consumers, ``BLOCK_M`` 64 (the
+    ring of two Q and dO tiles, K, V and the four score tiles take 225 of the 227 KiB)."""
+    gl.static_assert(NUM_CONSUMERS == 2 and BLOCK_M == 64 and BLOCK_N == 64)
+    gl.static_assert(not PERSISTENT and not DQ_TMA)
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_D], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_D], do_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_D], v_desc.layout)
+    ps_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16,
+                                                   rank=2)
+    p_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ps_layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ps_layout)
+    rows_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    lse_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], rows_layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], rows_layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    do_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    qdo_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1],
+                                          mbarrier.MBarrierLayout())
+    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for s in gl.static_range(NUM_STAGES):
+        mbarrier.init(q_ready.index(s), count=1)
+        mbarrier.init(do_ready.index(s), count=1)
+        mbarrier.init(qdo_empty.index(s), count=NUM_CONSUMERS)
+    for s in gl.static_range(2):
+        mbarrier.init(ds_ready.index(s), count=NUM_CONSUMERS)
+    gl.warp_specialize([
+        (_consumer_d, (0, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, lse_smem,
+                       delta_smem, kv_bar, q_ready, do_ready, qdo_empty, ds_ready, dq_acc_ptr,
+                       dk_ptr, dv_ptr, cu_q_ptr, cu_k_ptr, stride_dkb, stride_dkh, stride_dkn,
+                       seqlen_q, seqlen_k, seqlen_q_pad, heads_q, heads_kv, qk_scale,
+                       sm_scale, section_log2, HEAD_D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
+                       LPT, VARLEN, dk_desc, dv_desc, KV_BSHD, TMA_STORE, left, WINDOW,
+                       SOFTCAP)),
+        (_consumer_d, (1, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, lse_smem,
+                       delta_smem, kv_bar, q_ready, do_ready, qdo_empty, ds_ready, dq_acc_ptr,
+                       dk_ptr, dv_ptr, cu_q_ptr, cu_k_ptr, stride_dkb, stride_dkh, stride_dkn,
+                       seqlen_q, seqlen_k, seqlen_q_pad, heads_q, heads_kv, qk_scale,
+                       sm_scale, section_log2, HEAD_D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
+                       LPT, VARLEN, dk_desc, dv_desc, KV_BSHD, TMA_STORE, left, WINDOW,
+                       SOFTCAP)),
+        (_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem,
+                     lse_smem, delta_smem, kv_bar, kv_bar, q_ready, do_ready, qdo_empty,
+                     lse2_ptr, delta_ptr, cu_q_ptr, cu_k_ptr, seqlen_q, seqlen_k, seqlen_q_pad,
+                     heads_q, heads_kv, section_log2, 0, 1, 1, HEAD_D, BLOCK_M, BLOCK_N,
+                     NUM_STAGES, CAUSAL, Q_BSHD, KV_BSHD, LPT, VARLEN, False, KV_GROUP, left,
+                     WINDOW)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
 @gluon.jit
 def gluon_attn_bwd_kernel(q_desc, k_desc, v_desc, do_desc, lse2_ptr, delta_ptr, dq_acc_ptr,
                           dk_ptr, dv_ptr, stride_dkb, stride_dkh, stride_dkn, seqlen_q,
@@ -867,99 +1140,109 @@ def gluon_attn_bwd_kernel(q_desc, k_desc, v_desc, do_desc, lse2_ptr, delta_ptr, 
         first = 0
         end = 1
         stride = 1
-    gl.static_assert(BLOCK_N // NUM_CONSUMERS >= 64)  # a wgmma's M per warpgroup
     gl.static_assert(NUM_STAGES >= 2)
-    DQ_COLS: gl.constexpr = HEAD_D // NUM_CONSUMERS
     dtype: gl.constexpr = q_desc.dtype
-    q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_D], q_desc.layout)
-    do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_D], do_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_D], v_desc.layout)
-    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
-    ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
-    # 16-byte vectors XOR-swizzled over 8 rows: the accumulator layout's stores (8 rows of a
-    # warp at once) and the writer's row loads both without bank conflicts
-    if DQ_TMA:  # TMA's swizzle (the descriptor's): the writer's reduce-adds read it
-        dq_smem = gl.allocate_shared_memory(gl.float32, [NUM_CONSUMERS, BLOCK_M, DQ_COLS],
-                                            dq_desc.layout)
+    SPLIT_D: gl.constexpr = _split_d(HEAD_D)
+    if SPLIT_D:  # (see _consumer_d)
+        _split_d_kernel(q_desc, k_desc, v_desc, do_desc, lse2_ptr, delta_ptr, dq_acc_ptr,
+                        dk_ptr, dv_ptr, stride_dkb, stride_dkh, stride_dkn, seqlen_q,
+                        seqlen_k, seqlen_q_pad, heads_q, heads_kv, qk_scale, sm_scale,
+                        section_log2, cu_q_ptr, cu_k_ptr, HEAD_D, BLOCK_M, BLOCK_N, NUM_STAGES,
+                        NUM_CONSUMERS, CAUSAL, Q_BSHD, KV_BSHD, PRODUCER_REGS, CONSUMER_REGS,
+                        LPT, VARLEN, PERSISTENT, DQ_TMA, dk_desc, dv_desc, TMA_STORE, KV_GROUP,
+                        left, WINDOW, SOFTCAP)
     else:
-        dq_layout: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 8, [1, 0])
-        dq_smem = gl.allocate_shared_memory(gl.float32, [NUM_CONSUMERS, BLOCK_M, DQ_COLS],
-                                            dq_layout)
-    rows_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    lse_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], rows_layout)
-    delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], rows_layout)
-    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    if PERSISTENT:  # the consumers are done with a tile's K and V
-        kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        mbarrier.init(kv_empty, count=NUM_CONSUMERS)
-    else:  # never waited on
-        kv_empty = kv_bar
-    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    do_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    qdo_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1],
-                                          mbarrier.MBarrierLayout())
-    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    dq_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    dq_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_bar, count=1)
-    for s in gl.static_range(NUM_STAGES):
-        mbarrier.init(q_ready.index(s), count=1)
-        mbarrier.init(do_ready.index(s), count=1)
-        mbarrier.init(qdo_empty.index(s), count=NUM_CONSUMERS)
-    for s in gl.static_range(2):
-        mbarrier.init(ds_ready.index(s), count=NUM_CONSUMERS)
-    mbarrier.init(dq_full, count=NUM_CONSUMERS)
-    mbarrier.init(dq_empty, count=1)
+        gl.static_assert(BLOCK_N // NUM_CONSUMERS >= 64)  # a wgmma's M per warpgroup
+        DQ_COLS: gl.constexpr = HEAD_D // NUM_CONSUMERS
+        q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_D], q_desc.layout)
+        do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_D], do_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_D], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_D], v_desc.layout)
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
+        ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
+        # 16-byte vectors XOR-swizzled over 8 rows: the accumulator layout's stores (8 rows of a
+        # warp at once) and the writer's row loads both without bank conflicts
+        if DQ_TMA:  # TMA's swizzle (the descriptor's): the writer's reduce-adds read it
+            dq_smem = gl.allocate_shared_memory(gl.float32, [NUM_CONSUMERS, BLOCK_M, DQ_COLS],
+                                                dq_desc.layout)
+        else:
+            dq_layout: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 8, [1, 0])
+            dq_smem = gl.allocate_shared_memory(gl.float32, [NUM_CONSUMERS, BLOCK_M, DQ_COLS],
+                                                dq_layout)
+        rows_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        lse_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], rows_layout)
+        delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], rows_layout)
+        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        if PERSISTENT:  # the consumers are done with a tile's K and V
+            kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+            mbarrier.init(kv_empty, count=NUM_CONSUMERS)
+        else:  # never waited on
+            kv_empty = kv_bar
+        q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        do_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        qdo_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1],
+                                              mbarrier.MBarrierLayout())
+        ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        dq_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        dq_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_bar, count=1)
+        for s in gl.static_range(NUM_STAGES):
+            mbarrier.init(q_ready.index(s), count=1)
+            mbarrier.init(do_ready.index(s), count=1)
+            mbarrier.init(qdo_empty.index(s), count=NUM_CONSUMERS)
+        for s in gl.static_range(2):
+            mbarrier.init(ds_ready.index(s), count=NUM_CONSUMERS)
+        mbarrier.init(dq_full, count=NUM_CONSUMERS)
+        mbarrier.init(dq_empty, count=1)
 
-    # (a partition's tuple cannot be named: the frontend reads a name as a tensor)
-    if NUM_CONSUMERS == 1:
-        gl.warp_specialize([
-            (_consumer, (0, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem,
-                         delta_smem, kv_bar, kv_empty, q_ready, do_ready, qdo_empty, ds_ready,
-                         dq_full, dq_empty, dk_ptr, dv_ptr, cu_q_ptr, cu_k_ptr, stride_dkb,
-                         stride_dkh, stride_dkn, seqlen_q, seqlen_k, seqlen_q_pad, heads_q,
-                         heads_kv, qk_scale, sm_scale, section_log2, first, end, stride, HEAD_D,
-                         BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, LPT, VARLEN,
-                         PERSISTENT, DQ_TMA, dk_desc, dv_desc, KV_BSHD, TMA_STORE, left, WINDOW,
-                         SOFTCAP)),
-            (_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem,
-                         lse_smem, delta_smem, kv_bar, kv_empty, q_ready, do_ready, qdo_empty,
-                         lse2_ptr, delta_ptr, cu_q_ptr, cu_k_ptr, seqlen_q, seqlen_k,
-                         seqlen_q_pad, heads_q, heads_kv, section_log2, first, end, stride,
-                         HEAD_D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, Q_BSHD, KV_BSHD, LPT,
-                         VARLEN, PERSISTENT, KV_GROUP, left, WINDOW)),
-            (_dq_writer, (dq_smem, dq_full, dq_empty, dq_acc_ptr, dq_desc, cu_q_ptr, cu_k_ptr,
-                          seqlen_q, seqlen_k, seqlen_q_pad, heads_q, heads_kv, section_log2,
-                          first, end, stride, HEAD_D, BLOCK_M, BLOCK_N, NUM_CONSUMERS, CAUSAL,
-                          LPT, VARLEN, PERSISTENT, DQ_TMA, left, WINDOW)),
-        ], [1, 2], [PRODUCER_REGS, PRODUCER_REGS])
-    else:
-        gl.warp_specialize([
-            (_consumer, (0, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem,
-                         delta_smem, kv_bar, kv_empty, q_ready, do_ready, qdo_empty, ds_ready,
-                         dq_full, dq_empty, dk_ptr, dv_ptr, cu_q_ptr, cu_k_ptr, stride_dkb,
-                         stride_dkh, stride_dkn, seqlen_q, seqlen_k, seqlen_q_pad, heads_q,
-                         heads_kv, qk_scale, sm_scale, section_log2, first, end, stride, HEAD_D,
-                         BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, LPT, VARLEN,
-                         PERSISTENT, DQ_TMA, dk_desc, dv_desc, KV_BSHD, TMA_STORE, left, WINDOW,
-                         SOFTCAP)),
-            (_consumer, (1, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem,
-                         delta_smem, kv_bar, kv_empty, q_ready, do_ready, qdo_empty, ds_ready,
-                         dq_full, dq_empty, dk_ptr, dv_ptr, cu_q_ptr, cu_k_ptr, stride_dkb,
-                         stride_dkh, stride_dkn, seqlen_q, seqlen_k, seqlen_q_pad, heads_q,
-                         heads_kv, qk_scale, sm_scale, section_log2, first, end, stride, HEAD_D,
-                         BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, LPT, VARLEN,
-                         PERSISTENT, DQ_TMA, dk_desc, dv_desc, KV_BSHD, TMA_STORE, left, WINDOW,
-                         SOFTCAP)),
-            (_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem,
-                         lse_smem, delta_smem, kv_bar, kv_empty, q_ready, do_ready, qdo_empty,
-                         lse2_ptr, delta_ptr, cu_q_ptr, cu_k_ptr, seqlen_q, seqlen_k,
-                         seqlen_q_pad, heads_q, heads_kv, section_log2, first, end, stride,
-                         HEAD_D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, Q_BSHD, KV_BSHD, LPT,
-                         VARLEN, PERSISTENT, KV_GROUP, left, WINDOW)),
-            (_dq_writer, (dq_smem, dq_full, dq_empty, dq_acc_ptr, dq_desc, cu_q_ptr, cu_k_ptr,
-                          seqlen_q, seqlen_k, seqlen_q_pad, heads_q, heads_kv, section_log2,
-                          first, end, stride, HEAD_D, BLOCK_M, BLOCK_N, NUM_CONSUMERS, CAUSAL,
-                          LPT, VARLEN, PERSISTENT, DQ_TMA, left, WINDOW)),
-        ], [4, 1, 2], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
+        # (a partition's tuple cannot be named: the frontend reads a name as a tensor)
+        if NUM_CONSUMERS == 1:
+            gl.warp_specialize([
+                (_consumer, (0, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem,
+                             delta_smem, kv_bar, kv_empty, q_ready, do_ready, qdo_empty, ds_ready,
+                             dq_full, dq_empty, dk_ptr, dv_ptr, cu_q_ptr, cu_k_ptr, stride_dkb,
+                             stride_dkh, stride_dkn, seqlen_q, seqlen_k, seqlen_q_pad, heads_q,
+                             heads_kv, qk_scale, sm_scale, section_log2, first, end, stride, HEAD_D,
+                             BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, LPT, VARLEN,
+                             PERSISTENT, DQ_TMA, dk_desc, dv_desc, KV_BSHD, TMA_STORE, left, WINDOW,
+                             SOFTCAP)),
+                (_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem,
+                             lse_smem, delta_smem, kv_bar, kv_empty, q_ready, do_ready, qdo_empty,
+                             lse2_ptr, delta_ptr, cu_q_ptr, cu_k_ptr, seqlen_q, seqlen_k,
+                             seqlen_q_pad, heads_q, heads_kv, section_log2, first, end, stride,
+                             HEAD_D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, Q_BSHD, KV_BSHD, LPT,
+                             VARLEN, PERSISTENT, KV_GROUP, left, WINDOW)),
+                (_dq_writer, (dq_smem, dq_full, dq_empty, dq_acc_ptr, dq_desc, cu_q_ptr, cu_k_ptr,
+                              seqlen_q, seqlen_k, seqlen_q_pad, heads_q, heads_kv, section_log2,
+                              first, end, stride, HEAD_D, BLOCK_M, BLOCK_N, NUM_CONSUMERS, CAUSAL,
+                              LPT, VARLEN, PERSISTENT, DQ_TMA, left, WINDOW)),
+            ], [1, 2], [PRODUCER_REGS, PRODUCER_REGS])
+        else:
+            gl.warp_specialize([
+                (_consumer, (0, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem,
+                             delta_smem, kv_bar, kv_empty, q_ready, do_ready, qdo_empty, ds_ready,
+                             dq_full, dq_empty, dk_ptr, dv_ptr, cu_q_ptr, cu_k_ptr, stride_dkb,
+                             stride_dkh, stride_dkn, seqlen_q, seqlen_k, seqlen_q_pad, heads_q,
+                             heads_kv, qk_scale, sm_scale, section_log2, first, end, stride, HEAD_D,
+                             BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, LPT, VARLEN,
+                             PERSISTENT, DQ_TMA, dk_desc, dv_desc, KV_BSHD, TMA_STORE, left, WINDOW,
+                             SOFTCAP)),
+                (_consumer, (1, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem,
+                             delta_smem, kv_bar, kv_empty, q_ready, do_ready, qdo_empty, ds_ready,
+                             dq_full, dq_empty, dk_ptr, dv_ptr, cu_q_ptr, cu_k_ptr, stride_dkb,
+                             stride_dkh, stride_dkn, seqlen_q, seqlen_k, seqlen_q_pad, heads_q,
+                             heads_kv, qk_scale, sm_scale, section_log2, first, end, stride, HEAD_D,
+                             BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, CAUSAL, LPT, VARLEN,
+                             PERSISTENT, DQ_TMA, dk_desc, dv_desc, KV_BSHD, TMA_STORE, left, WINDOW,
+                             SOFTCAP)),
+                (_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem,
+                             lse_smem, delta_smem, kv_bar, kv_empty, q_ready, do_ready, qdo_empty,
+                             lse2_ptr, delta_ptr, cu_q_ptr, cu_k_ptr, seqlen_q, seqlen_k,
+                             seqlen_q_pad, heads_q, heads_kv, section_log2, first, end, stride,
+                             HEAD_D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, Q_BSHD, KV_BSHD, LPT,
+                             VARLEN, PERSISTENT, KV_GROUP, left, WINDOW)),
+                (_dq_writer, (dq_smem, dq_full, dq_empty, dq_acc_ptr, dq_desc, cu_q_ptr, cu_k_ptr,
+                              seqlen_q, seqlen_k, seqlen_q_pad, heads_q, heads_kv, section_log2,
+                              first, end, stride, HEAD_D, BLOCK_M, BLOCK_N, NUM_CONSUMERS, CAUSAL,
+                              LPT, VARLEN, PERSISTENT, DQ_TMA, left, WINDOW)),
+            ], [4, 1, 2], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])

@@ -50,13 +50,16 @@ from flashtune.core.errors import ConfigError, DeviceError, InputError, InputTyp
 from flashtune.core.mods import causal_window_left, softcap_value
 from flashtune.core.packing import check_cu_seqlens
 from flashtune.kernel_templates.attn_bwd_gluon.kernel import (
+    SPLIT_D_MIN_D,
     gluon_attn_bwd_convert_dq,
     gluon_attn_bwd_kernel,
     gluon_attn_bwd_preprocess,
 )
 
 LOG2E = 1.4426950408889634
-HEAD_DIMS = (64, 128)  # the wgmma N of dK, dV and dQ; their accumulators fit 240 registers
+# the wgmma N of dK, dV and dQ; their accumulators fit 240 registers (at 256 each consumer
+# holds half the head dim's: split_d)
+HEAD_DIMS = (64, 128, 256)
 PRE_BLOCK = 64  # rows per program of the preprocess and the dQ conversion
 # BLOCK_M query rows per step, BLOCK_N keys per CTA (split between the consumers),
 # NUM_STAGES Q/dO buffers, NUM_CONSUMERS consumer warpgroups
@@ -90,6 +93,32 @@ PLANNING_SMS = 132
 
 # (kernel, positional args, keyword args, grid) of one launch
 Launch = tuple[Any, tuple[Any, ...], dict[str, Any], tuple[int, int]]
+
+
+def split_d(head_dim: int) -> bool:
+    """Whether the kernel's consumers split ``head_dim`` rather than the keys (the kernel's
+    ``_split_d``: D256, FA3's hdim 256 split): dK and dV of the whole key block, half the
+    head dim each, and the step's query rows halved for the scores."""
+    return head_dim >= SPLIT_D_MIN_D.value
+
+
+# the one shape of the split-D kernel (the kernel's ``_split_d_kernel``): 64 x 64 tiles, two
+# consumers, two Q/dO buffers, a grid launch, dQ added by the consumers
+SPLIT_D_CONFIG: dict[str, int] = {"BLOCK_M": 64, "BLOCK_N": 64, "NUM_STAGES": 2,
+                                  "NUM_CONSUMERS": 2, "PERSISTENT": 0, "DQ_TMA": 0}
+
+
+def split_d_reason(config: Mapping[str, int], head_dim: int) -> str | None:
+    """Why ``config`` cannot run at ``head_dim`` where the consumers split it (None if it
+    can, or if they do not): the split-D kernel takes :data:`SPLIT_D_CONFIG` only (the
+    other knobs, ``LPT``, ``TMA_STORE`` and ``EXPAND_GQA``, freely)."""
+    if not split_d(head_dim):
+        return None
+    off = {k: int(config.get(k, OPTIONAL_CONFIG.get(k, 0))) for k in SPLIT_D_CONFIG}
+    if off != SPLIT_D_CONFIG:
+        return (f"head_dim {head_dim}: the consumers split the head dim, which takes "
+                f"{SPLIT_D_CONFIG} only; got {off}")
+    return None
 
 
 def launch_meta(config: Mapping[str, int]) -> dict[str, int]:
@@ -323,7 +352,7 @@ def _main_options(config: Mapping[str, int], head_dim: int, causal: bool, q_bshd
     if config.get("DQ_TMA", OPTIONAL_CONFIG["DQ_TMA"]):
         extra = dict(dq_desc=dq_desc(dq_acc, config, head_dim), DQ_TMA=True)
     if config.get("TMA_STORE", OPTIONAL_CONFIG["TMA_STORE"]):
-        block = [config["BLOCK_N"] // config["NUM_CONSUMERS"], head_dim]
+        block = _dkv_block(config, head_dim)
         dk_desc, dv_desc = (TensorDescriptor(t, *dkv_view(t), block,
                                              _smem_layout(block, _gl_dtype(t.dtype)))
                             for t in dkv)
@@ -337,6 +366,14 @@ def _main_options(config: Mapping[str, int], head_dim: int, causal: bool, q_bshd
                         LPT=bool(config.get("LPT", OPTIONAL_CONFIG["LPT"])),
                         VARLEN=cu_seqlens_q is not None, num_warps=meta["num_warps"],
                         maxnreg=meta["maxnreg"])
+
+
+def _dkv_block(config: Mapping[str, int], head_dim: int) -> list[int]:
+    """``TMA_STORE``'s block of dK and dV, a consumer's: its keys' rows, or with the
+    consumers splitting the head dim (:func:`split_d`) every key's row, its half."""
+    if split_d(head_dim):
+        return [config["BLOCK_N"], head_dim // config["NUM_CONSUMERS"]]
+    return [config["BLOCK_N"] // config["NUM_CONSUMERS"], head_dim]
 
 
 def dq_desc(dq_acc: Any, config: Mapping[str, int], head_dim: int) -> Any:
@@ -411,8 +448,9 @@ def plan_packed(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, dq: Any, 
     return {"preprocess": pre, "main": main, "convert": conv}
 
 
-def check_config(config: Mapping[str, int]) -> None:
-    """ConfigError unless ``config`` has exactly the knobs, with values the kernel takes."""
+def check_config(config: Mapping[str, int], head_dim: int | None = None) -> None:
+    """ConfigError unless ``config`` has exactly the knobs, with values the kernel takes (at
+    ``head_dim``, where given: where the consumers split it, :func:`split_d_reason`)."""
     missing = sorted(set(DEFAULT_CONFIG) - set(config))
     unknown = sorted(set(config) - set(DEFAULT_CONFIG) - set(OPTIONAL_CONFIG))
     if missing or unknown:
@@ -421,12 +459,23 @@ def check_config(config: Mapping[str, int]) -> None:
     for knob in OPTIONAL_CONFIG:
         if config.get(knob, 0) not in (0, 1):
             raise ConfigError(f"{knob} must be 0 or 1, got {config[knob]!r}")
+    if head_dim is not None and split_d(head_dim):
+        _check_split_d(config, head_dim)
+        return
     bm, bn, nc, st = (config[n] for n in ("BLOCK_M", "BLOCK_N", "NUM_CONSUMERS", "NUM_STAGES"))
     if bm not in (64, 128) or bn not in (64, 128) or nc not in (1, 2) or st < 2 \
             or bn // nc < 64:
         raise ConfigError(f"BLOCK_M and BLOCK_N must be 64 or 128, NUM_CONSUMERS 1 or 2 with "
                           f"BLOCK_N / NUM_CONSUMERS >= 64 keys each (a wgmma's rows), "
                           f"NUM_STAGES >= 2; got {dict(config)}")
+
+
+def _check_split_d(config: Mapping[str, int], head_dim: int) -> None:
+    """ConfigError where the consumers split ``head_dim`` and ``config`` is not the split-D
+    kernel's (:func:`split_d_reason`)."""
+    reason = split_d_reason(config, head_dim)
+    if reason is not None:
+        raise ConfigError(reason)
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -561,7 +610,7 @@ def attn_bwd_gluon(
     """Gradients of flash attention with the Gluon warp-specialized kernel (a Hopper GPU).
 
     Arguments:
-        q: ``(batch, heads_q, seqlen_q, head_dim)``, fp16 or bf16, ``head_dim`` 64 or 128,
+        q: ``(batch, heads_q, seqlen_q, head_dim)``, fp16 or bf16, ``head_dim`` 64, 128 or 256,
             on a CUDA device of compute capability 9.0 (packed ``(total_q, heads_q,
             head_dim)`` with ``cu_seqlens_q``).
         k, v: ``(batch, heads_kv, seqlen_k, head_dim)`` (packed ``(total_k, heads_kv,
@@ -601,7 +650,7 @@ def attn_bwd_gluon(
         InputError, InputTypeError, DeviceError for inputs it cannot serve; ConfigError for
         a config outside its knobs.
     """
-    check_config(config)
+    check_config(config, q.shape[-1] if q.dim() in (3, 4) else None)
     left = causal_window_left(window, causal, "the Gluon backward", "attn_bwd")
     cap = softcap_value(softcap)
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
@@ -708,7 +757,7 @@ def compile_sm90(config: Mapping[str, int], head_dim: int = 128, causal: bool = 
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    check_config(config)
+    check_config(config, head_dim)
     gdt = gl.bfloat16 if dtype == "bf16" else gl.float16
     bm, bn, nc = config["BLOCK_M"], config["BLOCK_N"], config["NUM_CONSUMERS"]
     qd = f"tensordesc<{dtype}[{bm}, {head_dim}],{_smem_layout([bm, head_dim], gdt)!r}>"
@@ -737,8 +786,9 @@ def compile_sm90(config: Mapping[str, int], head_dim: int = 128, causal: bool = 
         const.update(dk_desc=None, dv_desc=None)
     dq_block = [bm, head_dim // nc]
     dqd = f"tensordesc<fp32[{dq_block[0]}, {dq_block[1]}],{_smem_layout(dq_block, gl.float32)!r}>"
-    dkv_block = [bn // nc, head_dim]
-    dkvd = f"tensordesc<{dtype}[{dkv_block[0]}, {head_dim}],{_smem_layout(dkv_block, gdt)!r}>"
+    dkv_block = _dkv_block(config, head_dim)
+    dkvd = (f"tensordesc<{dtype}[{dkv_block[0]}, {dkv_block[1]}],"
+            f"{_smem_layout(dkv_block, gdt)!r}>")
     kern = gluon_attn_bwd_kernel
     names = kern.arg_names
     types = {"q_desc": qd, "k_desc": kd, "v_desc": kd, "do_desc": qd, "lse2_ptr": "*fp32",

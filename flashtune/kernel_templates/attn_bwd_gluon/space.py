@@ -19,7 +19,9 @@ GQA backward, where 0 walks a group's query heads in one CTA: the CTAs in flight
 the group's times as many Q, dO and dQ rows, more than L2 holds; dense GQA problems only;
 optional, 0).
 Structurally refused: ``BLOCK_N // NUM_CONSUMERS < 64`` (a warpgroup's wgmma covers 64
-rows).
+rows), and at D256, where the consumers split the head dim (``launcher.split_d``), any tile
+shape but ``launcher.SPLIT_D_CONFIG``'s (64 x 64, two stages, two consumers, a grid launch,
+dQ added by the consumers: ``LPT``, ``TMA_STORE`` and ``EXPAND_GQA`` are its knobs).
 
 Whether a config fits is what ptxas makes of it, read from ``sm90_compile.json`` beside this
 file (shared memory, registers, spill-store bytes or the compile error of every structurally
@@ -50,7 +52,12 @@ from flashtune.core.device import DeviceFingerprint
 from flashtune.core.problem import AttentionProblem
 from flashtune.core.space import Config, SearchSpace
 from flashtune.kernel_templates import sm90_table
-from flashtune.kernel_templates.attn_bwd_gluon.launcher import OPTIONAL_CONFIG
+from flashtune.kernel_templates.attn_bwd_gluon.launcher import (
+    HEAD_DIMS,
+    OPTIONAL_CONFIG,
+    split_d,
+    split_d_reason,
+)
 from flashtune.kernel_templates.sm90_table import SMEM_LIMIT, SPILL_LIMIT, Compiled
 
 __all__ = ["COMPILED", "DEFAULTS", "HEAD_DIMS", "PARAMS", "REGENERATE", "SMEM_LIMIT", "SPACE", "SPILL_LIMIT", "TABLE",
@@ -73,7 +80,6 @@ COMPILED: dict[str, tuple[int, ...]] = {
 PARAMS: dict[str, tuple[int, ...]] = {**COMPILED, "EXPAND_GQA": (0, 1)}
 # knobs a config may leave out, the launcher's (configs stored before LPT existed ran its 0)
 DEFAULTS: dict[str, int] = OPTIONAL_CONFIG
-HEAD_DIMS = (64, 128)
 # SPILL_LIMIT (sm90_table: 256 spill-store bytes allowed): at D128 the consumers hold dK and dV (128 fp32 registers a
 # thread) across the walk; 8-220 B spill around the epilogue's stores (as attn_fwd_gluon's
 # allowance: a pre-filter, the tuner's timing judges)
@@ -90,8 +96,12 @@ def entry_key(head_dim: int, causal: bool, config: Mapping[str, int]) -> str:
     return f"d{head_dim}-{'causal' if causal else 'full'}-{knobs}"
 
 
-def structural_reason(config: Mapping[str, int]) -> str | None:
-    """What the kernel's static asserts refuse (never compiled, not in the table)."""
+def structural_reason(config: Mapping[str, int], head_dim: int | None = None) -> str | None:
+    """What the kernel's static asserts refuse (never compiled, not in the table): at a
+    ``head_dim`` whose consumers split it, any config but :data:`SPLIT_D_CONFIG`'s shape
+    (``launcher.split_d_reason``); else fewer than 64 keys a consumer."""
+    if head_dim is not None and split_d(head_dim):
+        return split_d_reason(config, head_dim)
     if config["BLOCK_N"] // config["NUM_CONSUMERS"] < 64:
         return (f"BLOCK_N {config['BLOCK_N']} over {config['NUM_CONSUMERS']} consumers leaves "
                 f"fewer than 64 keys a warpgroup (a wgmma's rows)")
@@ -136,11 +146,11 @@ def check(config: Mapping[str, int], problem: AttentionProblem,
           device: DeviceFingerprint) -> str | None:
     """Why ``config`` cannot (or should not) run ``problem`` on ``device``; None if it can:
     the structural rule, the head dim, then the sm_90 compile table's verdict."""
-    reason = structural_reason(config)
-    if reason is not None:
-        return reason
     if problem.head_dim not in HEAD_DIMS:
         return f"head_dim {problem.head_dim}: the Gluon backward serves {list(HEAD_DIMS)}"
+    reason = structural_reason(config, problem.head_dim)
+    if reason is not None:
+        return reason
     if config.get("PERSISTENT") and problem.packed:
         return "PERSISTENT serves dense batches only (a packed batch runs the grid launch)"
     if config.get("EXPAND_GQA") and (problem.packed or problem.heads_q == problem.heads_kv):
@@ -166,6 +176,7 @@ def _knobs(bm: int, bn: int, stages: int, consumers: int) -> Config:
 _DEFAULTS: dict[int, tuple[Config, ...]] = {
     64: (_knobs(64, 128, 2, 2), _knobs(128, 128, 2, 2), _knobs(64, 64, 2, 1)),
     128: (_knobs(64, 128, 2, 2), _knobs(64, 64, 2, 1), _knobs(64, 64, 3, 1)),
+    256: (_knobs(64, 64, 2, 2),),  # the split-D kernel's one shape (FA3's hdim 256: 64 x 80)
 }
 
 
