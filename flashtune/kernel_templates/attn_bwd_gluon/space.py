@@ -276,10 +276,16 @@ def expand_gqa_by_default(problem: AttentionProblem) -> bool:
     up (8:1 D128 N 2k / 8k the step 1.03x / 1.01x cuDNN's, per query head 0.97x / 0.98x,
     ``expand_full_g8_h200.json``): a key block's CTAs then walk the group's heads in step,
     where under a causal mask each walks a head for as many blocks as it sees and they drift
-    apart, so the default leaves it off there."""
+    apart, so the default leaves it off there. Nor at D256, where the consumers split the
+    head dim (``launcher.split_d``: 64-key blocks, dQ added by the consumers): on an H200,
+    Gemma's 2:1 groups causal (``benchmarks/results/bwd_d256_gqa_h200.json``, the whole
+    backward), 16:8 N 4k / 8k and 32:16 N 4k ran 1.07x / 1.04x / 1.07x faster grouped than per
+    query head (the tuner took the grouped walk in all six D256 training steps it gave the
+    Gluon pair)."""
     group = problem.heads_q // problem.heads_kv
     work = group * problem.head_dim
     return (problem.causal and not problem.packed and group > 1
+            and not split_d(problem.head_dim)
             and work >= EXPAND_MIN_GROUP_DIM and work * problem.seqlen_q >= EXPAND_MIN_WORK)
 
 
