@@ -907,8 +907,9 @@ def _consumer_d(cid, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, lse_smem,
         tma.async_copy_shared_to_global(dv_desc, [row, col + cid * COLS], v_c)
         tma.store_wait(0)
     else:
-        _store_rows_d(dk, dv, dk_ptr, dv_ptr, cu_k_ptr, b, hk, k0, seqlen_k, stride_dkb,
-                      stride_dkh, stride_dkn, sm_scale, cid * COLS, BLOCK_N, COLS, VARLEN)
+        # (its columns: the pointers moved to them, COLS of them a row)
+        _store_rows(dk, dv, dk_ptr + cid * COLS, dv_ptr + cid * COLS, cu_k_ptr, b, hk, k0,
+                    seqlen_k, stride_dkb, stride_dkh, stride_dkn, sm_scale, BLOCK_N, COLS, VARLEN)
 
 
 @gluon.jit
@@ -999,25 +1000,6 @@ def _consumer_step_d(t, m, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, lse
     dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
     gl.atomic_add(dq_row_ptrs + (dq_offs + DQ_SLICE), dq, sem="relaxed")
     return dk, dv
-
-
-@gluon.jit
-def _store_rows_d(dk, dv, dk_ptr, dv_ptr, cu_k_ptr, b, hk, k0, seqlen_k, stride_dkb,
-                  stride_dkh, stride_dkn, sm_scale, col0, ROWS_N: gl.constexpr,
-                  COLS: gl.constexpr, VARLEN: gl.constexpr):
-    """:func:`_store_rows` for a split-D consumer: its ``COLS`` columns from ``col0``."""
-    dtype: gl.constexpr = dk_ptr.dtype.element_ty
-    acc_layout: gl.constexpr = dk.type.layout
-    cols = gl.expand_dims(col0 + gl.arange(0, COLS, layout=gl.SliceLayout(0, acc_layout)), 0)
-    rows = k0 + gl.arange(0, ROWS_N, layout=gl.SliceLayout(1, acc_layout))
-    row_offs = gl.expand_dims(rows * stride_dkn, 1)
-    if VARLEN:
-        base = gl.load(cu_k_ptr + b).to(gl.int64) * stride_dkn + hk.to(gl.int64) * stride_dkh
-    else:
-        base = b.to(gl.int64) * stride_dkb + hk.to(gl.int64) * stride_dkh
-    ok = gl.expand_dims(rows < seqlen_k, 1)
-    gl.store(dk_ptr + base + row_offs + cols, (dk * sm_scale).to(dtype), mask=ok)
-    gl.store(dv_ptr + base + row_offs + cols, dv.to(dtype), mask=ok)
 
 
 @gluon.jit
