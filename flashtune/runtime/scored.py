@@ -97,13 +97,15 @@ _Tensor = torch.Tensor
 log = logging.getLogger(__name__)
 # the training step of a packed batch nothing of the user's is tuned for exactly, by compute
 # capability: on sm_90 attn_fwd's varlen forward with the Gluon backward's VARLEN kernel,
-# where the pair serves the call (head dims 64 and 128, no dropout, ALiBi or window but a
+# where the pair serves the call (head dims 64, 128 and 256, no dropout, ALiBi or window but a
 # causal one, not under torch.use_deterministic_algorithms: its dQ adds by atomics); on an
 # H200 a 7-document 16k-token GQA 32:8 D128 causal batch's backward ran 1.50x attn_bwd's
 # and 1.46x FlexAttention's, the step 1.33x attn_bwd's and 1.38x Flex's
 # (benchmarks/results/packed_bwd_h200.json); with a 1024-key causal window the same batch's
 # backward 1.35x attn_bwd's and 1.46x Flex's, the step 1.24x and 1.36x
-# (benchmarks/results/packed_bwd_window_h200.json); elsewhere attn_fwd with attn_bwd
+# (benchmarks/results/packed_bwd_window_h200.json); at D256 (16:8) the backward 1.43x
+# attn_bwd's and 2.29x Flex's, the step 1.35x and 2.21x
+# (benchmarks/results/packed_bwd_d256_h200.json); elsewhere attn_fwd with attn_bwd
 PACKED_TRAIN_DEFAULT: tuple[tuple[tuple[int, int], ...], str] = (((9, 0),),
                                                                  "attn_fwd_bwd_gluon")
 
