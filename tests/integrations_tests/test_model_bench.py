@@ -130,13 +130,36 @@ def test_mistral_runs_every_layer_in_its_window_checked_against_sdpa():
     check against sdpa's masked output; its default training step is twice the preset's
     window."""
     assert mb.default_workload("mistral").train_seqlen == 2 * mb.PRESETS["mistral"].window
-    result = _run("mistral", phases=("prefill", "train"))
-    for r in result["phases"]:
+    result = _run("mistral", phases=("prefill", "train", "generate", "generate_static"))
+    rows = {r["phase"]: r for r in result["phases"]}
+    for name in ("prefill", "train"):
+        r = rows[name]
         assert r["errors"] == {} and r["fallbacks"] == {}, (r["errors"], r["fallbacks"])
         assert 0 <= r["check"]["flashtune"] <= mb.TOL
         calls = {c["call"]: c["route"] for c in r["routes"]}
         assert calls and all(" window 8" in c for c in calls), calls
         assert all(not route.startswith("torch") for route in calls.values())
+    _check_windowed_generation(rows, "mistral", prompt_calls=("window 8",))
+
+
+def _check_windowed_generation(rows, family, prompt_calls):
+    """The generation phases of a family whose local layers attend within a window of 8
+    (the tiny prompt of 12 outruns it): the same tokens as the reference, every call on
+    flashtune's route, the prompt's calls as ``prompt_calls`` name them, and the steps of
+    a local layer over the cache's last 8 keys with no window left to apply."""
+    w = mb.default_workload(family, tiny=True)
+    layers = mb.TINY[family].layers
+    for name in ("generate", "generate_static"):
+        r = rows[name]
+        assert r["errors"] == {} and r["fallbacks"] == {}, (name, r["errors"], r["fallbacks"])
+        assert r["check"]["flashtune"] == 0, name  # the same tokens as the reference's
+        assert sum(c["calls"] for c in r["routes"]) == w.new_tokens * layers, r["routes"]
+        assert all(not c["route"].startswith("torch") for c in r["routes"]), r["routes"]
+        prompt = [c["call"] for c in r["routes"] if c["call"].startswith("q (2, 4, 12, 16)")]
+        assert all(any(p in c for c in prompt) for p in prompt_calls), (name, prompt)
+        steps = [c["call"] for c in r["routes"] if c["call"].startswith("q (2, 4, 1, 16)")]
+        local = [c for c in steps if " k (2, 2, 8, 16) " in c]
+        assert local and not any(" window " in c for c in steps), (name, steps)
 
 
 def test_a_window_dropped_on_the_way_fails_gemma3s_check(monkeypatch):
@@ -163,16 +186,23 @@ def test_gemma2_runs_on_flashtune_checked_against_eager():
     through the integration.)"""
     assert mb.REFERENCE["gemma2"] == "eager"
     spec = mb.TINY["gemma2"]
-    w = replace(mb.default_workload("gemma2", tiny=True), phases=("prefill", "train"))
+    w = replace(mb.default_workload("gemma2", tiny=True),
+                phases=("prefill", "train", "generate", "generate_static"))
     result = mb.bench_model(spec, w, contenders=("flashtune",), rounds=1,
                             interpret=DEVICE == "cpu")
     assert result["contenders"] == ["flashtune", "eager"]
-    for r in result["phases"]:
+    rows = {r["phase"]: r for r in result["phases"]}
+    for name in ("prefill", "train"):
+        r = rows[name]
         assert r["errors"] == {} and r["fallbacks"] == {}, (r["errors"], r["fallbacks"])
         assert 0 <= r["check"]["flashtune"] <= mb.TOL and set(r["ms"]) == {"flashtune", "eager"}
         calls = [c["call"] for c in r["routes"]]
         assert all(" softcap 1.0" in c for c in calls) and len(calls) == 2, calls
         assert sum(" window 8 " in c for c in calls) == 1
+    # every call of the generations keeps its softcap, decoding steps too
+    assert all(" softcap 1.0" in c["call"] for name in ("generate", "generate_static")
+               for c in rows[name]["routes"])
+    _check_windowed_generation(rows, "gemma2", prompt_calls=("causal window 8 softcap",))
 
 
 def test_fresh_lengths_never_share_a_key_length():
