@@ -456,3 +456,72 @@ def test_a_planning_choice_stored_without_candidates_is_compared_with_the_tuned_
     timed = ({"implementation": "attn_fwd", "config": FWD_CFG, "median_ms": 1.3,
               "source_hash": FWD},)
     assert served(2047, timed)[3] == 1.3
+
+
+def test_a_template_with_no_table_here_serves_what_its_ops_choices_timed_for_it(
+        env: dict) -> None:
+    """attn_decode with no table of its own on this device (the H200's shipped decode
+    choices came without one) serves, to its direct callers (``attention_with_kvcache``),
+    the configs the decode choices timed for it: its own wins' configs and, where it lost,
+    the config it was timed with; not one timed at another attn_decode source. Once the
+    device has a table of attn_decode's own, that alone serves."""
+    from datetime import datetime, timezone
+
+    from flashtune.core.problem import AttentionProblem
+    from flashtune.db.exchange import (
+        ConfigDocument,
+        ConfigEntry,
+        config_file_name,
+        document_to_json,
+    )
+    from flashtune.kernel_templates import get_template
+    from flashtune.runtime.lookup import Dispatcher
+
+    spec = get_template("attn_decode")
+    lost, won, stale = DECODE_PROBLEMS[0], DECODE_PROBLEMS[1], \
+        AttentionProblem(4, 32, 8, 1, 4096, 128, True, "bf16")
+    timed = dict(DECODE_CFG, NUM_SPLITS=8)
+    write(env["package"],
+          entry(lost, implementation=EXTERN, config={}, runner_up="attn_decode",
+                runner_up_ms=1.2, extern=None, extern_ms=None,
+                candidates=({"implementation": EXTERN, "config": {}, "median_ms": 1.0},
+                            {"implementation": "attn_decode", "config": timed,
+                             "median_ms": 1.2})),
+          entry(won, implementation="attn_decode", config=DECODE_CFG, median_ms=0.5),
+          entry(stale, implementation=EXTERN, config={}, runner_up="attn_decode",
+                runner_up_ms=2.0, extern=None, extern_ms=None,
+                candidates=({"implementation": EXTERN, "config": {}, "median_ms": 1.0},
+                            {"implementation": "attn_decode", "config": timed,
+                             "median_ms": 2.0, "source_hash": OLD})),
+          op="decode", implementations={EXTERN: EXTERN_HASH, "attn_decode": DECODE})
+    found, problems = sources.load_timed("decode", "attn_decode", DECODE, HERE.name)
+    assert problems == []
+    by_problem = {e.problem: e for e in found}
+    assert {p: (e.config, e.median_ms) for p, e in by_problem.items()} == {
+        lost: (timed, 1.2), won: (spec.space.validate(DECODE_CFG), 0.5)}
+    assert by_problem[lost].tflops == pytest.approx(lost.flops() / 1.2e9)
+    assert by_problem[lost].origin.endswith("(op decode)") and by_problem[lost].device == KEY
+    dispatch = Dispatcher(spec)
+    assert (dispatch.choose(lost, HERE).source, dispatch.choose(lost, HERE).config) == \
+        ("exact", spec.space.validate(timed))
+    assert dispatch.choose(won, HERE).config == spec.space.validate(DECODE_CFG)
+    assert dispatch.choose(stale, HERE).source != "exact"  # timed at another source
+    # and another device's choices serve nothing here
+    assert Dispatcher(spec).choose(lost, replace(HERE, name="NVIDIA_H200")).source == \
+        "default"
+
+    # a table of its own on this device: the op's timings no longer count
+    now = datetime.now(timezone.utc)
+    own = replace(won, batch=2)
+    doc = ConfigDocument(device=DeviceInfo(*HERE.hardware_key()), software={},
+                         template="attn_decode", source_hash=DECODE,
+                         entries=(ConfigEntry(own.key(), own.bucket(),
+                                              spec.space.validate(DECODE_CFG), 0.4, 2.0, 5,
+                                              now),),
+                         exported_at=now)
+    (env["dir"] / config_file_name(HERE.name, "attn_decode")).write_text(
+        document_to_json(doc))
+    dispatch = Dispatcher(spec)
+    assert dispatch.choose(lost, HERE).source == "default"  # no finite distance to `own`
+    got = dispatch.choose(won, HERE)  # `own`, not the op's exact entry
+    assert (got.source, got.origin.split()[0], got.median_ms) == ("nearest", "dir", 0.4)
