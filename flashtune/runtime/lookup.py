@@ -15,10 +15,6 @@ device:
    (:data:`~flashtune.core.problem.GROUP_DISTANCE`), so another group serves only when none
    of the call's is near; a backward's never (its dK/dV programs split the group, and on a
    GQA shape issue 24 measured a backward config 4x slower than the one tuned for it);
-   (on a device where the template has no table of its own, its "tuned" configs are those
-   its op's choices timed for it there, :func:`~flashtune.runtime.sources.load_timed`: an
-   op table shipped without the template's still tunes the template's direct callers,
-   :func:`flashtune.attention_with_kvcache` among them);
 4. ``device-alias`` (opt-in: ``FLASHTUNE_DEVICE_ALIAS=1`` or ``reload_configs(
    device_alias=True)``): the same three steps over configs tuned on another device of
    the same compute capability and shared-memory size;
@@ -44,7 +40,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar, overload
 
 from flashtune.core.problem import AttentionProblem, NearFeatures, features_distance
-from flashtune.runtime.sources import DeviceKey, TunedEntry, device_key, load_entries, load_timed
+from flashtune.runtime.sources import DeviceKey, TunedEntry, device_key, load_entries
 
 log = logging.getLogger(__name__)
 
@@ -187,16 +183,6 @@ class Dispatcher:
                 _warn_once(_SOURCE_WARNED, _SOURCE_LOCK, reason, "flashtune: %s; serving what "
                            "the other sources have (else defaults)", reason)
             own, alias = split_by_device(entries, key, aliases)
-            op = self.spec.op
-            if not own and op in self.spec.serves and self.spec.space.params:
-                # no table of its own on this device: what its op's choices timed for it
-                # there (an op table shipped without the template's: sources.load_timed)
-                timed, more = load_timed(op, self.spec.name, self.spec.source_hash,
-                                         device.name, db_url=self._db_url)
-                for reason in more:
-                    _warn_once(_SOURCE_WARNED, _SOURCE_LOCK, reason, "flashtune: %s; serving "
-                               "what the other sources have (else defaults)", reason)
-                own = [e for e in timed if e.device == key]
             table = self._tables[key] = _Table(own, alias)
             log.debug("%s on %s: %d tuned configs, %d from similar devices", self.spec.name,
                       device.name, len(own), len(alias))

@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 __all__ = ["Alternative", "ChoiceEntry", "DeviceKey", "StaleTable", "TunedEntry", "device_key",
-           "load_choices", "load_entries", "load_timed", "retune_file_command", "source_dirs",
+           "load_choices", "load_entries", "retune_file_command", "source_dirs",
            "stale_tables"]
 
 # how the runtime matches a device: the hardware key without total memory, which moves
@@ -368,39 +368,6 @@ def load_choices(op: str, hashes: Mapping[str, str], device_name: str, *,
                        f",op={op}.json"),
                    lambda path, kind: _choices_from_file(path, kind, op, hashes,
                                                          device_name), "op choice")
-
-
-def load_timed(op: str, template: str, source_hash: str, device_name: str, *,
-               db_url: str | None = None) -> tuple[list[TunedEntry], list[str]]:
-    """The configs ``op``'s choices timed for ``template`` (at ``source_hash``), as tuned
-    entries, in precedence order: a choice ``template`` won, its config; one it lost, the
-    config it was timed with (the choice's candidates). What a template's lookup serves on
-    a device with no table of its own (:class:`flashtune.runtime.lookup.Dispatcher`): the
-    tuner keeps each implementation's best per template too (``tune --op`` offers it), so
-    a database or an export of both kinds has both; an op table shipped alone (the H200's
-    decode table) still holds, per shape, the same configs (the H100's ``attn_decode``
-    table and its decode choices' candidates: 76 of 76 configs equal).
-
-    Arguments:
-        op: the user op whose choices are read.
-        template, source_hash: the template and its current source hash (configs timed at
-            another are stale, not returned).
-        device_name, db_url: as :func:`load_choices`.
-    Returns:
-        ``(entries, problems)``: the entries (origin ``"<choice's origin> (op <op>)"``,
-        TFLOP/s from the time) and one line per source that failed, as
-        :func:`load_choices`.
-    """
-    choices, problems = load_choices(op, {template: source_hash}, device_name, db_url=db_url)
-    out = []
-    for c in choices:
-        timed = [(c.config, c.median_ms)] if c.implementation == template and not c.stale \
-            else [(a.config, a.median_ms) for a in c.alternatives if a.implementation == template]
-        for config, ms in timed:
-            tflops = c.problem.flops() / (ms * 1e9) if ms > 0 else None
-            out.append(TunedEntry(c.device, c.problem, dict(config), ms, tflops,
-                                  f"{c.origin} (op {op})"))
-    return out, problems
 
 
 # -- stale shipped tables ---------------------------------------------------------------------

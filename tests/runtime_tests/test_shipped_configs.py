@@ -233,32 +233,3 @@ def test_a_fresh_gpu_routes_by_the_shipped_op_choices(fresh_install, path):
         first = next(AttentionProblem.from_key(e.problem) for e in doc.entries
                      if not doc.is_current(e, hashes))
         assert router.choose(replace(first, batch=first.batch + 1), device) is None
-
-
-@pytest.mark.parametrize("device_name", ["NVIDIA_H100_80GB_HBM3", "NVIDIA_H200"])
-def test_a_fresh_gpu_tunes_the_kv_cache_path_by_its_shipped_decode_tables(fresh_install,
-                                                                          device_name):
-    """``attention_with_kvcache`` (and the static caches, FlashAttention-2's
-    ``flash_attn_with_kvcache``) runs attn_decode with its template lookup: every shipped
-    decode shape gets the attn_decode config timed for it on that GPU, from the template's
-    own table (the H100's) or, where none was shipped (the H200's), from the decode choices'
-    candidates; on the H100 the two agree config for config."""
-    spec = get_template("attn_decode")
-    path = PACKAGE / choice_file_name(device_name, "decode")
-    doc = read_choice_document(path, specs=SPECS)
-    device = _fingerprint(doc.device)
-    own = (PACKAGE / config_file_name(device_name, "attn_decode")).is_file()
-    assert own == (device_name != "NVIDIA_H200")
-    dispatch = Dispatcher(spec)
-    served = 0
-    for e in doc.entries:
-        [timed] = [c for c in e.candidates if c["implementation"] == "attn_decode"]
-        if (timed.get("source_hash") or doc.implementations["attn_decode"]) != spec.source_hash:
-            continue
-        problem = AttentionProblem.from_key(e.problem)
-        got = dispatch.choose(problem, device)
-        assert (got.source, got.config) == ("exact", spec.space.validate(timed["config"])), \
-            problem.describe()
-        assert (",template=attn_decode" in got.origin) == own
-        served += 1
-    assert served == len(doc.entries)
