@@ -13,7 +13,8 @@ launcher with the template default (and, with --db, the config the lookup chain 
 that store) and SDPA with ``enable_gqa=True`` under each backend (falling back to K/V
 expanded to Hq heads if a backend refuses GQA; the JSON says which call ran). Then a paged
 cache ``(num_pages, Hkv, page_size, D)`` of the same size with a shuffled block table (the
-contiguous cache is freed first, so one cache is held at a time). Every
+contiguous cache is freed first, so one cache is held at a time). ``--window LEFT``: a
+causal sliding window (the bytes and SDPA's keys are the last LEFT + 1). Every
 implementation is checked against an fp32 reference (batch 0) before it is timed. Prints a
 markdown table last; writes the full figures as JSON.
 """
@@ -42,6 +43,10 @@ def parse_args(argv=None):
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     ap.add_argument("--page-size", type=int, default=64)
+    ap.add_argument("--window", type=int, default=None, metavar="LEFT",
+                    help="a causal sliding window (FlashAttention-2's window_size (LEFT, 0)): "
+                         "flashtune reads the cache's last LEFT + 1 keys; SDPA, which has no "
+                         "window, is given those keys (the same result); bytes count them")
     ap.add_argument("--max-kv-gb", type=float, default=40.0,
                     help="skip shapes whose K+V take more than this many GB")
     ap.add_argument("--baselines", default="sdpa_flash,sdpa_cudnn")
@@ -86,6 +91,7 @@ def main() -> None:
     spec = get_template("attn_decode")
     dev = cuda_device()
     hq, hkv, d, ps = args.heads_q, args.heads_kv, args.head_dim, args.page_size
+    window = (-1, -1) if args.window is None else (args.window, -1)
     dispatcher = None
     if args.db:
         from flashtune.runtime.lookup import Dispatcher
@@ -133,7 +139,8 @@ def main() -> None:
         """flashtune (default, tuned) and SDPA on a contiguous (B, Hkv, Nk, D) cache."""
         k = torch.randn(p.batch, hkv, p.seqlen_k, d, device="cuda", dtype=dtype)
         v = torch.randn_like(k)
-        ref, _ = attn_decode_reference(q[:1], k[:1], v[:1], dtype=torch.float32)
+        ref, _ = attn_decode_reference(q[:1], k[:1], v[:1], dtype=torch.float32, causal=True,
+                                       window=window)
         configs = {"flashtune": row["config"]}
         if dispatcher is not None:
             choice = dispatcher.choose(p, dev)
@@ -141,7 +148,10 @@ def main() -> None:
             if choice.source != "default":
                 configs["flashtune_tuned"] = choice.config
         for name, c in configs.items():
-            run_impl(row, name, functools.partial(attn_decode_kvcache, q, k, v, lens, c), ref)
+            run_impl(row, name, functools.partial(attn_decode_kvcache, q, k, v, lens, c,
+                                                  window=window), ref)
+        if window[0] >= 0:  # SDPA has no window: the keys the window sees, as a cache
+            k, v = (t[:, :, -(window[0] + 1):] for t in (k, v))
         for name in args.baselines.split(","):
             try:
                 fn, call = sdpa_fn(backends[name], q, k, v)
@@ -157,21 +167,23 @@ def main() -> None:
         kp = torch.randn(num_pages, hkv, ps, d, device="cuda", dtype=dtype)
         vp = torch.randn_like(kp)
         ref, _ = attn_decode_reference(q[:1], kp, vp, cache_seqlens=lens[:1],
-                                       block_table=table[:1], dtype=torch.float32)
+                                       block_table=table[:1], dtype=torch.float32,
+                                       causal=True, window=window)
         fn = functools.partial(attn_decode_kvcache, q, kp, vp, lens, row["config"],
-                               block_table=table)
+                               block_table=table, window=window)
         run_impl(row, "flashtune_paged", fn, ref, f"page_size {ps}, shuffled block table")
 
     rows, names = [], []
     t0 = time.time()
     for b in (int(x) for x in args.batches.split(",")):
         for nk in (int(x) for x in args.seqlens.split(",")):
-            nbytes = kv_bytes(b, hkv, nk, d, torch.finfo(dtype).bits // 8)
+            read = nk if window[0] < 0 else min(nk, window[0] + 1)
+            nbytes = kv_bytes(b, hkv, read, d, torch.finfo(dtype).bits // 8)
             if nbytes > args.max_kv_gb * 1e9:
                 print(f"skip B={b} Nk={nk}: K+V {nbytes / 1e9:.1f} GB > {args.max_kv_gb} GB",
                       file=sys.stderr)
                 continue
-            p = AttentionProblem(b, hq, hkv, 1, nk, d, True, args.dtype)
+            p = AttentionProblem(b, hq, hkv, 1, nk, d, True, args.dtype, *window)
             row = {"problem": p.key(), "bytes": nbytes, "config": spec.default_config(p, dev)}
             torch.manual_seed(0)
             q = torch.randn(b, hq, 1, d, device="cuda", dtype=dtype)
@@ -188,6 +200,7 @@ def main() -> None:
     result = {
         "benchmark": "attn_decode grid (Nq=1)", "dtype": args.dtype, "page_size": ps,
         "heads_q": hq, "heads_kv": hkv, "head_dim": d, "graph": args.graph,
+        "window": args.window,
         "bytes_formula": "2 * B * Hkv * Nk * D * elem_size (ANCHORS.md)",
         "device": dev.to_dict(), "torch": torch.__version__, "triton": triton.__version__,
         "flashtune": flashtune.__version__, "source_hash": spec.source_hash,
