@@ -233,3 +233,29 @@ def test_a_fresh_gpu_routes_by_the_shipped_op_choices(fresh_install, path):
         first = next(AttentionProblem.from_key(e.problem) for e in doc.entries
                      if not doc.is_current(e, hashes))
         assert router.choose(replace(first, batch=first.batch + 1), device) is None
+
+
+@pytest.mark.parametrize("device_name", ["NVIDIA_H100_80GB_HBM3", "NVIDIA_H200"])
+def test_a_fresh_gpu_tunes_the_kv_cache_path_by_its_shipped_attn_decode_table(fresh_install,
+                                                                             device_name):
+    """``attention_with_kvcache`` (the static caches, FlashAttention-2's
+    ``flash_attn_with_kvcache``) looks attn_decode up by template: each shipped shape gets
+    its entry, a held-out GQA step the nearest one of its table, and a head dim the table
+    never saw (Gemma 2's D256 on the H200) the template default."""
+    from flashtune.runtime import kvcache
+
+    spec = get_template("attn_decode")
+    path = PACKAGE / config_file_name(device_name, "attn_decode")
+    doc = parse_document(path.read_text(), specs=SPECS)
+    device = _fingerprint(doc.device)
+    dispatch = Dispatcher(spec)
+    for e in doc.entries:
+        got = dispatch.choose(AttentionProblem.from_key(e.problem), device)
+        assert (got.source, got.config) == ("exact", e.config)
+        assert got.origin.startswith("package")
+    held_out = AttentionProblem(8, 32, 8, 1, 12000, 128, True, "bf16")
+    assert dispatch.peek(held_out, device).source in ("bucket", "nearest")
+    assert kvcache.DISPATCH.spec is spec  # the KV-cache path's lookup is this template's
+    if device_name == "NVIDIA_H200":
+        gemma2 = AttentionProblem(8, 16, 8, 1, 2111, 256, True, "bf16", softcap=50.0)
+        assert dispatch.peek(gemma2, device).source == "default"
