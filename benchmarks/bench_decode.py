@@ -177,12 +177,13 @@ def main() -> None:
     t0 = time.time()
     for b in (int(x) for x in args.batches.split(",")):
         for nk in (int(x) for x in args.seqlens.split(",")):
-            read = nk if window[0] < 0 else min(nk, window[0] + 1)
-            nbytes = kv_bytes(b, hkv, read, d, torch.finfo(dtype).bits // 8)
-            if nbytes > args.max_kv_gb * 1e9:
-                print(f"skip B={b} Nk={nk}: K+V {nbytes / 1e9:.1f} GB > {args.max_kv_gb} GB",
+            elem = torch.finfo(dtype).bits // 8
+            held = kv_bytes(b, hkv, nk, d, elem)  # the cache, whatever a window reads of it
+            if held > args.max_kv_gb * 1e9:
+                print(f"skip B={b} Nk={nk}: K+V {held / 1e9:.1f} GB > {args.max_kv_gb} GB",
                       file=sys.stderr)
                 continue
+            nbytes = kv_bytes(b, hkv, nk if window[0] < 0 else min(nk, window[0] + 1), d, elem)
             p = AttentionProblem(b, hq, hkv, 1, nk, d, True, args.dtype, *window)
             row = {"problem": p.key(), "bytes": nbytes, "config": spec.default_config(p, dev)}
             torch.manual_seed(0)
