@@ -9,7 +9,12 @@ import torch
 from flashtune.core.device import DeviceFingerprint
 from flashtune.core.problem import AttentionProblem
 from flashtune.kernel_templates import get_template
-from flashtune.kernel_templates.attn_decode import attn_decode, attn_decode_kvcache
+from flashtune.kernel_templates.attn_decode import (
+    attn_decode,
+    attn_decode_full,
+    attn_decode_kvcache,
+)
+from flashtune.kernel_templates.attn_decode import full as full_mod
 from flashtune.kernel_templates.attn_decode.space import block_m, default_splits
 from tests.conftest import DEVICE
 from tests.decode_helpers import assert_decode_close, make_cache
@@ -137,6 +142,58 @@ def test_the_tolerance_check_can_fail():
         assert_decode_close(out, q, k, v, cache_seqlens=lens, block_table=swapped, causal=True)
 
 
+# -- dense K/V through the cache variant (full.py) ----------------------------------------------
+
+
+@pytest.mark.parametrize("mods", [{}, {"window": (40, -1), "softcap": 20.0}],
+                         ids=["plain", "window_softcap"])
+def test_the_templates_launcher_is_the_cache_variant_with_full_lengths(mods):
+    """What the tuner times and the router runs for dense K/V: the same results as the dense
+    variant (bit for bit: the same walk over the same keys) and the reference, through the
+    kernel the KV-cache path runs."""
+    q, k, v = dense(2, 8, 2, 3, 133, 64)
+    got, lse = attn_decode_full(q, k, v, cfg(), causal=True, return_lse=True, **mods)
+    want, want_lse = attn_decode(q, k, v, cfg(), causal=True, return_lse=True, **mods)
+    assert torch.equal(got, want) and torch.equal(lse, want_lse)
+    assert_decode_close(got, q, k, v, causal=True, lse=lse, **mods)
+
+
+def test_full_lengths_are_made_once_per_shape_and_device():
+    full_mod._FULL.clear()
+    a = full_mod.full_lengths(3, 77, torch.device("cpu"))
+    assert a.dtype == torch.int32 and a.tolist() == [77, 77, 77]
+    assert full_mod.full_lengths(3, 77, torch.device("cpu")) is a
+    assert full_mod.full_lengths(3, 78, torch.device("cpu")) is not a
+    for n in range(full_mod.MEMO_LIMIT):  # a server meeting new lengths for months: bounded
+        full_mod.full_lengths(1, n + 1000, torch.device("cpu"))
+    assert len(full_mod._FULL) <= full_mod.MEMO_LIMIT
+
+
+def test_the_precompiler_warms_the_kernels_the_launcher_runs(monkeypatch):
+    """warmup_launches (the precompile pool's) builds, from shapes alone, the split and
+    combine launches the template's launcher makes: the same constants, the cache variant
+    (``HAS_SEQLENS``) included, so a precompiled candidate is a cache hit when timed."""
+    from flashtune.kernel_templates.attn_decode import launcher as launcher_mod
+
+    made = []
+    real = launcher_mod.kernel_args
+
+    def spy(*args, **kwargs):
+        made.append(real(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(launcher_mod, "kernel_args", spy)
+    p = AttentionProblem(2, 8, 2, 1, 133, 64, True, "fp16", window_left=40, softcap=20.0)
+    q, k, v = dense(2, 8, 2, 1, 133, 64)
+    SPEC.launcher(q, k, v, cfg(), causal=True, window=(40, -1), softcap=20.0)
+    [launched] = made
+    warm = SPEC.warmup_launches(p, cfg())
+    assert [kern for kern, *_ in warm] == [kern for kern, *_ in launched]
+    for (_, w_args, w_kw, w_grid), (_, l_args, l_kw, l_grid) in zip(warm, launched):
+        assert w_kw == l_kw and w_grid == l_grid and len(w_args) == len(l_args)
+    assert warm[0][2]["HAS_SEQLENS"] is True
+
+
 # -- space, predicate, defaults ---------------------------------------------------------------
 
 
@@ -145,7 +202,7 @@ def prob(b=1, hq=32, hkv=8, nq=1, nk=131072, d=128):
 
 
 def test_registered_with_a_space_of_data():
-    assert SPEC.name == "attn_decode" and SPEC.launcher is attn_decode
+    assert SPEC.name == "attn_decode" and SPEC.launcher is attn_decode_full
     assert set(SPEC.space.params) == {"BLOCK_N", "NUM_SPLITS", "num_warps", "num_stages"}
     assert 3 in SPEC.space.params["NUM_SPLITS"] and 1 in SPEC.space.params["NUM_SPLITS"]
     assert len(SPEC.source_hash) == 16

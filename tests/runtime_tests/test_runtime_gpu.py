@@ -198,8 +198,9 @@ def test_a_decode_plans_kept_partials_serve_back_to_back_calls_and_no_graph():
     """attn_decode's plan keeps its split-KV partials (direct.Scratch) for calls on the
     build's stream: back-to-back calls with new queries, without a sync between them, each
     read their own; a call on another stream and a CUDA-graph capture allocate their own
-    (the captured graph replays to the launcher's answer after the eager calls moved on)."""
-    from flashtune.kernel_templates.attn_decode.launcher import attn_decode
+    (the captured graph replays to the launcher's answer after the eager calls moved on).
+    The plan runs the cache variant with full lengths, the template launcher's kernel."""
+    from flashtune.kernel_templates.attn_decode.full import attn_decode_full
     from flashtune.kernel_templates.attn_decode.plan import AttnDecodeDensePlan
     from flashtune.kernel_templates.direct import current_stream
 
@@ -211,7 +212,8 @@ def test_a_decode_plans_kept_partials_serve_back_to_back_calls_and_no_graph():
     cfg = {"BLOCK_N": 64, "NUM_SPLITS": 4, "num_warps": 4, "num_stages": 2}
     plan = AttnDecodeDensePlan(qs[0], k, v, cfg, causal=False, scale=None, return_lse=False)
     assert plan._scratch is not None and plan._scratch.buffers is not None
-    want = [attn_decode(q, k, v, cfg) for q in qs]
+    assert plan._lens is not None and plan._lens.tolist() == [700, 700]
+    want = [attn_decode_full(q, k, v, cfg) for q in qs]
     got = [plan(q, k, v, current_stream(0)) for q in qs]  # no sync between them
     for a, b in zip(got, want):
         assert torch.equal(a, b)
@@ -231,3 +233,34 @@ def test_a_decode_plans_kept_partials_serve_back_to_back_calls_and_no_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, want[0]) and torch.equal(eager, want[3])
+
+
+def test_a_decode_plan_built_under_capture_keeps_no_lengths_from_the_graphs_pool():
+    """A dense decode plan first built inside a CUDA-graph capture: its full lengths are
+    made in the graph (not kept by the plan nor the memo, whose memory the graph's pool
+    owns); the graph replays, and eager calls after it fetch lengths of their own."""
+    from flashtune.kernel_templates.attn_decode import full
+    from flashtune.kernel_templates.attn_decode.plan import AttnDecodeDensePlan
+    from flashtune.kernel_templates.direct import current_stream
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    k, v = (torch.randn(3, 2, 517, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+            for _ in range(2))
+    q = torch.randn(3, 8, 1, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    cfg = {"BLOCK_N": 32, "NUM_SPLITS": 3, "num_warps": 2, "num_stages": 2}
+    torch.cuda.synchronize()
+    want = full.attn_decode_full(q, k, v, cfg, causal=True)  # compiles the kernels
+    full._FULL.clear()
+    static_q = q.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plan = AttnDecodeDensePlan(static_q, k, v, cfg, causal=True, scale=None,
+                                   return_lse=False)
+        captured = plan(static_q, k, v, current_stream(0))
+    assert plan._lens is None and not full._FULL
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, want)
+    del graph
+    assert torch.equal(plan(q, k, v, current_stream(0)), want)
+    assert [t.tolist() for t in full._FULL.values()] == [[517, 517, 517]]

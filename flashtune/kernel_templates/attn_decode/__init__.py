@@ -8,6 +8,7 @@ from pathlib import Path
 
 from flashtune.core.case import forward_case
 from flashtune.core.spec import SCORE_MODS, Limits
+from flashtune.kernel_templates.attn_decode.full import attn_decode_full
 from flashtune.kernel_templates.attn_decode.kernel import attn_decode_split_kernel
 from flashtune.kernel_templates.attn_decode.launcher import attn_decode, attn_decode_kvcache
 from flashtune.kernel_templates.attn_decode.lending import lend
@@ -25,7 +26,9 @@ SPEC = register_template(TemplateSpec(
     name="attn_decode",
     op="decode",
     source_hash=source_hash(_HERE / "kernel.py", _HERE / "launcher.py"),
-    launcher=attn_decode,
+    # dense K/V through the cache variant, lengths full (full.py): what the KV-cache path
+    # runs, so the tuner times what runs
+    launcher=attn_decode_full,
     reference=attn_decode_reference,
     space=SPACE,
     default_config=default_config,
@@ -37,5 +40,5 @@ SPEC = register_template(TemplateSpec(
     limits=Limits(max_seqlen_q=16, score_mods=SCORE_MODS),
 ))
 
-__all__ = ["SPACE", "SPEC", "attn_decode", "attn_decode_kvcache", "attn_decode_reference",
+__all__ = ["SPACE", "SPEC", "attn_decode", "attn_decode_full", "attn_decode_kvcache", "attn_decode_reference",
            "attn_decode_split_kernel", "default_config"]

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from flashtune.kernel_templates.attn_decode.full import full_lengths
 from flashtune.kernel_templates.attn_decode.launcher import (
     COMBINE_VARYING,
     SPLIT_VARYING,
@@ -33,7 +34,7 @@ from flashtune.kernel_templates.attn_decode.launcher import (
     partial_count,
     partial_shapes,
 )
-from flashtune.kernel_templates.direct import DirectLaunch, Scratch
+from flashtune.kernel_templates.direct import DirectLaunch, Scratch, capturing
 
 __all__ = ["AttnDecodeDensePlan", "AttnDecodePlan"]
 
@@ -130,19 +131,26 @@ class AttnDecodePlan:
 
 
 class AttnDecodeDensePlan(AttnDecodePlan):
-    """:class:`AttnDecodePlan` of ``attn_decode(q, k, v, ...)`` on dense K/V (no lengths, no
-    block table), called like the forward's plan: ``plan(q, k, v, stream)``.
-    :func:`flashtune.attention` keeps these for the short-query calls it routes to
-    attn_decode."""
+    """:class:`AttnDecodePlan` of ``attn_decode(q, k, v, ...)`` on dense K/V, called like the
+    forward's plan: ``plan(q, k, v, stream)``. :func:`flashtune.attention` keeps these for
+    the short-query calls it routes to attn_decode. It runs the cache variant of the split
+    kernel with every length full (:mod:`~flashtune.kernel_templates.attn_decode.full`): the
+    kernel the tuner times and the KV-cache path runs."""
 
-    __slots__ = ()
+    __slots__ = ("_lens",)
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  config: Mapping[str, int], *, causal: bool, scale: float | None,
                  return_lse: bool) -> None:
-        super().__init__(q, k, v, config, seqlens=None, block_table=None, causal=causal,
+        lens = full_lengths(q.shape[0], k.shape[2], q.device)
+        # one made under capture lives in the graph's pool: fetched again per call then
+        self._lens = None if capturing() else lens
+        super().__init__(q, k, v, config, seqlens=lens, block_table=None, causal=causal,
                          scale=scale, return_lse=return_lse)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # type: ignore[override]
                  stream: int) -> Any:
-        return AttnDecodePlan.__call__(self, q, k, v, None, None, stream)
+        lens = self._lens
+        if lens is None:
+            lens = full_lengths(q.shape[0], k.shape[2], q.device)
+        return AttnDecodePlan.__call__(self, q, k, v, lens, None, stream)

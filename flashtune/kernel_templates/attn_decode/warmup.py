@@ -17,7 +17,8 @@ def attn_decode_warmup_args(problem: AttentionProblem, config: Mapping[str, int]
                             ) -> list[Launch]:
     """``(kernel, args, kwargs, grid)`` of attn_decode's split (and combine) kernels for
     contiguous dense q/k/v, as the tuner and :func:`flashtune.attention`'s decode route launch
-    them, with the problem's score modifications (built by the launcher's own
+    them (the cache variant, every length full: :mod:`~flashtune.kernel_templates.attn_decode.
+    full`), with the problem's score modifications (built by the launcher's own
     :func:`~flashtune.kernel_templates.attn_decode.launcher.kernel_args`)."""
     import torch
 
@@ -32,7 +33,8 @@ def attn_decode_warmup_args(problem: AttentionProblem, config: Mapping[str, int]
     if config["NUM_SPLITS"] > 1:
         o_shape, l_shape = partial_shapes(q, config["NUM_SPLITS"])
         o_part, lse_part = Shaped(torch.float32, o_shape), Shaped(torch.float32, l_shape)
-    return kernel_args(q, k, k, Shaped(dt, q.shape), lse, None, None, o_part, lse_part,
+    lens = Shaped(torch.int32, (p.batch,))
+    return kernel_args(q, k, k, Shaped(dt, q.shape), lse, lens, None, o_part, lse_part,
                        config, seqlen_k=p.seqlen_k, causal=p.causal,
                        scale=1.0 / math.sqrt(p.head_dim), upcast_dot=False,
                        **warmup_mods(p))
