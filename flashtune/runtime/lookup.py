@@ -21,7 +21,11 @@ device:
 5. ``default``: the template's default config for the problem and device (logged once per
    bucket of problems, never per call).
 
-Ties are broken by the faster measured config. Entries are loaded lazily, once per process
+Ties are broken by the faster measured config. A source holds its own shapes at every
+step: an entry of a shape an earlier source also holds (the database before
+``$FLASHTUNE_CONFIG_DIR`` before the package) is dropped
+(:func:`first_source_wins`), so it is neither served nor a
+neighbour. Entries are loaded lazily, once per process
 and device, from :mod:`flashtune.runtime.sources`; :meth:`Dispatcher.reload` drops them.
 Choices are memoised per (device, problem): after the first call a lookup is one dict read
 (up to :data:`MEMO_LIMIT` problems, then the memo starts again). A problem not seen before
@@ -83,6 +87,8 @@ class _Entry(Protocol):
     def problem(self) -> AttentionProblem: ...
     @property
     def median_ms(self) -> float: ...
+    @property
+    def origin(self) -> str: ...
 
 
 _E = TypeVar("_E", bound=_Entry)
@@ -182,7 +188,7 @@ class Dispatcher:
             for reason in problems:
                 _warn_once(_SOURCE_WARNED, _SOURCE_LOCK, reason, "flashtune: %s; serving what "
                            "the other sources have (else defaults)", reason)
-            own, alias = split_by_device(entries, key, aliases)
+            own, alias = split_by_device(first_source_wins(entries), key, aliases)
             table = self._tables[key] = _Table(own, alias)
             log.debug("%s on %s: %d tuned configs, %d from similar devices", self.spec.name,
                       device.name, len(own), len(alias))
@@ -274,6 +280,17 @@ def split_by_device(entries: Sequence[_E], key: DeviceKey,
     alias = [e for e in entries if aliases and e.device != key
              and (e.device[1], e.device[3]) == (key[1], key[3])]
     return own, alias
+
+
+def first_source_wins(entries: Sequence[_E]) -> list[_E]:
+    """``entries`` (in precedence order, :mod:`~flashtune.runtime.sources`) less those of a
+    device and problem an earlier source holds: the precedence holds at every step of the
+    chain, not only the exact one. Without it a nearest lookup ranked both sources' entries
+    of one problem (the same distance) and took the faster measured, so a table in
+    ``$FLASHTUNE_CONFIG_DIR`` lost its shapes' neighbours to the shipped table's entries
+    for the same shapes."""
+    owner: dict[tuple[DeviceKey, AttentionProblem], str] = {}
+    return [e for e in entries if owner.setdefault((e.device, e.problem), e.origin) == e.origin]
 
 
 class Nearest(Sequence[_E]):

@@ -269,6 +269,26 @@ def test_a_stale_choice_sends_the_calls_near_it_to_the_default(env: dict) -> Non
     assert served(2048) == (None, None)
 
 
+def test_the_config_dirs_choice_holds_its_shape_against_the_shipped_one(env: dict) -> None:
+    """A choice in $FLASHTUNE_CONFIG_DIR overrides the shipped choice of the same shape for
+    its neighbours too, though the shipped one was measured faster (nearest lookups used to
+    rank both and take the faster)."""
+    from flashtune.core.problem import AttentionProblem
+    from flashtune.kernel_templates import implementations
+    from flashtune.runtime.choices import OpRouter
+
+    a = AttentionProblem(2, 8, 2, 2048, 2048, 64, True, "bf16")
+    write(env["package"], entry(a, implementation=EXTERN, config={}, median_ms=0.5,
+                                runner_up="attn_fwd", runner_up_ms=1.3, extern=None,
+                                extern_ms=None))
+    write(env["dir"], entry(a, median_ms=2.0))
+    router = OpRouter("fwd", {s.name: s for s in implementations("fwd")})
+    for nq, source in ((2048, "exact"), (3000, "nearest")):
+        got = router.choose(replace(a, seqlen_q=nq, seqlen_k=nq), HERE)
+        assert got is not None and (got.template, got.origin.split()[0]) == ("attn_fwd", "dir")
+        assert got.source == source
+
+
 def test_a_shipped_file_is_warned_about_when_flashtunes_kernels_moved_not_torch(
         env: dict, caplog: pytest.LogCaptureFixture) -> None:
     """An SDPA backend's choices go stale with every torch or cuDNN other than the one

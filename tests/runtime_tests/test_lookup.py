@@ -217,6 +217,26 @@ def test_each_source_alone(env):
     assert choice(prob(64)).config == cfg(64, 16)  # database > config dir > package
 
 
+def test_an_earlier_source_holds_its_shapes_at_every_step_of_the_chain(env):
+    """The config folder overrides the shipped table for the shapes it holds, whichever
+    step serves them: exact, and as the neighbour of a shape nobody tuned, even where the
+    shipped table's entry for the same shape was measured faster (a nearest lookup used to
+    rank both and take the faster)."""
+    write_doc(env["package"], HERE, [(prob(512), cfg(16, 32), 0.5)])
+    write_doc(env["dir"], HERE, [(prob(512), cfg(32, 32), 2.0)])
+    flashtune.reload_configs()
+    exact, bucket, near = choice(prob(512)), choice(prob(400)), choice(prob(200))
+    assert (exact.source, exact.config) == ("exact", cfg(32, 32))
+    assert (bucket.source, bucket.config) == ("bucket", cfg(32, 32))
+    assert (near.source, near.config) == ("nearest", cfg(32, 32))
+    assert near.origin.startswith("dir ")
+    # the shipped table still serves the shapes the folder does not hold
+    write_doc(env["package"], HERE, [(prob(512), cfg(16, 32), 0.5), (prob(64), cfg(16, 16), 1.0)])
+    flashtune.reload_configs()
+    assert choice(prob(100)).config == cfg(16, 16)
+    assert choice(prob(100)).origin.startswith("package ")
+
+
 def test_the_file_name_is_the_exporters(env):
     path = write_doc(env["dir"], HERE, [(prob(64), cfg(16, 32), 1.0)])
     assert path.name == f"device_name={HERE.name},template=attn_fwd.json"
