@@ -49,7 +49,6 @@ from flashtune.runtime.lookup import (
     ConfigChoice,
     Nearest,
     _warn_once,
-    first_source_wins,
     pick_nearest,
     remember,
     split_by_device,
@@ -119,8 +118,7 @@ class OpRouter:
             for reason in problems:
                 _warn_once(_SOURCE_WARNED, _SOURCE_LOCK, reason, "flashtune: %s; serving "
                            "what the other sources have (else defaults)", reason)
-            own, alias = split_by_device(first_source_wins(_unshadowed(entries)), key,
-                                         aliases)
+            own, alias = split_by_device(_unshadowed(entries), key, aliases)
             table = self._tables[key] = (Nearest(own), Nearest(alias))
             return table
 

@@ -23,10 +23,9 @@ device:
 
 Ties are broken by the faster measured config. A source holds its own shapes at every
 step: an entry of a shape an earlier source also holds (the database before
-``$FLASHTUNE_CONFIG_DIR`` before the package) is dropped
-(:func:`first_source_wins`), so it is neither served nor a
-neighbour. Entries are loaded lazily, once per process
-and device, from :mod:`flashtune.runtime.sources`; :meth:`Dispatcher.reload` drops them.
+``$FLASHTUNE_CONFIG_DIR`` before the package) is dropped (:func:`split_by_device`), so it
+is neither served nor a neighbour. Entries are loaded lazily, once per process and device,
+from :mod:`flashtune.runtime.sources`; :meth:`Dispatcher.reload` drops them.
 Choices are memoised per (device, problem): after the first call a lookup is one dict read
 (up to :data:`MEMO_LIMIT` problems, then the memo starts again). A problem not seen before
 is ranked against its bucket's or its head dim's entries only (:class:`Nearest`).
@@ -188,7 +187,7 @@ class Dispatcher:
             for reason in problems:
                 _warn_once(_SOURCE_WARNED, _SOURCE_LOCK, reason, "flashtune: %s; serving what "
                            "the other sources have (else defaults)", reason)
-            own, alias = split_by_device(first_source_wins(entries), key, aliases)
+            own, alias = split_by_device(entries, key, aliases)
             table = self._tables[key] = _Table(own, alias)
             log.debug("%s on %s: %d tuned configs, %d from similar devices", self.spec.name,
                       device.name, len(own), len(alias))
@@ -267,7 +266,14 @@ class Dispatcher:
 def split_by_device(entries: Sequence[_E], key: DeviceKey,
                     aliases: bool) -> tuple[list[_E], list[_E]]:
     """The entries tuned on the device of ``key`` itself, and (with ``aliases``) those tuned
-    on another device of the same compute capability and shared-memory size.
+    on another device of the same compute capability and shared-memory size, less those of
+    a device and problem an earlier source holds.
+
+    The sources' precedence (:mod:`~flashtune.runtime.sources`) thus holds at every step of
+    the chain, not only the exact one: without it a nearest lookup ranked both sources'
+    entries of one problem (the same distance) and took the faster measured, so a table in
+    ``$FLASHTUNE_CONFIG_DIR`` lost its shapes' neighbours to the shipped table's entries
+    for the same shapes.
 
     Arguments:
         entries: tuned configs or op choices, in source order.
@@ -276,21 +282,13 @@ def split_by_device(entries: Sequence[_E], key: DeviceKey,
     Returns:
         ``(own, alias)``, each in source order.
     """
+    owner: dict[tuple[DeviceKey, AttentionProblem], str] = {}
+    entries = [e for e in entries
+               if owner.setdefault((e.device, e.problem), e.origin) == e.origin]
     own = [e for e in entries if e.device == key]
     alias = [e for e in entries if aliases and e.device != key
              and (e.device[1], e.device[3]) == (key[1], key[3])]
     return own, alias
-
-
-def first_source_wins(entries: Sequence[_E]) -> list[_E]:
-    """``entries`` (in precedence order, :mod:`~flashtune.runtime.sources`) less those of a
-    device and problem an earlier source holds: the precedence holds at every step of the
-    chain, not only the exact one. Without it a nearest lookup ranked both sources' entries
-    of one problem (the same distance) and took the faster measured, so a table in
-    ``$FLASHTUNE_CONFIG_DIR`` lost its shapes' neighbours to the shipped table's entries
-    for the same shapes."""
-    owner: dict[tuple[DeviceKey, AttentionProblem], str] = {}
-    return [e for e in entries if owner.setdefault((e.device, e.problem), e.origin) == e.origin]
 
 
 class Nearest(Sequence[_E]):

@@ -40,5 +40,5 @@ SPEC = register_template(TemplateSpec(
     limits=Limits(max_seqlen_q=16, score_mods=SCORE_MODS),
 ))
 
-__all__ = ["SPACE", "SPEC", "attn_decode", "attn_decode_full", "attn_decode_kvcache", "attn_decode_reference",
-           "attn_decode_split_kernel", "default_config"]
+__all__ = ["SPACE", "SPEC", "attn_decode", "attn_decode_full", "attn_decode_kvcache",
+           "attn_decode_reference", "attn_decode_split_kernel", "default_config"]
