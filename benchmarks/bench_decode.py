@@ -2,7 +2,8 @@
 and cuDNN, measured side by side in one run.
 
     python benchmarks/bench_decode.py [--batches 1,4,16,64] [--seqlens 1024,...,131072]
-        [--page-size 64] [--db URL] [--graph] [--out benchmarks/results/decode.json]
+        [--page-size 64] [--window LEFT] [--softcap CAP] [--db URL] [--graph]
+        [--out benchmarks/results/decode.json]
 
 Grid: Nq = 1, Hq 32, Hkv 8, D 128, bf16 (ANCHORS.md's decode setting), every sequence at
 the full length Nk; shapes whose K+V exceed --max-kv-gb are skipped. Effective bandwidth
@@ -14,7 +15,10 @@ that store) and SDPA with ``enable_gqa=True`` under each backend (falling back t
 expanded to Hq heads if a backend refuses GQA; the JSON says which call ran). Then a paged
 cache ``(num_pages, Hkv, page_size, D)`` of the same size with a shuffled block table (the
 contiguous cache is freed first, so one cache is held at a time). ``--window LEFT``: a
-causal sliding window (the bytes and SDPA's keys are the last LEFT + 1). Every
+causal sliding window (the bytes and SDPA's keys are the last LEFT + 1). ``--softcap CAP``:
+Gemma 2's logit softcap for flashtune; SDPA has none, so its backends are timed on the same
+keys without it and checked against the reference without it (a bandwidth anchor, not the
+same result). Every
 implementation is checked against an fp32 reference (batch 0) before it is timed. Prints a
 markdown table last; writes the full figures as JSON.
 """
@@ -47,6 +51,9 @@ def parse_args(argv=None):
                     help="a causal sliding window (FlashAttention-2's window_size (LEFT, 0)): "
                          "flashtune reads the cache's last LEFT + 1 keys; SDPA, which has no "
                          "window, is given those keys (the same result); bytes count them")
+    ap.add_argument("--softcap", type=float, default=0.0, metavar="CAP",
+                    help="Gemma 2's logit softcap for flashtune (SDPA, which has none, is "
+                         "timed on the same keys without it)")
     ap.add_argument("--max-kv-gb", type=float, default=40.0,
                     help="skip shapes whose K+V take more than this many GB")
     ap.add_argument("--baselines", default="sdpa_flash,sdpa_cudnn")
@@ -92,6 +99,7 @@ def main() -> None:
     dev = cuda_device()
     hq, hkv, d, ps = args.heads_q, args.heads_kv, args.head_dim, args.page_size
     window = (-1, -1) if args.window is None else (args.window, -1)
+    softcap = float(args.softcap) or None
     dispatcher = None
     if args.db:
         from flashtune.runtime.lookup import Dispatcher
@@ -140,7 +148,7 @@ def main() -> None:
         k = torch.randn(p.batch, hkv, p.seqlen_k, d, device="cuda", dtype=dtype)
         v = torch.randn_like(k)
         ref, _ = attn_decode_reference(q[:1], k[:1], v[:1], dtype=torch.float32, causal=True,
-                                       window=window)
+                                       window=window, softcap=softcap)
         configs = {"flashtune": row["config"]}
         if dispatcher is not None:
             choice = dispatcher.choose(p, dev)
@@ -149,9 +157,12 @@ def main() -> None:
                 configs["flashtune_tuned"] = choice.config
         for name, c in configs.items():
             run_impl(row, name, functools.partial(attn_decode_kvcache, q, k, v, lens, c,
-                                                  window=window), ref)
+                                                  window=window, softcap=softcap), ref)
         if window[0] >= 0:  # SDPA has no window: the keys the window sees, as a cache
             k, v = (t[:, :, -(window[0] + 1):] for t in (k, v))
+        if softcap:  # SDPA has no softcap: checked against the plain reference
+            ref, _ = attn_decode_reference(q[:1], k[:1], v[:1], dtype=torch.float32,
+                                           causal=True)
         for name in args.baselines.split(","):
             try:
                 fn, call = sdpa_fn(backends[name], q, k, v)
@@ -168,9 +179,9 @@ def main() -> None:
         vp = torch.randn_like(kp)
         ref, _ = attn_decode_reference(q[:1], kp, vp, cache_seqlens=lens[:1],
                                        block_table=table[:1], dtype=torch.float32,
-                                       causal=True, window=window)
+                                       causal=True, window=window, softcap=softcap)
         fn = functools.partial(attn_decode_kvcache, q, kp, vp, lens, row["config"],
-                               block_table=table, window=window)
+                               block_table=table, window=window, softcap=softcap)
         run_impl(row, "flashtune_paged", fn, ref, f"page_size {ps}, shuffled block table")
 
     rows, names = [], []
@@ -184,7 +195,8 @@ def main() -> None:
                       file=sys.stderr)
                 continue
             nbytes = kv_bytes(b, hkv, nk if window[0] < 0 else min(nk, window[0] + 1), d, elem)
-            p = AttentionProblem(b, hq, hkv, 1, nk, d, True, args.dtype, *window)
+            p = AttentionProblem(b, hq, hkv, 1, nk, d, True, args.dtype, *window,
+                                 softcap=float(args.softcap))
             row = {"problem": p.key(), "bytes": nbytes, "config": spec.default_config(p, dev)}
             torch.manual_seed(0)
             q = torch.randn(b, hq, 1, d, device="cuda", dtype=dtype)
@@ -201,7 +213,7 @@ def main() -> None:
     result = {
         "benchmark": "attn_decode grid (Nq=1)", "dtype": args.dtype, "page_size": ps,
         "heads_q": hq, "heads_kv": hkv, "head_dim": d, "graph": args.graph,
-        "window": args.window,
+        "window": args.window, "softcap": args.softcap,
         "bytes_formula": "2 * B * Hkv * Nk * D * elem_size (ANCHORS.md)",
         "device": dev.to_dict(), "torch": torch.__version__, "triton": triton.__version__,
         "flashtune": flashtune.__version__, "source_hash": spec.source_hash,
