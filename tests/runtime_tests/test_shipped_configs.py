@@ -240,8 +240,8 @@ def test_a_fresh_gpu_tunes_the_kv_cache_path_by_its_shipped_attn_decode_table(fr
                                                                              device_name):
     """``attention_with_kvcache`` (the static caches, FlashAttention-2's
     ``flash_attn_with_kvcache``) looks attn_decode up by template: each shipped shape gets
-    its entry, a held-out GQA step the nearest one of its table, and a head dim the table
-    never saw (Gemma 2's D256 on the H200) the template default."""
+    its entry, a held-out GQA step and a held-out Gemma 2 step (D256, softcap) the nearest
+    ones of its table, and a head dim the table never saw (D64) the template default."""
     from flashtune.runtime import kvcache
 
     spec = get_template("attn_decode")
@@ -256,6 +256,7 @@ def test_a_fresh_gpu_tunes_the_kv_cache_path_by_its_shipped_attn_decode_table(fr
     held_out = AttentionProblem(8, 32, 8, 1, 12000, 128, True, "bf16")
     assert dispatch.peek(held_out, device).source in ("bucket", "nearest")
     assert kvcache.DISPATCH.spec is spec  # the KV-cache path's lookup is this template's
-    if device_name == "NVIDIA_H200":
-        gemma2 = AttentionProblem(8, 16, 8, 1, 2111, 256, True, "bf16", softcap=50.0)
-        assert dispatch.peek(gemma2, device).source == "default"
+    gemma2 = AttentionProblem(8, 16, 8, 1, 2111, 256, True, "bf16", softcap=50.0)
+    assert dispatch.peek(gemma2, device).source in ("bucket", "nearest")
+    d64 = AttentionProblem(8, 32, 8, 1, 4096, 64, True, "bf16")
+    assert dispatch.peek(d64, device).source == "default"
