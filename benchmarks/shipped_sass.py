@@ -86,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("template")
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--configs", type=Path, default=ROOT / "flashtune" / "configs",
+                    help="the folder of shipped files (default: the package's)")
     ap.add_argument("--out", default=None, help="write this run's figures as JSON")
     ap.add_argument("--compare", default=None, metavar="JSON",
                     help="an earlier run's --out: exit 1 unless every config's code is the same")
@@ -93,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get("TRITON_INTERPRET"):
         print("unset TRITON_INTERPRET: this compiles for sm_90", file=sys.stderr)
         return 2
-    keys = shipped_configs(args.template)
+    keys = shipped_configs(args.template, args.configs)
     print(f"{len(keys)} shipped {args.template} configs", file=sys.stderr)
     with ProcessPoolExecutor(max(1, args.workers)) as pool:
         result = dict(pool.map(compile_one, [args.template] * len(keys), keys))

@@ -59,15 +59,12 @@ def test_one_shipped_config_compiles_and_compares_with_itself(tmp_path: Path) ->
     _doc(tmp_path / "configs" / "one.json", doc)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    code = (f"import sys; sys.path.insert(0, {str(ROOT / 'benchmarks')!r}); import shipped_sass"
-            f" as m; from pathlib import Path; m.ROOT = Path({str(tmp_path)!r}) / 'x';"
-            f" m.shipped_configs.__defaults__ = (Path({str(tmp_path / 'configs')!r}),);"
-            f" sys.exit(m.main(sys.argv[1:]))")
     out = tmp_path / "run.json"
     for extra in (["--out", str(out)], ["--compare", str(out)]):
-        proc = subprocess.run([sys.executable, "-c", code, "attn_decode", "--workers", "1",
-                               *extra], capture_output=True, text=True, env=env, timeout=600,
-                              cwd=ROOT)
+        proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "shipped_sass.py"),
+                               "attn_decode", "--workers", "1", "--configs",
+                               str(tmp_path / "configs"), *extra], capture_output=True,
+                              text=True, env=env, timeout=600, cwd=ROOT)
         if proc.returncode == 2 and "nvdisasm" in proc.stderr:
             pytest.skip("no nvdisasm on this machine: nothing to hash")
         assert proc.returncode == 0, proc.stderr[-2000:]
