@@ -2,7 +2,7 @@
 and cuDNN, measured side by side in one run.
 
     python benchmarks/bench_decode.py [--batches 1,4,16,64] [--seqlens 1024,...,131072]
-        [--page-size 64] [--window LEFT] [--softcap CAP] [--db URL] [--graph]
+        [--page-size 64] [--window LEFT] [--softcap CAP] [--db URL] [--graph [--cold]]
         [--out benchmarks/results/decode.json]
 
 Grid: Nq = 1, Hq 32, Hkv 8, D 128, bf16 (ANCHORS.md's decode setting), every sequence at
@@ -61,6 +61,11 @@ def parse_args(argv=None):
                     help="also time the config the lookup chain serves from this store")
     ap.add_argument("--graph", action="store_true",
                     help="time CUDA-graph replays (no launch overhead) instead of launches")
+    ap.add_argument("--cold", action="store_true",
+                    help="with --graph: a 256 MB zeroing before each replayed step, "
+                         "subtracted (timing.bench_graph(cold=True)): K/V read from memory, "
+                         "as in a model's step, where back-to-back replays find what fits "
+                         "in the L2")
     ap.add_argument("--out", default="benchmarks/results/decode.json")
     return ap.parse_args(argv)
 
@@ -109,6 +114,10 @@ def main() -> None:
 
     def timed(fn):
         torch.cuda.synchronize()  # do_bench_cudagraph runs fn on a side stream
+        if args.graph and args.cold:
+            from flashtune.autotune.timing import bench_graph
+
+            return {"median_ms": bench_graph(fn, reps=10, rounds=7, cold=True)}
         if args.graph:
             from triton.testing import do_bench_cudagraph
 
@@ -213,6 +222,7 @@ def main() -> None:
     result = {
         "benchmark": "attn_decode grid (Nq=1)", "dtype": args.dtype, "page_size": ps,
         "heads_q": hq, "heads_kv": hkv, "head_dim": d, "graph": args.graph,
+        "cold_l2": bool(args.graph and args.cold),
         "window": args.window, "softcap": args.softcap,
         "bytes_formula": "2 * B * Hkv * Nk * D * elem_size (ANCHORS.md)",
         "device": dev.to_dict(), "torch": torch.__version__, "triton": triton.__version__,

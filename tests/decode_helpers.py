@@ -86,7 +86,8 @@ DEFAULTS = dict(HEAD_DIM=128, BLOCK_D=128, GROUP=4, BLOCK_M=16, BLOCK_N=64, NUM_
                 IS_CAUSAL=True, HAS_SEQLENS=True, PAGED=False, PAGE_ALIGNED=False,
                 STORE_LSE=True, UPCAST_DOT=False, HAS_WINDOW=False, HAS_SOFTCAP=False,
                 HAS_ALIBI=False, HAS_NEW=False, ROT_DIM=0, ROT_INTERLEAVED=False,
-                ROT_Q_PER_POS=False, HAS_BATCH_IDX=False, HAS_LEFTPAD=False, NEW_ROWS=False)
+                ROT_Q_PER_POS=False, HAS_BATCH_IDX=False, HAS_LEFTPAD=False, NEW_ROWS=False,
+                BLOCK_D1=0)
 PTR = {"Q": "*fp16", "K": "*fp16", "V": "*fp16", "Out": "*fp16", "Lse": "*fp32",
        "OPart": "*fp32", "LsePart": "*fp32", "Seqlens": "*i32", "BlockTable": "*i32",
        "Alibi": "*fp32", "KNew": "*fp16", "VNew": "*fp16", "Cos": "*fp16", "Sin": "*fp16",

@@ -180,10 +180,31 @@ def bench_queued(fn: Callable[[], object], *, reps: int = QUEUED_REPS) -> Timing
     return Timing(q(0.5), q(0.2), q(0.8))
 
 
-def bench_graph(fn: Callable[[], object], *, reps: int = 20, rounds: int = 5) -> float:
+def bench_graph(fn: Callable[[], object], *, reps: int = 20, rounds: int = 5,
+                cold: bool = False) -> float:
     """GPU time of one call of ``fn`` in milliseconds, from CUDA-graph replays: ``reps``
-    calls captured in one graph (no launch cost, L2 warm between calls), the median over
-    ``rounds`` replays. A lower bound for :func:`bench` (cold L2)."""
+    calls captured in one graph (no launch cost), the median over ``rounds`` replays. The L2
+    stays warm between calls (a lower bound for :func:`bench`: a call whose data fit in the
+    L2 finds them there), unless ``cold``: then the graph zeroes a :data:`FLUSH_BYTES`
+    buffer before each call, and a graph of the zeroing alone is subtracted (the cold L2 of
+    a layer in a real model's step, without the host)."""
+    import torch
+
+    flush = torch.empty(FLUSH_BYTES // 4, dtype=torch.int32, device="cuda") if cold else None
+
+    def step() -> None:
+        if flush is not None:
+            flush.zero_()
+        fn()
+
+    ms = _replayed(step, reps, rounds)
+    if flush is not None:
+        ms -= _replayed(flush.zero_, reps, rounds)
+    return ms
+
+
+def _replayed(fn: Callable[[], object], reps: int, rounds: int) -> float:
+    """Median milliseconds a call over ``rounds`` replays of a graph of ``reps`` calls."""
     import statistics
 
     import torch

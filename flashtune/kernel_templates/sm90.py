@@ -18,8 +18,9 @@ ones the GPU would run. Not part of any source hash: it compiles, it does not de
 Each case names a ``template`` (a registered Triton template with warmup launches) and
 optionally the problem (``batch`` 4, ``heads`` 16, ``kv_heads`` (heads), ``seqlen`` 2048,
 ``kv_seqlen`` (seqlen), ``head_dim`` 128, ``causal`` false, ``dtype`` "bf16", ``dropout``
-0) and a
-``config`` (default: the template's default config for an H100); one JSON line per launch.
+0), a
+``config`` (default: the template's default config for an H100) and ``"loops": true`` for
+each launch's :func:`loop_census`; one JSON line per launch.
 Run it without ``TRITON_INTERPRET`` (under the interpreter the kernels are not compiled).
 """
 
@@ -42,7 +43,8 @@ H100 = DeviceFingerprint("NVIDIA_H100_80GB_HBM3", "9.0", 132, 232448, 85 << 30)
 
 
 def compile_launches(template: str, problem: AttentionProblem,
-                     config: Mapping[str, int] | None = None) -> list[dict[str, Any]]:
+                     config: Mapping[str, int] | None = None, *,
+                     loops: bool = False) -> list[dict[str, Any]]:
     """Compile every launch of ``template`` for ``problem`` with ``config`` for sm_90.
 
     Arguments:
@@ -50,6 +52,7 @@ def compile_launches(template: str, problem: AttentionProblem,
             ``attn_decode``).
         problem: the shapes the launches are built for.
         config: the config (None: the template's default config on :data:`H100`).
+        loops: also give each launch's ``loops`` (:func:`loop_report`).
     Returns:
         One dict per launch, in launch order: ``kernel`` (its name), ``config``,
         ``shared`` (bytes), ``warps``, ``registers`` and ``spill_store_bytes`` (ptxas'
@@ -91,7 +94,8 @@ def compile_launches(template: str, problem: AttentionProblem,
             "warps": compiled.metadata.num_warps, "registers": max(stats["registers"]),
             "spill_store_bytes": max(stats["spill_store_bytes"], default=0),
             "cubin": hashlib.sha256(compiled.asm["cubin"]).hexdigest()[:16],
-            "sass": sass_hash(compiled.asm["cubin"])})
+            "sass": sass_hash(compiled.asm["cubin"]),
+            **(loop_report(compiled.asm["cubin"]) if loops else {})})
     return results
 
 
@@ -127,7 +131,7 @@ def sass_listing(cubin: bytes) -> str:
 
 # the opcodes a loop's census counts (a main loop's matrix products, softmax, masking,
 # spills, shared memory and synchronisation)
-LOOP_OPCODES = ("HGMMA", "MUFU", "FFMA", "FMUL", "FADD", "FSEL", "ISETP", "SEL", "IADD3",
+LOOP_OPCODES = ("HGMMA", "HMMA", "LDGSTS", "LDSM", "MUFU", "FFMA", "FMUL", "FADD", "FSEL", "ISETP", "SEL", "IADD3",
                 "IMAD", "LOP3", "SHF", "F2FP", "LDS", "STS", "STSM", "LDL", "STL", "BAR",
                 "SYNCS")
 # a conditional forward branch inside a loop skipping more instructions than this is a
@@ -136,8 +140,9 @@ SECTION_MIN = 20
 
 
 def loop_census(listing: str) -> list[dict[str, Any]]:
-    """The innermost loops of an ``nvdisasm -c`` listing that issue ``HGMMA`` (a kernel's
-    main loops: one per consumer partition of a warp-specialized kernel), in address order.
+    """The innermost loops of an ``nvdisasm -c`` listing that issue ``HGMMA`` or ``HMMA`` (a
+    kernel's main loops: one per consumer partition of a warp-specialized kernel), in
+    address order.
     A loop runs from a branch label to the last instruction before the kernel's last
     ``EXIT`` branching back to it. Each:
     ``start``/``end`` (addresses), ``instructions``, ``opcodes`` (counts of
@@ -185,7 +190,7 @@ def loop_census(listing: str) -> list[dict[str, Any]]:
         found = branch_re.search(text)
         if found and labels.get(found.group(1), i) < i:
             first = labels[found.group(1)]
-            if any(opcode(t) == "HGMMA" for _, t in code[first:i + 1]):
+            if any(opcode(t) in ("HGMMA", "HMMA") for _, t in code[first:i + 1]):
                 loops.append((first, i))
     # innermost: no other such loop inside; the last back branch to a label ends its loop
     ends: dict[int, int] = {}
@@ -247,7 +252,8 @@ def main(argv: list[str]) -> int:
         print("unset TRITON_INTERPRET: this compiles for sm_90", file=sys.stderr)
         return 2
     for case in json.loads(argv[0]):
-        for launch in compile_launches(case["template"], _problem(case), case.get("config")):
+        for launch in compile_launches(case["template"], _problem(case), case.get("config"),
+                                       loops=bool(case.get("loops", False))):
             print(json.dumps({**case, **launch}))
     return 0
 

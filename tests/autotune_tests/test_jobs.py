@@ -259,7 +259,8 @@ def test_decode_template_is_tuned_and_served(tmp_path, monkeypatch):
     # every candidate that ran was checked and correct (invalid ones pruned before running)
     assert res.states.get("COMPLETE", 0) >= 1, res.states
     assert set(res.states) <= {"COMPLETE", "PRUNED_STATIC"}, res.states
-    assert set(res.best_config) == {"BLOCK_N", "NUM_SPLITS", "num_warps", "num_stages"}
+    assert set(res.best_config) == {"BLOCK_N", "NUM_SPLITS", "num_warps", "num_stages",
+                                    "SPLIT_D"}
     monkeypatch.setenv("FLASHTUNE_DB", url)
     flashtune.reload_configs()
     try:

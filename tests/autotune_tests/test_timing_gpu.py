@@ -40,6 +40,23 @@ def test_a_slow_launcher_is_not_timed_as_kernel_time():
     assert abs(queued.median_ms - got.median_ms) <= 0.3 * got.median_ms + 0.005
 
 
+def test_a_cold_graph_reads_from_memory_what_a_warm_one_finds_in_the_l2():
+    """A copy of 16 MB: replayed back to back its input stays in the L2; with ``cold`` the
+    graph zeroes 256 MB before each call and subtracts that, so the copy reads from HBM:
+    slower than warm, and near bench()'s cold L2 (which times the same thing eagerly)."""
+    x = torch.randn(4 * 1024 * 1024, device="cuda")
+    y = torch.empty_like(x)
+
+    def kernel():
+        torch.mul(x, 2.0, out=y)
+
+    warm = bench_graph(kernel, reps=50)
+    cold = bench_graph(kernel, reps=20, cold=True)
+    eager = bench_queued(kernel).median_ms
+    assert cold > 1.1 * warm, (cold, warm)
+    assert abs(cold - eager) <= 0.3 * eager + 0.005, (cold, eager)
+
+
 def test_a_host_bound_step_over_a_millisecond_is_timed_for_its_gpu_work():
     """A ~0.2 ms kernel behind 1.5 ms of host work: do_bench's median passes the 1 ms line
     (the GPU waits for the host), so bench() must see the host share and re-time it queued:

@@ -203,7 +203,9 @@ def prob(b=1, hq=32, hkv=8, nq=1, nk=131072, d=128):
 
 def test_registered_with_a_space_of_data():
     assert SPEC.name == "attn_decode" and SPEC.launcher is attn_decode_full
-    assert set(SPEC.space.params) == {"BLOCK_N", "NUM_SPLITS", "num_warps", "num_stages"}
+    assert set(SPEC.space.params) == {"BLOCK_N", "NUM_SPLITS", "num_warps", "num_stages",
+                                      "SPLIT_D"}
+    assert SPEC.space.defaults == {"SPLIT_D": 0}  # configs tuned before it run as they did
     assert 3 in SPEC.space.params["NUM_SPLITS"] and 1 in SPEC.space.params["NUM_SPLITS"]
     assert len(SPEC.source_hash) == 16
 

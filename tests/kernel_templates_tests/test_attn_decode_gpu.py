@@ -72,6 +72,32 @@ def test_dense_entry_against_sdpa(dtype):
     assert err <= 2 * sdpa_err + torch.finfo(dtype).eps, (err, sdpa_err)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("page_size", [None, 64], ids=["contig", "p64"])
+@pytest.mark.parametrize("d,heads", [(96, (32, 32)), (80, (32, 8)), (192, (16, 4))],
+                         ids=["d96-mha", "d80-gqa", "d192-gqa"])
+def test_head_dim_in_two_tiles_on_long_caches(d, heads, page_size, dtype):
+    """SPLIT_D (96 = 64 + 32, 80 = 64 + 16, 192 = 128 + 64), compiled, ragged caches up to
+    12k keys, with and without splits, beside the same config on one padded tile."""
+    from flashtune.core.device import cuda_device
+
+    q, k, v, lens, table = make_cache([4096, 12345, 1, 8191], *heads, 1, d, dtype, "cuda",
+                                      page_size=page_size, capacity=12345 + 7, seed=d)
+    problem = AttentionProblem(4, *heads, 1, k.shape[2] if table is None
+                               else table.shape[1] * k.shape[2], d, True,
+                               "fp16" if dtype == torch.float16 else "bf16")
+    for base in ({"BLOCK_N": 64, "NUM_SPLITS": 8, "num_warps": 4, "num_stages": 3},
+                 {"BLOCK_N": 32, "NUM_SPLITS": 1, "num_warps": 1, "num_stages": 4}):
+        config = dict(base, SPLIT_D=1)
+        assert SPEC.space.check(config, problem, cuda_device()) is None
+        out, lse = attn_decode_kvcache(q, k, v, lens, config, block_table=table, causal=True,
+                                       return_lse=True)
+        assert_decode_close(out, q, k, v, cache_seqlens=lens, block_table=table, causal=True,
+                            lse=lse)
+        one = attn_decode_kvcache(q, k, v, lens, base, block_table=table, causal=True)
+        assert (out.float() - one.float()).abs().max().item() < 2e-2
+
+
 # -- launch plans and flashtune.attention's decode route (the hot path) ------------------------
 
 

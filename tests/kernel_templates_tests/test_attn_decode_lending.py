@@ -95,9 +95,11 @@ def test_the_op_router_lends_the_h100s_shipped_decode_choice(monkeypatch):
     router = OpRouter("decode", op_implementations(catalog(), "decode"))
     got = router.choose(replace(GEMMA, batch=8, seqlen_k=8192), H100)
     assert got is not None and (got.template, got.source) == ("attn_decode", "nearest")
-    assert got.tuned_problem == GEMMA and got.config == cfg(2)
+    # (lent through the space: its optional knobs filled in, at the values they had)
+    assert got.tuned_problem == GEMMA and got.config == SPEC.space.validate(cfg(2))
     exact = router.choose(GEMMA, H100)  # the entry itself serves its own shape as tuned
-    assert exact is not None and (exact.source, exact.config) == ("exact", cfg(1))
+    assert exact is not None and (exact.source, exact.config) == (
+        "exact", SPEC.space.validate(cfg(1)))
 
 
 def test_the_template_dispatcher_lends_its_nearest_config(tmp_path, monkeypatch):

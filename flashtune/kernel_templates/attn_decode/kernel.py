@@ -128,17 +128,23 @@ def _load_rotated(ptrs, partner_ptrs, pos, ok, rot, freq, sign, Cos, Sin, seqlen
 
 @triton.jit
 def _fold_block(acc, l_i, m_i, q, kt, v, cols, seqlen, causal_lim, qk_scale, win_l, win_r,
-                cap_in, cap_out, slope, key_lo,
+                cap_in, cap_out, slope, key_lo, acc1, q1, kt1, v1,
                 MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr,
                 HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-                HAS_LEFTPAD: tl.constexpr):
+                HAS_LEFTPAD: tl.constexpr, BLOCK_D1: tl.constexpr):
     """One block of keys ``cols`` (``kt`` ``(BLOCK_D, n)``, ``v`` ``(n, BLOCK_D)``) into the
     online softmax: the scores, their modifications and (``MASKED``) the mask (keys below
-    ``seqlen``, from ``key_lo`` on, the causal band and the window)."""
+    ``seqlen``, from ``key_lo`` on, the causal band and the window). With ``BLOCK_D1`` > 0
+    the head dim's second tile (``q1``, ``kt1``, ``v1``, ``acc1``) adds to the scores and
+    takes its share of ``p @ v``; otherwise ``acc1`` passes through untouched."""
     if UPCAST_DOT:
         qk = tl.dot(q.to(tl.float32), kt.to(tl.float32))
+        if BLOCK_D1 > 0:
+            qk += tl.dot(q1.to(tl.float32), kt1.to(tl.float32))
     else:
         qk = tl.dot(q, kt)
+        if BLOCK_D1 > 0:
+            qk = tl.dot(q1, kt1, qk)
     if HAS_SOFTCAP or HAS_ALIBI:
         qk = modified_scores(qk, qk_scale, cap_in, cap_out, slope, causal_lim,
                              cols, HAS_SOFTCAP, HAS_ALIBI)
@@ -167,23 +173,29 @@ def _fold_block(acc, l_i, m_i, q, kt, v, cols, seqlen, causal_lim, qk_scale, win
     acc = acc * alpha[:, None]
     if UPCAST_DOT:
         acc += tl.dot(p, v.to(tl.float32))
+        if BLOCK_D1 > 0:
+            acc1 = acc1 * alpha[:, None] + tl.dot(p, v1.to(tl.float32))
     else:
         acc = tl.dot(p.to(v.dtype), v, acc)
-    return acc, l_i, m_new
+        if BLOCK_D1 > 0:
+            acc1 = tl.dot(p.to(v1.dtype), v1, acc1 * alpha[:, None])
+    return acc, l_i, m_new, acc1
 
 
 @triton.jit
 def _decode_inner(acc, l_i, m_i, q, k_base, v_base, BlockTable, bt_row, offs_n, offs_d,
                   stride_kp, stride_kn, stride_vp, stride_vn, stride_btp,
                   lo, hi, seqlen, page_size, num_pages, causal_lim, qk_scale,
-                  win_l, win_r, cap_in, cap_out, slope, key_lo,
+                  win_l, win_r, cap_in, cap_out, slope, key_lo, acc1, q1, offs_d1,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                   MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, PAGED: tl.constexpr,
                   PAGE_ALIGNED: tl.constexpr, UPCAST_DOT: tl.constexpr,
                   HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                  HAS_ALIBI: tl.constexpr, HAS_LEFTPAD: tl.constexpr):
+                  HAS_ALIBI: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
+                  BLOCK_D1: tl.constexpr):
     """The cache's keys ``[lo, hi)``, ``BLOCK_N`` at a time (``MASKED``: keys at or past
-    ``seqlen`` neither read nor attended)."""
+    ``seqlen`` neither read nor attended); with ``BLOCK_D1`` > 0 each tile is read as two,
+    dims ``offs_d`` and ``offs_d1``."""
     d_ok = offs_d < HEAD_DIM
     for start_n in tl.range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
@@ -214,17 +226,33 @@ def _decode_inner(acc, l_i, m_i, q, k_base, v_base, BlockTable, bt_row, offs_n, 
             n_ok = cols < seqlen
             kt = tl.load(kt_ptrs, mask=n_ok[None, :] & d_ok[:, None], other=0.0)
             v = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        elif BLOCK_D != HEAD_DIM:
+        elif BLOCK_D > HEAD_DIM:
             kt = tl.load(kt_ptrs, mask=d_ok[:, None], other=0.0)
             v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
         else:
             kt = tl.load(kt_ptrs)
             v = tl.load(v_ptrs)
-        acc, l_i, m_i = _fold_block(acc, l_i, m_i, q, kt, v, cols, seqlen, causal_lim,
-                                    qk_scale, win_l, win_r, cap_in, cap_out, slope, key_lo,
-                                    MASKED, IS_CAUSAL, UPCAST_DOT, HAS_WINDOW, HAS_SOFTCAP,
-                                    HAS_ALIBI, HAS_LEFTPAD)
-    return acc, l_i, m_i
+        kt1 = None
+        v1 = None
+        if BLOCK_D1 > 0:  # the second tile: dims [BLOCK_D, HEAD_DIM), padded to BLOCK_D1
+            d1_ok = offs_d1 < HEAD_DIM
+            kt1_ptrs = k_base + k_rows[None, :] + offs_d1[:, None]
+            v1_ptrs = v_base + v_rows[:, None] + offs_d1[None, :]
+            if MASKED:
+                kt1 = tl.load(kt1_ptrs, mask=n_ok[None, :] & d1_ok[:, None], other=0.0)
+                v1 = tl.load(v1_ptrs, mask=n_ok[:, None] & d1_ok[None, :], other=0.0)
+            elif BLOCK_D + BLOCK_D1 > HEAD_DIM:
+                kt1 = tl.load(kt1_ptrs, mask=d1_ok[:, None], other=0.0)
+                v1 = tl.load(v1_ptrs, mask=d1_ok[None, :], other=0.0)
+            else:
+                kt1 = tl.load(kt1_ptrs)
+                v1 = tl.load(v1_ptrs)
+        acc, l_i, m_i, acc1 = _fold_block(acc, l_i, m_i, q, kt, v, cols, seqlen, causal_lim,
+                                          qk_scale, win_l, win_r, cap_in, cap_out, slope,
+                                          key_lo, acc1, q1, kt1, v1, MASKED, IS_CAUSAL,
+                                          UPCAST_DOT, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI,
+                                          HAS_LEFTPAD, BLOCK_D1)
+    return acc, l_i, m_i, acc1
 
 
 @triton.jit
@@ -233,14 +261,18 @@ def _decode_new(acc, l_i, m_i, q, K, V, k_base, v_base, kn_base, vn_base, BlockT
                 stride_knn, stride_vnn, cache_len, new_hi, write, page_size,
                 num_pages, causal_lim, qk_scale, win_l, win_r, cap_in, cap_out, slope,
                 key_lo, Cos, Sin, seqlen_ro, rot_partner, rot_freq, rot_sign, rot_on,
+                acc1, q1, offs_d1,
                 HEAD_DIM: tl.constexpr, BLOCK_NEW: tl.constexpr, IS_CAUSAL: tl.constexpr,
                 PAGED: tl.constexpr, UPCAST_DOT: tl.constexpr, HAS_WINDOW: tl.constexpr,
                 HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-                HAS_LEFTPAD: tl.constexpr, ROT_DIM: tl.constexpr):
+                HAS_LEFTPAD: tl.constexpr, ROT_DIM: tl.constexpr,
+                ROT_INTERLEAVED: tl.constexpr, BLOCK_D1: tl.constexpr):
     """The appended keys ``[cache_len, new_hi)`` (``new_hi <= seqlen``, the capacity-clamped
     length), ``BLOCK_NEW`` at a time, read from KNew/VNew in rows (coalesced) and rotated
     once: where ``write``, written into the cache (in the cache's dtype; a paged cache only
-    through page ids in ``[0, num_pages)``), and attended to, masked."""
+    through page ids in ``[0, num_pages)``), and attended to, masked. With ``BLOCK_D1`` > 0
+    the dims ``offs_d1`` are a second tile (a rotary partner is read from memory, so a pair
+    may straddle the tiles)."""
     d_ok = offs_d < HEAD_DIM
     offs_j = tl.arange(0, BLOCK_NEW)
     for start in tl.range(cache_len, new_hi, BLOCK_NEW):
@@ -270,11 +302,29 @@ def _decode_new(acc, l_i, m_i, q, K, V, k_base, v_base, kn_base, vn_base, BlockT
                  mask=st_ok)
         tl.store(v_base + v_dst[:, None] + offs_d[None, :], v_new.to(V.dtype.element_ty),
                  mask=st_ok)
-        acc, l_i, m_i = _fold_block(acc, l_i, m_i, q, tl.trans(k_new), v_new, cols, new_hi,
-                                    causal_lim, qk_scale, win_l, win_r, cap_in, cap_out,
-                                    slope, key_lo, True, IS_CAUSAL, UPCAST_DOT, HAS_WINDOW,
-                                    HAS_SOFTCAP, HAS_ALIBI, HAS_LEFTPAD)
-    return acc, l_i, m_i
+        kt_new1 = None
+        v_new1 = None
+        if BLOCK_D1 > 0:
+            d1_ok = offs_d1 < HEAD_DIM
+            partner1, freq1, sign1, rot_on1 = _rotary_dims(offs_d1, ROT_DIM, ROT_INTERLEAVED)
+            ok1 = j_ok[:, None] & d1_ok[None, :]
+            k_new1 = _load_rotated(kn_rows + offs_d1[None, :], kn_rows + partner1[None, :],
+                                   cols[:, None], ok1, rot_on1[None, :], freq1[None, :],
+                                   sign1[None, :], Cos, Sin, seqlen_ro, ROT_DIM)
+            v_new1 = tl.load(vn_base + (new_rows * stride_vnn)[:, None] + offs_d1[None, :],
+                             mask=ok1, other=0.0)
+            st1_ok = w_ok[:, None] & d1_ok[None, :]
+            tl.store(k_base + k_dst[:, None] + offs_d1[None, :],
+                     k_new1.to(K.dtype.element_ty), mask=st1_ok)
+            tl.store(v_base + v_dst[:, None] + offs_d1[None, :],
+                     v_new1.to(V.dtype.element_ty), mask=st1_ok)
+            kt_new1 = tl.trans(k_new1)
+        acc, l_i, m_i, acc1 = _fold_block(acc, l_i, m_i, q, tl.trans(k_new), v_new, cols,
+                                          new_hi, causal_lim, qk_scale, win_l, win_r, cap_in,
+                                          cap_out, slope, key_lo, acc1, q1, kt_new1, v_new1,
+                                          True, IS_CAUSAL, UPCAST_DOT, HAS_WINDOW,
+                                          HAS_SOFTCAP, HAS_ALIBI, HAS_LEFTPAD, BLOCK_D1)
+    return acc, l_i, m_i, acc1
 
 
 @triton.jit
@@ -302,7 +352,7 @@ def attn_decode_split_kernel(
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_NEW: tl.constexpr, ROT_DIM: tl.constexpr, ROT_INTERLEAVED: tl.constexpr,
     ROT_Q_PER_POS: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
-    NEW_ROWS: tl.constexpr = False,
+    NEW_ROWS: tl.constexpr = False, BLOCK_D1: tl.constexpr = 0,
 ):
     """K/V strides: ``stride_kb`` is the page stride when PAGED (K is ``(pages, Hkv,
     page_size, D)``), the batch stride otherwise. OPart ``(B, Hq, N_Q, P, HEAD_DIM)`` and
@@ -311,11 +361,16 @@ def attn_decode_split_kernel(
     unbounded; the right one unread with IS_CAUSAL), ``SOFTCAP`` and ``Alibi`` are read only
     under their flags. ``N_K`` is the capacity every length is clamped to. KNew/VNew
     ``(B, Hkv, N_NEW, D)``; Cos/Sin ``(SEQLEN_RO, ROT_DIM // 2)`` contiguous; BatchIdx,
-    LeftPad int32 ``(B,)``; NEW_ROWS needs HAS_NEW and NUM_SPLITS > 1."""
+    LeftPad int32 ``(B,)``; NEW_ROWS needs HAS_NEW and NUM_SPLITS > 1. ``BLOCK_D1`` > 0
+    reads the head dim as two tiles, dims ``[0, BLOCK_D)`` (all real) and ``[BLOCK_D,
+    BLOCK_D + BLOCK_D1)`` (padded past HEAD_DIM): D96 as 64 + 32 moves no padded dim where
+    one 128-wide tile issues D128's loads and dots; 0 (one tile) compiles as before."""
     tl.static_assert(not NEW_ROWS or (HAS_NEW and NUM_SPLITS > 1),
                      "NEW_ROWS: the new keys' own programs, with new keys and splits")
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16, "tl.dot needs tiles of at least 16")
-    tl.static_assert(BLOCK_D >= HEAD_DIM, "BLOCK_D must cover HEAD_DIM")
+    tl.static_assert(BLOCK_D + BLOCK_D1 >= HEAD_DIM, "BLOCK_D (+ BLOCK_D1) must cover HEAD_DIM")
+    tl.static_assert(BLOCK_D1 == 0 or (BLOCK_D < HEAD_DIM and BLOCK_D1 >= 16),
+                     "a second tile of >= 16 dims past a first one of real dims")
     tl.static_assert(ROT_DIM == 0 or HAS_NEW, "rotary comes with new keys")
     tl.static_assert(ROT_DIM % 2 == 0 and ROT_DIM <= HEAD_DIM, "ROT_DIM even, <= HEAD_DIM")
     split = tl.program_id(0)
@@ -396,6 +451,22 @@ def attn_decode_split_kernel(
                           rot_sign[None, :], Cos, Sin, SEQLEN_RO, ROT_DIM)
     else:
         q = tl.load(q_rows + offs_d[None, :], mask=q_ok, other=0.0)
+    # the head dim's second tile; without one, acc1 is a placeholder the loops carry and the
+    # compiler drops
+    offs_d1 = None
+    q1 = None
+    acc1 = tl.zeros([1], dtype=tl.float32)
+    if BLOCK_D1 > 0:
+        offs_d1 = BLOCK_D + tl.arange(0, BLOCK_D1)
+        q1_ok = r_ok[:, None] & (offs_d1 < HEAD_DIM)[None, :]
+        if ROT_DIM > 0:
+            partner1, freq1, sign1, rot_on1 = _rotary_dims(offs_d1, ROT_DIM, ROT_INTERLEAVED)
+            q1 = _load_rotated(q_rows + offs_d1[None, :], q_rows + partner1[None, :],
+                               q_pos[:, None], q1_ok, rot_on1[None, :], freq1[None, :],
+                               sign1[None, :], Cos, Sin, SEQLEN_RO, ROT_DIM)
+        else:
+            q1 = tl.load(q_rows + offs_d1[None, :], mask=q1_ok, other=0.0)
+        acc1 = tl.zeros([BLOCK_M, BLOCK_D1], dtype=tl.float32)
 
     win_l = None
     win_r = None
@@ -473,29 +544,26 @@ def attn_decode_split_kernel(
                  * 1.4426950408889634)[:, None]
 
     if HAS_WINDOW or HAS_LEFTPAD:  # the left band: the window's (or the keys') lower edge
-        acc, l_i, m_i = _decode_inner(acc, l_i, m_i, q, k_base, v_base, BlockTable, bt_row,
-                                      offs_n, offs_d, stride_kb, stride_kn, stride_vb,
-                                      stride_vn, stride_btp, lo, full_lo, walk_end,
-                                      page_size, NUM_PAGES, causal_lim, qk_scale, win_l,
-                                      win_r, cap_in, cap_out, slope, key_lo,
-                                      HEAD_DIM, BLOCK_D, BLOCK_N, True, IS_CAUSAL,
-                                      PAGED, PAGE_ALIGNED, UPCAST_DOT,
-                                      HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_LEFTPAD)
+        acc, l_i, m_i, acc1 = _decode_inner(
+            acc, l_i, m_i, q, k_base, v_base, BlockTable, bt_row, offs_n, offs_d, stride_kb,
+            stride_kn, stride_vb, stride_vn, stride_btp, lo, full_lo, walk_end, page_size,
+            NUM_PAGES, causal_lim, qk_scale, win_l, win_r, cap_in, cap_out, slope, key_lo,
+            acc1, q1, offs_d1, HEAD_DIM, BLOCK_D, BLOCK_N, True, IS_CAUSAL, PAGED,
+            PAGE_ALIGNED, UPCAST_DOT, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_LEFTPAD,
+            BLOCK_D1)
         lo = full_lo
-    acc, l_i, m_i = _decode_inner(acc, l_i, m_i, q, k_base, v_base, BlockTable, bt_row,
-                                  offs_n, offs_d, stride_kb, stride_kn, stride_vb, stride_vn,
-                                  stride_btp, lo, mid, walk_end, page_size, NUM_PAGES,
-                                  causal_lim, qk_scale, win_l, win_r, cap_in, cap_out, slope,
-                                  key_lo, HEAD_DIM, BLOCK_D, BLOCK_N, False, IS_CAUSAL, PAGED,
-                                  PAGE_ALIGNED, UPCAST_DOT, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI,
-                                  HAS_LEFTPAD)
-    acc, l_i, m_i = _decode_inner(acc, l_i, m_i, q, k_base, v_base, BlockTable, bt_row,
-                                  offs_n, offs_d, stride_kb, stride_kn, stride_vb, stride_vn,
-                                  stride_btp, mid, hi, walk_end, page_size, NUM_PAGES,
-                                  causal_lim, qk_scale, win_l, win_r, cap_in, cap_out, slope,
-                                  key_lo, HEAD_DIM, BLOCK_D, BLOCK_N, True, IS_CAUSAL, PAGED,
-                                  PAGE_ALIGNED, UPCAST_DOT, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI,
-                                  HAS_LEFTPAD)
+    acc, l_i, m_i, acc1 = _decode_inner(
+        acc, l_i, m_i, q, k_base, v_base, BlockTable, bt_row, offs_n, offs_d, stride_kb,
+        stride_kn, stride_vb, stride_vn, stride_btp, lo, mid, walk_end, page_size, NUM_PAGES,
+        causal_lim, qk_scale, win_l, win_r, cap_in, cap_out, slope, key_lo, acc1, q1, offs_d1,
+        HEAD_DIM, BLOCK_D, BLOCK_N, False, IS_CAUSAL, PAGED, PAGE_ALIGNED, UPCAST_DOT,
+        HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_LEFTPAD, BLOCK_D1)
+    acc, l_i, m_i, acc1 = _decode_inner(
+        acc, l_i, m_i, q, k_base, v_base, BlockTable, bt_row, offs_n, offs_d, stride_kb,
+        stride_kn, stride_vb, stride_vn, stride_btp, mid, hi, walk_end, page_size, NUM_PAGES,
+        causal_lim, qk_scale, win_l, win_r, cap_in, cap_out, slope, key_lo, acc1, q1, offs_d1,
+        HEAD_DIM, BLOCK_D, BLOCK_N, True, IS_CAUSAL, PAGED, PAGE_ALIGNED, UPCAST_DOT,
+        HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_LEFTPAD, BLOCK_D1)
     if HAS_NEW:
         # the new keys: with NEW_ROWS their own program (split NUM_SPLITS, no cached keys)
         # walks them alone, so no split of the cache waits on them; otherwise the last split
@@ -504,15 +572,14 @@ def attn_decode_split_kernel(
             new_hi = tl.where((split == NUM_SPLITS) & live, seqlen, cache_len)
         else:
             new_hi = tl.where(split == NUM_SPLITS - 1, seqlen, cache_len)
-        acc, l_i, m_i = _decode_new(acc, l_i, m_i, q, K, V, k_base, v_base, kn_base, vn_base,
-                                    BlockTable, bt_row, offs_d, stride_kb, stride_kn,
-                                    stride_vb, stride_vn, stride_btp, stride_knn, stride_vnn,
-                                    cache_len, new_hi, tl.program_id(2) == 0,
-                                    page_size, NUM_PAGES, causal_lim, qk_scale, win_l, win_r,
-                                    cap_in, cap_out, slope, key_lo, Cos, Sin, SEQLEN_RO,
-                                    rot_partner, rot_freq, rot_sign, rot_on, HEAD_DIM, 16,
-                                    IS_CAUSAL, PAGED, UPCAST_DOT, HAS_WINDOW, HAS_SOFTCAP,
-                                    HAS_ALIBI, HAS_LEFTPAD, ROT_DIM)
+        acc, l_i, m_i, acc1 = _decode_new(
+            acc, l_i, m_i, q, K, V, k_base, v_base, kn_base, vn_base, BlockTable, bt_row,
+            offs_d, stride_kb, stride_kn, stride_vb, stride_vn, stride_btp, stride_knn,
+            stride_vnn, cache_len, new_hi, tl.program_id(2) == 0, page_size, NUM_PAGES,
+            causal_lim, qk_scale, win_l, win_r, cap_in, cap_out, slope, key_lo, Cos, Sin,
+            SEQLEN_RO, rot_partner, rot_freq, rot_sign, rot_on, acc1, q1, offs_d1, HEAD_DIM,
+            16, IS_CAUSAL, PAGED, UPCAST_DOT, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_LEFTPAD,
+            ROT_DIM, ROT_INTERLEAVED, BLOCK_D1)
 
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)
@@ -523,6 +590,12 @@ def attn_decode_split_kernel(
         o_ptrs = (Out + off_b.to(tl.int64) * stride_ob + offs_h[:, None].to(tl.int64) * stride_oh
                   + offs_i[:, None].to(tl.int64) * stride_om + offs_d[None, :])
         tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
+        if BLOCK_D1 > 0:
+            o1_ptrs = (Out + off_b.to(tl.int64) * stride_ob
+                       + offs_h[:, None].to(tl.int64) * stride_oh
+                       + offs_i[:, None].to(tl.int64) * stride_om + offs_d1[None, :])
+            tl.store(o1_ptrs, (acc1 / l_safe[:, None]).to(Out.dtype.element_ty),
+                     mask=r_ok[:, None] & (offs_d1 < HEAD_DIM)[None, :])
         if STORE_LSE:
             tl.store(Lse + row_ids, lse, mask=r_ok)
     else:
@@ -536,6 +609,12 @@ def attn_decode_split_kernel(
             tl.store(OPart + part[:, None] * HEAD_DIM + offs_d[None, :], out,
                      mask=r_ok[:, None] & d_ok[None, :])
             tl.store(LsePart + part, lse, mask=r_ok)
+        if BLOCK_D1 > 0:
+            part_ok = r_ok[:, None] & (offs_d1 < HEAD_DIM)[None, :]
+            if NEW_ROWS:
+                part_ok = part_ok & live
+            tl.store(OPart + part[:, None] * HEAD_DIM + offs_d1[None, :],
+                     acc1 / l_safe[:, None], mask=part_ok)
 
 
 @triton.jit

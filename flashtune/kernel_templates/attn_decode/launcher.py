@@ -31,7 +31,7 @@ from flashtune.kernel_templates.attn_decode.kernel import (
     attn_decode_combine_kernel,
     attn_decode_split_kernel,
 )
-from flashtune.kernel_templates.attn_decode.space import block_d, block_m, rows
+from flashtune.kernel_templates.attn_decode.space import block_d, block_m, d_tiles, rows
 
 
 def _upcast_dot(q: torch.Tensor) -> bool:
@@ -104,6 +104,7 @@ def kernel_args(q: Any, k: Any, v: Any, out: Any, lse: Any, seqlens: Any, block_
     heads_kv = k.shape[1]
     group = heads_q // heads_kv
     bd, bm, bn = block_d(head_dim), block_m(group, seqlen_q), config["BLOCK_N"]
+    bd0, bd1 = d_tiles(head_dim, config.get("SPLIT_D", 0))
     splits = config["NUM_SPLITS"]
     if splits == 1:
         o_part = lse_part = out
@@ -142,7 +143,7 @@ def kernel_args(q: Any, k: Any, v: Any, out: Any, lse: Any, seqlens: Any, block_
             rotary_cos.shape[0] if rot_dim else None,
             k.shape[0] if cache_batch_idx is not None else None,
             batch * heads_kv if extra_rows else None)
-    kwargs = dict(HEAD_DIM=head_dim, BLOCK_D=bd, GROUP=group, BLOCK_M=bm, BLOCK_N=bn,
+    kwargs = dict(HEAD_DIM=head_dim, BLOCK_D=bd0, GROUP=group, BLOCK_M=bm, BLOCK_N=bn,
                   NUM_SPLITS=splits, IS_CAUSAL=bool(causal), HAS_SEQLENS=seqlens is not None,
                   PAGED=paged, PAGE_ALIGNED=paged and page_size % bn == 0,
                   STORE_LSE=lse is not None, UPCAST_DOT=upcast_dot,
@@ -153,7 +154,7 @@ def kernel_args(q: Any, k: Any, v: Any, out: Any, lse: Any, seqlens: Any, block_
                                                                        seqlen_k),
                   HAS_BATCH_IDX=cache_batch_idx is not None,
                   HAS_LEFTPAD=cache_leftpad is not None, NEW_ROWS=extra_rows > 0,
-                  num_warps=config["num_warps"], num_stages=config["num_stages"])
+                  BLOCK_D1=bd1, num_warps=config["num_warps"], num_stages=config["num_stages"])
     launches: list[tuple[Any, tuple[Any, ...], dict[str, Any], tuple[int, ...]]] = [
         (attn_decode_split_kernel, args, kwargs, grid)]
     if splits > 1:

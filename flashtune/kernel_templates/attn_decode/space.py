@@ -25,7 +25,12 @@ PARAMS: dict[str, tuple[int, ...]] = {
     "NUM_SPLITS": (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128),
     "num_warps": (1, 2, 4, 8),
     "num_stages": (1, 2, 3, 4),
+    # 1: a head dim that is not a power of two read as two tiles (D96 = 64 + 32, see
+    # d_tiles), so no padded dim is loaded or multiplied
+    "SPLIT_D": (0, 1),
 }
+# knobs a config may leave out: configs tuned before them run as they did
+DEFAULTS: dict[str, int] = {"SPLIT_D": 0}
 
 # query rows (GQA group x Nq) one program holds at most; more rows take more programs,
 # each reading the group's K/V again
@@ -51,6 +56,18 @@ def block_d(head_dim: int) -> int:
     return max(16, 1 << (head_dim - 1).bit_length())
 
 
+def d_tiles(head_dim: int, split: int | bool = 0) -> tuple[int, int]:
+    """The head dim's tiles ``(BLOCK_D, BLOCK_D1)``: one power of two covering it
+    (``(block_d(D), 0)``), or with ``split`` the largest power of two below it and the rest
+    padded to a power of two >= 16 (``tl.dot``'s minimum): 96 -> (64, 32), 80 -> (64, 16),
+    192 -> (128, 64). A power-of-two head dim is one tile either way."""
+    whole = block_d(head_dim)
+    if not split or whole == head_dim or head_dim <= 16:
+        return whole, 0
+    first = whole // 2
+    return first, block_d(head_dim - first)
+
+
 def rows(group: int, seqlen_q: int) -> int:
     """Query rows of one KV head: every query head of its GQA group times every query."""
     return group * seqlen_q
@@ -66,8 +83,9 @@ def block_m(group: int, seqlen_q: int) -> int:
 def shared_mem_bytes(config: Mapping[str, int], bm: int, head_dim: int,
                      elem_size: int = 2) -> int:
     """Shared memory of one program: the Q tile plus ``num_stages`` K and V tiles in flight
-    (same model as attn_fwd's, an estimate)."""
-    bd = block_d(head_dim)
+    (same model as attn_fwd's, an estimate), the head dim's tiles as :func:`d_tiles` cuts
+    them."""
+    bd = sum(d_tiles(head_dim, config.get("SPLIT_D", 0)))
     bn, stages = config["BLOCK_N"], config["num_stages"]
     return (bm * bd + max(1, stages) * 2 * bn * bd) * elem_size
 
@@ -75,7 +93,11 @@ def shared_mem_bytes(config: Mapping[str, int], bm: int, head_dim: int,
 def check(config: Mapping[str, int], problem: AttentionProblem,
           device: DeviceFingerprint) -> str | None:
     """Why ``config`` cannot (or should not) run ``problem`` on ``device``; None if it can."""
-    bd = block_d(problem.head_dim)
+    split_d = config.get("SPLIT_D", 0)
+    bd = sum(d_tiles(problem.head_dim, split_d))
+    if split_d and bd >= block_d(problem.head_dim):
+        return (f"SPLIT_D 1 cuts a head dim that is not a power of two; head_dim "
+                f"{problem.head_dim} is one tile of {block_d(problem.head_dim)} either way")
     bm = block_m(problem.heads_q // problem.heads_kv, problem.seqlen_q)
     bn, splits, warps = config["BLOCK_N"], config["NUM_SPLITS"], config["num_warps"]
     threads = 32 * warps
@@ -102,18 +124,19 @@ def check(config: Mapping[str, int], problem: AttentionProblem,
     return None
 
 
-SPACE = SearchSpace(params=PARAMS, predicate=check)
+SPACE = SearchSpace(params=PARAMS, predicate=check, defaults=DEFAULTS)
 
 
-def default_splits(problem: AttentionProblem, sm_count: int, block_n: int = 64) -> int:
-    """The split count of the space nearest below ``round(sm_count / programs)`` (about one
-    program per SM, two resident a SM), but no split shorter than :data:`MIN_SPLIT_KEYS` keys
-    (or one ``block_n`` block) of :func:`keys_seen`; 1 once the unsplit grid fills the
+def default_splits(problem: AttentionProblem, sm_count: int, block_n: int = 64,
+                   per_sm: int = 1) -> int:
+    """The split count of the space nearest below ``round(per_sm * sm_count / programs)``
+    (about ``per_sm`` programs per SM), but no split shorter than :data:`MIN_SPLIT_KEYS`
+    keys (or one ``block_n`` block) of :func:`keys_seen`; 1 once the unsplit grid fills the
     SMs."""
     group = problem.heads_q // problem.heads_kv
     row_blocks = -(-rows(group, problem.seqlen_q) // block_m(group, problem.seqlen_q))
     programs = problem.batch * problem.heads_kv * row_blocks
-    want = round(max(1, sm_count) / programs)
+    want = round(per_sm * max(1, sm_count) / programs)
     cap = max(1, -(-keys_seen(problem) // max(MIN_SPLIT_KEYS, block_n)))
     want = min(want, cap)
     return max(s for s in PARAMS["NUM_SPLITS"] if s <= max(1, want))
@@ -121,21 +144,39 @@ def default_splits(problem: AttentionProblem, sm_count: int, block_n: int = 64) 
 
 def default_config(problem: AttentionProblem, device: DeviceFingerprint) -> Config:
     """BLOCK_N 128 with 2 stages (64 for head_dim > 128), 4 warps and
-    :func:`default_splits`; shrunk until the device takes it.
+    :func:`default_splits`; for a head dim below 128 that is not a power of two, BLOCK_N 64
+    with 3 stages, two programs per SM and its two tiles (``SPLIT_D``, where they save
+    padding); shrunk until the device takes it.
 
     Measured on an H100 (bf16, Hq 32, Hkv 8, D 128, Nq 1, CUDA-graph timings): split
     counts of half or twice this rule were 1-12% slower (B 1..64 x Nk 1k..128k). Of
     BLOCK_N {32, 64, 128} x stages {2, 3, 4}, contiguous caches ran best with (128, 3) or
     (64, 4) (geomean 3.03 / 3.01 TB/s over B 1/16/64), paged ones (page 16 and 64) with
     (128, 2) (2.65 / 2.73 TB/s; 2.19-2.46 with 3 or 4 stages); (128, 2) gives contiguous
-    caches 2.99, so it is the one default for both (configs are shared, see above)."""
+    caches 2.99, so it is the one default for both (configs are shared, see above).
+
+    Phi-3's 32:32 heads of 96 on an H200 (bf16, B 1-16 over 4096 and 12000 keys,
+    CUDA-graph replays with a cold L2: ``benchmarks/results/decode_split_d_cold_h200.json``)
+    ran the D128 rule (one padded tile) at 0.71-0.86x cuDNN's step at B 1-4; this one ran
+    0.97-1.06x at every shape (0.79-1.00x with one tile: two tiles keep a lent or default
+    config from the worst)."""
     wide = problem.head_dim > 128
-    config: Config = {
-        "BLOCK_N": 64 if wide else 128,
-        "NUM_SPLITS": default_splits(problem, device.sm_count, 64 if wide else 128),
-        "num_warps": 4,
-        "num_stages": 2,
-    }
+    if problem.head_dim < 128 and block_d(problem.head_dim) != problem.head_dim:
+        config: Config = {
+            "BLOCK_N": 64,
+            "NUM_SPLITS": default_splits(problem, device.sm_count, 64, per_sm=2),
+            "num_warps": 4,
+            "num_stages": 3,
+        }
+        if sum(d_tiles(problem.head_dim, 1)) < block_d(problem.head_dim):
+            config["SPLIT_D"] = 1
+    else:
+        config = {
+            "BLOCK_N": 64 if wide else 128,
+            "NUM_SPLITS": default_splits(problem, device.sm_count, 64 if wide else 128),
+            "num_warps": 4,
+            "num_stages": 2,
+        }
     while (reason := check(config, problem, device)) is not None:
         if "NUM_SPLITS" in reason and config["NUM_SPLITS"] > 1:
             config["NUM_SPLITS"] = max(s for s in PARAMS["NUM_SPLITS"]
