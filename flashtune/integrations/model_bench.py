@@ -22,8 +22,10 @@ modification):
   for every contender);
 * ``generate`` (decoders): greedy generation of ``new`` tokens after a prompt, KV cache on;
   its decode time is the generation's minus the prompt's prefill, timed beside it;
-* ``generate_static`` (decoders): the same with a static cache
-  (``cache_implementation="static"``), with which transformers compiles each decode step
+* ``generate_static`` (decoders): the same with a static cache (transformers'
+  ``StaticCache``, made once and emptied before each call, as a server keeps its cache;
+  ``cache_implementation="static"`` makes a new one a call, and the compiled step's CUDA
+  graphs were recorded again every call), with which transformers compiles each decode step
   with ``torch.compile(mode="reduce-overhead")`` on a GPU: the steps replay as CUDA graphs
   (flashtune's steps run over the whole cache, lengths on the device:
   :mod:`flashtune.runtime.static_cache`). On CPU the steps run eagerly;
@@ -503,19 +505,45 @@ def _phases(spec: ModelSpec, work: Workload, model: Any, device: str) -> list[_P
             continue
         prompt = ids(work.gen_batch, work.gen_prompt)
         mask = torch.ones_like(prompt)
-        static = {"cache_implementation": "static"} if name == "generate_static" else {}
+        # one static cache for every call, emptied before each: generate's own would be a
+        # new one a call, and the compiled step's CUDA graphs would be recorded again each
+        # time (torch's cudagraph trees: "static input data pointer changed")
+        caches = _ReusedCache(model, work.gen_prompt + work.new_tokens - 1) \
+            if name == "generate_static" else None
 
-        def generate(static: dict[str, str] = static, prompt: torch.Tensor = prompt,
+        def generate(caches: _ReusedCache | None = caches, prompt: torch.Tensor = prompt,
                      mask: torch.Tensor = mask) -> torch.Tensor:
-            return _greedy(model, prompt, mask, work.new_tokens, **static)
+            extra = {} if caches is None else {"past_key_values": caches.emptied()}
+            return _greedy(model, prompt, mask, work.new_tokens, **extra)
 
         prefill = infer({"input_ids": prompt, "logits_to_keep": 1})
         label = (f"B{work.gen_batch} x {work.gen_prompt} + {work.new_tokens} new"
                  + (", static cache" + (", CUDA graphs" if device == "cuda" else "")
-                    if static else ""))
+                    if caches is not None else ""))
         phases.append(_Phase(name, label, work.gen_batch * work.new_tokens, generate,
                              generate, {"prefill": prefill}))
     return phases
+
+
+class _ReusedCache:
+    """A transformers ``StaticCache`` of ``max_cache_len`` slots (generate's own length for
+    the phase: prompt + new tokens - 1), made once and emptied before each use, so its
+    tensors keep their addresses from call to call (what a server that keeps its cache
+    does; a compiled step's CUDA graphs are then recorded once)."""
+
+    def __init__(self, model: Any, max_cache_len: int) -> None:
+        self.model, self.max_cache_len = model, max_cache_len
+        self.cache: Any = None
+
+    def emptied(self) -> Any:
+        if self.cache is None:
+            from transformers import StaticCache
+
+            self.cache = StaticCache(config=self.model.config,
+                                     max_cache_len=self.max_cache_len)
+        else:
+            self.cache.reset()
+        return self.cache
 
 
 def _greedy(model: Any, prompt: torch.Tensor, mask: torch.Tensor, new_tokens: int,

@@ -69,6 +69,25 @@ def test_llama_runs_every_phase_on_flashtune_checked_against_sdpa():
     assert "generate" in text and "all 6 attention calls ran on flashtune's route" in text
 
 
+def test_the_static_phase_keeps_one_cache_emptied_between_calls():
+    """generate_static's cache is made once: the same tensors every call (a compiled step's
+    CUDA graphs are not recorded again), emptied before each, so each call generates what
+    a fresh cache does."""
+    spec, w = mb.TINY["llama"], mb.default_workload("llama", tiny=True)
+    torch.manual_seed(0)
+    model = spec.build(torch.bfloat16, DEVICE)
+    prompt = torch.randint(1, spec.vocab, (w.gen_batch, w.gen_prompt), device=DEVICE)
+    mask = torch.ones_like(prompt)
+    reused = mb._ReusedCache(model, w.gen_prompt + w.new_tokens - 1)
+    fresh = mb._greedy(model, prompt, mask, w.new_tokens, cache_implementation="static")
+    first = mb._greedy(model, prompt, mask, w.new_tokens, past_key_values=reused.emptied())
+    keys = reused.cache.layers[0].keys
+    second = mb._greedy(model, prompt, mask, w.new_tokens, past_key_values=reused.emptied())
+    assert reused.cache.layers[0].keys is keys
+    assert keys.data_ptr() == reused.cache.layers[0].keys.data_ptr()
+    assert torch.equal(first, fresh) and torch.equal(second, fresh)
+
+
 def test_round_stats_and_the_fastest_rounds_of_a_swinging_phase():
     """A phase's rounds give the median, the spread and each contender's fastest round over
     flashtune's; the table adds the fastest rounds' ratios where the rounds swing past
