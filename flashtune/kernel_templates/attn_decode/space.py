@@ -158,7 +158,7 @@ def default_config(problem: AttentionProblem, device: DeviceFingerprint) -> Conf
     Phi-3's 32:32 heads of 96 on an H200 (bf16, B 1-16 over 4096 and 12000 keys,
     CUDA-graph replays with a cold L2: ``benchmarks/results/decode_split_d_cold_h200.json``)
     ran the D128 rule (one padded tile) at 0.71-0.86x cuDNN's step at B 1-4; this one ran
-    0.97-1.06x at every shape (0.79-1.00x with one tile: two tiles keep a lent or default
+    0.97-1.06x at every shape (0.79-1.01x with one tile: two tiles keep a lent or default
     config from the worst)."""
     wide = problem.head_dim > 128
     if problem.head_dim < 128 and block_d(problem.head_dim) != problem.head_dim:
