@@ -65,12 +65,18 @@ KNOB_CONFIGS = [
      "REVERSE_M": 1},
     {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2, "USE_TMA": 0,
      "REVERSE_M": 1},
+    # D96 as two tiles, 64 + 32 (a second descriptor per tensor with TMA)
+    {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3, "USE_TMA": 1,
+     "SPLIT_D": 1},
+    {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3, "USE_TMA": 0,
+     "REVERSE_M": 1, "SPLIT_D": 1},
 ]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("layout", ["bhnd", "bnhd", "misaligned"])
-@pytest.mark.parametrize("cfg", KNOB_CONFIGS, ids=["tma", "tma-rev", "rev"])
+@pytest.mark.parametrize("cfg", KNOB_CONFIGS, ids=["tma", "tma-rev", "rev", "tma-split-d",
+                                                  "rev-split-d"])
 def test_hopper_knobs_match_the_reference(cfg, layout, dtype):
     """TMA (4-D descriptors, zero-filled edges) and reversed tiles on odd shapes, GQA, D=96,
     transposed views, and a misaligned view that must fall back to plain loads."""

@@ -29,7 +29,7 @@ def test_registry_lists_known_names_on_unknown():
 def test_validate_rejects_unknown_missing_and_out_of_space():
     good = {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3}
     # the Hopper knobs are optional and default to off
-    assert SPEC.space.validate(good) == {**good, "USE_TMA": 0, "REVERSE_M": 0}
+    assert SPEC.space.validate(good) == {**good, "USE_TMA": 0, "REVERSE_M": 0, "SPLIT_D": 0}
     assert SPEC.space.validate({**good, "USE_TMA": 1})["USE_TMA"] == 1
     with pytest.raises(ConfigError, match="USE_TMA.*allowed values: \\[0, 1\\]"):
         SPEC.space.validate({**good, "USE_TMA": 2})
@@ -93,24 +93,28 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from flashtune.kernel_templates.attn_fwd.kernel import attn_fwd_kernel as kern
-from flashtune.kernel_templates.attn_fwd.space import block_d
+from flashtune.kernel_templates.head_tiles import d_tiles
 names = kern.arg_names
 aligned = {"Q", "K", "V", "Out", "Lse"} | {n for n in names if n.startswith("stride_")
                                            and n not in ("stride_lb", "stride_lh")}
 attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in aligned}
 result = []
-for bm, bn, w, s, d, tma in json.loads(sys.argv[1]):
-    bd = block_d(d)
+for bm, bn, w, s, d, tma, split in json.loads(sys.argv[1]):
+    bd, bd1 = d_tiles(d, split)
     const = dict(HEAD_DIM=d, BLOCK_D=bd, BLOCK_M=bm, BLOCK_N=bn, IS_CAUSAL=False,
                  STORE_LSE=True, UPCAST_DOT=False, NEG_SCALE=False, USE_TMA=bool(tma),
                  REVERSE_M=False, HAS_WINDOW=False, HAS_SOFTCAP=False, HAS_ALIBI=False,
                  VARLEN=False, HAS_DROPOUT=False, Alibi=None, CuSeqQ=None, CuSeqK=None,
-                 Seed=None)
+                 Seed=None, BLOCK_D1=bd1)
     descs = {"desc_q": bm, "desc_k": bn, "desc_v": bn, "desc_o": bm}
+    descs1 = {n + "1": r for n, r in descs.items()}
     if not tma:
         const.update({n: None for n in descs})
+    if not (tma and bd1):
+        const.update({n: None for n in descs1})
     sig = {n: ("constexpr" if n in const else "*fp16" if n in ("Q", "K", "V", "Out")
                else f"tensordesc<fp16[1,1,{descs[n]},{bd}]>" if n in descs
+               else f"tensordesc<fp16[1,1,{descs1[n]},{bd1}]>" if n in descs1
                else "*fp32" if n == "Lse" else "fp32" if n in ("sm_scale", "SOFTCAP")
                else "i32")
            for n in names}
@@ -133,16 +137,19 @@ def test_shared_memory_model_matches_the_hopper_compiler():
     import subprocess
     import sys
 
-    cases = [(128, 64, 8, 3, 128, 0), (64, 32, 4, 2, 64, 0), (128, 128, 8, 3, 128, 0),
-             (64, 64, 4, 4, 96, 0), (128, 64, 8, 3, 128, 1), (64, 32, 4, 2, 64, 1),
-             (64, 64, 4, 4, 96, 1)]
+    cases = [(128, 64, 8, 3, 128, 0, 0), (64, 32, 4, 2, 64, 0, 0), (128, 128, 8, 3, 128, 0, 0),
+             (64, 64, 4, 4, 96, 0, 0), (128, 64, 8, 3, 128, 1, 0), (64, 32, 4, 2, 64, 1, 0),
+             (64, 64, 4, 4, 96, 1, 0),
+             # the head dim as two tiles (SPLIT_D): 96 = 64 + 32, 80 = 64 + 16
+             (128, 64, 8, 3, 96, 0, 1), (128, 128, 8, 3, 96, 1, 1), (128, 64, 8, 3, 80, 1, 1)]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, json.dumps(cases)],
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     reported = json.loads(proc.stdout.strip().splitlines()[-1])
-    for (bm, bn, w, s, d, tma), shared in zip(cases, reported):
-        est = shared_mem_bytes({"BLOCK_M": bm, "BLOCK_N": bn, "num_stages": s, "USE_TMA": tma}, d)
+    for (bm, bn, w, s, d, tma, split), shared in zip(cases, reported):
+        est = shared_mem_bytes({"BLOCK_M": bm, "BLOCK_N": bn, "num_stages": s, "USE_TMA": tma,
+                                "SPLIT_D": split}, d)
         if tma:  # an upper bound: barriers plus up to 1 KiB of swizzle alignment
             assert est - 1024 < shared <= est, (bm, bn, w, s, d, est, shared)
         else:

@@ -148,7 +148,7 @@ def test_files_of_the_config_dir_and_the_package(env: dict) -> None:
         (EXTERN, {}, 1.5)
     assert dir_extern.device == KEY
     # configs come validated: attn_fwd's optional knobs are filled in
-    assert entries[2].config == {**FWD_CFG, "USE_TMA": 0, "REVERSE_M": 0}
+    assert entries[2].config == {**FWD_CFG, "USE_TMA": 0, "REVERSE_M": 0, "SPLIT_D": 0}
     assert load_choices("decode", env["hashes"], HERE.name) == ([], [])
 
 

@@ -36,7 +36,7 @@ HERE = interpreter_device()
 TWIN = DeviceFingerprint("cpu-twin", HERE.compute_capability, HERE.sm_count + 1,
                          HERE.shared_mem_per_block, 0)
 BASE = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 2, "num_stages": 1, "USE_TMA": 0,
-        "REVERSE_M": 0}
+        "REVERSE_M": 0, "SPLIT_D": 0}
 
 
 def cfg(bm: int = 16, bn: int = 16) -> dict[str, int]:
@@ -432,10 +432,13 @@ def test_autotune_is_opt_in_and_runs_once(env, monkeypatch):
     out = flashtune.attention(q, k, v, causal=True)
     assert choice(p).source == "exact"  # tuned into $FLASHTUNE_DB, then served
     with open_store(env["db"], read_only=True) as store:
-        assert len(store.list_trials()) == 2
+        trials = store.list_trials()
+    # two configs run (others the sampler proposed may be recorded as pruned: a knob the
+    # head dim does not take, such as SPLIT_D at a power of two)
+    assert sum(t.state.value != "PRUNED_STATIC" for t in trials) == 2
     flashtune.attention(q, k, v, causal=True)
     with open_store(env["db"], read_only=True) as store:
-        assert len(store.list_trials()) == 2  # not tuned again
+        assert len(store.list_trials()) == len(trials)  # not tuned again
     assert out.shape == q.shape
 
 

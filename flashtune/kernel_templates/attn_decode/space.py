@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from flashtune.core.device import DeviceFingerprint
 from flashtune.core.problem import AttentionProblem
 from flashtune.core.space import Config, SearchSpace
+from flashtune.kernel_templates.head_tiles import d_tiles
 
 PARAMS: dict[str, tuple[int, ...]] = {
     "BLOCK_N": (16, 32, 64, 128),
@@ -54,18 +55,6 @@ def keys_seen(problem: AttentionProblem) -> int:
 def block_d(head_dim: int) -> int:
     """Head dims that are not powers of two (96, 192) are padded to the next one in-kernel."""
     return max(16, 1 << (head_dim - 1).bit_length())
-
-
-def d_tiles(head_dim: int, split: int | bool = 0) -> tuple[int, int]:
-    """The head dim's tiles ``(BLOCK_D, BLOCK_D1)``: one power of two covering it
-    (``(block_d(D), 0)``), or with ``split`` the largest power of two below it and the rest
-    padded to a power of two >= 16 (``tl.dot``'s minimum): 96 -> (64, 32), 80 -> (64, 16),
-    192 -> (128, 64). A power-of-two head dim is one tile either way."""
-    whole = block_d(head_dim)
-    if not split or whole == head_dim or head_dim <= 16:
-        return whole, 0
-    first = whole // 2
-    return first, block_d(head_dim - first)
 
 
 def rows(group: int, seqlen_q: int) -> int:

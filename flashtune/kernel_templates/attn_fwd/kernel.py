@@ -39,6 +39,13 @@ Hopper knobs (constexpr, chosen by the config):
   columns come back as zeros, so no load needs a mask. Not with ``VARLEN``.
 * ``REVERSE_M``: programs take query tiles last-first, so under a causal mask the longest
   tiles start first and the short ones fill the tail of the wave.
+
+``BLOCK_D1`` > 0 (the ``SPLIT_D`` knob, :mod:`flashtune.kernel_templates.head_tiles`): the
+head dim as two tiles, dims ``[0, BLOCK_D)`` (all real) and ``[BLOCK_D, BLOCK_D + BLOCK_D1)``
+(zero past ``HEAD_DIM``): D96 as 64 + 32 multiplies no padded column where one 128-wide tile
+spends a quarter of its dots on zeros. Q, K, V and O each get a second tile (with TMA, a
+second descriptor of their own: ``desc_q1`` ..., boxes ``BLOCK_D1`` wide at column
+``BLOCK_D``), the scores two dots, ``P @ V`` two accumulators. 0 compiles as before.
 """
 
 import triton
@@ -51,12 +58,13 @@ from flashtune.kernel_templates.score_mods import dropout_keep, modified_scores
 def _load_kv(k_base, v_base, desc_k, desc_v, off_b, off_hkv, start_n, offs_n, offs_d,
              stride_kn, stride_vn, N_K,
              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-             MASKED: tl.constexpr, USE_TMA: tl.constexpr):
-    """K^T ``(BLOCK_D, BLOCK_N)`` and V ``(BLOCK_N, BLOCK_D)`` of keys ``start_n + offs_n``;
-    zeros past ``N_K`` (when MASKED) and past ``HEAD_DIM``."""
+             MASKED: tl.constexpr, USE_TMA: tl.constexpr, COL0: tl.constexpr):
+    """K^T ``(BLOCK_D, BLOCK_N)`` and V ``(BLOCK_N, BLOCK_D)`` of keys ``start_n + offs_n``,
+    dims ``offs_d`` (``COL0 + arange(BLOCK_D)``: 0, or the head dim's second tile's first
+    column); zeros past ``N_K`` (when MASKED) and past ``HEAD_DIM``."""
     if USE_TMA:
-        k = desc_k.load([off_b, off_hkv, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
-        v = desc_v.load([off_b, off_hkv, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
+        k = desc_k.load([off_b, off_hkv, start_n, COL0]).reshape(BLOCK_N, BLOCK_D)
+        v = desc_v.load([off_b, off_hkv, start_n, COL0]).reshape(BLOCK_N, BLOCK_D)
         kt = k.T
     else:
         cols = start_n + offs_n
@@ -67,7 +75,7 @@ def _load_kv(k_base, v_base, desc_k, desc_v, off_b, off_hkv, start_n, offs_n, of
             n_ok = cols < N_K
             kt = tl.load(k_ptrs, mask=n_ok[None, :] & d_ok[:, None], other=0.0)
             v = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        elif BLOCK_D != HEAD_DIM:
+        elif COL0 + BLOCK_D > HEAD_DIM:
             kt = tl.load(k_ptrs, mask=d_ok[:, None], other=0.0)
             v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
         else:
@@ -80,19 +88,31 @@ def _load_kv(k_base, v_base, desc_k, desc_v, off_b, off_hkv, start_n, offs_n, of
 def _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, off_b, off_hkv,
                     offs_m, offs_n, offs_d, stride_kn, stride_vn, lo, hi, N_K, CAUSAL_OFFSET,
                     qk_scale, win_l, win_r, cap_in, cap_out, slope, seed, off_bh, drop_t, drop_row,
+                    acc1, q1, offs_d1, desc_k1, desc_v1,
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr,
                     USE_TMA: tl.constexpr, NEG_SCALE: tl.constexpr,
                     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                    HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr):
+                    HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+                    BLOCK_D1: tl.constexpr):
     for start_n in tl.range(lo, hi, BLOCK_N):
         kt, v = _load_kv(k_base, v_base, desc_k, desc_v, off_b, off_hkv, start_n, offs_n,
                          offs_d, stride_kn, stride_vn, N_K, HEAD_DIM, BLOCK_D, BLOCK_N,
-                         MASKED, USE_TMA)
+                         MASKED, USE_TMA, 0)
+        kt1 = None
+        v1 = None
+        if BLOCK_D1 > 0:  # the head dim's second tile
+            kt1, v1 = _load_kv(k_base, v_base, desc_k1, desc_v1, off_b, off_hkv, start_n,
+                               offs_n, offs_d1, stride_kn, stride_vn, N_K, HEAD_DIM, BLOCK_D1,
+                               BLOCK_N, MASKED, USE_TMA, BLOCK_D)
         if UPCAST_DOT:
             qk = tl.dot(q.to(tl.float32), kt.to(tl.float32))
+            if BLOCK_D1 > 0:
+                qk += tl.dot(q1.to(tl.float32), kt1.to(tl.float32))
         else:
             qk = tl.dot(q, kt)
+            if BLOCK_D1 > 0:
+                qk = tl.dot(q1, kt1, qk)
         if MASKED:
             cols = start_n + offs_n
             keep = (cols < N_K)[None, :]
@@ -141,10 +161,14 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, off_b, off
             p = p * tl.where(keep, 1.0, 0.0)
         if UPCAST_DOT:
             acc += tl.dot(p, v.to(tl.float32))
+            if BLOCK_D1 > 0:
+                acc1 = acc1 * alpha[:, None] + tl.dot(p, v1.to(tl.float32))
         else:
             acc = tl.dot(p.to(v.dtype), v, acc)
+            if BLOCK_D1 > 0:
+                acc1 = tl.dot(p.to(v1.dtype), v1, acc1 * alpha[:, None])
         m_i = m_new
-    return acc, l_i, m_i
+    return acc, l_i, m_i, acc1
 
 
 @triton.jit
@@ -188,15 +212,19 @@ def attn_fwd_kernel(
     # place, and so (the pointers above being None) today's PTX and SASS
     stride_ab, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
     Seed, DROPOUT_T,
+    # the head dim's second tile's descriptors (None unless USE_TMA with BLOCK_D1 > 0)
+    desc_q1, desc_k1, desc_v1, desc_o1,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, STORE_LSE: tl.constexpr, UPCAST_DOT: tl.constexpr,
     NEG_SCALE: tl.constexpr, USE_TMA: tl.constexpr, REVERSE_M: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr, BLOCK_D1: tl.constexpr = 0,
 ):
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16, "tl.dot needs tiles of at least 16")
-    tl.static_assert(BLOCK_D >= HEAD_DIM, "BLOCK_D must cover HEAD_DIM")
+    tl.static_assert(BLOCK_D + BLOCK_D1 >= HEAD_DIM, "BLOCK_D (+ BLOCK_D1) must cover HEAD_DIM")
+    tl.static_assert(BLOCK_D1 == 0 or (BLOCK_D < HEAD_DIM and BLOCK_D1 >= 16),
+                     "a second tile of >= 16 dims past a first one of real dims")
     tl.static_assert(not (USE_TMA and VARLEN), "VARLEN reads through pointers, not TMA")
     if REVERSE_M:
         start_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -237,6 +265,21 @@ def attn_fwd_kernel(
             q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
         q_ptrs = q_base + offs_m[:, None].to(tl.int64) * stride_qm + offs_d[None, :]
         q = tl.load(q_ptrs, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    # the head dim's second tile; without one, acc1 is a placeholder the loops carry and the
+    # compiler drops
+    offs_d1 = None
+    q1 = None
+    acc1 = tl.zeros([1], dtype=tl.float32)
+    if BLOCK_D1 > 0:
+        offs_d1 = BLOCK_D + tl.arange(0, BLOCK_D1)
+        if USE_TMA:
+            q1 = desc_q1.load([off_b, off_h, start_m * BLOCK_M, BLOCK_D]).reshape(BLOCK_M,
+                                                                                  BLOCK_D1)
+        else:
+            q1_ptrs = q_base + offs_m[:, None].to(tl.int64) * stride_qm + offs_d1[None, :]
+            q1 = tl.load(q1_ptrs, mask=m_ok[:, None] & (offs_d1 < HEAD_DIM)[None, :],
+                         other=0.0)
+        acc1 = tl.zeros([BLOCK_M, BLOCK_D1], dtype=tl.float32)
 
     qk_scale = sm_scale * 1.4426950408889634  # log2(e)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -284,31 +327,28 @@ def attn_fwd_kernel(
                                                   BLOCK_M, BLOCK_N)
         # the left band: the window's lower edge (all of the walk when no block is seen
         # in full by every row)
-        acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v,
-                                        off_b, off_hkv, offs_m, offs_n, offs_d, stride_kn,
-                                        stride_vn, lo, full_lo, N_K, causal_offset, qk_scale,
-                                        win_l, win_r, cap_in, cap_out, slope, seed, off_bh,
-                                        DROPOUT_T, start_m * BLOCK_M,
-                                        HEAD_DIM, BLOCK_D, BLOCK_N,
-                                        True, IS_CAUSAL, UPCAST_DOT, USE_TMA, NEG_SCALE,
-                                        HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)
+        acc, l_i, m_i, acc1 = _attn_fwd_inner(
+            acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, off_b, off_hkv, offs_m, offs_n,
+            offs_d, stride_kn, stride_vn, lo, full_lo, N_K, causal_offset, qk_scale, win_l,
+            win_r, cap_in, cap_out, slope, seed, off_bh, DROPOUT_T, start_m * BLOCK_M,
+            acc1, q1, offs_d1, desc_k1, desc_v1, HEAD_DIM, BLOCK_D, BLOCK_N,
+            True, IS_CAUSAL, UPCAST_DOT, USE_TMA, NEG_SCALE,
+            HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, BLOCK_D1)
 
-    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, off_b,
-                                    off_hkv, offs_m, offs_n, offs_d, stride_kn, stride_vn,
-                                    full_lo, full_hi, N_K, causal_offset, qk_scale,
-                                    win_l, win_r, cap_in, cap_out, slope, seed, off_bh,
-                                    DROPOUT_T, start_m * BLOCK_M,
-                                    HEAD_DIM, BLOCK_D, BLOCK_N,
-                                    False, IS_CAUSAL, UPCAST_DOT, USE_TMA, NEG_SCALE,
-                                    HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)
-    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, off_b,
-                                    off_hkv, offs_m, offs_n, offs_d, stride_kn, stride_vn,
-                                    full_hi, hi, N_K, causal_offset, qk_scale,
-                                    win_l, win_r, cap_in, cap_out, slope, seed, off_bh,
-                                    DROPOUT_T, start_m * BLOCK_M,
-                                    HEAD_DIM, BLOCK_D, BLOCK_N,
-                                    True, IS_CAUSAL, UPCAST_DOT, USE_TMA, NEG_SCALE,
-                                    HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)
+    acc, l_i, m_i, acc1 = _attn_fwd_inner(
+        acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, off_b, off_hkv, offs_m, offs_n,
+        offs_d, stride_kn, stride_vn, full_lo, full_hi, N_K, causal_offset, qk_scale, win_l, win_r,
+        cap_in, cap_out, slope, seed, off_bh, DROPOUT_T, start_m * BLOCK_M,
+        acc1, q1, offs_d1, desc_k1, desc_v1, HEAD_DIM, BLOCK_D, BLOCK_N,
+        False, IS_CAUSAL, UPCAST_DOT, USE_TMA, NEG_SCALE,
+        HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, BLOCK_D1)
+    acc, l_i, m_i, acc1 = _attn_fwd_inner(
+        acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, off_b, off_hkv, offs_m, offs_n,
+        offs_d, stride_kn, stride_vn, full_hi, hi, N_K, causal_offset, qk_scale, win_l, win_r,
+        cap_in, cap_out, slope, seed, off_bh, DROPOUT_T, start_m * BLOCK_M,
+        acc1, q1, offs_d1, desc_k1, desc_v1, HEAD_DIM, BLOCK_D, BLOCK_N,
+        True, IS_CAUSAL, UPCAST_DOT, USE_TMA, NEG_SCALE,
+        HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, BLOCK_D1)
 
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)
@@ -316,8 +356,18 @@ def attn_fwd_kernel(
         out = (acc / (l_safe * (DROPOUT_T * 0.00390625))[:, None]).to(Out.dtype.element_ty)
     else:
         out = (acc / l_safe[:, None]).to(Out.dtype.element_ty)
+    out1 = None
+    if BLOCK_D1 > 0:
+        if HAS_DROPOUT:
+            out1 = (acc1 / (l_safe * (DROPOUT_T * 0.00390625))[:, None]).to(
+                Out.dtype.element_ty)
+        else:
+            out1 = (acc1 / l_safe[:, None]).to(Out.dtype.element_ty)
     if USE_TMA:
         desc_o.store([off_b, off_h, start_m * BLOCK_M, 0], out.reshape(1, 1, BLOCK_M, BLOCK_D))
+        if BLOCK_D1 > 0:
+            desc_o1.store([off_b, off_h, start_m * BLOCK_M, BLOCK_D],
+                          out1.reshape(1, 1, BLOCK_M, BLOCK_D1))
     else:
         if VARLEN:
             o_base = Out + q_start.to(tl.int64) * stride_om + off_h.to(tl.int64) * stride_oh
@@ -325,6 +375,9 @@ def attn_fwd_kernel(
             o_base = Out + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
         o_ptrs = o_base + offs_m[:, None].to(tl.int64) * stride_om + offs_d[None, :]
         tl.store(o_ptrs, out, mask=m_ok[:, None] & d_ok[None, :])
+        if BLOCK_D1 > 0:
+            o1_ptrs = o_base + offs_m[:, None].to(tl.int64) * stride_om + offs_d1[None, :]
+            tl.store(o1_ptrs, out1, mask=m_ok[:, None] & (offs_d1 < HEAD_DIM)[None, :])
     if STORE_LSE:
         lse = tl.where(seen, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))
         if VARLEN:  # (Hq, total_q)

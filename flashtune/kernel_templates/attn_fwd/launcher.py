@@ -23,8 +23,8 @@ import torch
 import triton
 
 from flashtune.kernel_templates.attn_fwd.kernel import attn_fwd_kernel
-from flashtune.kernel_templates.attn_fwd.space import block_d
 from flashtune.kernel_templates.dropout import draw_seed, dropout_threshold
+from flashtune.kernel_templates.head_tiles import d_tiles
 from flashtune.kernel_templates.tma import (
     desc,
     pad_head_dim,
@@ -58,7 +58,8 @@ def kernel_args(q: Any, k: Any, v: Any, out: Any, lse: Any, config: Mapping[str,
     """
     varlen = cu_seqlens_q is not None
     heads_q, head_dim = q.shape[-2 if varlen else 1], q.shape[-1]
-    bm, bn, bd = config["BLOCK_M"], config["BLOCK_N"], block_d(head_dim)
+    bm, bn = config["BLOCK_M"], config["BLOCK_N"]
+    bd0, bd1 = d_tiles(head_dim, config.get("SPLIT_D", 0))
     if varlen:
         # (total, H, D): token stride, head stride; the batch strides are unused (0)
         if max_seqlen_q is None:
@@ -78,9 +79,12 @@ def kernel_args(q: Any, k: Any, v: Any, out: Any, lse: Any, config: Mapping[str,
         strides = tuple(s for t in (q, k, v, out) for s in (t.stride(0), t.stride(1),
                                                             t.stride(2)))
         lse_strides = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
+    descs1: tuple[Any, ...] = (None, None, None, None)
     if use_tma:
-        descs: tuple[Any, ...] = (desc(q, bm, bd), desc(k, bn, bd), desc(v, bn, bd),
-                                  desc(out, bm, bd))
+        descs: tuple[Any, ...] = (desc(q, bm, bd0), desc(k, bn, bd0), desc(v, bn, bd0),
+                                  desc(out, bm, bd0))
+        if bd1:
+            descs1 = (desc(q, bm, bd1), desc(k, bn, bd1), desc(v, bn, bd1), desc(out, bm, bd1))
     else:
         descs = (None, None, None, None)
     left, right = (int(w) for w in window)
@@ -103,13 +107,15 @@ def kernel_args(q: Any, k: Any, v: Any, out: Any, lse: Any, config: Mapping[str,
         heads_q, heads_q // heads_kv, seqlens[0], seqlens[1], float(scale),
         stride_ab, left, right, cap if has_softcap else 0.0,
         seed if has_dropout else None, dropout_threshold(dropout_p) if has_dropout else 0,
+        *descs1,
     )
     kwargs = dict(
-        HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_M=bm, BLOCK_N=bn,
+        HEAD_DIM=head_dim, BLOCK_D=bd0, BLOCK_M=bm, BLOCK_N=bn,
         IS_CAUSAL=bool(causal), STORE_LSE=lse is not None, UPCAST_DOT=upcast_dot,
         NEG_SCALE=scale < 0, USE_TMA=use_tma, REVERSE_M=bool(config.get("REVERSE_M", 0)),
         HAS_WINDOW=has_window, HAS_SOFTCAP=has_softcap, HAS_ALIBI=has_alibi, VARLEN=varlen,
-        HAS_DROPOUT=has_dropout, num_warps=config["num_warps"], num_stages=config["num_stages"],
+        HAS_DROPOUT=has_dropout, BLOCK_D1=bd1, num_warps=config["num_warps"],
+        num_stages=config["num_stages"],
     )
     return args, kwargs, (triton.cdiv(grid_q, bm), batch * heads_q)
 

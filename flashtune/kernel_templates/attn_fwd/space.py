@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from flashtune.core.device import DeviceFingerprint
 from flashtune.core.problem import AttentionProblem
 from flashtune.core.space import Config, SearchSpace
+from flashtune.kernel_templates.head_tiles import d_tiles
 from flashtune.kernel_templates.tma import tma_head_dim
 
 # tiles, warps and software-pipelining depth: every GPU
@@ -20,6 +21,8 @@ BASE_PARAMS: dict[str, tuple[int, ...]] = {
 KNOBS: dict[str, tuple[int, ...]] = {
     "USE_TMA": (0, 1),
     "REVERSE_M": (0, 1),
+    # a head dim that is not a power of two as two tiles (96 = 64 + 32: head_tiles.d_tiles)
+    "SPLIT_D": (0, 1),
 }
 PARAMS: dict[str, tuple[int, ...]] = {**BASE_PARAMS, **KNOBS}
 DEFAULTS: dict[str, int] = {name: 0 for name in KNOBS}
@@ -62,7 +65,7 @@ def shared_mem_bytes(config: Mapping[str, int], head_dim: int, elem_size: int = 
     swizzle alignment (an upper bound). ``tests/kernel_templates_tests`` checks this formula
     against the compiler for several configs.
     """
-    bd = block_d(head_dim)
+    bd = sum(d_tiles(head_dim, config.get("SPLIT_D", 0)))
     bm, bn, stages = config["BLOCK_M"], config["BLOCK_N"], config["num_stages"]
     tiles = (bm * bd + max(1, stages) * 2 * bn * bd) * elem_size
     return tiles + (TMA_SMEM_EXTRA if config.get("USE_TMA", 0) else 0)
@@ -71,7 +74,11 @@ def shared_mem_bytes(config: Mapping[str, int], head_dim: int, elem_size: int = 
 def check(config: Mapping[str, int], problem: AttentionProblem,
           device: DeviceFingerprint) -> str | None:
     """Why ``config`` cannot (or should not) run ``problem`` on ``device``; None if it can."""
-    bd = block_d(problem.head_dim)
+    split_d = config.get("SPLIT_D", 0)
+    bd = sum(d_tiles(problem.head_dim, split_d))
+    if split_d and bd >= block_d(problem.head_dim):
+        return (f"SPLIT_D 1 cuts a head dim that is not a power of two; head_dim "
+                f"{problem.head_dim} is one tile of {block_d(problem.head_dim)} either way")
     bm, bn, warps = config["BLOCK_M"], config["BLOCK_N"], config["num_warps"]  # noqa: F841
     if config.get("REVERSE_M", 0) and not problem.causal:
         return "REVERSE_M only reorders causal problems (no-op here)"
@@ -110,6 +117,15 @@ _DEFAULTS_TMA: tuple[tuple[int, Config], ...] = (
     (128, {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3, "USE_TMA": 1}),
     (256, {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "USE_TMA": 1}),
 )
+# with the tensor-copy engine, a head dim between 64 and 128 that two tiles cover with less
+# padding than one (D96 = 64 + 32, D80 = 64 + 16: head_tiles.d_tiles; below 64 unmeasured).
+# On an H200 (bf16, benchmarks/results/fwd_split_d_h200.json: Phi-3's 32:32 D96 at B1 x 2048
+# and 4096 causal and B4 x 2048, Phi-2-like D80 at B4 x 2048 causal; cold L2) it was the
+# fastest of 8 configs at each, 1.06 / 1.09 / 1.19 / 1.23x the D128 row's config with one
+# tile (0.89 / 0.96 / 0.96 / 0.99x cuDNN); with one tile these tiles were the slower
+# (0.91-0.93x)
+_DEFAULT_TWO_TILES: Config = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3,
+                              "USE_TMA": 1, "SPLIT_D": 1}
 
 # a head dim that is not a multiple of 8 under the interpreter (no TMA; its rows are not
 # 16-byte aligned, so the loads cannot be vectorised and their addresses take registers; on
@@ -125,10 +141,11 @@ _DEFAULTS_UNALIGNED: tuple[tuple[int, Config], ...] = (
 
 def default_config(problem: AttentionProblem, device: DeviceFingerprint) -> Config:
     """A safe config for ``problem``: the head-dim default for the device (TMA on Hopper and
-    newer; plain loads and tiles of their own for a head dim TMA cannot serve, see
-    :func:`tma_refusal`; reversed tile order under a causal mask), shrunk until the device
-    takes it. A head dim between two rows of a table takes the larger's config (the same
-    BLOCK_D: D80 runs D128's tiles)."""
+    newer, where a head dim between 64 and 128 that is not a power of two runs as two tiles,
+    ``_DEFAULT_TWO_TILES``; plain loads and tiles of their own for a head dim TMA cannot
+    serve, see :func:`tma_refusal`; reversed tile order under a causal mask), shrunk until
+    the device takes it. A head dim between two rows of a table takes the larger's config
+    (with one tile, the same BLOCK_D: D112 runs D128's tiles)."""
     cc = device.capability
     if tma_refusal(problem, device) is not None:
         table = _DEFAULTS_UNALIGNED
@@ -137,6 +154,9 @@ def default_config(problem: AttentionProblem, device: DeviceFingerprint) -> Conf
     else:
         table = _DEFAULTS
     cfg = next((c for max_d, c in table if problem.head_dim <= max_d), table[-1][1])
+    d = problem.head_dim
+    if table is _DEFAULTS_TMA and 64 < d < 128 and sum(d_tiles(d, 1)) < block_d(d):
+        cfg = _DEFAULT_TWO_TILES
     config = {**DEFAULTS, **cfg, "REVERSE_M": int(problem.causal)}
     if problem.dropout > 0 and table is _DEFAULTS_TMA and problem.head_dim <= 64:
         # the dropout mask's registers on top of a 128 x 128 score tile at 4 warps spill
