@@ -217,7 +217,8 @@ def attn_decode(
             meant for ``seqlen_q <= 16`` (any length runs).
         k, v: ``(batch, heads_kv, seqlen_k, head_dim)``, same dtype and device as ``q``, any
             strides with a contiguous last dim; ``heads_q`` a multiple of ``heads_kv``.
-        config: ``{"BLOCK_N", "NUM_SPLITS", "num_warps", "num_stages"}`` from the
+        config: ``{"BLOCK_N", "NUM_SPLITS", "num_warps", "num_stages"}`` and optionally
+            ``SPLIT_D`` (0/1: a head dim that is not a power of two as two tiles) from the
             ``attn_decode`` space.
         causal: bottom-right aligned: query ``i`` sees key ``j`` iff
             ``j <= i + seqlen_k - seqlen_q``. With a ``window``, causal is its right bound 0.

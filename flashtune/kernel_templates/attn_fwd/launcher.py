@@ -150,7 +150,8 @@ def attn_fwd(
             head_dim)``), same dtype and device as ``q``; ``heads_q`` must be a multiple of
             ``heads_kv`` (GQA/MQA, never expanded).
         config: ``{"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}`` and optionally
-            ``USE_TMA`` and ``REVERSE_M`` (0/1), from the template's space. ``USE_TMA`` falls
+            ``USE_TMA``, ``REVERSE_M`` and ``SPLIT_D`` (0/1: a head dim that is not a power
+            of two as two tiles), from the template's space. ``USE_TMA`` falls
             back to plain loads when a tensor is not 16-byte aligned (see :func:`tma_ok`),
             and is off with varlen.
         causal: bottom-right aligned mask: query ``i`` sees key ``j`` iff
