@@ -173,6 +173,7 @@ def _tune_one(problem: AttentionProblem, options: TuneOptions, store: TuningStor
     from flashtune.autotune.strategies import config_from_trial
 
     t_start = time.monotonic()
+    space = space.for_problem(problem)  # knobs the problem cannot take are not proposed
     opened = open_study(store, url, spec, problem, device, options, space)
     ids, study, run_id = opened.ids, opened.optuna, opened.run_id
     # the default in the study's own terms (a replayed recording may cover fewer knobs)

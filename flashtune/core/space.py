@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from flashtune.core.errors import ConfigError
@@ -20,6 +20,8 @@ Predicate = Callable[[Mapping[str, int], Any, Any], "str | None"]
 # lend(config, tuned_for, problem, device) -> the config tuned for the problem ``tuned_for``,
 # fitted to run ``problem`` (see SearchSpace.lent)
 Lend = Callable[[Mapping[str, int], Any, Any, Any], Config]
+# problem -> the values a parameter may take for it, for parameters that cannot take all
+Narrow = Callable[[Any], Mapping[str, tuple[int, ...]]]
 
 
 def config_text(config: Mapping[str, int]) -> str:
@@ -63,13 +65,31 @@ class SearchSpace:
     ``defaults`` names the parameters a config may leave out (optional knobs) and the value
     they then take; :meth:`validate` fills them in. ``lend``, where a parameter's best value
     follows the shape (a split-KV kernel's split count follows the batch), fits a config
-    tuned for one shape to another (:meth:`lent`).
+    tuned for one shape to another (:meth:`lent`). ``narrow`` names, per problem, the
+    values of the parameters that cannot take all of theirs there (a head-dim split at a
+    power-of-two head dim: only 0), so a search over the problem does not propose what the
+    predicate would refuse (:meth:`for_problem`).
     """
 
     params: Mapping[str, tuple[int, ...]]
     predicate: Predicate
     defaults: Mapping[str, int] = field(default_factory=dict)
     lend: Lend | None = None
+    narrow: Narrow | None = None
+
+    def for_problem(self, problem: Any) -> SearchSpace:
+        """The space a search over ``problem`` walks: ``narrow``'s values in place of those
+        parameters' (each a subset of its values, in order); this space where nothing is
+        narrowed. Configs keep every parameter; the predicate is the same."""
+        pins = self.narrow(problem) if self.narrow is not None else {}
+        if not pins:
+            return self
+        params = dict(self.params)
+        for name, values in pins.items():
+            params[name] = tuple(v for v in params[name] if v in values)
+            if not params[name]:
+                raise ValueError(f"narrow leaves parameter {name!r} no value for {problem}")
+        return replace(self, params=params)
 
     @property
     def size(self) -> int:

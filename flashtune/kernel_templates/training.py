@@ -171,10 +171,17 @@ def pair_space(fwd: SearchSpace, bwd: SearchSpace) -> SearchSpace:
         reason = bwd.check(b, problem, device)
         return None if reason is None else f"backward: {reason}"
 
+    def narrow(problem: Any) -> dict[str, tuple[int, ...]]:
+        pins = dict(fwd.narrow(problem)) if fwd.narrow is not None else {}
+        if bwd.narrow is not None:
+            pins.update({BWD_PREFIX + n: v for n, v in bwd.narrow(problem).items()})
+        return pins
+
     return SearchSpace(
         params={**fwd.params, **{BWD_PREFIX + n: v for n, v in bwd.params.items()}},
         predicate=check,
-        defaults={**fwd.defaults, **{BWD_PREFIX + n: v for n, v in bwd.defaults.items()}})
+        defaults={**fwd.defaults, **{BWD_PREFIX + n: v for n, v in bwd.defaults.items()}},
+        narrow=narrow if fwd.narrow is not None or bwd.narrow is not None else None)
 
 
 class TrainStep:

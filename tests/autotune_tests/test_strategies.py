@@ -90,7 +90,8 @@ def test_enqueue_and_config_from_trial():
     cfg = {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3}
     assert enqueue(study, cfg, FULL_SPACE)  # the optional knobs take their defaults
     assert not enqueue(study, {**cfg, "BLOCK_M": 48}, FULL_SPACE)
-    assert config_from_trial(study.ask(), FULL_SPACE) == {**cfg, "USE_TMA": 0, "REVERSE_M": 0}
+    assert config_from_trial(study.ask(), FULL_SPACE) == {**cfg, "USE_TMA": 0, "REVERSE_M": 0,
+                                                         "SPLIT_D": 0}
 
 
 def test_rerunning_an_exhausted_grid_stops_at_once(tmp_path):

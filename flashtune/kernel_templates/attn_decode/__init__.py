@@ -16,11 +16,13 @@ from flashtune.kernel_templates.attn_decode.reference import attn_decode_referen
 from flashtune.kernel_templates.attn_decode.space import SPACE as _BARE_SPACE
 from flashtune.kernel_templates.attn_decode.space import default_config
 from flashtune.kernel_templates.attn_decode.warmup import warmup_launches
+from flashtune.kernel_templates.knob_scope import split_d_scope
 from flashtune.kernel_templates.registry import TemplateSpec, register_template, source_hash
 
 _HERE = Path(__file__).parent
 # the space with its lending rule (lending.py: a nearest entry's split count follows the batch)
-SPACE = dataclasses.replace(_BARE_SPACE, lend=lend)
+# and where its knobs apply (knob_scope: SPLIT_D where two tiles save padding)
+SPACE = dataclasses.replace(_BARE_SPACE, lend=lend, narrow=split_d_scope)
 
 SPEC = register_template(TemplateSpec(
     name="attn_decode",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from pathlib import Path
 
@@ -10,12 +11,16 @@ from flashtune.core.spec import SCORE_MODS, Limits
 from flashtune.kernel_templates.attn_fwd.kernel import attn_fwd_kernel
 from flashtune.kernel_templates.attn_fwd.launcher import attn_fwd
 from flashtune.kernel_templates.attn_fwd.reference import attn_fwd_reference
-from flashtune.kernel_templates.attn_fwd.space import SPACE, default_config
+from flashtune.kernel_templates.attn_fwd.space import SPACE as _BARE_SPACE
+from flashtune.kernel_templates.attn_fwd.space import default_config
 from flashtune.kernel_templates.attn_fwd.warmup import warmup_launches
 from flashtune.kernel_templates.dropout import dropout_mask
+from flashtune.kernel_templates.knob_scope import split_d_scope
 from flashtune.kernel_templates.registry import TemplateSpec, register_template, source_hash
 
 _HERE = Path(__file__).parent
+# the space with where its knobs apply (knob_scope: SPLIT_D where two tiles save padding)
+SPACE = dataclasses.replace(_BARE_SPACE, narrow=split_d_scope)
 
 SPEC = register_template(TemplateSpec(
     name="attn_fwd",
