@@ -210,11 +210,14 @@ def test_zero_dropout_is_the_plain_launch(device):
     plain = fwd_kernel_args(q, k, v, out, None, FWD, **common)
     zero = fwd_kernel_args(q, k, v, out, None, FWD, dropout_p=0.0, seed=seed_tensor(device),
                            **common)
-    assert plain[0][-2:] == zero[0][-2:] == (None, 0)
+    from flashtune.kernel_templates.attn_fwd.kernel import attn_fwd_kernel
+
+    at = attn_fwd_kernel.arg_names.index("Seed")  # Seed, DROPOUT_T
+    assert plain[0][at:at + 2] == zero[0][at:at + 2] == (None, 0)
     assert plain[1] == zero[1] and plain[1]["HAS_DROPOUT"] is False
     on = fwd_kernel_args(q, k, v, out, None, FWD, dropout_p=P, seed=seed_tensor(device),
                          **common)
-    assert on[1]["HAS_DROPOUT"] is True and on[0][-1] == dropout_threshold(P)
+    assert on[1]["HAS_DROPOUT"] is True and on[0][at + 1] == dropout_threshold(P)
     with pytest.raises(ValueError, match="seed"):
         fwd_kernel_args(q, k, v, out, None, FWD, dropout_p=P, **common)
 

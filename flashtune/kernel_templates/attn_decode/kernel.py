@@ -593,7 +593,8 @@ def attn_decode_split_kernel(
         if BLOCK_D1 > 0:
             o1_ptrs = (Out + off_b.to(tl.int64) * stride_ob
                        + offs_h[:, None].to(tl.int64) * stride_oh
-                       + offs_i[:, None].to(tl.int64) * stride_om + offs_d1[None, :])
+                       + offs_i[:, None].to(tl.int64) * stride_om
+                       + offs_d1[None, :])  # type: ignore[index]
             tl.store(o1_ptrs, (acc1 / l_safe[:, None]).to(Out.dtype.element_ty),
                      mask=r_ok[:, None] & (offs_d1 < HEAD_DIM)[None, :])
         if STORE_LSE:
@@ -613,7 +614,7 @@ def attn_decode_split_kernel(
             part_ok = r_ok[:, None] & (offs_d1 < HEAD_DIM)[None, :]
             if NEW_ROWS:
                 part_ok = part_ok & live
-            tl.store(OPart + part[:, None] * HEAD_DIM + offs_d1[None, :],
+            tl.store(OPart + part[:, None] * HEAD_DIM + offs_d1[None, :],  # type: ignore[index]
                      acc1 / l_safe[:, None], mask=part_ok)
 
 

@@ -108,7 +108,7 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, off_b, off
         if UPCAST_DOT:
             qk = tl.dot(q.to(tl.float32), kt.to(tl.float32))
             if BLOCK_D1 > 0:
-                qk += tl.dot(q1.to(tl.float32), kt1.to(tl.float32))
+                qk += tl.dot(q1.to(tl.float32), kt1.to(tl.float32))  # type: ignore[union-attr]
         else:
             qk = tl.dot(q, kt)
             if BLOCK_D1 > 0:
@@ -162,11 +162,12 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, off_b, off
         if UPCAST_DOT:
             acc += tl.dot(p, v.to(tl.float32))
             if BLOCK_D1 > 0:
-                acc1 = acc1 * alpha[:, None] + tl.dot(p, v1.to(tl.float32))
+                acc1 = acc1 * alpha[:, None] + tl.dot(
+                    p, v1.to(tl.float32))  # type: ignore[union-attr]
         else:
             acc = tl.dot(p.to(v.dtype), v, acc)
             if BLOCK_D1 > 0:
-                acc1 = tl.dot(p.to(v1.dtype), v1, acc1 * alpha[:, None])
+                acc1 = tl.dot(p.to(v1.dtype), v1, acc1 * alpha[:, None])  # type: ignore[union-attr]
         m_i = m_new
     return acc, l_i, m_i, acc1
 
@@ -367,7 +368,7 @@ def attn_fwd_kernel(
         desc_o.store([off_b, off_h, start_m * BLOCK_M, 0], out.reshape(1, 1, BLOCK_M, BLOCK_D))
         if BLOCK_D1 > 0:
             desc_o1.store([off_b, off_h, start_m * BLOCK_M, BLOCK_D],
-                          out1.reshape(1, 1, BLOCK_M, BLOCK_D1))
+                          out1.reshape(1, 1, BLOCK_M, BLOCK_D1))  # type: ignore[union-attr]
     else:
         if VARLEN:
             o_base = Out + q_start.to(tl.int64) * stride_om + off_h.to(tl.int64) * stride_oh
@@ -376,7 +377,8 @@ def attn_fwd_kernel(
         o_ptrs = o_base + offs_m[:, None].to(tl.int64) * stride_om + offs_d[None, :]
         tl.store(o_ptrs, out, mask=m_ok[:, None] & d_ok[None, :])
         if BLOCK_D1 > 0:
-            o1_ptrs = o_base + offs_m[:, None].to(tl.int64) * stride_om + offs_d1[None, :]
+            o1_ptrs = o_base + offs_m[:, None].to(tl.int64) * stride_om \
+                + offs_d1[None, :]  # type: ignore[index]
             tl.store(o1_ptrs, out1, mask=m_ok[:, None] & (offs_d1 < HEAD_DIM)[None, :])
     if STORE_LSE:
         lse = tl.where(seen, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))
