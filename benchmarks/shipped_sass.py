@@ -7,7 +7,8 @@ code as it was (a knob added behind a constexpr whose off value is the old code)
     python benchmarks/shipped_sass.py attn_decode --compare before.json
 
 The configs: every entry of the template's files in ``flashtune/configs`` (``template=NAME``)
-and every candidate of that implementation in the op files (``op=...``), each compiled as the
+and every candidate of that implementation in the op files (``op=...``), and a backward's half
+of the training pairs that name it (``op=train``, the ``bwd.`` keys), each compiled as the
 precompiler launches it for its problem (``kernel_templates.sm90.compile_launches``), in a
 pool of ``--workers`` processes. Each launch gives ptxas' registers and spills and
 ``sass_hash`` (the instructions alone, so code moved in its file hashes the same). With
@@ -33,6 +34,10 @@ def shipped_configs(template: str, configs_dir: Path = ROOT / "flashtune" / "con
                     ) -> list[str]:
     """The distinct ``[problem key, config]`` pairs (canonical JSON) of ``template`` in the
     shipped files: its own tables' entries and its candidates in the op files, sorted."""
+    from flashtune.kernel_templates.registry import catalog
+    from flashtune.kernel_templates.training import BWD_PREFIX
+
+    specs = catalog()
     seen = set()
     for path in sorted(configs_dir.glob("*.json")):
         doc = json.loads(path.read_text())
@@ -41,8 +46,15 @@ def shipped_configs(template: str, configs_dir: Path = ROOT / "flashtune" / "con
                 seen.add(json.dumps([e["problem"], e["config"]], sort_keys=True))
         for choice in doc["entries"] if "op" in doc else []:  # an op file's choices
             for cand in choice.get("candidates", []):
-                if cand["implementation"] == template:
-                    seen.add(json.dumps([choice["problem"], cand["config"]], sort_keys=True))
+                config = cand["config"]
+                spec = specs.get(cand["implementation"])
+                if doc["op"] == "train" and spec is not None and spec.backward == template:
+                    # a training pair's backward half (its "bwd."-prefixed keys)
+                    config = {n[len(BWD_PREFIX):]: v for n, v in config.items()
+                              if n.startswith(BWD_PREFIX)}
+                elif cand["implementation"] != template:
+                    continue
+                seen.add(json.dumps([choice["problem"], config], sort_keys=True))
     return sorted(seen)
 
 

@@ -99,3 +99,24 @@ def test_hopper_knobs_match_the_reference(cfg, layout, dtype):
         assert rel < 1e-2, (causal, rel)
         finite = torch.isfinite(ref_lse)
         assert torch.allclose(lse[finite], ref_lse[finite], atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize("d", [96, 80])
+def test_the_default_between_64_and_128_dims_matches_the_reference(d):
+    """The default this GPU gets at a head dim two tiles serve (on Hopper: 128 x 64, TMA,
+    two tiles), on odd lengths, GQA and causal with Nq != Nk."""
+    from flashtune.core.device import cuda_device
+    from flashtune.core.problem import AttentionProblem
+
+    b, hq, hkv, nq, nk = 2, 6, 2, 333, 517
+    cfg = SPEC.default_config(AttentionProblem(b, hq, hkv, nq, nk, d, True, "bf16"),
+                              cuda_device())
+    q = _rand(b, hq, nq, d, dtype=torch.bfloat16)
+    k, v = (_rand(b, hkv, nk, d, dtype=torch.bfloat16) for _ in range(2))
+    for causal in (False, True):
+        out, lse = SPEC.launcher(q, k, v, cfg, causal=causal, return_lse=True)
+        ref, ref_lse = attn_fwd_reference(q, k, v, causal=causal, dtype=torch.float32)
+        rel = ((out.float() - ref).norm() / ref.norm()).item()
+        assert rel < 1e-2, (cfg, causal, rel)
+        finite = torch.isfinite(ref_lse)
+        assert torch.allclose(lse[finite], ref_lse[finite], atol=1e-3, rtol=1e-4)
