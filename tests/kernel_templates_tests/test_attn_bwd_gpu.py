@@ -117,3 +117,24 @@ def test_one_launch_and_reverse_dq_give_the_default_bits(shape):
             assert torch.equal(got[0], want[0])
         else:
             assert all(torch.equal(x, y) for x, y in zip(got, want)), knobs
+
+
+SPLIT_D_KNOBS = [
+    {"ONE_LAUNCH": 1, "REVERSE_DQ": 1},
+    {"ONE_LAUNCH": 0, "SPLIT_LOOPS": 1, "KV_SPLITS": 2},
+    {"ONE_LAUNCH": 0, "USE_TMA": 0, "num_stages": 4},
+]
+
+
+@pytest.mark.parametrize("d", [96, 80])
+@pytest.mark.parametrize("knobs", SPLIT_D_KNOBS, ids=["one-launch", "kv-splits", "plain"])
+def test_two_head_dim_tiles_meet_the_tolerance_rule(knobs, d):
+    """SPLIT_D at the Hopper default's tiles (TMA: a second descriptor per streamed tensor),
+    GQA 3:1, odd lengths, causal with Nq < Nk and not, bf16."""
+    q, k, v, do = _inputs(2, 6, 2, 333, 517, d, torch.bfloat16, seed=d)
+    p = AttentionProblem.from_tensors(q, k, causal=True)
+    cfg = {**SPEC.default_config(p, cuda_device()), "SPLIT_D": 1, **knobs}
+    for causal in (False, True):
+        out, lse = _forward(q, k, v, causal)
+        got = SPEC.launcher(q, k, v, out, lse, do, cfg, causal=causal)
+        assert_grads_close(got, q, k, v, do, causal=causal)

@@ -35,7 +35,7 @@ def test_validate_rejects_unknown_missing_and_out_of_space():
     # the knobs are optional and default to off
     assert SPEC.space.validate(GOOD) == {**GOOD, "SPLIT_LOOPS": 0, "KV_SPLITS": 1,
                                          "USE_TMA": 0, "REVERSE_DQ": 0, "ONE_LAUNCH": 0,
-                                         "DROPOUT_BITS": 0}
+                                         "DROPOUT_BITS": 0, "SPLIT_D": 0}
     assert SPEC.space.validate({**GOOD, "SPLIT_LOOPS": 1})["SPLIT_LOOPS"] == 1
     assert SPEC.space.validate({**GOOD, "USE_TMA": 1})["USE_TMA"] == 1
     assert SPEC.space.validate({**GOOD, "KV_SPLITS": 4})["KV_SPLITS"] == 4
@@ -192,7 +192,7 @@ def test_tma_needs_hopper_and_its_shared_memory():
 
 
 def test_space_is_data():
-    assert SPEC.space.size == len(list(SPEC.space)) == 4 ** 4 * 3 * 5 * 2 * 4 * 2 * 2 * 2 * 2
+    assert SPEC.space.size == len(list(SPEC.space)) == 4 ** 4 * 3 * 5 * 2 * 4 * 2 * 2 * 2 * 2 * 2
     valid = SPEC.space.valid_configs(prob(128), H100)
     assert 0 < len(valid) < SPEC.space.size
 
@@ -219,8 +219,10 @@ for which, bm, bn, w, s, d, split, tma in json.loads(sys.argv[1]):
     const = dict(HEAD_DIM=d, BLOCK_D=block_d(d), IS_CAUSAL=True, UPCAST_DOT=False,
                  SPLIT_LOOPS=bool(split), USE_TMA=bool(tma), HAS_WINDOW=False,
                  HAS_SOFTCAP=False, HAS_ALIBI=False, VARLEN=False, HAS_DROPOUT=False,
-                 Seed=None, **tiles)
-    descs = [n for n in names if n.startswith("desc_")]
+                 Seed=None, BLOCK_D1=0, **tiles)
+    # one head-dim tile: the second tile's descriptors (desc_q1, ...) are None
+    const.update({n: None for n in names if n.startswith("desc_") and n.endswith("1")})
+    descs = [n for n in names if n.startswith("desc_") and n not in const]
     if not tma:
         const.update({n: None for n in descs})
     box = f"tensordesc<fp16[1,1,{bm if which == 'dkdv' else bn},{block_d(d)}]>"

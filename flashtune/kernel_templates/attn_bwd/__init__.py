@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from flashtune.core.spec import SCORE_MODS, Limits
@@ -13,11 +14,15 @@ from flashtune.kernel_templates.attn_bwd.kernel import (
 )
 from flashtune.kernel_templates.attn_bwd.launcher import attn_bwd, kernel_args
 from flashtune.kernel_templates.attn_bwd.reference import attn_bwd_reference
-from flashtune.kernel_templates.attn_bwd.space import SPACE, default_config
+from flashtune.kernel_templates.attn_bwd.space import SPACE as _BARE_SPACE
+from flashtune.kernel_templates.attn_bwd.space import default_config
 from flashtune.kernel_templates.attn_bwd.warmup import warmup_launches
+from flashtune.kernel_templates.knob_scope import split_d_scope
 from flashtune.kernel_templates.registry import TemplateSpec, register_template, source_hash
 
 _HERE = Path(__file__).parent
+# the search proposes SPLIT_D 1 only where two tiles save padding (knob_scope)
+SPACE = dataclasses.replace(_BARE_SPACE, narrow=split_d_scope)
 
 SPEC = register_template(TemplateSpec(
     name="attn_bwd",

@@ -29,6 +29,15 @@ dO in the dK/dV kernel, K and V in the dQ kernel) are read through host-built 4-
 descriptors ``(B, H, N, D)``, out-of-range rows and padded head-dim columns coming back as
 zeros, instead of per-element pointers and masks.
 
+``BLOCK_D1`` > 0 (the ``SPLIT_D`` knob, :mod:`flashtune.kernel_templates.head_tiles`): the
+head dim as two tiles, dims ``[0, BLOCK_D)`` (all real) and ``[BLOCK_D, BLOCK_D + BLOCK_D1)``
+(zero past ``HEAD_DIM``), as the forward's: D96 as 64 + 32 multiplies no padded column where
+one 128-wide tile spends a quarter of each of the five dots on zeros. Every tile of Q, K, V
+and dO the two main kernels hold or stream gets a second one (with TMA, a second descriptor:
+``desc_q1`` ..., boxes ``BLOCK_D1`` wide at column ``BLOCK_D``), the scores and ``dO V^T``
+two dots each, dK, dV and dQ two accumulators; the preprocess and the reduce read one padded
+tile (memory-bound). 0 compiles as before.
+
 Causal masking is bottom-right aligned (query ``i`` sees key ``j <= i + Nk - Nq``); fully
 masked blocks are skipped. ``SPLIT_LOOPS`` (a knob) splits each walk like the forward's:
 blocks every entry of which is visible run in their own loop without any mask, and only the
@@ -155,11 +164,12 @@ def _window(WINDOW_LEFT, WINDOW_RIGHT, n_q, n_k, IS_CAUSAL: tl.constexpr):
 def _load_rows(base, offs, offs_d, stride, N, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                MASKED: tl.constexpr):
     """Rows ``offs`` of a ``(N, HEAD_DIM)`` matrix at ``base``, ``(len(offs), BLOCK_D)``;
-    zeros past ``N`` (when MASKED) and past ``HEAD_DIM``."""
+    zeros past ``N`` (when MASKED) and past ``HEAD_DIM`` (a tile narrower than HEAD_DIM,
+    SPLIT_D's first, takes its first BLOCK_D dims)."""
     ptrs = base + offs[:, None].to(tl.int64) * stride + offs_d[None, :]
     if MASKED:
         return tl.load(ptrs, mask=(offs < N)[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
-    elif BLOCK_D != HEAD_DIM:
+    elif BLOCK_D > HEAD_DIM:
         return tl.load(ptrs, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
     else:
         return tl.load(ptrs)
@@ -168,12 +178,16 @@ def _load_rows(base, offs, offs_d, stride, N, HEAD_DIM: tl.constexpr, BLOCK_D: t
 @triton.jit
 def _load_tile(desc, base, off_b, off_h, start, offs, offs_d, stride, N,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
-               MASKED: tl.constexpr, USE_TMA: tl.constexpr):
-    """Rows ``start + [0, BLOCK)`` (= ``offs``) of head ``(off_b, off_h)``, through the
+               MASKED: tl.constexpr, USE_TMA: tl.constexpr, COL0: tl.constexpr):
+    """Rows ``start + [0, BLOCK)`` (= ``offs``) of head ``(off_b, off_h)``, dims ``COL0 +
+    offs_d`` (``offs_d = arange(BLOCK_D)``; COL0 > 0: SPLIT_D's second tile), through the
     tensor descriptor (USE_TMA: zero-filled past N and HEAD_DIM by the copy engine) or as
     :func:`_load_rows`."""
     if USE_TMA:
-        return desc.load([off_b, off_h, start, 0]).reshape(BLOCK, BLOCK_D)
+        return desc.load([off_b, off_h, start, COL0]).reshape(BLOCK, BLOCK_D)
+    if COL0 > 0:  # the matrix of the HEAD_DIM - COL0 dims from column COL0 on
+        return _load_rows(base + COL0, offs, offs_d, stride, N, HEAD_DIM - COL0, BLOCK_D,
+                          MASKED)
     return _load_rows(base, offs, offs_d, stride, N, HEAD_DIM, BLOCK_D, MASKED)
 
 
@@ -254,21 +268,32 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, 
                 offs_n, offs_m0, offs_d, lo, hi, N_Q, CAUSAL_OFFSET, qk_scale,
                 desc_q, desc_do, off_b, off_h, win_left, win_right, cap_scale, cap2, slope2,
                 seed, drop_head, drop_start, drop_t, drop_r, bits_base, bits_nkb,
+                dk1, dv1, k1, v1, desc_q1, desc_do1,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M1: tl.constexpr,
                 MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr,
                 USE_TMA: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                 HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-                DROPOUT_BITS: tl.constexpr):
+                DROPOUT_BITS: tl.constexpr, BLOCK_D1: tl.constexpr):
     """Query blocks ``[lo, hi)`` of one head against the program's keys; MASKED blocks get
     the bounds and causal (window) masks, the others every entry. ``cap_scale``/``cap2``:
     ``scale / SOFTCAP`` and ``SOFTCAP * log2(e)``; ``slope2``: the ALiBi slope times
-    ``log2(e)``."""
+    ``log2(e)``. BLOCK_D1 > 0: ``k1``, ``v1``, ``dk1``, ``dv1`` the head dim's second
+    tiles (placeholders otherwise), Q's and dO's read here."""
     for start_m in range(lo, hi, BLOCK_M1):
         offs_m = start_m + offs_m0
         q = _load_tile(desc_q, q_base, off_b, off_h, start_m, offs_m, offs_d, stride_qm, N_Q,
-                       HEAD_DIM, BLOCK_D, BLOCK_M1, MASKED, USE_TMA)
+                       HEAD_DIM, BLOCK_D, BLOCK_M1, MASKED, USE_TMA, 0)
         do = _load_tile(desc_do, do_base, off_b, off_h, start_m, offs_m, offs_d, stride_dom,
-                        N_Q, HEAD_DIM, BLOCK_D, BLOCK_M1, MASKED, USE_TMA)
+                        N_Q, HEAD_DIM, BLOCK_D, BLOCK_M1, MASKED, USE_TMA, 0)
+        q1 = None
+        do1 = None
+        if BLOCK_D1 > 0:
+            offs_e = tl.arange(0, BLOCK_D1)
+            q1 = _load_tile(desc_q1, q_base, off_b, off_h, start_m, offs_m, offs_e, stride_qm,
+                            N_Q, HEAD_DIM, BLOCK_D1, BLOCK_M1, MASKED, USE_TMA, BLOCK_D)
+            do1 = _load_tile(desc_do1, do_base, off_b, off_h, start_m, offs_m, offs_e,
+                             stride_dom, N_Q, HEAD_DIM, BLOCK_D1, BLOCK_M1, MASKED, USE_TMA,
+                             BLOCK_D)
         if MASKED:
             m_ok = offs_m < N_Q
             lse = tl.load(lse_base + offs_m, mask=m_ok, other=0.0)
@@ -277,6 +302,8 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, 
             lse = tl.load(lse_base + offs_m)
             delta = tl.load(delta_base + offs_m)
         qkT = _dot(k, tl.trans(q), UPCAST_DOT)  # (BLOCK_N1, BLOCK_M1)
+        if BLOCK_D1 > 0:
+            qkT += _dot(k1, tl.trans(q1), UPCAST_DOT)
         if HAS_SOFTCAP or HAS_ALIBI:
             if HAS_SOFTCAP:
                 tT = tanh(qkT * cap_scale)
@@ -310,15 +337,23 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, 
             zT = tl.where(keepT, drop_r, 0.0)
             dv += _dot((pT * zT).to(do.dtype), do, UPCAST_DOT)
             dpT = _dot(v, tl.trans(do), UPCAST_DOT)
+            if BLOCK_D1 > 0:
+                dv1 += _dot((pT * zT).to(do.dtype), do1, UPCAST_DOT)
+                dpT += _dot(v1, tl.trans(do1), UPCAST_DOT)
             dsT = pT * (dpT * zT - delta[None, :])
         else:
             dv += _dot(pT.to(do.dtype), do, UPCAST_DOT)
             dpT = _dot(v, tl.trans(do), UPCAST_DOT)
+            if BLOCK_D1 > 0:
+                dv1 += _dot(pT.to(do.dtype), do1, UPCAST_DOT)
+                dpT += _dot(v1, tl.trans(do1), UPCAST_DOT)
             dsT = pT * (dpT - delta[None, :])
         if HAS_SOFTCAP:  # d(capped score) / d(scaled score)
             dsT = dsT * (1.0 - tT * tT)
         dk += _dot(dsT.to(q.dtype), q, UPCAST_DOT)
-    return dk, dv
+        if BLOCK_D1 > 0:
+            dk1 += _dot(dsT.to(q.dtype), q1, UPCAST_DOT)
+    return dk, dv, dk1, dv1
 
 
 @triton.jit
@@ -346,13 +381,16 @@ def attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, PartK, PartV, desc_q, desc_do
                   H_Q, H_KV, GROUP, N_Q, N_K, sm_scale,
                   Alibi, CuSeqQ, CuSeqK, stride_ab, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
                   Seed, DROPOUT_T, Bits, bits_stride_h, bits_nkb,
+                  # the head dim's second tile's descriptors (None unless USE_TMA with
+                  # BLOCK_D1 > 0), after every other runtime argument
+                  desc_q1, desc_do1,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
                   IS_CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr, SPLIT_LOOPS: tl.constexpr,
                   KV_SPLITS: tl.constexpr, USE_TMA: tl.constexpr,
                   HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                   VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-                  DROPOUT_BITS: tl.constexpr):
+                  DROPOUT_BITS: tl.constexpr, BLOCK_D1: tl.constexpr = 0):
     _dkdv_program(tl.program_id(0), tl.program_id(1),
                   Q, K, V, DO, Lse, Delta, DK, DV, PartK, PartV, desc_q, desc_do,
                   stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
@@ -360,9 +398,10 @@ def attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, PartK, PartV, desc_q, desc_do
                   stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                   H_Q, H_KV, GROUP, N_Q, N_K, sm_scale, Alibi, CuSeqQ, CuSeqK, stride_ab,
                   WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
-                  Seed, DROPOUT_T, Bits, bits_stride_h, bits_nkb, HEAD_DIM, BLOCK_D, BLOCK_M1,
+                  Seed, DROPOUT_T, Bits, bits_stride_h, bits_nkb, desc_q1, desc_do1,
+                  HEAD_DIM, BLOCK_D, BLOCK_M1,
                   BLOCK_N1, IS_CAUSAL, UPCAST_DOT, SPLIT_LOOPS, KV_SPLITS, USE_TMA, HAS_WINDOW,
-                  HAS_SOFTCAP, HAS_ALIBI, VARLEN, HAS_DROPOUT, DROPOUT_BITS)
+                  HAS_SOFTCAP, HAS_ALIBI, VARLEN, HAS_DROPOUT, DROPOUT_BITS, BLOCK_D1)
 
 
 @triton.jit
@@ -375,18 +414,20 @@ def _dkdv_program(tile_n, part, Q, K, V, DO, Lse, Delta, DK, DV, PartK, PartV, d
                   stride_dvb, stride_dvh, stride_dvn,
                   H_Q, H_KV, GROUP, N_Q, N_K, sm_scale,
                   Alibi, CuSeqQ, CuSeqK, stride_ab, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
-                  Seed, DROPOUT_T, Bits, bits_stride_h, bits_nkb,
+                  Seed, DROPOUT_T, Bits, bits_stride_h, bits_nkb, desc_q1, desc_do1,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
                   IS_CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr, SPLIT_LOOPS: tl.constexpr,
                   KV_SPLITS: tl.constexpr, USE_TMA: tl.constexpr,
                   HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                   VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-                  DROPOUT_BITS: tl.constexpr):
+                  DROPOUT_BITS: tl.constexpr, BLOCK_D1: tl.constexpr):
     """One dK/dV program: key tile ``tile_n`` of part ``part`` = ``(b, hkv) * KV_SPLITS +``
     the slice of the group's query heads."""
     tl.static_assert(BLOCK_M1 >= 16 and BLOCK_N1 >= 16, "tl.dot needs tiles of at least 16")
-    tl.static_assert(BLOCK_D >= HEAD_DIM, "BLOCK_D must cover HEAD_DIM")
+    tl.static_assert(BLOCK_D + BLOCK_D1 >= HEAD_DIM, "BLOCK_D (+ BLOCK_D1) must cover HEAD_DIM")
+    tl.static_assert(BLOCK_D1 == 0 or (BLOCK_D < HEAD_DIM and BLOCK_D1 >= 16),
+                     "a second tile of >= 16 dims past a first one of real dims")
     tl.static_assert(not (USE_TMA and VARLEN), "VARLEN reads no tensor descriptors")
     start_n = tile_n * BLOCK_N1
     off_bh = part // KV_SPLITS
@@ -412,6 +453,23 @@ def _dkdv_program(tile_n, part, Q, K, V, DO, Lse, Delta, DK, DV, PartK, PartV, d
                    offs_n, offs_d, stride_vn, seq_k, HEAD_DIM, BLOCK_D, True)
     dk = tl.zeros([BLOCK_N1, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N1, BLOCK_D], dtype=tl.float32)
+    # the head dim's second tile (dims BLOCK_D + offs_e); without one, dk1 and dv1 are
+    # placeholders the loops carry and the compiler drops
+    offs_e = None
+    k1 = None
+    v1 = None
+    dk1 = tl.zeros([1], dtype=tl.float32)
+    dv1 = tl.zeros([1], dtype=tl.float32)
+    if BLOCK_D1 > 0:
+        offs_e = tl.arange(0, BLOCK_D1)
+        k1 = _load_rows(_head(K, off_b, off_hkv, k_start, stride_kb, stride_kh, stride_kn,
+                              VARLEN) + BLOCK_D,
+                        offs_n, offs_e, stride_kn, seq_k, HEAD_DIM - BLOCK_D, BLOCK_D1, True)
+        v1 = _load_rows(_head(V, off_b, off_hkv, k_start, stride_vb, stride_vh, stride_vn,
+                              VARLEN) + BLOCK_D,
+                        offs_n, offs_e, stride_vn, seq_k, HEAD_DIM - BLOCK_D, BLOCK_D1, True)
+        dk1 = tl.zeros([BLOCK_N1, BLOCK_D1], dtype=tl.float32)
+        dv1 = tl.zeros([BLOCK_N1, BLOCK_D1], dtype=tl.float32)
     qk_scale = sm_scale * LOG2E
     if HAS_SOFTCAP:
         cap_scale = sm_scale / SOFTCAP
@@ -479,46 +537,45 @@ def _dkdv_program(tile_n, part, Q, K, V, DO, Lse, Delta, DK, DV, PartK, PartV, d
             bits_base = Bits + drop_head.to(tl.int64) * bits_stride_h
         if SPLIT_LOOPS:
             if IS_CAUSAL or HAS_WINDOW:
-                dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
-                                     stride_qm, stride_dom, offs_n, offs_m0, offs_d, m_lo,
-                                     m_mid, seq_q, causal_offset, qk_scale,
-                                     desc_q, desc_do, off_b, off_h, win_left, win_right,
-                                     cap_scale, cap2, slope2,
-                                     seed, drop_head, start_n, DROPOUT_T, drop_r,
-                                 bits_base, bits_nkb,
-                                     HEAD_DIM, BLOCK_D, BLOCK_M1, True, IS_CAUSAL, UPCAST_DOT,
-                                     USE_TMA, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
-                                 DROPOUT_BITS)
-            dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
-                                 stride_qm, stride_dom, offs_n, offs_m0, offs_d, m_mid, m_full,
-                                 seq_q, causal_offset, qk_scale, desc_q, desc_do, off_b, off_h,
-                                 win_left, win_right, cap_scale, cap2, slope2,
-                                 seed, drop_head, start_n, DROPOUT_T, drop_r,
-                                 bits_base, bits_nkb,
-                                 HEAD_DIM, BLOCK_D, BLOCK_M1, False, IS_CAUSAL, UPCAST_DOT,
-                                 USE_TMA, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
-                                 DROPOUT_BITS)
-            dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
-                                 stride_qm, stride_dom, offs_n, offs_m0, offs_d, m_full, m_hi,
-                                 seq_q, causal_offset, qk_scale, desc_q, desc_do, off_b, off_h,
-                                 win_left, win_right, cap_scale, cap2, slope2,
-                                 seed, drop_head, start_n, DROPOUT_T, drop_r,
-                                 bits_base, bits_nkb,
-                                 HEAD_DIM, BLOCK_D, BLOCK_M1, True, IS_CAUSAL, UPCAST_DOT,
-                                 USE_TMA, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
-                                 DROPOUT_BITS)
+                dk, dv, dk1, dv1 = _dkdv_inner(
+                    dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom,
+                    offs_n, offs_m0, offs_d, m_lo, m_mid, seq_q, causal_offset, qk_scale, desc_q,
+                    desc_do, off_b, off_h, win_left, win_right, cap_scale, cap2, slope2, seed,
+                    drop_head, start_n, DROPOUT_T, drop_r, bits_base, bits_nkb, dk1, dv1, k1, v1,
+                    desc_q1, desc_do1, HEAD_DIM, BLOCK_D, BLOCK_M1, True, IS_CAUSAL, UPCAST_DOT,
+                    USE_TMA, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DROPOUT_BITS,
+                    BLOCK_D1)
+            dk, dv, dk1, dv1 = _dkdv_inner(
+                dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom,
+                offs_n, offs_m0, offs_d, m_mid, m_full, seq_q, causal_offset, qk_scale, desc_q,
+                desc_do, off_b, off_h, win_left, win_right, cap_scale, cap2, slope2, seed,
+                drop_head, start_n, DROPOUT_T, drop_r, bits_base, bits_nkb, dk1, dv1, k1, v1,
+                desc_q1, desc_do1, HEAD_DIM, BLOCK_D, BLOCK_M1, False, IS_CAUSAL, UPCAST_DOT,
+                USE_TMA, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DROPOUT_BITS,
+                BLOCK_D1)
+            dk, dv, dk1, dv1 = _dkdv_inner(
+                dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom,
+                offs_n, offs_m0, offs_d, m_full, m_hi, seq_q, causal_offset, qk_scale, desc_q,
+                desc_do, off_b, off_h, win_left, win_right, cap_scale, cap2, slope2, seed,
+                drop_head, start_n, DROPOUT_T, drop_r, bits_base, bits_nkb, dk1, dv1, k1, v1,
+                desc_q1, desc_do1, HEAD_DIM, BLOCK_D, BLOCK_M1, True, IS_CAUSAL, UPCAST_DOT,
+                USE_TMA, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DROPOUT_BITS,
+                BLOCK_D1)
         else:  # one loop over every block with a visible entry, each one masked
-            dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
-                                 stride_qm, stride_dom, offs_n, offs_m0, offs_d, m_lo, m_hi,
-                                 seq_q, causal_offset, qk_scale, desc_q, desc_do, off_b, off_h,
-                                 win_left, win_right, cap_scale, cap2, slope2,
-                                 seed, drop_head, start_n, DROPOUT_T, drop_r,
-                                 bits_base, bits_nkb,
-                                 HEAD_DIM, BLOCK_D, BLOCK_M1, True, IS_CAUSAL, UPCAST_DOT,
-                                 USE_TMA, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
-                                 DROPOUT_BITS)
+            dk, dv, dk1, dv1 = _dkdv_inner(
+                dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom,
+                offs_n, offs_m0, offs_d, m_lo, m_hi, seq_q, causal_offset, qk_scale, desc_q,
+                desc_do, off_b, off_h, win_left, win_right, cap_scale, cap2, slope2, seed,
+                drop_head, start_n, DROPOUT_T, drop_r, bits_base, bits_nkb, dk1, dv1, k1, v1,
+                desc_q1, desc_do1, HEAD_DIM, BLOCK_D, BLOCK_M1, True, IS_CAUSAL, UPCAST_DOT,
+                USE_TMA, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DROPOUT_BITS,
+                BLOCK_D1)
     dk *= sm_scale
     kv_mask = (offs_n < seq_k)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    kv_mask1 = None
+    if BLOCK_D1 > 0:
+        dk1 *= sm_scale
+        kv_mask1 = (offs_n < seq_k)[:, None] & (offs_e < HEAD_DIM - BLOCK_D)[None, :]
     if KV_SPLITS > 1:  # fp32 partial sums, added up in order by attn_bwd_kv_reduce
         if VARLEN:  # (Hkv * KV_SPLITS, total_k, D)
             rows = (off_hkv * KV_SPLITS + off_s).to(tl.int64) * N_K + k_start + offs_n
@@ -527,10 +584,18 @@ def _dkdv_program(tile_n, part, Q, K, V, DO, Lse, Delta, DK, DV, PartK, PartV, d
         p_off = rows[:, None] * HEAD_DIM + offs_d[None, :]
         tl.store(PartK + p_off, dk, mask=kv_mask)
         tl.store(PartV + p_off, dv, mask=kv_mask)
+        if BLOCK_D1 > 0:
+            p_off1 = rows[:, None] * HEAD_DIM + BLOCK_D + offs_e[None, :]
+            tl.store(PartK + p_off1, dk1, mask=kv_mask1)
+            tl.store(PartV + p_off1, dv1, mask=kv_mask1)
     else:
         _store_dkdv(DK, DV, dk, dv, off_b, off_hkv, k_start, offs_n, offs_d, kv_mask,
                     stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                     VARLEN)
+        if BLOCK_D1 > 0:
+            _store_dkdv(DK + BLOCK_D, DV + BLOCK_D, dk1, dv1, off_b, off_hkv, k_start, offs_n,
+                        offs_e, kv_mask1, stride_dkb, stride_dkh, stride_dkn, stride_dvb,
+                        stride_dvh, stride_dvn, VARLEN)
 
 
 @triton.jit
@@ -564,20 +629,34 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn,
               offs_m, offs_n0, offs_d, lo, hi, N_K, CAUSAL_OFFSET, qk_scale,
               desc_k, desc_v, off_b, off_hkv, win_left, win_right, cap_scale, cap2, slope2,
               seed, drop_head, drop_row, drop_t, drop_r, bits_base, bits_nkb,
+              dq1, q1, do1, desc_k1, desc_v1,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N2: tl.constexpr,
               MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr,
               USE_TMA: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
               HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-              DROPOUT_BITS: tl.constexpr):
+              DROPOUT_BITS: tl.constexpr, BLOCK_D1: tl.constexpr):
     """Key blocks ``[lo, hi)`` against the program's queries (``lse2``: LSE in log2 units;
-    the modifications' scalars as in :func:`_dkdv_inner`)."""
+    the modifications' scalars as in :func:`_dkdv_inner`). BLOCK_D1 > 0: ``q1``, ``do1``,
+    ``dq1`` the head dim's second tiles (placeholders otherwise), K's and V's read here."""
     for start_n in range(lo, hi, BLOCK_N2):
         offs_n = start_n + offs_n0
         k = _load_tile(desc_k, k_base, off_b, off_hkv, start_n, offs_n, offs_d, stride_kn, N_K,
-                       HEAD_DIM, BLOCK_D, BLOCK_N2, MASKED, USE_TMA)
+                       HEAD_DIM, BLOCK_D, BLOCK_N2, MASKED, USE_TMA, 0)
         v = _load_tile(desc_v, v_base, off_b, off_hkv, start_n, offs_n, offs_d, stride_vn, N_K,
-                       HEAD_DIM, BLOCK_D, BLOCK_N2, MASKED, USE_TMA)
+                       HEAD_DIM, BLOCK_D, BLOCK_N2, MASKED, USE_TMA, 0)
+        k1 = None
+        v1 = None
+        if BLOCK_D1 > 0:
+            offs_e = tl.arange(0, BLOCK_D1)
+            k1 = _load_tile(desc_k1, k_base, off_b, off_hkv, start_n, offs_n, offs_e,
+                            stride_kn, N_K, HEAD_DIM, BLOCK_D1, BLOCK_N2, MASKED, USE_TMA,
+                            BLOCK_D)
+            v1 = _load_tile(desc_v1, v_base, off_b, off_hkv, start_n, offs_n, offs_e,
+                            stride_vn, N_K, HEAD_DIM, BLOCK_D1, BLOCK_N2, MASKED, USE_TMA,
+                            BLOCK_D)
         qk = _dot(q, tl.trans(k), UPCAST_DOT)  # (BLOCK_M2, BLOCK_N2)
+        if BLOCK_D1 > 0:
+            qk += _dot(q1, tl.trans(k1), UPCAST_DOT)
         if HAS_SOFTCAP or HAS_ALIBI:
             if HAS_SOFTCAP:
                 t = tanh(qk * cap_scale)
@@ -600,6 +679,8 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn,
                 keep = keep & (offs_n[None, :] <= offs_m[:, None] + CAUSAL_OFFSET)
             p = tl.where(keep, p, 0.0)  # also drops the inf of rows with LSE = -inf
         dp = _dot(do, tl.trans(v), UPCAST_DOT)
+        if BLOCK_D1 > 0:
+            dp += _dot(do1, tl.trans(v1), UPCAST_DOT)
         if HAS_DROPOUT:  # dP Z r (Z regenerated), as in _dkdv_inner
             if DROPOUT_BITS:  # the dK/dV kernel's bits of the same mask
                 z = tl.where(_load_bits(bits_base, bits_nkb, drop_row, start_n,
@@ -613,7 +694,9 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn,
         if HAS_SOFTCAP:  # d(capped score) / d(scaled score)
             ds = ds * (1.0 - t * t)
         dq += _dot(ds.to(k.dtype), k, UPCAST_DOT)
-    return dq
+        if BLOCK_D1 > 0:
+            dq1 += _dot(ds.to(k.dtype), k1, UPCAST_DOT)
+    return dq, dq1
 
 
 @triton.jit
@@ -626,13 +709,16 @@ def attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, desc_k, desc_v,
                 H_Q, GROUP, N_Q, N_K, sm_scale,
                 Alibi, CuSeqQ, CuSeqK, stride_ab, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
                 Seed, DROPOUT_T, Bits, bits_stride_h, bits_nkb,
+                # the head dim's second tile's descriptors (None unless USE_TMA with
+                # BLOCK_D1 > 0), after every other runtime argument
+                desc_k1, desc_v1,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
                 IS_CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr, SPLIT_LOOPS: tl.constexpr,
                 USE_TMA: tl.constexpr, REVERSE_DQ: tl.constexpr,
                 HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                 VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-                DROPOUT_BITS: tl.constexpr):
+                DROPOUT_BITS: tl.constexpr, BLOCK_D1: tl.constexpr = 0):
     tile_m = tl.program_id(0)
     if REVERSE_DQ:
         tile_m = tl.num_programs(0) - 1 - tile_m
@@ -641,9 +727,10 @@ def attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, desc_k, desc_v,
                 stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
                 stride_dqb, stride_dqh, stride_dqm, H_Q, GROUP, N_Q, N_K, sm_scale,
                 Alibi, CuSeqQ, CuSeqK, stride_ab, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
-                Seed, DROPOUT_T, Bits, bits_stride_h, bits_nkb,
+                Seed, DROPOUT_T, Bits, bits_stride_h, bits_nkb, desc_k1, desc_v1,
                 HEAD_DIM, BLOCK_D, BLOCK_M2, BLOCK_N2, IS_CAUSAL, UPCAST_DOT, SPLIT_LOOPS,
-                USE_TMA, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, VARLEN, HAS_DROPOUT, DROPOUT_BITS)
+                USE_TMA, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, VARLEN, HAS_DROPOUT, DROPOUT_BITS,
+                BLOCK_D1)
 
 
 @triton.jit
@@ -655,16 +742,18 @@ def _dq_program(tile_m, off_bh, Q, K, V, DO, Lse, Delta, DQ, desc_k, desc_v,
                 stride_dqb, stride_dqh, stride_dqm,
                 H_Q, GROUP, N_Q, N_K, sm_scale,
                 Alibi, CuSeqQ, CuSeqK, stride_ab, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
-                Seed, DROPOUT_T, Bits, bits_stride_h, bits_nkb,
+                Seed, DROPOUT_T, Bits, bits_stride_h, bits_nkb, desc_k1, desc_v1,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
                 IS_CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr, SPLIT_LOOPS: tl.constexpr,
                 USE_TMA: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                 HAS_ALIBI: tl.constexpr, VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-                DROPOUT_BITS: tl.constexpr):
+                DROPOUT_BITS: tl.constexpr, BLOCK_D1: tl.constexpr):
     """One dQ program: query tile ``tile_m`` of query head ``off_bh`` = ``b * H_Q + h``."""
     tl.static_assert(BLOCK_M2 >= 16 and BLOCK_N2 >= 16, "tl.dot needs tiles of at least 16")
-    tl.static_assert(BLOCK_D >= HEAD_DIM, "BLOCK_D must cover HEAD_DIM")
+    tl.static_assert(BLOCK_D + BLOCK_D1 >= HEAD_DIM, "BLOCK_D (+ BLOCK_D1) must cover HEAD_DIM")
+    tl.static_assert(BLOCK_D1 == 0 or (BLOCK_D < HEAD_DIM and BLOCK_D1 >= 16),
+                     "a second tile of >= 16 dims past a first one of real dims")
     tl.static_assert(not (USE_TMA and VARLEN), "VARLEN reads no tensor descriptors")
     start_m = tile_m * BLOCK_M2
     off_b = off_bh // H_Q
@@ -696,6 +785,21 @@ def _dq_program(tile_m, off_bh, Q, K, V, DO, Lse, Delta, DQ, desc_k, desc_v,
     k_base = _head(K, off_b, off_hkv, k_start, stride_kb, stride_kh, stride_kn, VARLEN)
     v_base = _head(V, off_b, off_hkv, k_start, stride_vb, stride_vh, stride_vn, VARLEN)
     dq = tl.zeros([BLOCK_M2, BLOCK_D], dtype=tl.float32)
+    # the head dim's second tile (dims BLOCK_D + offs_e); without one, dq1 is a placeholder
+    # the loops carry and the compiler drops
+    offs_e = None
+    q1 = None
+    do1 = None
+    dq1 = tl.zeros([1], dtype=tl.float32)
+    if BLOCK_D1 > 0:
+        offs_e = tl.arange(0, BLOCK_D1)
+        q1 = _load_rows(_head(Q, off_b, off_h, q_start, stride_qb, stride_qh, stride_qm,
+                              VARLEN) + BLOCK_D,
+                        offs_m, offs_e, stride_qm, seq_q, HEAD_DIM - BLOCK_D, BLOCK_D1, True)
+        do1 = _load_rows(_head(DO, off_b, off_h, q_start, stride_dob, stride_doh, stride_dom,
+                               VARLEN) + BLOCK_D,
+                         offs_m, offs_e, stride_dom, seq_q, HEAD_DIM - BLOCK_D, BLOCK_D1, True)
+        dq1 = tl.zeros([BLOCK_M2, BLOCK_D1], dtype=tl.float32)
     qk_scale = sm_scale * LOG2E
     if HAS_SOFTCAP:
         cap_scale = sm_scale / SOFTCAP
@@ -747,39 +851,49 @@ def _dq_program(tile_m, off_bh, Q, K, V, DO, Lse, Delta, DQ, desc_k, desc_v,
         n_hi = seq_k
     if SPLIT_LOOPS:
         if HAS_WINDOW:
-            dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn,
+            dq, dq1 = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn,
                            offs_m, offs_n0, offs_d, n_lo, n_mid, seq_k, causal_offset,
                            qk_scale, desc_k, desc_v, off_b, off_hkv, win_left, win_right,
                            cap_scale, cap2, slope2, seed, off_bh, start_m, DROPOUT_T, drop_r,
-                       bits_base, bits_nkb,
+                           bits_base, bits_nkb, dq1, q1, do1, desc_k1, desc_v1,
                            HEAD_DIM, BLOCK_D, BLOCK_N2, True, IS_CAUSAL, UPCAST_DOT, USE_TMA,
-                           HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DROPOUT_BITS)
-        dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, offs_m,
+                           HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DROPOUT_BITS,
+                           BLOCK_D1)
+        dq, dq1 = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, offs_m,
                        offs_n0, offs_d, n_mid, n_full, seq_k, causal_offset, qk_scale,
                        desc_k, desc_v, off_b, off_hkv, win_left, win_right,
                        cap_scale, cap2, slope2, seed, off_bh, start_m, DROPOUT_T, drop_r,
-                       bits_base, bits_nkb,
+                       bits_base, bits_nkb, dq1, q1, do1, desc_k1, desc_v1,
                        HEAD_DIM, BLOCK_D, BLOCK_N2, False, IS_CAUSAL, UPCAST_DOT, USE_TMA,
-                       HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DROPOUT_BITS)
-        dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, offs_m,
+                       HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DROPOUT_BITS,
+                       BLOCK_D1)
+        dq, dq1 = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, offs_m,
                        offs_n0, offs_d, n_full, n_hi, seq_k, causal_offset, qk_scale,
                        desc_k, desc_v, off_b, off_hkv, win_left, win_right,
                        cap_scale, cap2, slope2, seed, off_bh, start_m, DROPOUT_T, drop_r,
-                       bits_base, bits_nkb,
+                       bits_base, bits_nkb, dq1, q1, do1, desc_k1, desc_v1,
                        HEAD_DIM, BLOCK_D, BLOCK_N2, True, IS_CAUSAL, UPCAST_DOT, USE_TMA,
-                       HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DROPOUT_BITS)
+                       HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DROPOUT_BITS,
+                       BLOCK_D1)
     else:  # one loop over every block with a visible entry, each one masked
-        dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, offs_m,
+        dq, dq1 = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, offs_m,
                        offs_n0, offs_d, n_lo, n_hi, seq_k, causal_offset, qk_scale,
                        desc_k, desc_v, off_b, off_hkv, win_left, win_right,
                        cap_scale, cap2, slope2, seed, off_bh, start_m, DROPOUT_T, drop_r,
-                       bits_base, bits_nkb,
+                       bits_base, bits_nkb, dq1, q1, do1, desc_k1, desc_v1,
                        HEAD_DIM, BLOCK_D, BLOCK_N2, True, IS_CAUSAL, UPCAST_DOT, USE_TMA,
-                       HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DROPOUT_BITS)
+                       HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DROPOUT_BITS,
+                       BLOCK_D1)
     dq *= sm_scale
     tl.store(_head(DQ, off_b, off_h, q_start, stride_dqb, stride_dqh, stride_dqm, VARLEN)
              + offs_m[:, None].to(tl.int64) * stride_dqm + offs_d[None, :],
              dq.to(DQ.dtype.element_ty), mask=m_ok[:, None] & (offs_d < HEAD_DIM)[None, :])
+    if BLOCK_D1 > 0:
+        dq1 *= sm_scale
+        tl.store(_head(DQ, off_b, off_h, q_start, stride_dqb, stride_dqh, stride_dqm, VARLEN)
+                 + BLOCK_D + offs_m[:, None].to(tl.int64) * stride_dqm + offs_e[None, :],
+                 dq1.to(DQ.dtype.element_ty),
+                 mask=m_ok[:, None] & (offs_e < HEAD_DIM - BLOCK_D)[None, :])
 
 
 @triton.jit
@@ -795,13 +909,16 @@ def attn_bwd_fused(Q, K, V, DO, Lse, Delta, DQ, DK, DV, PartK, PartV,
                    H_Q, H_KV, GROUP, N_Q, N_K, sm_scale, N1_TILES, N1_PROGRAMS, N2_TILES,
                    Alibi, CuSeqQ, CuSeqK, stride_ab, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
                    Seed, DROPOUT_T,
+                   # the head dim's second tile's descriptors (None unless USE_TMA with
+                   # BLOCK_D1 > 0), after every other runtime argument
+                   desc_q1, desc_do1, desc_k1, desc_v1,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
                    BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
                    IS_CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr, SPLIT_LOOPS: tl.constexpr,
                    KV_SPLITS: tl.constexpr, USE_TMA: tl.constexpr, REVERSE_DQ: tl.constexpr,
                    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-                   VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr):
+                   VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr, BLOCK_D1: tl.constexpr = 0):
     """``ONE_LAUNCH``: the dK/dV and the dQ programs in one 1-D grid, the ``N1_PROGRAMS``
     dK/dV ones (``N1_TILES`` key tiles a part) first, then the dQ ones (``N2_TILES`` query
     tiles a head), so that the dQ programs fill the SMs the dK/dV kernel's last wave leaves
@@ -815,9 +932,9 @@ def attn_bwd_fused(Q, K, V, DO, Lse, Delta, DQ, DK, DV, PartK, PartV,
                       stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                       H_Q, H_KV, GROUP, N_Q, N_K, sm_scale, Alibi, CuSeqQ, CuSeqK, stride_ab,
                       WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
-                      Seed, DROPOUT_T, None, None, None, HEAD_DIM, BLOCK_D, BLOCK_M1,
-                      BLOCK_N1, IS_CAUSAL, UPCAST_DOT, SPLIT_LOOPS, KV_SPLITS, USE_TMA,
-                      HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, VARLEN, HAS_DROPOUT, False)
+                      Seed, DROPOUT_T, None, None, None, desc_q1, desc_do1, HEAD_DIM, BLOCK_D,
+                      BLOCK_M1, BLOCK_N1, IS_CAUSAL, UPCAST_DOT, SPLIT_LOOPS, KV_SPLITS, USE_TMA,
+                      HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, VARLEN, HAS_DROPOUT, False, BLOCK_D1)
     else:
         pid -= N1_PROGRAMS
         tile_m = pid % N2_TILES
@@ -828,6 +945,7 @@ def attn_bwd_fused(Q, K, V, DO, Lse, Delta, DQ, DK, DV, PartK, PartV,
                     stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
                     stride_dqb, stride_dqh, stride_dqm, H_Q, GROUP, N_Q, N_K, sm_scale,
                     Alibi, CuSeqQ, CuSeqK, stride_ab, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
-                    Seed, DROPOUT_T, None, None, None,
+                    Seed, DROPOUT_T, None, None, None, desc_k1, desc_v1,
                     HEAD_DIM, BLOCK_D, BLOCK_M2, BLOCK_N2, IS_CAUSAL, UPCAST_DOT, SPLIT_LOOPS,
-                    USE_TMA, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, VARLEN, HAS_DROPOUT, False)
+                    USE_TMA, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, VARLEN, HAS_DROPOUT, False,
+                    BLOCK_D1)

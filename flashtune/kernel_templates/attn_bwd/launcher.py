@@ -49,6 +49,7 @@ from flashtune.kernel_templates.attn_bwd.space import (
 )
 from flashtune.kernel_templates.attn_fwd.space import block_d
 from flashtune.kernel_templates.dropout import dropout_threshold
+from flashtune.kernel_templates.head_tiles import d_tiles
 from flashtune.kernel_templates.tma import (
     desc,
     pad_head_dim,
@@ -159,6 +160,8 @@ def kernel_args(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, delta: An
         heads_kv, seqlen_k = k.shape[1], k.shape[2]
         n_q, n_k = seqlen_q, seqlen_k
     bd = block_d(head_dim)
+    # the main kernels' head-dim tiles: one of bd, or SPLIT_D's two (head_tiles.d_tiles)
+    bd0, bd1 = d_tiles(head_dim, config.get("SPLIT_D", DEFAULTS["SPLIT_D"]))
     warps, stages = config["num_warps"], config["num_stages"]
     group = heads_q // heads_kv
     split = bool(config.get("SPLIT_LOOPS", DEFAULTS["SPLIT_LOOPS"]))
@@ -216,8 +219,14 @@ def kernel_args(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, delta: An
     if splits > 1 and (part_k is None or part_v is None):
         raise ValueError(f"KV_SPLITS {splits} needs part_k and part_v buffers")
     reverse_dq = bool(config.get("REVERSE_DQ", DEFAULTS["REVERSE_DQ"]))
-    desc_qdo = (desc(q, bm1, bd), desc(dout, bm1, bd)) if use_tma else (None, None)
-    desc_kv = (desc(k, bn2, bd), desc(v, bn2, bd)) if use_tma else (None, None)
+    desc_qdo = (desc(q, bm1, bd0), desc(dout, bm1, bd0)) if use_tma else (None, None)
+    desc_kv = (desc(k, bn2, bd0), desc(v, bn2, bd0)) if use_tma else (None, None)
+    # the second tile's descriptors, the kernels' last runtime arguments (None without one)
+    desc_qdo1: tuple[Any, ...] = (None, None)
+    desc_kv1: tuple[Any, ...] = (None, None)
+    if use_tma and bd1:
+        desc_qdo1 = (desc(q, bm1, bd1), desc(dout, bm1, bd1))
+        desc_kv1 = (desc(k, bn2, bd1), desc(v, bn2, bd1))
     parts_k, parts_v = (part_k, part_v) if splits > 1 else (dk, dv)
     s_q, s_k, s_v, s_do = (_bhn(t, varlen) for t in (q, k, v, dout))
     s_dq, s_dk, s_dv = (_bhn(t, varlen) for t in (dq, dk, dv))
@@ -232,11 +241,11 @@ def kernel_args(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, delta: An
             (q, k, v, dout, lse, delta, dq, dk, dv, parts_k, parts_v, *desc_qdo, *desc_kv,
              *s_q, *s_k, *s_v, *s_do, *s_dq, *s_dk, *s_dv,
              heads_q, heads_kv, group, n_q, n_k, float(scale), n1_tiles, n1_programs,
-             n2_tiles, *mods),
-            dict(HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_M1=bm1, BLOCK_N1=bn1, BLOCK_M2=bm2,
+             n2_tiles, *mods, *desc_qdo1, *desc_kv1),
+            dict(HEAD_DIM=head_dim, BLOCK_D=bd0, BLOCK_M1=bm1, BLOCK_N1=bn1, BLOCK_M2=bm2,
                  BLOCK_N2=bn2, IS_CAUSAL=bool(causal), UPCAST_DOT=upcast_dot,
                  SPLIT_LOOPS=split, KV_SPLITS=splits, USE_TMA=use_tma, REVERSE_DQ=reverse_dq,
-                 **flags, num_warps=warps, num_stages=stages),
+                 **flags, BLOCK_D1=bd1, num_warps=warps, num_stages=stages),
             (n1_programs + n2_tiles * batch * heads_q, 1))
         if splits > 1:
             launches["kv_reduce"] = _kv_reduce(part_k, part_v, *reduce)
@@ -245,11 +254,11 @@ def kernel_args(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, delta: An
         attn_bwd_dkdv,
         (q, k, v, dout, lse, delta, dk, dv, parts_k, parts_v, *desc_qdo,
          *s_q, *s_k, *s_v, *s_do, *s_dk, *s_dv,
-         heads_q, heads_kv, group, n_q, n_k, float(scale), *mods, *bits_args),
-        dict(HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_M1=bm1, BLOCK_N1=bn1,
+         heads_q, heads_kv, group, n_q, n_k, float(scale), *mods, *bits_args, *desc_qdo1),
+        dict(HEAD_DIM=head_dim, BLOCK_D=bd0, BLOCK_M1=bm1, BLOCK_N1=bn1,
              IS_CAUSAL=bool(causal), UPCAST_DOT=upcast_dot, SPLIT_LOOPS=split,
              KV_SPLITS=splits, USE_TMA=use_tma, **flags, DROPOUT_BITS=use_bits,
-             num_warps=warps, num_stages=stages),
+             BLOCK_D1=bd1, num_warps=warps, num_stages=stages),
         (triton.cdiv(seqlen_k, bn1), batch * heads_kv * splits))
     if splits > 1:
         launches["kv_reduce"] = _kv_reduce(part_k, part_v, *reduce)
@@ -257,11 +266,11 @@ def kernel_args(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, delta: An
         attn_bwd_dq,
         (q, k, v, dout, lse, delta, dq, *desc_kv,
          *s_q, *s_k, *s_v, *s_do, *s_dq,
-         heads_q, group, n_q, n_k, float(scale), *mods, *bits_args),
-        dict(HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_M2=bm2, BLOCK_N2=bn2,
+         heads_q, group, n_q, n_k, float(scale), *mods, *bits_args, *desc_kv1),
+        dict(HEAD_DIM=head_dim, BLOCK_D=bd0, BLOCK_M2=bm2, BLOCK_N2=bn2,
              IS_CAUSAL=bool(causal), UPCAST_DOT=upcast_dot, SPLIT_LOOPS=split,
              USE_TMA=use_tma, REVERSE_DQ=reverse_dq, **flags, DROPOUT_BITS=use_bits,
-             num_warps=warps, num_stages=stages),
+             BLOCK_D1=bd1, num_warps=warps, num_stages=stages),
         (triton.cdiv(seqlen_q, bm2), batch * heads_q))
     return launches
 

@@ -13,6 +13,7 @@ from flashtune.kernel_templates.attn_fwd.space import (
     block_d,
     tma_refusal,
 )
+from flashtune.kernel_templates.head_tiles import d_tiles
 
 BASE_PARAMS: dict[str, tuple[int, ...]] = {
     "BLOCK_M1": (16, 32, 64, 128),   # dK/dV kernel: query rows per step
@@ -32,10 +33,12 @@ KNOBS: dict[str, tuple[int, ...]] = {
     # dropout: the dK/dV kernel stores its keep mask as bits, the dQ kernel reads them instead
     # of drawing Philox again (a scratch of Nq x Nk bits per query head during the backward)
     "DROPOUT_BITS": (0, 1),
+    # a head dim that is not a power of two as two tiles (96 = 64 + 32: head_tiles.d_tiles)
+    "SPLIT_D": (0, 1),
 }
 PARAMS: dict[str, tuple[int, ...]] = {**BASE_PARAMS, **KNOBS}
 DEFAULTS: dict[str, int] = {"SPLIT_LOOPS": 0, "KV_SPLITS": 1, "USE_TMA": 0, "REVERSE_DQ": 0,
-                            "ONE_LAUNCH": 0, "DROPOUT_BITS": 0}
+                            "ONE_LAUNCH": 0, "DROPOUT_BITS": 0, "SPLIT_D": 0}
 # fp32 accumulators a thread may hold (dK + dV tiles, or the dQ tile) before the config is
 # pruned as hopeless (it would spill to local memory)
 MAX_ACC_PER_THREAD = 256
@@ -56,7 +59,7 @@ def shared_mem_bytes(config: Mapping[str, int], head_dim: int, elem_size: int = 
     for ``num_stages >= 2`` and underestimates by up to 8 KiB for ``num_stages = 1`` (tiles
     far below any limit).
     """
-    bd = block_d(head_dim)
+    bd = sum(d_tiles(head_dim, config.get("SPLIT_D", 0)))
     stages = max(1, config["num_stages"])
     bm1, bn1, bm2, bn2 = (config[n] for n in ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2"))
     rows = -(-max(1, stages - 1) * bm1 * 8 // 1024) * 1024
@@ -103,7 +106,11 @@ def dropout_bits_refusal(config: Mapping[str, int], has_dropout: bool) -> str | 
 def check(config: Mapping[str, int], problem: AttentionProblem,
           device: DeviceFingerprint) -> str | None:
     """Why ``config`` cannot (or should not) run ``problem`` on ``device``; None if it can."""
-    bd = block_d(problem.head_dim)
+    split_d = config.get("SPLIT_D", 0)
+    bd = sum(d_tiles(problem.head_dim, split_d))
+    if split_d and bd >= block_d(problem.head_dim):
+        return (f"SPLIT_D 1 cuts a head dim that is not a power of two; head_dim "
+                f"{problem.head_dim} is one tile of {block_d(problem.head_dim)} either way")
     threads = 32 * config["num_warps"]
     dkdv_acc = 2 * config["BLOCK_N1"] * bd // threads
     dq_acc = config["BLOCK_M2"] * bd // threads
@@ -225,7 +232,8 @@ def fill_the_gpu(config: Config, problem: AttentionProblem, sm_count: int) -> Co
 def default_config(problem: AttentionProblem, device: DeviceFingerprint) -> Config:
     """A safe config for ``problem`` on ``device``: the head-dim default (the interpreter's
     small tiles under it; Q/dO and K/V through tensor descriptors on Hopper and newer, with
-    dQ key steps of 64 at D <= 64 there; dQ tiles last-first where the dQ programs share the
+    dQ key steps of 64 at D <= 64 there and a head dim between 64 and 128 that is not a
+    power of two as two tiles, ``SPLIT_D``; dQ tiles last-first where the dQ programs share the
     dK/dV programs' launch; a head dim between two rows of the table takes the larger's
     tiles, one that is not a multiple of 8 too: the launcher runs it padded, see
     ``kernel_templates.tma.pads_head_dim``), its owned tiles shrunk while a kernel would
@@ -249,6 +257,16 @@ def default_config(problem: AttentionProblem, device: DeviceFingerprint) -> Conf
         # (bwd_d64_variant_h100.json)
         if problem.head_dim <= 64:
             config["BLOCK_N2"] = max(config["BLOCK_N2"], 64)
+        # a head dim between 64 and 128 that two tiles serve with less padding (D96 = 64 +
+        # 32, D80 = 64 + 16: head_tiles.d_tiles) runs as two, at the D128 row's tiles. On
+        # an H200 (bf16, backward alone, cold L2; benchmarks/results/bwd_split_d_h200.json:
+        # Phi-3's 32:32 D96 at B2 x 4096 and B4 x 2048 causal, B4 x 2048 not causal,
+        # Phi-2-like D80 at B4 x 2048 causal) 1.06 / 1.07 / 1.04 / 1.11x the one padded
+        # tile, the fastest of 7 variants of these tiles at each shape (two tiles were
+        # 1.00-1.17x one at every variant but one, 0.98x); still 0.75-0.79x cuDNN's
+        d = problem.head_dim
+        if 64 < d < 128 and sum(d_tiles(d, 1)) < block_d(d):
+            config["SPLIT_D"] = 1
     if problem.dropout > 0 and problem.head_dim <= 64:
         # with dropout the D64 dK/dV tile of 128 keys at 4 warps spills (1716 B for sm_90:
         # the mask's registers on top of two 128x64 fp32 accumulators); 64 keys does not.
