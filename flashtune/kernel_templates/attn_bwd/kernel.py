@@ -585,7 +585,8 @@ def _dkdv_program(tile_n, part, Q, K, V, DO, Lse, Delta, DK, DV, PartK, PartV, d
         tl.store(PartK + p_off, dk, mask=kv_mask)
         tl.store(PartV + p_off, dv, mask=kv_mask)
         if BLOCK_D1 > 0:
-            p_off1 = rows[:, None] * HEAD_DIM + BLOCK_D + offs_e[None, :]
+            # offs_e is None without a second tile (this branch is then compiled out)
+            p_off1 = rows[:, None] * HEAD_DIM + BLOCK_D + offs_e[None, :]  # type: ignore[index]
             tl.store(PartK + p_off1, dk1, mask=kv_mask1)
             tl.store(PartV + p_off1, dv1, mask=kv_mask1)
     else:
@@ -891,7 +892,8 @@ def _dq_program(tile_m, off_bh, Q, K, V, DO, Lse, Delta, DQ, desc_k, desc_v,
     if BLOCK_D1 > 0:
         dq1 *= sm_scale
         tl.store(_head(DQ, off_b, off_h, q_start, stride_dqb, stride_dqh, stride_dqm, VARLEN)
-                 + BLOCK_D + offs_m[:, None].to(tl.int64) * stride_dqm + offs_e[None, :],
+                 + BLOCK_D + offs_m[:, None].to(tl.int64) * stride_dqm
+                 + offs_e[None, :],  # type: ignore[index]
                  dq1.to(DQ.dtype.element_ty),
                  mask=m_ok[:, None] & (offs_e < HEAD_DIM - BLOCK_D)[None, :])
 
