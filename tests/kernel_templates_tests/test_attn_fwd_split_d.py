@@ -154,15 +154,16 @@ def test_two_tiles_compile_for_sm90_in_less_shared_memory():
 def test_a_search_proposes_the_knob_only_where_it_applies():
     """SearchSpace.narrow (knob_scope.split_d_scope): at a power-of-two head dim the search
     walks SPLIT_D 0 alone, in the forward's space, the decode kernel's and a training
-    pair's; at D96 both values. The predicate is unchanged."""
+    pair's (whose backward has the knob too: both halves pinned); at D96 both values. The
+    predicate is unchanged."""
     from flashtune.kernel_templates.registry import train_step
 
     p64 = AttentionProblem(2, 8, 8, 256, 256, 64, True, "bf16")
     p96 = AttentionProblem(2, 8, 8, 256, 256, 96, True, "bf16")
     pair = train_step(SPEC).space
-    for space in (SPEC.space, get_template("attn_decode").space, pair):
+    for space, knobs in ((SPEC.space, 1), (get_template("attn_decode").space, 1), (pair, 2)):
         assert space.for_problem(p64).params["SPLIT_D"] == (0,)
         assert space.for_problem(p96) is space and space.params["SPLIT_D"] == (0, 1)
-        assert space.for_problem(p64).size * 2 == space.size
+        assert space.for_problem(p64).size * 2 ** knobs == space.size
         assert space.for_problem(p64).predicate is space.predicate
-    assert "bwd.SPLIT_D" not in pair.params  # the backward pads: no knob of its own
+    assert pair.for_problem(p64).params["bwd.SPLIT_D"] == (0,)
