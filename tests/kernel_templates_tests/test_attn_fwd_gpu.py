@@ -120,3 +120,55 @@ def test_the_default_between_64_and_128_dims_matches_the_reference(d):
         assert rel < 1e-2, (cfg, causal, rel)
         finite = torch.isfinite(ref_lse)
         assert torch.allclose(lse[finite], ref_lse[finite], atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize("d", [96, 80])
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
+def test_a_launch_plan_with_two_tiles_reads_each_calls_tensors(d, layout):
+    """What ``flashtune.attention`` replays after a shape's first call (a launch plan), with
+    two head-dim tiles by TMA: each call's output comes from that call's tensors. The
+    second tile's descriptors were bound once, to the build call's tensors, and the
+    columns past 64 came from a buffer freed after the build (a Phi-3 prefill at 8k routed
+    to attn_fwd: logits 1.4 relative error)."""
+    from flashtune.kernel_templates.attn_fwd.plan import AttnFwdPlan
+
+    cfg = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3, "USE_TMA": 1,
+           "REVERSE_M": 1, "SPLIT_D": 1}
+    b, hq, hkv, n = 1, 6, 2, 333
+    kept = []  # every call's tensors stay alive: each call's sit at new addresses
+
+    def make():
+        if layout == "bnhd":
+            t = (_rand(b, n, hq, d, dtype=torch.bfloat16).transpose(1, 2),
+                 *(_rand(b, n, hkv, d, dtype=torch.bfloat16).transpose(1, 2)
+                   for _ in range(2)))
+        else:
+            t = (_rand(b, hq, n, d, dtype=torch.bfloat16),
+                 *(_rand(b, hkv, n, d, dtype=torch.bfloat16) for _ in range(2)))
+        kept.append(t)
+        return t
+
+    plan = AttnFwdPlan(*make(), cfg, causal=True, scale=None, return_lse=True)
+    stream = torch.cuda.current_stream().cuda_stream
+    for _ in range(2):
+        q, k, v = make()
+        out, lse = plan(q, k, v, stream)
+        ref, ref_lse = attn_fwd_reference(q, k, v, causal=True, dtype=torch.float32)
+        rel = ((out.float() - ref).norm() / ref.norm()).item()
+        assert rel < 1e-2, rel
+        assert torch.allclose(lse, ref_lse, atol=1e-3, rtol=1e-4)
+
+
+def test_phi3_prefill_at_8k_routes_to_the_reference():
+    """The call that found it: Phi-3-mini's 32 heads of 96 at 8192 tokens, causal, in
+    transformers' layout (slices of one fused q/k/v projection), three routed calls (the
+    first builds the shape's launch plan, the rest replay it); on the H200 table the route
+    is attn_fwd with two tiles."""
+    h, n, d = 32, 8192, 96
+    for _ in range(3):
+        qkv = _rand(1, n, 3 * h * d, dtype=torch.bfloat16)
+        q, k, v = (t.view(1, n, h, d).transpose(1, 2) for t in qkv.split(h * d, dim=-1))
+        out = flashtune.attention(q, k, v, causal=True)
+        ref, _ = attn_fwd_reference(q, k, v, causal=True, dtype=torch.float32)
+        rel = ((out.float() - ref).norm() / ref.norm()).item()
+        assert rel < 1e-2, (rel, flashtune.lookup_config(q, k, v, causal=True))

@@ -193,3 +193,24 @@ def test_scratch_is_handed_out_again_only_where_launches_stay_in_order(monkeypat
     capturing[0] = False
     assert direct.Scratch(1, bufs, limit=23).get(71) is None  # 24 bytes over a limit of 23
     assert direct.Scratch(1, bufs, limit=24).get(71) is bufs
+
+
+@pytest.mark.parametrize("template", ["attn_fwd", "attn_fwd_gluon"])
+def test_a_plan_binds_every_tensor_descriptor_per_call(template: str) -> None:
+    """A launch plan replays its build call's fixed arguments: a tensor descriptor among
+    them would keep the build call's tensor (attn_fwd's second head-dim tile did: its
+    columns came from a buffer freed after the build). Every descriptor parameter of the
+    kernel is one of the plan's leading arguments or one it may bind late."""
+    import importlib
+    import inspect
+
+    plan = importlib.import_module(f"flashtune.kernel_templates.{template}.plan")
+    kernel = plan.attn_fwd_kernel if template == "attn_fwd" else plan.gluon_attn_fwd_kernel
+    names = kernel.arg_names
+    late = set(getattr(plan, "_LATE", ()))
+    source = inspect.getsource(plan)
+    late |= {n for n in names if f'late=("{n}",)' in source}  # the Gluon plan's o_desc
+    per_call = set(names[:plan._VARYING]) | late
+    descriptors = {n for n in names if n.startswith("desc_") or n.endswith("_desc")}
+    assert descriptors, names
+    assert descriptors <= per_call, sorted(descriptors - per_call)

@@ -40,6 +40,8 @@ from flashtune.kernel_templates.tma import (
 __all__ = ["AttnFwdPlan"]
 
 _VARYING = 9  # Q, K, V, Out, Lse, desc_q, desc_k, desc_v, desc_o
+# SPLIT_D's second tile's descriptors (after every other argument): they change per call too
+_LATE = ("desc_q1", "desc_k1", "desc_v1", "desc_o1")
 _CONTIGUOUS = torch.contiguous_format
 
 
@@ -53,7 +55,7 @@ class AttnFwdPlan:
     """
 
     __slots__ = ("device_index", "_launch", "_lse_shape", "_dtype", "_device",
-                 "_tma", "_return_lse", "_pads", "_unpad", "_narrow_shape")
+                 "_tma", "_late", "_return_lse", "_pads", "_unpad", "_narrow_shape")
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  config: Mapping[str, int], *, causal: bool, scale: float | None,
@@ -86,8 +88,11 @@ class AttnFwdPlan:
                                          use_tma=use_tma, upcast_dot=False, window=window,
                                          softcap=softcap)
         self._tma = use_tma
+        # two head-dim tiles by TMA: the second tile's descriptors are bound per call too
+        self._late = use_tma and bool(kwargs["BLOCK_D1"])
         with torch.cuda.device(self.device_index):
-            self._launch = DirectLaunch(attn_fwd_kernel, args, kwargs, grid, _VARYING)
+            self._launch = DirectLaunch(attn_fwd_kernel, args, kwargs, grid, _VARYING,
+                                        late=_LATE if self._late else ())
             if self._pads is not None:
                 narrow = torch.empty(self._narrow_shape, dtype=q.dtype, device=q.device)
                 self._unpad = _direct(copy_cols_launch(out, narrow, head_dim,
@@ -117,7 +122,10 @@ class AttnFwdPlan:
         out = torch.empty_like(q, memory_format=_CONTIGUOUS)
         lse = (torch.empty(self._lse_shape, dtype=torch.float32, device=self._device)
                if self._return_lse else None)
-        if self._tma:  # the descriptors' bases: their geometry is the build call's
+        if self._late:  # the descriptors' bases: their geometry is the build call's
+            self._launch.with_late(stream, (q, k, v, out, out if lse is None else lse,
+                                            q, k, v, out), (q, k, v, out))
+        elif self._tma:
             self._launch(stream, q, k, v, out, out if lse is None else lse, q, k, v, out)
         else:
             self._launch(stream, q, k, v, out, out if lse is None else lse,
