@@ -8,7 +8,10 @@ the plot). Per problem:
   0, the first K/V head's group of query heads; the output, or for the backward dQ, dK and
   dV, the baselines' through autograd); one over the tuner's tolerance
   (:data:`~flashtune.core.case.TOLERANCE`) or that raises is reported with its error
-  and never timed;
+  and never timed; for the forward without score modifications, what a later call of the
+  routed choice replays on a GPU (the runtime's launch plan, built on copies of the
+  inputs) is checked too (``planned_rel_err_vs_fp32``), and ``flashtune`` is not timed
+  where it fails;
 * the checked ones are timed ``rounds`` times in rotation (on a GPU
   :func:`~flashtune.autotune.timing.bench`, cold L2 before every call; on CPU tensors the
   host wall time) and the median of the per-round medians is kept.
@@ -360,7 +363,33 @@ def _forward_fns(p: AttentionProblem, spec: Any,
             fns[name] = _baseline(name, q, k, v, p.causal, mods)
         except Exception as exc:  # noqa: BLE001 - an unsupported baseline is data
             row[name] = {"error": _first_line(exc)}
+    if not mods:
+        row["planned_rel_err_vs_fp32"] = _planned_error(
+            *configs["flashtune"], q, k, v, p.causal,
+            lambda out: relative_error(out[sq], ref))
     return fns, lambda out: relative_error(out[sq], ref)
+
+
+def _planned_error(impl: Any, config: Mapping[str, int], q: Any, k: Any, v: Any, causal: bool,
+                   error: Callable[[Any], float]) -> float | str | None:
+    """The error of what the runtime replays for the routed choice (its launch plan, built
+    as a shape's first call builds it but on other tensors of the inputs' shapes and
+    strides and other values, then run on the inputs, as a later call runs it): a float;
+    the first line of what building or running it raised; None where the runtime plans no
+    such call (it runs the launcher, checked beside it, or torch's op)."""
+    from flashtune.runtime.routing import replay_plan
+
+    first = [t.new_empty_strided(t.shape, t.stride()).normal_() for t in (q, k, v)]
+    try:
+        replay = replay_plan(impl, config, *first, causal=causal)
+    except Exception as exc:  # noqa: BLE001 - no plan: the runtime runs the launcher
+        return f"not planned: {_first_line(exc)}"
+    if replay is None:
+        return None
+    try:
+        return error(replay(q, k, v))
+    except Exception as exc:  # noqa: BLE001
+        return _first_line(exc)
 
 
 def _backward_fns(p: AttentionProblem, spec: Any,
@@ -506,6 +535,16 @@ def _bench_problem(p: AttentionProblem, spec: Any, choice: Any, device: Any, tor
                                   f"not timed", "rel_err_vs_fp32": err}
             continue
         checked[name] = err
+    planned = row.get("planned_rel_err_vs_fp32")
+    if "flashtune" in checked and planned is not None \
+            and not str(planned).startswith("not planned") \
+            and not (isinstance(planned, float) and planned < TOLERANCE[p.dtype]):
+        # the launcher passed, what a later call replays did not: the runtime is not timed
+        what = (f"relative error {planned:.3g} >= {TOLERANCE[p.dtype]} vs fp32"
+                if isinstance(planned, float) else planned)
+        del checked["flashtune"]
+        row["flashtune"] = {"error": f"the runtime's launch plan failed where the launcher "
+                                     f"passed: {what}; not timed"}
     times: dict[str, list[float]] = {name: [] for name in checked}
     for _ in range(rounds):
         for name in list(times):

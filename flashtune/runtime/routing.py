@@ -459,6 +459,28 @@ def _new_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: TemplateS
     return remember(_PLANS, key, plan)
 
 
+def replay_plan(spec: TemplateSpec, cfg: Mapping[str, int], q: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor, *, causal: bool, scale: float | None = None,
+                return_lse: bool = False
+                ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Any] | None:
+    """What a plain inference call of one of flashtune's own implementations replays after
+    a shape's first call (the plan :func:`_new_plan` keeps: the implementation's own, else
+    attn_fwd's or attn_decode's), built from ``q, k, v`` and not kept, as a function of
+    later tensors of the same shapes, strides and alignment; None where such a call runs
+    the launcher or torch's op, or off the GPU. Building raises what the plan raises (the
+    runtime then runs the launcher). A plan binds its fixed arguments once, from the build
+    call: only a call with other tensors than those shows what it kept (``bench`` checks
+    one so, beside the launcher)."""
+    if not q.is_cuda or spec.kind == "extern":
+        return None
+    plan_type: Any = spec.plan or (AttnFwdPlan if spec is _FWD else
+                                   AttnDecodeDensePlan if spec is _DEC else None)
+    if plan_type is None:
+        return None
+    plan = plan_type(q, k, v, cfg, causal=causal, scale=scale, return_lse=return_lse)
+    return lambda q, k, v: plan(q, k, v, _current_stream(plan.device_index))
+
+
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                scale: float | None, return_lse: bool,
                config: Mapping[str, int] | None, impl: str | None = None) -> Any:

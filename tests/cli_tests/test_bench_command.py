@@ -11,10 +11,12 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from flashtune.cli.main import cli
 from flashtune.core.problem import AttentionProblem
+from flashtune.kernel_templates import get_template
 
 PLAN = """
 [[shape]]
@@ -110,6 +112,49 @@ def test_a_wrong_implementation_is_reported_and_not_timed(monkeypatch):
     assert run["summary"]["all_checked"] is False
 
 
+@pytest.mark.parametrize("plan", ["stale", "right", "unbuildable", "none"])
+def test_what_a_later_call_replays_is_checked_too(monkeypatch, plan):
+    """The routed choice's launch plan (what the runtime replays after a shape's first
+    call; off the GPU there is none, so it is stood in for): built on copies of the inputs,
+    run on the inputs (other values). One whose output is stale (a plan that kept its build call's
+    tensors: attn_fwd's second head-dim tile did) fails flashtune's row where the launcher
+    passed; a right one is recorded and flashtune timed; one that cannot be built, or
+    none, leaves the launcher's row as it was."""
+    from flashtune.runtime import routing
+    from flashtune.runtime.bench import bench_attention
+
+    spec = get_template("attn_fwd")
+    built = []
+
+    def replay_plan(impl, config, q, k, v, *, causal, **kw):
+        if plan == "unbuildable":
+            raise RuntimeError("Triton internals moved")
+        if plan == "none":
+            return None
+        built.append((impl.name, q.data_ptr()))
+        kept = (q, k, v)  # the build call's tensors
+
+        def replay(q, k, v):
+            return spec.launcher(*(kept if plan == "stale" else (q, k, v)), config,
+                                 causal=causal)
+        return replay
+
+    monkeypatch.setattr(routing, "replay_plan", replay_plan)
+    p = AttentionProblem(1, 2, 2, 40, 40, 32, True, "fp16")
+    [row] = bench_attention([p], baselines=[], db_url="sqlite://")["rows"]
+    assert row["flashtune_default"]["tflops"] > 0  # the plan is the routed choice's only
+    planned = row["planned_rel_err_vs_fp32"]
+    if plan == "stale":
+        assert built and planned > 0.1
+        assert "launch plan" in row["flashtune"]["error"] and "tflops" not in row["flashtune"]
+    elif plan == "right":
+        assert built == [("attn_fwd", built[0][1])] and planned < 5e-3
+        assert row["flashtune"]["tflops"] > 0
+    else:
+        assert planned is None if plan == "none" else planned.startswith("not planned")
+        assert row["flashtune"]["tflops"] > 0
+
+
 def test_sdpa_is_not_compared_where_its_causal_mask_differs():
     from flashtune.runtime.bench import bench_attention
 
@@ -154,6 +199,8 @@ def test_a_forwards_score_modifications_are_run_and_checked():
     assert "bench_mods.py" in trained["flashtune"]["error"]
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="tunes under the interpreter: its "
+                    "entries are the interpreter device's, a GPU's bench reads its own")
 def test_the_dispatchers_tuned_config_is_what_is_benchmarked(tmp_path):
     from flashtune.autotune.jobs import tune
     from flashtune.autotune.options import TuneOptions
@@ -334,8 +381,11 @@ def test_the_training_step_bench_times_every_own_pair_the_gpu_can_run(tmp_path):
     served = _Served(Dispatcher(get_template("attn_fwd")), f"sqlite:///{tmp_path / 'none.db'}")
     pairs = served.own_implementations(AttentionProblem(4, 16, 16, 1024, 1024, 128, True,
                                                         "bf16"), H100, train=True)
+    # (with a GPU here, also the pairs with one of cuDNN's kernels, which need one to run)
+    hybrids = {"impl_attn_fwd_gluon_bwd_cudnn", "impl_sdpa_cudnn_bwd_gluon"} \
+        if torch.cuda.is_available() else set()
     assert set(pairs) == {"impl_attn_fwd", "impl_attn_fwd_bwd_gluon", "impl_attn_fwd_gluon",
-                          "impl_attn_fwd_gluon_bwd_gluon"}
+                          "impl_attn_fwd_gluon_bwd_gluon"} | hybrids
     assert pairs["impl_attn_fwd_bwd_gluon"][0].launcher.bwd.name == "attn_bwd_gluon"
     spec, config = pairs["impl_attn_fwd_gluon_bwd_gluon"]
     assert spec.launcher.bwd.name == "attn_bwd_gluon"
