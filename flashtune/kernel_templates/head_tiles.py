@@ -10,7 +10,7 @@ that are not powers of two; FA3 serves 96 natively.
 
 from __future__ import annotations
 
-__all__ = ["d_tiles"]
+__all__ = ["d_tiles", "saves_padding"]
 
 
 def _pow2(n: int) -> int:
@@ -30,3 +30,12 @@ def d_tiles(head_dim: int, split: int | bool = 0) -> tuple[int, int]:
         return whole, 0
     first = whole // 2
     return first, _pow2(head_dim - first)
+
+
+def saves_padding(head_dim: int) -> bool:
+    """Whether two tiles (:func:`d_tiles` with ``split``) cover ``head_dim`` with fewer
+    columns than one: 96 (64 + 32 against 128), 80 (64 + 16), 72 (64 + 16); not a power of
+    two or 16 or less (one tile either way), nor 112 (64 + 64) or 24 (16 + 16). Where a
+    template's predicate allows ``SPLIT_D`` 1, its search proposes it
+    (``knob_scope.split_d_scope``) and a Hopper default takes it."""
+    return sum(d_tiles(head_dim, 1)) < d_tiles(head_dim)[0]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from flashtune.kernel_templates.head_tiles import d_tiles
+from flashtune.kernel_templates.head_tiles import saves_padding
 
 __all__ = ["split_d_scope"]
 
@@ -18,5 +18,4 @@ __all__ = ["split_d_scope"]
 def split_d_scope(problem: Any) -> dict[str, tuple[int, ...]]:
     """``SPLIT_D`` only 0 where two tiles save no padding (a power-of-two head dim, or one
     like 112 = 64 + 64), else nothing narrowed."""
-    whole, _ = d_tiles(problem.head_dim, 0)
-    return {} if sum(d_tiles(problem.head_dim, 1)) < whole else {"SPLIT_D": (0,)}
+    return {} if saves_padding(problem.head_dim) else {"SPLIT_D": (0,)}

@@ -23,6 +23,8 @@ from flashtune.kernel_templates.attn_decode.space import (
     default_config,
     shared_mem_bytes,
 )
+from flashtune.kernel_templates.head_tiles import saves_padding
+from flashtune.kernel_templates.knob_scope import split_d_scope
 from tests.conftest import DEVICE
 from tests.decode_helpers import (
     NO_CACHE_OPTIONS,
@@ -50,6 +52,31 @@ def cfg(bn=16, splits=3, warps=4, stages=1, split_d=1):
 def test_tiles(d, tiles):
     assert d_tiles(d, 1) == tiles
     assert d_tiles(d, 0) == (block_d(d), 0)
+
+
+@pytest.mark.parametrize("d,saves", [(96, True), (80, True), (72, True), (40, True),
+                                     (160, True), (192, True), (112, False), (24, False),
+                                     (128, False), (64, False), (16, False), (8, False)])
+def test_two_tiles_save_padding_where_they_cover_fewer_columns(d, saves):
+    assert saves_padding(d) is saves
+    assert saves == (sum(d_tiles(d, 1)) < block_d(d))
+
+
+def test_every_template_allows_two_tiles_exactly_where_they_save_padding():
+    # the three templates' predicates and the search's narrowing share one rule: with one
+    # tile of ``whole`` columns, the split is whole / 2 plus the rest padded to a power of
+    # two of at least 16, which is narrower only for whole / 2 < d <= 3 / 4 whole, whole >= 64
+    specs = [get_template(name) for name in ("attn_fwd", "attn_bwd", "attn_decode")]
+    for d in range(1, 257):
+        whole = max(16, 1 << (d - 1).bit_length())
+        assert saves_padding(d) is (whole >= 64 and whole // 2 < d <= 3 * whole // 4), d
+        p = AttentionProblem(1, 8, 8, 1, 512, d, False, "bf16")
+        assert (split_d_scope(p) == {}) is saves_padding(d), d
+        for spec in specs:
+            reason = spec.space.check(dict(spec.default_config(p, H100), SPLIT_D=1), p, H100)
+            name = spec.name
+            cuts = reason is not None and "SPLIT_D 1 cuts" in reason
+            assert cuts is not saves_padding(d), (name, d, reason)
 
 
 def test_the_space_takes_it_only_where_it_cuts_padding():

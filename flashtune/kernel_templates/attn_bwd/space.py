@@ -13,7 +13,7 @@ from flashtune.kernel_templates.attn_fwd.space import (
     block_d,
     tma_refusal,
 )
-from flashtune.kernel_templates.head_tiles import d_tiles
+from flashtune.kernel_templates.head_tiles import d_tiles, saves_padding
 
 BASE_PARAMS: dict[str, tuple[int, ...]] = {
     "BLOCK_M1": (16, 32, 64, 128),   # dK/dV kernel: query rows per step
@@ -108,7 +108,7 @@ def check(config: Mapping[str, int], problem: AttentionProblem,
     """Why ``config`` cannot (or should not) run ``problem`` on ``device``; None if it can."""
     split_d = config.get("SPLIT_D", 0)
     bd = sum(d_tiles(problem.head_dim, split_d))
-    if split_d and bd >= block_d(problem.head_dim):
+    if split_d and not saves_padding(problem.head_dim):
         return (f"SPLIT_D 1 cuts a head dim that is not a power of two; head_dim "
                 f"{problem.head_dim} is one tile of {block_d(problem.head_dim)} either way")
     threads = 32 * config["num_warps"]
@@ -265,7 +265,7 @@ def default_config(problem: AttentionProblem, device: DeviceFingerprint) -> Conf
         # tile, the fastest of 7 variants of these tiles at each shape (two tiles were
         # 1.00-1.17x one at every variant but one, 0.98x); still 0.75-0.79x cuDNN's
         d = problem.head_dim
-        if 64 < d < 128 and sum(d_tiles(d, 1)) < block_d(d):
+        if 64 < d < 128 and saves_padding(d):
             config["SPLIT_D"] = 1
     if problem.dropout > 0 and problem.head_dim <= 64:
         # with dropout the D64 dK/dV tile of 128 keys at 4 warps spills (1716 B for sm_90:

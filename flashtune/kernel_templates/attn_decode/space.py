@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from flashtune.core.device import DeviceFingerprint
 from flashtune.core.problem import AttentionProblem
 from flashtune.core.space import Config, SearchSpace
-from flashtune.kernel_templates.head_tiles import d_tiles
+from flashtune.kernel_templates.head_tiles import d_tiles, saves_padding
 
 PARAMS: dict[str, tuple[int, ...]] = {
     "BLOCK_N": (16, 32, 64, 128),
@@ -84,7 +84,7 @@ def check(config: Mapping[str, int], problem: AttentionProblem,
     """Why ``config`` cannot (or should not) run ``problem`` on ``device``; None if it can."""
     split_d = config.get("SPLIT_D", 0)
     bd = sum(d_tiles(problem.head_dim, split_d))
-    if split_d and bd >= block_d(problem.head_dim):
+    if split_d and not saves_padding(problem.head_dim):
         return (f"SPLIT_D 1 cuts a head dim that is not a power of two; head_dim "
                 f"{problem.head_dim} is one tile of {block_d(problem.head_dim)} either way")
     bm = block_m(problem.heads_q // problem.heads_kv, problem.seqlen_q)
@@ -157,7 +157,7 @@ def default_config(problem: AttentionProblem, device: DeviceFingerprint) -> Conf
             "num_warps": 4,
             "num_stages": 3,
         }
-        if sum(d_tiles(problem.head_dim, 1)) < block_d(problem.head_dim):
+        if saves_padding(problem.head_dim):
             config["SPLIT_D"] = 1
     else:
         config = {

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from flashtune.core.device import DeviceFingerprint
 from flashtune.core.problem import AttentionProblem
 from flashtune.core.space import Config, SearchSpace
-from flashtune.kernel_templates.head_tiles import d_tiles
+from flashtune.kernel_templates.head_tiles import d_tiles, saves_padding
 from flashtune.kernel_templates.tma import tma_head_dim
 
 # tiles, warps and software-pipelining depth: every GPU
@@ -76,7 +76,7 @@ def check(config: Mapping[str, int], problem: AttentionProblem,
     """Why ``config`` cannot (or should not) run ``problem`` on ``device``; None if it can."""
     split_d = config.get("SPLIT_D", 0)
     bd = sum(d_tiles(problem.head_dim, split_d))
-    if split_d and bd >= block_d(problem.head_dim):
+    if split_d and not saves_padding(problem.head_dim):
         return (f"SPLIT_D 1 cuts a head dim that is not a power of two; head_dim "
                 f"{problem.head_dim} is one tile of {block_d(problem.head_dim)} either way")
     bm, bn, warps = config["BLOCK_M"], config["BLOCK_N"], config["num_warps"]  # noqa: F841
@@ -155,7 +155,7 @@ def default_config(problem: AttentionProblem, device: DeviceFingerprint) -> Conf
         table = _DEFAULTS
     cfg = next((c for max_d, c in table if problem.head_dim <= max_d), table[-1][1])
     d = problem.head_dim
-    if table is _DEFAULTS_TMA and 64 < d < 128 and sum(d_tiles(d, 1)) < block_d(d):
+    if table is _DEFAULTS_TMA and 64 < d < 128 and saves_padding(d):
         cfg = _DEFAULT_TWO_TILES
     config = {**DEFAULTS, **cfg, "REVERSE_M": int(problem.causal)}
     if problem.dropout > 0 and table is _DEFAULTS_TMA and problem.head_dim <= 64:
