@@ -155,8 +155,12 @@ def attention(
             dropout: :mod:`flashtune.runtime.scored`); under ``torch.compile`` through
             custom ops (no graph break).
     Returns:
-        ``out`` of ``q``'s shape and dtype (contiguous from flashtune's kernels; an SDPA
-        backend's output follows torch's layout), or ``(out, lse)``.
+        ``out`` of ``q``'s shape and dtype, or ``(out, lse)``. A call without gradients
+        on a GPU that a forward kernel's launch plan serves (attn_fwd's, the Gluon
+        forward's) gets ``out`` in ``q``'s layout: a ``(B, N, H, D)`` tensor viewed per
+        head gets that storage order back, so its transpose back is a view. Otherwise
+        flashtune's kernels return it contiguous; an SDPA backend's output follows torch's
+        layout.
     Raises:
         InputError / InputTypeError (``ValueError`` / ``TypeError``) for bad tensors (and
         on CUDA for ``batch x heads_q`` over 65535, the launch grid's limit: split the

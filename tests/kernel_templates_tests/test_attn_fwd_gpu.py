@@ -207,3 +207,36 @@ def test_the_plan_bench_checks_is_the_one_a_later_call_replays(impl, d, cfg):
     out = replay(*later)
     rel = ((out.float() - ref).norm() / ref.norm()).item()
     assert rel < 1e-2, rel
+
+
+@pytest.mark.parametrize("layout", ["bnhd", "fused", "bhnd"])
+@pytest.mark.parametrize("d,split", [(96, 1), (128, 0), (64, 0)], ids=["d96-split", "d128",
+                                                                      "d64"])
+def test_a_plans_output_lies_in_qs_layout(layout, d, split):
+    """What ``flashtune.attention`` replays writes the output in q's layout: transformers
+    hands q as a ``(B, N, H, D)`` projection viewed per head (here also slices of one fused
+    q/k/v projection) and transposes the output back, which is then a view, not a copy.
+    The values are the launcher's (contiguous output), bit for bit."""
+    from flashtune.kernel_templates.attn_fwd import attn_fwd
+    from flashtune.runtime.routing import replay_plan
+
+    b, h, n = 2, 4, 300
+    cfg = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3, "USE_TMA": 1,
+           "REVERSE_M": 1, "SPLIT_D": split}
+
+    def make():
+        if layout == "fused":
+            qkv = _rand(b, n, 3 * h * d, dtype=torch.bfloat16)
+            return [t.view(b, n, h, d).transpose(1, 2) for t in qkv.split(h * d, dim=-1)]
+        if layout == "bnhd":
+            return [_rand(b, n, h, d, dtype=torch.bfloat16).transpose(1, 2) for _ in range(3)]
+        return [_rand(b, h, n, d, dtype=torch.bfloat16) for _ in range(3)]
+
+    first = make()
+    replay = replay_plan(SPEC, cfg, *first, causal=True)
+    assert replay is not None
+    q, k, v = make()
+    out = replay(q, k, v)
+    assert out.shape == q.shape and out.stride() == torch.empty_like(q).stride()
+    assert out.transpose(1, 2).is_contiguous() is (layout != "bhnd")
+    assert torch.equal(out, attn_fwd(q, k, v, cfg, causal=True))

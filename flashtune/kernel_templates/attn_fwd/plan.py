@@ -5,7 +5,10 @@ first call.
 return_lse) and launches the same compiled kernel for later calls whose tensors have the same
 shapes, strides, dtypes, device and 16-byte alignment (the caller's key), allocating the
 output per call and nothing else (the host TMA descriptors keep the build call's shapes and
-strides: a call passes their base tensors). Arguments come from
+strides: a call passes their base tensors). The output lies in q's layout, as the Gluon
+forward's plan writes it: transformers hands q as a ``(B, N, H, D)`` projection viewed per
+head and transposes the output back, which is then a view where a contiguous output cost a
+copy (a Phi-3 prefill at 8192 tokens: 0.12 ms a layer, the kernel's 0.92). Arguments come from
 :func:`~flashtune.kernel_templates.attn_fwd.launcher.kernel_args`, the function the launcher
 and the precompiler use, so the plan runs exactly the kernel ``attn_fwd`` would.
 
@@ -80,7 +83,7 @@ class AttnFwdPlan:
             head_dim = width
         self._device, self._dtype, self._return_lse = q.device, q.dtype, bool(return_lse)
         self._lse_shape = (batch, heads_q, seqlen_q)
-        out = torch.empty_like(q, memory_format=_CONTIGUOUS)
+        out = torch.empty_like(q)  # q's layout (contiguous where q is padded: a new tensor)
         lse = (torch.empty(self._lse_shape, dtype=torch.float32, device=q.device)
                if return_lse else None)
         use_tma = bool(config.get("USE_TMA", 0)) and tma_ok(q, k, v, out)
@@ -109,7 +112,8 @@ class AttnFwdPlan:
             wide.append(w)
         got = self._run(wide[0], wide[1], wide[2], stream)
         out_wide, lse = got if isinstance(got, tuple) else (got, None)
-        out = torch.empty_like(q, memory_format=_CONTIGUOUS)  # of _narrow_shape
+        # of _narrow_shape, contiguous: the unpad launch was built for that layout
+        out = torch.empty_like(q, memory_format=_CONTIGUOUS)
         unpad = self._unpad
         if unpad is None:  # pragma: no cover - set with _pads
             raise RuntimeError("a padded plan without its unpad launch")
@@ -117,9 +121,10 @@ class AttnFwdPlan:
         return (out, lse) if lse is not None else out
 
     def _run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stream: int) -> Any:
-        # q's dtype and shape (the padded one where it is padded), contiguous;
-        # empty_like parses fewer arguments than torch.empty, a microsecond less a call
-        out = torch.empty_like(q, memory_format=_CONTIGUOUS)
+        # q's dtype, shape and layout (the build call's: the plan's key holds q's strides;
+        # where q is padded, a contiguous copy); empty_like parses fewer arguments than
+        # torch.empty, a microsecond less a call
+        out = torch.empty_like(q)
         lse = (torch.empty(self._lse_shape, dtype=torch.float32, device=self._device)
                if self._return_lse else None)
         if self._late:  # the descriptors' bases: their geometry is the build call's
