@@ -74,9 +74,8 @@ def test_every_template_allows_two_tiles_exactly_where_they_save_padding():
         assert (split_d_scope(p) == {}) is saves_padding(d), d
         for spec in specs:
             reason = spec.space.check(dict(spec.default_config(p, H100), SPLIT_D=1), p, H100)
-            name = spec.name
             cuts = reason is not None and "SPLIT_D 1 cuts" in reason
-            assert cuts is not saves_padding(d), (name, d, reason)
+            assert cuts is not saves_padding(d), (spec.name, d, reason)
 
 
 def test_the_space_takes_it_only_where_it_cuts_padding():
