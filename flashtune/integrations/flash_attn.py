@@ -18,10 +18,11 @@ that is not a multiple of 8 on a GPU, as FlashAttention-2 pads it), and a packed
 
 Where flashtune differs, and why:
 
-* ``out`` is a transposed view of flashtune's contiguous ``(batch, heads, seqlen, head_dim)``
-  output, shape ``(batch, seqlen, heads, head_dim)`` as FlashAttention-2's but not contiguous
-  (when ``seqlen > 1`` and ``heads > 1``): ``.reshape`` works, ``.view(batch, seqlen, -1)``
-  does not (call ``.contiguous()`` first).
+* ``out`` is a transposed view of flashtune's ``(batch, heads, seqlen, head_dim)`` output.
+  flashtune's kernels write it in q's layout, so for contiguous ``(batch, seqlen, heads,
+  head_dim)`` inputs it is contiguous, as FlashAttention-2's; a route through an SDPA backend
+  or a padded head dim may give another layout (then ``.reshape`` works where
+  ``.view(batch, seqlen, -1)`` does not: call ``.contiguous()`` first).
 * ``return_attn_probs=True`` returns ``(out, softmax_lse, None)``: the LSE in
   FlashAttention-2's layout (float32 ``(batch, heads, seqlen_q)``, packed ``(heads,
   total_q)``); the third slot, FlashAttention-2's ``S_dmask`` (the probabilities with the

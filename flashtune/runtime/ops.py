@@ -6,7 +6,7 @@ and config and keeps the per-call caches: an inference call goes straight to its
 ``_attention`` (the hot path, described there: after the first call of a call signature,
 one dict read, then the launch). :mod:`flashtune.runtime.autograd` runs the calls with a
 tensor that requires grad (attn_fwd, and attn_bwd for the gradients) and registers the
-custom op ``flashtune::attention_fwd`` (with a fake implementation) that a call under
+custom op ``flashtune::attention_fwd_v2`` (with a fake implementation) that a call under
 ``torch.compile`` goes through, so a compiled model traces it without a graph break; eager
 calls skip the op dispatcher's overhead.
 """
@@ -155,12 +155,13 @@ def attention(
             dropout: :mod:`flashtune.runtime.scored`); under ``torch.compile`` through
             custom ops (no graph break).
     Returns:
-        ``out`` of ``q``'s shape and dtype, or ``(out, lse)``. A call without gradients
-        on a GPU that a forward kernel's launch plan serves (attn_fwd's, the Gluon
-        forward's) gets ``out`` in ``q``'s layout: a ``(B, N, H, D)`` tensor viewed per
-        head gets that storage order back, so its transpose back is a view. Otherwise
-        flashtune's kernels return it contiguous; an SDPA backend's output follows torch's
-        layout.
+        ``out`` of ``q``'s shape and dtype, or ``(out, lse)``. flashtune's kernels write
+        ``out`` in ``q``'s layout (``torch.empty_like(q)``), and with gradients dQ, dK
+        and dV in those of q, k, v: a ``(B, N, H, D)`` tensor viewed per head gets that
+        storage order back, so a model's transpose back is a view, not a copy (under
+        ``torch.compile`` too: the custom ops declare those layouts). A head dim the
+        training step pads (not a multiple of 8 on a GPU) comes back contiguous. An SDPA
+        backend's output follows torch's layout.
     Raises:
         InputError / InputTypeError (``ValueError`` / ``TypeError``) for bad tensors (and
         on CUDA for ``batch x heads_q`` over 65535, the launch grid's limit: split the
@@ -186,7 +187,7 @@ def attention(
     if impl is not None:  # forced (attn_fwd too: with gradients, its own pair)
         return _attention_impl(q, k, v, causal, scale, return_lse, config, impl)
     if torch.compiler.is_compiling():
-        out, lse = torch.ops.flashtune.attention_fwd(
+        out, lse = torch.ops.flashtune.attention_fwd_v2(
             q, k, v, bool(causal), scale, bool(return_lse),
             None if config is None else config_text(config))
         return (out, lse) if return_lse else out
@@ -218,7 +219,7 @@ def _attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
                 q, k, v, bool(causal), scale, bool(return_lse), config, impl)
             return trained
         if torch.compiler.is_compiling():
-            out, lse = torch.ops.flashtune.attention_fwd(
+            out, lse = torch.ops.flashtune.attention_fwd_v2(
                 q, k, v, bool(causal), scale, bool(return_lse),
                 None if config is None else config_text(config), impl)
             return (out, lse) if return_lse else out

@@ -66,7 +66,7 @@ from flashtune.kernel_templates.direct import current_stream as _current_stream
 from flashtune.kernel_templates.dropout import draw_seed
 from flashtune.kernel_templates.training import pair_fn
 from flashtune.runtime import routing
-from flashtune.runtime.autograd import as_declared, dout_or_zeros
+from flashtune.runtime.autograd import as_declared, dout_or_zeros, like_layout, lse_as_declared
 from flashtune.runtime.checks import check_attention_inputs, check_grid, check_score_mods
 from flashtune.runtime.lookup import ConfigChoice, remember
 from flashtune.runtime.routing import (
@@ -628,10 +628,8 @@ def _pair_route(q: torch.Tensor, k: torch.Tensor, causal: bool, window_left: int
 
 def _grads_like(q: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The backward ops' gradients as their fakes give them: contiguous, like q, k, v."""
-    return (torch.empty_like(q, memory_format=torch.contiguous_format),
-            torch.empty_like(k, memory_format=torch.contiguous_format),
-            torch.empty_like(v, memory_format=torch.contiguous_format))
+    """The backward ops' gradients as their fakes give them: laid out like q, k, v."""
+    return like_layout(q), like_layout(k), like_layout(v)
 
 
 def _compiled_options(spec: TemplateSpec, window_left: int, window_right: int,
@@ -646,7 +644,7 @@ def _compiled_options(spec: TemplateSpec, window_left: int, window_right: int,
     return options
 
 
-@torch.library.custom_op("flashtune::attention_scored_fwd", mutates_args=())
+@torch.library.custom_op("flashtune::attention_scored_fwd_v2", mutates_args=())
 def _scored_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                    scale: float | None, window_left: int, window_right: int, softcap: float,
                    alibi_slopes: torch.Tensor | None, config_str: str | None,
@@ -657,7 +655,7 @@ def _scored_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
     out, lse = spec.launcher(q, k, v, fcfg, causal=causal, scale=scale, return_lse=True,
                              **_compiled_options(spec, window_left, window_right, softcap,
                                                  alibi_slopes, dropout_p, seed))
-    return as_declared(out, lse)
+    return as_declared(out, q), lse_as_declared(lse)
 
 
 @_scored_fwd_op.register_fake
@@ -667,11 +665,10 @@ def _scored_fwd_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: 
                      config_str: str | None, impl: str | None, dropout_p: float = 0.0,
                      seed: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    return out, q.new_empty(tuple(q.shape[:3]), dtype=torch.float32)
+    return like_layout(q), q.new_empty(tuple(q.shape[:3]), dtype=torch.float32)
 
 
-@torch.library.custom_op("flashtune::attention_scored_bwd", mutates_args=())
+@torch.library.custom_op("flashtune::attention_scored_bwd_v2", mutates_args=())
 def _scored_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                    lse: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None,
                    causal: bool, scale: float | None, window_left: int, window_right: int,
@@ -685,7 +682,7 @@ def _scored_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
                                 dropout_p, seed)
     grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = _bwd_launcher(bwd)(
         q, k, v, out, lse, dout, bcfg, causal=causal, scale=scale, dlse=dlse, **options)
-    return as_declared(*grads)
+    return as_declared(grads[0], q), as_declared(grads[1], k), as_declared(grads[2], v)
 
 
 @_scored_bwd_op.register_fake
@@ -712,7 +709,7 @@ def _scored_setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> Non
 def _scored_backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) -> Any:
     q, k, v, out, lse, seed = ctx.saved_tensors
     causal, scale, wl, wr, cap = ctx.args
-    dq, dk, dv = torch.ops.flashtune.attention_scored_bwd(
+    dq, dk, dv = torch.ops.flashtune.attention_scored_bwd_v2(
         q, k, v, out, lse, dout_or_zeros(dout, out), dlse, causal, scale, wl, wr, cap, ctx.slopes,
         *ctx.route, seed)
     return (dq, dk, dv) + (None,) * 10
@@ -726,7 +723,7 @@ def attention_compiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cau
                        config: Mapping[str, Any] | None, impl: str | None, window: Any,
                        softcap: Any, alibi_slopes: Any, dropout_p: Any = 0.0) -> Any:
     """:func:`attention_scored` under ``torch.compile``: the custom op
-    ``flashtune::attention_scored_fwd`` (its backward ``attention_scored_bwd``), so a
+    ``flashtune::attention_scored_fwd_v2`` (its backward ``attention_scored_bwd_v2``), so a
     compiled model traces the call without a graph break. It runs the pair the route
     chooses for a call with gradients (a forward that saves the LSE, and attn_bwd). A
     dropout seed is drawn outside the op, a random op of the traced graph (fresh each run
@@ -735,7 +732,7 @@ def attention_compiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cau
                                                   softcap=softcap, alibi_slopes=alibi_slopes)
     drop = check_dropout(dropout_p)
     seed = draw_seed(q.device) if drop else None
-    out, lse = torch.ops.flashtune.attention_scored_fwd(
+    out, lse = torch.ops.flashtune.attention_scored_fwd_v2(
         q, k, v, bool(causal), scale, left, right, float(cap or 0.0), slopes,
         None if config is None else config_text(config), impl, drop,
         seed)
@@ -777,7 +774,7 @@ def _varlen_options(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
             "max_seqlen_q": max_seqlen_q, "max_seqlen_k": max_seqlen_k}
 
 
-@torch.library.custom_op("flashtune::attention_varlen_fwd", mutates_args=())
+@torch.library.custom_op("flashtune::attention_varlen_fwd_v2", mutates_args=())
 def _varlen_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
                    max_seqlen_k: int, causal: bool, scale: float | None, window_left: int,
@@ -792,7 +789,7 @@ def _varlen_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              **_varlen_options(cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                max_seqlen_k, window_left, window_right,
                                                softcap, alibi_slopes, dropout_p, seed))
-    return as_declared(out, lse)
+    return as_declared(out, q), lse_as_declared(lse)
 
 
 @_varlen_fwd_op.register_fake
@@ -804,11 +801,10 @@ def _varlen_fwd_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      config_str: str | None, impl: str | None, dropout_p: float = 0.0,
                      seed: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    return out, q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    return like_layout(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
-@torch.library.custom_op("flashtune::attention_varlen_bwd", mutates_args=())
+@torch.library.custom_op("flashtune::attention_varlen_bwd_v2", mutates_args=())
 def _varlen_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                    lse: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None,
                    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
@@ -825,7 +821,7 @@ def _varlen_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
         **_varlen_options(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                           window_left, window_right, softcap, alibi_slopes, dropout_p,
                           seed))
-    return as_declared(*grads)
+    return as_declared(grads[0], q), as_declared(grads[1], k), as_declared(grads[2], v)
 
 
 @_varlen_bwd_op.register_fake
@@ -854,7 +850,7 @@ def _varlen_setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> Non
 
 def _varlen_backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) -> Any:
     q, k, v, out, lse, cu_q, cu_k, seed = ctx.saved_tensors
-    dq, dk, dv = torch.ops.flashtune.attention_varlen_bwd(
+    dq, dk, dv = torch.ops.flashtune.attention_varlen_bwd_v2(
         q, k, v, out, lse, dout_or_zeros(dout, out), dlse, cu_q, cu_k, *ctx.args, ctx.slopes,
         *ctx.route, seed)
     return (dq, dk, dv) + (None,) * 14
@@ -871,7 +867,7 @@ def varlen_compiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     dropout_p: float = 0.0, return_lse: bool = False,
                     config: Mapping[str, Any] | None = None, impl: str | None = None) -> Any:
     """:func:`attention_varlen` under ``torch.compile``: the custom op
-    ``flashtune::attention_varlen_fwd`` (its backward ``attention_varlen_bwd``), so a
+    ``flashtune::attention_varlen_fwd_v2`` (its backward ``attention_varlen_bwd_v2``), so a
     compiled model traces the call without a graph break. Every check but the values of
     ``cu_seqlens`` (a device sync, as under CUDA-graph capture) runs while tracing; a
     dropout seed is drawn outside the op (:func:`attention_compiled`)."""
@@ -880,7 +876,7 @@ def varlen_compiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
         window, softcap, alibi_slopes, False, drop)
     seed = draw_seed(q.device) if drop else None
-    out, lse = torch.ops.flashtune.attention_varlen_fwd(
+    out, lse = torch.ops.flashtune.attention_varlen_fwd_v2(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, bool(causal), scale,
         left, right, float(cap or 0.0), slopes,
         None if config is None else config_text(config), impl, drop,

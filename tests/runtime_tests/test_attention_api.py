@@ -171,7 +171,7 @@ def test_impl_attn_fwd_is_honoured_with_and_without_gradients(monkeypatch):
 @pytest.mark.parametrize("uses", ["out", "lse", "both"])
 def test_a_compiled_step_hands_its_backward_only_the_gradients_the_loss_uses(monkeypatch,
                                                                              uses):
-    """Under ``torch.compile`` the call is the custom op ``flashtune::attention_fwd``: an
+    """Under ``torch.compile`` the call is the custom op ``flashtune::attention_fwd_v2``: an
     output the loss does not use reaches its backward as None, not zeros (as eager's
     PairFn), so a backward that takes no LSE gradient (cuDNN's) runs where the LSE is
     unused; the gradients equal eager's either way."""

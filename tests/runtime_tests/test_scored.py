@@ -327,7 +327,7 @@ def test_torch_compile_traces_varlen_calls_without_graph_breaks():
 @pytest.mark.parametrize("uses", ["out", "lse"])
 def test_a_compiled_scored_step_hands_its_backward_only_the_gradients_the_loss_uses(
         monkeypatch, packed_batch, uses):
-    """The score-modification and packed-batch custom ops, as ``flashtune::attention_fwd``:
+    """The score-modification and packed-batch custom ops, as ``flashtune::attention_fwd_v2``:
     an output the loss does not use reaches the backward as None, not zeros (eager's
     PairFn does the same), and the gradients equal eager's."""
     seen: list[torch.Tensor | None] = []

@@ -367,7 +367,8 @@ def attn_bwd(
             ``dS = P (dP Z r - delta)``; ``out`` is the dropped output, so ``delta =
             rowsum(dO * O)`` needs no change.
     Returns:
-        ``(dq, dk, dv)`` in the input dtype, shaped like ``q``, ``k``, ``v``; dK/dV summed
+        ``(dq, dk, dv)`` in the input dtype, shaped and laid out like ``q``, ``k``, ``v``
+        (``torch.empty_like``: their strides where dense, else contiguous); dK/dV summed
         over the query heads of each GQA group in a fixed order (deterministic: the same
         inputs and config give the same bits).
     """
@@ -385,7 +386,7 @@ def attn_bwd(
         grads = []
         for given, like, got in zip((dq, dk, dv), (q, k, v), wide):
             if given is None:
-                given = torch.empty_like(like, memory_format=torch.contiguous_format)
+                given = torch.empty_like(like)
             grads.append(unpad_head_dim(got, head_dim, given))
         return grads[0], grads[1], grads[2]
     if cu_seqlens_q is not None:  # packed: delta (heads_q, total_q) like the LSE
@@ -397,11 +398,11 @@ def attn_bwd(
     if dlse is not None and dlse.dtype != torch.float32:
         dlse = dlse.to(torch.float32)
     if dq is None:
-        dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+        dq = torch.empty_like(q)
     if dk is None:
-        dk = torch.empty_like(k, memory_format=torch.contiguous_format)
+        dk = torch.empty_like(k)
     if dv is None:
-        dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+        dv = torch.empty_like(v)
     part_k = part_v = None
     splits = kv_splits(config, q.shape[1] // k.shape[1])  # heads: axis 1 either way
     if splits > 1:

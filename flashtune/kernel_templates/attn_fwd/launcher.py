@@ -180,7 +180,10 @@ def attn_fwd(
             (:func:`~flashtune.kernel_templates.dropout.draw_seed`; the backward takes the
             same one); None draws one.
     Returns:
-        ``out`` like ``q`` (contiguous) in the input dtype, or ``(out, lse)``.
+        ``out`` like ``q`` in the input dtype, or ``(out, lse)``: in ``q``'s layout
+        (``torch.empty_like(q)``: ``q``'s strides where ``q`` is dense, as a ``(B, N, H, D)``
+        tensor viewed per head is, so a model's transpose back is a view; contiguous
+        otherwise, as for a slice of a packed ``qkv``).
     """
     head_dim = q.shape[-1]
     if scale is None:
@@ -195,11 +198,11 @@ def attn_fwd(
                        dropout_p=dropout_p, seed=seed)
         wide, wide_lse = got if isinstance(got, tuple) else (got, None)
         if out is None:
-            out = torch.empty_like(q, memory_format=torch.contiguous_format)
+            out = torch.empty_like(q)
         unpad_head_dim(wide, head_dim, out)
         return (out, wide_lse) if wide_lse is not None else out
     if out is None:
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        out = torch.empty_like(q)
     varlen = cu_seqlens_q is not None
     lse = None
     if return_lse:
