@@ -17,7 +17,10 @@ implementation timed beside it there that plans nothing and serves the call (its
 timed there; for a choice stored without what was timed beside it, a table written before
 choices carried it, the fastest of those implementations' own configs tuned for exactly
 that shape, ``tuned_at``), else None, as a stale choice does (a decoding step over a growing cache is a
-new shape every token). With no choice that serves it, :meth:`OpRouter.choose`
+new shape every token). A training call under ``torch.compile`` (``paired``: its backward
+is flashtune's custom op, so torch's SDPA backends cannot serve it) met by an extern's
+training choice gets the fastest of flashtune's own pairs timed beside it there. With no
+choice that serves it, :meth:`OpRouter.choose`
 answers None and the caller takes the per-template route (the documented default: attn_fwd's
 tuned configs, the shipped table, the template default; short queries over long caches on
 attn_decode).
@@ -163,12 +166,20 @@ class OpRouter:
               paired: bool) -> ConfigChoice | None:
         own, alias = self._table(device)
 
-        def usable(e: ChoiceEntry) -> bool:  # a stale choice answers "the default"
-            return e.stale or self._serves(e, problem, device, return_lse, paired)
+        def served(e: ChoiceEntry) -> ChoiceEntry | None:
+            """``e`` where it serves the call (a stale choice answers "the default"); for a
+            paired call, an extern's choice as its fastest own pair timed beside it."""
+            if e.stale or self._serves(e, problem, device, return_lse, paired):
+                return e
+            return self._own_pair(e, problem, device, return_lse) if paired else None
+
+        def usable(e: ChoiceEntry) -> bool:
+            return served(e) is not None
 
         for e in own.exact(problem):
-            if usable(e):
-                return _choice(e, "exact", problem, self.op)
+            chosen = served(e)
+            if chosen is not None:
+                return _choice(chosen, "exact", problem, self.op)
         for source, entries, same_bucket in (("bucket", own, True), ("nearest", own, False),
                                              ("device-alias", alias, False)):
             # a training step's choice holds its backward's config: never across groups
@@ -181,7 +192,33 @@ class OpRouter:
                 # fastest of what was timed beside cuDNN there, else the default, not a
                 # choice made further away
                 return self._instead(pick, source, problem, device, return_lse, paired)
-            return _choice(pick, source, problem, self.op, self._lent(pick, problem, device))
+            chosen = served(pick)
+            assert chosen is not None
+            return _choice(chosen, source, problem, self.op,
+                           self._lent(chosen, problem, device))
+        return None
+
+    def _own_pair(self, pick: ChoiceEntry, problem: AttentionProblem, device: Any,
+                  return_lse: bool) -> ChoiceEntry | None:
+        """For a call whose backward must be flashtune's (``paired``: the ``torch.compile``
+        path), a choice of an extern (cuDNN's training step won there): the fastest of
+        flashtune's own pairs timed beside it that serves the call, as a choice of its
+        own (its config and time as timed there); None where none was timed or serves
+        (then the walk goes on, as for any choice that cannot serve the call)."""
+        spec = self.specs.get(pick.implementation)
+        if pick.stale or spec is None or spec.kind != "extern":
+            return None
+        for alt in pick.alternatives:
+            entry = replace(pick, implementation=alt.implementation, config=alt.config,
+                            median_ms=alt.median_ms, margin=None, alternatives=(),
+                            tflops=None if pick.tflops is None
+                            else pick.tflops * pick.median_ms / alt.median_ms)
+            if self._serves(entry, problem, device, return_lse, True):
+                log.info("%s: op %s under torch.compile served by %s, timed beside %s's "
+                         "choice for %s (%s): the compiled path runs flashtune's own pairs",
+                         problem.describe(), self.op, alt.implementation,
+                         pick.implementation, pick.problem.describe(), pick.origin)
+                return entry
         return None
 
     def _instead(self, pick: ChoiceEntry, source: str, problem: AttentionProblem, device: Any,

@@ -328,7 +328,8 @@ def _train_choice(problem: AttentionProblem, device: DeviceFingerprint, *,
     """The training step a call with gradients runs (``choice.template`` the forward's
     implementation, ``choice.config`` the pair's config, ``{}`` for an extern): the
     ``train`` op's stored choice that can serve it (``paired``: flashtune's own pairs only,
-    the ``torch.compile`` path), else the documented default: on the compute capabilities
+    the ``torch.compile`` path; where an extern's choice won, the fastest own pair timed
+    beside it), else the documented default: on the compute capabilities
     of :data:`TRAIN_DEFAULT` its SDPA backend where it serves the call, else attn_fwd's
     config (see :func:`_choose` for ``tune``) with attn_bwd's tuned config (else its
     default)."""

@@ -422,6 +422,54 @@ def test_a_shape_near_a_planning_choice_takes_what_was_timed_beside_it(env: dict
     assert got.tflops == pytest.approx(300.0 / 1.3)
 
 
+def test_a_compiled_training_call_takes_the_own_pair_timed_beside_an_externs_choice(
+        env: dict) -> None:
+    """Under ``torch.compile`` (``paired``) a training call's backward is flashtune's, so an
+    extern's training step (cuDNN's, differentiated by torch) cannot serve it: where one
+    won, the router serves the fastest of flashtune's own pairs timed beside it, with its
+    config and time as timed there, at that shape and near it. A call that is not paired
+    gets the extern. Where no own pair was timed beside it, the walk goes on to the nearest
+    own choice, as it did before choices carried their candidates."""
+    from flashtune.core.problem import AttentionProblem
+    from flashtune.kernel_templates import implementations
+    from flashtune.runtime.choices import OpRouter
+
+    unregister_template(EXTERN)
+    register_template(replace(extern_spec(), serves=("fwd", "decode", "train")))
+    specs = {s.name: s for s in implementations("train")}
+    pair = specs["attn_fwd"]
+    a = AttentionProblem(2, 8, 2, 2048, 2048, 64, True, "bf16")  # the extern won here
+    b = AttentionProblem(2, 8, 2, 8192, 8192, 64, True, "bf16")  # attn_fwd's pair won here
+    timed = pair.default_config(a, HERE)
+    assert pair.space.check(timed, a, HERE) is None
+
+    def ship(candidates: tuple[dict[str, Any], ...]) -> None:
+        write(env["package"],
+              entry(a, implementation=EXTERN, config={}, median_ms=1.0, runner_up="attn_fwd",
+                    runner_up_ms=1.3, extern=None, extern_ms=None, candidates=candidates),
+              entry(b, config=pair.default_config(b, HERE), median_ms=4.0, runner_up=None,
+                    runner_up_ms=None, extern=None, extern_ms=None),
+              op="train", implementations={EXTERN: EXTERN_HASH, "attn_fwd": pair.source_hash})
+
+    def served(nq: int, **kwargs: Any) -> tuple[Any, ...]:
+        got = OpRouter("train", specs).choose(replace(a, seqlen_q=nq, seqlen_k=nq), HERE,
+                                              **kwargs)
+        return (None,) if got is None else (got.template, got.source, got.median_ms)
+
+    ship(({"implementation": EXTERN, "config": {}, "median_ms": 1.0},
+          {"implementation": "attn_fwd", "config": timed, "median_ms": 1.3}))
+    assert served(2048) == (EXTERN, "exact", 1.0)
+    assert served(2048, paired=True) == ("attn_fwd", "exact", 1.3)
+    got = OpRouter("train", specs).choose(a, HERE, paired=True)
+    assert got is not None and got.config == pair.space.validate(timed)
+    assert served(2040, paired=True) == ("attn_fwd", "bucket", 1.3)
+    assert served(2560) == (EXTERN, "nearest", 1.0)
+    assert served(2560, paired=True) == ("attn_fwd", "nearest", 1.3)
+    ship(({"implementation": EXTERN, "config": {}, "median_ms": 1.0},))  # nothing of ours
+    assert served(2048, paired=True) == ("attn_fwd", "nearest", 4.0)  # b's, further away
+    assert served(2048) == (EXTERN, "exact", 1.0)
+
+
 def test_only_cudnn_plans_every_shape() -> None:
     """Of torch's SDPA backends, cuDNN's builds a graph per shape; FLASH and EFFICIENT run
     a new shape at once (benchmarks/results/new_shape_h200.json)."""
