@@ -209,10 +209,7 @@ class OpRouter:
         if pick.stale or spec is None or spec.kind != "extern":
             return None
         for alt in pick.alternatives:
-            entry = replace(pick, implementation=alt.implementation, config=alt.config,
-                            median_ms=alt.median_ms, margin=None, alternatives=(),
-                            tflops=None if pick.tflops is None
-                            else pick.tflops * pick.median_ms / alt.median_ms)
+            entry = _as_chosen(pick, alt)
             if self._serves(entry, problem, device, return_lse, True):
                 log.info("%s: op %s under torch.compile served by %s, timed beside %s's "
                          "choice for %s (%s): the compiled path runs flashtune's own pairs",
@@ -233,10 +230,7 @@ class OpRouter:
         for alt in alternatives:
             if self._plans_per_shape(alt.implementation):
                 continue
-            entry = replace(pick, implementation=alt.implementation, config=alt.config,
-                            median_ms=alt.median_ms, margin=None, alternatives=(),
-                            tflops=None if pick.tflops is None
-                            else pick.tflops * pick.median_ms / alt.median_ms)
+            entry = _as_chosen(pick, alt)
             if self._serves(entry, problem, device, return_lse, paired):
                 log.info("%s: op %s served by %s, %s %s's choice for %s (%s, %s): "
                          "%s builds a plan for every new shape", problem.describe(), self.op,
@@ -282,6 +276,15 @@ class OpRouter:
             return dict(entry.config)
         return spec.space.lent(spec.space.validate(entry.config), entry.problem, problem,
                                device)
+
+
+def _as_chosen(pick: ChoiceEntry, alt: Alternative) -> ChoiceEntry:
+    """``alt``, timed beside ``pick``'s winner at its problem, as a choice of its own there
+    (its config and time; its TFLOP/s from the winner's by the time ratio)."""
+    return replace(pick, implementation=alt.implementation, config=alt.config,
+                   median_ms=alt.median_ms, margin=None, alternatives=(),
+                   tflops=None if pick.tflops is None
+                   else pick.tflops * pick.median_ms / alt.median_ms)
 
 
 def _choice(entry: ChoiceEntry, source: str, problem: AttentionProblem,
