@@ -266,6 +266,11 @@ class TemplateSpec:
         limits: what it can serve (:class:`Limits`).
         backward: the backward template (``"attn_bwd"``) that a training step pairs with this
             forward (its LSE is that backward's input); None: none, or torch's autograd.
+        paired_backward: for an extern whose training step torch's autograd differentiates:
+            a backward template that differentiates its forward from its output and LSE
+            (``"sdpa_cudnn_bwd"`` for cuDNN's), which a call whose backward must be
+            flashtune's custom op (under ``torch.compile``) runs instead; None: none, and
+            such a call takes another implementation.
         seed_configs: ``seed_configs(problem, device) -> [Config]``: configs a search
             tries right after the default, before its sampler's own: the default's rivals,
             structures measured to win where the default did not (on another GPU, or a
@@ -308,6 +313,7 @@ class TemplateSpec:
     serves: tuple[str, ...] = ()
     limits: Limits = Limits()
     backward: str | None = None
+    paired_backward: str | None = None
     seed_configs: SeedConfigs | None = None
     torch_bound: bool = False
     plan: Callable[..., Any] | None = field(default=None, compare=False)

@@ -18,8 +18,10 @@ timed there; for a choice stored without what was timed beside it, a table writt
 choices carried it, the fastest of those implementations' own configs tuned for exactly
 that shape, ``tuned_at``), else None, as a stale choice does (a decoding step over a growing cache is a
 new shape every token). A training call under ``torch.compile`` (``paired``: its backward
-is flashtune's custom op, so torch's SDPA backends cannot serve it) met by an extern's
-training choice gets the fastest of flashtune's own pairs timed beside it there. With no
+is flashtune's custom op, so torch's autograd cannot differentiate an SDPA backend there)
+met by an extern's training choice runs that extern's forward with its ``paired_backward``
+(cuDNN's forward and backward, the same kernels), else the fastest of flashtune's own pairs
+timed beside it there. With no
 choice that serves it, :meth:`OpRouter.choose`
 answers None and the caller takes the per-template route (the documented default: attn_fwd's
 tuned configs, the shipped table, the template default; short queries over long caches on
@@ -46,6 +48,7 @@ from typing import Any
 
 from flashtune.core.problem import AttentionProblem
 from flashtune.core.spec import TemplateSpec
+from flashtune.kernel_templates import get_template
 from flashtune.runtime.lookup import (
     _SOURCE_LOCK,
     _SOURCE_WARNED,
@@ -152,9 +155,12 @@ class OpRouter:
     def _serves(self, entry: ChoiceEntry, problem: AttentionProblem, device: Any,
                 return_lse: bool, paired: bool) -> bool:
         spec = self.specs.get(entry.implementation)
-        if spec is None or (paired and spec.kind == "extern"):
+        if spec is None:
             return False
-        if spec.refuse(problem, device, return_lse=return_lse) is not None:
+        if paired and spec.backward is None:  # torch's autograd: its paired backward, if any
+            if paired_refusal(spec, problem, device) is not None:
+                return False
+        elif spec.refuse(problem, device, return_lse=return_lse) is not None:
             return False
         try:
             config = spec.space.validate(entry.config)
@@ -206,7 +212,7 @@ class OpRouter:
         own (its config and time as timed there); None where none was timed or serves
         (then the walk goes on, as for any choice that cannot serve the call)."""
         spec = self.specs.get(pick.implementation)
-        if pick.stale or spec is None or spec.kind != "extern":
+        if pick.stale or spec is None or spec.backward is not None:
             return None
         for alt in pick.alternatives:
             entry = _as_chosen(pick, alt)
@@ -276,6 +282,21 @@ class OpRouter:
             return dict(entry.config)
         return spec.space.lent(spec.space.validate(entry.config), entry.problem, problem,
                                device)
+
+
+def paired_refusal(spec: TemplateSpec, problem: AttentionProblem, device: Any) -> str | None:
+    """Why ``spec``, a training step that torch's autograd differentiates (an extern), cannot
+    serve a call whose backward must be flashtune's custom op (``paired``: the
+    ``torch.compile`` path), or None: it names a ``paired_backward`` (cuDNN's own backward,
+    from its forward's output and LSE) and both serve the call. The LSE's gradient is that
+    backward's to take (it hands such a call to one that takes it), so the extern's refusal
+    of ``return_lse`` does not count here."""
+    if spec.paired_backward is None:
+        return "its backward is torch's autograd"
+    reason = spec.refuse(problem, device)
+    if reason is None:
+        reason = get_template(spec.paired_backward).refuse(problem, device)
+    return reason
 
 
 def _as_chosen(pick: ChoiceEntry, alt: Alternative) -> ChoiceEntry:

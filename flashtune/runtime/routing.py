@@ -68,7 +68,7 @@ from flashtune.kernel_templates.direct import current_stream as _current_stream
 from flashtune.kernel_templates.sdpa_extern import any_layout, bound_inference
 from flashtune.runtime import kvcache
 from flashtune.runtime.checks import check_attention_inputs, check_grid
-from flashtune.runtime.choices import OpRouter
+from flashtune.runtime.choices import OpRouter, paired_refusal
 from flashtune.runtime.lookup import ConfigChoice, Dispatcher, remember
 
 log = logging.getLogger(__name__)
@@ -299,13 +299,17 @@ def _route(problem: AttentionProblem, device: DeviceFingerprint, *, tune: bool =
 
 
 def _train_default(problem: AttentionProblem, device: DeviceFingerprint,
-                   return_lse: bool) -> ConfigChoice | None:
+                   return_lse: bool, paired: bool = False) -> ConfigChoice | None:
     """The extern that serves a training step untuned on ``device``'s compute capability
-    (:data:`TRAIN_DEFAULT`), if it can serve the call; else None."""
+    (:data:`TRAIN_DEFAULT`), if it can serve the call (``paired``: with its
+    ``paired_backward``, :func:`~flashtune.runtime.choices.paired_refusal`); else None."""
     capabilities, name = TRAIN_DEFAULT
     extern = _ROUTERS["train"].specs.get(name)
-    if extern is None or device.capability not in capabilities \
-            or extern.refuse(problem, device, return_lse=return_lse) is not None:
+    if extern is None or device.capability not in capabilities:
+        return None
+    refusal = paired_refusal(extern, problem, device) if paired \
+        else extern.refuse(problem, device, return_lse=return_lse)
+    if refusal is not None:
         return None
     return ConfigChoice({}, "default",
                         origin=f"default training step on {device.compute_capability}",
@@ -327,16 +331,17 @@ def _train_choice(problem: AttentionProblem, device: DeviceFingerprint, *,
                   tune: bool = True) -> ConfigChoice:
     """The training step a call with gradients runs (``choice.template`` the forward's
     implementation, ``choice.config`` the pair's config, ``{}`` for an extern): the
-    ``train`` op's stored choice that can serve it (``paired``: flashtune's own pairs only,
-    the ``torch.compile`` path; where an extern's choice won, the fastest own pair timed
-    beside it), else the documented default: on the compute capabilities
+    ``train`` op's stored choice that can serve it (``paired``: the ``torch.compile`` path,
+    whose backward is flashtune's custom op: flashtune's own pairs, or an extern with its
+    ``paired_backward``; where an extern without one won, the fastest own pair timed beside
+    it), else the documented default: on the compute capabilities
     of :data:`TRAIN_DEFAULT` its SDPA backend where it serves the call, else attn_fwd's
     config (see :func:`_choose` for ``tune``) with attn_bwd's tuned config (else its
     default)."""
     chosen = _ROUTERS["train"].choose(problem, device, return_lse=return_lse, paired=paired)
     if chosen is not None:
         return chosen
-    default = None if paired else _train_default(problem, device, return_lse)
+    default = _train_default(problem, device, return_lse, paired)
     if default is not None:
         return default
     fwd = _choose(problem, device, tune=tune)
@@ -366,11 +371,14 @@ def _train_route(q: torch.Tensor, k: torch.Tensor, causal: bool, return_lse: boo
         choice = _train_choice(problem, device, return_lse=return_lse, paired=paired)
         spec = get_template(choice.template)
         fcfg, bcfg = split_pair(choice.config)
-        if strict and spec.backward is not None \
-                and not get_template(spec.backward).limits.deterministic:
+        # an extern under the custom ops: its forward with its paired backward
+        backward = spec.backward or (spec.paired_backward if paired else None)
+        if strict and backward is not None \
+                and not get_template(backward).limits.deterministic:
             # torch.use_deterministic_algorithms(True): not a backward with atomics (the
             # Gluon backward's dQ); attn_fwd with attn_bwd sums every gradient in order
             spec = _FWD
+            backward = _FWD.backward
             fcfg = _dispatcher(_FWD).choose(problem, device).config
             bcfg = _dispatcher(get_template(_FWD.backward or "attn_bwd")).choose(
                 problem, device).config
@@ -399,7 +407,8 @@ def _train_route(q: torch.Tensor, k: torch.Tensor, causal: bool, return_lse: boo
                 else _explicit_config(fcfg, problem, device, spec)
             if spec.backward is not None:
                 bcfg = _dispatcher(get_template(spec.backward)).choose(problem, device).config
-    bwd_spec = get_template(spec.backward) if spec.backward is not None else None
+        backward = spec.backward
+    bwd_spec = get_template(backward) if backward is not None else None
     if spec.kind != "extern":
         check_grid(q, k)  # the forward's grid, and the backward's
     route = TrainRoute(spec, fcfg, bwd_spec, bcfg)

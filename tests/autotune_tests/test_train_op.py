@@ -384,12 +384,24 @@ def test_untuned_training_on_hopper_defaults_to_cudnn_where_it_serves(tmp_path, 
     choice = routing._train_choice(SQUARE, h100, tune=False)
     assert (choice.template, choice.source, choice.config) == ("sdpa_cudnn", "default", {})
     # not where it cannot serve the call (the LSE asked for, causal with Nq != Nk), off
-    # sm_90, or on the torch.compile path (flashtune's own pairs)
+    # sm_90, or on the torch.compile path (flashtune's custom ops) while cuDNN's own
+    # backward (its paired_backward) cannot run
     for problem, device, kw in ((SQUARE, h100, {"return_lse": True}), (GQA, h100, {}),
                                 (SQUARE, replace(h100, compute_capability="8.0"), {}),
                                 (SQUARE, h100, {"paired": True})):
         other = routing._train_choice(problem, device, tune=False, **kw)
         assert other.template == "attn_fwd" and split_pair(other.config)[1], (problem, kw)
+    # with it (as if cuDNN were loaded here): the compiled path runs cuDNN's step too, the
+    # LSE's gradient included (that backward hands such a call to one that takes it)
+    from flashtune.kernel_templates import registry
+
+    bwd = registry.get_template("sdpa_cudnn_bwd")
+    monkeypatch.setitem(registry._REGISTRY, "sdpa_cudnn_bwd",
+                        replace(bwd, limits=replace(bwd.limits, available=None)))
+    for kw in ({"paired": True}, {"paired": True, "return_lse": True}):
+        choice = routing._train_choice(SQUARE, h100, tune=False, **kw)
+        assert (choice.template, choice.source) == ("sdpa_cudnn", "default"), kw
+    assert routing._train_choice(GQA, h100, tune=False, paired=True).template == "attn_fwd"
     flashtune.reload_configs()
 
 

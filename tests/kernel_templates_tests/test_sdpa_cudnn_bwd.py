@@ -15,6 +15,7 @@ import torch
 from flashtune.core.device import DeviceFingerprint, interpreter_device
 from flashtune.core.errors import ConfigError, InputError
 from flashtune.core.problem import AttentionProblem
+from flashtune.core.spec import Limits
 from flashtune.kernel_templates import get_template, implementations
 from flashtune.kernel_templates.attn_bwd.reference import attn_bwd_reference
 from flashtune.kernel_templates.attn_fwd.reference import attn_fwd_reference
@@ -72,6 +73,25 @@ def test_the_pair_is_the_gluon_forward_with_cudnns_backward() -> None:
     assert "needs a CUDA GPU" in pair.refuse(_problem(), interpreter_device())
     if not torch.backends.cudnn.is_available():
         assert pair.refuse(_problem(), H100) is not None
+
+
+def test_cudnn_names_its_own_backward_for_the_compiled_path() -> None:
+    """Under ``torch.compile`` a training call's backward is flashtune's custom op, which
+    torch's autograd cannot differentiate: cuDNN's forward names this backward
+    (``paired_backward``) so such a call runs cuDNN's kernels still. Alone it serves every
+    head dim cuDNN's forward does (a call with the LSE's gradient runs attn_bwd where the
+    Gluon backward does not serve), on sm_90, with cuDNN's mask and no dropout."""
+    cudnn = get_template("sdpa_cudnn")
+    assert cudnn.paired_backward == SPEC.name and cudnn.backward is None
+    assert SPEC.limits.head_dims == cudnn.limits.head_dims
+    limits = replace(SPEC.limits, available=None)
+    for d in (64, 96, 128, 256):
+        assert limits.refuse(_problem(d, True, hq=8, hkv=2, nq=333, nk=333), H100) is None
+    assert "causal" in limits.refuse(_problem(96, True, nq=333, nk=517), H100)
+    assert "sm_90" in limits.refuse(_problem(96), A100)
+    assert limits.refuse(replace(_problem(96), dropout=0.1), H100) is not None
+    assert not any(s.paired_backward for s in implementations("train")
+                   if s.name != "sdpa_cudnn")
 
 
 # -- the launcher's call of the op (CPU, the op replaced) --------------------------------------
@@ -165,19 +185,30 @@ def test_a_call_with_the_lse_s_gradient_runs_the_fallback(stand_in: _StandIn,
                                   dlse=dlse, fallback=fallback)
     assert got == (q, k, v) and stand_in.calls == []
     assert seen[0][1] == {"causal": True, "scale": 0.2, "dlse": dlse}
-    # the registered launcher's fallback: the Gluon backward, its default config
+    # the registered launcher's fallback: the Gluon backward with its default config where
+    # it serves the problem, else attn_bwd with its default (here, under the interpreter)
     import flashtune.kernel_templates.sdpa_cudnn_bwd as package
 
+    problem = AttentionProblem.from_tensors(q, k, causal=True)
     calls: list[dict[str, Any]] = []
-    monkeypatch.setattr(package, "attn_bwd_gluon",
-                        lambda *a, **kw: calls.append({"config": a[6], **kw}) or (q, k, v))
+    for name in ("attn_bwd_gluon", "attn_bwd"):
+        monkeypatch.setattr(package, name, lambda *a, name=name, **kw: calls.append(
+            {"launcher": name, "config": a[6], **kw}) or (q, k, v))
+    package._lse_gradient_route.cache_clear()
     SPEC.launcher(q, k, v, out, lse, dout, {}, causal=True, dlse=dlse)
+    tl = get_template("attn_bwd").default_config(problem, interpreter_device())
+    assert calls == [{"launcher": "attn_bwd", "config": tl, "causal": True, "scale": None,
+                      "dlse": dlse}]
     gluon = get_template("attn_bwd_gluon")
-    want = gluon.default_config(AttentionProblem.from_tensors(q, k, causal=True),
-                                interpreter_device())
-    assert calls == [{"config": want, "causal": True, "scale": None, "dlse": dlse}]
+    monkeypatch.setattr(package, "GLUON_BWD", replace(gluon, limits=Limits()))  # it serves
+    package._lse_gradient_route.cache_clear()
+    SPEC.launcher(q, k, v, out, lse, dout, {}, causal=True, dlse=dlse)
+    package._lse_gradient_route.cache_clear()
+    want = gluon.default_config(problem, interpreter_device())
+    assert calls[1:] == [{"launcher": "attn_bwd_gluon", "config": want, "causal": True,
+                          "scale": None, "dlse": dlse}]
     SPEC.launcher(q, k, v, out, lse, dout, {}, causal=True)  # without dLSE: cuDNN's
-    assert len(stand_in.calls) == 1 and len(calls) == 1
+    assert len(stand_in.calls) == 1 and len(calls) == 2
 
 
 # -- on the GPU ----------------------------------------------------------------------------------
@@ -193,6 +224,32 @@ def test_the_pair_trains_through_attention(d, hq, hkv, n, causal, bshd) -> None:
     shapes in (B, H, N, D) and (B, N, H, D) storage; then a loss on the LSE too (the Gluon
     backward then), against attn_fwd + attn_bwd's gradients of the same loss."""
     assert_trains_through_attention(PAIR_NAME, d, hq, hkv, n, causal, bshd, seed=4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d,hkv", [(96, 8), (128, 2)], ids=["d96", "d128-gqa"])
+def test_a_compiled_call_near_cudnn_s_training_choice_runs_cudnn_through_the_ops(d, hkv):
+    """A training call on sm_90 near the shipped tables' cuDNN choices (or with none: the
+    documented default) runs cuDNN's step; under ``torch.compile`` (``paired``) that is
+    cuDNN's forward with this backward through flashtune's custom ops, and the compiled step
+    gives eager's gradients."""
+    import flashtune
+    from flashtune.core.device import cuda_device
+    from flashtune.runtime import routing
+
+    q, k, v = (torch.randn(2, 700, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+               for h in (8, hkv, hkv))
+    if SPEC.refuse(AttentionProblem.from_tensors(q, k, causal=True), cuda_device()):
+        pytest.skip("cuDNN's backward does not serve this GPU")
+    route = routing._train_route(q, k, True, True, paired=True)
+    assert (route.fwd.name, route.bwd) == ("sdpa_cudnn", SPEC)
+    assert route.fwd_config == {} and route.bwd_config == {}
+
+    def loss_fn(q, k, v):
+        out = flashtune.attention(q, k, v, causal=True)
+        return (out.float() ** 2).mean()
+
+    assert_compiles_and_captures(loss_fn, (q, k, v))
 
 
 @pytest.mark.gpu

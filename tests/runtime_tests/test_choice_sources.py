@@ -468,6 +468,23 @@ def test_a_compiled_training_call_takes_the_own_pair_timed_beside_an_externs_cho
     ship(({"implementation": EXTERN, "config": {}, "median_ms": 1.0},))  # nothing of ours
     assert served(2048, paired=True) == ("attn_fwd", "nearest", 4.0)  # b's, further away
     assert served(2048) == (EXTERN, "exact", 1.0)
+    # an extern that names a backward of flashtune's for its forward (cuDNN's own, as
+    # sdpa_cudnn does; here attn_bwd stands in) serves the paired call itself, before
+    # anything timed beside it; where that backward refuses the call, as before
+    specs[EXTERN] = replace(specs[EXTERN], paired_backward="attn_bwd")
+    assert served(2048, paired=True) == (EXTERN, "exact", 1.0)
+    assert served(2560, paired=True) == (EXTERN, "nearest", 1.0)
+    from flashtune.core.spec import Limits
+    from flashtune.kernel_templates import get_template
+
+    register_template(replace(get_template("attn_bwd"), name="bwd_toy",
+                              limits=Limits(head_dims=(128,))))
+    try:
+        specs[EXTERN] = replace(specs[EXTERN], paired_backward="bwd_toy")  # not head dim 64
+        assert served(2048, paired=True) == ("attn_fwd", "nearest", 4.0)
+        assert served(2048) == (EXTERN, "exact", 1.0)
+    finally:
+        unregister_template("bwd_toy")
 
 
 def test_only_cudnn_plans_every_shape() -> None:

@@ -159,7 +159,8 @@ TL_PAIR_SPEC = register_template(replace(FWD_TL, name=TL_PAIR_NAME, serves=("tra
 # flashtune's (short causal sequences) and this backward leads cuDNN's (D64 causal)
 CUDNN_PAIR_NAME = "sdpa_cudnn_bwd_gluon"
 CUDNN_PAIR_SPEC = register_template(replace(
-    FWD_CUDNN, name=CUDNN_PAIR_NAME, kind="gluon", serves=("train",), backward=SPEC.name))
+    FWD_CUDNN, name=CUDNN_PAIR_NAME, kind="gluon", serves=("train",), backward=SPEC.name,
+    paired_backward=None))
 
 __all__ = ["CUDNN_PAIR_NAME", "CUDNN_PAIR_SPEC", "PAIR_NAME", "PAIR_SPEC", "SPACE", "SPEC",
            "TL_PAIR_NAME", "TL_PAIR_SPEC", "attn_bwd_gluon", "default_config",

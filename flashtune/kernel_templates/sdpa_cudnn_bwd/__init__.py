@@ -10,12 +10,18 @@ backward leads the Gluon backward (D64 N 4k-16k without a mask 1.05-1.10x, D128 
 (:mod:`.launcher`), so the two halves pair. ``sdpa_cudnn_bwd_gluon`` (cuDNN's forward
 with the Gluon backward) is the mirror pair, for the other regime.
 
-Limits: what both serve. cuDNN's backward: its mask aligned top-left (causal only with
-``seqlen_q == seqlen_k`` or one query), GQA, no single query over a single key; here head
-dims 64 and 128 on sm_90, what the backward of a call with an LSE gradient runs: cuDNN's backward takes
-none, so such a call (a loss on the returned LSE, eager or under ``torch.compile``, whose
-op hands the backward an LSE gradient only where the loss uses the LSE) runs
-``attn_bwd_gluon`` with its default config. dQ is summed with atomics: ``Limits.deterministic`` is False.
+It is also cuDNN's own training step where a call's backward must be flashtune's custom
+op (``torch.compile``): ``sdpa_cudnn`` names it as its ``paired_backward``, so such a call
+near a training choice cuDNN won runs cuDNN's forward with its LSE and this backward, the
+kernels torch's autograd would run.
+
+Limits: cuDNN's backward: its mask aligned top-left (causal only with ``seqlen_q ==
+seqlen_k`` or one query), GQA, no single query over a single key, the head dims cuDNN's
+forward serves, on sm_90. cuDNN's backward takes no gradient of the LSE, so a call with one
+(a loss on the returned LSE, eager or under ``torch.compile``, whose op hands the backward
+an LSE gradient only where the loss uses the LSE) runs ``attn_bwd_gluon`` with its default
+config where it serves the call, else ``attn_bwd`` with its default. The Gluon pair keeps
+head dims 64 and 128. dQ is summed with atomics: ``Limits.deterministic`` is False.
 
 Its hash is SDPA cuDNN's (torch's and cuDNN's versions) with this launcher's; the pair is
 ``torch_bound``, as an SDPA backend is (a choice timed under another torch is stale there
@@ -38,8 +44,11 @@ from flashtune.core.device import current_device
 from flashtune.core.problem import AttentionProblem
 from flashtune.core.space import Config
 from flashtune.core.spec import Limits
+from flashtune.kernel_templates.attn_bwd import SPEC as TL_BWD
+from flashtune.kernel_templates.attn_bwd import attn_bwd
 from flashtune.kernel_templates.attn_bwd.case import make_case
 from flashtune.kernel_templates.attn_bwd.reference import attn_bwd_reference
+from flashtune.kernel_templates.attn_bwd_gluon import SPEC as GLUON_BWD
 from flashtune.kernel_templates.attn_bwd_gluon.launcher import attn_bwd_gluon
 from flashtune.kernel_templates.attn_bwd_gluon.space import default_config as gluon_default
 from flashtune.kernel_templates.attn_fwd_gluon import SPEC as FWD_GLUON
@@ -55,23 +64,28 @@ PAIR_NAME = "attn_fwd_gluon_bwd_cudnn"
 
 
 @functools.lru_cache(maxsize=256)
-def _gluon_config(q_shape: torch.Size, k_shape: torch.Size, dtype: torch.dtype,
-                  device: torch.device, causal: bool) -> Config:
-    """attn_bwd_gluon's default config for a call signature (chosen once, not per step)."""
+def _lse_gradient_route(q_shape: torch.Size, k_shape: torch.Size, dtype: torch.dtype,
+                        device: torch.device, causal: bool) -> tuple[Any, Config]:
+    """The backward of a call signature with the LSE's gradient (chosen once, not per
+    step): the Gluon backward with its default config where it serves the problem, else
+    attn_bwd with its default."""
     problem = AttentionProblem.from_tensors(Shaped(dtype, q_shape), Shaped(dtype, k_shape),
                                             causal=causal)
-    return gluon_default(problem, current_device(device))
+    fingerprint = current_device(device)
+    if GLUON_BWD.refuse(problem, fingerprint) is None:
+        return attn_bwd_gluon, gluon_default(problem, fingerprint)
+    return attn_bwd, TL_BWD.default_config(problem, fingerprint)
 
 
 def _lse_gradient_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, *,
                            causal: bool, scale: float | None, dlse: torch.Tensor
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A call with the LSE's gradient: the Gluon backward, which takes it, with its
-    default config for the call's problem."""
-    config = _gluon_config(q.shape, k.shape, q.dtype, q.device, causal)
-    return attn_bwd_gluon(q, k, v, out, lse, dout, config, causal=causal, scale=scale,
-                          dlse=dlse)
+    """A call with the LSE's gradient: a backward that takes it (:func:`_lse_gradient_route`)."""
+    launcher, config = _lse_gradient_route(q.shape, k.shape, q.dtype, q.device, causal)
+    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = launcher(
+        q, k, v, out, lse, dout, config, causal=causal, scale=scale, dlse=dlse)
+    return grads
 
 
 def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -98,13 +112,15 @@ SPEC = register_template(TemplateSpec(
     make_case=make_case,
     kind="extern",
     torch_bound=True,
-    limits=Limits(head_dims=(64, 128), gqa=True, causal_unaligned=False, needs_gpu=True,
-                  capabilities=((9, 0),), single_token=False, deterministic=False,
-                  available=FWD_CUDNN.limits.available),
+    limits=Limits(head_dims=FWD_CUDNN.limits.head_dims, gqa=True, causal_unaligned=False,
+                  needs_gpu=True, capabilities=((9, 0),), single_token=False,
+                  deterministic=False, available=FWD_CUDNN.limits.available),
 ))
 
-# the pair's forward: attn_fwd_gluon as it is (its kernel, space, hash), for train only
-PAIR_SPEC = register_template(replace(FWD_GLUON, name=PAIR_NAME, serves=("train",),
-                                      backward=SPEC.name, torch_bound=True))
+# the pair's forward: attn_fwd_gluon as it is (its kernel, space, hash), for train only, at
+# the head dims this pair was measured at (64 and 128)
+PAIR_SPEC = register_template(replace(
+    FWD_GLUON, name=PAIR_NAME, serves=("train",), backward=SPEC.name, torch_bound=True,
+    limits=replace(FWD_GLUON.limits, head_dims=(64, 128))))
 
 __all__ = ["PAIR_NAME", "PAIR_SPEC", "SPEC", "launch", "sdpa_cudnn_bwd"]
