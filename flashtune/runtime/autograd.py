@@ -10,9 +10,10 @@ with the forward), or an SDPA backend that torch's autograd differentiates.
 Under ``torch.compile`` the call goes through the custom op ``flashtune::attention_fwd_v2``
 (registered with :mod:`torch.library`, with a fake implementation, on import of this
 module), so a compiled model traces it without a graph break; its backward is the custom op
-``flashtune::attention_bwd_v2``. Both run the training route of flashtune's own pairs
-(``paired``: the custom op's backward is flashtune's). Eager calls skip the op dispatcher's
-overhead.
+``flashtune::attention_bwd_v2``. Both run the training route with ``paired`` (the custom
+op's backward is flashtune's): flashtune's own pairs, or an SDPA backend's forward with the
+``paired_backward`` it names (cuDNN's own backward, from the forward's output and LSE).
+Eager calls skip the op dispatcher's overhead.
 
 The ops declare ``out`` and the gradients in the inputs' layout (:func:`like_layout`), as
 flashtune's kernels write them: transformers hands attention ``(B, N, H, D)`` projections

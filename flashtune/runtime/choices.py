@@ -21,8 +21,7 @@ new shape every token). A training call under ``torch.compile`` (``paired``: its
 is flashtune's custom op, so torch's autograd cannot differentiate an SDPA backend there)
 met by an extern's training choice runs that extern's forward with its ``paired_backward``
 (cuDNN's forward and backward, the same kernels), else the fastest of flashtune's own pairs
-timed beside it there. With no
-choice that serves it, :meth:`OpRouter.choose`
+timed beside it there. With no choice that serves it, :meth:`OpRouter.choose`
 answers None and the caller takes the per-template route (the documented default: attn_fwd's
 tuned configs, the shipped table, the template default; short queries over long caches on
 attn_decode).
@@ -173,7 +172,8 @@ class OpRouter:
         own, alias = self._table(device)
 
         def served(e: ChoiceEntry) -> ChoiceEntry | None:
-            """``e`` where it serves the call (a stale choice answers "the default"); for a
+            """``e`` where it serves the call (a stale choice answers "the default"; a
+            paired call takes an extern's choice with its ``paired_backward``); else, for a
             paired call, an extern's choice as its fastest own pair timed beside it."""
             if e.stale or self._serves(e, problem, device, return_lse, paired):
                 return e
