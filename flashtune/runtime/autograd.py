@@ -100,6 +100,20 @@ def as_declared(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(like, dtype=t.dtype).copy_(t)
 
 
+_Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def grads_like(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> _Grads:
+    """The backward ops' fake gradients: laid out like q, k, v (:func:`like_layout`)."""
+    return like_layout(q), like_layout(k), like_layout(v)
+
+
+def grads_as_declared(grads: _Grads, q: torch.Tensor, k: torch.Tensor,
+                      v: torch.Tensor) -> _Grads:
+    """A backward op's gradients as :func:`grads_like` declares them (:func:`as_declared`)."""
+    return as_declared(grads[0], q), as_declared(grads[1], k), as_declared(grads[2], v)
+
+
 def lse_as_declared(lse: torch.Tensor) -> torch.Tensor:
     """The LSE as the fakes declare it: contiguous float32."""
     return lse.contiguous()
@@ -139,7 +153,7 @@ def _attention_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: to
     route = _paired(q, k, causal, config_str, impl)
     dq, dk, dv = route.bwd.launcher(q, k, v, out, lse, dout, route.bwd_config, causal=causal,
                                     scale=scale, dlse=dlse)
-    return as_declared(dq, q), as_declared(dk, k), as_declared(dv, v)
+    return grads_as_declared((dq, dk, dv), q, k, v)
 
 
 @_attention_bwd_op.register_fake
@@ -148,7 +162,7 @@ def _attention_bwd_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
                         causal: bool, scale: float | None, config_str: str | None = None,
                         impl: str | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return like_layout(q), like_layout(k), like_layout(v)
+    return grads_like(q, k, v)
 
 
 def _op_setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:

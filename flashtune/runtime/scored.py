@@ -66,7 +66,14 @@ from flashtune.kernel_templates.direct import current_stream as _current_stream
 from flashtune.kernel_templates.dropout import draw_seed
 from flashtune.kernel_templates.training import pair_fn
 from flashtune.runtime import routing
-from flashtune.runtime.autograd import as_declared, dout_or_zeros, like_layout, lse_as_declared
+from flashtune.runtime.autograd import (
+    as_declared,
+    dout_or_zeros,
+    grads_as_declared,
+    grads_like,
+    like_layout,
+    lse_as_declared,
+)
 from flashtune.runtime.checks import check_attention_inputs, check_grid, check_score_mods
 from flashtune.runtime.lookup import ConfigChoice, remember
 from flashtune.runtime.routing import (
@@ -626,12 +633,6 @@ def _pair_route(q: torch.Tensor, k: torch.Tensor, causal: bool, window_left: int
     return spec, fcfg, bwd, bcfg
 
 
-def _grads_like(q: torch.Tensor, k: torch.Tensor,
-                v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The backward ops' gradients as their fakes give them: laid out like q, k, v."""
-    return like_layout(q), like_layout(k), like_layout(v)
-
-
 def _compiled_options(spec: TemplateSpec, window_left: int, window_right: int,
                       softcap: float, alibi_slopes: torch.Tensor | None, dropout_p: float,
                       seed: torch.Tensor | None) -> dict[str, Any]:
@@ -682,7 +683,7 @@ def _scored_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
                                 dropout_p, seed)
     grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = _bwd_launcher(bwd)(
         q, k, v, out, lse, dout, bcfg, causal=causal, scale=scale, dlse=dlse, **options)
-    return as_declared(grads[0], q), as_declared(grads[1], k), as_declared(grads[2], v)
+    return grads_as_declared(grads, q, k, v)
 
 
 @_scored_bwd_op.register_fake
@@ -693,7 +694,7 @@ def _scored_bwd_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
                      config_str: str | None, impl: str | None, dropout_p: float = 0.0,
                      seed: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _grads_like(q, k, v)
+    return grads_like(q, k, v)
 
 
 def _scored_setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -821,7 +822,7 @@ def _varlen_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
         **_varlen_options(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                           window_left, window_right, softcap, alibi_slopes, dropout_p,
                           seed))
-    return as_declared(grads[0], q), as_declared(grads[1], k), as_declared(grads[2], v)
+    return grads_as_declared(grads, q, k, v)
 
 
 @_varlen_bwd_op.register_fake
@@ -834,7 +835,7 @@ def _varlen_bwd_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
                      config_str: str | None, impl: str | None, dropout_p: float = 0.0,
                      seed: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _grads_like(q, k, v)
+    return grads_like(q, k, v)
 
 
 def _varlen_setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
